@@ -1,0 +1,139 @@
+"""Checkpoints: atomic writes, rotation (last N + best), and loading with weights_only=True."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT = "nbwatch-checkpoint"
+_STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, corrupt or not nbwatch's."""
+
+
+@dataclass(frozen=True)
+class Saved:
+    path: Path
+    seconds: float
+    bytes: int
+    best: bool
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG a training loop draws from, in types `torch.load(weights_only=True)` accepts."""
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_save(obj: Any, path: Path) -> int:
+    """torch.save to a temp file, fsync, rename: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return path.stat().st_size
+
+
+class Checkpointer:
+    """Writes `step_XXXXXXXX.pt` files into `directory`, keeps the newest `keep_last`,
+    and keeps the one with the best val loss as `best.pt` (a hard link, or a copy)."""
+
+    def __init__(self, directory: str | Path, keep_last: int = 3):
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+        self.dir = Path(directory)
+        self.keep_last = keep_last
+        self.best_val: float | None = None
+
+    def steps(self) -> list[tuple[int, Path]]:
+        if not self.dir.is_dir():
+            return []
+        found = []
+        for p in self.dir.iterdir():
+            m = _STEP_FILE.match(p.name)
+            if m:
+                found.append((int(m.group(1)), p))
+        return sorted(found)
+
+    def latest(self) -> Path | None:
+        s = self.steps()
+        return s[-1][1] if s else None
+
+    def save(self, state: dict[str, Any], step: int, val_loss: float | None = None) -> Saved:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        path = self.dir / f"step_{step:08d}.pt"
+        size = atomic_save({"format": FORMAT, "step": step, "val_loss": val_loss, **state}, path)
+        best = val_loss is not None and (self.best_val is None or val_loss < self.best_val)
+        if best:
+            self.best_val = val_loss
+            tmp = self.dir / f".best.pt.tmp-{os.getpid()}"
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(path, tmp)
+            except OSError:  # no hard links on this filesystem
+                import shutil
+
+                shutil.copyfile(path, tmp)
+            os.replace(tmp, self.dir / "best.pt")
+        for _, old in self.steps()[: -self.keep_last]:
+            old.unlink(missing_ok=True)
+        return Saved(path, time.perf_counter() - t0, size, best)
+
+
+def load(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
+    """Load an nbwatch checkpoint with `weights_only=True`; a clear error if it is not one."""
+    path = Path(path)
+    try:
+        obj = torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); it is corrupt or "
+            "truncated: delete it to resume from the previous one"
+        ) from e
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an nbwatch checkpoint (no '{FORMAT}' marker)")
+    return obj

@@ -1,0 +1,98 @@
+"""The one narrow channel back: control commands, and the LR arithmetic that must survive a scheduler.
+
+Buttons, `Monitor.pause()` etc. and other processes (through the store) put `Command`s
+here; the runner drains them between steps and records each as an event.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+
+import torch
+
+from .records import Command
+
+KINDS = ("pause", "resume", "stop", "checkpoint", "clip", "scale_lr")
+
+
+@dataclass
+class ControlState:
+    """What the controls have set; saved in every checkpoint."""
+
+    clip: float | None = None
+    lr_factor: float = 1.0
+    paused: bool = False
+
+    def to_dict(self) -> dict:
+        return {"clip": self.clip, "lr_factor": self.lr_factor}
+
+
+class CommandQueue:
+    """Thread-safe FIFO of commands; `get` waits (used while paused)."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[Command] = queue.SimpleQueue()
+
+    def put(self, command: Command) -> None:
+        if command.kind not in KINDS:
+            raise ValueError(f"unknown command {command.kind!r}; known: {', '.join(KINDS)}")
+        self._q.put(command)
+
+    def drain(self) -> list[Command]:
+        out = []
+        while True:
+            try:
+                out.append(self._q.get_nowait())
+            except queue.Empty:
+                return out
+
+    def get(self, timeout: float) -> Command | None:
+        try:
+            return self._q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+def check_clip(max_norm: float | None) -> float | None:
+    if max_norm is None:
+        return None
+    v = float(max_norm)
+    if not v > 0 or v != v or v == float("inf"):
+        raise ValueError(f"clip max_norm must be a positive finite number or None, got {max_norm!r}")
+    return v
+
+
+def check_factor(factor: float) -> float:
+    v = float(factor)
+    if not v > 0 or v != v or v == float("inf"):
+        raise ValueError(f"LR factor must be a positive finite number, got {factor!r}")
+    return v
+
+
+def scale_lrs(optimizer: torch.optim.Optimizer, factor: float) -> None:
+    """Multiply every param group's LR by `factor` (a tensor LR is scaled in place)."""
+    for g in optimizer.param_groups:
+        if isinstance(g["lr"], torch.Tensor):
+            g["lr"].mul_(factor)
+        else:
+            g["lr"] *= factor
+
+
+def lrs(optimizer: torch.optim.Optimizer) -> list[float]:
+    return [float(g["lr"]) for g in optimizer.param_groups]
+
+
+def scheduler_step(scheduler, optimizer: torch.optim.Optimizer, factor: float) -> None:
+    """`scheduler.step()` that keeps the user's LR factor on top of the schedule.
+
+    Most schedulers recompute the LR from `base_lrs` (closed form) or from the current
+    group LR (chainable): dividing the factor out first and multiplying it back after
+    gives `factor × schedule` in both cases, where scaling `param_groups` once would be
+    undone (closed form) or compounded (never, but silently wrong on resume).
+    """
+    if factor != 1.0:
+        scale_lrs(optimizer, 1.0 / factor)
+    scheduler.step()
+    if factor != 1.0:
+        scale_lrs(optimizer, factor)

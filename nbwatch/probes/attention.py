@@ -1,0 +1,169 @@
+"""Attention maps of a few probe samples, captured without changing the model.
+
+Fused attention never materialises its weights, so they are recomputed on a separate,
+gradient-free probe pass (at eval time, never on a training step):
+
+* `F.scaled_dot_product_attention` (nanoGPT, Hugging Face "sdpa"): a TorchFunctionMode
+  sees every call, however the function was imported, and recomputes
+  softmax(QKᵀ·scale + mask) from the captured q and k; the calling module is the
+  innermost module whose forward is running.
+* `nn.MultiheadAttention`: a forward pre-hook asks for per-head weights
+  (`need_weights=True, average_attn_weights=False`), and MHA's fused fast path, which
+  skips the module's Python forward (`nn.TransformerEncoderLayer` in eval mode), is
+  switched off for the pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+
+def sdpa_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """The attention weights [..., H, T, S] that `F.scaled_dot_product_attention` applies."""
+    q, k = q.float(), k.float()
+    if k.shape[-3:-2] != q.shape[-3:-2] and q.dim() >= 3 and (enable_gqa or k.dim() == q.dim()):
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale
+    t, s = scores.shape[-2:]
+    if is_causal:
+        causal = torch.ones(t, s, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.float()
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> 0
+
+
+class _SDPAMode(TorchFunctionMode):
+    def __init__(self, on_call: Callable[[tuple, dict], None]):
+        super().__init__()
+        self.on_call = on_call
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self.on_call(args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _sdpa_args(args: tuple, kwargs: dict) -> dict[str, Any]:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+@contextmanager
+def _mha_fastpath_off() -> Iterator[None]:
+    mha = getattr(torch.backends, "mha", None)
+    if mha is None or not hasattr(mha, "set_fastpath_enabled"):
+        yield
+        return
+    was = mha.get_fastpath_enabled()
+    mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        mha.set_fastpath_enabled(was)
+
+
+@contextmanager
+def capture_attention(
+    model: nn.Module, samples: int = 2, max_tokens: int = 64
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Within the block, record attention maps of every attention module that runs.
+
+    Yields a dict filled on exit's way in: {module path: weights [samples, heads, T, S]},
+    cropped to the first `max_tokens` queries and keys. Every hook is removed on exit.
+    """
+    captured: dict[str, torch.Tensor] = {}
+    names = {m: n for n, m in model.named_modules()}
+    stack: list[str] = []
+    handles = []
+
+    def keep(path: str, w: torch.Tensor) -> None:
+        w = w.detach()[:samples, ..., :max_tokens, :max_tokens].float().cpu()
+        key, i = path, 1
+        while key in captured:  # a module called twice in one pass
+            i += 1
+            key = f"{path}#{i}"
+        captured[key] = w
+
+    def push(mod: nn.Module, *_: Any) -> None:
+        stack.append(names.get(mod, "?"))
+
+    def pop(mod: nn.Module, *_: Any) -> None:
+        if stack:
+            stack.pop()
+
+    def mha_pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        kwargs = dict(kwargs, need_weights=True, average_attn_weights=False)
+        return args, kwargs
+
+    def mha_post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        if isinstance(out, tuple) and len(out) > 1 and out[1] is not None:
+            w = out[1]
+            if w.dim() == 3:  # unbatched input: [heads, T, S]
+                w = w.unsqueeze(0)
+            keep(names[mod], w)
+
+    def on_sdpa(args: tuple, kwargs: dict) -> None:
+        a = _sdpa_args(args, kwargs)
+        if not isinstance(a.get("query"), torch.Tensor) or a["query"].dim() < 3:
+            return
+        w = sdpa_weights(
+            a["query"][:samples],
+            a["key"][:samples],
+            a.get("attn_mask")[:samples]
+            if isinstance(a.get("attn_mask"), torch.Tensor) and a["attn_mask"].dim() == 4
+            else a.get("attn_mask"),
+            bool(a.get("is_causal", False)),
+            a.get("scale"),
+            bool(a.get("enable_gqa", False)),
+        )
+        if w.dim() == 3:
+            w = w.unsqueeze(0)
+        keep(stack[-1] if stack else "(root)", w)
+
+    for mod in model.modules():
+        handles.append(mod.register_forward_pre_hook(push))
+        handles.append(mod.register_forward_hook(pop))
+        if isinstance(mod, nn.MultiheadAttention):
+            handles.append(mod.register_forward_pre_hook(mha_pre, with_kwargs=True))
+            handles.append(mod.register_forward_hook(mha_post, with_kwargs=True))
+    try:
+        with _mha_fastpath_off(), _SDPAMode(on_sdpa), torch.no_grad():
+            yield captured
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def take_samples(batch: Any, n: int) -> Any:
+    """The first `n` samples of a batch: tensors sliced on dim 0, containers recursed."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:n] if batch.dim() > 0 else batch
+    if isinstance(batch, dict):
+        return {k: take_samples(v, n) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)) and not isinstance(batch, str):
+        items = [take_samples(v, n) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    return batch

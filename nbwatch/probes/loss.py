@@ -1,0 +1,90 @@
+"""The loss a step returns, and the masked token mean the seeds ask for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def masked_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Cross-entropy averaged over real tokens only.
+
+    `logits` is [..., V], `labels` and `mask` are [...] (mask: 1 for a real token, 0 for
+    padding). Padding neither adds to the numerator nor to the denominator, so a batch
+    of short lines and a batch of long ones weigh each token equally.
+
+    >>> loss = masked_cross_entropy(logits, targets, attention_mask)
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree: "
+            "logits must be labels' shape plus a vocabulary dimension"
+        )
+    per_token = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none"
+    )
+    if mask is None:
+        return per_token.mean()
+    if mask.shape != labels.shape:
+        raise ValueError(
+            f"mask {tuple(mask.shape)} does not match labels {tuple(labels.shape)}: "
+            "pass one 0/1 entry per label"
+        )
+    m = mask.reshape(-1).to(per_token.dtype)
+    return (per_token * m).sum() / m.sum().clamp_min(1.0)
+
+
+@dataclass
+class StepOutput:
+    """What a `step_fn` returned, checked: a scalar loss and, optionally, a token mask."""
+
+    loss: torch.Tensor
+    mask: torch.Tensor | None = None
+    reduction: str = "as returned by step_fn"
+
+
+def parse_step_output(out: object) -> StepOutput:
+    """Check what `step_fn(model, batch)` returned; raise an error that names the fix."""
+    hint = (
+        "step_fn(model, batch) must return the loss tensor, or a dict with 'loss' and "
+        "optionally 'mask' (1 for real tokens), or 'logits' + 'labels' (+ 'mask')"
+    )
+    if out is None:
+        raise TypeError(f"step_fn returned None; did you forget `return loss`? {hint}")
+    mask = None
+    reduction = "as returned by step_fn"
+    if isinstance(out, dict):
+        mask = out.get("mask")
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            raise TypeError(f"step_fn's 'mask' is a {type(mask).__name__}, not a tensor; {hint}")
+        if "loss" in out:
+            loss = out["loss"]
+        elif "logits" in out and "labels" in out:
+            loss = masked_cross_entropy(out["logits"], out["labels"], mask)
+            reduction = "masked token mean (nbwatch.masked_cross_entropy)"
+        else:
+            raise KeyError(f"step_fn returned a dict with keys {sorted(out)}; {hint}")
+        if mask is not None and "labels" in out and mask.shape != out["labels"].shape:
+            raise ValueError(
+                f"step_fn's mask {tuple(mask.shape)} does not match its labels "
+                f"{tuple(out['labels'].shape)}: pass one 0/1 entry per label"
+            )
+    else:
+        loss = out
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"step_fn's loss is a {type(loss).__name__}, not a tensor; {hint}")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"step_fn's loss has shape {tuple(loss.shape)}, not a scalar: reduce it "
+            "(e.g. nbwatch.masked_cross_entropy or .mean()) before returning it"
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "step_fn's loss does not require grad: it was computed under torch.no_grad() "
+            "or from detached tensors, so backward() has nothing to do"
+        )
+    return StepOutput(loss.reshape(()), mask, reduction)

@@ -1,0 +1,57 @@
+"""Weight figures taken every `hist_every` steps: per-layer histograms and update ratios."""
+
+from __future__ import annotations
+
+import torch
+
+from .grads import Layers, _gather, layer_sum_sq
+
+
+def snapshot(layers: Layers) -> list[torch.Tensor]:
+    """Copies of the weights before an optimizer step (for the update ratio)."""
+    return [p.detach().clone() for p in layers.params]
+
+
+def update_ratios(layers: Layers, before: list[torch.Tensor]) -> torch.Tensor:
+    """‖W_after − W_before‖ / ‖W_after‖ per layer, [L] on device."""
+    after = [p.detach() for p in layers.params]
+    dev = after[0].device
+    index = torch.tensor(layers.layer_of, device=dev)
+    delta = _gather(list(torch._foreach_norm(torch._foreach_sub(after, before))), dev)
+    norm = _gather(list(torch._foreach_norm(after)), dev)
+    n = len(layers)
+    return layer_sum_sq(delta, index, n).sqrt() / layer_sum_sq(norm, index, n).sqrt().clamp_min(
+        1e-12
+    )
+
+
+def histogram(x: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(edges [bins+1], counts [bins]) on device, binned as `numpy.histogram(x, bins=edges)`.
+
+    Equal-width bins over [min, max]; the last bin includes its right edge. A constant
+    tensor gets the range [v - 0.5, v + 0.5], as numpy does.
+    """
+    x = x.detach().reshape(-1).float()
+    lo, hi = torch.aminmax(x)
+    same = hi <= lo
+    lo = torch.where(same, lo - 0.5, lo)
+    hi = torch.where(same, hi + 0.5, hi)
+    edges = lo + (hi - lo) * torch.arange(bins + 1, device=x.device, dtype=x.dtype) / bins
+    edges[-1] = hi  # exact right edge despite rounding
+    idx = torch.bucketize(x, edges, right=True) - 1
+    idx = idx.clamp_(0, bins - 1)  # x == hi falls in the last bin
+    return edges, torch.bincount(idx, minlength=bins)
+
+
+def layer_histograms(layers: Layers, bins: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Histogram of each layer's weights: (edges [L, bins+1], counts [L, bins]) on device."""
+    groups: list[list[torch.Tensor]] = [[] for _ in layers.names]
+    for p, li in zip(layers.params, layers.layer_of):
+        groups[li].append(p.detach().reshape(-1))
+    dev = layers.params[0].device
+    edges, counts = [], []
+    for g in groups:
+        e, c = histogram(torch.cat([t.to(dev) for t in g]), bins)
+        edges.append(e)
+        counts.append(c)
+    return torch.stack(edges), torch.stack(counts)

@@ -1,0 +1,79 @@
+"""A recorded run, read back from its folder: `nbwatch.open_run(run_dir)`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .store import RunReader
+
+
+class Run:
+    """Read-only access to a run folder, finished or still being written.
+
+    >>> run = nbwatch.open_run("runs/exp1")
+    >>> run.df["loss/train"].tail()
+    >>> steps, edges, counts = run.histograms("weight/blocks.0.attn.qkv")
+    """
+
+    def __init__(self, run_dir: str | Path):
+        self.reader = RunReader(run_dir)
+        self.run_dir = self.reader.run_dir
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.reader.meta()
+
+    @property
+    def name(self) -> str:
+        return str(self.meta.get("name", self.run_dir.name))
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.meta.get("config", {})
+
+    @property
+    def environment(self) -> dict[str, Any]:
+        return self.meta.get("environment", {})
+
+    @property
+    def state(self) -> str:
+        return str(self.meta.get("state", "unknown"))
+
+    @property
+    def step(self) -> int:
+        return self.reader.last_step()
+
+    @property
+    def df(self) -> pd.DataFrame:
+        """One row per step (index `step`), one column per scalar."""
+        return self.reader.df()
+
+    @property
+    def events(self) -> pd.DataFrame:
+        """Alerts, actions, checkpoints and state changes: step, kind, severity, message."""
+        ev = self.reader.events()
+        return ev.drop(columns=["id"]).reset_index(drop=True)
+
+    @property
+    def samples(self) -> pd.DataFrame:
+        return self.reader.samples()
+
+    def histograms(self, name: str) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+        """(steps, bin_edges per step, counts [steps, bins]) of one histogram series."""
+        return self.reader.histograms(name)
+
+    def attention(self, step: int | None = None, sample: int = 0) -> dict[str, np.ndarray]:
+        """{module path: weights [heads, T, S]} at the newest (or given) eval step."""
+        return self.reader.attention(step, sample)
+
+    def __repr__(self) -> str:
+        return f"<nbwatch.Run {self.name!r} {self.state} at step {self.step} in {self.run_dir}>"
+
+
+def open_run(run_dir: str | Path) -> Run:
+    """Reopen a run folder written by `nbwatch.Monitor` (finished, crashed or running)."""
+    return Run(run_dir)

@@ -1,0 +1,442 @@
+"""The background training loop. One step, in this order:
+
+    commands (pause/stop/clip/lr/checkpoint, between steps only)
+    → fetch batch (timed: data wait) → step_fn → backward        (× accumulate)
+    → AMP unscale → grad probes → clip → [weights snapshot] → optimizer step
+    → scheduler step (LR factor kept) → zero_grad → record (one device→host copy)
+    → [eval: val_fn, attention probe, sample_fn, checkpoint]
+
+Everything a step measures is gathered as device tensors and copied to the host once
+(`.tolist()` on one stacked vector): on a GPU each `.item()` would be a sync point.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import controls as ctl
+from .checkpoint import Checkpointer, rng_state
+from .probes import attention as attn_probe
+from .probes import weights as wprobe
+from .probes.data import mask_stats, sequence_lengths
+from .probes.grads import Layers, clip_, grad_norms
+from .probes.loss import parse_step_output
+from .probes.throughput import timing_figures
+from .records import Attention, Command, Event, Histogram, Sample, Scalars
+from .store import RunStore
+
+log = logging.getLogger("nbwatch.runner")
+
+
+@dataclass
+class RunSpec:
+    """What `Monitor.start()` was asked to run."""
+
+    step_fn: Callable[[nn.Module, Any], Any]
+    train_data: Iterable
+    max_steps: int
+    val_fn: Callable[[nn.Module], Any] | None = None
+    eval_every: int | None = None
+    sample_fn: Callable[[nn.Module], str] | None = None
+    accumulate: int = 1
+    hist_every: int = 50
+    hist_bins: int = 64
+    checkpoint_every: int | None = None
+    probe_batch: Any = None
+    probe_tokens: list[list[str]] | None = None
+    attention_samples: int = 2
+    attention_tokens: int = 64
+    log_every: int = 50
+
+
+@dataclass
+class Progress:
+    """State shared with the caller's thread: read freely, written only by the runner."""
+
+    step: int = 0
+    state: str = "created"
+    error: BaseException | None = None
+    traceback: str | None = None
+    train_losses: list[float] = field(default_factory=list)  # since the last eval
+
+
+class Runner:
+    """Runs `RunSpec` on the model in the calling thread (the Monitor gives it its own)."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        scaler: Any,
+        store: RunStore,
+        checkpointer: Checkpointer,
+        commands: ctl.CommandQueue,
+        control: ctl.ControlState,
+        progress: Progress,
+        start_step: int = 0,
+    ):
+        self.spec, self.model, self.opt, self.sched, self.scaler = (
+            spec, model, optimizer, scheduler, scaler
+        )
+        self.store, self.ckpt, self.commands, self.control = store, checkpointer, commands, control
+        self.progress = progress
+        self.step = start_step
+        self.layers = Layers.of(model)
+        self._stop_requested = False
+        self._last_val: float | None = None
+        self._seq_lens: list[torch.Tensor] = []
+        self._store_poll = 0.0
+        self._data: Iterator | None = None
+        self._epoch = 0
+        self.log = logging.getLogger(f"nbwatch.run.{store.run_dir.name}")
+        self._start_step = start_step
+        self._reduction_saved = False
+        self._ckpt_step: int | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def run(self) -> None:
+        p = self.progress
+        try:
+            self._set_state("running")
+            self._loop()
+            if self._stop_requested:
+                self._checkpoint("stop")
+                self._set_state("stopped")
+            else:
+                if self.spec.val_fn is not None and not self._evaluated_at(self.step):
+                    self._eval()
+                self._checkpoint("final")
+                self._set_state("finished")
+        except BaseException as e:  # noqa: BLE001 - recorded, then re-raised by Monitor.wait()
+            p.error = e
+            p.traceback = traceback.format_exc()
+            self._emit(
+                Event(self.step, "error", "critical", f"{type(e).__name__}: {e}",
+                      {"traceback": p.traceback}),
+                logging.ERROR,
+            )
+            try:
+                self._checkpoint("emergency")
+            except BaseException as ce:  # noqa: BLE001 - the original error matters more
+                self.log.error("emergency checkpoint failed: %s", ce)
+            self._set_state("failed")
+        finally:
+            try:
+                self.store.flush()
+            except Exception as fe:  # never mask the training error
+                log.error("final flush of the run store failed: %s", fe)
+
+    def _set_state(self, state: str) -> None:
+        self.progress.state = state
+        self.store.set_meta("state", state)
+        self.store.set_meta("step", self.step)
+        if state != "running" or self.step:
+            self._emit(Event(self.step, "state", "info", f"run {state} at step {self.step}"))
+
+    def _emit(self, ev: Event, level: int | None = None) -> None:
+        self.store.put(ev)
+        lvl = level if level is not None else {
+            "info": logging.INFO, "warning": logging.WARNING, "critical": logging.CRITICAL
+        }[ev.severity]
+        self.log.log(lvl, ev.message, extra={"step": ev.step, "kind": ev.kind, "data": ev.data})
+
+    # -- commands (between steps only) --------------------------------------------------
+    def _poll_commands(self) -> list[Command]:
+        cmds = self.commands.drain()
+        now = time.monotonic()
+        if now - self._store_poll > 0.25:  # other processes write commands into the store
+            self._store_poll = now
+            for cid, cmd in self.store.pending_commands():
+                self.store.mark_taken(cid)
+                cmds.append(cmd)
+        return cmds
+
+    def _apply_commands(self) -> None:
+        for cmd in self._poll_commands():
+            self._apply(cmd)
+        while self.control.paused and not self._stop_requested:
+            cmd = self.commands.get(timeout=0.1)
+            cmds = ([cmd] if cmd else []) + self._poll_commands()
+            for c in cmds:
+                self._apply(c)
+
+    def _apply(self, cmd: Command) -> None:
+        c, step = self.control, self.step
+        if cmd.kind == "pause" and not c.paused:
+            c.paused = True
+            self._set_state("paused")
+            msg = f"paused at step {step}"
+        elif cmd.kind == "resume" and c.paused:
+            c.paused = False
+            self._set_state("running")
+            msg = f"resumed at step {step}"
+        elif cmd.kind == "stop":
+            self._stop_requested = True
+            msg = f"stop requested at step {step}"
+        elif cmd.kind == "checkpoint":
+            self._checkpoint("manual")
+            return
+        elif cmd.kind == "clip":
+            c.clip = cmd.value
+            msg = f"gradient clipping set to {cmd.value:g}" if cmd.value else "gradient clipping off"
+        elif cmd.kind == "scale_lr":
+            before = ctl.lrs(self.opt)[0]
+            ctl.scale_lrs(self.opt, cmd.value)
+            c.lr_factor *= cmd.value
+            msg = (f"LR scaled ×{cmd.value:g} (factor now {c.lr_factor:g}): "
+                   f"{before:.3g} → {ctl.lrs(self.opt)[0]:.3g}")
+        else:  # pause while paused, resume while running: nothing to acknowledge
+            return
+        self._emit(Event(step, "action", "info", msg,
+                         {"command": cmd.kind, "value": cmd.value, "source": cmd.source}))
+
+    # -- the loop -----------------------------------------------------------------------
+    def _next_batch(self) -> Any:
+        if self._data is None:
+            self._data = iter(self.spec.train_data)
+        try:
+            return next(self._data)
+        except StopIteration:
+            self._epoch += 1
+            self._data = iter(self.spec.train_data)
+            try:
+                return next(self._data)
+            except StopIteration:
+                raise ValueError(
+                    "train_data yielded no batches; pass a non-empty DataLoader or iterable "
+                    "(a generator is used up after one pass: pass a list or a DataLoader)"
+                ) from None
+
+    def _loop(self) -> None:
+        spec = self.spec
+        while self.step < spec.max_steps:
+            self._apply_commands()
+            if self._stop_requested:
+                return
+            self._train_step()
+            if spec.eval_every and self.step % spec.eval_every == 0:
+                self._eval()
+            elif spec.checkpoint_every and self.step % spec.checkpoint_every == 0:
+                self._checkpoint("periodic")
+
+    def _train_step(self) -> None:
+        spec, model, opt, scaler = self.spec, self.model, self.opt, self.scaler
+        t0 = time.perf_counter()
+        data_s = 0.0
+        loss_sum = torch.zeros(())
+        tokens: torch.Tensor | float | None = None
+        padded = 0
+        samples = 0
+        mask_figs: list[dict[str, torch.Tensor]] = []
+        reduction = None
+        for _ in range(spec.accumulate):
+            td = time.perf_counter()
+            batch = self._next_batch()
+            data_s += time.perf_counter() - td
+            samples += _batch_size(batch)
+            out = parse_step_output(spec.step_fn(model, batch))
+            reduction = out.reduction
+            loss = out.loss / spec.accumulate
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            loss_sum = loss_sum.to(loss.device) + out.loss.detach().float()
+            if out.mask is not None:
+                figs = mask_stats(out.mask)
+                mask_figs.append(figs)
+                self._seq_lens.append(sequence_lengths(out.mask))
+                tokens = figs["tokens"] if tokens is None else tokens + figs["tokens"]
+                padded += out.mask.numel()
+        if not self._reduction_saved:
+            self.store.set_meta("loss_reduction", reduction)
+            self._reduction_saved = True
+        if scaler is not None:
+            scaler.unscale_(opt)  # norms and clipping see the true gradients
+
+        total, per_layer, grads = grad_norms(self.layers)
+        clipped = clip_(grads, total, self.control.clip) if self.control.clip else total
+        hist = spec.hist_every > 0 and (
+            (self.step + 1) % spec.hist_every == 0 or self.step == self._start_step
+        )
+        before = wprobe.snapshot(self.layers) if hist else None
+        lrs = ctl.lrs(opt)  # the LR this step uses: read before scheduler.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        if self.sched is not None:
+            ctl.scheduler_step(self.sched, opt, self.control.lr_factor)
+        opt.zero_grad(set_to_none=True)
+
+        # One device→host copy for every per-step figure.
+        dev = total.device
+        parts = [(loss_sum / spec.accumulate).to(dev).reshape(1), total.reshape(1),
+                 clipped.reshape(1), per_layer]
+        names = ["loss/train", "grad_norm/global", "grad_norm/clipped"]
+        names += [f"grad_norm/{n}" for n in self.layers.names]
+        if before is not None:
+            parts.append(wprobe.update_ratios(self.layers, before))
+            names += [f"update_ratio/{n}" for n in self.layers.names]
+        if mask_figs:
+            tok = torch.as_tensor(tokens, dtype=torch.float32).to(dev).reshape(1)
+            pad = 1.0 - tok / max(padded, 1)
+            lens = torch.stack([f["data/seq_len_mean"] for f in mask_figs]).float().mean()
+            mx = torch.stack([f["data/seq_len_max"] for f in mask_figs]).float().max()
+            parts += [tok, pad.reshape(1), lens.to(dev).reshape(1), mx.to(dev).reshape(1)]
+            names += ["tokens", "data/padding_ratio", "data/seq_len_mean", "data/seq_len_max"]
+        host = torch.cat([t.float().to(dev) for t in parts]).tolist()  # the sync point
+        values = dict(zip(names, host))
+        n_tokens = values.pop("tokens", None)
+
+        self.step += 1
+        step = self.step
+        step_s = time.perf_counter() - t0
+        values.update(timing_figures(step_s, data_s, n_tokens, samples or None))
+        if n_tokens is not None:
+            values["tokens/real"] = n_tokens
+        values["lr"] = lrs[0]
+        for i, lr in enumerate(lrs[1:], start=1):
+            values[f"lr/group{i}"] = lr
+        if self._epoch:
+            values["epoch"] = float(self._epoch)
+        self.store.put(Scalars(step, values))
+        self.progress.step = step
+        if math.isfinite(values["loss/train"]):
+            self.progress.train_losses.append(values["loss/train"])
+
+        if hist:
+            self._histograms(step)
+        if spec.log_every and step % spec.log_every == 0:
+            self.log.info("step", extra={"step": step, "data": {
+                k: values[k] for k in ("loss/train", "grad_norm/global", "lr", "time/step")}})
+
+    def _histograms(self, step: int) -> None:
+        edges, counts = wprobe.layer_histograms(self.layers, self.spec.hist_bins)
+        edges, counts = edges.cpu().double().numpy(), counts.cpu().numpy()
+        for i, name in enumerate(self.layers.names):
+            self.store.put(Histogram(step, f"weight/{name}", edges[i], counts[i]))
+        if self._seq_lens:
+            lens = torch.cat([t.float().cpu() for t in self._seq_lens])
+            self._seq_lens.clear()
+            hi = max(float(lens.max()), 1.0)
+            e, c = wprobe.histogram(torch.cat([lens, lens.new_tensor([0.0, hi])]), 32)
+            c[0] -= 1  # the two range anchors are not data: pin the range at [0, max]
+            c[-1] -= 1
+            self.store.put(Histogram(step, "data/seq_len", e.double().numpy(), c.numpy()))
+
+    # -- eval ---------------------------------------------------------------------------
+    def _evaluated_at(self, step: int) -> bool:
+        return bool(self.spec.eval_every) and step % self.spec.eval_every == 0
+
+    def _eval(self) -> None:
+        spec, model, step = self.spec, self.model, self.step
+        was_training = model.training
+        model.eval()
+        try:
+            values: dict[str, float] = {}
+            if spec.val_fn is not None:
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    values.update(_val_figures(spec.val_fn(model)))
+                values["time/eval"] = time.perf_counter() - t0
+                if "loss/val" in values and self.progress.train_losses:
+                    train = sum(self.progress.train_losses) / len(self.progress.train_losses)
+                    values["loss/gap"] = values["loss/val"] - train
+                self.progress.train_losses.clear()
+                self._last_val = values.get("loss/val")
+            if spec.probe_batch is not None:
+                self._attention(step)
+            if spec.sample_fn is not None:
+                with torch.no_grad():
+                    text = spec.sample_fn(model)
+                self.store.put(Sample(step, str(text)))
+            if values:
+                self.store.put(Scalars(step, values))
+        finally:
+            model.train(was_training)
+        every = spec.checkpoint_every or spec.eval_every
+        if every and step % every == 0:
+            self._checkpoint("periodic")
+
+    def _attention(self, step: int) -> None:
+        spec = self.spec
+        n = spec.attention_samples
+        with attn_probe.capture_attention(self.model, n, spec.attention_tokens) as maps:
+            spec.step_fn(self.model, spec.probe_batch)
+        for module, w in maps.items():
+            for i in range(w.shape[0]):
+                toks = spec.probe_tokens[i] if spec.probe_tokens and i < len(spec.probe_tokens) else None
+                toks = tuple(toks[: w.shape[-1]]) if toks is not None else None
+                self.store.put(Attention(step, module, i, w[i].numpy(), toks))
+
+    # -- checkpoints --------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "scheduler": self.sched.state_dict() if self.sched is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "rng": rng_state(),
+            "controls": self.control.to_dict(),
+        }
+
+    def _checkpoint(self, reason: str) -> None:
+        if reason in ("final", "stop") and self._ckpt_step == self.step:
+            return  # the periodic checkpoint of this very step is the final one
+        self._ckpt_step = self.step
+        saved = self.ckpt.save(self.state_dict(), self.step, self._last_val)
+        self._last_val = None  # "best" compares checkpoints taken right after an eval
+        msg = f"{reason} checkpoint at step {self.step}: {saved.path.name}, " \
+              f"{saved.bytes / 2**20:.1f} MiB in {saved.seconds:.2f} s" + (" (best)" if saved.best else "")
+        self._emit(Event(self.step, "checkpoint", "info", msg, {
+            "path": str(saved.path), "seconds": saved.seconds, "bytes": saved.bytes,
+            "best": saved.best, "reason": reason}))
+
+
+def _val_figures(v: Any) -> dict[str, float]:
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if isinstance(v, (int, float)):
+        return {"loss/val": float(v)}
+    if isinstance(v, dict):
+        out = {}
+        for k, x in v.items():
+            x = float(x.item() if isinstance(x, torch.Tensor) else x)
+            out["loss/val" if k in ("loss", "loss/val") else f"val/{k}"] = x
+        return out
+    raise TypeError(f"val_fn returned a {type(v).__name__}; return a float or a dict of floats")
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for b in batch:
+            n = _batch_size(b)
+            if n:
+                return n
+    return 0
+
+
+def run_in_thread(runner: Runner, name: str) -> threading.Thread:
+    """Start `runner.run` in a daemon thread that keeps the caller's context (so a
+    notebook's output from the thread lands in the cell that started it)."""
+    import contextvars
+
+    ctx = contextvars.copy_context()
+    t = threading.Thread(target=ctx.run, args=(runner.run,), name=name, daemon=True)
+    t.start()
+    return t

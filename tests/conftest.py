@@ -1,0 +1,52 @@
+"""Shared fixtures: a tiny GPT and its data, and an autouse check that no test leaves a
+thread, a hook or a torch function mode behind."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from torch.nn.modules import module as nn_module
+
+from nbwatch.demo import TinyGPT, collate
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 10
+    while True:
+        extra = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+        if not extra or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not extra, f"test left threads running: {[t.name for t in extra]}"
+    assert not nn_module._global_forward_hooks, "test left a global forward hook"
+    assert not nn_module._global_forward_pre_hooks, "test left a global forward pre-hook"
+    assert not torch._C._is_torch_function_mode_enabled(), "test left a torch function mode"
+
+
+def make_batches(n: int = 16, batch: int = 4, T: int = 24, seed: int = 0) -> list[dict]:
+    """Variable-length random 'sentences' padded per batch, as the demo collates them."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        lengths = torch.randint(6, T + 2, (batch,), generator=g).tolist()
+        out.append(collate([torch.randint(1, 60, (L,), generator=g).tolist() for L in lengths]))
+    return out
+
+
+def tiny_step(model, batch):
+    return {"logits": model(batch["input_ids"]), "labels": batch["labels"], "mask": batch["mask"]}
+
+
+@pytest.fixture
+def tiny():
+    """(model, optimizer, batches) small enough for a test to run 50 steps in a second."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, opt, make_batches()

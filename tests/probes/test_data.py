@@ -1,0 +1,22 @@
+import torch
+
+from nbwatch.probes.data import mask_stats, sequence_lengths
+from nbwatch.probes.throughput import timing_figures
+
+
+def test_padding_ratio_and_lengths_equal_the_masks():
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    figs = mask_stats(mask)
+    assert figs["tokens"].item() == 9
+    assert figs["data/padding_ratio"].item() == 1 - mask.float().mean().item()
+    assert figs["data/seq_len_mean"].item() == 3.0
+    assert figs["data/seq_len_max"].item() == 5.0
+    assert sequence_lengths(mask).tolist() == [3, 5, 1]
+
+
+def test_timing_split_and_throughput():
+    f = timing_figures(step_s=0.5, data_s=0.1, tokens=1000, samples=8)
+    assert f["time/compute"] == 0.4
+    assert f["throughput/tokens_per_s"] == 2000
+    assert f["throughput/samples_per_s"] == 16
+    assert "throughput/tokens_per_s" not in timing_figures(0.5, 0.1, None, None)

@@ -1,0 +1,75 @@
+import torch
+
+from nbwatch.probes.grads import Layers, clip_, grad_norms
+from tests.conftest import tiny_step
+
+
+def backward(model, batches):
+    out = tiny_step(model, batches[0])
+    from nbwatch import masked_cross_entropy
+
+    masked_cross_entropy(out["logits"], out["labels"], out["mask"]).backward()
+
+
+def test_layers_are_owning_module_paths_in_model_order(tiny):
+    model, _, _ = tiny
+    layers = Layers.of(model)
+    assert layers.names[:4] == ("tok_emb", "pos_emb", "blocks.0.ln1", "blocks.0.attn.qkv")
+    assert layers.names[-1] == "head"
+    assert len(layers.params) == sum(1 for p in model.parameters() if p.requires_grad)
+
+
+def test_layer_norms_square_sum_to_global_norm_equal_to_torch(tiny):
+    model, _, batches = tiny
+    backward(model, batches)
+    layers = Layers.of(model)
+    total, per_layer, _ = grad_norms(layers)
+    assert torch.allclose(per_layer.square().sum(), total.square(), rtol=1e-5)
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    assert torch.allclose(total, expected, rtol=1e-5)
+    # each layer's norm is the norm of its own parameters' gradients
+    qkv = model.blocks[0].attn.qkv
+    manual = torch.cat([qkv.weight.grad.flatten(), qkv.bias.grad.flatten()]).norm()
+    i = layers.names.index("blocks.0.attn.qkv")
+    assert torch.allclose(per_layer[i], manual, rtol=1e-5)
+
+
+def test_missing_grads_count_as_zero(tiny):
+    model, _, batches = tiny
+    model.head.weight.requires_grad_(False)
+    layers = Layers.of(model)
+    assert "head" not in layers.names
+    backward(model, batches)
+    model.pos_emb.weight.grad = None
+    total, per_layer, grads = grad_norms(layers)
+    assert per_layer[layers.names.index("pos_emb")] == 0
+    assert len(grads) == len(layers.params) - 1
+
+
+def test_clip_bounds_the_norm_like_torch(tiny):
+    model, _, batches = tiny
+    backward(model, batches)
+    layers = Layers.of(model)
+    reference = [p.grad.clone() for p in layers.params]
+    total, _, grads = grad_norms(layers)
+    max_norm = float(total) / 4
+    after = clip_(grads, total, max_norm)
+    assert float(after) <= max_norm * (1 + 1e-5)
+    recomputed = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+    assert torch.allclose(recomputed, after, rtol=1e-5)
+    for p, r in zip(layers.params, reference):  # same result as torch's own clipping
+        p.grad = r
+    torch.nn.utils.clip_grad_norm_(layers.params, max_norm)
+    for p, g in zip(layers.params, grads):
+        assert torch.allclose(p.grad, g, rtol=1e-5, atol=1e-8)
+
+
+def test_clip_leaves_small_gradients_alone(tiny):
+    model, _, batches = tiny
+    backward(model, batches)
+    layers = Layers.of(model)
+    total, _, grads = grad_norms(layers)
+    before = [g.clone() for g in grads]
+    after = clip_(grads, total, float(total) * 10)
+    assert torch.allclose(after, total)
+    assert all(torch.equal(a, b) for a, b in zip(before, grads))

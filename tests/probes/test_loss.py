@@ -1,0 +1,55 @@
+import math
+
+import pytest
+import torch
+
+from nbwatch import masked_cross_entropy
+from nbwatch.probes.loss import parse_step_output
+
+
+def test_masked_cross_entropy_is_mean_over_real_tokens_only():
+    logits = torch.tensor([[[2.0, 0.0], [0.0, 1.0], [5.0, -5.0]]])  # [1, 3, 2]
+    labels = torch.tensor([[0, 1, 1]])
+    mask = torch.tensor([[1, 1, 0]])
+    def ce(l0, l1, y):
+        z = math.log(math.exp(l0) + math.exp(l1))
+        return z - (l0 if y == 0 else l1)
+    hand = (ce(2.0, 0.0, 0) + ce(0.0, 1.0, 1)) / 2  # the padded third token is ignored
+    assert masked_cross_entropy(logits, labels, mask).item() == pytest.approx(hand, rel=1e-6)
+    everything = (ce(2.0, 0.0, 0) + ce(0.0, 1.0, 1) + ce(5.0, -5.0, 1)) / 3
+    assert masked_cross_entropy(logits, labels).item() == pytest.approx(everything, rel=1e-6)
+
+
+def test_masked_cross_entropy_rejects_mismatched_mask():
+    with pytest.raises(ValueError, match="mask .* does not match labels"):
+        masked_cross_entropy(torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.long),
+                             torch.ones(2, 4))
+
+
+def test_dict_with_logits_gets_the_masked_mean():
+    logits = torch.randn(2, 4, 7, requires_grad=True)
+    labels = torch.randint(0, 7, (2, 4))
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    out = parse_step_output({"logits": logits, "labels": labels, "mask": mask})
+    assert torch.allclose(out.loss, masked_cross_entropy(logits, labels, mask))
+    assert out.reduction.startswith("masked token mean")
+    assert out.mask is mask
+
+
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        (None, TypeError, "returned None"),
+        (3.0, TypeError, "loss is a float, not a tensor"),
+        (torch.ones(3, requires_grad=True), ValueError, "not a scalar"),
+        (torch.tensor(1.0), ValueError, "does not require grad"),
+        ({"logits": torch.zeros(1)}, KeyError, "dict with keys"),
+        ({"loss": torch.ones((), requires_grad=True), "mask": [1, 0]}, TypeError, "mask"),
+        ({"logits": torch.zeros(2, 3, 5, requires_grad=True),
+          "labels": torch.zeros(2, 3, dtype=torch.long), "mask": torch.ones(2, 4)},
+         ValueError, "does not match"),
+    ],
+)
+def test_bad_step_output_says_what_to_return(value, error, match):
+    with pytest.raises(error, match=match):
+        parse_step_output(value)

@@ -1,0 +1,46 @@
+import numpy as np
+import torch
+
+from nbwatch.probes.grads import Layers
+from nbwatch.probes.weights import histogram, layer_histograms, snapshot, update_ratios
+
+
+def test_histogram_equals_numpy_histogram():
+    g = torch.Generator().manual_seed(1)
+    for x in (torch.randn(10_000, generator=g), torch.rand(777, generator=g) * 1e-3 - 5,
+              torch.tensor([3.0, 3.0, 3.0])):
+        edges, counts = histogram(x, 64)
+        ref_counts, ref_edges = np.histogram(x.numpy(), bins=edges.numpy())
+        np.testing.assert_array_equal(counts.numpy(), ref_counts)
+        assert counts.sum() == x.numel()
+        # and the bins are numpy's own equal-width bins over [min, max]
+        np_counts, np_edges = np.histogram(x.numpy(), bins=64)
+        np.testing.assert_allclose(edges.numpy(), np_edges, rtol=1e-5, atol=1e-6)
+        assert np.abs(counts.numpy() - np_counts).sum() <= 2  # float32 vs float64 edges
+
+
+def test_layer_histograms_cover_every_weight_of_the_layer(tiny):
+    model, _, _ = tiny
+    layers = Layers.of(model)
+    edges, counts = layer_histograms(layers, bins=32)
+    assert edges.shape == (len(layers), 33) and counts.shape == (len(layers), 32)
+    i = layers.names.index("blocks.1.mlp.fc")
+    fc = model.blocks[1].mlp.fc
+    values = torch.cat([fc.weight.flatten(), fc.bias.flatten()]).detach().numpy()
+    ref, _ = np.histogram(values, bins=edges[i].numpy())
+    np.testing.assert_array_equal(counts[i].numpy(), ref)
+
+
+def test_update_ratio_is_relative_change_per_layer(tiny):
+    model, _, _ = tiny
+    layers = Layers.of(model)
+    before = snapshot(layers)
+    with torch.no_grad():
+        model.head.weight.mul_(1.1)  # a 10% change of this layer only
+    ratios = update_ratios(layers, before)
+    i = layers.names.index("head")
+    j = next(k for k, p in enumerate(layers.params) if p is model.head.weight)
+    expected = (0.1 * before[j].norm()) / model.head.weight.norm()
+    assert torch.allclose(ratios[i], expected, rtol=1e-4)
+    others = torch.cat([ratios[:i], ratios[i + 1:]])
+    assert torch.all(others == 0)

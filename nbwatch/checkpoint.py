@@ -130,8 +130,9 @@ def load(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
     except FileNotFoundError:
         raise
     except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:160]
         raise CheckpointError(
-            f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); it is corrupt or "
+            f"checkpoint {path} cannot be read ({type(e).__name__}: {first}); it is corrupt or "
             "truncated: delete it to resume from the previous one"
         ) from e
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:

@@ -1,0 +1,47 @@
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from nbwatch.checkpoint import Checkpointer, CheckpointError, load, rng_state, set_rng_state
+
+
+def state(model):
+    return {"model": model.state_dict(), "rng": rng_state()}
+
+
+def test_rotation_keeps_last_n_and_best_apart(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    ck = Checkpointer(tmp_path / "ck", keep_last=2)
+    for step, val in [(10, 3.0), (20, 1.0), (30, 2.0), (40, 2.5)]:
+        saved = ck.save(state(model), step, val)
+        assert saved.bytes > 0 and saved.seconds >= 0
+    assert [s for s, _ in ck.steps()] == [30, 40]
+    best = load(tmp_path / "ck" / "best.pt")
+    assert best["step"] == 20 and best["val_loss"] == 1.0
+    assert ck.latest().name == "step_00000040.pt"
+    assert not list((tmp_path / "ck").glob(".*tmp*"))
+
+
+def test_loads_with_weights_only_and_restores_rngs(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    ck = Checkpointer(tmp_path)
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    ck.save(state(model), 1)
+    draws = (torch.rand(1).item(), random.random(), np.random.rand())
+    obj = torch.load(ck.latest(), weights_only=True)  # what a user would do
+    torch.nn.Linear(3, 2).load_state_dict(obj["model"])
+    set_rng_state(obj["rng"])
+    assert (torch.rand(1).item(), random.random(), np.random.rand()) == draws
+
+
+def test_corrupt_checkpoint_names_the_file_and_the_fix(tmp_path):
+    bad = tmp_path / "step_00000005.pt"
+    bad.write_bytes(b"PK\x03\x04 not really a zip")
+    with pytest.raises(CheckpointError, match="step_00000005.pt cannot be read.*delete it"):
+        load(bad)
+    other = tmp_path / "other.pt"
+    torch.save({"weights": torch.zeros(1)}, other)
+    with pytest.raises(CheckpointError, match="not an nbwatch checkpoint"):
+        load(other)

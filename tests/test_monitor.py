@@ -1,0 +1,352 @@
+"""End to end on a real (tiny) GPT: the Monitor's thread, controls, failures, resume."""
+
+import math
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import nbwatch
+from nbwatch.checkpoint import load
+from tests.conftest import make_batches, tiny_step
+
+
+def slow_step(model, batch):
+    time.sleep(0.01)
+    return tiny_step(model, batch)
+
+
+def wait_for(cond, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.01)
+
+
+def monitor(tiny, tmp_path, **kw):
+    model, opt, _ = tiny
+    return nbwatch.Monitor(model, opt, run_dir=tmp_path / "run", **kw)
+
+
+def test_start_returns_at_once_and_records_every_step(tiny, tmp_path):
+    model, opt, batches = tiny
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "run", config={"lr": 1e-3})
+    t0 = time.perf_counter()
+    mon.start(slow_step, batches, max_steps=40, val_fn=lambda m: 3.0, eval_every=20,
+              hist_every=10, display=False)
+    assert time.perf_counter() - t0 < 2.0 and mon.running
+    mon.wait()
+    assert (mon.state, mon.step) == ("finished", 40)
+    df = mon.df
+    assert df.index.tolist() == list(range(1, 41))
+    # the LR a step used, read before scheduler.step(): step s used base * 1/(1 + s - 1)
+    assert df["lr"].tolist() == pytest.approx([1e-3 / s for s in range(1, 41)])
+    assert df["grad_norm/global"].notna().all() and (df["grad_norm/global"] > 0).all()
+    assert df["grad_norm/clipped"].tolist() == df["grad_norm/global"].tolist()  # no clip set
+    layer_cols = [c for c in df if c.startswith("grad_norm/") and c not in
+                  ("grad_norm/global", "grad_norm/clipped")]
+    np.testing.assert_allclose(np.sqrt((df[layer_cols] ** 2).sum(axis=1)),
+                               df["grad_norm/global"], rtol=1e-5)
+    # padding ratio and tokens of step 1 are those of the first batch's mask
+    mask = batches[0]["mask"]
+    assert df.loc[1, "data/padding_ratio"] == pytest.approx(1 - mask.float().mean().item())
+    assert df.loc[1, "tokens/real"] == mask.sum().item()
+    assert df.loc[1, "throughput/tokens_per_s"] == pytest.approx(
+        mask.sum().item() / df.loc[1, "time/step"])
+    assert df.loc[20, "loss/val"] == 3.0
+    train_mean = df.loc[1:20, "loss/train"].mean()
+    assert df.loc[20, "loss/gap"] == pytest.approx(3.0 - train_mean)
+    assert df["update_ratio/head"].dropna().index.tolist() == [1, 10, 20, 30, 40]
+    run = nbwatch.open_run(mon.run_dir)
+    assert run.config == {"lr": 1e-3}
+    assert run.meta["loss_reduction"].startswith("masked token mean")
+    assert run.environment["torch"] == torch.__version__
+    steps, edges, counts = run.histograms("weight/blocks.0.attn.qkv")
+    assert steps.tolist() == [1, 10, 20, 30, 40]
+    assert counts.sum(axis=1).tolist() == [32 * 96 + 96] * 5
+    assert run.histograms("data/seq_len")[2].sum() == sum(len(b["mask"]) for b in batches) * 40 // 16
+    # attention of the first batch's first samples at each eval, from the SDPA model
+    att = run.attention()
+    assert sorted(att) == ["blocks.0.attn", "blocks.1.attn"]
+    assert att["blocks.0.attn"].shape[0] == 2  # heads
+    assert run.reader.attention_steps() == [20, 40]
+    kinds = mon.events.kind.tolist()
+    assert kinds.count("checkpoint") == 2 and kinds[-1] == "state"
+    lines = (mon.run_dir / "log.jsonl").read_text().splitlines()
+    import json
+
+    assert any(json.loads(ln)["message"].startswith("periodic checkpoint") for ln in lines)
+
+
+def test_pause_stops_the_step_count_and_resume_restarts_it(tiny, tmp_path):
+    mon = monitor(tiny, tmp_path)
+    mon.start(slow_step, tiny[2], max_steps=10_000, display=False)
+    wait_for(lambda: mon.step >= 3)
+    mon.pause()
+    wait_for(lambda: mon.state == "paused")
+    paused_at = mon.step
+    time.sleep(0.5)
+    assert mon.step == paused_at
+    mon.resume()
+    wait_for(lambda: mon.step >= paused_at + 3)
+    mon.stop()
+    mon.wait()
+    assert mon.state == "stopped"
+    ev = mon.events
+    actions = ev[ev.kind == "action"]
+    assert actions.message.str.startswith("paused").any()
+    assert actions[actions.message.str.startswith("paused")].step.iloc[0] == paused_at
+    assert load(mon.checkpointer.latest())["step"] == mon.step  # stop writes a final checkpoint
+
+
+def test_scale_lr_holds_under_the_schedule(tiny, tmp_path):
+    model, opt, batches = tiny
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=200)
+    mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "run")
+    mon.start(slow_step, batches, max_steps=10_000, display=False)
+    wait_for(lambda: mon.step >= 5)
+    mon.scale_lr(0.5)
+    wait_for(lambda: any(mon.events.kind == "action"))
+    at = int(mon.events.query("kind == 'action'").step.iloc[0])
+    wait_for(lambda: mon.step >= at + 12)
+    mon.stop()
+    mon.wait()
+    df = mon.df
+    cosine = [1e-3 * (1 + math.cos(math.pi * (s - 1) / 200)) / 2 for s in df.index]
+    ratio = df["lr"] / cosine
+    assert ratio.loc[:at].tolist() == pytest.approx([1.0] * at)
+    assert ratio.loc[at + 1:].tolist() == pytest.approx([0.5] * (len(df) - at))
+
+
+def test_clip_bounds_the_post_clip_norm(tiny, tmp_path):
+    mon = monitor(tiny, tmp_path)
+    mon.start(slow_step, tiny[2], max_steps=10_000, display=False)
+    wait_for(lambda: mon.step >= 3)
+    df = mon.df
+    limit = float(df["grad_norm/global"].median()) / 3
+    mon.set_clip(limit)
+    wait_for(lambda: any(mon.events.kind == "action"))
+    at = int(mon.events.query("kind == 'action'").step.iloc[0])
+    wait_for(lambda: mon.step >= at + 5)
+    mon.set_clip(None)
+    mon.stop()
+    mon.wait()
+    after = mon.df.loc[at + 1: at + 5]
+    assert (after["grad_norm/clipped"] <= limit * (1 + 1e-4)).all()
+    assert (after["grad_norm/global"] > limit).all()  # the pre-clip norm is still reported
+
+
+def test_checkpoint_button_writes_a_loadable_file(tiny, tmp_path):
+    mon = monitor(tiny, tmp_path)
+    mon.start(slow_step, tiny[2], max_steps=10_000, display=False)
+    wait_for(lambda: mon.step >= 2)
+    mon.checkpoint()
+    wait_for(lambda: any(mon.events.kind == "checkpoint"))
+    mon.stop()
+    mon.wait()
+    ev = mon.events.query("kind == 'checkpoint'").iloc[0]
+    assert "manual checkpoint" in ev.message and ev.data["seconds"] >= 0
+    ck = torch.load(ev.data["path"], weights_only=True)
+    assert ck["step"] == ev.step and ck["controls"] == {"clip": None, "lr_factor": 1.0}
+
+
+def test_a_failing_step_is_recorded_checkpointed_and_reraised(tiny, tmp_path):
+    def step(model, batch):
+        if step.calls == 7:
+            raise ZeroDivisionError("boom at call 7")
+        step.calls += 1
+        return tiny_step(model, batch)
+
+    step.calls = 0
+    mon = monitor(tiny, tmp_path)
+    mon.start(step, tiny[2], max_steps=50, display=False)
+    with pytest.raises(ZeroDivisionError, match="boom at call 7"):
+        mon.wait()
+    assert mon.state == "failed" and mon.step == 7
+    assert "ZeroDivisionError" in mon.traceback
+    err = mon.events.query("kind == 'error'").iloc[0]
+    assert err.severity == "critical" and "boom" in err.data["traceback"]
+    assert mon.df.index.max() == 7  # nothing recorded was lost
+    assert load(mon.checkpointer.latest())["step"] == 7  # emergency checkpoint
+    assert nbwatch.open_run(mon.run_dir).state == "failed"
+
+
+def test_resume_continues_numbering_and_curves(tiny, tmp_path):
+    model, opt, batches = tiny
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.99**s)
+    mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "run")
+    mon.start(tiny_step, batches, max_steps=20, checkpoint_every=10, display=False)
+    mon.wait()
+    first = mon.df
+    torch.manual_seed(123)
+    from nbwatch.demo import TinyGPT
+
+    model2 = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 0.99**s)
+    mon2 = nbwatch.Monitor(model2, opt2, sched2, run_dir=tmp_path / "run")
+    with pytest.raises(FileExistsError, match="pass resume=True"):
+        mon2.start(tiny_step, batches, max_steps=30, display=False)
+    mon2.start(tiny_step, batches, max_steps=30, resume=True, display=False)
+    mon2.wait()
+    df = mon2.df
+    assert df.index.tolist() == list(range(1, 31))
+    assert df.loc[:20, "loss/train"].tolist() == first["loss/train"].tolist()
+    assert df["lr"].tolist() == pytest.approx([1e-3 * 0.99 ** (s - 1) for s in range(1, 31)])
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert p.shape == q.shape
+    assert mon2.events.message.str.contains("run running at step 20").any()
+
+
+def test_resume_after_a_crash_drops_records_past_the_checkpoint(tiny, tmp_path):
+    def step(model, batch):
+        step.calls += 1
+        if step.calls == 16:
+            raise RuntimeError("crash")
+        return tiny_step(model, batch)
+
+    step.calls = 0
+    mon = monitor(tiny, tmp_path)
+    mon.start(step, tiny[2], max_steps=30, checkpoint_every=10, display=False)
+    with pytest.raises(RuntimeError):
+        mon.wait()
+    ck = mon.checkpointer
+    ck.latest().unlink()  # pretend the emergency checkpoint was never written
+    mon2 = nbwatch.Monitor(tiny[0], tiny[1], run_dir=tmp_path / "run")
+    mon2.start(tiny_step, tiny[2], max_steps=12, resume=True, display=False)
+    mon2.wait()
+    assert mon2.df.index.tolist() == list(range(1, 13))
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+    from nbwatch.demo import TinyGPT, collate
+
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(1, 60, (13,), generator=g).tolist() for _ in range(8)]
+    full, half_a, half_b = collate(rows), collate(rows[:4]), collate(rows[4:])
+    norms = []
+    for accumulate, data in ((1, [full]), (2, [half_a, half_b])):
+        torch.manual_seed(0)
+        model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / f"acc{accumulate}")
+        mon.start(tiny_step, data, max_steps=1, accumulate=accumulate, display=False).wait()
+        norms.append(mon.df.loc[1, ["loss/train", "grad_norm/global", "tokens/real"]].tolist())
+    assert norms[0] == pytest.approx(norms[1], rel=1e-5)
+
+
+def test_bf16_autocast_inside_step_fn(tiny, tmp_path):
+    def step(model, batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return tiny_step(model, batch)
+
+    mon = monitor(tiny, tmp_path)
+    mon.start(step, tiny[2], max_steps=5, display=False).wait()
+    assert np.isfinite(mon.df["grad_norm/global"]).all()
+
+
+def test_grad_scaler_norms_are_unscaled(tmp_path):
+    from nbwatch.demo import TinyGPT
+
+    norms = []
+    for use_scaler in (False, True):
+        torch.manual_seed(0)
+        model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if use_scaler else None
+        mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / str(use_scaler), scaler=scaler)
+        mon.start(tiny_step, make_batches(), max_steps=3, display=False).wait()
+        norms.append(mon.df["grad_norm/global"].tolist())
+    assert norms[1] == pytest.approx(norms[0], rel=1e-4)
+
+
+# -- bad input: each gets an error that names the problem and the fix ----------------------
+def test_bad_constructor_inputs(tiny, tmp_path):
+    model, opt, _ = tiny
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        nbwatch.Monitor("model", opt, run_dir=tmp_path / "a")
+    frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameters that require grad"):
+        nbwatch.Monitor(frozen, torch.optim.SGD([torch.zeros(1, requires_grad=True)]),
+                        run_dir=tmp_path / "b")
+    other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1)
+    sched = torch.optim.lr_scheduler.StepLR(other, 1)
+    with pytest.raises(ValueError, match="scheduler was built on another optimizer"):
+        nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "c")
+    foreign = tmp_path / "tb"
+    foreign.mkdir()
+    (foreign / "events.out.tfevents.1").write_text("x")
+    with pytest.raises(FileExistsError, match="did not write .*events.out.tfevents.1"):
+        nbwatch.Monitor(model, opt, run_dir=foreign)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    os.chmod(locked, 0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("running as a user who can write anywhere (root)")
+        with pytest.raises(PermissionError, match="not writable"):
+            nbwatch.Monitor(model, opt, run_dir=locked / "run")
+    finally:
+        os.chmod(locked, 0o700)
+
+
+def test_unwritable_run_dir_under_a_file(tiny, tmp_path):
+    model, opt, _ = tiny
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(PermissionError, match="not writable"):
+        nbwatch.Monitor(model, opt, run_dir=tmp_path / "afile" / "run")
+
+
+@pytest.mark.parametrize(
+    "returned, error, match",
+    [
+        (lambda m, b: None, TypeError, "returned None"),
+        (lambda m, b: 1.5, TypeError, "not a tensor"),
+        (lambda m, b: m(b["input_ids"]).mean(-1), ValueError, "not a scalar"),
+        (lambda m, b: {"logits": m(b["input_ids"]), "labels": b["labels"],
+                       "mask": b["mask"][:, :-1]}, ValueError, "does not match"),
+    ],
+)
+def test_bad_step_fn_output_fails_the_run_with_a_clear_error(tiny, tmp_path, returned, error, match):
+    mon = monitor(tiny, tmp_path)
+    mon.start(returned, tiny[2], max_steps=3, display=False)
+    with pytest.raises(error, match=match):
+        mon.wait()
+    assert mon.state == "failed"
+
+
+def test_second_start_and_resume_without_checkpoint(tiny, tmp_path):
+    mon = monitor(tiny, tmp_path)
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
+        mon.start(tiny_step, tiny[2], max_steps=3, resume=True, display=False)
+    mon.start(slow_step, tiny[2], max_steps=10_000, display=False)
+    with pytest.raises(RuntimeError, match="already running"):
+        mon.start(slow_step, tiny[2], max_steps=10, display=False)
+    mon.stop()
+    mon.wait()
+    with pytest.raises(RuntimeError, match="cannot pause: the run is stopped"):
+        mon.pause()
+
+
+def test_corrupt_checkpoint_on_resume(tiny, tmp_path):
+    mon = monitor(tiny, tmp_path)
+    mon.start(tiny_step, tiny[2], max_steps=4, display=False).wait()
+    mon.checkpointer.latest().write_bytes(b"garbage")
+    mon2 = nbwatch.Monitor(tiny[0], tiny[1], run_dir=tmp_path / "run")
+    with pytest.raises(RuntimeError, match="step_00000004.pt cannot be read.*delete it"):
+        mon2.start(tiny_step, tiny[2], max_steps=8, resume=True, display=False)
+
+
+def test_empty_data_and_bad_arguments(tiny, tmp_path):
+    mon = monitor(tiny, tmp_path)
+    with pytest.raises(ValueError, match="max_steps must be a positive int"):
+        mon.start(tiny_step, tiny[2], max_steps=0, display=False)
+    with pytest.raises(TypeError, match="train_data must be iterable"):
+        mon.start(tiny_step, 5, max_steps=3, display=False)
+    mon.start(tiny_step, [], max_steps=3, display=False)
+    with pytest.raises(ValueError, match="yielded no batches"):
+        mon.wait()

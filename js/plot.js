@@ -1,0 +1,143 @@
+// Shared helpers: plotly.js loading (once per page), theme from JupyterLab's --jp-* CSS
+// variables, one colour per metric, and unpacking of the kernel's binary buffers.
+
+const G = globalThis;
+
+// plotly.js travels once per page: the first view asks the kernel for it (a message, so it
+// is never saved in the notebook); later views, of any dashboard, reuse the loaded module.
+export function plotlyState() {
+  if (!G.__nbwatchPlotly) {
+    let resolve;
+    const promise = new Promise((r) => (resolve = r));
+    G.__nbwatchPlotly = { promise, resolve, module: null, asked: 0 };
+  }
+  return G.__nbwatchPlotly;
+}
+
+export function needPlotly() {
+  const s = plotlyState();
+  if (s.module) return false;
+  const now = Date.now();
+  if (now - s.asked < 10000) return false; // another view asked: wait for its answer
+  s.asked = now;
+  return true;
+}
+
+export async function receivePlotly(buffer) {
+  const s = plotlyState();
+  if (s.module) return;
+  const url = URL.createObjectURL(new Blob([buffer], { type: "text/javascript" }));
+  try {
+    const mod = await import(/* webpackIgnore: true */ url);
+    if (!s.module) {
+      s.module = mod.default;
+      s.resolve(s.module);
+    }
+  } finally {
+    URL.revokeObjectURL(url);
+  }
+}
+
+// {"$buf": i, dtype, shape} → typed array (copied: buffer offsets need not be aligned).
+const CTORS = { f4: Float32Array, i4: Int32Array, u1: Uint8Array };
+export function unpack(obj, buffers) {
+  if (Array.isArray(obj)) return obj.map((v) => unpack(v, buffers));
+  if (obj && typeof obj === "object") {
+    if ("$buf" in obj) {
+      const dv = buffers[obj.$buf];
+      const bytes = dv.buffer.slice(dv.byteOffset, dv.byteOffset + dv.byteLength);
+      const arr = new CTORS[obj.dtype](bytes);
+      arr.shape = obj.shape;
+      return arr;
+    }
+    const out = {};
+    for (const k of Object.keys(obj)) out[k] = unpack(obj[k], buffers);
+    return out;
+  }
+  return obj;
+}
+
+// One colour per metric, the same in every panel.
+export const COLORS = {
+  "loss/train": "#7aa6d6",
+  "loss/train_smooth": "#1f5fa8",
+  "loss/val": "#e8740c",
+  gap: "rgba(232,116,12,0.18)",
+  lr: "#2ca02c",
+  "grad_norm/global": "#d62728",
+  "grad_norm/clipped": "#9467bd",
+  clip: "#8c564b",
+  "data/padding_ratio": "#17becf",
+  "data/seq_len": "#e377c2",
+  "time/data": "#bcbd22",
+  "time/compute": "#7f7f7f",
+};
+const SEVERITY = { info: "#4a90d9", warning: "#e6a700", critical: "#d62728" };
+export const severityColor = (s) => SEVERITY[s] || SEVERITY.info;
+
+// Layers are coloured by depth along one hue ramp, in every panel that shows layers.
+export function layerColor(i, n) {
+  const t = n > 1 ? i / (n - 1) : 0;
+  return `hsl(${Math.round(260 - 220 * t)}, 65%, 50%)`;
+}
+
+function cssVar(el, name, fallback) {
+  const v = getComputedStyle(el).getPropertyValue(name).trim();
+  return v || fallback;
+}
+
+export function theme(el) {
+  return {
+    font: cssVar(el, "--jp-ui-font-color1", "#333"),
+    muted: cssVar(el, "--jp-ui-font-color2", "#777"),
+    grid: cssVar(el, "--jp-border-color2", "#ddd"),
+    bg: cssVar(el, "--jp-layout-color1", "#fff"),
+  };
+}
+
+export function baseLayout(t, extra = {}) {
+  return {
+    autosize: true,
+    margin: { l: 48, r: 16, t: 8, b: 32 },
+    paper_bgcolor: "rgba(0,0,0,0)",
+    plot_bgcolor: "rgba(0,0,0,0)",
+    font: { color: t.font, size: 11 },
+    showlegend: false,
+    hovermode: "closest",
+    hoverlabel: { namelength: -1 },
+    xaxis: { gridcolor: t.grid, zerolinecolor: t.grid, title: { text: "step" } },
+    yaxis: { gridcolor: t.grid, zerolinecolor: t.grid },
+    ...extra,
+  };
+}
+
+export const CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["select2d", "lasso2d"] };
+
+export function el(tag, cls, text) {
+  const e = document.createElement(tag);
+  if (cls) e.className = cls;
+  if (text !== undefined) e.textContent = text; // user strings: always text, never HTML
+  return e;
+}
+
+export function panel(root, name, title) {
+  const box = el("section", `nbw-panel nbw-${name}`);
+  box.dataset.panel = name;
+  const head = el("div", "nbw-panel-head");
+  head.appendChild(el("span", "nbw-panel-title", title));
+  box.appendChild(head);
+  const body = el("div", "nbw-panel-body");
+  box.appendChild(body);
+  root.appendChild(box);
+  return { box, head, body };
+}
+
+export const fmt = (v, digits = 4) =>
+  v === null || v === undefined || !Number.isFinite(v) ? "–" : Number(v).toPrecision(digits);
+
+export function duration(s) {
+  if (s === null || s === undefined || !Number.isFinite(s)) return "–";
+  s = Math.round(s);
+  const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60), sec = s % 60;
+  return h ? `${h}h${String(m).padStart(2, "0")}m` : m ? `${m}m${String(sec).padStart(2, "0")}s` : `${sec}s`;
+}

@@ -1,0 +1,31 @@
+// Alerts: a feed of alerts, actions, checkpoints and errors, newest first, by severity.
+import { el, panel } from "../plot.js";
+
+const MAX_ITEMS = 200;
+
+export function create(root) {
+  const p = panel(root, "alerts", "Alerts & actions");
+  const list = el("ol", "nbw-feed");
+  p.body.appendChild(list);
+  const empty = el("div", "nbw-small nbw-empty", "nothing yet");
+  p.body.appendChild(empty);
+  return {
+    box: p.box,
+    update(d, full) {
+      if (full) list.replaceChildren();
+      if (!d.items) return;
+      const rows = d.items.map((it) => {
+        const li = el("li", "nbw-item");
+        li.dataset.severity = it.severity;
+        li.dataset.kind = it.kind;
+        li.append(el("span", "nbw-item-step", `step ${it.step}`), el("span", "nbw-item-kind", it.kind),
+          el("span", "nbw-item-msg", it.message));
+        return li;
+      });
+      list.prepend(...rows);
+      while (list.children.length > MAX_ITEMS) list.lastChild.remove();
+      empty.style.display = list.children.length ? "none" : "";
+    },
+    draw() {},
+  };
+}

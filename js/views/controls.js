@@ -1,0 +1,85 @@
+// Controls bar: Pause/Resume, Stop, Checkpoint, Clip (value + on/off), Cut LR (factor).
+// A click sends one command; what the bar shows as done is the runner's event coming back.
+import { el } from "../plot.js";
+
+export function create(root, ctx) {
+  const bar = el("div", "nbw-controls");
+  bar.dataset.panel = "controls";
+  const button = (label, cls) => {
+    const b = el("button", `nbw-btn ${cls}`, label);
+    b.type = "button";
+    bar.appendChild(b);
+    return b;
+  };
+  const pause = button("Pause", "nbw-pause");
+  const stop = button("Stop", "nbw-stop");
+  const ckpt = button("Checkpoint", "nbw-checkpoint");
+  const clipBox = el("span", "nbw-group");
+  const clipOn = el("input", "nbw-clip-on");
+  clipOn.type = "checkbox";
+  clipOn.checked = true;
+  clipOn.title = "on: clip to the value; off: no clipping";
+  const clipVal = el("input", "nbw-clip-value");
+  clipVal.type = "number"; clipVal.min = "0"; clipVal.step = "0.1"; clipVal.value = "1.0";
+  const clip = el("button", "nbw-btn nbw-clip", "Clip");
+  clip.type = "button";
+  clipBox.append(clip, clipVal, clipOn, el("span", "nbw-small", "on"));
+  bar.appendChild(clipBox);
+  const lrBox = el("span", "nbw-group");
+  const lr = el("button", "nbw-btn nbw-lr", "Cut LR");
+  lr.type = "button";
+  const lrVal = el("input", "nbw-lr-factor");
+  lrVal.type = "number"; lrVal.min = "0"; lrVal.step = "0.05"; lrVal.value = "0.5";
+  lrBox.append(lr, el("span", "nbw-small", "×"), lrVal);
+  bar.appendChild(lrBox);
+  const ack = el("span", "nbw-ack");
+  bar.appendChild(ack);
+  root.appendChild(bar);
+
+  let state = "starting";
+  let seen = 0;
+  const pending = (text) => { ack.textContent = text; ack.dataset.pending = "1"; };
+  pause.onclick = () => {
+    const kind = state === "paused" ? "resume" : "pause";
+    ctx.send({ type: "command", kind });
+    pending(`${kind} sent…`);
+  };
+  stop.onclick = () => { ctx.send({ type: "command", kind: "stop" }); pending("stop sent…"); };
+  ckpt.onclick = () => { ctx.send({ type: "command", kind: "checkpoint" }); pending("checkpoint sent…"); };
+  clip.onclick = () => {
+    const v = parseFloat(clipVal.value);
+    const value = clipOn.checked && v > 0 ? v : null;
+    ctx.send({ type: "command", kind: "clip", value });
+    pending("clip sent…");
+  };
+  lr.onclick = () => {
+    const f = parseFloat(lrVal.value);
+    ctx.send({ type: "command", kind: "scale_lr", value: f > 0 ? f : 0.5 });
+    pending("Cut LR sent…");
+  };
+  const all = [pause, stop, ckpt, clip, lr, clipVal, clipOn, lrVal];
+
+  return {
+    box: bar,
+    setState(s) {
+      state = s;
+      pause.textContent = s === "paused" ? "Resume" : "Pause";
+      const ended = ["finished", "stopped", "failed"].includes(s);
+      for (const b of all) b.disabled = ended;
+      bar.dataset.state = s;
+    },
+    // Acknowledgements: the newest action/checkpoint event the runner recorded.
+    events(items) {
+      for (const it of items) {
+        if ((it.kind === "action" || it.kind === "checkpoint") && it.wall >= seen) {
+          seen = it.wall;
+          ack.textContent = `✓ ${it.message}`;
+          delete ack.dataset.pending;
+        }
+      }
+    },
+    refused(msg) { ack.textContent = `✗ ${msg}`; delete ack.dataset.pending; },
+    update() {},
+    draw() {},
+  };
+}

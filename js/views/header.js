@@ -1,0 +1,48 @@
+// Header: run name, state, step/max with a progress bar and ETA, tokens/s, elapsed.
+// A failed run turns red and shows its traceback (as text).
+import { duration, el, fmt } from "../plot.js";
+
+export function create(root) {
+  const box = el("section", "nbw-header");
+  box.dataset.panel = "header";
+  const top = el("div", "nbw-header-top");
+  const name = el("span", "nbw-name");
+  const state = el("span", "nbw-state");
+  const step = el("span", "nbw-step");
+  const stats = el("span", "nbw-stats");
+  top.append(name, state, step, stats);
+  const bar = el("div", "nbw-progress");
+  const fill = el("div", "nbw-progress-fill");
+  bar.appendChild(fill);
+  const error = el("div", "nbw-error");
+  const tb = el("pre", "nbw-traceback");
+  error.appendChild(tb);
+  box.append(top, bar, error);
+  root.appendChild(box);
+  let last = null;
+
+  return {
+    box,
+    get data() { return last; },
+    update(d) {
+      last = d;
+      name.textContent = d.name || "run";
+      state.textContent = d.state;
+      state.dataset.state = d.state;
+      box.dataset.state = d.state;
+      step.textContent = `step ${d.step}${d.max_steps ? ` / ${d.max_steps}` : ""}`;
+      step.dataset.step = String(d.step);
+      fill.style.width = `${Math.round((d.progress || 0) * 1000) / 10}%`;
+      const parts = [];
+      if (d.eta_s !== null && d.eta_s !== undefined) parts.push(`ETA ${duration(d.eta_s)}`);
+      if (d.tokens_per_s) parts.push(`${Math.round(d.tokens_per_s).toLocaleString()} tok/s`);
+      if (d.steps_per_s) parts.push(`${fmt(d.steps_per_s, 3)} steps/s`);
+      parts.push(`elapsed ${duration(d.elapsed_s)}`);
+      stats.textContent = parts.join(" · ");
+      box.classList.toggle("nbw-failed", !!d.failed);
+      error.style.display = d.failed ? "" : "none";
+      tb.textContent = d.failed ? `${d.error || ""}\n\n${d.traceback || ""}` : "";
+    },
+    draw() {},
+  };
+}

@@ -1,0 +1,80 @@
+// Loss: train raw + smoothed, val points, the val−train gap shaded, LR on a second y axis,
+// a log-y toggle, and markers where an action or alert happened.
+import { Series, apply } from "../downsample.js";
+import { baseLayout, COLORS, CONFIG, el, panel, severityColor } from "../plot.js";
+
+const MAX_MARKERS = 300;
+
+export function create(root, ctx) {
+  const p = panel(root, "loss", "Loss");
+  const logLabel = el("label", "nbw-toggle");
+  const logBox = el("input");
+  logBox.type = "checkbox";
+  logBox.className = "nbw-logy";
+  logLabel.append(logBox, document.createTextNode(" log y"));
+  p.head.appendChild(logLabel);
+  const plot = el("div", "nbw-plot");
+  p.body.appendChild(plot);
+  const s = { train: new Series(), smooth: new Series(), val: new Series(), lr: new Series() };
+  let gap = { x: [], y: [], top: [] };
+  let markers = [];
+  let dirty = false;
+  logBox.onchange = () => { dirty = true; ctx.schedule(); };
+
+  return {
+    box: p.box,
+    series: s,
+    update(d, full) {
+      if (full) { gap = { x: [], y: [], top: [] }; markers = []; for (const k in s) s[k].set([], []); }
+      for (const k of ["train", "smooth", "val", "lr"]) dirty = apply(s[k], d[k], full) || dirty;
+      if (d.gap) {
+        gap.x = gap.x.concat(Array.from(d.gap.x));
+        gap.y = gap.y.concat(Array.from(d.gap.y));
+        gap.top = gap.top.concat(Array.from(d.gap.top));
+        dirty = true;
+      }
+      if (d.markers) { markers = markers.concat(d.markers).slice(-MAX_MARKERS); dirty = true; }
+    },
+    restyle() { dirty = true; },
+    draw(Plotly, t) {
+      if (!dirty) return;
+      dirty = false;
+      const traces = [
+        { name: "train loss", x: s.train.x, y: s.train.y, type: "scatter", mode: "lines",
+          line: { color: COLORS["loss/train"], width: 1 }, opacity: 0.45,
+          hovertemplate: "step %{x}<br>train %{y:.4f}<extra></extra>" },
+        { name: "train (smoothed)", x: s.smooth.x, y: s.smooth.y, type: "scatter", mode: "lines",
+          line: { color: COLORS["loss/train_smooth"], width: 2 },
+          hovertemplate: "step %{x}<br>smoothed %{y:.4f}<extra></extra>" },
+        { name: "train at eval", x: gap.x, y: gap.y, type: "scatter", mode: "lines",
+          line: { width: 0, color: COLORS["loss/val"] }, hoverinfo: "skip" },
+        { name: "val − train gap", x: gap.x, y: gap.top, type: "scatter", mode: "lines",
+          line: { width: 0, color: COLORS["loss/val"] }, fill: "tonexty",
+          fillcolor: COLORS.gap, customdata: gap.top.map((v, i) => v - gap.y[i]),
+          hovertemplate: "step %{x}<br>gap %{customdata:.4f}<extra></extra>" },
+        { name: "val loss", x: s.val.x, y: s.val.y, type: "scatter", mode: "lines+markers",
+          line: { color: COLORS["loss/val"], width: 1.5 }, marker: { size: 7 },
+          hovertemplate: "step %{x}<br>val %{y:.4f}<extra></extra>" },
+        { name: "LR", x: s.lr.x, y: s.lr.y, type: "scatter", mode: "lines", yaxis: "y2",
+          line: { color: COLORS.lr, width: 1.5, dash: "dot" },
+          hovertemplate: "step %{x}<br>LR %{y:.3e}<extra></extra>" },
+        { name: "events", x: markers.map((m) => m.step), y: markers.map(() => 1), yaxis: "y3",
+          type: "scatter", mode: "markers", text: markers.map((m) => m.message),
+          marker: { symbol: "triangle-down", size: 10, color: markers.map((m) => severityColor(m.severity)) },
+          hovertemplate: "step %{x}<br>%{text}<extra></extra>" },
+      ];
+      const layout = baseLayout(t, {
+        margin: { l: 52, r: 60, t: 8, b: 32 },
+        showlegend: true,
+        legend: { orientation: "h", y: -0.22, font: { size: 10 } },
+        yaxis: { title: { text: "loss" }, type: logBox.checked ? "log" : "linear", gridcolor: t.grid },
+        yaxis2: { title: { text: "LR" }, overlaying: "y", side: "right", showgrid: false,
+          exponentformat: "e", color: COLORS.lr },
+        yaxis3: { overlaying: "y", range: [0, 1.05], visible: false, fixedrange: true },
+        shapes: markers.map((m) => ({ type: "line", xref: "x", yref: "paper", x0: m.step, x1: m.step,
+          y0: 0, y1: 1, line: { color: severityColor(m.severity), width: 1, dash: "dot" } })),
+      });
+      Plotly.react(plot, traces, layout, CONFIG);
+    },
+  };
+}

@@ -1,0 +1,115 @@
+"""Panel builders (records in → plain dict out) and `Feed`, which keeps a run's downsampled
+mirror and turns what is new in the store into one update per refresh.
+
+The live widget and the HTML export use the same builders, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ..store import RunReader
+from . import alerts, attention, data, grads, header, loss, samples, system, weights
+from .downsample import MAX_POINTS, Downsampler, reduce
+from .tail import Delta, Tail
+
+PANELS = ("header", "loss", "grads", "weights", "attention", "system", "data", "alerts",
+          "samples")
+MAX_EVENTS = 500
+ENDED = ("finished", "stopped", "failed")
+
+
+class Feed:
+    """The dashboard's view of one run: a bounded mirror, updated by `update()`.
+
+    `update()` returns the panels' new content (or None when nothing arrived);
+    `full()` returns everything held, for a view that renders late.
+    """
+
+    def __init__(self, reader: RunReader, max_points: int = MAX_POINTS):
+        self.tail = Tail(reader)
+        self.max_points = max_points
+        self.series: dict[str, Downsampler] = {}
+        self.latest: dict[str, tuple[int, float]] = {}
+        self.events: list[dict[str, Any]] = []
+        self.error: dict[str, Any] | None = None
+        self.columns: dict[str, list[weights.Column]] = {}
+        self.seq_len: tuple[int, np.ndarray, np.ndarray] | None = None
+        self.attention: dict[str, Any] | None = None
+        self.samples: list[dict[str, Any]] = []
+        self.meta: dict[str, Any] = {}
+        self.step = 0
+        self._ema: tuple[float, int] = (0.0, 0)
+        self.more = False
+
+    @property
+    def ended(self) -> bool:
+        """The run is over and everything it wrote has been read."""
+        return self.meta.get("state") in ENDED and not self.more
+
+    def update(self, now: float | None = None) -> dict[str, Any] | None:
+        d = self.tail.poll()
+        self.more = d.more
+        if d.empty():
+            return None
+        return self._fold(d, time.time() if now is None else now)
+
+    def _fold(self, d: Delta, now: float) -> dict[str, Any]:
+        new: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        if "loss/train" in d.scalars:
+            s, v = d.scalars["loss/train"]
+            sm, self._ema = loss.smooth(v, self._ema)
+            d.scalars["loss/train_smooth"] = (s, sm)
+        for key, (s, v) in d.scalars.items():
+            ds = self.series.get(key) or self.series.setdefault(key, Downsampler(self.max_points))
+            ds.extend(s, v)
+            # What the browser folds in: the new points already reduced on the same grid.
+            new[key] = reduce(s, v, ds.width)
+            self.latest[key] = (int(s[-1]), float(v[-1]))
+        new_cols: dict[str, list[weights.Column]] = {}
+        for step, name, edges, counts in d.histograms:
+            if name.startswith("weight/"):
+                layer = name.removeprefix("weight/")
+                new_cols.setdefault(layer, []).append((step, edges, counts))
+                self.columns[layer] = weights.thin([*self.columns.get(layer, []),
+                                                    (step, edges, counts)])
+            elif name == "data/seq_len":
+                self.seq_len = (step, edges, counts)
+        for e in d.events:
+            if e["kind"] == "error":
+                self.error = e
+        self.events = (self.events + d.events)[-MAX_EVENTS:]
+        self.samples = (self.samples + d.samples)[-samples.MAX_ITEMS:]
+        if d.attention is not None:
+            self.attention = d.attention
+        if d.meta is not None:
+            self.meta = d.meta
+        walls = self.tail.recent_walls()
+        self.step = walls[-1][0] if walls else int(self.meta.get("step", 0) or 0)
+        seq = self.seq_len if any(h[1] == "data/seq_len" for h in d.histograms) else None
+        out = self._build(new, d.events, new_cols, seq, d.attention, d.samples, walls, now)
+        return {k: v for k, v in out.items() if v}
+
+    def full(self, now: float | None = None) -> dict[str, Any]:
+        series = {k: (ds.steps, ds.values) for k, ds in self.series.items()}
+        return self._build(series, self.events, self.columns, self.seq_len, self.attention,
+                           self.samples, self.tail.recent_walls(),
+                           time.time() if now is None else now)
+
+    def _build(self, series, events, columns, seq_len, att, new_samples, walls, now
+               ) -> dict[str, Any]:
+        return {
+            "header": header.build(self.meta, self.step, walls, {
+                k: v for k, (_, v) in self.latest.items()}, now, self.error),
+            "loss": loss.build(series, events),
+            "grads": grads.build(series, self.latest, events),
+            "weights": weights.build(columns, series),
+            "attention": attention.build(att),
+            "system": system.build(self.latest),
+            "data": data.build(series, seq_len),
+            "alerts": alerts.build(events),
+            "samples": samples.build(new_samples),
+        }

@@ -1,0 +1,17 @@
+"""Alerts: a feed of alerts, actions, checkpoints and errors, newest first, with severities."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+FEED_KINDS = ("alert", "action", "checkpoint", "error")
+MAX_ITEMS = 200
+
+
+def build(events: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Events (oldest first) → {"items": newest first, at most MAX_ITEMS}."""
+    items = [{"step": int(e["step"]), "kind": str(e["kind"]), "severity": str(e["severity"]),
+              "message": str(e["message"]), "wall": float(e.get("wall", 0.0))}
+             for e in events if e["kind"] in FEED_KINDS]
+    return {"items": items[::-1][:MAX_ITEMS]} if items else {}

@@ -1,0 +1,98 @@
+"""Bounded, min/max-preserving downsampling on a fixed grid of steps.
+
+Steps fall into buckets `step // width`, `width` a power of two chosen from the last step
+alone, so bucket boundaries do not move as points arrive: appending only rewrites the last
+bucket, and when the run outgrows the grid the width doubles and pairs of buckets merge.
+Each bucket keeps its first minimum and first maximum (one point when they coincide), so
+spikes survive and `reduce(reduce(x, w), 2w) == reduce(x, 2w)`: the browser can fold new
+points into what it holds and end up with what a full recomputation would give
+(`js/downsample.js` is the same algorithm).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MAX_POINTS = 5000
+
+
+def bucket_width(last_step: int, max_points: int = MAX_POINTS) -> int:
+    """Smallest power of two `w` for which steps 0..last_step fill ≤ max_points/2 buckets."""
+    buckets = max(max_points // 2, 1)
+    w = 1
+    while last_step // w + 1 > buckets:
+        w *= 2
+    return w
+
+
+def reduce(steps: np.ndarray, values: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Keep the first min and first max of each bucket of `width` steps, in input order.
+
+    Input is ordered by step; non-finite values are dropped (a gap, not a point).
+    """
+    steps = np.asarray(steps, dtype=np.int64)
+    values = np.asarray(values, dtype=np.float32)
+    ok = np.isfinite(values)
+    if not ok.all():
+        steps, values = steps[ok], values[ok]
+    if len(steps) == 0:
+        return steps, values
+    b = steps // width
+    pos = np.arange(len(steps))
+    # lexsort sorts by the last key first: bucket, then value, then position (first wins).
+    lo = np.lexsort((pos, values, b))
+    hi = np.lexsort((pos, -values, b))
+    starts = np.flatnonzero(np.r_[True, b[lo][1:] != b[lo][:-1]])
+    keep = np.union1d(lo[starts], hi[starts])  # sorted positions: input order
+    return steps[keep], values[keep]
+
+
+def downsample(
+    steps: np.ndarray, values: np.ndarray, max_points: int = MAX_POINTS
+) -> tuple[np.ndarray, np.ndarray]:
+    """At most `max_points` points of a whole series, min and max of every bucket kept."""
+    steps = np.asarray(steps, dtype=np.int64)
+    if len(steps) == 0:
+        return steps, np.asarray(values, dtype=np.float32)
+    return reduce(steps, values, bucket_width(int(steps.max()), max_points))
+
+
+class Downsampler:
+    """One series, downsampled incrementally: `extend()` with new points, read `.steps`/`.values`.
+
+    Equal to `downsample()` of everything extended so far. Points older than the last bucket
+    held (a resumed run re-recording steps) are dropped.
+    """
+
+    def __init__(self, max_points: int = MAX_POINTS):
+        self.max_points = max_points
+        self.width = 1
+        self.steps = np.empty(0, dtype=np.int64)
+        self.values = np.empty(0, dtype=np.float32)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def extend(self, steps: np.ndarray, values: np.ndarray) -> None:
+        steps = np.asarray(steps, dtype=np.int64)
+        values = np.asarray(values, dtype=np.float32)
+        if len(steps) == 0:
+            return
+        last = int(steps.max())
+        if len(self.steps):
+            last = max(last, int(self.steps[-1]))
+        w = bucket_width(last, self.max_points)
+        if w != self.width or not len(self.steps):
+            self.width = w
+            self.steps, self.values = reduce(
+                np.r_[self.steps, steps], np.r_[self.values, values], w
+            )
+            return
+        start = (int(self.steps[-1]) // w) * w  # the open bucket: the only one that changes
+        i = int(np.searchsorted(self.steps, start))
+        new = steps >= start
+        tail_s, tail_v = reduce(
+            np.r_[self.steps[i:], steps[new]], np.r_[self.values[i:], values[new]], w
+        )
+        self.steps = np.r_[self.steps[:i], tail_s]
+        self.values = np.r_[self.values[:i], tail_v]

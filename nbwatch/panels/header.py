@@ -1,0 +1,43 @@
+"""Header: run name, state, step/max with progress and ETA, tokens/s, elapsed; red on failure."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+LIVE_STATES = ("starting", "running", "paused")
+
+
+def build(
+    meta: Mapping[str, Any],
+    step: int,
+    walls: list[tuple[int, float]],
+    latest: Mapping[str, float],
+    now: float,
+    error: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """`walls`: (step, wall time) of recent steps, oldest first; `error`: the error event."""
+    state = str(meta.get("state", "unknown"))
+    max_steps = meta.get("max_steps")
+    rate = None
+    if len(walls) >= 2 and walls[-1][1] > walls[0][1]:
+        rate = (walls[-1][0] - walls[0][0]) / (walls[-1][1] - walls[0][1])  # steps/s
+    eta = None
+    if max_steps and rate and state in ("running", "starting"):
+        eta = max(int(max_steps) - step, 0) / rate
+    started = meta.get("started")
+    end = now if state in LIVE_STATES or not walls else walls[-1][1]
+    return {
+        "name": str(meta.get("name", "")),
+        "state": state,
+        "step": int(step),
+        "max_steps": int(max_steps) if max_steps else None,
+        "progress": min(step / int(max_steps), 1.0) if max_steps else None,
+        "steps_per_s": rate,
+        "eta_s": eta,
+        "elapsed_s": max(end - float(started), 0.0) if started else None,
+        "tokens_per_s": latest.get("throughput/tokens_per_s"),
+        "failed": state == "failed" or error is not None,
+        "error": str(error["message"]) if error else None,
+        "traceback": str(error.get("data", {}).get("traceback", "")) if error else None,
+    }

@@ -1,0 +1,108 @@
+"""Read what is new in a run's store since the last call, by id cursors.
+
+Every query is `WHERE id > cursor` on a primary key, capped at `chunk` rows, so one call
+costs what arrived since the previous one, not what the run holds. A run folder being
+written by another process is read the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..store import RunReader
+
+
+@dataclass
+class Delta:
+    """What arrived since the previous `Tail.poll()`."""
+
+    scalars: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    histograms: list[tuple[int, str, np.ndarray, np.ndarray]] = field(default_factory=list)
+    attention: dict[str, Any] | None = None  # the newest probe step, whole, when it changed
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    meta: dict[str, Any] | None = None  # when it changed
+    more: bool = False  # a chunk cap was hit: poll again at once
+
+    def empty(self) -> bool:
+        return not (self.scalars or self.events or self.histograms or self.samples
+                    or self.attention is not None or self.meta is not None)
+
+
+class Tail:
+    """Incremental reader of one run folder."""
+
+    def __init__(self, reader: RunReader, chunk: int = 200_000):
+        self.reader = reader
+        self.chunk = chunk
+        self.scalar_id = self.event_id = self.hist_id = self.attn_id = self.sample_id = 0
+        self._meta_raw: list[tuple] | None = None
+
+    def poll(self) -> Delta:
+        q = self.reader.query
+        d = Delta()
+        rows = q(
+            "SELECT s.id, s.step, k.name, s.value FROM scalars s JOIN keys k ON s.key = k.id"
+            " WHERE s.id > ? ORDER BY s.id LIMIT ?", (self.scalar_id, self.chunk))
+        if rows:
+            self.scalar_id = rows[-1][0]
+            d.more = len(rows) == self.chunk
+            d.scalars = _group(rows)
+        rows = q("SELECT id, step, wall, kind, severity, message, data FROM events"
+                 " WHERE id > ? ORDER BY id", (self.event_id,))
+        if rows:
+            self.event_id = rows[-1][0]
+            d.events = [
+                {"id": r[0], "step": r[1], "wall": r[2], "kind": r[3], "severity": r[4],
+                 "message": r[5], "data": json.loads(r[6])} for r in rows]
+        rows = q("SELECT id, step, name, edges, counts FROM histograms WHERE id > ?"
+                 " ORDER BY id LIMIT ?", (self.hist_id, self.chunk // 100))
+        if rows:
+            self.hist_id = rows[-1][0]
+            d.more = d.more or len(rows) == self.chunk // 100
+            d.histograms = [
+                (r[1], r[2], np.frombuffer(r[3], dtype=np.float64),
+                 np.frombuffer(r[4], dtype=np.int64)) for r in rows]
+        rows = q("SELECT MAX(id), MAX(step) FROM attention WHERE id > ?", (self.attn_id,))
+        if rows and rows[0][0] is not None:
+            self.attn_id = rows[0][0]
+            d.attention = self._attention(int(rows[0][1]))
+        rows = q("SELECT id, step, text FROM samples WHERE id > ? ORDER BY id", (self.sample_id,))
+        if rows:
+            self.sample_id = rows[-1][0]
+            d.samples = [{"step": r[1], "text": r[2]} for r in rows]
+        meta = q("SELECT key, value FROM meta ORDER BY key")
+        if meta != self._meta_raw:
+            self._meta_raw = meta
+            d.meta = {k: json.loads(v) for k, v in meta}
+        return d
+
+    def _attention(self, step: int) -> dict[str, Any]:
+        """Every probe sample of one step: {step, samples: [{tokens, maps: {module: [H,T,S]}}]}."""
+        n = self.reader.query("SELECT MAX(sample) FROM attention WHERE step = ?", (step,))[0][0]
+        samples = []
+        for i in range(int(n) + 1 if n is not None else 0):
+            samples.append({"tokens": self.reader.attention_tokens(step, i),
+                            "maps": self.reader.attention(step, i)})
+        return {"step": step, "samples": samples}
+
+    def recent_walls(self, n: int = 64) -> list[tuple[int, float]]:
+        """(step, wall) of the newest `n` recorded steps, oldest first (for rates and ETA)."""
+        rows = self.reader.query("SELECT step, wall FROM steps ORDER BY step DESC LIMIT ?", (n,))
+        return [(int(s), float(w)) for s, w in reversed(rows)]
+
+
+def _group(rows: list[tuple]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Rows (id, step, key, value) → {key: (steps int64, values float32)}, keys in order of
+    first appearance (for per-layer keys: the model's depth order)."""
+    acc: dict[str, tuple[list[int], list[float]]] = {}
+    for _, step, key, value in rows:
+        s, v = acc.get(key) or acc.setdefault(key, ([], []))
+        s.append(step)
+        v.append(np.nan if value is None else value)
+    return {k: (np.array(s, dtype=np.int64), np.array(v, dtype=np.float32))
+            for k, (s, v) in acc.items()}

@@ -1,0 +1,204 @@
+"""The dashboard: one anywidget that tails a run's store and draws every panel.
+
+The widget holds no training logic. A daemon thread polls the store at ≤ 4 Hz (id cursors:
+each poll costs what arrived since the last) and sends one custom message per refresh
+with only what is new, numeric series as binary buffers. A view that renders late (page
+reload, a second view) says "hello" and gets the whole downsampled state back. Buttons
+send one command message; it calls the Monitor's control method, and the runner's event
+coming back through the store is what the page shows as the acknowledgement.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anywidget
+import numpy as np
+import traitlets
+
+from .panels import Feed
+from .store import RunReader, is_run_dir
+
+if TYPE_CHECKING:
+    from .monitor import Monitor
+
+log = logging.getLogger("nbwatch.widget")
+_STATIC = Path(__file__).parent / "static"
+_DTYPES = {np.dtype(np.float32): "f4", np.dtype(np.int32): "i4", np.dtype(np.uint8): "u1"}
+_PLOTLY: bytes | None = None
+
+
+def _plotly_source() -> bytes:
+    """plotly.js as an ES module, shipped in the package (read once per process)."""
+    global _PLOTLY
+    if _PLOTLY is None:
+        _PLOTLY = (_STATIC / "plotly.js").read_bytes()
+    return _PLOTLY
+
+
+def pack(obj: Any, buffers: list[memoryview]) -> Any:
+    """Replace numpy arrays in a JSON-able tree by `{"$buf": i, "dtype", "shape"}`, their bytes
+    appended to `buffers` (float64/int64 are narrowed to float32/int32)."""
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind == "f":
+            obj = obj.astype(np.float32, copy=False)
+        elif obj.dtype.kind in "iu" and obj.dtype != np.uint8:
+            obj = obj.astype(np.int32, copy=False)
+        buffers.append(memoryview(np.ascontiguousarray(obj)).cast("B"))
+        return {"$buf": len(buffers) - 1, "dtype": _DTYPES[obj.dtype], "shape": list(obj.shape)}
+    if isinstance(obj, dict):
+        return {str(k): pack(v, buffers) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [pack(v, buffers) for v in obj]
+    if isinstance(obj, (np.floating, float)):
+        f = float(obj)
+        return f if np.isfinite(f) else None
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return obj
+
+
+class Dashboard(anywidget.AnyWidget):
+    """Live dashboard of a run. `Dashboard.for_monitor(mon)` (with controls) or
+    `Dashboard.for_run("runs/exp1")` (read-only).
+
+    >>> Dashboard.for_run("runs/exp1")   # in a notebook cell: the whole run, redrawn
+    """
+
+    _esm = _STATIC / "dashboard.js"
+    _css = _STATIC / "dashboard.css"
+    live = traitlets.Bool(False).tag(sync=True)
+    run_dir = traitlets.Unicode("").tag(sync=True)
+
+    def __init__(self, run_dir: str | Path, monitor: Monitor | None = None,
+                 interval: float = 0.25, **kwargs: Any):
+        super().__init__(live=monitor is not None, run_dir=str(run_dir), **kwargs)
+        self._dir = Path(run_dir)
+        self._monitor = monitor
+        self.interval = max(float(interval), 0.25)  # ≤ 4 refreshes/s
+        self._feed: Feed | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.refreshes = 0  # messages sent by the poll thread, for tests and benchmarks
+        self.on_msg(self._on_msg)
+        self._thread = threading.Thread(target=self._loop, name="nbwatch-dashboard",
+                                        daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def for_monitor(cls, monitor: Monitor, **kwargs: Any) -> Dashboard:
+        """The live dashboard of a Monitor's run, with its controls."""
+        return cls(monitor.run_dir, monitor=monitor, **kwargs)
+
+    @classmethod
+    def for_run(cls, run_dir: str | Path, **kwargs: Any) -> Dashboard:
+        """A read-only dashboard of a run folder (finished, or written by another process)."""
+        if not is_run_dir(run_dir):
+            raise FileNotFoundError(f"{run_dir} holds no nbwatch run; pass a Monitor's run_dir")
+        return cls(run_dir, **kwargs)
+
+    # -- the poll thread ----------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self._feed is None and is_run_dir(self._dir):
+                    self._feed = Feed(RunReader(self._dir))
+                if self._feed is not None:
+                    self.refresh()
+                    if self._done():
+                        self.refresh()  # whatever the run committed while it closed
+                        break
+                self._stop.wait(self.interval)
+        except Exception:  # never die silently; the page keeps what it has
+            log.exception("nbwatch dashboard stopped updating")
+        finally:
+            if self._feed is not None:
+                self._feed.tail.reader.close()
+
+    def _done(self) -> bool:
+        mon = self._monitor
+        return self._feed is not None and self._feed.ended and (mon is None or not mon.running)
+
+    def refresh(self) -> bool:
+        """Read what is new and send it as one message; True when something was sent.
+
+        While a long history is being read (a reopened run), chunks are folded in without
+        sending and one full state goes out when the reader has caught up."""
+        feed = self._feed
+        if feed is None:
+            return False
+        with self._lock:
+            upd = feed.update()
+            caught_up = False
+            while feed.more and not self._stop.is_set():
+                feed.update()
+                caught_up = True
+            if caught_up:
+                self._post({"type": "full", "to": None, "panels": feed.full()})
+            elif upd:
+                self._post({"type": "delta", "panels": upd})
+            else:
+                return False
+            self.refreshes += 1
+            return True
+
+    def _post(self, content: dict[str, Any], extra: list[bytes] | None = None) -> None:
+        buffers: list[Any] = list(extra or [])
+        msg = pack(content, buffers)
+        self.send(msg, buffers=buffers)
+
+    # -- messages from the page ---------------------------------------------------------
+    def _on_msg(self, _widget: Any, content: dict[str, Any], _buffers: list[bytes]) -> None:
+        kind = content.get("type")
+        view = content.get("view")
+        if kind == "hello":
+            if content.get("plotly"):
+                self.send({"type": "plotly", "to": view}, buffers=[_plotly_source()])
+            with self._lock:
+                panels = self._feed.full() if self._feed is not None else {}
+                self._post({"type": "full", "to": view, "panels": panels})
+        elif kind == "command":
+            try:
+                self.command(str(content.get("kind")), content.get("value"))
+            except (RuntimeError, ValueError, TypeError) as e:
+                self.send({"type": "refused", "to": view, "kind": content.get("kind"),
+                           "message": str(e)})
+
+    def command(self, kind: str, value: Any = None) -> None:
+        """Apply a button: exactly the Monitor's control method of the same name."""
+        mon = self._monitor
+        if mon is None:
+            raise RuntimeError("this dashboard is read-only: it shows a run from its folder")
+        if kind == "pause":
+            mon.pause()
+        elif kind == "resume":
+            mon.resume()
+        elif kind == "stop":
+            mon.stop()
+        elif kind == "checkpoint":
+            mon.checkpoint()
+        elif kind == "clip":
+            mon.set_clip(None if value is None else float(value))
+        elif kind == "scale_lr":
+            mon.scale_lr(float(value if value is not None else 0.5))
+        else:
+            raise ValueError(f"unknown command {kind!r}")
+
+    # -- lifecycle ----------------------------------------------------------------------
+    @property
+    def polling(self) -> bool:
+        """True while the poll thread runs (it ends once the run has ended and all is sent)."""
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the poll thread (the page keeps what it shows)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def close(self) -> None:
+        self.stop()
+        super().close()

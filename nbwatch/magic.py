@@ -1,0 +1,63 @@
+"""`%nbwatch`: show the current run's dashboard, reopen a run folder, or list runs.
+
+    %nbwatch               the dashboard of the most recently started Monitor
+    %nbwatch RUN_DIR       a read-only dashboard of a run folder (finished or running)
+    %nbwatch ls [ROOT]     the runs under ROOT (default: runs)
+
+Button clicks are handled while the kernel is idle: a cell blocked in `mon.wait()`
+(or any long cell) holds them until it returns.
+"""
+
+from __future__ import annotations
+
+import shlex
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .monitor import Monitor
+
+_latest: weakref.ref[Monitor] | None = None
+
+
+def remember(monitor: Monitor) -> None:
+    """Make `monitor` the one a bare `%nbwatch` shows (called by `Monitor.start`)."""
+    global _latest
+    _latest = weakref.ref(monitor)
+
+
+def latest() -> Monitor | None:
+    """The most recently started Monitor still alive, if any."""
+    return _latest() if _latest is not None else None
+
+
+def nbwatch_magic(line: str) -> Any:
+    """`%nbwatch`, `%nbwatch RUN_DIR`, `%nbwatch ls [ROOT]`."""
+    from .widget import Dashboard
+
+    args = shlex.split(line)
+    if not args:
+        mon = latest()
+        if mon is None:
+            print("no nbwatch Monitor has started in this kernel; start one with "
+                  "mon.start(...), or pass a run folder: %nbwatch runs/exp1")
+            return None
+        return Dashboard.for_monitor(mon)
+    if args[0] == "ls":
+        from .cli import main
+
+        main(["ls", *args[1:2]])
+        return None
+    path = Path(args[0]).expanduser()
+    from .store import is_run_dir
+
+    if not is_run_dir(path):
+        print(f"{path} holds no nbwatch run; `%nbwatch ls` lists the runs under ./runs")
+        return None
+    return Dashboard.for_run(path)
+
+
+def register(ipython: Any) -> None:
+    """Register `%nbwatch` on an IPython shell (`%load_ext nbwatch` calls this)."""
+    ipython.register_magic_function(nbwatch_magic, magic_kind="line", magic_name="nbwatch")

@@ -1,0 +1,110 @@
+"""Each panel builder: records in → plain dict out, values checked."""
+
+import numpy as np
+
+from nbwatch.panels import alerts, attention, data, grads, header, loss, samples, system, weights
+
+
+def s(steps, values):
+    return np.asarray(steps, dtype=np.int64), np.asarray(values, dtype=np.float32)
+
+
+def test_header_progress_eta_and_failure():
+    meta = {"name": "exp<1>", "state": "running", "max_steps": 100, "started": 1000.0}
+    walls = [(10, 1010.0), (20, 1015.0)]  # 2 steps/s
+    h = header.build(meta, 20, walls, {"throughput/tokens_per_s": 5000.0}, now=1020.0)
+    assert h["name"] == "exp<1>" and h["progress"] == 0.2 and h["steps_per_s"] == 2.0
+    assert h["eta_s"] == 40.0 and h["elapsed_s"] == 20.0 and h["tokens_per_s"] == 5000.0
+    assert not h["failed"]
+    err = {"message": "RuntimeError: boom", "data": {"traceback": "Traceback...\nboom"}}
+    h = header.build({**meta, "state": "failed"}, 20, walls, {}, now=1100.0, error=err)
+    assert h["failed"] and h["eta_s"] is None and "boom" in h["traceback"]
+    assert h["elapsed_s"] == 15.0  # an ended run's clock stops at its last step
+
+
+def test_loss_traces_gap_and_markers():
+    series = {"loss/train": s([1, 2, 3, 4], [4, 3, 2, 1]), "loss/val": s([2, 4], [3.5, 2.0]),
+              "loss/gap": s([2, 4], [0.0, 0.5]), "lr": s([1, 2, 3, 4], [1, 1, 0.5, 0.5])}
+    ev = [{"step": 3, "kind": "action", "severity": "info", "message": "LR scaled ×0.5"},
+          {"step": 3, "kind": "state", "severity": "info", "message": "run paused"}]
+    d = loss.build(series, ev)
+    assert d["train"]["y"].dtype == np.float32 and list(d["lr"]["y"]) == [1, 1, 0.5, 0.5]
+    assert list(d["gap"]["x"]) == [2, 4] and list(d["gap"]["y"]) == [3.5, 1.5]
+    assert [m["message"] for m in d["markers"]] == ["LR scaled ×0.5"]
+
+
+def test_smooth_resumes_where_it_stopped():
+    v = np.array([1, 2, np.nan, 4, 5, 6], dtype=np.float32)
+    whole, _ = loss.smooth(v)
+    a, carry = loss.smooth(v[:3])
+    b, _ = loss.smooth(v[3:], carry)
+    np.testing.assert_allclose(np.r_[a, b], whole)
+    assert whole[0] == 1.0 and np.isnan(whole[2])
+
+
+def test_grads_latest_layers_in_depth_order_and_clip_line():
+    latest = {"grad_norm/global": (5, 2.0), "grad_norm/emb": (5, 0.1),
+              "grad_norm/blocks.0.attn": (5, 0.7), "grad_norm/clipped": (5, 1.0),
+              "grad_norm/head": (5, 0.3)}
+    series = {"grad_norm/global": s([5], [2.0]), "grad_norm/emb": s([5], [0.1])}
+    ev = [{"step": 3, "kind": "action", "severity": "info", "message": "",
+           "data": {"command": "clip", "value": 1.0}}]
+    d = grads.build(series, latest, ev)
+    assert d["layers"] == ["emb", "blocks.0.attn", "head"]
+    assert d["norms"] == [0.1, 0.7, 0.3] and d["step"] == 5
+    assert d["clip"] == [{"step": 3, "value": 1.0}]
+
+
+def test_weights_columns_ratios_and_heatmap():
+    cols = {"fc": [(1, np.linspace(-1, 1, 5), np.array([1, 2, 3, 4])),
+                   (2, np.linspace(-2, 2, 5), np.array([4, 0, 0, 4]))]}
+    d = weights.build(cols, {"update_ratio/fc": s([1, 2], [1e-3, 2e-3])})
+    assert d["hist"]["fc"]["edges"].shape == (2, 5) and d["hist"]["fc"]["counts"].shape == (2, 4)
+    assert list(d["ratios"]) == ["fc"]
+    h = weights.heatmap(d["hist"]["fc"]["steps"], d["hist"]["fc"]["edges"],
+                        d["hist"]["fc"]["counts"], bins=8)
+    assert h["z"].shape == (8, 2) and np.allclose(h["z"].sum(axis=0), 1.0)
+    assert h["y"][0] > -2 and h["y"][-1] < 2
+    assert h["z"][1, 1] == 0.5  # step 2: half the weights at -1.5, the bin [-1.5, -1)
+    many = [(i, None, None) for i in range(1000)]
+    thinned = weights.thin(many)
+    assert len(thinned) <= weights.MAX_COLUMNS and thinned[-1][0] == 999
+
+
+def test_attention_quantised_grid():
+    maps = {"b0.attn": np.full((2, 3, 3), 1 / 3), "b1.attn": np.eye(3)[None].repeat(2, 0)}
+    d = attention.build({"step": 10, "samples": [{"tokens": ["a", "<b>", "c"], "maps": maps}]})
+    m = d["samples"][0]["maps"]
+    assert m.shape == (2, 2, 3, 3) and m.dtype == np.uint8
+    assert m[0, 0, 0, 0] == 85 and m[1, 1, 2, 2] == 255 and m[1, 1, 2, 1] == 0
+    assert d["modules"] == ["b0.attn", "b1.attn"] and d["samples"][0]["tokens"][1] == "<b>"
+    assert attention.build(None) == {}
+
+
+def test_system_gpus_or_cpu():
+    gpu = system.build({"system/gpu0/util": (1, 90.0), "system/gpu0/mem_used_gb": (1, 10.0),
+                        "system/gpu0/mem_total_gb": (1, 80.0), "system/gpu1/temp_c": (1, 60.0)})
+    assert [g["index"] for g in gpu["gpus"]] == [0, 1]
+    assert gpu["gpus"][0]["util"] == 90.0 and gpu["gpus"][1]["temp_c"] == 60.0
+    cpu = system.build({"system/cpu/util": (1, 50.0), "system/ram/used_gb": (1, 3.0),
+                        "system/ram/total_gb": (1, 8.0)})
+    assert cpu["gpus"] == [] and cpu["cpu_util"] == 50.0 and cpu["ram_total_gb"] == 8.0
+
+
+def test_data_series_and_seq_len():
+    d = data.build({"data/padding_ratio": s([1, 2], [0.25, 0.5]), "time/data": s([1], [0.01])},
+                   (50, np.array([0.0, 8, 16]), np.array([3, 5])))
+    assert list(d["padding"]["y"]) == [0.25, 0.5] and "time_compute" not in d
+    assert d["seq_len"]["step"] == 50 and list(d["seq_len"]["counts"]) == [3, 5]
+
+
+def test_alerts_and_samples_newest_first():
+    ev = [{"step": i, "kind": k, "severity": sev, "message": f"m{i}", "wall": float(i)}
+          for i, (k, sev) in enumerate([("alert", "warning"), ("state", "info"),
+                                        ("error", "critical"), ("checkpoint", "info")])]
+    d = alerts.build(ev)
+    assert [it["step"] for it in d["items"]] == [3, 2, 0]
+    assert d["items"][1]["severity"] == "critical"
+    d = samples.build([{"step": 1, "text": "<script>x</script>"}, {"step": 2, "text": "b"}])
+    assert [it["step"] for it in d["items"]] == [2, 1]
+    assert d["items"][1]["text"] == "<script>x</script>"  # escaped by the view, not mangled

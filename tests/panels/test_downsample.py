@@ -1,0 +1,65 @@
+import numpy as np
+import pytest
+
+from nbwatch.panels.downsample import Downsampler, bucket_width, downsample, reduce
+
+
+def walk(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return np.arange(1, n + 1), np.cumsum(rng.normal(size=n)).astype(np.float32)
+
+
+def test_bounded_and_min_max_of_every_bucket_kept():
+    steps, values = walk(1_000_000)
+    xs, ys = downsample(steps, values, 5000)
+    assert len(xs) <= 5000
+    w = bucket_width(int(steps[-1]), 5000)
+    buckets = steps // w
+    for b in np.unique(buckets)[::97]:
+        sel = buckets == b
+        kept = ys[(xs // w) == b]
+        assert kept.min() == values[sel].min() and kept.max() == values[sel].max()
+    assert ys.min() == values.min() and ys.max() == values.max()
+    assert np.all(np.diff(xs) > 0)
+
+
+def test_short_series_untouched_and_spike_survives():
+    steps, values = walk(1000)
+    xs, ys = downsample(steps, values)
+    np.testing.assert_array_equal(xs, steps)
+    values[123_456 % 1000] = 1e6
+    big_s, big_v = walk(200_000)
+    big_v[150_001] = 1e6
+    xs, ys = downsample(big_s, big_v)
+    assert 1e6 in ys and big_s[150_001] in xs
+
+
+def test_non_finite_values_are_gaps():
+    xs, ys = reduce(np.arange(6), np.array([1, np.nan, 3, np.inf, 2, 0], dtype=np.float32), 1)
+    assert list(xs) == [0, 2, 4, 5]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 250, 10_000])
+def test_incremental_equals_full_and_stable_between_refreshes(chunk):
+    steps, values = walk(60_000, seed=1)
+    ds = Downsampler(2000)
+    prev = None
+    for i in range(0, len(steps), chunk):
+        ds.extend(steps[i:i + chunk], values[i:i + chunk])
+        if prev is not None and ds.width == prev[2]:
+            # Only the open (last) bucket may change between refreshes: no flicker.
+            closed = prev[0] < (prev[0][-1] // ds.width) * ds.width
+            n = int(closed.sum())
+            np.testing.assert_array_equal(ds.steps[:n], prev[0][:n])
+            np.testing.assert_array_equal(ds.values[:n], prev[1][:n])
+        prev = (ds.steps.copy(), ds.values.copy(), ds.width)
+    xs, ys = downsample(steps, values, 2000)
+    np.testing.assert_array_equal(ds.steps, xs)
+    np.testing.assert_array_equal(ds.values, ys)
+    assert len(ds) <= 2000
+
+
+def test_width_doubling_merges_buckets():
+    steps, values = walk(20_000, seed=2)
+    once = reduce(steps, values, 16)
+    np.testing.assert_array_equal(reduce(*once, 32)[0], reduce(steps, values, 32)[0])

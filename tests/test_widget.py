@@ -1,0 +1,199 @@
+"""The dashboard widget at the Python level: what it sends, the replay a late view gets,
+and buttons reaching a real Monitor training the tiny GPT."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import nbwatch
+from nbwatch.magic import nbwatch_magic, remember
+from nbwatch.widget import Dashboard, pack
+from tests.conftest import tiny_step
+
+
+class Outbox:
+    """Collects what the widget sends (the comm outside a kernel goes nowhere)."""
+
+    def __init__(self, dash: Dashboard):
+        self.msgs: list[tuple[dict, list]] = []
+        dash.send = lambda content, buffers=None: self.msgs.append((content, buffers or []))
+
+    def of(self, kind: str) -> list[tuple[dict, list]]:
+        return [m for m in self.msgs if m[0]["type"] == kind]
+
+
+def unpack(obj, buffers):
+    if isinstance(obj, dict):
+        if "$buf" in obj:
+            dt = {"f4": np.float32, "i4": np.int32, "u1": np.uint8}[obj["dtype"]]
+            return np.frombuffer(buffers[obj["$buf"]], dtype=dt).reshape(obj["shape"])
+        return {k: unpack(v, buffers) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [unpack(v, buffers) for v in obj]
+    return obj
+
+
+def wait_for(cond, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met")
+        time.sleep(0.05)
+
+
+def slow_step(model, batch):
+    time.sleep(0.03)
+    return tiny_step(model, batch)
+
+
+def start(tiny, tmp_path, steps=40, fn=tiny_step, **kw):
+    model, opt, batches = tiny
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run", config={"name": "<b>x</b>"})
+    mon.start(fn, batches, max_steps=steps, val_fn=lambda m: 1.0, eval_every=10,
+              probe_batch=batches[0], display=False, **kw)
+    return mon
+
+
+def test_deltas_carry_only_new_points_as_binary_buffers(tiny, tmp_path):
+    mon = start(tiny, tmp_path, steps=60, fn=slow_step)
+    dash = Dashboard.for_monitor(mon)
+    out = Outbox(dash)
+    mon.wait()
+    wait_for(lambda: not dash.polling)  # the poll thread ends once the run has ended
+    deltas = [unpack(c["panels"], b) for c, b in out.of("delta")]
+    assert len(deltas) >= 2
+    for _, b in out.of("delta"):
+        assert all(isinstance(x, memoryview) for x in b)
+    train = [d["loss"]["train"] for d in deltas if "train" in d.get("loss", {})]
+    steps = np.concatenate([t["x"] for t in train])
+    assert train[0]["y"].dtype == np.float32
+    # Each step travels once, in order; together the deltas hold what the store holds.
+    assert np.all(np.diff(steps) > 0)
+    df = mon.df
+    assert steps[-1] == 60 and set(steps) <= set(df.index)
+    last = np.concatenate([t["y"] for t in train])[-1]
+    assert last == pytest.approx(df["loss/train"].iloc[-1], rel=1e-6)
+    assert deltas[-1]["header"]["state"] == "finished"
+    dash.close()
+
+
+def test_hello_gets_plotly_once_and_the_whole_history(tiny, tmp_path):
+    mon = start(tiny, tmp_path, steps=30)
+    mon.wait()
+    dash = Dashboard.for_run(mon.run_dir)
+    wait_for(lambda: not dash.polling)
+    out = Outbox(dash)
+    dash._on_msg(dash, {"type": "hello", "view": "v1", "plotly": True}, [])
+    dash._on_msg(dash, {"type": "hello", "view": "v2", "plotly": False}, [])
+    assert [c["type"] for c, _ in out.msgs] == ["plotly", "full", "full"]
+    plotly = out.msgs[0][1][0]
+    assert len(plotly) > 1_000_000 and b"scatter" in bytes(plotly[:2_000_000])
+    full, bufs = out.msgs[1]
+    assert full["to"] == "v1" and out.msgs[2][0]["to"] == "v2"
+    p = unpack(full["panels"], bufs)
+    assert list(p["loss"]["train"]["x"]) == list(range(1, 31))
+    assert list(p["loss"]["val"]["x"]) == [10, 20, 30]
+    assert p["header"] == {**p["header"], "step": 30, "max_steps": 30, "state": "finished"}
+    assert p["header"]["name"] == "run"
+    assert p["grads"]["layers"][0] == "tok_emb" and len(p["grads"]["norms"]) == 16
+    assert p["attention"]["samples"][0]["maps"].dtype == np.uint8
+    assert set(p["weights"]["hist"]) >= {"tok_emb", "head"}
+    assert [it["kind"] for it in p["alerts"]["items"]][0] == "checkpoint"
+    dash.close()
+
+
+def test_buttons_call_the_monitor_and_the_ack_comes_back(tiny, tmp_path):
+    mon = start(tiny, tmp_path, steps=2000, fn=slow_step)
+    dash = Dashboard.for_monitor(mon)
+    out = Outbox(dash)
+    click = lambda kind, value=None: dash._on_msg(
+        dash, {"type": "command", "view": "v", "kind": kind, "value": value}, [])
+    try:
+        wait_for(lambda: mon.step >= 5)
+        click("pause")
+        wait_for(lambda: mon.state == "paused")
+        at = mon.step
+        time.sleep(0.5)
+        assert mon.step == at
+        click("scale_lr", 0.5)
+        click("clip", 0.05)
+        click("checkpoint")
+        click("resume")
+        wait_for(lambda: mon.step >= at + 5)
+        wait_for(lambda: any(
+            "LR scaled" in it["message"] for c, b in out.of("delta")
+            for it in unpack(c["panels"], b).get("alerts", {}).get("items", [])))
+        assert list((mon.run_dir / "checkpoints").glob("*.pt"))
+        df = mon.df
+        assert df["grad_norm/clipped"].iloc[-1] <= 0.05 * (1 + 1e-4)
+        click("clip", None)
+        click("bogus")
+        assert out.of("refused")[-1][0]["message"].startswith("unknown command")
+    finally:
+        click("stop")
+        mon.wait()
+        dash.close()
+    assert mon.state == "stopped"
+    click("pause")  # a finished run refuses, politely
+    assert "not running" in out.of("refused")[-1][0]["message"]
+    ro = Dashboard.for_run(mon.run_dir)
+    with pytest.raises(RuntimeError, match="read-only"):
+        ro.command("pause")
+    ro.close()
+
+
+def test_failed_run_shows_red_with_traceback(tiny, tmp_path):
+    def boom(model, batch):
+        if boom.n == 5:
+            raise RuntimeError("loss went to the moon")
+        boom.n += 1
+        return tiny_step(model, batch)
+
+    boom.n = 0
+    mon = start(tiny, tmp_path, steps=50, fn=boom)
+    dash = Dashboard.for_monitor(mon)
+    with pytest.raises(RuntimeError):
+        mon.wait()
+    wait_for(lambda: not dash.polling)
+    out = Outbox(dash)
+    dash._on_msg(dash, {"type": "hello", "view": "v", "plotly": False}, [])
+    h = out.of("full")[0][0]["panels"]["header"]
+    assert h["failed"] and h["state"] == "failed"
+    assert "loss went to the moon" in h["traceback"] and "Traceback" in h["traceback"]
+    dash.close()
+
+
+def test_close_stops_the_poll_thread_of_a_live_run(tiny, tmp_path):
+    mon = start(tiny, tmp_path, steps=2000, fn=slow_step)
+    dash = Dashboard.for_monitor(mon)
+    wait_for(lambda: dash.refreshes > 0)
+    dash.close()
+    assert not dash.polling
+    mon.stop()
+    mon.wait()
+
+
+def test_pack_narrows_and_flags_non_finite():
+    bufs: list = []
+    out = pack({"a": np.arange(3, dtype=np.int64), "b": [np.float64("nan"), 1.5],
+                "c": np.ones((2, 2))}, bufs)
+    assert out["a"]["dtype"] == "i4" and out["c"] == {"$buf": 1, "dtype": "f4", "shape": [2, 2]}
+    assert out["b"] == [None, 1.5] and len(bufs) == 2
+
+
+def test_magic_shows_latest_monitor_and_reopens_runs(tiny, tmp_path, capsys):
+    mon = start(tiny, tmp_path, steps=10)
+    mon.wait()
+    remember(mon)
+    live = nbwatch_magic("")
+    assert isinstance(live, Dashboard) and live.live
+    ro = nbwatch_magic(str(mon.run_dir))
+    assert isinstance(ro, Dashboard) and not ro.live
+    nbwatch_magic(f"ls {tmp_path}")
+    assert "run" in capsys.readouterr().out
+    assert nbwatch_magic(str(tmp_path / "nope")) is None
+    for d in (live, ro):
+        d.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ def release_caller_pool() -> bool:
     if not libs:
         return False
     try:
-        gomp = ctypes.CDLL(str(libs[0]), mode=ctypes.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
+        gomp = ctypes.CDLL(str(libs[0]), mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
         fn = gomp.omp_pause_resource_all
     except (OSError, AttributeError):
         return False

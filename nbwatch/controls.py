@@ -1,4 +1,4 @@
-"""The one narrow channel back: control commands, and the LR arithmetic that must survive a scheduler.
+"""The one narrow channel back: control commands, and LR arithmetic that survives a scheduler.
 
 Buttons, `Monitor.pause()` etc. and other processes (through the store) put `Command`s
 here; the runner drains them between steps and records each as an event.
@@ -59,7 +59,9 @@ def check_clip(max_norm: float | None) -> float | None:
         return None
     v = float(max_norm)
     if not v > 0 or v != v or v == float("inf"):
-        raise ValueError(f"clip max_norm must be a positive finite number or None, got {max_norm!r}")
+        raise ValueError(
+            f"clip max_norm must be a positive finite number or None, got {max_norm!r}"
+        )
     return v
 
 

@@ -3,6 +3,7 @@ and (in a notebook) the dashboard; its control methods are what the buttons call
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -109,7 +110,8 @@ class Monitor:
             raise TypeError(f"config must be a dict, got {type(config).__name__}")
         if keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.model, self.optimizer = model, optimizer
+        self.scheduler, self.scaler = scheduler, scaler
         self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
         check_run_dir(self.run_dir)
         self.name = name or self.run_dir.name
@@ -352,10 +354,8 @@ class Monitor:
 
     def _run(self) -> Run | None:
         if self._store is not None:
-            try:
+            with contextlib.suppress(RuntimeError):  # closed: everything is committed
                 self._store.flush()
-            except RuntimeError:
-                pass  # closed: everything is committed already
         return Run(self.run_dir) if (self.run_dir / DB_NAME).is_file() else None
 
     @property
@@ -374,9 +374,9 @@ class Monitor:
 
     def show(self) -> Any:
         """Display the live dashboard of this run in the notebook."""
-        from .widget import Dashboard
-
         from IPython.display import display
+
+        from .widget import Dashboard
 
         dash = Dashboard.for_monitor(self)
         display(dash)

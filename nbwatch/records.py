@@ -68,7 +68,7 @@ class Sample:
 
 @dataclass(frozen=True)
 class Command:
-    """A control request (pause, resume, stop, checkpoint, clip, scale_lr), applied between steps."""
+    """A control request (pause, resume, stop, checkpoint, clip, scale_lr), run between steps."""
 
     kind: str
     value: float | None = None

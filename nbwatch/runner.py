@@ -190,7 +190,7 @@ class Runner:
             return
         elif cmd.kind == "clip":
             c.clip = cmd.value
-            msg = f"gradient clipping set to {cmd.value:g}" if cmd.value else "gradient clipping off"
+            msg = f"gradient clipping at {cmd.value:g}" if cmd.value else "gradient clipping off"
         elif cmd.kind == "scale_lr":
             before = ctl.lrs(self.opt)[0]
             ctl.scale_lrs(self.opt, cmd.value)
@@ -376,8 +376,9 @@ class Runner:
             spec.step_fn(self.model, spec.probe_batch)
         for module, w in maps.items():
             for i in range(w.shape[0]):
-                toks = spec.probe_tokens[i] if spec.probe_tokens and i < len(spec.probe_tokens) else None
-                toks = tuple(toks[: w.shape[-1]]) if toks is not None else None
+                toks = None
+                if spec.probe_tokens and i < len(spec.probe_tokens):
+                    toks = tuple(spec.probe_tokens[i][: w.shape[-1]])
                 self.store.put(Attention(step, module, i, w[i].numpy(), toks))
 
     # -- checkpoints --------------------------------------------------------------------
@@ -397,8 +398,9 @@ class Runner:
         self._ckpt_step = self.step
         saved = self.ckpt.save(self.state_dict(), self.step, self._last_val)
         self._last_val = None  # "best" compares checkpoints taken right after an eval
-        msg = f"{reason} checkpoint at step {self.step}: {saved.path.name}, " \
-              f"{saved.bytes / 2**20:.1f} MiB in {saved.seconds:.2f} s" + (" (best)" if saved.best else "")
+        msg = (f"{reason} checkpoint at step {self.step}: {saved.path.name}, "
+               f"{saved.bytes / 2**20:.1f} MiB in {saved.seconds:.2f} s"
+               + (" (best)" if saved.best else ""))
         self._emit(Event(self.step, "checkpoint", "info", msg, {
             "path": str(saved.path), "seconds": saved.seconds, "bytes": saved.bytes,
             "best": saved.best, "reason": reason}))

@@ -38,8 +38,11 @@ def histogram(x: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor]:
     hi = torch.where(same, hi + 0.5, hi)
     edges = lo + (hi - lo) * torch.arange(bins + 1, device=x.device, dtype=x.dtype) / bins
     edges[-1] = hi  # exact right edge despite rounding
-    idx = torch.bucketize(x, edges, right=True) - 1
-    idx = idx.clamp_(0, bins - 1)  # x == hi falls in the last bin
+    # numpy's own fast path: index by arithmetic, then fix the ±1 ULP misses against the
+    # edges (2-3× cheaper than a binary search per element).
+    idx = ((x - lo) * (bins / (hi - lo))).long().clamp_(0, bins - 1)
+    idx -= (x < edges[idx]).long()
+    idx += ((x >= edges[idx + 1]) & (idx < bins - 1)).long()
     return edges, torch.bincount(idx, minlength=bins)
 
 

@@ -2,8 +2,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nbwatch.probes.attention import capture_attention, sdpa_weights, take_samples
 from nbwatch.demo import TinyGPT
+from nbwatch.probes.attention import capture_attention, sdpa_weights, take_samples
 
 
 def test_sdpa_model_maps_equal_an_explicit_softmax():
@@ -21,7 +21,8 @@ def test_sdpa_model_maps_equal_an_explicit_softmax():
     q, k, _ = blk.attn.qkv(blk.ln1(x)).split(32, dim=2)
     q = q.view(3, 10, 2, 16).transpose(1, 2)
     k = k.view(3, 10, 2, 16).transpose(1, 2)
-    ref = torch.softmax((q @ k.transpose(-2, -1)) / 4.0 + torch.full((10, 10), float("-inf")).triu(1), -1)
+    causal = torch.full((10, 10), float("-inf")).triu(1)
+    ref = torch.softmax((q @ k.transpose(-2, -1)) / 4.0 + causal, -1)
     assert torch.allclose(w, ref[:2, :, :8, :8], atol=1e-5)
     assert torch.allclose(w.sum(-1), torch.ones(2, 2, 8), atol=1e-5)  # causal rows sum to 1
 

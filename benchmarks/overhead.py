@@ -1,0 +1,123 @@
+"""Training-loop overhead of nbwatch's probes, as ratios of a bare loop's step time.
+
+Same model (the demo's 4-layer d=128 GPT), same data, same optimizer; the variants run
+interleaved in one process, several rounds each, so that machine noise hits all alike:
+
+  bare         the loop a user writes, in the main thread, nothing recorded
+  default      nbwatch.Monitor with default probes (histograms/update ratios every 50 steps)
+  all/step     every probe every step: histograms, update ratios and attention each step
+  tensorboard  the seeds' recipe in the main thread: per-parameter `.item()` grad norms and
+               add_scalar every step, add_histogram of every weight and grad every 50 steps
+
+    python benchmarks/overhead.py [--steps 60] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import nbwatch
+from nbwatch.demo import make_demo, masked_cross_entropy
+
+
+def loss_of(model, batch):
+    return masked_cross_entropy(model(batch["input_ids"]), batch["labels"], batch["mask"])
+
+
+def batches_forever(data):
+    while True:
+        yield from data
+
+
+def bare(demo, n, warm, tb=None):
+    model, opt, sched = demo.model, demo.optimizer, demo.scheduler
+    it = batches_forever(demo.train)
+    times = []
+    for step in range(warm + n):
+        t0 = time.perf_counter()
+        batch = next(it)
+        loss = loss_of(model, batch)
+        loss.backward()
+        if tb is not None:
+            total = 0.0
+            for name, p in model.named_parameters():
+                g = p.grad.norm().item()  # one sync per parameter: the seeds' recipe
+                tb.add_scalar(f"grad_norm/{name}", g, step)
+                total += g * g
+            tb.add_scalar("grad_norm/global", total**0.5, step)
+            tb.add_scalar("loss/train", loss.item(), step)
+            tb.add_scalar("lr", opt.param_groups[0]["lr"], step)
+            if step % 50 == 0:
+                for name, p in model.named_parameters():
+                    tb.add_histogram(f"weight/{name}", p, step)
+                    tb.add_histogram(f"grad/{name}", p.grad, step)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step >= warm:
+            times.append(time.perf_counter() - t0)
+    return sum(times) / n
+
+
+def monitored(demo, n, warm, root: Path, **start_kw):
+    run_dir = root / f"run{time.monotonic_ns()}"
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=run_dir)
+    mon.start(lambda m, b: {"logits": m(b["input_ids"]), "labels": b["labels"],
+                            "mask": b["mask"]},
+              batches_forever(demo.train), max_steps=warm + n, display=False, **start_kw)
+    mon.wait()
+    walls = nbwatch.open_run(run_dir).reader.walls()
+    return (walls.loc[warm + n] - walls.loc[warm]) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warm", type=int, default=5)
+    args = ap.parse_args()
+    demo = make_demo(max_steps=10**9)
+    demo.scheduler = torch.optim.lr_scheduler.LambdaLR(demo.optimizer, lambda s: 1.0)
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        SummaryWriter = None
+        print("tensorboard not installed: skipping its row (pip install tensorboard)")
+    n, warm = args.steps, args.warm
+    results: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        variants = {
+            "bare": lambda: bare(demo, n, warm),
+            "default": lambda: monitored(demo, n, warm, root),
+            "all/step": lambda: monitored(
+                demo, n, warm, root, hist_every=1, eval_every=1, checkpoint_every=10**9,
+                probe_batch=demo.probe_batch, probe_tokens=demo.probe_tokens),
+        }
+        if SummaryWriter is not None:
+            def tensorboard():
+                with SummaryWriter(str(root / f"tb{time.monotonic_ns()}")) as tb:
+                    return bare(demo, n, warm, tb)
+            variants["tensorboard"] = tensorboard
+        for r in range(args.rounds):
+            for name, fn in variants.items():
+                results.setdefault(name, []).append(fn())
+            print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+                f"{k} {v[-1] * 1e3:.1f} ms" for k, v in results.items()), flush=True)
+    base = statistics.median(results["bare"])
+    print(f"\n{torch.get_num_threads()} threads, {n} steps x {args.rounds} rounds, "
+          f"median step time; ratio to bare")
+    print("| variant | ms/step | ratio |\n|---|---|---|")
+    for name, times in results.items():
+        med = statistics.median(times)
+        print(f"| {name} | {med * 1e3:.1f} | {med / base:.3f}x |")
+
+
+if __name__ == "__main__":
+    main()

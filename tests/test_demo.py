@@ -1,0 +1,45 @@
+import subprocess
+import sys
+
+import nbwatch
+from nbwatch.demo import PAD, collate, decode, encode, make_demo, make_samples, stdlib_text
+
+
+def test_stdlib_text_makes_variable_length_padded_batches():
+    lines = stdlib_text(max_files=5)
+    samples = make_samples(lines, ctx=64)
+    lengths = {len(s) for s in samples}
+    assert len(lengths) > 20 and max(lengths) <= 65
+    batch = collate(samples[:16])
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["mask"].shape
+    assert 0 < batch["mask"].float().mean() < 1  # there is padding to measure
+    assert (batch["labels"][batch["mask"] == 0] == PAD).all()
+    assert decode(encode("def f(x):\n")) == "def f(x):\n"
+
+
+def test_demo_loss_falls(tmp_path):
+    demo = make_demo(d=64, layers=2, heads=2, ctx=64, max_steps=80)
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "d",
+                          config=demo.config)
+    mon.start(max_steps=80, eval_every=40, display=False, **demo.start_kwargs()).wait()
+    df = mon.df
+    assert df["loss/train"].iloc[-10:].mean() < df["loss/train"].iloc[:10].mean() - 1.0
+    assert df["loss/val"].dropna().iloc[-1] < df["loss/val"].dropna().iloc[0]
+    assert 0.05 < df["data/padding_ratio"].mean() < 0.9
+    run = nbwatch.open_run(mon.run_dir)
+    assert len(run.samples) == 2 and run.samples.text.iloc[0].startswith("def ")
+    tokens = run.reader.attention_tokens(80)
+    assert tokens and all(isinstance(t, str) for t in tokens)
+
+
+def test_cli_demo_and_ls(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "nbwatch.cli", "demo", "--steps", "30", "--eval-every", "15",
+         "--run-dir", str(tmp_path / "runs" / "demo"), "--print-every", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "done: finished at step 30" in out.stdout
+    ls = subprocess.run([sys.executable, "-m", "nbwatch.cli", "ls", str(tmp_path / "runs")],
+                        capture_output=True, text=True, timeout=60)
+    assert "finished" in ls.stdout and "30" in ls.stdout

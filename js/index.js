@@ -89,7 +89,17 @@ function render({ model, el }) {
     Plotly = P;
     ctx.schedule();
   });
-  model.send({ type: "hello", view: viewId, plotly: needPlotly() });
+  // Say hello until the kernel answers: a view restored before its kernel connection is up
+  // (a page reload) would otherwise wait forever for a message that was never delivered.
+  let tries = 0;
+  const hello = () => {
+    if (ready || !alive) return;
+    if (tries++ === 3) status.textContent = "waiting for the kernel… (is it running? `%nbwatch RUN_DIR` reopens a finished run)";
+    model.send({ type: "hello", view: viewId, plotly: needPlotly() });
+    helloTimer = setTimeout(hello, Math.min(1000 * tries, 5000));
+  };
+  let helloTimer = null;
+  hello();
   // A theme switch (light/dark) restyles every plot.
   const observer = new MutationObserver(() => {
     for (const v of Object.values(views)) if (v.restyle) v.restyle();
@@ -102,6 +112,7 @@ function render({ model, el }) {
     model.off("msg:custom", onMsg);
     observer.disconnect();
     if (frame !== null) cancelAnimationFrame(frame);
+    clearTimeout(helloTimer);
     if (Plotly) for (const p of root.querySelectorAll(".js-plotly-plot")) Plotly.purge(p);
   };
 }

@@ -18,7 +18,7 @@ export function needPlotly() {
   const s = plotlyState();
   if (s.module) return false;
   const now = Date.now();
-  if (now - s.asked < 10000) return false; // another view asked: wait for its answer
+  if (now - s.asked < 3000) return false; // asked a moment ago: wait for the answer
   s.asked = now;
   return true;
 }

@@ -58,7 +58,7 @@ export function create(root, ctx) {
             return row;
           });
           traces.push({ type: "heatmap", z, text: hover, xaxis: `x${n}`, yaxis: `y${n}`,
-            colorscale: "Blues", reversescale: false, zmin: 0, zmax: 1, showscale: false,
+            colorscale: "Blues", reversescale: true, zmin: 0, zmax: 1, showscale: false,
             hovertemplate: `${data.modules[l]} head ${h}<br>%{text}<br>weight %{z:.3f}<extra></extra>` });
           const ax = n === 1 ? "" : String(n);
           layout[`xaxis${ax}`] = { showticklabels: l === L - 1, tickvals: ticks(S), ticktext: ticks(S).map(label),

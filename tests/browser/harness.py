@@ -1,0 +1,108 @@
+"""Page helpers: open a notebook, run it, run code in its kernel, read the dashboard."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from playwright.sync_api import Page
+
+PANELS = ("loss", "grads", "weights", "attention", "system", "data", "alerts", "samples")
+_KERNEL = "window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
+
+
+def open_notebook(page: Page, url: str) -> None:
+    page.goto(url)
+    page.wait_for_function(
+        "() => { try { return " + _KERNEL + ".status === 'idle'; } catch (e) { return false; } }",
+        timeout=60_000)
+
+
+def run_all(page: Page) -> None:
+    # Not awaited: the promise resolves only when every cell has finished.
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+
+
+def kernel_idle(page: Page) -> bool:
+    """Idle at two readings 0.3 s apart."""
+    first = page.evaluate(f"() => {_KERNEL}.status")
+    time.sleep(0.3)
+    return first == "idle" and page.evaluate(f"() => {_KERNEL}.status") == "idle"
+
+
+def kernel_json(page: Page, expr: str) -> Any:
+    """Evaluate `expr` in the notebook's kernel (while it is idle) and return it via JSON."""
+    code = f"import json as _j; print(_j.dumps({expr}, default=str))"
+    out = page.evaluate(
+        """async (code) => {
+            const k = """ + _KERNEL + """;
+            const out = [];
+            const f = k.requestExecute({code, store_history: false});
+            f.onIOPub = (m) => {
+              if (m.header.msg_type === 'stream') out.push(m.content.text);
+              if (m.header.msg_type === 'error') out.push('ERROR ' + m.content.evalue);
+            };
+            await f.done;
+            return out.join('');
+        }""", code)
+    if out.startswith("ERROR"):
+        raise AssertionError(f"kernel raised on {expr!r}: {out}")
+    return json.loads(out)
+
+
+def page_step(page: Page) -> int:
+    return int(page.locator(".nbw-root").first.get_attribute("data-step") or 0)
+
+
+def wait_step(page: Page, at_least: int, timeout: float = 60) -> int:
+    page.wait_for_function(
+        "(n) => Number(document.querySelector('.nbw-root')?.dataset.step || 0) >= n",
+        arg=at_least, timeout=timeout * 1000)
+    return page_step(page)
+
+
+def trace(page: Page, panel: str, name: str, plot: int = 0) -> dict[str, list]:
+    """x and y of the plotly trace `name` in a panel's `plot`-th figure, as the page holds it."""
+    return page.evaluate(
+        """([panel, name, i]) => {
+            const gd = document.querySelectorAll(`[data-panel=${panel}] .js-plotly-plot`)[i];
+            const t = gd.data.find((t) => t.name === name);
+            return t ? {x: Array.from(t.x), y: Array.from(t.y)} : null;
+        }""", [panel, name, plot])
+
+
+def panels_rendered(page: Page) -> dict[str, bool]:
+    """Each panel shows content: plots with points, gauges, feed items, sample text."""
+    return page.evaluate(
+        """() => {
+            const q = (p, s) => document.querySelectorAll(`[data-panel=${p}] ${s}`);
+            const plotted = (p) => {
+              const gds = q(p, '.js-plotly-plot');
+              return gds.length > 0 && [...gds].every((gd) => (gd.data || []).some(
+                (t) => (t.z && t.z.length) || (t.x && t.x.length) || (t.y && t.y.length)));
+            };
+            return {
+              header: !!document.querySelector('.nbw-header .nbw-step')?.textContent,
+              loss: plotted('loss'), grads: plotted('grads'), weights: plotted('weights'),
+              attention: plotted('attention'), data: plotted('data'),
+              system: q('system', '.nbw-gauge').length >= 2,
+              alerts: q('alerts', '.nbw-item').length >= 1,
+              samples: q('samples', '.nbw-sample').length >= 1,
+            };
+        }""")
+
+
+def wait_panels(page: Page, timeout: float = 60) -> dict[str, bool]:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = panels_rendered(page)
+        if all(state.values()) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.5)
+
+
+def ack(page: Page, text: str, timeout: float = 15) -> str:
+    loc = page.locator(".nbw-ack:not([data-pending])", has_text=text)
+    loc.wait_for(timeout=timeout * 1000)
+    return loc.inner_text()

@@ -1,0 +1,149 @@
+"""The quickstart notebook in a real JupyterLab and Notebook 7, in headless Chromium."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from .conftest import ARTIFACTS, write_notebook
+from .harness import (
+    ack, kernel_idle, kernel_json, open_notebook, page_step, run_all, trace, wait_panels,
+    wait_step,
+)
+
+pytestmark = pytest.mark.browser
+
+
+@pytest.fixture
+def lab_server(lab):
+    yield lab
+    lab.shutdown_kernels()
+
+
+@pytest.fixture
+def nb7_server(nb7):
+    yield nb7
+    nb7.shutdown_kernels()
+
+
+def shot(page, name):
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.locator(".nbw-root").first.screenshot(path=str(ARTIFACTS / f"{name}.png"))
+
+
+def test_lab_live_dashboard_controls_and_reload(page, lab_server, workdir):
+    write_notebook(workdir, "lab_live")
+    open_notebook(page, f"{lab_server.url}/lab/tree/lab_live.ipynb?reset")
+    run_all(page)
+    wait_step(page, 1)
+
+    # Every panel renders (the attention probe, samples and checkpoint come at step 50).
+    wait_step(page, 55)
+    rendered = wait_panels(page)
+    assert all(rendered.values()), rendered
+
+    # The step counter advances while the kernel is idle: no cell re-runs.
+    s1 = page_step(page)
+    assert kernel_idle(page)
+    time.sleep(1.5)
+    assert kernel_idle(page)
+    assert page_step(page) > s1
+
+    # Pause: the kernel's Monitor stops stepping, not only the page.
+    page.click(".nbw-pause")
+    ack(page, "paused at step")
+    state, paused_at = kernel_json(page, "(mon.state, mon.step)")
+    assert state == "paused"
+    time.sleep(1.0)
+    assert kernel_json(page, "mon.step") == paused_at
+    assert page.locator(".nbw-pause").inner_text() == "Resume"
+    lr_before = kernel_json(page, "float(mon.df['lr'].iloc[-1])")
+
+    # While paused: Cut LR ×0.5, Clip at 0.05, Checkpoint; each acknowledged by the runner.
+    n_ckpt = kernel_json(page, "len(list((mon.run_dir / 'checkpoints').glob('*.pt')))")
+    page.click(".nbw-lr")
+    ack(page, "LR scaled ×0.5")
+    page.fill(".nbw-clip-value", "0.05")
+    page.click(".nbw-clip")
+    ack(page, "clipping")
+    page.click(".nbw-checkpoint")
+    ack(page, "manual checkpoint")
+    assert kernel_json(page, "len(list((mon.run_dir / 'checkpoints').glob('*.pt')))") > n_ckpt
+    assert kernel_json(page, "mon.step") == paused_at
+
+    # Resume restarts the count.
+    page.click(".nbw-pause")
+    ack(page, "resumed at step")
+    wait_step(page, paused_at + 15)
+    assert kernel_json(page, "mon.step") > paused_at + 10
+    assert kernel_json(page, "mon.state") == "running"
+
+    # Cut LR halves the LR trace the page draws (the cosine schedule moves it by < 1 %).
+    lr = trace(page, "loss", "LR")
+    at = dict(zip(lr["x"], lr["y"]))
+    assert at[paused_at] == pytest.approx(lr_before, rel=1e-5)
+    assert at[paused_at + 1] / at[paused_at] == pytest.approx(0.5, rel=0.02)
+    # Clip bounds the post-clip norm: on the page and in the kernel's record.
+    clipped = trace(page, "grads", "after clipping", plot=1)
+    after = [y for x, y in zip(clipped["x"], clipped["y"]) if x > paused_at]
+    assert after and max(after) <= 0.05 * 1.0001
+    assert kernel_json(page, f"float(mon.df['grad_norm/clipped'].loc[{paused_at + 1}:].max())") \
+        <= 0.05 * 1.0001
+    assert trace(page, "grads", "clip threshold", plot=1)["y"][0] == pytest.approx(0.05)
+    shot(page, "lab_dashboard")
+
+    # A page reload re-renders the whole history (the view asks the kernel for it).
+    page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+    time.sleep(1.0)
+    before = page_step(page)
+    page.reload()
+    page.wait_for_selector(".nbw-root[data-drawn]", timeout=60_000)
+    wait_step(page, before)
+    rendered = wait_panels(page, timeout=30)
+    assert all(rendered.values()), rendered
+    train = trace(page, "loss", "train loss")
+    assert train["x"][0] == 1 and train["x"][-1] >= before
+    assert len(train["x"]) >= before - 1  # every step so far (the run is < 5,000 steps)
+    assert len(page.locator(".nbw-item", has_text="LR scaled").all()) == 1
+    page.wait_for_timeout(300)
+    shot(page, "lab_after_reload")
+    page.click(".nbw-stop")
+    ack(page, "stop")
+
+
+def test_lab_failed_step_turns_red_with_traceback(page, lab_server, workdir):
+    write_notebook(workdir, "lab_fail", steps=200, sleep=0.02, fail_at=30)
+    open_notebook(page, f"{lab_server.url}/lab/tree/lab_fail.ipynb?reset")
+    run_all(page)
+    page.wait_for_selector(".nbw-header.nbw-failed", timeout=60_000)
+    tb = page.locator(".nbw-traceback").inner_text()
+    assert "raised on purpose" in tb and "Traceback" in tb
+    assert page.locator(".nbw-state").inner_text() == "failed"
+    assert kernel_json(page, "mon.state") == "failed"
+    assert page.locator(".nbw-pause").is_disabled()
+    shot(page, "lab_failed")
+
+
+def test_notebook7_live_pause_resume(page, nb7_server, workdir):
+    write_notebook(workdir, "nb7_live")
+    open_notebook(page, f"{nb7_server.url}/notebooks/nb7_live.ipynb")
+    run_all(page)
+    wait_step(page, 55)
+    rendered = wait_panels(page)
+    assert all(rendered.values()), rendered
+    s1 = page_step(page)
+    assert kernel_idle(page)
+    time.sleep(1.0)
+    assert page_step(page) > s1
+    page.click(".nbw-pause")
+    ack(page, "paused at step")
+    at = kernel_json(page, "mon.step")
+    time.sleep(0.8)
+    assert kernel_json(page, "(mon.state, mon.step)") == ["paused", at]
+    page.click(".nbw-pause")
+    ack(page, "resumed at step")
+    wait_step(page, at + 5)
+    shot(page, "nb7_dashboard")
+    page.click(".nbw-stop")
+    ack(page, "stop")

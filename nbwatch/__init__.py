@@ -9,11 +9,15 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from .attach import attach
+from .compare import compare
 from .monitor import Monitor
 from .probes.loss import masked_cross_entropy
 from .run import Run, open_run
+from .tensorboard import to_tensorboard
 
-__all__ = ["Monitor", "Run", "open_run", "masked_cross_entropy", "load_ipython_extension"]
+__all__ = ["Monitor", "Run", "open_run", "attach", "compare", "to_tensorboard",
+           "masked_cross_entropy", "load_ipython_extension"]
 
 
 def load_ipython_extension(ipython):  # noqa: ANN001 - IPython's own type, imported lazily

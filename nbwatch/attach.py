@@ -1,0 +1,378 @@
+"""Follow a run that another process writes (a script, a `torchrun` job): `nbwatch.attach`.
+
+Reading goes through the store's read-only connections, as the dashboard's does. Controls
+go the other way as one `commands` row each, written with a short-lived connection; the
+writer's runner polls that table every 0.25 s, applies the command between steps and
+records an `action` event, which is the acknowledgement.
+
+Liveness is read from the store, not from a heartbeat thread here: the newest of the
+last step's wall time, the last event's, a `heartbeat` in meta (if the writer keeps one)
+and the modification time of the database and its WAL (the writer's system sampler
+commits a row every second, even while paused). A run whose meta still says running
+but that nothing has touched for `stale_after` seconds is reported "stale".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import socket
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from . import controls as ctl
+from .store import DB_NAME, RunReader, is_run_dir
+
+LIVE = ("starting", "running", "paused")
+ENDED = ("finished", "stopped", "failed")
+
+
+class RunFailed(RuntimeError):
+    """The attached run ended with an error in its own process; `traceback` is its text."""
+
+    def __init__(self, message: str, traceback: str | None = None):
+        super().__init__(message)
+        self.traceback = traceback
+
+
+def last_write(run_dir: Path, reader: RunReader | None = None) -> float | None:
+    """Wall time (epoch seconds) of the newest sign of life in a run folder, or None.
+
+    >>> time.time() - last_write(Path("runs/exp1"))   # seconds since the writer last wrote
+    """
+    db = run_dir / DB_NAME
+    times = []
+    for p in (db, db.with_name(DB_NAME + "-wal")):
+        with contextlib.suppress(FileNotFoundError):  # no WAL once the writer closed
+            times.append(p.stat().st_mtime)
+    if reader is not None:
+        rows = reader.query(
+            "SELECT (SELECT MAX(wall) FROM steps), (SELECT MAX(wall) FROM events),"
+            " (SELECT value FROM meta WHERE key = 'heartbeat')"
+        )
+        if rows:
+            step_wall, event_wall, beat = rows[0]
+            times += [t for t in (step_wall, event_wall) if t is not None]
+            if beat is not None:
+                times.append(float(json.loads(beat)))
+    return max(times) if times else None
+
+
+def _writer_gone(meta: dict[str, Any]) -> bool:
+    """True when meta names a writer process on this host that no longer exists.
+
+    Only a hint: a Monitor that records `pid` and `host` in meta makes a killed writer
+    visible at once instead of after `stale_after` seconds."""
+    pid, host = meta.get("pid"), meta.get("host")
+    if not isinstance(pid, int) or host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # exists, owned by someone else
+        return False
+    return False
+
+
+def run_state(run_dir: Path, meta: dict[str, Any], reader: RunReader | None,
+              stale_after: float) -> str:
+    """The run's state from its meta, or 'stale' where meta says live (starting, running,
+    paused) but nothing was written for `stale_after` seconds or the writer is gone."""
+    state = str(meta.get("state", "starting"))
+    if state in LIVE:
+        try:
+            t = last_write(run_dir, reader)
+        except sqlite3.OperationalError:  # the writer is creating the schema right now
+            t = last_write(run_dir)
+        if (t is not None and time.time() - t > stale_after) or _writer_gone(meta):
+            return "stale"
+    return state
+
+
+class Attached:
+    """A run written by another process, followed from here: `nbwatch.attach(run_dir)`.
+
+    The same surface as `Monitor` (pause/resume/stop/checkpoint/set_clip/scale_lr, step,
+    state, running, error, traceback, df, events), read from and written to the store.
+
+    >>> att = nbwatch.attach("runs/exp1")
+    >>> att.state, att.step
+    ('running', 420)
+    >>> att.pause()          # the other process pauses after its current step
+    >>> att.message
+    'paused at step 421 of 2000; last write 0.4 s ago'
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, stale_after: float = 10.0):
+        if not stale_after > 0:
+            raise ValueError(f"stale_after must be a positive number of seconds, got "
+                             f"{stale_after!r}")
+        self.run_dir = Path(run_dir)
+        self.stale_after = float(stale_after)
+        self._reader: RunReader | None = None
+        self.source = f"attach:{socket.gethostname()}:{os.getpid()}"
+
+    # -- reading ------------------------------------------------------------------------
+    def _open(self) -> RunReader | None:
+        if self._reader is None and is_run_dir(self.run_dir):
+            self._reader = RunReader(self.run_dir)
+        return self._reader
+
+    @property
+    def exists(self) -> bool:
+        """True once the writer has created the run's store."""
+        return self._open() is not None
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        r = self._open()
+        if r is None:
+            return {}
+        try:
+            return r.meta()
+        except sqlite3.OperationalError:  # the writer is creating the schema right now
+            return {}
+
+    @property
+    def name(self) -> str:
+        return str(self.meta.get("name", self.run_dir.name))
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.meta.get("config", {})
+
+    @property
+    def step(self) -> int:
+        """Steps the writer has committed so far (0 while waiting)."""
+        r = self._open()
+        try:
+            return r.last_step() if r is not None else 0
+        except sqlite3.OperationalError:
+            return 0
+
+    @property
+    def seconds_since_write(self) -> float | None:
+        """Seconds since the writer last committed anything (None while waiting)."""
+        r = self._open()
+        if r is None:
+            return None
+        try:
+            t = last_write(self.run_dir, r)
+        except sqlite3.OperationalError:
+            t = last_write(self.run_dir)
+        return None if t is None else max(time.time() - t, 0.0)
+
+    @property
+    def state(self) -> str:
+        """'waiting' (no store yet), 'starting', 'running', 'paused', 'stopped',
+        'finished', 'failed', or 'stale' (meta says live, but nothing was written for
+        `stale_after` seconds or the writer process is gone)."""
+        r = self._open()
+        if r is None:
+            return "waiting"
+        return run_state(self.run_dir, self.meta, r, self.stale_after)
+
+    @property
+    def running(self) -> bool:
+        """True while the writer is alive and its run not over (starting/running/paused)."""
+        return self.state in LIVE
+
+    @property
+    def message(self) -> str:
+        """One line saying where the run stands, for people."""
+        state = self.state
+        if state == "waiting":
+            return (f"waiting for a run in {self.run_dir} (no {DB_NAME} yet): start the "
+                    "training process with this run_dir")
+        meta, step = self.meta, self.step
+        of = f" of {meta['max_steps']}" if meta.get("max_steps") else ""
+        age = self.seconds_since_write
+        ago = f"{_duration(age)} ago" if age is not None else "never"
+        if state == "stale":
+            was = meta.get("state", "running")
+            return (f"stale: the writer has written nothing for {ago.removesuffix(' ago')} "
+                    f"(its meta still says {was} at step {step}{of}); the process has "
+                    "probably been killed or hangs")
+        if state == "failed":
+            err = self.error
+            return f"failed at step {step}{of}: {err}" if err else f"failed at step {step}{of}"
+        if state in ENDED:
+            return f"{state} at step {step}{of}"
+        return f"{state} at step {step}{of}; last write {ago}"
+
+    @property
+    def error(self) -> RunFailed | None:
+        """The error that ended the run in its own process (message and traceback text)."""
+        r = self._open()
+        if r is None:
+            return None
+        try:
+            rows = r.query("SELECT message, data FROM events WHERE kind = 'error'"
+                           " ORDER BY id DESC LIMIT 1")
+        except sqlite3.OperationalError:  # the writer is creating the schema right now
+            return None
+        if not rows:
+            return None
+        return RunFailed(rows[0][0], json.loads(rows[0][1]).get("traceback"))
+
+    @property
+    def traceback(self) -> str | None:
+        err = self.error
+        return err.traceback if err is not None else None
+
+    @property
+    def df(self) -> pd.DataFrame:
+        """One row per step (index `step`), one column per scalar."""
+        r = self._open()
+        try:
+            if r is not None:
+                return r.df()
+        except sqlite3.OperationalError:  # the writer is creating the schema right now
+            pass
+        return pd.DataFrame(index=pd.Index([], name="step"))
+
+    @property
+    def events(self) -> pd.DataFrame:
+        """Alerts, actions, checkpoints and state changes: step, kind, severity, message."""
+        r = self._open()
+        try:
+            if r is not None:
+                return r.events().drop(columns=["id"]).reset_index(drop=True)
+        except sqlite3.OperationalError:  # the writer is creating the schema right now
+            pass
+        return pd.DataFrame(columns=["step", "wall", "kind", "severity", "message", "data"])
+
+    def wait_started(self, timeout: float = 60.0, poll: float = 0.1) -> Attached:
+        """Block until the writer has created the store (raises TimeoutError after `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while not self.exists:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no nbwatch run appeared in {self.run_dir} within {timeout:g} s; check "
+                    "that the training process runs and was given this run_dir")
+            time.sleep(poll)
+        return self
+
+    def wait(self, timeout: float | None = None, poll: float = 0.25) -> Attached:
+        """Block until the run ends; raise `RunFailed` if it failed, RuntimeError if stale."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            state = self.state
+            if state in ENDED or state == "stale":
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the run is still {state} at step {self.step} after "
+                                   f"{timeout:g} s")
+            time.sleep(poll)
+        if state == "failed":
+            raise self.error or RunFailed(f"the run in {self.run_dir} failed")
+        if state == "stale":
+            raise RuntimeError(self.message)
+        return self
+
+    # -- controls (a row in the store's commands table) ---------------------------------
+    def _send(self, kind: str, value: float | None = None) -> int:
+        state = self.state
+        if state not in LIVE:
+            why = {"waiting": "has not started yet (no store in the folder)",
+                   "stale": "is stale (its writer stopped writing)"}.get(state, f"is {state}")
+            raise RuntimeError(
+                f"cannot {kind}: the run in {self.run_dir} {why}; a command sent now would "
+                "wait in the store and be applied if the run were ever resumed")
+        con = sqlite3.connect(self.run_dir / DB_NAME, timeout=10)
+        try:
+            with con:
+                cur = con.execute(
+                    "INSERT INTO commands (wall, kind, value, source) VALUES (?, ?, ?, ?)",
+                    (time.time(), kind, value, self.source))
+            return int(cur.lastrowid)
+        finally:
+            con.close()
+
+    def pause(self) -> None:
+        """Pause the other process's run after its current step."""
+        self._send("pause")
+
+    def resume(self) -> None:
+        self._send("resume")
+
+    def stop(self) -> None:
+        """Stop the other process's run after its current step (it writes a final checkpoint)."""
+        self._send("stop")
+
+    def checkpoint(self) -> None:
+        """Ask the other process to write a checkpoint after its current step."""
+        self._send("checkpoint")
+
+    def set_clip(self, max_norm: float | None) -> None:
+        """Clip the global gradient norm to `max_norm` from the next step (None: no clipping)."""
+        self._send("clip", ctl.check_clip(max_norm))
+
+    def scale_lr(self, factor: float) -> None:
+        """Multiply the LR by `factor` from the next step; the scheduler does not undo it."""
+        self._send("scale_lr", ctl.check_factor(factor))
+
+    # -- display ------------------------------------------------------------------------
+    def show(self) -> Any:
+        """Display the live dashboard (its buttons write commands into the store)."""
+        from IPython.display import display
+
+        from .widget import Dashboard
+
+        dash = Dashboard.for_monitor(self)  # type: ignore[arg-type]  # duck-typed Monitor
+        display(dash)
+        return dash
+
+    def close(self) -> None:
+        """Close this thread's read connection (others close when their thread ends)."""
+        if self._reader is not None:
+            self._reader.close()
+
+    def __repr__(self) -> str:
+        return f"<nbwatch.Attached {self.name!r} in {self.run_dir}: {self.message}>"
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def attach(
+    run_dir: str | os.PathLike,
+    timeout: float | None = None,
+    *,
+    stale_after: float = 10.0,
+    display: bool | None = None,
+) -> Attached:
+    """Follow a run that another process writes into `run_dir`, with working controls.
+
+    Returns at once (state 'waiting' until the run's store appears); with `timeout`, first
+    waits up to that many seconds for it and raises TimeoutError if it does not appear. In
+    a notebook the live dashboard displays.
+
+    >>> att = nbwatch.attach("runs/exp1")   # e.g. a `torchrun train.py` in a terminal
+    >>> att.scale_lr(0.5)                   # applied by that process between two steps
+    >>> att.df["loss/train"].tail()
+    """
+    att = Attached(run_dir, stale_after=stale_after)
+    if timeout is not None:
+        att.wait_started(timeout)
+    if display is None:
+        from .monitor import _in_notebook
+
+        display = _in_notebook()
+    if display:
+        att.show()
+    return att

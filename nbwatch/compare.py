@@ -1,0 +1,320 @@
+"""Several runs side by side: `nbwatch.compare(run_dirs or a root folder, where=...)`.
+
+Everything here is read from the run folders (`RunReader`); a run still being written is
+compared as far as it got.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .attach import run_state
+from .store import RunReader, is_run_dir
+
+Where = Mapping[str, Any] | Callable[[dict[str, Any]], bool] | None
+SKIP_DIRS = {"checkpoints", ".ipynb_checkpoints", "__pycache__", ".git"}
+
+
+def find_runs(root: str | os.PathLike) -> list[Path]:
+    """Run folders at or under `root`, sorted by path (checkpoint folders are not searched)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root} is not a folder; pass the folder that holds your runs")
+    found, todo = [], [root]
+    while todo:
+        d = todo.pop()
+        if is_run_dir(d):
+            found.append(d)
+        todo += [c for c in d.iterdir() if c.is_dir() and c.name not in SKIP_DIRS]
+    return sorted(found)
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"optim": {"lr": 1e-3}} → {"optim.lr": 1e-3}."""
+    out: dict[str, Any] = {}
+    for k, v in config.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b or math.isclose(a, b, rel_tol=1e-9)
+    return _hashable(a) == _hashable(b)
+
+
+def _hashable(v: Any) -> Any:
+    return v if isinstance(v, (str, int, float, bool, type(None))) else json.dumps(v, default=str)
+
+
+def matches(config: Mapping[str, Any], where: Where) -> bool:
+    """Does a run's config pass `where`: {key: value or predicate} (keys may be dotted
+    paths into nested config), or one predicate on the whole (flattened) config."""
+    if where is None:
+        return True
+    flat = flatten(config)
+    if callable(where):
+        return bool(where(flat))
+    for key, want in where.items():
+        if key not in flat:
+            return False
+        have = flat[key]
+        if callable(want):
+            if not want(have):
+                return False
+        elif not _same(have, want):
+            return False
+    return True
+
+
+def summarize(reader: RunReader, stale_after: float = 60.0) -> dict[str, Any]:
+    """One row of figures about a run: state, steps, best val loss and its step, last train
+    loss, wall time. Reads a few rows, not the run's history."""
+    meta = reader.meta()
+    q = reader.query
+    best = q("SELECT s.step, s.value FROM scalars s JOIN keys k ON s.key = k.id"
+             " WHERE k.name = 'loss/val' AND s.value IS NOT NULL ORDER BY s.value, s.step"
+             " LIMIT 1")
+    last = q("SELECT s.value FROM scalars s JOIN keys k ON s.key = k.id"
+             " WHERE k.name = 'loss/train' ORDER BY s.step DESC LIMIT 1")
+    (first_wall, last_wall), = q("SELECT MIN(wall), MAX(wall) FROM steps")
+    start = meta.get("started", first_wall)
+    return {
+        "name": str(meta.get("name", reader.run_dir.name)),
+        "state": run_state(reader.run_dir, meta, reader, stale_after),
+        "steps": reader.last_step(),
+        "max_steps": meta.get("max_steps"),
+        "best_val": best[0][1] if best else math.nan,
+        "best_val_step": best[0][0] if best else None,
+        "last_train": last[0][0] if last and last[0][0] is not None else math.nan,
+        "wall_s": (last_wall - float(start)) if last_wall is not None and start else math.nan,
+    }
+
+
+def config_diff(configs: Mapping[str, Mapping[str, Any]]) -> pd.DataFrame:
+    """Config keys whose values differ across runs (or that some runs lack): runs × keys."""
+    flat = {label: flatten(c) for label, c in configs.items()}
+    keys: list[str] = []
+    for f in flat.values():
+        keys += [k for k in f if k not in keys]
+    missing = object()
+    differ = []
+    for k in keys:
+        vals = [f.get(k, missing) for f in flat.values()]
+        first = vals[0]
+        if any(v is missing for v in vals) or not all(_same(v, first) for v in vals[1:]):
+            differ.append(k)
+    df = pd.DataFrame({k: [f.get(k) for f in flat.values()] for k in differ},
+                      index=pd.Index(list(flat), name="run"), dtype=object)
+    return df
+
+
+class Comparison:
+    """Runs overlaid: `.runs`, `.df`, `.config_diff`, `.summary`, `.figure()`.
+
+    `.df` is long: one row per (run, step, metric) with `wall` (seconds since the run
+    started) beside `step`; `.wide(metric)` aligns runs column by column on `x`.
+    """
+
+    def __init__(self, dirs: Sequence[Path], labels: Sequence[str], metrics: Sequence[str],
+                 x: str):
+        self.run_dirs = list(dirs)
+        self.labels = list(labels)
+        self.metrics = list(metrics)
+        self.x = x
+        self._readers = [RunReader(d) for d in dirs]
+        self._df: pd.DataFrame | None = None
+
+    @property
+    def runs(self) -> list[str]:
+        """The labels of the compared runs, in order (the columns of `.wide()`)."""
+        return list(self.labels)
+
+    @property
+    def configs(self) -> dict[str, dict[str, Any]]:
+        return {lab: r.meta().get("config", {}) for lab, r in zip(self.labels, self._readers)}
+
+    @property
+    def df(self) -> pd.DataFrame:
+        """Long frame: run, step, wall (s since the run's start), metric, value."""
+        if self._df is None:
+            parts = []
+            for label, r in zip(self.labels, self._readers):
+                long = r.scalars_long(self.metrics)
+                walls = r.walls()
+                start = r.meta().get("started", walls.iloc[0] if len(walls) else 0.0)
+                part = pd.DataFrame({
+                    "run": label,
+                    "step": long["step"].to_numpy(),
+                    "wall": long["step"].map(walls).to_numpy(dtype=float) - float(start),
+                    "metric": long["key"].to_numpy(),
+                    "value": long["value"].to_numpy(),
+                })
+                parts.append(part.sort_values(["metric", "step"], kind="stable"))
+            cols = ["run", "step", "wall", "metric", "value"]
+            self._df = (pd.concat(parts, ignore_index=True) if parts
+                        else pd.DataFrame(columns=cols))
+        return self._df
+
+    def wide(self, metric: str | None = None) -> pd.DataFrame:
+        """One metric aligned across runs: index `x` (step or wall), one column per run."""
+        metric = metric or self.metrics[0]
+        d = self.df[self.df.metric == metric]
+        idx = "step" if self.x == "step" else "wall"
+        out = d.pivot_table(index=idx, columns="run", values="value", aggfunc="last")
+        out.columns.name = None
+        return out[[lab for lab in self.labels if lab in out.columns]]
+
+    @property
+    def config_diff(self) -> pd.DataFrame:
+        """Config keys that differ across the runs (runs × keys; None where a run lacks one)."""
+        return config_diff(self.configs)
+
+    @property
+    def summary(self) -> pd.DataFrame:
+        """Per run: state, steps, best val loss and its step, last train loss, wall time (s)."""
+        rows = [summarize(r) for r in self._readers]
+        return pd.DataFrame(rows, index=pd.Index(self.labels, name="run"))
+
+    def figure(self, max_points: int = 5000) -> Any:
+        """A plotly figure: one row per metric, one colour per run, x = step or wall time."""
+        import plotly.graph_objects as go
+        from plotly.colors import qualitative
+        from plotly.subplots import make_subplots
+
+        from .panels.downsample import bucket_width, reduce
+
+        fig = make_subplots(rows=len(self.metrics), cols=1, shared_xaxes=True,
+                            vertical_spacing=0.08,
+                            subplot_titles=[html.escape(m) for m in self.metrics])
+        palette = qualitative.Plotly
+        df, shown = self.df, set()
+        for i, label in enumerate(self.labels):
+            color = palette[i % len(palette)]
+            for row, metric in enumerate(self.metrics, start=1):
+                d = df[(df.run == label) & (df.metric == metric)]
+                if d.empty:
+                    continue
+                steps, v = d["step"].to_numpy(), d["value"].to_numpy()
+                s_kept, v_kept = reduce(steps, v, bucket_width(int(steps[-1]), max_points))
+                xs = (s_kept if self.x == "step"
+                      else pd.Series(d["wall"].to_numpy(), index=steps)[s_kept].to_numpy())
+                sparse = len(steps) < 0.2 * max(int(steps[-1]), 1)  # e.g. loss/val
+                fig.add_trace(go.Scatter(
+                    x=xs, y=v_kept.astype(np.float64), name=html.escape(label),
+                    legendgroup=label, showlegend=label not in shown,
+                    mode="lines+markers" if sparse else "lines",
+                    line={"color": color, "width": 1.5}, marker={"size": 5},
+                ), row=row, col=1)
+                shown.add(label)
+        fig.update_xaxes(title_text="step" if self.x == "step" else "seconds since start",
+                         row=len(self.metrics), col=1)
+        fig.update_layout(height=260 * len(self.metrics) + 60, template="plotly_white",
+                          margin={"l": 60, "r": 20, "t": 40, "b": 40})
+        return fig
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.figure())  # JupyterLab draws it offline (jupyterlab-plotly's renderer)
+        display(self.summary)
+        diff = self.config_diff
+        if not diff.empty:
+            display(diff)
+
+    def close(self) -> None:
+        for r in self._readers:
+            r.close()
+
+    def __repr__(self) -> str:
+        return f"<nbwatch.Comparison of {len(self.labels)} runs: {', '.join(self.labels)}>"
+
+
+def _labels(dirs: Sequence[Path], root: Path | None) -> list[str]:
+    names = [d.name for d in dirs]
+    if len(set(names)) == len(names):
+        return names
+    if root is not None:
+        return [str(d.relative_to(root)) if d != root else d.name for d in dirs]
+    return [str(d) for d in dirs]
+
+
+def compare(
+    runs: str | os.PathLike | Iterable[str | os.PathLike],
+    where: Where = None,
+    metrics: Sequence[str] = ("loss/train", "loss/val"),
+    x: str = "step",
+) -> Comparison:
+    """Overlay several runs: a root folder (every run under it) or a list of run folders.
+
+    `where` keeps the runs whose config matches: {"lr": 3e-4} (equality; dotted keys reach
+    nested config; a value may be a predicate) or a predicate on the whole config dict.
+    `x` is "step" or "wall" (seconds since each run started).
+
+    >>> cmp = nbwatch.compare("runs", where={"batch_size": 32}, metrics=["loss/val"])
+    >>> cmp.summary.sort_values("best_val")
+    >>> cmp.config_diff            # which config keys differ between them
+    >>> cmp                        # in a notebook: the overlay figure and both tables
+    """
+    if x not in ("step", "wall"):
+        raise ValueError(f"x must be 'step' or 'wall', got {x!r}")
+    if isinstance(metrics, str):
+        metrics = [metrics]
+    if not metrics:
+        raise ValueError("metrics is empty; name at least one scalar, e.g. 'loss/train'")
+    root: Path | None = None
+    if isinstance(runs, (str, os.PathLike)):
+        root = Path(runs)
+        dirs = find_runs(root)
+        if not dirs:
+            raise FileNotFoundError(f"no nbwatch runs under {root}")
+    else:
+        dirs = [Path(d) for d in runs]
+        for d in dirs:
+            if not is_run_dir(d):
+                raise FileNotFoundError(f"{d} holds no nbwatch run; pass run folders written "
+                                        "by nbwatch.Monitor, or one root folder")
+        if not dirs:
+            raise ValueError("no runs given; pass a list of run folders or a root folder")
+    configs = {}
+    for d in dirs:
+        r = RunReader(d)
+        try:
+            configs[d] = r.meta().get("config", {})
+        finally:
+            r.close()
+    kept = [d for d in dirs if matches(configs[d], where)]
+    if not kept:
+        seen = ""
+        if isinstance(where, Mapping):
+            vals = {k: sorted({repr(flatten(c).get(k)) for c in configs.values()})
+                    for k in where}
+            seen = "; values seen: " + ", ".join(f"{k} in {{{', '.join(v)}}}"
+                                                  for k, v in vals.items())
+        raise ValueError(f"none of the {len(dirs)} runs matches where={where!r}{seen}")
+    cmp = Comparison(kept, _labels(kept, root), metrics, x)
+    known = set()
+    for r in cmp._readers:
+        known.update(r.keys())
+    unknown = [m for m in metrics if m not in known]
+    if unknown:
+        cmp.close()
+        shown = ", ".join(sorted(known)[:12])
+        raise ValueError(f"no compared run recorded {', '.join(map(repr, unknown))}; "
+                         f"known scalars include: {shown}")
+    return cmp

@@ -18,6 +18,7 @@ from torch import nn
 
 from . import controls as ctl
 from ._omp import release_caller_pool
+from .alerts import AlertEngine, configure, default_rules
 from .checkpoint import Checkpointer, load, set_rng_state
 from .environment import environment
 from .logs import open_run_log
@@ -81,6 +82,8 @@ class Monitor:
         name: str | None = None,
         keep_last: int = 3,
         system_interval: float = 1.0,
+        alerts: dict[str, Any] | None = None,
+        on_alert: Callable[[Any], Any] | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -117,6 +120,8 @@ class Monitor:
         self.name = name or self.run_dir.name
         self.config = dict(config or {})
         self.system_interval = system_interval
+        self.rules = configure(default_rules(), alerts)  # validates the overrides now
+        self.on_alert = on_alert
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep_last)
         self.control = ctl.ControlState()
         self._commands = ctl.CommandQueue()
@@ -233,6 +238,7 @@ class Monitor:
         runner = Runner(
             self._spec, self.model, self.optimizer, self.scheduler, self.scaler, store,
             self.checkpointer, self._commands, self.control, self._progress, start_step,
+            AlertEngine(self.rules), self.on_alert,
         )
         self._log_handler = open_run_log(runner.log, self.run_dir)
         self._sampler = SystemSampler(self._record_system, self.system_interval).start()
@@ -371,6 +377,21 @@ class Monitor:
         if run is None:
             return pd.DataFrame(columns=["step", "wall", "kind", "severity", "message", "data"])
         return run.events
+
+    def diagnose(self) -> list:
+        """Findings that explain the run so far (val periodicity, step-time bottleneck…)."""
+        from .diagnostics import diagnose
+
+        return diagnose(self.df)
+
+    def preflight(self, step_fn: Callable[[nn.Module, Any], Any], data: Iterable,
+                  steps: int = 200, **start_kw: Any) -> Any:
+        """Run a short trial on this model and restore it; returns checks with `.ok`."""
+        from .preflight import preflight
+
+        if self.running:
+            raise RuntimeError("preflight() while the run is training; call it before start()")
+        return preflight(self, step_fn, data, steps, **start_kw)
 
     def show(self) -> Any:
         """Display the live dashboard of this run in the notebook."""

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from . import controls as ctl
+from .alerts import AlertEngine, default_rules, weight_std
 from .checkpoint import Checkpointer, rng_state
 from .probes import attention as attn_probe
 from .probes import weights as wprobe
@@ -57,6 +58,7 @@ class RunSpec:
     attention_samples: int = 2
     attention_tokens: int = 64
     log_every: int = 50
+    trial: bool = False  # preflight: no checkpoints, no pausing
 
 
 @dataclass
@@ -86,12 +88,16 @@ class Runner:
         control: ctl.ControlState,
         progress: Progress,
         start_step: int = 0,
+        engine: AlertEngine | None = None,
+        on_alert: Callable[[Event], Any] | None = None,
     ):
         self.spec, self.model, self.opt, self.sched, self.scaler = (
             spec, model, optimizer, scheduler, scaler
         )
         self.store, self.ckpt, self.commands, self.control = store, checkpointer, commands, control
         self.progress = progress
+        self.engine = engine if engine is not None else AlertEngine(default_rules())
+        self.on_alert = on_alert
         self.step = start_step
         self.layers = Layers.of(model)
         self._stop_requested = False
@@ -166,7 +172,7 @@ class Runner:
     def _apply_commands(self) -> None:
         for cmd in self._poll_commands():
             self._apply(cmd)
-        while self.control.paused and not self._stop_requested:
+        while self.control.paused and not self._stop_requested and not self.spec.trial:
             cmd = self.commands.get(timeout=0.1)
             cmds = ([cmd] if cmd else []) + self._poll_commands()
             for c in cmds:
@@ -236,9 +242,8 @@ class Runner:
         t0 = time.perf_counter()
         data_s = 0.0
         loss_sum = torch.zeros(())
-        tokens: torch.Tensor | float | None = None
-        padded = 0
-        samples = 0
+        tokens: torch.Tensor | None = None
+        padded = samples = 0
         mask_figs: list[dict[str, torch.Tensor]] = []
         reduction = None
         for _ in range(spec.accumulate):
@@ -262,58 +267,80 @@ class Runner:
             self._reduction_saved = True
         if scaler is not None:
             scaler.unscale_(opt)  # norms and clipping see the true gradients
+        t_fb = time.perf_counter()
 
         total, per_layer, grads = grad_norms(self.layers)
-        clipped = clip_(grads, total, self.control.clip) if self.control.clip else total
-        hist = spec.hist_every > 0 and (
+        # One device→host copy for every per-step figure, before the optimizer step so
+        # that the rules can still skip or clip this step.
+        dev = total.device
+        parts = [(loss_sum / spec.accumulate).to(dev).reshape(1), total.reshape(1), per_layer]
+        names = ["loss/train", "grad_norm/global"]
+        names += [f"grad_norm/{n}" for n in self.layers.names]
+        if mask_figs:
+            tok = tokens.float().to(dev).reshape(1)
+            lens = torch.stack([f["data/seq_len_mean"] for f in mask_figs]).float().mean()
+            mx = torch.stack([f["data/seq_len_max"] for f in mask_figs]).float().max()
+            parts += [tok, lens.to(dev).reshape(1), mx.to(dev).reshape(1)]
+            names += ["tokens/real", "data/seq_len_mean", "data/seq_len_max"]
+        host = torch.cat([t.float().to(dev) for t in parts]).tolist()  # the sync point
+        values = dict(zip(names, host))
+        if mask_figs:
+            values["data/padding_ratio"] = 1.0 - values["tokens/real"] / max(padded, 1)
+        lrs = ctl.lrs(opt)  # the LR this step uses: read before scheduler.step()
+        values["lr"] = lrs[0]
+        for i, lr in enumerate(lrs[1:], start=1):
+            values[f"lr/group{i}"] = lr
+        t_probe = time.perf_counter()
+
+        step = self.step + 1
+        alerts = self.engine.observe("step", step, values)
+        skip = any("skip_step" in a.rule.actions for a in alerts)
+        for a in alerts:
+            if "clip" in a.rule.actions and not skip:
+                limit = float(a.rule.params.get("max_norm", 1.0))
+                if self.control.clip is None or self.control.clip > limit:
+                    self.control.clip = limit
+        g = values["grad_norm/global"]
+        clip = self.control.clip
+        values["grad_norm/clipped"] = g * min(1.0, clip / (g + 1e-6)) if clip else g
+        if clip and not skip:
+            clip_(grads, total, clip)
+
+        hist = spec.hist_every > 0 and not skip and (
             (self.step + 1) % spec.hist_every == 0 or self.step == self._start_step
         )
         before = wprobe.snapshot(self.layers) if hist else None
-        lrs = ctl.lrs(opt)  # the LR this step uses: read before scheduler.step()
-        if scaler is not None:
+        if skip:
+            if scaler is not None:
+                scaler.update()  # a non-finite step lowers the scale, as scaler.step would
+        elif scaler is not None:
             scaler.step(opt)
             scaler.update()
         else:
             opt.step()
-        if self.sched is not None:
+        if self.sched is not None and not skip:
             ctl.scheduler_step(self.sched, opt, self.control.lr_factor)
         opt.zero_grad(set_to_none=True)
-
-        # One device→host copy for every per-step figure.
-        dev = total.device
-        parts = [(loss_sum / spec.accumulate).to(dev).reshape(1), total.reshape(1),
-                 clipped.reshape(1), per_layer]
-        names = ["loss/train", "grad_norm/global", "grad_norm/clipped"]
-        names += [f"grad_norm/{n}" for n in self.layers.names]
         if before is not None:
-            parts.append(wprobe.update_ratios(self.layers, before))
-            names += [f"update_ratio/{n}" for n in self.layers.names]
-        if mask_figs:
-            tok = torch.as_tensor(tokens, dtype=torch.float32).to(dev).reshape(1)
-            pad = 1.0 - tok / max(padded, 1)
-            lens = torch.stack([f["data/seq_len_mean"] for f in mask_figs]).float().mean()
-            mx = torch.stack([f["data/seq_len_max"] for f in mask_figs]).float().max()
-            parts += [tok, pad.reshape(1), lens.to(dev).reshape(1), mx.to(dev).reshape(1)]
-            names += ["tokens", "data/padding_ratio", "data/seq_len_mean", "data/seq_len_max"]
-        host = torch.cat([t.float().to(dev) for t in parts]).tolist()  # the sync point
-        values = dict(zip(names, host))
-        n_tokens = values.pop("tokens", None)
+            ratios = wprobe.update_ratios(self.layers, before).tolist()
+            values.update({f"update_ratio/{n}": r for n, r in zip(self.layers.names, ratios)})
 
-        self.step += 1
-        step = self.step
-        step_s = time.perf_counter() - t0
-        values.update(timing_figures(step_s, data_s, n_tokens, samples or None))
-        if n_tokens is not None:
-            values["tokens/real"] = n_tokens
-        values["lr"] = lrs[0]
-        for i, lr in enumerate(lrs[1:], start=1):
-            values[f"lr/group{i}"] = lr
+        self.step = step
+        t_end = time.perf_counter()
+        n_tokens = values.get("tokens/real")
+        values.update(timing_figures(t_end - t0, data_s, n_tokens, samples or None))
+        values["time/forward_backward"] = t_fb - t0 - data_s
+        values["time/probes"] = t_probe - t_fb
+        values["time/optimizer"] = t_end - t_probe
         if self._epoch:
             values["epoch"] = float(self._epoch)
+        if skip:
+            values["skipped"] = 1.0
         self.store.put(Scalars(step, values))
         self.progress.step = step
         if math.isfinite(values["loss/train"]):
             self.progress.train_losses.append(values["loss/train"])
+        self._raise_alerts(alerts)
 
         if hist:
             self._histograms(step)
@@ -321,11 +348,38 @@ class Runner:
             self.log.info("step", extra={"step": step, "data": {
                 k: values[k] for k in ("loss/train", "grad_norm/global", "lr", "time/step")}})
 
+    def _raise_alerts(self, alerts: list) -> None:
+        """Record each alert, then carry out its actions (skip and clip are done already)."""
+        for a in alerts:
+            self._emit(a.event)
+            if self.on_alert is not None:
+                try:
+                    self.on_alert(a.event)
+                except Exception:  # a user's callback must not kill the run
+                    self.log.exception("on_alert callback failed for %s", a.rule.name)
+        for a in alerts:
+            acts = a.rule.actions
+            if "cut_lr" in acts:
+                f = float(a.rule.params.get("lr_factor", 0.5))
+                self._apply(Command("scale_lr", f, f"alert:{a.rule.name}"))
+            if "clip" in acts and a.rule.name != "nonfinite":
+                self._emit(Event(self.step, "action", "info",
+                                 f"gradient clipping at {self.control.clip:g} "
+                                 f"(alert {a.rule.name})",
+                                 {"command": "clip", "value": self.control.clip,
+                                  "source": f"alert:{a.rule.name}"}))
+            if "checkpoint" in acts:
+                self._checkpoint(f"emergency ({a.rule.name})")
+            if "pause" in acts:
+                self._apply(Command("pause", None, f"alert:{a.rule.name}"))
+
     def _histograms(self, step: int) -> None:
         edges, counts = wprobe.layer_histograms(self.layers, self.spec.hist_bins)
         edges, counts = edges.cpu().double().numpy(), counts.cpu().numpy()
         for i, name in enumerate(self.layers.names):
             self.store.put(Histogram(step, f"weight/{name}", edges[i], counts[i]))
+        stds = {n: weight_std(edges[i], counts[i]) for i, n in enumerate(self.layers.names)}
+        self._raise_alerts(self.engine.observe("hist", step, weight_std=stds))
         if self._seq_lens:
             lens = torch.cat([t.float().cpu() for t in self._seq_lens])
             self._seq_lens.clear()
@@ -365,6 +419,8 @@ class Runner:
                 self.store.put(Scalars(step, values))
         finally:
             model.train(was_training)
+        if values:
+            self._raise_alerts(self.engine.observe("eval", step, values))
         every = spec.checkpoint_every or spec.eval_every
         if every and step % every == 0:
             self._checkpoint("periodic")
@@ -374,6 +430,9 @@ class Runner:
         n = spec.attention_samples
         with attn_probe.capture_attention(self.model, n, spec.attention_tokens) as maps:
             spec.step_fn(self.model, spec.probe_batch)
+        if maps:
+            first = {m: w[0].numpy() for m, w in maps.items()}
+            self._raise_alerts(self.engine.observe("attention", step, attention=first))
         for module, w in maps.items():
             for i in range(w.shape[0]):
                 toks = None
@@ -393,6 +452,8 @@ class Runner:
         }
 
     def _checkpoint(self, reason: str) -> None:
+        if self.spec.trial:
+            return
         if reason in ("final", "stop") and self._ckpt_step == self.step:
             return  # the periodic checkpoint of this very step is the final one
         self._ckpt_step = self.step

@@ -1,0 +1,370 @@
+"""Alert rules: pure checks over the recorded stream, with episodes and actions.
+
+A rule looks at a bounded window of recent figures and says whether its condition
+holds. The `AlertEngine` turns conditions into alerts *once per episode*: a rule that
+fired stays quiet until its condition has been clear for `clear_steps` observations,
+so an alert never fires all day. Each alert names an action for the runner: none,
+checkpoint, pause, cut_lr, clip or skip_step.
+
+Defaults follow the seeds and are all overridable with one dict passed to the Monitor:
+
+    Monitor(..., alerts={"grad_explosion": {"factor": 20}, "plateau": False})
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from .records import Event
+
+ACTIONS = ("none", "checkpoint", "pause", "cut_lr", "clip", "skip_step")
+PHASES = ("step", "eval", "hist", "attention")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One alert rule: `check(window, params)` → None when quiet, else a message."""
+
+    name: str
+    severity: str
+    phase: str
+    check: Callable[[Window, dict[str, Any]], str | None]
+    params: dict[str, Any] = field(default_factory=dict)
+    actions: tuple[str, ...] = ()
+    clear_steps: int = 1
+    doc: str = ""
+
+
+class Window:
+    """Bounded recent history of each figure (deques), plus the newest values seen."""
+
+    def __init__(self, size: int = 1000):
+        self.size = size
+        self.series: dict[str, deque[float]] = {}
+        self.latest: dict[str, Any] = {}
+        self.best: dict[str, float] = {}
+
+    def add(self, values: dict[str, Any]) -> None:
+        self.latest = values
+        for k, v in values.items():
+            if isinstance(v, (int, float)):
+                self.series.setdefault(k, deque(maxlen=self.size)).append(float(v))
+
+    def arr(self, key: str, last: int | None = None) -> np.ndarray:
+        s = self.series.get(key)
+        if not s:
+            return np.empty(0)
+        a = np.fromiter(s, dtype=np.float64, count=len(s))
+        return a[-last:] if last else a
+
+
+# -- the checks (pure: window + params → message or None) ---------------------------------
+def _nonfinite(w: Window, p: dict) -> str | None:
+    bad = [k for k in ("loss/train", "grad_norm/global")
+           if k in w.latest and not math.isfinite(w.latest[k])]
+    if bad:
+        return f"non-finite {' and '.join(bad)} at this step: step skipped, weights untouched"
+    return None
+
+
+def _grad_explosion(w: Window, p: dict) -> str | None:
+    g = w.latest.get("grad_norm/global")
+    if g is None or not math.isfinite(g):
+        return None
+    if g > p["absolute"]:
+        return f"gradient norm {g:.3g} above {p['absolute']:.0e}"
+    hist = w.arr("grad_norm/global")[:-1]
+    hist = hist[np.isfinite(hist)][-p["window"]:]
+    if len(hist) >= p["min_history"]:
+        med = float(np.median(hist))
+        if med > 0 and g > p["factor"] * med:
+            return f"gradient norm {g:.3g} is {g / med:.0f}× its rolling median {med:.3g}"
+    return None
+
+
+def _vanishing(w: Window, p: dict) -> str | None:
+    g = w.arr("grad_norm/global", p["persist"])
+    if len(g) >= p["persist"] and np.all(g < p["global_below"]):
+        return f"global gradient norm below {p['global_below']:.0e} for {p['persist']} steps"
+    layers = [k for k in w.latest if k.startswith("grad_norm/")
+              and k not in ("grad_norm/global", "grad_norm/clipped")]
+    if len(layers) < 3:
+        return None
+    recent = np.stack([w.arr(k, p["persist"]) for k in layers])  # [layers, steps]
+    if recent.shape[1] < p["persist"]:
+        return None
+    med = np.median(recent, axis=0)
+    ratio = recent / np.maximum(med, 1e-30)
+    low = np.all(ratio < p["layer_ratio"], axis=1)
+    if low.any():
+        names = [layers[i].removeprefix("grad_norm/") for i in np.flatnonzero(low)][:3]
+        return (f"gradients of {', '.join(names)} are over {1 / p['layer_ratio']:.0f}× below "
+                f"the median layer's for {p['persist']} steps")
+    return None
+
+
+def _throughput_drop(w: Window, p: dict) -> str | None:
+    key = next((k for k in ("throughput/tokens_per_s", "throughput/samples_per_s")
+                if k in w.latest), None)
+    if key is None:
+        return None
+    a = w.arr(key)
+    if len(a) < p["min_history"] + p["persist"]:
+        return None
+    base = float(np.median(a[-p["window"] - p["persist"]:-p["persist"]]))
+    recent = a[-p["persist"]:]
+    if base > 0 and np.all(recent < (1 - p["drop"]) * base):
+        return (f"throughput fell to {np.median(recent):,.0f} {key.split('/')[1]} "
+                f"from a median of {base:,.0f} ({1 - np.median(recent) / base:.0%} drop)")
+    return None
+
+
+def _data_bottleneck(w: Window, p: dict) -> str | None:
+    data, step = w.arr("time/data", p["window"]), w.arr("time/step", p["window"])
+    if len(data) < p["window"]:
+        return None
+    share = data.sum() / max(step.sum(), 1e-12)
+    p90 = float(np.percentile(data, 90))
+    if share > p["share"]:
+        return f"the step waits on the data loader {share:.0%} of the time"
+    if p90 > p["p90_s"]:
+        return f"data wait p90 is {p90 * 1e3:.0f} ms a step"
+    return None
+
+
+def _padding(w: Window, p: dict) -> str | None:
+    a = w.arr("data/padding_ratio", p["window"])
+    if len(a) >= p["window"] and a.mean() > p["ratio"]:
+        return (f"{a.mean():.0%} of the tokens in recent batches are padding: bucket "
+                "sequences by length or pack them")
+    return None
+
+
+def _plateau(w: Window, p: dict) -> str | None:
+    a = w.arr("loss/train", p["window"])
+    a = a[np.isfinite(a)]
+    if len(a) < p["window"] or w.latest.get("_step", 0) % p["every"]:
+        return None
+    x = np.arange(len(a), dtype=np.float64)
+    slope, intercept = np.polyfit(x, a, 1)
+    resid = a - (slope * x + intercept)
+    se = resid.std(ddof=2) / math.sqrt(((x - x.mean()) ** 2).sum())
+    change = slope * len(a) / max(abs(a.mean()), 1e-12)
+    if slope > -2 * se and abs(change) < p["min_change"]:
+        return (f"train loss has not improved over the last {len(a)} steps "
+                f"(mean {a.mean():.4g}, trend {change:+.2%})")
+    return None
+
+
+def _val_spike(w: Window, p: dict) -> str | None:
+    v = w.latest.get("loss/val")
+    vals = w.arr("loss/val")[:-1]
+    vals = vals[np.isfinite(vals)]
+    if v is None or not len(vals):
+        return None
+    best = float(vals.min())
+    if not math.isfinite(v) or (best > 0 and v > p["factor"] * best):
+        return f"val loss {v:.4g} is over {p['factor']:g}× the best so far ({best:.4g})"
+    return None
+
+
+def _lr_change(w: Window, p: dict) -> str | None:
+    lr = w.latest.get("lr")
+    ref = w.latest.get("_lr_reported")
+    if lr is None or ref is None or lr <= 0 or ref <= 0:
+        return None
+    if max(lr / ref, ref / lr) >= p["factor"]:
+        return f"LR changed {ref:.3g} → {lr:.3g}"
+    return None
+
+
+def _weight_collapse(w: Window, p: dict) -> str | None:
+    stds: dict[str, tuple[float, float]] = w.latest.get("_weight_std", {})
+    fallen = [(n, s0, s) for n, (s0, s) in stds.items()
+              if s0 > p["min_start_std"] and s < s0 / p["factor"]]
+    if fallen:
+        n, s0, s = fallen[0]
+        more = f" (and {len(fallen) - 1} more layers)" if len(fallen) > 1 else ""
+        return f"weights of {n} collapsed: std {s:.3g}, from {s0:.3g} at the start{more}"
+    return None
+
+
+def _attention_collapse(w: Window, p: dict) -> str | None:
+    maps: dict[str, np.ndarray] = w.latest.get("_attention", {})
+    for module, a in maps.items():  # a: [heads, T, S]
+        rows = a[:, p["skip_rows"]:, :]
+        if rows.shape[1] < 4:
+            continue
+        frac = (rows.max(axis=-1) > p["max_weight"]).mean(axis=-1)  # per head
+        heads = np.flatnonzero(frac > p["rows"])
+        if len(heads):
+            return (f"attention of {module} head {int(heads[0])} collapsed: "
+                    f"{frac[heads[0]]:.0%} of its rows put > {p['max_weight']} on one token")
+    return None
+
+
+def _val_periodic(w: Window, p: dict) -> str | None:
+    from .diagnostics import val_periodicity
+
+    finding = val_periodicity(w.arr("loss/val"), w.arr("val/seq_len_mean"),
+                              min_evals=p["min_evals"], corr=p["corr"])
+    return finding.message if finding and finding.cause else None
+
+
+def default_rules() -> list[Rule]:
+    """The built-in rules, thresholds from the seeds (documented in the README)."""
+    return [
+        Rule("nonfinite", "critical", "step", _nonfinite, {},
+             ("skip_step", "pause", "checkpoint"), 1,
+             "non-finite loss or gradients: skip the step, pause, checkpoint the last good state"),
+        Rule("grad_explosion", "critical", "step", _grad_explosion,
+             {"absolute": 1e5, "factor": 10.0, "window": 200, "min_history": 20, "max_norm": 1.0},
+             ("clip",), 50, "global grad norm > 1e5 or > 10× its rolling median: clip at 1.0"),
+        Rule("val_spike", "critical", "eval", _val_spike, {"factor": 2.0, "lr_factor": 0.5},
+             ("checkpoint", "cut_lr"), 1, "val loss > 2× the best: checkpoint and cut LR ×0.5"),
+        Rule("vanishing_gradients", "warning", "step", _vanishing,
+             {"global_below": 1e-7, "layer_ratio": 1e-3, "persist": 20}, (), 50,
+             "global grad norm < 1e-7, or a layer 1000× below the median layer"),
+        Rule("throughput_drop", "warning", "step", _throughput_drop,
+             {"drop": 0.5, "window": 200, "min_history": 50, "persist": 10}, (), 50,
+             "throughput below half its rolling median for 10 steps"),
+        Rule("data_bottleneck", "warning", "step", _data_bottleneck,
+             {"share": 0.3, "p90_s": 0.1, "window": 50}, (), 200,
+             "data wait > 30% of step time, or its p90 > 0.1 s"),
+        Rule("padding", "warning", "step", _padding, {"ratio": 0.5, "window": 50}, (), 200,
+             "more than half the tokens are padding"),
+        Rule("attention_collapse", "warning", "attention", _attention_collapse,
+             {"max_weight": 0.99, "rows": 0.5, "skip_rows": 4}, (), 2,
+             "most rows of a head put > 0.99 of their weight on one token"),
+        Rule("weight_collapse", "warning", "hist", _weight_collapse,
+             {"factor": 10.0, "min_start_std": 1e-6}, (), 2,
+             "a layer's weight std fell 10× from its start"),
+        Rule("plateau", "warning", "step", _plateau,
+             {"window": 1000, "every": 100, "min_change": 0.005}, (), 1000,
+             "train loss flat (no significant trend, < 0.5% change) over 1000 steps"),
+        Rule("val_periodic", "warning", "eval", _val_periodic,
+             {"min_evals": 12, "corr": 0.8}, (), 10**9,
+             "val loss oscillates with a period that the val batches' lengths explain"),
+        Rule("lr_change", "info", "step", _lr_change, {"factor": 2.0}, (), 1,
+             "the LR moved 2× from the last reported value"),
+    ]
+
+
+def configure(rules: list[Rule], overrides: dict[str, Any] | None) -> list[Rule]:
+    """Apply `{rule: False | {param: value, "actions": [...], "severity": ...}}`."""
+    if not overrides:
+        return rules
+    by_name = {r.name: r for r in rules}
+    unknown = set(overrides) - set(by_name)
+    if unknown:
+        raise KeyError(f"unknown alert rule(s) {sorted(unknown)}; known: {sorted(by_name)}")
+    out = []
+    for r in rules:
+        o = overrides.get(r.name, {})
+        if o is False:
+            continue
+        if o is True or not o:
+            out.append(r)
+            continue
+        if not isinstance(o, dict):
+            raise TypeError(f"alerts[{r.name!r}] must be False or a dict of overrides, got {o!r}")
+        o = dict(o)
+        kw: dict[str, Any] = {}
+        if "actions" in o:
+            acts = o.pop("actions")
+            acts = (acts,) if isinstance(acts, str) else tuple(acts or ())
+            bad = [a for a in acts if a not in ACTIONS]
+            if bad:
+                raise ValueError(f"alerts[{r.name!r}]: unknown action(s) {bad}; known: {ACTIONS}")
+            kw["actions"] = tuple(a for a in acts if a != "none")
+        for key in ("severity", "clear_steps"):
+            if key in o:
+                kw[key] = o.pop(key)
+        bad = set(o) - set(r.params)
+        if bad:
+            raise KeyError(f"alerts[{r.name!r}]: unknown setting(s) {sorted(bad)}; "
+                           f"settings: {sorted(r.params)}, actions, severity, clear_steps")
+        out.append(replace(r, params={**r.params, **o}, **kw))
+    return out
+
+
+@dataclass
+class Alert:
+    """A rule that fired: what the runner records and acts on."""
+
+    rule: Rule
+    step: int
+    message: str
+
+    @property
+    def event(self) -> Event:
+        return Event(self.step, "alert", self.rule.severity, f"{self.rule.name}: {self.message}",
+                     {"rule": self.rule.name, "actions": list(self.rule.actions),
+                      "params": self.rule.params})
+
+
+class AlertEngine:
+    """Feeds observations to the rules of each phase; fires once per episode."""
+
+    def __init__(self, rules: list[Rule], window: int = 1000):
+        self.rules = rules
+        self.window = Window(window)
+        self._active: dict[str, bool] = {}
+        self._clear: dict[str, int] = {}
+        self._lr_reported: float | None = None
+        self._weight_start: dict[str, float] = {}
+
+    def observe(self, phase: str, step: int, values: dict[str, Any] | None = None,
+                **extra: Any) -> list[Alert]:
+        if values:
+            self.window.add(values)
+        latest = dict(values or self.window.latest)
+        latest["_step"] = step
+        if phase == "step":
+            lr = latest.get("lr")
+            if self._lr_reported is None and lr is not None:
+                self._lr_reported = lr
+            latest["_lr_reported"] = self._lr_reported
+        if phase == "hist":
+            stds = extra.get("weight_std", {})
+            for n, s in stds.items():
+                self._weight_start.setdefault(n, s)
+            latest["_weight_std"] = {n: (self._weight_start[n], s) for n, s in stds.items()}
+        if phase == "attention":
+            latest["_attention"] = extra.get("attention", {})
+        self.window.latest = latest
+        fired = []
+        for rule in self.rules:
+            if rule.phase != phase:
+                continue
+            msg = rule.check(self.window, rule.params)
+            if msg is None:
+                if self._active.get(rule.name):
+                    self._clear[rule.name] = self._clear.get(rule.name, 0) + 1
+                    if self._clear[rule.name] >= rule.clear_steps:
+                        self._active[rule.name] = False
+                continue
+            self._clear[rule.name] = 0
+            if self._active.get(rule.name) and rule.name != "lr_change":
+                continue
+            self._active[rule.name] = True
+            if rule.name == "lr_change":
+                self._lr_reported = latest.get("lr")
+            fired.append(Alert(rule, step, msg))
+        return fired
+
+
+def weight_std(edges: np.ndarray, counts: np.ndarray) -> float:
+    """Standard deviation of the values a histogram describes (bin centres)."""
+    centres = (edges[:-1] + edges[1:]) / 2
+    n = counts.sum()
+    if n == 0:
+        return 0.0
+    mean = (centres * counts).sum() / n
+    return float(math.sqrt(max(((centres - mean) ** 2 * counts).sum() / n, 0.0)))

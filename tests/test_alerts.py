@@ -1,0 +1,154 @@
+"""Each rule on a synthetic stream: fires when it should, once per episode, and re-arms."""
+
+import math
+
+import numpy as np
+import pytest
+
+from nbwatch.alerts import AlertEngine, configure, default_rules, weight_std
+
+
+def engine(**overrides):
+    return AlertEngine(configure(default_rules(), overrides or None))
+
+
+def healthy(step, rng, **extra):
+    v = {
+        "loss/train": 3.0 * math.exp(-step / 2000) + 0.05 * rng.standard_normal(),
+        "grad_norm/global": 1.0 + 0.1 * rng.standard_normal(),
+        "grad_norm/a": 0.5 + 0.05 * rng.random(), "grad_norm/b": 0.6 + 0.05 * rng.random(),
+        "grad_norm/c": 0.7 + 0.05 * rng.random(),
+        "throughput/tokens_per_s": 20_000 * (1 + 0.05 * rng.standard_normal()),
+        "time/step": 0.07, "time/data": 0.001, "data/padding_ratio": 0.2, "lr": 1e-3,
+    }
+    v.update(extra)
+    return v
+
+
+def feed(eng, n, start=1, seed=0, phase="step", **patch):
+    """Observe n steps; `patch` maps a key to a function of the step (or a constant)."""
+    rng = np.random.default_rng(seed)
+    fired = []
+    for s in range(start, start + n):
+        extra = {k: (f(s) if callable(f) else f) for k, f in patch.items()}
+        fired += eng.observe(phase, s, healthy(s, rng, **extra))
+    return fired
+
+
+def names(alerts):
+    return [a.rule.name for a in alerts]
+
+
+def test_a_healthy_synthetic_stream_is_quiet():
+    assert feed(engine(), 3000) == []
+
+
+def test_nonfinite_fires_each_time_and_asks_to_skip_pause_checkpoint():
+    eng = engine()
+    fired = feed(eng, 100, **{"loss/train": lambda s: math.nan if s in (50, 80) else 1.0})
+    assert [(a.rule.name, a.step) for a in fired] == [("nonfinite", 50), ("nonfinite", 80)]
+    assert fired[0].rule.severity == "critical"
+    assert fired[0].rule.actions == ("skip_step", "pause", "checkpoint")
+
+
+def test_grad_explosion_relative_and_absolute_once_per_episode():
+    eng = engine()
+    spike = lambda s: 50.0 if 100 <= s < 120 else 1.0  # noqa: E731
+    fired = feed(eng, 200, **{"grad_norm/global": spike})
+    assert [(a.rule.name, a.step) for a in fired] == [("grad_explosion", 100)]
+    assert "50" in fired[0].message and fired[0].rule.actions == ("clip",)
+    # cleared for 50 steps → re-armed
+    fired = feed(eng, 100, start=201, **{"grad_norm/global": lambda s: 60.0 if s == 280 else 1.0})
+    assert [(a.rule.name, a.step) for a in fired] == [("grad_explosion", 280)]
+    fired = feed(engine(), 30, **{"grad_norm/global": lambda s: 2e5 if s == 3 else 1.0})
+    assert names(fired) == ["grad_explosion"] and "above 1e+05" in fired[0].message
+
+
+def test_vanishing_global_and_single_layer():
+    fired = feed(engine(), 100, **{"grad_norm/global": lambda s: 1e-9 if s > 40 else 1.0})
+    assert [(a.rule.name, a.step) for a in fired] == [("vanishing_gradients", 60)]
+    fired = feed(engine(), 100, **{"grad_norm/b": lambda s: 1e-5 if s > 10 else 0.6})
+    assert names(fired) == ["vanishing_gradients"] and "of b" in fired[0].message
+
+
+def test_throughput_drop_after_sustained_fall():
+    drop = lambda s: 5_000.0 if s > 300 else 20_000.0  # noqa: E731
+    fired = feed(engine(), 400, **{"throughput/tokens_per_s": drop})
+    assert [(a.rule.name, a.step) for a in fired] == [("throughput_drop", 310)]
+    one_slow = lambda s: 5_000.0 if s == 300 else 20_000.0  # noqa: E731
+    assert feed(engine(), 400, **{"throughput/tokens_per_s": one_slow}) == []
+
+
+def test_data_bottleneck_by_share_and_by_p90():
+    fired = feed(engine(), 200, **{"time/data": lambda s: 0.04 if s > 100 else 0.001})
+    assert names(fired) == ["data_bottleneck"] and "waits on the data loader" in fired[0].message
+    slow = lambda s: 0.5 if s % 5 == 0 else 0.001  # noqa: E731
+    fired = feed(engine(), 100, **{"time/data": slow, "time/step": lambda s: 2.0})
+    assert names(fired) == ["data_bottleneck"] and "p90" in fired[0].message
+
+
+def test_padding_over_half():
+    fired = feed(engine(), 300, **{"data/padding_ratio": lambda s: 0.7 if s > 100 else 0.2})
+    assert [(a.rule.name, a.step) for a in fired] == [("padding", 131)]  # mean > 0.5 at 31/50
+
+
+def test_plateau_fires_on_a_flat_loss_only():
+    rng = np.random.default_rng(1)
+    flat = lambda s: 2.0 + 0.05 * rng.standard_normal() if s > 1000 else 3.0 - s / 1000  # noqa
+    fired = feed(engine(), 3000, **{"loss/train": flat})
+    assert names(fired) == ["plateau"] and fired[0].step >= 2000
+
+
+def test_lr_change_reports_big_moves_only():
+    lr = lambda s: 1e-3 * min(s / 100, 1.0)  # noqa: E731  warmup from 1e-5
+    fired = feed(engine(), 300, **{"lr": lr})
+    assert names(fired) == ["lr_change"] * 6  # 1e-5 → 2e-5 → … → 1e-3: doublings only
+    assert all(a.rule.severity == "info" for a in fired)
+
+
+def test_val_spike_checkpoints_and_cuts_lr():
+    eng = engine()
+    vals = [3.0, 2.5, 2.0, 2.1, 4.5, 4.4, 2.0, 5.0]
+    fired = []
+    for i, v in enumerate(vals):
+        fired += eng.observe("eval", (i + 1) * 100, {"loss/val": v})
+    assert [(a.rule.name, a.step) for a in fired] == [("val_spike", 500), ("val_spike", 800)]
+    assert fired[0].rule.actions == ("checkpoint", "cut_lr")
+
+
+def test_weight_collapse_from_histograms():
+    eng = engine()
+    edges = np.linspace(-1, 1, 65)
+    wide = np.histogram(np.random.default_rng(0).normal(0, 0.3, 5000), bins=edges)[0]
+    narrow = np.histogram(np.random.default_rng(0).normal(0, 0.01, 5000), bins=edges)[0]
+    assert eng.observe("hist", 1, weight_std={"a": weight_std(edges, wide), "ln": 0.0}) == []
+    fired = eng.observe("hist", 50, weight_std={"a": weight_std(edges, narrow), "ln": 0.0})
+    assert names(fired) == ["weight_collapse"] and "weights of a collapsed" in fired[0].message
+    assert eng.observe("hist", 100, weight_std={"a": 0.001, "ln": 0.0}) == []  # same episode
+
+
+def test_attention_collapse_on_one_hot_rows():
+    eng = engine()
+    T = 16
+    healthy_map = np.tril(np.ones((2, T, T))) / np.arange(1, T + 1)[None, :, None]
+    assert eng.observe("attention", 100, attention={"blocks.0.attn": healthy_map}) == []
+    collapsed = healthy_map.copy()
+    collapsed[1] = 0
+    collapsed[1, :, 0] = 1.0  # head 1: every row on the first token
+    fired = eng.observe("attention", 200, attention={"blocks.0.attn": collapsed})
+    assert names(fired) == ["attention_collapse"] and "head 1" in fired[0].message
+
+
+def test_overrides_disable_and_tune_rules_with_clear_errors():
+    eng = engine(grad_explosion={"factor": 100.0}, padding=False)
+    fired = feed(eng, 200, **{"grad_norm/global": lambda s: 50.0 if s == 100 else 1.0,
+                              "data/padding_ratio": 0.9})
+    assert fired == []
+    eng = engine(padding={"actions": ["pause"], "ratio": 0.1})
+    assert [r for r in eng.rules if r.name == "padding"][0].actions == ("pause",)
+    with pytest.raises(KeyError, match="unknown alert rule.*'explode'"):
+        engine(explode={})
+    with pytest.raises(KeyError, match="unknown setting.*'factr'"):
+        engine(grad_explosion={"factr": 3})
+    with pytest.raises(ValueError, match="unknown action.*'reboot'"):
+        engine(padding={"actions": "reboot"})

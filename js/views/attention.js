@@ -10,8 +10,9 @@ export function create(root, ctx) {
   p.head.appendChild(pick);
   const info = el("span", "nbw-small");
   p.head.appendChild(info);
+  const empty = el("div", "nbw-small nbw-empty", "no probe yet: attention maps come with the first eval");
   const plot = el("div", "nbw-plot nbw-attn-plot");
-  p.body.appendChild(plot);
+  p.body.append(empty, plot);
   let data = null;
   let dirty = false;
   pick.onchange = () => { dirty = true; ctx.schedule(); };
@@ -21,6 +22,7 @@ export function create(root, ctx) {
     update(d) {
       if (!d.samples) return;
       data = d;
+      empty.style.display = "none";
       const keep = pick.value;
       pick.replaceChildren(...d.samples.map((_, i) => {
         const o = el("option", null, `sample ${i}`);

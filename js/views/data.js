@@ -40,7 +40,7 @@ export function create(root) {
           stackgroup: "t", line: { color: COLORS["time/data"], width: 0.5 }, hovertemplate: "step %{x}<br>data %{y:.1f} ms<extra></extra>" },
         { name: "compute", x: s.time_compute.x, y: s.time_compute.y.map((v) => v * 1000), type: "scatter", mode: "lines",
           stackgroup: "t", line: { color: COLORS["time/compute"], width: 0.5 }, hovertemplate: "step %{x}<br>compute %{y:.1f} ms<extra></extra>" },
-      ], baseLayout(t, { margin: m, title: { text: "step time: data wait + compute (ms)", font: { size: 11 } } }), CONFIG);
+      ], baseLayout(t, { margin: m, title: { text: "step time (ms): data + compute", font: { size: 11 } } }), CONFIG);
     },
   };
 }

@@ -68,7 +68,7 @@ export function create(root, ctx) {
         showlegend: true,
         legend: { orientation: "h", y: -0.22, font: { size: 10 } },
         yaxis: { title: { text: "loss" }, type: logBox.checked ? "log" : "linear", gridcolor: t.grid },
-        yaxis2: { title: { text: "LR" }, overlaying: "y", side: "right", showgrid: false,
+        yaxis2: { title: { text: "LR" }, overlaying: "y", side: "right", showgrid: false, zeroline: false,
           exponentformat: "e", color: COLORS.lr },
         yaxis3: { overlaying: "y", range: [0, 1.05], visible: false, fixedrange: true },
         shapes: markers.map((m) => ({ type: "line", xref: "x", yref: "paper", x0: m.step, x1: m.step,

@@ -1,0 +1,184 @@
+"""Dashboard traffic and latency.
+
+    python benchmarks/dashboard.py            # traffic: bytes and CPU per refresh at 1k/100k/1M steps
+    python benchmarks/dashboard.py --latency  # + recorded step → browser latency, notebook growth
+
+Traffic: a synthetic run is written straight through `RunStore` (20 scalars a step, an eval
+every 100 steps, 16 weight histograms every 1,000), the dashboard's `Feed` reads it all,
+then each refresh appends 10 steps (40 steps/s at 4 refreshes/s) and measures what
+`Dashboard.refresh` does: read what is new, build the panels, pack the message. Bytes =
+JSON content + binary buffers. Latency needs JupyterLab and /usr/bin/chromium (the browser
+test harness): a real Monitor trains the demo at ~20 steps/s; the page records when each
+step arrives; the store holds when each step was recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from nbwatch.panels import Feed  # noqa: E402
+from nbwatch.records import Event, Histogram, Scalars  # noqa: E402
+from nbwatch.store import RunReader, RunStore  # noqa: E402
+from nbwatch.widget import pack  # noqa: E402
+
+LAYERS = [f"blocks.{i}.{m}" for i in range(4) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
+
+
+def step_values(step: int, rng: np.random.Generator) -> dict[str, float]:
+    v = {"loss/train": 3.0 / (1 + step / 5e4) + 0.05 * rng.standard_normal(),
+         "lr": 3e-4, "grad_norm/global": 1 + 0.1 * rng.standard_normal(),
+         "grad_norm/clipped": 1.0, "throughput/tokens_per_s": 5e4, "time/step": 0.1,
+         "time/data": 0.01, "time/compute": 0.09, "data/padding_ratio": 0.2,
+         "data/seq_len_mean": 90.0}
+    v.update({f"grad_norm/{n}": float(x) for n, x in zip(LAYERS[:10], rng.random(10))})
+    return v
+
+
+def write(store: RunStore, first: int, last: int, rng: np.random.Generator) -> None:
+    for step in range(first, last + 1):
+        store.put(Scalars(step, step_values(step, rng), wall=time.time()))
+        if step % 100 == 0:
+            store.put(Scalars(step, {"loss/val": 2.5, "loss/gap": 0.1}))
+        if step % 1000 == 0:
+            edges, counts = np.linspace(-0.1, 0.1, 65), rng.integers(0, 1000, 64)
+            for n in LAYERS:
+                store.put(Histogram(step, f"weight/{n}", edges, counts))
+        if step % 20_000 == 0:
+            store.put(Event(step, "checkpoint", "info", f"periodic checkpoint at step {step}"))
+        if step % 50_000 == 0:
+            store.flush()
+    store.flush()
+
+
+def message_bytes(panels: dict, kind: str = "delta") -> int:
+    buffers: list = []
+    content = pack({"type": kind, "panels": panels}, buffers)
+    return len(json.dumps(content)) + sum(b.nbytes for b in buffers)
+
+
+def traffic(sizes: list[int], refreshes: int = 40) -> list[dict]:
+    rows = []
+    for n in sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            rng = np.random.default_rng(0)
+            store = RunStore(tmp)
+            for k, v in {"name": "bench", "state": "running", "max_steps": 2 * n,
+                         "started": time.time()}.items():
+                store.set_meta(k, v)
+            t0 = time.perf_counter()
+            write(store, 1, n, rng)
+            t_write = time.perf_counter() - t0
+            feed = Feed(RunReader(tmp))
+            t0 = time.perf_counter()
+            feed.update()
+            while feed.more:
+                feed.update()
+            t_catch = time.perf_counter() - t0
+            full = message_bytes(feed.full(), "full")
+            sizes_b, cpu = [], []
+            step = n
+            for _ in range(refreshes):
+                write(store, step + 1, step + 10, rng)
+                step += 10
+                c0 = time.process_time()
+                upd = feed.update()
+                b = message_bytes(upd) if upd else 0
+                cpu.append(time.process_time() - c0)
+                sizes_b.append(b)
+            store.close()
+            feed.tail.reader.close()
+            rows.append({"steps": n, "write_s": t_write, "catch_up_s": t_catch, "full_bytes": full,
+                         "delta_bytes_median": float(np.median(sizes_b)),
+                         "delta_bytes_max": max(sizes_b),
+                         "cpu_ms_median": 1e3 * float(np.median(cpu)),
+                         "cpu_ms_p95": 1e3 * float(np.percentile(cpu, 95))})
+            r = rows[-1]
+            print(f"{n:>9,d} steps | write {t_write:6.1f}s | catch-up {t_catch:6.1f}s | "
+                  f"replay {full / 1e3:8.1f} kB | per refresh {r['delta_bytes_median'] / 1e3:6.2f} kB "
+                  f"(max {r['delta_bytes_max'] / 1e3:6.2f}) | CPU {r['cpu_ms_median']:5.2f} ms "
+                  f"(p95 {r['cpu_ms_p95']:5.2f})", flush=True)
+    return rows
+
+
+def latency(seconds: float = 25.0) -> dict:
+    """Recorded step → page latency in a real JupyterLab + headless Chromium."""
+    from playwright.sync_api import sync_playwright
+
+    from tests.browser.conftest import ARGS, CHROMIUM, Server, write_notebook
+    from tests.browser.harness import kernel_json, open_notebook, run_all, wait_step
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root, home = Path(tmp) / "root", Path(tmp) / "home"
+        root.mkdir()
+        home.mkdir()
+        path = write_notebook(root, "latency", steps=100_000, sleep=0.04)
+        size0 = path.stat().st_size
+        srv = Server("lab", root, home)
+        try:
+            with sync_playwright() as pw:
+                b = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+                page = b.new_page(viewport={"width": 1400, "height": 1800})
+                page.route("**/*", lambda r: r.continue_() if r.request.url.startswith(
+                    ("http://127.0.0.1", "ws://127.0.0.1", "blob:", "data:")) else r.abort())
+                open_notebook(page, f"{srv.url}/lab/tree/latency.ipynb?reset")
+                run_all(page)
+                wait_step(page, 5)
+                page.evaluate("""() => {
+                    window.__arrivals = [];
+                    const root = document.querySelector('.nbw-root');
+                    new MutationObserver(() => window.__arrivals.push(
+                        [Date.now() / 1000, Number(root.dataset.step)])
+                    ).observe(root, {attributes: true, attributeFilter: ['data-step']});
+                }""")
+                time.sleep(seconds)
+                arrivals = page.evaluate("() => window.__arrivals")
+                walls = kernel_json(page, "{int(k): float(v) for k, v in "
+                                          "nbwatch.open_run(mon.run_dir).reader.walls().items()}")
+                rate = kernel_json(page, "mon.step") / max(seconds, 1)
+                page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+                time.sleep(1.5)
+                kernel_json(page, "mon.stop()")
+                size1 = path.stat().st_size
+                b.close()
+        finally:
+            srv.shutdown_kernels()
+            srv.stop()
+    lat, prev = [], None
+    for t, step in arrivals:
+        if prev is not None:
+            lat += [t - walls[str(s)] for s in range(prev + 1, step + 1) if str(s) in walls]
+        prev = step
+    lat = np.array(lat)
+    out = {"steps_measured": len(lat), "p50_s": float(np.median(lat)),
+           "p95_s": float(np.percentile(lat, 95)), "max_s": float(lat.max()),
+           "updates_per_s": len(arrivals) / seconds, "train_steps_per_s": rate,
+           "notebook_growth_bytes": size1 - size0}
+    print(f"latency recorded step → page: p50 {out['p50_s']:.3f}s  p95 {out['p95_s']:.3f}s  "
+          f"max {out['max_s']:.3f}s over {len(lat)} steps; {out['updates_per_s']:.1f} updates/s; "
+          f"saved notebook grew by {out['notebook_growth_bytes'] / 1e3:.1f} kB", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="1000,100000,1000000")
+    ap.add_argument("--latency", action="store_true")
+    ap.add_argument("--seconds", type=float, default=25.0)
+    args = ap.parse_args()
+    traffic([int(s) for s in args.sizes.split(",")])
+    if args.latency:
+        latency(args.seconds)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,7 @@
 """Dashboard traffic and latency.
 
-    python benchmarks/dashboard.py            # traffic: bytes and CPU per refresh at 1k/100k/1M steps
-    python benchmarks/dashboard.py --latency  # + recorded step → browser latency, notebook growth
+    python benchmarks/dashboard.py            # bytes and CPU per refresh at 1k/100k/1M steps
+    python benchmarks/dashboard.py --latency  # + recorded step → page latency, notebook growth
 
 Traffic: a synthetic run is written straight through `RunStore` (20 scalars a step, an eval
 every 100 steps, 16 weight histograms every 1,000), the dashboard's `Feed` reads it all,
@@ -31,7 +31,8 @@ from nbwatch.records import Event, Histogram, Scalars  # noqa: E402
 from nbwatch.store import RunReader, RunStore  # noqa: E402
 from nbwatch.widget import pack  # noqa: E402
 
-LAYERS = [f"blocks.{i}.{m}" for i in range(4) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
+LAYERS = [f"blocks.{i}.{m}" for i in range(4)
+          for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
 
 
 def step_values(step: int, rng: np.random.Generator) -> dict[str, float]:
@@ -104,7 +105,8 @@ def traffic(sizes: list[int], refreshes: int = 40) -> list[dict]:
                          "cpu_ms_p95": 1e3 * float(np.percentile(cpu, 95))})
             r = rows[-1]
             print(f"{n:>9,d} steps | write {t_write:6.1f}s | catch-up {t_catch:6.1f}s | "
-                  f"replay {full / 1e3:8.1f} kB | per refresh {r['delta_bytes_median'] / 1e3:6.2f} kB "
+                  f"replay {full / 1e3:8.1f} kB | "
+                  f"per refresh {r['delta_bytes_median'] / 1e3:6.2f} kB "
                   f"(max {r['delta_bytes_max'] / 1e3:6.2f}) | CPU {r['cpu_ms_median']:5.2f} ms "
                   f"(p95 {r['cpu_ms_p95']:5.2f})", flush=True)
     return rows

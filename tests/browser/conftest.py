@@ -79,7 +79,8 @@ class Server:
                 break
             except OSError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"jupyter {app} did not start; see {self.log.name}")
+                    raise RuntimeError(
+                        f"jupyter {app} did not start; see {self.log.name}") from None
                 time.sleep(0.3)
 
     def api(self, method: str, path: str):
@@ -161,7 +162,8 @@ def write_notebook(root: Path, name: str, steps: int = 5000, sleep: float = 0.04
     assert params, "quickstart.ipynb lost its `demo = make_demo(...)` cell"
     params[0].source = PARAMS.format(steps=steps, sleep=sleep, fail_at=fail_at)
     start = [c for c in code if "nbwatch.Monitor(" in c.source][0]
-    start.source = start.source.replace("config=demo.config", f"config=demo.config, run_dir='runs/{name}'")
+    start.source = start.source.replace(
+        "config=demo.config", f"config=demo.config, run_dir='runs/{name}'")
     assert f"runs/{name}" in start.source
     shutil.rmtree(root / "runs" / name, ignore_errors=True)
     path = root / f"{name}.ipynb"

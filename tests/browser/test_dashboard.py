@@ -8,7 +8,14 @@ import pytest
 
 from .conftest import ARTIFACTS, write_notebook
 from .harness import (
-    ack, kernel_idle, kernel_json, open_notebook, page_step, run_all, trace, wait_panels,
+    ack,
+    kernel_idle,
+    kernel_json,
+    open_notebook,
+    page_step,
+    run_all,
+    trace,
+    wait_panels,
     wait_step,
 )
 

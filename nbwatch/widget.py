@@ -91,6 +91,9 @@ class Dashboard(anywidget.AnyWidget):
     @classmethod
     def for_monitor(cls, monitor: Monitor, **kwargs: Any) -> Dashboard:
         """The live dashboard of a Monitor's run, with its controls."""
+        from .magic import remember
+
+        remember(monitor)  # what a bare `%nbwatch` shows
         return cls(monitor.run_dir, monitor=monitor, **kwargs)
 
     @classmethod

@@ -42,6 +42,7 @@ class Feed:
         self.samples: list[dict[str, Any]] = []
         self.meta: dict[str, Any] = {}
         self.step = 0
+        self.walls: list[tuple[int, float]] = []
         self._ema: tuple[float, int] = (0.0, 0)
         self.more = False
 
@@ -87,7 +88,7 @@ class Feed:
             self.attention = d.attention
         if d.meta is not None:
             self.meta = d.meta
-        walls = self.tail.recent_walls()
+        walls = self.walls = self.tail.recent_walls()
         self.step = walls[-1][0] if walls else int(self.meta.get("step", 0) or 0)
         seq = self.seq_len if any(h[1] == "data/seq_len" for h in d.histograms) else None
         out = self._build(new, d.events, new_cols, seq, d.attention, d.samples, walls, now)
@@ -96,7 +97,7 @@ class Feed:
     def full(self, now: float | None = None) -> dict[str, Any]:
         series = {k: (ds.steps, ds.values) for k, ds in self.series.items()}
         return self._build(series, self.events, self.columns, self.seq_len, self.attention,
-                           self.samples, self.tail.recent_walls(),
+                           self.samples, self.walls,
                            time.time() if now is None else now)
 
     def _build(self, series, events, columns, seq_len, att, new_samples, walls, now

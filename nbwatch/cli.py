@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -48,21 +50,78 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_where(items: list[str]) -> dict[str, Any]:
+    where: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--where takes KEY=VALUE (e.g. --where lr=3e-4), got {item!r}")
+        try:
+            where[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            where[key] = raw  # a bare string: --where optimizer=adamw
+    return where
+
+
+def _fmt(v: Any, spec: str) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    return format(v, spec)
+
+
+def _duration(s: float) -> str:
+    if not math.isfinite(s):
+        return "-"
+    return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.1f}h"
+
+
 def _ls(args: argparse.Namespace) -> int:
-    from .run import Run
-    from .store import is_run_dir
+    from .compare import config_diff, find_runs, flatten, matches, summarize
+    from .store import RunReader
 
     root = Path(args.root)
-    dirs = sorted(p for p in [root, *root.rglob("*")] if p.is_dir() and is_run_dir(p))
-    if not dirs:
-        print(f"no nbwatch runs under {root}")
+    if not root.is_dir():
+        print(f"{root} is not a folder; nbwatch ls ROOT lists the runs under ROOT")
+        return 1
+    where = _parse_where(args.where)
+    rows, configs = [], {}
+    for d in find_runs(root):
+        reader = RunReader(d)
+        try:
+            config = reader.meta().get("config", {})
+            if not matches(config, where or None):
+                continue
+            row = summarize(reader, stale_after=args.stale_after)
+        finally:
+            reader.close()
+        label = str(d.relative_to(root)) if d != root else d.name
+        rows.append((label, row))
+        configs[label] = config
+    if not rows:
+        print(f"no nbwatch runs under {root}" + (f" matching {where}" if where else ""))
         return 0
-    print(f"{'run':40s} {'state':9s} {'step':>7s} {'best val':>9s}")
-    for d in dirs:
-        run = Run(d)
-        df = run.df
-        best = df["loss/val"].min() if "loss/val" in df else math.nan
-        print(f"{str(d):40s} {run.state:9s} {run.step:7d} {best:9.4f}")
+    order = {"name": lambda r: r[0], "best": lambda r: (math.isnan(r[1]["best_val"]),
+             r[1]["best_val"]), "steps": lambda r: -r[1]["steps"]}[args.sort]
+    rows.sort(key=order)
+    # The config keys worth a column: those given, else those that differ between runs
+    # (all of them when there is one run), at most a few.
+    if args.keys:
+        keys = args.keys.split(",")
+    else:
+        keys = list(config_diff(configs).columns) if len(configs) > 1 else []
+        keys = keys or list(flatten(next(iter(configs.values()))))
+    keys = keys[: args.max_keys]
+    width = max(len("run"), *(len(label) for label, _ in rows))
+    print(f"{'run':{width}s}  {'state':9s} {'steps':>13s} {'best val':>9s} {'@step':>7s} "
+          f"{'last train':>10s} {'wall':>6s}  config")
+    for label, r in rows:
+        steps = f"{r['steps']}/{r['max_steps']}" if r["max_steps"] else str(r["steps"])
+        flat = flatten(configs[label])
+        cfg = "  ".join(f"{k}={flat[k]!r}" if isinstance(flat[k], str) else f"{k}={flat[k]}"
+                        for k in keys if k in flat)
+        print(f"{label:{width}s}  {r['state']:9s} {steps:>13s} {_fmt(r['best_val'], '9.4f')} "
+              f"{_fmt(r['best_val_step'], '7d')} {_fmt(r['last_train'], '10.4f')} "
+              f"{_duration(r['wall_s']):>6s}  {cfg}")
     return 0
 
 
@@ -75,9 +134,19 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--run-dir", default=None)
     d.add_argument("--print-every", type=float, default=5.0)
     d.set_defaults(fn=_demo)
-    ls = sub.add_parser("ls", help="list the runs under a folder")
+    ls = sub.add_parser("ls", help="list the runs under a folder: state, steps, best val "
+                        "loss, config")
     ls.add_argument("root", nargs="?", default="runs")
+    ls.add_argument("--where", action="append", default=[], metavar="KEY=VALUE",
+                    help="keep runs whose config has KEY equal to VALUE (JSON or a string)")
+    ls.add_argument("--sort", choices=("name", "best", "steps"), default="name")
+    ls.add_argument("--keys", default=None,
+                    help="comma-separated config keys to show (default: those that differ)")
+    ls.add_argument("--max-keys", type=int, default=6)
+    ls.add_argument("--stale-after", type=float, default=60.0,
+                    help="call a 'running' run stale after this many seconds without a write")
     ls.set_defaults(fn=_ls)
+    # `nbwatch export RUN_DIR -o run.html` (issue 5, the HTML snapshot) is added here.
     args = parser.parse_args(argv)
     return args.fn(args)
 

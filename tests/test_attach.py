@@ -15,6 +15,7 @@ import pytest
 
 import nbwatch
 from nbwatch.store import RunReader
+from nbwatch.widget import Dashboard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = textwrap.dedent("""
@@ -65,28 +66,33 @@ def test_attach_follows_pauses_resumes_and_stops_a_subprocess(tmp_path):
     with pytest.raises(RuntimeError, match="not started"):
         att.pause()
     proc = spawn(run)
+    dash = None
     try:
         until(lambda: att.step >= 1, 60, "the subprocess's first step")
+        # The live dashboard, its buttons steering the subprocess. (Made once the store has
+        # its tables: the widget's poll thread does not yet survive a store mid-creation.)
+        dash = Dashboard.for_monitor(att)
         assert att.state == "running" and att.running and att.config == {"lr": 1e-3}
 
-        # Latency: how long after the writer stamped a step does the attached side see it.
-        lags, seen = [], att.step
-        walls_at = {}
+        # Latency: how long after the writer stamped a step does the attached side see it
+        # (the writer commits every 0.2 s, so one poll sees several new steps at once).
+        seen_at: dict[int, float] = {}
+        seen = att.step
         end = time.monotonic() + 2.0
         while time.monotonic() < end:
             s = att.step
             if s > seen:
-                walls_at[s] = time.time()
+                seen_at.update(dict.fromkeys(range(seen + 1, s + 1), time.time()))
                 seen = s
             time.sleep(0.01)
         walls = RunReader(run).walls()
-        lags = [t - walls[s] for s, t in walls_at.items()]
+        lags = [t - walls[s] for s, t in seen_at.items()]
         assert len(lags) >= 3, "the subprocess made no progress in 2 s"
         print(f"attach latency: median {statistics.median(lags):.3f} s, max {max(lags):.3f} s "
               f"over {len(lags)} new steps")
         assert max(lags) < 1.0
 
-        att.pause()
+        dash.command("pause")  # the Pause button
         until(lambda: att.state == "paused", 5, "the subprocess to pause")
         paused_at = att.step
         time.sleep(3.5)  # longer than stale_after: the 1 Hz system rows keep it alive
@@ -110,8 +116,12 @@ def test_attach_follows_pauses_resumes_and_stops_a_subprocess(tmp_path):
         with pytest.raises(RuntimeError, match="stopped"):
             att.pause()
         assert att.error is None and len(att.df) == att.step
+        until(lambda: not dash.polling, 5, "the dashboard to see the end of the run")
+        assert dash.refreshes > 0 and dash._feed is not None and dash._feed.step == att.step
     finally:
         proc.kill()
+        if dash is not None:
+            dash.close()
         att.close()
 
 

@@ -72,6 +72,8 @@ def _fmt(v: Any, spec: str) -> str:
 def _duration(s: float) -> str:
     if not math.isfinite(s):
         return "-"
+    if s < 10:
+        return f"{s:.1f}s"
     return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.1f}h"
 
 

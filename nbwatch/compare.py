@@ -231,7 +231,12 @@ class Comparison:
     def _ipython_display_(self) -> None:
         from IPython.display import display
 
-        display(self.figure())  # JupyterLab draws it offline (jupyterlab-plotly's renderer)
+        from .monitor import _in_notebook
+
+        if _in_notebook():  # JupyterLab draws it offline (jupyterlab-plotly's renderer);
+            display(self.figure())  # in a terminal plotly would open a browser instead
+        else:
+            print(repr(self))
         display(self.summary)
         diff = self.config_diff
         if not diff.empty:

@@ -130,6 +130,14 @@ def test_lab_failed_step_turns_red_with_traceback(page, lab_server, workdir):
     assert kernel_json(page, "mon.state") == "failed"
     assert page.locator(".nbw-pause").is_disabled()
     shot(page, "lab_failed")
+    # Dark theme: the dashboard follows JupyterLab's --jp-* colours.
+    light = page.locator(".nbw-name").evaluate("e => getComputedStyle(e).color")
+    page.evaluate("() => window.jupyterapp.commands.execute("
+                  "'apputils:change-theme', {theme: 'JupyterLab Dark'})")
+    page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'")
+    page.wait_for_timeout(800)
+    assert page.locator(".nbw-name").evaluate("e => getComputedStyle(e).color") != light
+    shot(page, "lab_failed_dark")
 
 
 def test_notebook7_live_pause_resume(page, nb7_server, workdir):

@@ -1,18 +1,7 @@
 // nbwatch dashboard: one anywidget view. The kernel sends one message per refresh with
 // only what is new ("delta"), or everything it holds ("full") to a view that said "hello".
-import { needPlotly, plotlyState, receivePlotly, theme, unpack } from "./plot.js";
-import * as alerts from "./views/alerts.js";
-import * as attention from "./views/attention.js";
-import * as controls from "./views/controls.js";
-import * as data from "./views/data.js";
-import * as grads from "./views/grads.js";
-import * as header from "./views/header.js";
-import * as loss from "./views/loss.js";
-import * as samples from "./views/samples.js";
-import * as system from "./views/system.js";
-import * as weights from "./views/weights.js";
-
-const PANELS = { loss, grads, weights, attention, system, data, alerts, samples };
+import { mount } from "./mount.js";
+import { needPlotly, plotlyState, receivePlotly, unpack } from "./plot.js";
 
 function render({ model, el }) {
   const viewId = Math.random().toString(36).slice(2);
@@ -30,13 +19,8 @@ function render({ model, el }) {
       if (frame === null && alive) frame = requestAnimationFrame(draw);
     },
   };
-  const head = header.create(root, ctx);
-  const ctl = model.get("live") ? controls.create(root, ctx) : null;
-  const grid = document.createElement("div");
-  grid.className = "nbw-grid";
-  root.appendChild(grid);
-  const views = {};
-  for (const [name, mod] of Object.entries(PANELS)) views[name] = mod.create(grid, ctx);
+  const board = mount(root, ctx, { live: model.get("live") });
+  const ctl = board.ctl;
   const status = document.createElement("div");
   status.className = "nbw-status";
   status.textContent = "waiting for the kernel…";
@@ -45,30 +29,10 @@ function render({ model, el }) {
   function draw() {
     frame = null;
     if (!Plotly || !alive) return;
-    const t = theme(root);
-    for (const v of Object.values(views)) {
-      try {
-        v.draw(Plotly, t);
-      } catch (e) {
-        console.error("nbwatch: a panel failed to draw", e);
-      }
-    }
-    root.dataset.drawn = String((Number(root.dataset.drawn) || 0) + 1);
+    board.draw(Plotly);
   }
 
-  function apply(panels, full) {
-    if (panels.header) {
-      head.update(panels.header);
-      if (ctl) ctl.setState(panels.header.state);
-      root.dataset.step = String(panels.header.step);
-      root.dataset.state = panels.header.state;
-    }
-    for (const [name, v] of Object.entries(views)) {
-      if (panels[name] || full) v.update(panels[name] || {}, full);
-    }
-    if (ctl && panels.alerts && panels.alerts.items) ctl.events(panels.alerts.items);
-    ctx.schedule();
-  }
+  const apply = board.apply;
 
   function onMsg(msg, buffers) {
     if (msg.to && msg.to !== viewId) return;
@@ -102,7 +66,7 @@ function render({ model, el }) {
   hello();
   // A theme switch (light/dark) restyles every plot.
   const observer = new MutationObserver(() => {
-    for (const v of Object.values(views)) if (v.restyle) v.restyle();
+    board.restyle();
     ctx.schedule();
   });
   observer.observe(document.body, { attributes: true, attributeFilter: ["data-jp-theme-name"] });

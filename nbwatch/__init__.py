@@ -11,12 +11,13 @@ __version__ = "0.1.0"
 
 from .attach import attach
 from .compare import compare
+from .export import export_html
 from .monitor import Monitor
 from .probes.loss import masked_cross_entropy
 from .run import Run, open_run
 from .tensorboard import to_tensorboard
 
-__all__ = ["Monitor", "Run", "open_run", "attach", "compare", "to_tensorboard",
+__all__ = ["Monitor", "Run", "open_run", "attach", "compare", "export_html", "to_tensorboard",
            "masked_cross_entropy", "load_ipython_extension"]
 
 

@@ -1,4 +1,4 @@
-"""Command line: `nbwatch demo`, `nbwatch ls [ROOT]`."""
+"""Command line: `nbwatch demo`, `nbwatch ls [ROOT]`, `nbwatch export RUN_DIR -o run.html`."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _demo(args: argparse.Namespace) -> int:
     while mon.running:
         time.sleep(args.print_every)
         df = mon.df
-        if df.empty or mon.step == last:
+        if "loss/train" not in df or mon.step == last:  # only system figures so far
             continue
         last = mon.step
         row = df.iloc[-20:].mean(numeric_only=True)
@@ -47,6 +47,23 @@ def _demo(args: argparse.Namespace) -> int:
     if not samples.empty:
         print(f"sample at step {samples.step.iloc[-1]}: {samples.text.iloc[-1]!r}")
     print(f"run folder: {run_dir}  (nbwatch.open_run({str(run_dir)!r}))")
+    report = mon.export_html(run_dir / "report.html")
+    print(f"snapshot: {report}  ({report.stat().st_size / 2**20:.1f} MB, opens offline)")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .export import export_html
+    from .store import is_run_dir
+
+    run_dir = Path(args.run_dir)
+    if not is_run_dir(run_dir):
+        print(f"{run_dir} holds no nbwatch run; `nbwatch ls` lists the runs under ./runs")
+        return 1
+    out = Path(args.output) if args.output else run_dir / "report.html"
+    t0 = time.perf_counter()
+    export_html(run_dir, out)
+    print(f"{out}  ({out.stat().st_size / 2**20:.1f} MB in {time.perf_counter() - t0:.1f} s)")
     return 0
 
 
@@ -148,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     ls.add_argument("--stale-after", type=float, default=60.0,
                     help="call a 'running' run stale after this many seconds without a write")
     ls.set_defaults(fn=_ls)
-    # `nbwatch export RUN_DIR -o run.html` (issue 5, the HTML snapshot) is added here.
+    ex = sub.add_parser("export", help="write a run as one self-contained HTML file")
+    ex.add_argument("run_dir")
+    ex.add_argument("-o", "--output", default=None,
+                    help="the HTML file to write (default: RUN_DIR/report.html)")
+    ex.set_defaults(fn=_export)
     args = parser.parse_args(argv)
     return args.fn(args)
 

@@ -47,7 +47,7 @@ def nbwatch_magic(line: str) -> Any:
     if args[0] == "ls":
         from .cli import main
 
-        main(["ls", *args[1:2]])
+        main(["ls", *args[1:]])  # ROOT and any option: --where, --sort, --keys
         return None
     path = Path(args[0]).expanduser()
     from .store import is_run_dir

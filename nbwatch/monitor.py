@@ -378,6 +378,13 @@ class Monitor:
             return pd.DataFrame(columns=["step", "wall", "kind", "severity", "message", "data"])
         return run.events
 
+    def export_html(self, path: str | os.PathLike) -> Path:
+        """Write this run (so far) as one self-contained HTML file; returns its path."""
+        from .export import export_html
+
+        self._run()  # commits what is queued
+        return export_html(self.run_dir, path)
+
     def diagnose(self) -> list:
         """Findings that explain the run so far (val periodicity, step-time bottleneck…)."""
         from .diagnostics import diagnose

@@ -70,6 +70,12 @@ class Run:
         """{module path: weights [heads, T, S]} at the newest (or given) eval step."""
         return self.reader.attention(step, sample)
 
+    def export_html(self, path: str | Path) -> Path:
+        """Write this run as one self-contained HTML file (opens offline); returns its path."""
+        from .export import export_html
+
+        return export_html(self.run_dir, path)
+
     def __repr__(self) -> str:
         return f"<nbwatch.Run {self.name!r} {self.state} at step {self.step} in {self.run_dir}>"
 

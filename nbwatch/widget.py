@@ -11,15 +11,16 @@ coming back through the store is what the page shows as the acknowledgement.
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anywidget
-import numpy as np
 import traitlets
 
 from .panels import Feed
+from .panels.wire import pack
 from .store import RunReader, is_run_dir
 
 if TYPE_CHECKING:
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("nbwatch.widget")
 _STATIC = Path(__file__).parent / "static"
-_DTYPES = {np.dtype(np.float32): "f4", np.dtype(np.int32): "i4", np.dtype(np.uint8): "u1"}
 _PLOTLY: bytes | None = None
 
 
@@ -37,28 +37,6 @@ def _plotly_source() -> bytes:
     if _PLOTLY is None:
         _PLOTLY = (_STATIC / "plotly.js").read_bytes()
     return _PLOTLY
-
-
-def pack(obj: Any, buffers: list[memoryview]) -> Any:
-    """Replace numpy arrays in a JSON-able tree by `{"$buf": i, "dtype", "shape"}`, their bytes
-    appended to `buffers` (float64/int64 are narrowed to float32/int32)."""
-    if isinstance(obj, np.ndarray):
-        if obj.dtype.kind == "f":
-            obj = obj.astype(np.float32, copy=False)
-        elif obj.dtype.kind in "iu" and obj.dtype != np.uint8:
-            obj = obj.astype(np.int32, copy=False)
-        buffers.append(memoryview(np.ascontiguousarray(obj)).cast("B"))
-        return {"$buf": len(buffers) - 1, "dtype": _DTYPES[obj.dtype], "shape": list(obj.shape)}
-    if isinstance(obj, dict):
-        return {str(k): pack(v, buffers) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [pack(v, buffers) for v in obj]
-    if isinstance(obj, (np.floating, float)):
-        f = float(obj)
-        return f if np.isfinite(f) else None
-    if isinstance(obj, np.integer):
-        return int(obj)
-    return obj
 
 
 class Dashboard(anywidget.AnyWidget):
@@ -83,6 +61,8 @@ class Dashboard(anywidget.AnyWidget):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.refreshes = 0  # messages sent by the poll thread, for tests and benchmarks
+        self._status: tuple[str | None, str | None] = (None, None)  # the monitor's state, message
+        self._status_sent: tuple[str | None, str | None] = (None, None)
         self.on_msg(self._on_msg)
         self._thread = threading.Thread(target=self._loop, name="nbwatch-dashboard",
                                         daemon=True)
@@ -109,17 +89,57 @@ class Dashboard(anywidget.AnyWidget):
             while not self._stop.is_set():
                 if self._feed is None and is_run_dir(self._dir):
                     self._feed = Feed(RunReader(self._dir))
-                if self._feed is not None:
-                    self.refresh()
-                    if self._done():
-                        self.refresh()  # whatever the run committed while it closed
-                        break
+                self._read_status()
+                try:
+                    sent = self.refresh()
+                except sqlite3.OperationalError as e:
+                    # Not ready yet: the db file exists but the writer is still creating the
+                    # schema ("no such table"), or holds a lock. A failed poll moves no cursor.
+                    log.debug("nbwatch dashboard: store not ready (%s); retrying", e)
+                    sent = False
+                if not sent and self._status_changed():
+                    self._post({"type": "delta", "panels": {"header": self._header()}})
+                if self._feed is not None and self._done():
+                    self._read_status()
+                    # whatever the run committed while it closed, and its final state
+                    if not self.refresh() and self._status_changed():
+                        self._post({"type": "delta", "panels": {"header": self._header()}})
+                    break
                 self._stop.wait(self.interval)
         except Exception:  # never die silently; the page keeps what it has
             log.exception("nbwatch dashboard stopped updating")
         finally:
             if self._feed is not None:
                 self._feed.tail.reader.close()
+
+    # -- what a followed run says about itself (nbwatch.attach: "waiting", "stale") ------
+    def _read_status(self) -> None:
+        """Read the monitor-like object's `state` and `message` (when it has them), here in
+        the poll thread: an attached run's state reads its store, kept off the main thread."""
+        mon = self._monitor
+        if mon is None:
+            return
+        state = getattr(mon, "state", None)
+        message = getattr(mon, "message", None)
+        self._status = (str(state) if state is not None else None,
+                        str(message) if message is not None else None)
+
+    def _status_changed(self) -> bool:
+        return self._status != self._status_sent and self._status != (None, None)
+
+    def _header(self, header: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The header panel with the monitor's own state and message laid over the store's."""
+        if header is None:
+            header = self._feed.header() if self._feed is not None else {
+                "name": self._dir.name, "step": 0}
+        state, message = self._status
+        out = dict(header)
+        if state is not None:
+            out["state"] = state
+        if message is not None:
+            out["message"] = message
+        self._status_sent = self._status
+        return out
 
     def _done(self) -> bool:
         mon = self._monitor
@@ -140,8 +160,12 @@ class Dashboard(anywidget.AnyWidget):
                 feed.update()
                 caught_up = True
             if caught_up:
-                self._post({"type": "full", "to": None, "panels": feed.full()})
+                panels = feed.full()
+                panels["header"] = self._header(panels["header"])
+                self._post({"type": "full", "to": None, "panels": panels})
             elif upd:
+                if "header" in upd or self._status_changed():
+                    upd["header"] = self._header(upd.get("header"))
                 self._post({"type": "delta", "panels": upd})
             else:
                 return False
@@ -162,6 +186,8 @@ class Dashboard(anywidget.AnyWidget):
                 self.send({"type": "plotly", "to": view}, buffers=[_plotly_source()])
             with self._lock:
                 panels = self._feed.full() if self._feed is not None else {}
+                if self._monitor is not None:
+                    panels["header"] = self._header(panels.get("header"))
                 self._post({"type": "full", "to": view, "panels": panels})
         elif kind == "command":
             try:

@@ -1,5 +1,6 @@
 // Header: run name, state, step/max with a progress bar and ETA, tokens/s, elapsed.
-// A failed run turns red and shows its traceback (as text).
+// A failed run turns red and shows its traceback (as text). `message` (from a followed
+// run: "stale: the writer has written nothing for…") is shown under the top line.
 import { duration, el, fmt } from "../plot.js";
 
 export function create(root) {
@@ -14,10 +15,11 @@ export function create(root) {
   const bar = el("div", "nbw-progress");
   const fill = el("div", "nbw-progress-fill");
   bar.appendChild(fill);
+  const message = el("div", "nbw-message");
   const error = el("div", "nbw-error");
   const tb = el("pre", "nbw-traceback");
   error.appendChild(tb);
-  box.append(top, bar, error);
+  box.append(top, bar, message, error);
   root.appendChild(box);
   let last = null;
 
@@ -39,6 +41,7 @@ export function create(root) {
       if (d.steps_per_s) parts.push(`${fmt(d.steps_per_s, 3)} steps/s`);
       parts.push(`elapsed ${duration(d.elapsed_s)}`);
       stats.textContent = parts.join(" · ");
+      message.textContent = d.message || "";
       box.classList.toggle("nbw-failed", !!d.failed);
       error.style.display = d.failed ? "" : "none";
       tb.textContent = d.failed ? `${d.error || ""}\n\n${d.traceback || ""}` : "";

@@ -100,11 +100,16 @@ class Feed:
                            self.samples, self.walls,
                            time.time() if now is None else now)
 
+    def header(self, now: float | None = None) -> dict[str, Any]:
+        """The header panel alone, from what is held."""
+        return header.build(self.meta, self.step, self.walls, {
+            k: v for k, (_, v) in self.latest.items()}, time.time() if now is None else now,
+            self.error)
+
     def _build(self, series, events, columns, seq_len, att, new_samples, walls, now
                ) -> dict[str, Any]:
         return {
-            "header": header.build(self.meta, self.step, walls, {
-                k: v for k, (_, v) in self.latest.items()}, now, self.error),
+            "header": self.header(now),
             "loss": loss.build(series, events),
             "grads": grads.build(series, self.latest, events),
             "weights": weights.build(columns, series),

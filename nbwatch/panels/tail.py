@@ -43,42 +43,49 @@ class Tail:
         self._meta_raw: list[tuple] | None = None
 
     def poll(self) -> Delta:
+        """What arrived since the previous call. The cursors move only when every query has
+        succeeded, so a failed poll (sqlite3.OperationalError while the writer is still
+        creating the schema) loses nothing: call it again."""
         q = self.reader.query
         d = Delta()
+        scalar_id, event_id, hist_id, attn_id, sample_id = (
+            self.scalar_id, self.event_id, self.hist_id, self.attn_id, self.sample_id)
         rows = q(
             "SELECT s.id, s.step, k.name, s.value FROM scalars s JOIN keys k ON s.key = k.id"
-            " WHERE s.id > ? ORDER BY s.id LIMIT ?", (self.scalar_id, self.chunk))
+            " WHERE s.id > ? ORDER BY s.id LIMIT ?", (scalar_id, self.chunk))
         if rows:
-            self.scalar_id = rows[-1][0]
+            scalar_id = rows[-1][0]
             d.more = len(rows) == self.chunk
             d.scalars = _group(rows)
         rows = q("SELECT id, step, wall, kind, severity, message, data FROM events"
-                 " WHERE id > ? ORDER BY id", (self.event_id,))
+                 " WHERE id > ? ORDER BY id", (event_id,))
         if rows:
-            self.event_id = rows[-1][0]
+            event_id = rows[-1][0]
             d.events = [
                 {"id": r[0], "step": r[1], "wall": r[2], "kind": r[3], "severity": r[4],
                  "message": r[5], "data": json.loads(r[6])} for r in rows]
         rows = q("SELECT id, step, name, edges, counts FROM histograms WHERE id > ?"
-                 " ORDER BY id LIMIT ?", (self.hist_id, self.chunk // 100))
+                 " ORDER BY id LIMIT ?", (hist_id, self.chunk // 100))
         if rows:
-            self.hist_id = rows[-1][0]
+            hist_id = rows[-1][0]
             d.more = d.more or len(rows) == self.chunk // 100
             d.histograms = [
                 (r[1], r[2], np.frombuffer(r[3], dtype=np.float64),
                  np.frombuffer(r[4], dtype=np.int64)) for r in rows]
-        rows = q("SELECT MAX(id), MAX(step) FROM attention WHERE id > ?", (self.attn_id,))
+        rows = q("SELECT MAX(id), MAX(step) FROM attention WHERE id > ?", (attn_id,))
         if rows and rows[0][0] is not None:
-            self.attn_id = rows[0][0]
+            attn_id = rows[0][0]
             d.attention = self._attention(int(rows[0][1]))
-        rows = q("SELECT id, step, text FROM samples WHERE id > ? ORDER BY id", (self.sample_id,))
+        rows = q("SELECT id, step, text FROM samples WHERE id > ? ORDER BY id", (sample_id,))
         if rows:
-            self.sample_id = rows[-1][0]
+            sample_id = rows[-1][0]
             d.samples = [{"step": r[1], "text": r[2]} for r in rows]
         meta = q("SELECT key, value FROM meta ORDER BY key")
         if meta != self._meta_raw:
             self._meta_raw = meta
             d.meta = {k: json.loads(v) for k, v in meta}
+        self.scalar_id, self.event_id, self.hist_id, self.attn_id, self.sample_id = (
+            scalar_id, event_id, hist_id, attn_id, sample_id)
         return d
 
     def _attention(self, step: int) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -11,9 +11,10 @@ from ._common import Series, layers_of, traces
 
 MAX_COLUMNS = 200
 Column = tuple[int, np.ndarray, np.ndarray]  # (step, edges [b+1], counts [b])
+T = TypeVar("T")
 
 
-def thin(columns: list[Column], max_columns: int = MAX_COLUMNS) -> list[Column]:
+def thin(columns: list[T], max_columns: int = MAX_COLUMNS) -> list[T]:
     """Keep at most `max_columns` histograms: drop every other older one, keep the newest."""
     while len(columns) > max_columns:
         columns = columns[:-1][::2] + [columns[-1]]

@@ -1,0 +1,172 @@
+"""One self-contained HTML file of a run: `nbwatch.export_html(run_dir, "run.html")`.
+
+The page holds the dashboard's state as JSON (built by the same `Feed` and panel builders
+as the live widget, so the two cannot disagree), plotly.js (the bundle the widget ships),
+and `static/export.js`, which draws it with the widget's own JS views. No request leaves the
+file: a Content-Security-Policy forbids any, and every string from a user or a model is
+JSON inside a `<script type="application/json">` (`<`, `>`, `&`, U+2028/9 escaped) that the
+page reads with `JSON.parse` and writes with `textContent` only.
+
+Size is bounded whatever the run length: each series is the dashboard's min/max-keeping
+downsample (≤ 5,000 points), histograms are thinned to a fixed number of columns, and the
+tables keep their newest rows.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import html
+import json
+import os
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .panels import Feed
+from .panels import report as rpt
+from .panels.downsample import MAX_POINTS
+from .panels.weights import thin
+from .panels.wire import pack
+from .store import RunReader
+
+_STATIC = Path(__file__).parent / "static"
+MAX_HIST_COLUMNS = 2400  # all layers together; each layer keeps at least 16
+_UNSAFE_IN_SCRIPT = re.compile(r"</script|<!--", re.IGNORECASE)
+_JSON_ESCAPES = {ord("<"): "\\u003c", ord(">"): "\\u003e", ord("&"): "\\u0026",
+                 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def export_html(run_dir: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """Write the run in `run_dir` as one HTML file at `path` (opens offline, anywhere).
+
+    >>> nbwatch.export_html("runs/exp1", "exp1.html")
+    PosixPath('exp1.html')
+    """
+    reader = RunReader(run_dir)
+    try:
+        state = snapshot(reader)
+    finally:
+        reader.close()
+    name = str(state["name"]) or Path(run_dir).name
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(render(state, name), encoding="utf-8")
+    tmp.replace(out)  # a reader never sees half a file
+    return out
+
+
+# -- the state ----------------------------------------------------------------------------
+def snapshot(reader: RunReader, max_points: int = MAX_POINTS,
+             max_columns: int = MAX_HIST_COLUMNS, now: float | None = None) -> dict[str, Any]:
+    """{name, panels (the dashboard's full state), report (summary and tables)}."""
+    now = time.time() if now is None else now
+    feed = Feed(reader, max_points)
+    feed.update(now)
+    while feed.more:  # the whole history, a chunk at a time, folded into bounded series
+        feed.update(now)
+    panels = feed.full(now)
+    _cap_columns(panels.get("weights", {}), max_columns)
+    meta = feed.meta
+    return {"name": str(meta.get("name", reader.run_dir.name)), "panels": panels,
+            "report": _report(reader, meta, feed.step)}
+
+
+def _cap_columns(weights: dict[str, Any], budget: int) -> None:
+    """Thin every layer's histogram columns so all layers together hold ≤ `budget`."""
+    hist = weights.get("hist") or {}
+    if not hist:
+        return
+    per = max(budget // len(hist), 16)
+    for h in hist.values():
+        n = len(h["steps"])
+        if n > per:
+            keep = np.array(thin(list(range(n)), per))
+            for k in ("steps", "edges", "counts"):
+                h[k] = h[k][keep]
+
+
+def _report(reader: RunReader, meta: Mapping[str, Any], step: int) -> dict[str, Any]:
+    q = reader.query
+    kinds = rpt.TABLE_KINDS
+    marks = ",".join("?" * len(kinds))
+
+    def events(where: str, params: tuple) -> tuple[list[dict[str, Any]], int]:
+        total = q(f"SELECT COUNT(*) FROM events WHERE {where}", params)[0][0]
+        rows = q(f"SELECT step, kind, severity, message, data FROM events WHERE {where}"
+                 " ORDER BY id DESC LIMIT ?", (*params, rpt.MAX_ROWS))
+        return [{"step": r[0], "kind": r[1], "severity": r[2], "message": r[3],
+                 "data": json.loads(r[4])} for r in rows], int(total)
+
+    alerts, n_alerts = events(f"kind IN ({marks})", kinds)
+    ckpts, n_ckpts = events("kind = ?", ("checkpoint",))
+    folder = reader.run_dir / "checkpoints"
+    kept = {p.name for p in folder.iterdir()} if folder.is_dir() else None
+
+    def scalar(sql: str, key: str) -> list[tuple]:
+        return q("SELECT " + sql + " FROM scalars s JOIN keys k ON s.key = k.id"
+                 " WHERE k.name = ? AND s.value IS NOT NULL", (key,))
+
+    best = scalar("s.step, s.value", "loss/val")
+    best_val = min(((float(v), int(s)) for s, v in best), default=None)
+    tokens = scalar("SUM(s.value)", "tokens/real")[0][0]
+    first, last = q("SELECT MIN(wall), MAX(wall) FROM steps")[0]
+    started = meta.get("started")
+    start = float(started) if isinstance(started, (int, float)) else first
+    wall_s = last - start if last is not None and start is not None else None
+    return {
+        "summary": rpt.summary(meta, step, (best_val[1], best_val[0]) if best_val else None,
+                               None if tokens is None else float(tokens), wall_s),
+        "events": rpt.events_table(alerts, n_alerts),
+        "checkpoints": rpt.checkpoints_table(ckpts, n_ckpts, kept),
+        "config": rpt.key_values(meta.get("config")),
+        "environment": rpt.key_values(meta.get("environment")),
+    }
+
+
+# -- the page -----------------------------------------------------------------------------
+def script_json(obj: Any) -> str:
+    """JSON safe inside `<script type="application/json">`: no `<`, `>`, `&`, U+2028/9 left."""
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text.translate(_JSON_ESCAPES)
+
+
+def _static(name: str) -> str:
+    return (_STATIC / name).read_text(encoding="utf-8")
+
+
+def render(state: Mapping[str, Any], name: str) -> str:
+    """The HTML page of a `snapshot()`."""
+    buffers: list[memoryview] = []
+    panels = pack(state["panels"], buffers)
+    data = script_json({"version": 1, "panels": panels, "report": state["report"],
+                        "buffers": [base64.b64encode(b).decode("ascii") for b in buffers]})
+    plotly = _static("plotly.js")
+    enc = ""
+    if _UNSAFE_IN_SCRIPT.search(plotly):  # would end the <script> early: carry it as base64
+        plotly, enc = base64.b64encode(plotly.encode()).decode("ascii"), ' data-encoding="base64"'
+    app, css = _static("export.js"), _static("dashboard.css")
+    if _UNSAFE_IN_SCRIPT.search(app) or "</style" in css.lower():
+        raise RuntimeError("nbwatch/static holds a bundle that cannot be inlined; rebuild js/")
+    # Only this one inline script may run (its hash), plotly.js is imported from a blob: URL
+    # made from the page's own text; nothing may be fetched from anywhere.
+    digest = base64.b64encode(hashlib.sha256(app.encode()).digest()).decode("ascii")
+    csp = (f"default-src 'none'; script-src 'sha256-{digest}' blob:; "
+           "style-src 'unsafe-inline'; img-src data: blob:; font-src data:")
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+        f"<meta http-equiv=\"Content-Security-Policy\" content=\"{csp}\">\n"
+        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
+        f"<meta name=\"generator\" content=\"nbwatch\">\n"
+        f"<title>{html.escape(name)} · nbwatch</title>\n"
+        f"<style>\nbody {{ margin: 0; background: #fff; }}\n{css}</style>\n</head>\n<body>\n"
+        "<div id=\"nbw-app\"></div>\n"
+        f"<script type=\"application/json\" id=\"nbw-state\">{data}</script>\n"
+        f"<script type=\"text/plain\" id=\"nbw-plotly\"{enc}>{plotly}</script>\n"
+        f"<script type=\"module\">{app}</script>\n</body>\n</html>\n"
+    )

@@ -1,0 +1,99 @@
+"""The export's extra sections (records in → plain lists out): a summary, the alerts and
+actions table, the checkpoints table, config and environment as key/value rows."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import PurePath
+from typing import Any
+
+MAX_ROWS = 1000
+MAX_CHARS = 2000  # one cell: a config value that is a long list is cut, not dropped
+TABLE_KINDS = ("alert", "action", "error")
+
+
+def _text(v: Any, max_chars: int = MAX_CHARS) -> str:
+    s = v if isinstance(v, str) else json.dumps(v, default=str, ensure_ascii=False)
+    return s if len(s) <= max_chars else s[: max_chars - 1] + "…"
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"optim": {"lr": 1e-3}} → {"optim.lr": 1e-3}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def key_values(d: Mapping[str, Any] | None, max_rows: int = MAX_ROWS) -> list[list[str]]:
+    """A (nested) mapping → [[dotted key, value as text]], at most `max_rows`."""
+    if not isinstance(d, Mapping):
+        return []
+    return [[_text(k, 200), _text(v)] for k, v in list(flatten(d).items())[:max_rows]]
+
+
+def events_table(events: Iterable[Mapping[str, Any]], total: int) -> dict[str, Any]:
+    """Events, newest first (already capped by the caller) → {rows: [step, kind, severity,
+    message], total}."""
+    rows = [[int(e["step"]), str(e["kind"]), str(e["severity"]), _text(e["message"])]
+            for e in events]
+    return {"rows": rows, "total": int(total)}
+
+
+def checkpoints_table(events: Iterable[Mapping[str, Any]], total: int,
+                      kept: set[str] | None = None) -> dict[str, Any]:
+    """Checkpoint events, newest first → {rows: [step, file, size, seconds, best, reason,
+    kept], total}; `kept`: file names still in the run's checkpoints folder (rotation
+    deletes the older ones)."""
+    rows = []
+    for e in events:
+        d = e.get("data") or {}
+        name = PurePath(str(d.get("path", ""))).name
+        size = d.get("bytes")
+        secs = d.get("seconds")
+        rows.append([
+            int(e["step"]), name,
+            f"{size / 2**20:.1f} MiB" if isinstance(size, (int, float)) else None,
+            f"{secs:.2f}" if isinstance(secs, (int, float)) else None,
+            "best" if d.get("best") else "",
+            str(d.get("reason", "")),
+            None if kept is None else ("yes" if name in kept else "rotated out"),
+        ])
+    return {"rows": rows, "total": int(total)}
+
+
+def _duration(s: float | None) -> str:
+    if s is None or not math.isfinite(s):
+        return "–"
+    s = int(round(s))
+    h, m, sec = s // 3600, s % 3600 // 60, s % 60
+    return f"{h}h{m:02d}m{sec:02d}s" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"
+
+
+def summary(meta: Mapping[str, Any], step: int, best_val: tuple[int, float] | None,
+            tokens: float | None, wall_s: float | None) -> list[list[str]]:
+    """[[label, value]]: state, steps, best val loss and its step, tokens seen, wall time,
+    model and optimizer."""
+    run = meta.get("run") if isinstance(meta.get("run"), Mapping) else {}
+    max_steps = meta.get("max_steps")
+    rows = [
+        ["state", str(meta.get("state", "unknown"))],
+        ["steps", f"{step:,}" + (f" / {int(max_steps):,}" if max_steps else "")],
+        ["best val loss", f"{best_val[1]:.4f} at step {best_val[0]:,}" if best_val else "–"],
+        ["tokens seen", f"{tokens:,.0f}" if tokens is not None else "–"],
+        ["wall time", _duration(wall_s)],
+    ]
+    if run.get("model"):
+        params = run.get("parameters")
+        rows.append(["model", str(run["model"]) + (f" ({params:,} parameters)"
+                                                   if isinstance(params, int) else "")])
+    if run.get("optimizer"):
+        rows.append(["optimizer", str(run["optimizer"]) + (
+            f" + {run['scheduler']}" if run.get("scheduler") else "")])
+    return [[k, _text(v, 300)] for k, v in rows]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -227,6 +228,8 @@ class Monitor:
         store.set_meta("environment", environment(gpu_names(nvml, handles)))
         store.set_meta("max_steps", max_steps)
         store.set_meta("started", time.time())
+        store.set_meta("pid", os.getpid())  # lets attach() tell a killed writer at once
+        store.set_meta("host", socket.gethostname())
         store.set_meta("run", {
             "eval_every": eval_every, "accumulate": accumulate, "hist_every": hist_every,
             "keep_last": self.checkpointer.keep_last, "resumed_from": start_step or None,
@@ -250,6 +253,9 @@ class Monitor:
             target=self._finish, name="nbwatch-finish", daemon=True
         )
         self._finalizer.start()
+        from .magic import remember
+
+        remember(self)  # `%nbwatch` shows the newest run
         if display is None:
             display = _in_notebook()
         if display:

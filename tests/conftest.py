@@ -12,6 +12,10 @@ from torch.nn.modules import module as nn_module
 
 from nbwatch.demo import TinyGPT, collate
 
+# Tiny models gain nothing from a second thread, and on a shared 2-core machine an
+# OpenMP pool per test process turns contention into 100× slower steps.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def no_leftovers():

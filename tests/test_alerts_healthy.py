@@ -1,0 +1,61 @@
+"""Replay a recorded, real 5,000-step demo run through every rule: it must stay quiet.
+
+The fixture (tests/data/healthy_demo.npz, made by tests/data/record_healthy.py) holds the
+run's per-step scalars, each layer's weight std at each histogram step, and the attention
+maps of every fourth eval.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nbwatch.alerts import AlertEngine, default_rules
+
+FIXTURE = Path(__file__).parent / "data" / "healthy_demo.npz"
+
+
+@pytest.fixture(scope="module")
+def replayed():
+    d = np.load(FIXTURE)
+    cols = list(d["columns"])
+    eng = AlertEngine(default_rules())
+    hist = {int(s): i for i, s in enumerate(d["hist_steps"])}
+    att = {int(s): i for i, s in enumerate(d["attention_steps"])}
+    layers, modules = list(d["hist_layers"]), list(d["attention_modules"])
+    fired = []
+    for step, row in zip(d["steps"].tolist(), d["scalars"]):
+        values = {c: float(v) for c, v in zip(cols, row) if not np.isnan(v)}
+        val = {k: values.pop(k) for k in ("loss/val", "loss/gap", "time/eval") if k in values}
+        fired += eng.observe("step", step, values)
+        if step in hist:
+            stds = dict(zip(layers, d["weight_std"][hist[step]].tolist()))
+            fired += eng.observe("hist", step, weight_std=stds)
+        if val:
+            fired += eng.observe("eval", step, val)
+        if step in att:
+            maps = {m: d["attention"][att[step], j] / 255.0 for j, m in enumerate(modules)}
+            fired += eng.observe("attention", step, attention=maps)
+    return d, fired
+
+
+def test_fixture_is_a_real_5000_step_run(replayed):
+    d, _ = replayed
+    cols = list(d["columns"])
+    loss = d["scalars"][:, cols.index("loss/train")]
+    assert len(d["steps"]) == 5000 and loss[-100:].mean() < loss[:100].mean() - 1.5
+
+
+@pytest.mark.parametrize("rule", [r.name for r in default_rules() if r.severity != "info"])
+def test_rule_is_quiet_on_the_healthy_run(replayed, rule):
+    _, fired = replayed
+    if rule == "throughput_drop":
+        pytest.xfail("this recording's throughput really fell: other test suites shared its "
+                     "two cores (the rule fired at those episodes, once each)")
+    assert [a.message for a in fired if a.rule.name == rule] == []
+
+
+def test_lr_change_reports_only_big_moves_of_the_schedule(replayed):
+    _, fired = replayed
+    lr = [a for a in fired if a.rule.name == "lr_change"]
+    assert 3 <= len(lr) <= 10  # warmup doublings and the cosine's halvings, not every step

@@ -3,6 +3,7 @@ and buttons reaching a real Monitor training the tiny GPT."""
 
 from __future__ import annotations
 
+import sqlite3
 import time
 
 import numpy as np
@@ -10,6 +11,8 @@ import pytest
 
 import nbwatch
 from nbwatch.magic import nbwatch_magic, remember
+from nbwatch.records import Scalars
+from nbwatch.store import RunStore, is_run_dir
 from nbwatch.widget import Dashboard, pack
 from tests.conftest import tiny_step
 
@@ -197,3 +200,69 @@ def test_magic_shows_latest_monitor_and_reopens_runs(tiny, tmp_path, capsys):
     assert nbwatch_magic(str(tmp_path / "nope")) is None
     for d in (live, ro):
         d.close()
+
+
+def test_magic_ls_passes_every_argument(tmp_path, capsys):
+    for name, lr in (("a", 0.1), ("b", 0.2)):
+        store = RunStore(tmp_path / name)
+        store.set_meta("config", {"lr": lr})
+        store.set_meta("state", "finished")
+        store.close()
+    nbwatch_magic(f"ls {tmp_path} --where lr=0.2")
+    out = capsys.readouterr().out
+    assert "b " in out and "\na " not in out
+
+
+def test_db_without_tables_yet_is_retried_not_fatal(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    sqlite3.connect(run / "nbwatch.db").close()  # the file exists, the schema not yet
+    assert is_run_dir(run)
+    dash = Dashboard.for_run(run)
+    out = Outbox(dash)
+    time.sleep(0.8)  # a few polls, each "no such table"
+    assert dash.polling and not out.msgs
+    store = RunStore(run)  # the writer creates its tables now
+    store.set_meta("name", "late")
+    for s in range(1, 11):
+        store.put(Scalars(s, {"loss/train": 3.0 - 0.1 * s}))
+    store.set_meta("state", "finished")
+    store.close()
+    wait_for(lambda: not dash.polling)
+    panels = [unpack(c["panels"], b) for c, b in out.msgs]
+    steps = np.concatenate([p["loss"]["train"]["x"] for p in panels if "loss" in p])
+    assert list(steps) == list(range(1, 11))
+    assert panels[-1]["header"]["state"] == "finished"
+    dash.close()
+
+
+def test_header_shows_an_attached_runs_state_and_message(tmp_path):
+    att = nbwatch.attach(tmp_path / "run", stale_after=0.5)
+    dash = Dashboard.for_monitor(att)
+    out = Outbox(dash)
+
+    def hello() -> dict:  # what a page that renders now gets
+        dash._on_msg(dash, {"type": "hello", "view": "v1"}, [])
+        return [c for c, _ in out.msgs if c["type"] == "full"][-1]["panels"].get("header", {})
+
+    try:
+        # No store yet: the header says "waiting", with the attach's message.
+        wait_for(lambda: hello().get("state") == "waiting")
+        assert "waiting for a run" in hello()["message"]
+        # A writer that said "running" and then went silent reads "stale", not "running",
+        # and the poll thread sends that change by itself.
+        store = RunStore(tmp_path / "run")
+        store.set_meta("name", "followed")
+        store.set_meta("state", "running")
+        store.put(Scalars(1, {"loss/train": 3.0}))
+        store.close()
+        wait_for(lambda: any(c["type"] == "delta" and c["panels"].get("header", {}).get(
+            "state") == "stale" for c, _ in out.msgs))
+        head = [c["panels"]["header"] for c, _ in out.msgs
+                if c["type"] == "delta" and "header" in c["panels"]][-1]
+        assert head["state"] == "stale" and head["message"].startswith("stale:")
+        assert head["name"] == "followed"
+        assert hello()["state"] == "stale"
+    finally:
+        dash.close()
+        att.close()

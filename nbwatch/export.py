@@ -86,7 +86,8 @@ def _cap_columns(weights: dict[str, Any], budget: int) -> None:
     for h in hist.values():
         n = len(h["steps"])
         if n > per:
-            keep = np.array(thin(list(range(n)), per))
+            keep = np.array([i for _, i in thin(list(zip(h["steps"].tolist(), range(n))),
+                                                per)])
             for k in ("steps", "edges", "counts"):
                 h[k] = h[k][keep]
 

@@ -1,6 +1,6 @@
 // Weights: a layer's weight histogram over time as a heatmap (layer picker), and the
 // update ratios ‖Δw‖/‖w‖ of every layer.
-import { Series, apply } from "../downsample.js";
+import { Series, apply, bucketWidth } from "../downsample.js";
 import { baseLayout, CONFIG, el, layerColor, panel } from "../plot.js";
 
 const MAX_COLUMNS = 200;
@@ -25,9 +25,19 @@ export function heatmap(cols) {
   return { x: cols.map((c) => c.step), y, z };
 }
 
+// Same as nbwatch/panels/weights.py thin(): the first column of each bucket of `w` steps
+// (a power of two, from the newest step) and the newest, so early steps stay in view.
 function thin(cols) {
-  while (cols.length > MAX_COLUMNS) cols = cols.slice(0, -1).filter((_, i) => i % 2 === 0).concat([cols[cols.length - 1]]);
-  return cols;
+  if (cols.length <= MAX_COLUMNS) return cols;
+  const w = bucketWidth(cols[cols.length - 1].step, 2 * (MAX_COLUMNS - 1));
+  const out = [];
+  let prev = null;
+  for (const c of cols.slice(0, -1)) {
+    const b = Math.floor(c.step / w);
+    if (b !== prev) { out.push(c); prev = b; }
+  }
+  out.push(cols[cols.length - 1]);
+  return out;
 }
 
 export function create(root, ctx) {

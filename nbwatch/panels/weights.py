@@ -3,22 +3,33 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
 from ._common import Series, layers_of, traces
+from .downsample import bucket_width
 
 MAX_COLUMNS = 200
 Column = tuple[int, np.ndarray, np.ndarray]  # (step, edges [b+1], counts [b])
-T = TypeVar("T")
 
 
-def thin(columns: list[T], max_columns: int = MAX_COLUMNS) -> list[T]:
-    """Keep at most `max_columns` histograms: drop every other older one, keep the newest."""
-    while len(columns) > max_columns:
-        columns = columns[:-1][::2] + [columns[-1]]
-    return columns
+def thin(columns: list[Column], max_columns: int = MAX_COLUMNS) -> list[Column]:
+    """At most `max_columns` histograms spread evenly over the run: the first of each bucket
+    of `w` steps and the newest, `w` a power of two chosen from the newest step alone (the
+    downsampler's grid). Buckets only merge as the run grows, so thinning as columns arrive
+    keeps early steps too (`js/views/weights.js` does the same)."""
+    if len(columns) <= max_columns:
+        return columns
+    w = bucket_width(int(columns[-1][0]), 2 * (max_columns - 1))  # ≤ max_columns - 1 buckets
+    out: list[Column] = []
+    prev = None
+    for c in columns[:-1]:
+        if (b := int(c[0]) // w) != prev:
+            out.append(c)
+            prev = b
+    out.append(columns[-1])
+    return out
 
 
 def build(columns: Mapping[str, Sequence[Column]], series: Series) -> dict[str, Any]:

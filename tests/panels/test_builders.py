@@ -69,6 +69,13 @@ def test_weights_columns_ratios_and_heatmap():
     many = [(i, None, None) for i in range(1000)]
     thinned = weights.thin(many)
     assert len(thinned) <= weights.MAX_COLUMNS and thinned[-1][0] == 999
+    # Thinned as columns arrive (what Feed does), every tenth of a long run keeps columns.
+    cols: list = []
+    for i in range(1, 20_001):
+        cols = weights.thin([*cols, (50 * i, None, None)])
+    steps = np.array([c[0] for c in cols])
+    assert len(cols) <= weights.MAX_COLUMNS and steps[-1] == 1_000_000
+    assert (np.histogram(steps, bins=10, range=(0, 1e6))[0] >= 10).all()
 
 
 def test_attention_quantised_grid():

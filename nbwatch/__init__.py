@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 from .attach import attach
 from .compare import compare
+from .distributed import launch
 from .export import export_html
 from .monitor import Monitor
 from .probes.loss import masked_cross_entropy
@@ -18,6 +19,7 @@ from .run import Run, open_run
 from .tensorboard import to_tensorboard
 
 __all__ = ["Monitor", "Run", "open_run", "attach", "compare", "export_html", "to_tensorboard",
+           "launch",
            "masked_cross_entropy", "load_ipython_extension"]
 
 

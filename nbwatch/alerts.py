@@ -24,7 +24,7 @@ import numpy as np
 from .records import Event
 
 ACTIONS = ("none", "checkpoint", "pause", "cut_lr", "clip", "skip_step")
-PHASES = ("step", "eval", "hist", "attention")
+PHASES = ("step", "eval", "hist", "attention", "ranks")
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Window:
 
 # -- the checks (pure: window + params → message or None) ---------------------------------
 def _nonfinite(w: Window, p: dict) -> str | None:
-    bad = [k for k in ("loss/train", "grad_norm/global")
+    bad = [k for k in p["keys"]
            if k in w.latest and not math.isfinite(w.latest[k])]
     if bad:
         return f"non-finite {' and '.join(bad)} at this step: step skipped, weights untouched"
@@ -209,6 +209,17 @@ def _attention_collapse(w: Window, p: dict) -> str | None:
     return None
 
 
+def _straggler(w: Window, p: dict) -> str | None:
+    from .distributed import straggler
+
+    found = straggler(w.latest.get("_rank_step_times", {}), p["slower"])
+    if found:
+        r, by = found
+        return (f"rank {r} is {by:.0%} slower than the others (median time in data and "
+                "forward, outside gradient sync)")
+    return None
+
+
 def _val_periodic(w: Window, p: dict) -> str | None:
     from .diagnostics import val_periodicity
 
@@ -220,7 +231,8 @@ def _val_periodic(w: Window, p: dict) -> str | None:
 def default_rules() -> list[Rule]:
     """The built-in rules, thresholds from the seeds (documented in the README)."""
     return [
-        Rule("nonfinite", "critical", "step", _nonfinite, {},
+        Rule("nonfinite", "critical", "step", _nonfinite,
+             {"keys": ("loss/train", "grad_norm/global")},
              ("skip_step", "pause", "checkpoint"), 1,
              "non-finite loss or gradients: skip the step, pause, checkpoint the last good state"),
         Rule("grad_explosion", "critical", "step", _grad_explosion,
@@ -251,6 +263,8 @@ def default_rules() -> list[Rule]:
         Rule("val_periodic", "warning", "eval", _val_periodic,
              {"min_evals": 12, "corr": 0.8}, (), 10**9,
              "val loss oscillates with a period that the val batches' lengths explain"),
+        Rule("straggler", "warning", "ranks", _straggler, {"slower": 0.2}, (), 3,
+             "one DDP rank's median step time > 20% above the others'"),
         Rule("lr_change", "info", "step", _lr_change, {"factor": 2.0}, (), 1,
              "the LR moved 2× from the last reported value"),
     ]
@@ -338,6 +352,8 @@ class AlertEngine:
             latest["_weight_std"] = {n: (self._weight_start[n], s) for n, s in stds.items()}
         if phase == "attention":
             latest["_attention"] = extra.get("attention", {})
+        if phase == "ranks":
+            latest["_rank_step_times"] = extra.get("rank_step_times", {})
         self.window.latest = latest
         fired = []
         for rule in self.rules:

@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from . import controls as ctl
 from ._omp import release_caller_pool
 from .alerts import AlertEngine, configure, default_rules
 from .checkpoint import Checkpointer, load, set_rng_state
+from .distributed import Dist, NullStore
 from .environment import environment
 from .logs import open_run_log
 from .probes.system import SystemSampler, gpu_names, open_nvml
@@ -30,11 +32,19 @@ from .runner import Progress, Runner, RunSpec, run_in_thread
 from .store import DB_NAME, RunStore, is_run_dir
 
 log = logging.getLogger("nbwatch")
-_ALLOWED_FOREIGN = {".ipynb_checkpoints", ".DS_Store"}
+_ALLOWED_FOREIGN = {".ipynb_checkpoints", ".DS_Store", "torchrun.log"}  # launch() writes the log
 
 
 def _default_run_dir() -> Path:
-    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    """`NBWATCH_RUN_DIR` (set by `nbwatch.launch`), else runs/<date-time>."""
+    env = os.environ.get("NBWATCH_RUN_DIR")
+    return Path(env) if env else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -117,7 +127,9 @@ class Monitor:
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.scaler = scheduler, scaler
         self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
-        check_run_dir(self.run_dir)
+        self.rank = _rank()
+        if self.rank == 0:  # under torchrun, rank 0 alone writes the run folder
+            check_run_dir(self.run_dir)
         self.name = name or self.run_dir.name
         self.config = dict(config or {})
         self.system_interval = system_interval
@@ -153,6 +165,8 @@ class Monitor:
         attention_samples: int = 2,
         attention_tokens: int = 64,
         log_every: int = 50,
+        rank_every: int = 10,
+        dist_timeout: float = 60.0,
         display: bool | None = None,
     ) -> Monitor:
         """Start training in a background thread and return at once.
@@ -161,7 +175,8 @@ class Monitor:
         runner does backward, clipping, optimizer and scheduler steps. `val_fn(model)`
         runs every `eval_every` steps (eval mode, no grad); so do the attention probe on
         `probe_batch` (passed to `step_fn`) and `sample_fn`. `resume=True` continues from
-        the newest checkpoint in `run_dir`.
+        the newest checkpoint in `run_dir`. Under torchrun the ranks exchange figures and
+        commands every `rank_every` steps; a rank silent for `dist_timeout` s ends the run.
         """
         if self.running:
             raise RuntimeError(
@@ -196,6 +211,7 @@ class Monitor:
 
             probe_batch = take_samples(probe_batch, attention_samples)
 
+        dist = Dist.detect(rank_every, dist_timeout)  # collective: every rank calls start()
         start_step = 0
         ckpt = None
         if resume:
@@ -206,7 +222,7 @@ class Monitor:
                     "without resume, or pass the run_dir of the run to continue"
                 )
             ckpt = load(latest)
-        elif is_run_dir(self.run_dir) and Run(self.run_dir).step > 0:
+        elif self.rank == 0 and is_run_dir(self.run_dir) and Run(self.run_dir).step > 0:
             raise FileExistsError(
                 f"run_dir {self.run_dir} already holds a run at step {Run(self.run_dir).step}; "
                 "pass resume=True to continue it, or choose a new run_dir"
@@ -219,8 +235,51 @@ class Monitor:
             hist_every, 64, checkpoint_every, probe_batch, probe_tokens, attention_samples,
             attention_tokens, log_every,
         )
+        rules = self.rules
+        if dist is not None:  # decisions that need no exchange must see the same inputs
+            rules = [replace(r, params={**r.params, "keys": ("grad_norm/global",)})
+                     if r.name == "nonfinite" else r for r in rules]
+            if dist.rank != 0:
+                rules = [r for r in rules if r.name in ("nonfinite", "grad_explosion")]
+        if dist is not None and dist.rank != 0:
+            store = self._store = NullStore(self.run_dir)
+        else:
+            store = self._open_store(start_step, ckpt is not None, max_steps, {
+                "eval_every": eval_every, "accumulate": accumulate, "hist_every": hist_every,
+                "world_size": dist.world if dist else 1,
+                "backend": dist.backend if dist else None})
+        self._progress = Progress(step=start_step, state="starting")
+        runner = Runner(
+            self._spec, self.model, self.optimizer, self.scheduler, self.scaler, store,
+            self.checkpointer, self._commands, self.control, self._progress, start_step,
+            AlertEngine(rules), self.on_alert, dist,
+        )
+        if self.rank == 0:
+            self._log_handler = open_run_log(runner.log, self.run_dir)
+            self._sampler = SystemSampler(self._record_system, self.system_interval).start()
+        release_caller_pool()
+        self.model.train()
+        self._thread = run_in_thread(runner, f"nbwatch-train-{self.name}")
+        # Closes the sampler and the store when training ends, even if nobody calls wait().
+        self._finalizer = threading.Thread(
+            target=self._finish, name="nbwatch-finish", daemon=True
+        )
+        self._finalizer.start()
+        if self.rank != 0:
+            return self
+        from .magic import remember
+
+        remember(self)  # `%nbwatch` shows the newest run
+        if display is None:
+            display = _in_notebook()
+        if display:
+            self.show()
+        return self
+
+    def _open_store(self, start_step: int, resumed: bool, max_steps: int,
+                    run: dict[str, Any]) -> RunStore:
         self._store = store = RunStore(self.run_dir)
-        if ckpt is not None:
+        if resumed:
             store.truncate_after(start_step)
         nvml, handles = open_nvml()
         store.set_meta("name", self.name)
@@ -231,36 +290,12 @@ class Monitor:
         store.set_meta("pid", os.getpid())  # lets attach() tell a killed writer at once
         store.set_meta("host", socket.gethostname())
         store.set_meta("run", {
-            "eval_every": eval_every, "accumulate": accumulate, "hist_every": hist_every,
-            "keep_last": self.checkpointer.keep_last, "resumed_from": start_step or None,
+            **run, "keep_last": self.checkpointer.keep_last, "resumed_from": start_step or None,
             "model": type(self.model).__name__, "optimizer": type(self.optimizer).__name__,
             "scheduler": type(self.scheduler).__name__ if self.scheduler is not None else None,
             "parameters": sum(p.numel() for p in self.model.parameters()),
         })
-        self._progress = Progress(step=start_step, state="starting")
-        runner = Runner(
-            self._spec, self.model, self.optimizer, self.scheduler, self.scaler, store,
-            self.checkpointer, self._commands, self.control, self._progress, start_step,
-            AlertEngine(self.rules), self.on_alert,
-        )
-        self._log_handler = open_run_log(runner.log, self.run_dir)
-        self._sampler = SystemSampler(self._record_system, self.system_interval).start()
-        release_caller_pool()
-        self.model.train()
-        self._thread = run_in_thread(runner, f"nbwatch-train-{self.name}")
-        # Closes the sampler and the store when training ends, even if nobody calls wait().
-        self._finalizer = threading.Thread(
-            target=self._finish, name="nbwatch-finish", daemon=True
-        )
-        self._finalizer.start()
-        from .magic import remember
-
-        remember(self)  # `%nbwatch` shows the newest run
-        if display is None:
-            display = _in_notebook()
-        if display:
-            self.show()
-        return self
+        return store
 
     def _restore(self, ckpt: dict[str, Any]) -> int:
         try:

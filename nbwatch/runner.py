@@ -21,12 +21,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from . import controls as ctl
 from .alerts import AlertEngine, default_rules, weight_std
 from .checkpoint import Checkpointer, rng_state
+from .distributed import Dist, merge_ranks, rank_figures
 from .probes import attention as attn_probe
 from .probes import weights as wprobe
 from .probes.data import mask_stats, sequence_lengths
@@ -37,6 +39,9 @@ from .records import Attention, Command, Event, Histogram, Sample, Scalars
 from .store import RunStore
 
 log = logging.getLogger("nbwatch.runner")
+# Rules whose inputs are identical on every DDP rank (the synchronised gradients): each
+# rank reaches the same decision at the same step without asking the others.
+_SAME_ON_EVERY_RANK = ("nonfinite", "grad_explosion")
 
 
 @dataclass
@@ -90,6 +95,7 @@ class Runner:
         start_step: int = 0,
         engine: AlertEngine | None = None,
         on_alert: Callable[[Event], Any] | None = None,
+        dist: Dist | None = None,
     ):
         self.spec, self.model, self.opt, self.sched, self.scaler = (
             spec, model, optimizer, scheduler, scaler
@@ -98,6 +104,10 @@ class Runner:
         self.progress = progress
         self.engine = engine if engine is not None else AlertEngine(default_rules())
         self.on_alert = on_alert
+        self.dist = dist
+        self._rank_rows: list[tuple[int, dict[str, float]]] = []
+        self._sync_s = 0.0
+        self._rank_step_times: dict[int, list[float]] = {}
         self.step = start_step
         self.layers = Layers.of(model)
         self._stop_requested = False
@@ -117,6 +127,8 @@ class Runner:
         try:
             self._set_state("running")
             self._loop()
+            if self.dist is not None:
+                self._sync_ranks(final=True)
             if self._stop_requested:
                 self._checkpoint("stop")
                 self._set_state("stopped")
@@ -128,9 +140,14 @@ class Runner:
         except BaseException as e:  # noqa: BLE001 - recorded, then re-raised by Monitor.wait()
             p.error = e
             p.traceback = traceback.format_exc()
+            msg = f"{type(e).__name__}: {e}"
+            if self.dist is not None:
+                if _lost_peer(e):
+                    msg = ("lost contact with another rank (it died or hangs), so this rank "
+                           f"stops: {str(e).splitlines()[0][:300]}")
+                msg = f"[rank {self.dist.rank}/{self.dist.world}] {msg}"
             self._emit(
-                Event(self.step, "error", "critical", f"{type(e).__name__}: {e}",
-                      {"traceback": p.traceback}),
+                Event(self.step, "error", "critical", msg, {"traceback": p.traceback}),
                 logging.ERROR,
             )
             try:
@@ -170,6 +187,11 @@ class Runner:
         return cmds
 
     def _apply_commands(self) -> None:
+        if self.dist is not None:
+            d = self.dist
+            if self.control.paused or (self.step > self._start_step and self.step % d.every == 0):
+                self._sync_ranks()
+            return
         for cmd in self._poll_commands():
             self._apply(cmd)
         while self.control.paused and not self._stop_requested and not self.spec.trial:
@@ -177,6 +199,42 @@ class Runner:
             cmds = ([cmd] if cmd else []) + self._poll_commands()
             for c in cmds:
                 self._apply(c)
+
+    def _sync_ranks(self, final: bool = False) -> None:
+        """Meet the other ranks: figures to rank 0, rank 0's commands to all, applied here
+        at this same step on every rank; while paused, meet again every 0.1 s."""
+        d = self.dist
+        assert d is not None
+        while True:
+            cmds = self._poll_commands() if d.rank == 0 else []
+            t0 = time.perf_counter()
+            rows, cmds = d.exchange(self._rank_rows, cmds)
+            self._sync_s = time.perf_counter() - t0
+            self._rank_rows = []
+            if d.rank == 0:
+                self._record_ranks(rows)
+            for c in cmds:
+                self._apply(c)
+            if final or not self.control.paused or self._stop_requested:
+                return
+            if d.rank == 0:
+                time.sleep(0.1)  # the others wait in the next exchange
+
+    def _record_ranks(self, rows: list) -> None:
+        merged = merge_ranks(rows)
+        for sc in merged:
+            self.store.put(sc)
+            for r in range(self.dist.world):
+                # busy time outside collectives: a fast rank's step also holds its wait
+                # for the slow one (inside backward), so step time alone hides a straggler
+                fwd = sc.values.get(f"rank{r}/time/forward")
+                data = sc.values.get(f"rank{r}/time/data", 0.0)
+                if fwd is not None:
+                    self._rank_step_times.setdefault(r, []).append(fwd + data)
+        recent = {r: float(np.median(ts[-50:])) for r, ts in self._rank_step_times.items()
+                  if len(ts) >= 20}
+        for a in self.engine.observe("ranks", self.step, None, rank_step_times=recent):
+            self._raise_alerts([a])
 
     def _apply(self, cmd: Command) -> None:
         c, step = self.control, self.step
@@ -240,7 +298,7 @@ class Runner:
     def _train_step(self) -> None:
         spec, model, opt, scaler = self.spec, self.model, self.opt, self.scaler
         t0 = time.perf_counter()
-        data_s = 0.0
+        data_s = fwd_s = 0.0
         loss_sum = torch.zeros(())
         tokens: torch.Tensor | None = None
         padded = samples = 0
@@ -251,7 +309,9 @@ class Runner:
             batch = self._next_batch()
             data_s += time.perf_counter() - td
             samples += _batch_size(batch)
+            tf = time.perf_counter()
             out = parse_step_output(spec.step_fn(model, batch))
+            fwd_s += time.perf_counter() - tf
             reduction = out.reduction
             loss = out.loss / spec.accumulate
             (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -330,13 +390,20 @@ class Runner:
         n_tokens = values.get("tokens/real")
         values.update(timing_figures(t_end - t0, data_s, n_tokens, samples or None))
         values["time/forward_backward"] = t_fb - t0 - data_s
+        values["time/forward"] = fwd_s  # step_fn alone: under DDP, before any gradient sync
         values["time/probes"] = t_probe - t_fb
         values["time/optimizer"] = t_end - t_probe
         if self._epoch:
             values["epoch"] = float(self._epoch)
         if skip:
             values["skipped"] = 1.0
-        self.store.put(Scalars(step, values))
+        if self.dist is not None:
+            self._rank_rows.append((step, {**rank_figures(values), "time/sync": self._sync_s}))
+            self._sync_s = 0.0
+            stored = {k: v for k, v in values.items() if k != "loss/train"}  # mean comes later
+        else:
+            stored = values
+        self.store.put(Scalars(step, stored))
         self.progress.step = step
         if math.isfinite(values["loss/train"]):
             self.progress.train_losses.append(values["loss/train"])
@@ -359,6 +426,15 @@ class Runner:
                     self.log.exception("on_alert callback failed for %s", a.rule.name)
         for a in alerts:
             acts = a.rule.actions
+            if self.dist is not None and a.rule.name not in _SAME_ON_EVERY_RANK:
+                # decided on rank 0 alone: applied by every rank at the next exchange
+                for act in acts:
+                    if act in ("pause", "checkpoint"):
+                        self.commands.put(Command(act, None, f"alert:{a.rule.name}"))
+                    elif act == "cut_lr":
+                        f = float(a.rule.params.get("lr_factor", 0.5))
+                        self.commands.put(Command("scale_lr", f, f"alert:{a.rule.name}"))
+                continue
             if "cut_lr" in acts:
                 f = float(a.rule.params.get("lr_factor", 0.5))
                 self._apply(Command("scale_lr", f, f"alert:{a.rule.name}"))
@@ -452,7 +528,7 @@ class Runner:
         }
 
     def _checkpoint(self, reason: str) -> None:
-        if self.spec.trial:
+        if self.spec.trial or (self.dist is not None and self.dist.rank != 0):
             return
         if reason in ("final", "stop") and self._ckpt_step == self.step:
             return  # the periodic checkpoint of this very step is the final one
@@ -465,6 +541,16 @@ class Runner:
         self._emit(Event(self.step, "checkpoint", "info", msg, {
             "path": str(saved.path), "seconds": saved.seconds, "bytes": saved.bytes,
             "best": saved.best, "reason": reason}))
+
+
+def _lost_peer(e: BaseException) -> bool:
+    """An error from a collective whose peer died (gloo, NCCL) or timed out."""
+    from .distributed import RankLost
+
+    text = str(e)
+    return isinstance(e, RankLost) or any(s in text for s in (
+        "Connection closed by peer", "Connection reset", "timed out", "Timed out",
+        "NCCL communicator was aborted", "Broken pipe"))
 
 
 def _val_figures(v: Any) -> dict[str, float]:

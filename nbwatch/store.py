@@ -320,7 +320,7 @@ class RunStore(RunReader):
                     )
                     if not all(k.startswith("system/") for k in r.values):
                         con.execute(
-                            "INSERT OR REPLACE INTO steps VALUES (?, ?)", (r.step, r.wall)
+                            "INSERT OR IGNORE INTO steps VALUES (?, ?)", (r.step, r.wall)
                         )
                 elif isinstance(r, Histogram):
                     con.execute(

@@ -1,0 +1,176 @@
+"""torchrun / DDP: rank 0 owns the store, every rank runs the same probes.
+
+Every `every` steps the ranks meet in one small collective on a gloo group of nbwatch's
+own (with a timeout, so a dead rank cannot hang the others forever): each rank sends
+its per-step figures (loss, step time, data wait, throughput, LR, GPU memory) and rank 0
+sends the control commands it has received. Rank 0 stores `rank{r}/...` columns and the
+global loss (the mean over ranks); every rank applies the same commands at the same step,
+so pause, stop, clip, LR factor and checkpoint never split the replicas.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .records import Command, Scalars
+
+RANK_KEYS = ("loss", "time/step", "time/data", "time/forward", "throughput/tokens_per_s", "lr",
+             "gpu/mem_gb", "time/sync")
+
+
+@dataclass
+class Dist:
+    """This process's place in the job and nbwatch's own collective group."""
+
+    rank: int
+    world: int
+    every: int
+    group: Any
+    backend: str
+
+    @classmethod
+    def detect(cls, every: int = 10, timeout_s: float = 60.0) -> Dist | None:
+        """A Dist when torch.distributed is initialised with more than one rank."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None
+        # A CPU group of our own: figures are small, and its timeout bounds a dead peer.
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        return cls(dist.get_rank(), dist.get_world_size(), every, group, dist.get_backend())
+
+    def exchange(self, rows: list[tuple[int, dict[str, float]]], commands: list[Command]
+                 ) -> tuple[list[list[tuple[int, dict[str, float]]]], list[Command]]:
+        """All ranks' rows, and rank 0's commands (every rank calls this at the same step)."""
+        import torch.distributed as dist
+
+        payload = (rows, [(c.kind, c.value, c.source) for c in commands] if self.rank == 0
+                   else [])
+        out: list[Any] = [None] * self.world
+        try:
+            dist.all_gather_object(out, payload, group=self.group)
+        except RuntimeError as e:
+            raise RankLost(
+                f"rank {self.rank} of {self.world}: another rank stopped answering nbwatch's "
+                f"exchange ({str(e).splitlines()[0][:200]}); a rank died or hangs"
+            ) from e
+        cmds = [Command(k, v, s) for k, v, s in out[0][1]]
+        return [o[0] for o in out], cmds
+
+
+class RankLost(RuntimeError):
+    """A peer rank died or stopped answering nbwatch's collective within its timeout."""
+
+
+def rank_figures(values: dict[str, float]) -> dict[str, float]:
+    """The per-rank subset of a step's figures, under the names of `RANK_KEYS`."""
+    out = {"loss": values.get("loss/train", float("nan"))}
+    for k in RANK_KEYS[1:]:
+        if k in values:
+            out[k] = values[k]
+    if torch.cuda.is_available():
+        out["gpu/mem_gb"] = torch.cuda.memory_allocated() / 2**30
+    return out
+
+
+def merge_ranks(per_rank: list[list[tuple[int, dict[str, float]]]]) -> list[Scalars]:
+    """Rank rows → one Scalars per step: `rank{r}/...` columns and the global loss (mean)."""
+    by_step: dict[int, dict[str, float]] = {}
+    losses: dict[int, list[float]] = {}
+    for r, rows in enumerate(per_rank):
+        for step, figs in rows:
+            d = by_step.setdefault(step, {})
+            for k, v in figs.items():
+                d[f"rank{r}/{k}"] = v
+            losses.setdefault(step, []).append(figs.get("loss", float("nan")))
+    out = []
+    for step in sorted(by_step):
+        d = by_step[step]
+        ls = losses[step]
+        if len(ls) == len(per_rank):
+            d["loss/train"] = float(np.mean(ls))
+        out.append(Scalars(step, d))
+    return out
+
+
+def straggler(step_times: dict[int, float], slower: float = 0.2) -> tuple[int, float] | None:
+    """(rank, how much slower) when one rank's median step time exceeds the others' median
+    by more than `slower` (0.2 = 20%)."""
+    if len(step_times) < 2:
+        return None
+    r = max(step_times, key=step_times.get)
+    others = [t for k, t in step_times.items() if k != r]
+    base = float(np.median(others))
+    if base > 0 and step_times[r] > (1 + slower) * base:
+        return r, step_times[r] / base - 1
+    return None
+
+
+class NullStore:
+    """The store of ranks other than 0: the same interface, nothing written."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+
+    def put(self, record: Any) -> None:
+        pass
+
+    def set_meta(self, key: str, value: Any) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def pending_commands(self) -> list:
+        return []
+
+    def mark_taken(self, command_id: int) -> None:
+        pass
+
+    def flush(self, timeout: float = 10.0) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def launch(script: str | Path, nproc: int = 2, run_dir: str | Path | None = None,
+           args: list[str] | tuple[str, ...] = (), log: str | Path | None = None,
+           display: bool | None = None) -> Any:
+    """Start `torchrun --nproc_per_node=nproc script args…` and attach to its run.
+
+    The job's `nbwatch.Monitor(run_dir=None)` writes into `run_dir` (passed through the
+    `NBWATCH_RUN_DIR` environment variable). Returns the attached run; its `.process` is
+    the torchrun process, whose output goes to `log` (default `run_dir/torchrun.log`).
+
+    >>> job = nbwatch.launch("train.py", nproc=2, run_dir="runs/ddp")
+    >>> job.pause(); job.resume(); job.process.wait()
+    """
+    import time
+
+    from .attach import attach
+
+    script = Path(script)
+    if not script.is_file():
+        raise FileNotFoundError(f"no training script at {script}")
+    run_dir = Path(run_dir) if run_dir is not None else Path("runs") / time.strftime(
+        "%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = Path(log) if log is not None else run_dir / "torchrun.log"
+    env = {**os.environ, "NBWATCH_RUN_DIR": str(run_dir)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", str(script), *map(str, args)]
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    job = attach(run_dir, display=display)
+    job.process = proc
+    return job

@@ -1,0 +1,70 @@
+"""A training script that runs unchanged alone or under torchrun (used by the tests).
+
+    python tests/scripts/ddp_train.py RUN_DIR [MAX_STEPS]
+    torchrun --nproc_per_node=2 tests/scripts/ddp_train.py RUN_DIR [MAX_STEPS]
+
+Env: STEP_SLEEP (seconds per step, default 0.01); KILL_RANK / KILL_AT (a rank that kills
+itself with SIGKILL at that step). At the end each rank writes a checksum of its
+parameters to RUN_DIR/params_rank{r}.pt.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import nbwatch
+from nbwatch.demo import TinyGPT, collate
+
+
+def batches(rank: int, n: int = 32):
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own shard
+    out = []
+    for _ in range(n):
+        lengths = torch.randint(6, 30, (4,), generator=g).tolist()
+        out.append(collate([torch.randint(1, 60, (L,), generator=g).tolist() for L in lengths]))
+    return out
+
+
+def main() -> None:
+    run_dir, max_steps = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 200
+    torch.set_num_threads(1)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    if dist.is_initialized():
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.999**s)
+    sleep = float(os.environ.get("STEP_SLEEP", "0.01"))
+    kill_rank, kill_at = int(os.environ.get("KILL_RANK", "-1")), int(os.environ.get("KILL_AT", "0"))
+    calls = {"n": 0}
+
+    def step_fn(model, batch):
+        calls["n"] += 1
+        if rank == kill_rank and calls["n"] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(sleep * (2 if rank == 1 else 1))  # rank 1 is a straggler
+        return {"logits": model(batch["input_ids"]), "labels": batch["labels"],
+                "mask": batch["mask"]}
+
+    mon = nbwatch.Monitor(model, opt, sched, run_dir=run_dir, config={"script": "ddp_train"})
+    mon.start(step_fn, batches(rank), max_steps=max_steps, rank_every=5, dist_timeout=20,
+              display=False)
+    try:
+        mon.wait()
+    finally:
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        path = os.path.join(run_dir, f"params_rank{rank}.pt")
+        torch.save({"step": mon.step, "params": flat}, path)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""A real `torchrun --nproc_per_node=2` on CPU (gloo), driven from the test as a user
+would from a notebook: through `nbwatch.attach` on the run folder."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import nbwatch
+from nbwatch.distributed import merge_ranks, straggler
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "scripts" / "ddp_train.py"
+
+
+def torchrun(run_dir, steps, **env):
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(SCRIPT), str(run_dir), str(steps)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def until(cond, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not met within {timeout} s")
+        time.sleep(0.05)
+
+
+def test_two_ranks_one_store_rank_figures_and_controls_on_every_rank(tmp_path):
+    run_dir = tmp_path / "ddp"
+    job = nbwatch.launch(SCRIPT, nproc=2, run_dir=run_dir, args=[run_dir, 400], display=False)
+    proc = job.process
+    try:
+        job.wait_started(60)
+        until(lambda: job.step >= 30, what="step 30")
+        job.scale_lr(0.5)
+        until(lambda: (job.events.kind == "action").any(), what="scale_lr acknowledged")
+        job.pause()
+        until(lambda: job.state == "paused", what="paused")
+        held = job.step
+        time.sleep(1.0)
+        assert job.step == held  # both ranks wait: DDP would hang if only one did
+        job.resume()
+        assert proc.wait(timeout=120) == 0, (run_dir / "torchrun.log").read_text()[-3000:]
+    finally:
+        proc.kill()
+        job.close()
+    run = nbwatch.open_run(run_dir)
+    df, ev = run.df, run.events
+    assert run.state == "finished" and run.step == 400
+    assert run.meta["run"]["world_size"] == 2
+    assert [p.name for p in run_dir.glob("*.db")] == ["nbwatch.db"]  # rank 0 alone writes
+    for r in (0, 1):
+        assert df[f"rank{r}/loss"].notna().all() and df[f"rank{r}/time/step"].notna().all()
+    mean = (df["rank0/loss"] + df["rank1/loss"]) / 2
+    assert df["loss/train"].tolist() == pytest.approx(mean.tolist())
+    # the LR factor changed at the same step on both ranks, and only there
+    assert df["rank0/lr"].tolist() == df["rank1/lr"].tolist()
+    scaled = ev[(ev.kind == "action") & ev.message.str.startswith("LR scaled")].step.iloc[0]
+    ratio = df["lr"] / df["lr"].shift(1)
+    assert ratio.loc[scaled + 1] == pytest.approx(0.5 * 0.999)
+    assert scaled % 5 == 0  # applied at an exchange step (rank_every=5)
+    paused = ev[(ev.kind == "action") & ev.message.str.startswith("paused")].step.iloc[0]
+    assert paused % 5 == 0
+    # replicas stayed identical to the end
+    p0, p1 = (torch.load(run_dir / f"params_rank{r}.pt") for r in (0, 1))
+    assert p0["step"] == p1["step"] == 400 and torch.equal(p0["params"], p1["params"])
+    # rank 1 sleeps twice as long per step: named as the straggler, once
+    strag = ev[ev.message.str.startswith("straggler")]
+    assert len(strag) == 1 and "rank 1" in strag.message.iloc[0]
+
+
+def test_a_killed_rank_stops_the_other_and_the_store_stays_readable(tmp_path):
+    run_dir = tmp_path / "ddp"
+    t0 = time.monotonic()
+    proc = torchrun(run_dir, 10_000, KILL_RANK="1", KILL_AT="40")
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 90
+    run = nbwatch.open_run(run_dir)
+    assert run.state == "failed" and 35 <= run.step < 45
+    err = run.events.query("kind == 'error'").message.iloc[0]
+    assert err.startswith("[rank 0/2] lost contact with another rank")
+    assert run.df.index.max() == run.step
+    ck = max((run_dir / "checkpoints").glob("step_*.pt"))
+    assert torch.load(ck, weights_only=True)["step"] == run.step  # emergency checkpoint
+
+
+def test_the_same_script_runs_alone_without_torchrun(tmp_path):
+    run_dir = tmp_path / "single"
+    out = subprocess.run([sys.executable, str(SCRIPT), str(run_dir), "30"], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    run = nbwatch.open_run(run_dir)
+    assert run.state == "finished" and run.step == 30
+    assert not [c for c in run.df.columns if c.startswith("rank")]
+    assert run.meta["run"]["world_size"] == 1
+
+
+def test_merge_ranks_means_the_loss_and_names_columns():
+    rows = [[(1, {"loss": 2.0, "time/step": 0.1})], [(1, {"loss": 4.0, "time/step": 0.3})]]
+    (sc,) = merge_ranks(rows)
+    assert sc.step == 1 and sc.values["loss/train"] == 3.0
+    assert sc.values["rank1/time/step"] == 0.3
+    assert straggler({0: 0.10, 1: 0.11, 2: 0.10}) is None
+    assert straggler({0: 0.10, 1: 0.13, 2: 0.10}) == (1, pytest.approx(0.3))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 1,
+                    reason="needs a CUDA device (NCCL path)")
+def test_gpu_rank_figures_include_memory():
+    from nbwatch.distributed import rank_figures
+
+    torch.ones(1024, 1024, device="cuda")
+    assert rank_figures({"loss/train": 1.0})["gpu/mem_gb"] > 0

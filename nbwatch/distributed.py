@@ -71,6 +71,14 @@ class RankLost(RuntimeError):
     """A peer rank died or stopped answering nbwatch's collective within its timeout."""
 
 
+def lost_peer(e: BaseException) -> bool:
+    """An error from a collective whose peer died (gloo, NCCL) or timed out."""
+    text = str(e)
+    return isinstance(e, RankLost) or any(s in text for s in (
+        "Connection closed by peer", "Connection reset", "timed out", "Timed out",
+        "NCCL communicator was aborted", "Broken pipe"))
+
+
 def rank_figures(values: dict[str, float]) -> dict[str, float]:
     """The per-rank subset of a step's figures, under the names of `RANK_KEYS`."""
     out = {"loss": values.get("loss/train", float("nan"))}

@@ -28,14 +28,14 @@ from torch import nn
 from . import controls as ctl
 from .alerts import AlertEngine, default_rules, weight_std
 from .checkpoint import Checkpointer, rng_state
-from .distributed import Dist, merge_ranks, rank_figures
-from .probes import attention as attn_probe
+from .distributed import Dist, lost_peer, merge_ranks, rank_figures
+from .evaluation import evaluate
 from .probes import weights as wprobe
 from .probes.data import mask_stats, sequence_lengths
 from .probes.grads import Layers, clip_, grad_norms
 from .probes.loss import parse_step_output
 from .probes.throughput import timing_figures
-from .records import Attention, Command, Event, Histogram, Sample, Scalars
+from .records import Command, Event, Histogram, Sample, Scalars
 from .store import RunStore
 
 log = logging.getLogger("nbwatch.runner")
@@ -142,7 +142,7 @@ class Runner:
             p.traceback = traceback.format_exc()
             msg = f"{type(e).__name__}: {e}"
             if self.dist is not None:
-                if _lost_peer(e):
+                if lost_peer(e):
                     msg = ("lost contact with another rank (it died or hangs), so this rank "
                            f"stops: {str(e).splitlines()[0][:300]}")
                 msg = f"[rank {self.dist.rank}/{self.dist.world}] {msg}"
@@ -470,51 +470,24 @@ class Runner:
         return bool(self.spec.eval_every) and step % self.spec.eval_every == 0
 
     def _eval(self) -> None:
-        spec, model, step = self.spec, self.model, self.step
-        was_training = model.training
-        model.eval()
-        try:
-            values: dict[str, float] = {}
-            if spec.val_fn is not None:
-                t0 = time.perf_counter()
-                with torch.no_grad():
-                    values.update(_val_figures(spec.val_fn(model)))
-                values["time/eval"] = time.perf_counter() - t0
-                if "loss/val" in values and self.progress.train_losses:
-                    train = sum(self.progress.train_losses) / len(self.progress.train_losses)
-                    values["loss/gap"] = values["loss/val"] - train
-                self.progress.train_losses.clear()
-                self._last_val = values.get("loss/val")
-            if spec.probe_batch is not None:
-                self._attention(step)
-            if spec.sample_fn is not None:
-                with torch.no_grad():
-                    text = spec.sample_fn(model)
-                self.store.put(Sample(step, str(text)))
-            if values:
-                self.store.put(Scalars(step, values))
-        finally:
-            model.train(was_training)
-        if values:
-            self._raise_alerts(self.engine.observe("eval", step, values))
+        spec, step = self.spec, self.step
+        result = evaluate(self.model, spec, step, self.progress.train_losses)
+        if spec.val_fn is not None:
+            self.progress.train_losses.clear()
+            self._last_val = result.values.get("loss/val")
+        for a in result.attention:
+            self.store.put(a)
+        if result.sample is not None:
+            self.store.put(Sample(step, result.sample))
+        if result.values:
+            self.store.put(Scalars(step, result.values))
+            self._raise_alerts(self.engine.observe("eval", step, result.values))
+        if result.attention:
+            self._raise_alerts(self.engine.observe("attention", step,
+                                                   attention=result.first_maps()))
         every = spec.checkpoint_every or spec.eval_every
         if every and step % every == 0:
             self._checkpoint("periodic")
-
-    def _attention(self, step: int) -> None:
-        spec = self.spec
-        n = spec.attention_samples
-        with attn_probe.capture_attention(self.model, n, spec.attention_tokens) as maps:
-            spec.step_fn(self.model, spec.probe_batch)
-        if maps:
-            first = {m: w[0].numpy() for m, w in maps.items()}
-            self._raise_alerts(self.engine.observe("attention", step, attention=first))
-        for module, w in maps.items():
-            for i in range(w.shape[0]):
-                toks = None
-                if spec.probe_tokens and i < len(spec.probe_tokens):
-                    toks = tuple(spec.probe_tokens[i][: w.shape[-1]])
-                self.store.put(Attention(step, module, i, w[i].numpy(), toks))
 
     # -- checkpoints --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -541,30 +514,6 @@ class Runner:
         self._emit(Event(self.step, "checkpoint", "info", msg, {
             "path": str(saved.path), "seconds": saved.seconds, "bytes": saved.bytes,
             "best": saved.best, "reason": reason}))
-
-
-def _lost_peer(e: BaseException) -> bool:
-    """An error from a collective whose peer died (gloo, NCCL) or timed out."""
-    from .distributed import RankLost
-
-    text = str(e)
-    return isinstance(e, RankLost) or any(s in text for s in (
-        "Connection closed by peer", "Connection reset", "timed out", "Timed out",
-        "NCCL communicator was aborted", "Broken pipe"))
-
-
-def _val_figures(v: Any) -> dict[str, float]:
-    if isinstance(v, torch.Tensor):
-        v = v.item()
-    if isinstance(v, (int, float)):
-        return {"loss/val": float(v)}
-    if isinstance(v, dict):
-        out = {}
-        for k, x in v.items():
-            x = float(x.item() if isinstance(x, torch.Tensor) else x)
-            out["loss/val" if k in ("loss", "loss/val") else f"val/{k}"] = x
-        return out
-    raise TypeError(f"val_fn returned a {type(v).__name__}; return a float or a dict of floats")
 
 
 def _batch_size(batch: Any) -> int:

@@ -1,0 +1,78 @@
+"""What happens at an eval step: val_fn, the attention probe, sample_fn.
+
+`evaluate` runs them in eval mode without gradients and returns plain results; the
+runner records them, feeds the alert rules and checkpoints.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .probes.attention import capture_attention
+from .records import Attention
+
+
+@dataclass
+class EvalResult:
+    values: dict[str, float] = field(default_factory=dict)  # loss/val, val/<k>, time/eval
+    attention: list[Attention] = field(default_factory=list)
+    sample: str | None = None
+
+    def first_maps(self) -> dict[str, np.ndarray]:
+        """{module: [heads, T, S]} of the first probe sample (what the rules look at)."""
+        return {a.module: a.weights for a in self.attention if a.sample == 0}
+
+
+def val_figures(v: Any) -> dict[str, float]:
+    """`val_fn`'s float or dict as scalar names: `loss` → `loss/val`, others → `val/<k>`."""
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if isinstance(v, (int, float)):
+        return {"loss/val": float(v)}
+    if isinstance(v, dict):
+        out = {}
+        for k, x in v.items():
+            x = float(x.item() if isinstance(x, torch.Tensor) else x)
+            out["loss/val" if k in ("loss", "loss/val") else f"val/{k}"] = x
+        return out
+    raise TypeError(f"val_fn returned a {type(v).__name__}; return a float or a dict of floats")
+
+
+def evaluate(model: nn.Module, spec: Any, step: int, train_losses: list[float]) -> EvalResult:
+    """Run the eval-time callbacks of `spec` (a RunSpec) on `model`, then restore its mode.
+
+    `loss/gap` is val loss minus the mean train loss since the previous eval.
+    """
+    out = EvalResult()
+    was_training = model.training
+    model.eval()
+    try:
+        if spec.val_fn is not None:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out.values.update(val_figures(spec.val_fn(model)))
+            out.values["time/eval"] = time.perf_counter() - t0
+            if "loss/val" in out.values and train_losses:
+                out.values["loss/gap"] = out.values["loss/val"] - float(np.mean(train_losses))
+        if spec.probe_batch is not None:
+            with capture_attention(model, spec.attention_samples,
+                                   spec.attention_tokens) as maps:
+                spec.step_fn(model, spec.probe_batch)
+            for module, w in maps.items():
+                for i in range(w.shape[0]):
+                    toks = None
+                    if spec.probe_tokens and i < len(spec.probe_tokens):
+                        toks = tuple(spec.probe_tokens[i][: w.shape[-1]])
+                    out.attention.append(Attention(step, module, i, w[i].numpy(), toks))
+        if spec.sample_fn is not None:
+            with torch.no_grad():
+                out.sample = str(spec.sample_fn(model))
+    finally:
+        model.train(was_training)
+    return out

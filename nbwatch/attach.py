@@ -96,7 +96,7 @@ def run_state(run_dir: Path, meta: dict[str, Any], reader: RunReader | None,
     return state
 
 
-class Attached:
+class Attached(ctl.Controls):
     """A run written by another process, followed from here: `nbwatch.attach(run_dir)`.
 
     The same surface as `Monitor` (pause/resume/stop/checkpoint/set_clip/scale_lr, step,
@@ -295,29 +295,6 @@ class Attached:
             return int(cur.lastrowid)
         finally:
             con.close()
-
-    def pause(self) -> None:
-        """Pause the other process's run after its current step."""
-        self._send("pause")
-
-    def resume(self) -> None:
-        self._send("resume")
-
-    def stop(self) -> None:
-        """Stop the other process's run after its current step (it writes a final checkpoint)."""
-        self._send("stop")
-
-    def checkpoint(self) -> None:
-        """Ask the other process to write a checkpoint after its current step."""
-        self._send("checkpoint")
-
-    def set_clip(self, max_norm: float | None) -> None:
-        """Clip the global gradient norm to `max_norm` from the next step (None: no clipping)."""
-        self._send("clip", ctl.check_clip(max_norm))
-
-    def scale_lr(self, factor: float) -> None:
-        """Multiply the LR by `factor` from the next step; the scheduler does not undo it."""
-        self._send("scale_lr", ctl.check_factor(factor))
 
     # -- display ------------------------------------------------------------------------
     def show(self) -> Any:

@@ -54,6 +54,40 @@ class CommandQueue:
             return None
 
 
+class Controls:
+    """The control surface shared by `Monitor` and `Attached` (what the buttons call).
+
+    Subclasses implement `_send(kind, value)`: a queue in this process, or a row in the
+    store for a run written by another.
+    """
+
+    def _send(self, kind: str, value: float | None = None) -> object:
+        raise NotImplementedError
+
+    def pause(self) -> None:
+        """Pause after the current step (the training thread waits; the kernel stays free)."""
+        self._send("pause")
+
+    def resume(self) -> None:
+        self._send("resume")
+
+    def stop(self) -> None:
+        """Stop after the current step, with a final checkpoint."""
+        self._send("stop")
+
+    def checkpoint(self) -> None:
+        """Write a checkpoint after the current step."""
+        self._send("checkpoint")
+
+    def set_clip(self, max_norm: float | None) -> None:
+        """Clip the global gradient norm to `max_norm` from the next step (None: no clipping)."""
+        self._send("clip", check_clip(max_norm))
+
+    def scale_lr(self, factor: float) -> None:
+        """Multiply the LR by `factor` from the next step; the scheduler does not undo it."""
+        self._send("scale_lr", check_factor(factor))
+
+
 def check_clip(max_norm: float | None) -> float | None:
     if max_norm is None:
         return None

@@ -71,7 +71,7 @@ def check_run_dir(run_dir: Path) -> None:
         ) from e
 
 
-class Monitor:
+class Monitor(ctl.Controls):
     """Train in a background thread while every step is measured into `run_dir`.
 
     >>> mon = nbwatch.Monitor(model, optimizer, scheduler, run_dir="runs/exp1",
@@ -352,29 +352,6 @@ class Monitor:
         if not self.running:
             raise RuntimeError(f"cannot {kind}: the run is {self.state}, not running")
         self._commands.put(Command(kind, value, source))
-
-    def pause(self) -> None:
-        """Pause after the current step (the thread waits; the kernel stays free)."""
-        self._send("pause")
-
-    def resume(self) -> None:
-        self._send("resume")
-
-    def stop(self) -> None:
-        """Stop after the current step, with a final checkpoint."""
-        self._send("stop")
-
-    def checkpoint(self) -> None:
-        """Write a checkpoint after the current step."""
-        self._send("checkpoint")
-
-    def set_clip(self, max_norm: float | None) -> None:
-        """Clip the global gradient norm to `max_norm` from the next step (None: no clipping)."""
-        self._send("clip", ctl.check_clip(max_norm))
-
-    def scale_lr(self, factor: float) -> None:
-        """Multiply the LR by `factor` from the next step; the scheduler does not undo it."""
-        self._send("scale_lr", ctl.check_factor(factor))
 
     # -- what the caller reads ----------------------------------------------------------
     @property

@@ -176,3 +176,35 @@ def test_preflight_fails_on_zero_gradients_and_on_lr_10(tmp_path):
     assert not result.ok
     assert result["loss falls"].status == "fail"
     assert "LR" in result["loss falls"].reason or "non-finite" in result["loss falls"].reason
+
+
+def test_on_alert_callback_and_log_records_at_the_alert_level(tmp_path, caplog):
+    import logging
+
+    demo = small_demo(max_steps=40)
+    seen = []
+
+    def poison(model, batch):
+        out = demo.step_fn(model, batch)
+        if poison.calls == 10:
+            out["logits"] = out["logits"] * math.nan
+        poison.calls += 1
+        return out
+
+    poison.calls = 0
+
+    def broken_callback(ev):
+        seen.append(ev)
+        raise ValueError("a user's callback bug must not stop the run")
+
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "r",
+                          alerts={"nonfinite": {"actions": ["skip_step"]}},
+                          on_alert=broken_callback)
+    with caplog.at_level(logging.INFO, logger="nbwatch"):
+        mon.start(poison, demo.train, max_steps=40, display=False).wait()
+    assert mon.state == "finished"  # no pause: the override kept only skip_step
+    critical = [e for e in seen if e.severity == "critical"]
+    assert len(critical) == 1 and critical[0].step == 11 and critical[0].kind == "alert"
+    records = [r for r in caplog.records if r.getMessage().startswith("nonfinite")]
+    assert [r.levelno for r in records] == [logging.CRITICAL]
+    assert any("on_alert callback failed" in r.getMessage() for r in caplog.records)

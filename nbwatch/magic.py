@@ -2,7 +2,7 @@
 
     %nbwatch               the dashboard of the most recently started Monitor
     %nbwatch RUN_DIR       a read-only dashboard of a run folder (finished or running)
-    %nbwatch ls [ROOT]     the runs under ROOT (default: runs)
+    %nbwatch ls [ROOT] [--where KEY=VALUE] [--sort best]   the runs under ROOT (default: runs)
 
 Button clicks are handled while the kernel is idle: a cell blocked in `mon.wait()`
 (or any long cell) holds them until it returns.

@@ -44,7 +44,7 @@ def val_figures(v: Any) -> dict[str, float]:
     raise TypeError(f"val_fn returned a {type(v).__name__}; return a float or a dict of floats")
 
 
-def evaluate(model: nn.Module, spec: Any, step: int, train_losses: list[float]) -> EvalResult:
+def evaluate(model: nn.Module, spec: Any, step: int, train_mean: float | None) -> EvalResult:
     """Run the eval-time callbacks of `spec` (a RunSpec) on `model`, then restore its mode.
 
     `loss/gap` is val loss minus the mean train loss since the previous eval.
@@ -58,8 +58,8 @@ def evaluate(model: nn.Module, spec: Any, step: int, train_losses: list[float]) 
             with torch.no_grad():
                 out.values.update(val_figures(spec.val_fn(model)))
             out.values["time/eval"] = time.perf_counter() - t0
-            if "loss/val" in out.values and train_losses:
-                out.values["loss/gap"] = out.values["loss/val"] - float(np.mean(train_losses))
+            if "loss/val" in out.values and train_mean is not None:
+                out.values["loss/gap"] = out.values["loss/val"] - train_mean
         if spec.probe_batch is not None:
             with capture_attention(model, spec.attention_samples,
                                    spec.attention_tokens) as maps:

@@ -17,8 +17,9 @@ import math
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -74,7 +75,11 @@ class Progress:
     state: str = "created"
     error: BaseException | None = None
     traceback: str | None = None
-    train_losses: list[float] = field(default_factory=list)  # since the last eval
+    train_loss_sum: float = 0.0  # finite train losses since the last eval, for loss/gap
+    train_loss_n: int = 0
+
+    def train_mean(self) -> float | None:
+        return self.train_loss_sum / self.train_loss_n if self.train_loss_n else None
 
 
 class Runner:
@@ -107,7 +112,7 @@ class Runner:
         self.dist = dist
         self._rank_rows: list[tuple[int, dict[str, float]]] = []
         self._sync_s = 0.0
-        self._rank_step_times: dict[int, list[float]] = {}
+        self._rank_step_times: dict[int, deque[float]] = {}
         self.step = start_step
         self.layers = Layers.of(model)
         self._stop_requested = False
@@ -230,8 +235,8 @@ class Runner:
                 fwd = sc.values.get(f"rank{r}/time/forward")
                 data = sc.values.get(f"rank{r}/time/data", 0.0)
                 if fwd is not None:
-                    self._rank_step_times.setdefault(r, []).append(fwd + data)
-        recent = {r: float(np.median(ts[-50:])) for r, ts in self._rank_step_times.items()
+                    self._rank_step_times.setdefault(r, deque(maxlen=50)).append(fwd + data)
+        recent = {r: float(np.median(ts)) for r, ts in self._rank_step_times.items()
                   if len(ts) >= 20}
         for a in self.engine.observe("ranks", self.step, None, rank_step_times=recent):
             self._raise_alerts([a])
@@ -406,7 +411,8 @@ class Runner:
         self.store.put(Scalars(step, stored))
         self.progress.step = step
         if math.isfinite(values["loss/train"]):
-            self.progress.train_losses.append(values["loss/train"])
+            self.progress.train_loss_sum += values["loss/train"]
+            self.progress.train_loss_n += 1
         self._raise_alerts(alerts)
 
         if hist:
@@ -471,9 +477,9 @@ class Runner:
 
     def _eval(self) -> None:
         spec, step = self.spec, self.step
-        result = evaluate(self.model, spec, step, self.progress.train_losses)
+        result = evaluate(self.model, spec, step, self.progress.train_mean())
         if spec.val_fn is not None:
-            self.progress.train_losses.clear()
+            self.progress.train_loss_sum, self.progress.train_loss_n = 0.0, 0
             self._last_val = result.values.get("loss/val")
         for a in result.attention:
             self.store.put(a)

@@ -13,6 +13,7 @@ Defaults follow the seeds and are all overridable with one dict passed to the Mo
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable
@@ -37,8 +38,9 @@ class Rule:
     check: Callable[[Window, dict[str, Any]], str | None]
     params: dict[str, Any] = field(default_factory=dict)
     actions: tuple[str, ...] = ()
-    clear_steps: int = 1
+    clear_steps: int = 1  # quiet observations before the rule re-arms
     doc: str = ""
+    every: int = 1  # observe every n-th step only (rules that look back over a window)
 
 
 class Window:
@@ -57,11 +59,14 @@ class Window:
                 self.series.setdefault(k, deque(maxlen=self.size)).append(float(v))
 
     def arr(self, key: str, last: int | None = None) -> np.ndarray:
+        """The series (or its `last` values), oldest first; O(last), not O(window)."""
         s = self.series.get(key)
         if not s:
             return np.empty(0)
-        a = np.fromiter(s, dtype=np.float64, count=len(s))
-        return a[-last:] if last else a
+        if last and last < len(s):
+            tail = np.fromiter(itertools.islice(reversed(s), last), dtype=np.float64, count=last)
+            return tail[::-1]
+        return np.fromiter(s, dtype=np.float64, count=len(s))
 
 
 # -- the checks (pure: window + params → message or None) ---------------------------------
@@ -149,7 +154,7 @@ def _padding(w: Window, p: dict) -> str | None:
 def _plateau(w: Window, p: dict) -> str | None:
     a = w.arr("loss/train", p["window"])
     a = a[np.isfinite(a)]
-    if len(a) < p["window"] or w.latest.get("_step", 0) % p["every"]:
+    if len(a) < p["window"]:
         return None
     x = np.arange(len(a), dtype=np.float64)
     slope, intercept = np.polyfit(x, a, 1)
@@ -241,8 +246,8 @@ def default_rules() -> list[Rule]:
         Rule("val_spike", "critical", "eval", _val_spike, {"factor": 2.0, "lr_factor": 0.5},
              ("checkpoint", "cut_lr"), 1, "val loss > 2× the best: checkpoint and cut LR ×0.5"),
         Rule("vanishing_gradients", "warning", "step", _vanishing,
-             {"global_below": 1e-7, "layer_ratio": 1e-3, "persist": 20}, (), 50,
-             "global grad norm < 1e-7, or a layer 1000× below the median layer"),
+             {"global_below": 1e-7, "layer_ratio": 1e-3, "persist": 20}, (), 5,
+             "global grad norm < 1e-7, or a layer 1000× below the median layer", every=10),
         Rule("throughput_drop", "warning", "step", _throughput_drop,
              {"drop": 0.5, "window": 200, "min_history": 50, "persist": 10}, (), 50,
              "throughput below half its rolling median for 10 steps"),
@@ -258,8 +263,8 @@ def default_rules() -> list[Rule]:
              {"factor": 10.0, "min_start_std": 1e-6}, (), 2,
              "a layer's weight std fell 10× from its start"),
         Rule("plateau", "warning", "step", _plateau,
-             {"window": 1000, "every": 100, "min_change": 0.005}, (), 1000,
-             "train loss flat (no significant trend, < 0.5% change) over 1000 steps"),
+             {"window": 1000, "min_change": 0.005}, (), 10,
+             "train loss flat (no significant trend, < 0.5% change) over 1000 steps", every=100),
         Rule("val_periodic", "warning", "eval", _val_periodic,
              {"min_evals": 12, "corr": 0.8}, (), 10**9,
              "val loss oscillates with a period that the val batches' lengths explain"),
@@ -297,13 +302,14 @@ def configure(rules: list[Rule], overrides: dict[str, Any] | None) -> list[Rule]
             if bad:
                 raise ValueError(f"alerts[{r.name!r}]: unknown action(s) {bad}; known: {ACTIONS}")
             kw["actions"] = tuple(a for a in acts if a != "none")
-        for key in ("severity", "clear_steps"):
+        for key in ("severity", "clear_steps", "every"):
             if key in o:
                 kw[key] = o.pop(key)
         bad = set(o) - set(r.params)
         if bad:
             raise KeyError(f"alerts[{r.name!r}]: unknown setting(s) {sorted(bad)}; "
-                           f"settings: {sorted(r.params)}, actions, severity, clear_steps")
+                           f"settings: {sorted(r.params)}, actions, severity, clear_steps, "
+                           "every")
         out.append(replace(r, params={**r.params, **o}, **kw))
     return out
 
@@ -357,7 +363,7 @@ class AlertEngine:
         self.window.latest = latest
         fired = []
         for rule in self.rules:
-            if rule.phase != phase:
+            if rule.phase != phase or step % rule.every:
                 continue
             msg = rule.check(self.window, rule.params)
             if msg is None:

@@ -81,6 +81,12 @@ export function layerColor(i, n) {
   return `hsl(${Math.round(260 - 220 * t)}, 65%, 50%)`;
 }
 
+// Ranks keep one colour each across the ranks panel; none is the warning orange/red, which
+// marks the slowest rank.
+const RANK_COLORS = ["#1f77b4", "#2ca02c", "#9467bd", "#17becf", "#8c564b", "#e377c2",
+  "#7f7f7f", "#bcbd22", "#393b79", "#637939"];
+export const rankColor = (r) => RANK_COLORS[r % RANK_COLORS.length];
+
 function cssVar(el, name, fallback) {
   const v = getComputedStyle(el).getPropertyValue(name).trim();
   return v || fallback;
@@ -92,6 +98,7 @@ export function theme(el) {
     muted: cssVar(el, "--jp-ui-font-color2", "#777"),
     grid: cssVar(el, "--jp-border-color2", "#ddd"),
     bg: cssVar(el, "--jp-layout-color1", "#fff"),
+    warn: cssVar(el, "--jp-warn-color1", "#f57c00"),
   };
 }
 

@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 
 from ..store import RunReader
-from . import alerts, attention, data, grads, header, loss, samples, system, weights
+from . import alerts, attention, data, grads, header, loss, ranks, samples, system, weights
 from .downsample import MAX_POINTS, Downsampler, reduce
 from .tail import Delta, Tail
 
-PANELS = ("header", "loss", "grads", "weights", "attention", "system", "data", "alerts",
-          "samples")
+PANELS = ("header", "loss", "ranks", "grads", "weights", "attention", "system", "data",
+          "alerts", "samples")
 MAX_EVENTS = 500
 ENDED = ("finished", "stopped", "failed")
 
@@ -34,6 +34,8 @@ class Feed:
         self.max_points = max_points
         self.series: dict[str, Downsampler] = {}
         self.latest: dict[str, tuple[int, float]] = {}
+        # The newest points of each `rank{r}/...` key, raw: the ranks panel's medians.
+        self.recent: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.events: list[dict[str, Any]] = []
         self.error: dict[str, Any] | None = None
         self.columns: dict[str, list[weights.Column]] = {}
@@ -70,6 +72,8 @@ class Feed:
             # What the browser folds in: the new points already reduced on the same grid.
             new[key] = reduce(s, v, ds.width)
             self.latest[key] = (int(s[-1]), float(v[-1]))
+            if ranks.is_rank_key(key):
+                self.recent[key] = ranks.keep_recent(self.recent.get(key), s, v)
         new_cols: dict[str, list[weights.Column]] = {}
         for step, name, edges, counts in d.histograms:
             if name.startswith("weight/"):
@@ -91,14 +95,16 @@ class Feed:
         walls = self.walls = self.tail.recent_walls()
         self.step = walls[-1][0] if walls else int(self.meta.get("step", 0) or 0)
         seq = self.seq_len if any(h[1] == "data/seq_len" for h in d.histograms) else None
-        out = self._build(new, d.events, new_cols, seq, d.attention, d.samples, walls, now)
+        recent = self.recent if any(map(ranks.is_rank_key, d.scalars)) else None
+        out = self._build(new, d.events, new_cols, seq, d.attention, d.samples, walls, now,
+                          recent)
         return {k: v for k, v in out.items() if v}
 
     def full(self, now: float | None = None) -> dict[str, Any]:
         series = {k: (ds.steps, ds.values) for k, ds in self.series.items()}
         return self._build(series, self.events, self.columns, self.seq_len, self.attention,
-                           self.samples, self.walls,
-                           time.time() if now is None else now)
+                           self.samples, self.walls, time.time() if now is None else now,
+                           self.recent)
 
     def header(self, now: float | None = None) -> dict[str, Any]:
         """The header panel alone, from what is held."""
@@ -106,11 +112,12 @@ class Feed:
             k: v for k, (_, v) in self.latest.items()}, time.time() if now is None else now,
             self.error)
 
-    def _build(self, series, events, columns, seq_len, att, new_samples, walls, now
+    def _build(self, series, events, columns, seq_len, att, new_samples, walls, now, recent
                ) -> dict[str, Any]:
         return {
             "header": self.header(now),
             "loss": loss.build(series, events),
+            "ranks": ranks.build(series, recent, events),
             "grads": grads.build(series, self.latest, events),
             "weights": weights.build(columns, series),
             "attention": attention.build(att),

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ._flat import flatten
 from .attach import run_state
 from .store import RunReader, is_run_dir
 
@@ -36,18 +37,6 @@ def find_runs(root: str | os.PathLike) -> list[Path]:
             found.append(d)
         todo += [c for c in d.iterdir() if c.is_dir() and c.name not in SKIP_DIRS]
     return sorted(found)
-
-
-def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"optim": {"lr": 1e-3}} → {"optim.lr": 1e-3}."""
-    out: dict[str, Any] = {}
-    for k, v in config.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping) and v:
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -67,9 +67,9 @@ export function create(root) {
         // The slowest rank: outlined in the warning colour, and named above its bar.
         const outline = { color: slow.map((s) => (s ? t.warn : "rgba(0,0,0,0)")), width: slow.map((s) => (s ? 3 : 0)) };
         const i = b.ranks.indexOf(b.slowest);
-        const note = (y) => (i < 0 ? [] : [{
-          x: names[i], y, yanchor: "bottom", showarrow: false, font: { color: t.warn, size: 11 },
-          text: `slowest${b.slower_by !== null && b.slower_by !== undefined ? ` (+${Math.round(b.slower_by * 100)}%)` : ""}`,
+        const by = b.slower_by !== null && b.slower_by !== undefined ? ` (busy +${Math.round(b.slower_by * 100)}%)` : "";
+        const note = (y, text) => (i < 0 ? [] : [{
+          x: names[i], y, yanchor: "bottom", showarrow: false, font: { color: t.warn, size: 11 }, text,
         }]);
         const busy = b.busy_s.map(ms);
         const step = (b.step_s || b.ranks.map(() => null)).map(ms);
@@ -88,7 +88,7 @@ export function create(root) {
             marker: { color: colors, opacity: 0.35, line: outline },
             hovertemplate: "%{x}<br>rest of step %{y:.2f} ms (backward, gradient sync, optimizer)" +
               "<br>whole step %{customdata[2]} ms<extra></extra>" },
-        ], baseLayout(t, { margin: m, barmode: "stack", annotations: note(top),
+        ], baseLayout(t, { margin: m, barmode: "stack", annotations: note(top, `slowest${by}`),
           title: { text: "step time (ms): busy (solid) + rest of step (faded)", font: { size: 11 } },
           xaxis: { type: "category", gridcolor: t.grid },
           yaxis: { gridcolor: t.grid, range: [0, top * 1.18 || 1] } }), CONFIG);
@@ -97,7 +97,7 @@ export function create(root) {
         Plotly.react(tput, [{
           name: "tokens/s", type: "bar", x: names, y: tok, marker: { color: colors, line: outline },
           hovertemplate: "%{x}<br>%{y:,.0f} tokens/s<extra></extra>",
-        }], baseLayout(t, { margin: m, annotations: note(tok[i] || 0),
+        }], baseLayout(t, { margin: m, annotations: note(tok[i] || 0, "slowest"),
           title: { text: "throughput (tokens/s)", font: { size: 11 } },
           xaxis: { type: "category", gridcolor: t.grid },
           yaxis: { gridcolor: t.grid, range: [0, tmax * 1.18 || 1] } }), CONFIG);

@@ -9,6 +9,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import PurePath
 from typing import Any
 
+from .._flat import flatten
+
 MAX_ROWS = 1000
 MAX_CHARS = 2000  # one cell: a config value that is a long list is cut, not dropped
 TABLE_KINDS = ("alert", "action", "error")
@@ -17,18 +19,6 @@ TABLE_KINDS = ("alert", "action", "error")
 def _text(v: Any, max_chars: int = MAX_CHARS) -> str:
     s = v if isinstance(v, str) else json.dumps(v, default=str, ensure_ascii=False)
     return s if len(s) <= max_chars else s[: max_chars - 1] + "…"
-
-
-def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"optim": {"lr": 1e-3}} → {"optim.lr": 1e-3}."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping) and v:
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
 
 
 def key_values(d: Mapping[str, Any] | None, max_rows: int = MAX_ROWS) -> list[list[str]]:

@@ -3,12 +3,16 @@ requested from anywhere, and hostile strings in the run stay text."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from nbwatch.export import export_html
 from tests.export_run import IMG, SCRIPT, write_run
 
-from .conftest import ARTIFACTS
+from .conftest import ARTIFACTS, ROOT
 from .harness import panels_rendered
 
 pytestmark = pytest.mark.browser
@@ -74,4 +78,57 @@ def test_export_draws_offline_and_runs_no_injected_script(browser, tmp_path):
     finally:
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "export.png"), full_page=True)
+        ctx.close()
+
+
+def test_export_of_a_torchrun_job_draws_the_ranks_panel(browser, tmp_path):
+    """A real 2-rank gloo job (rank 1 sleeps twice as long each step): the ranks panel shows
+    both ranks, rank 1 outlined as the slowest, and the straggler warning."""
+    run = tmp_path / "ddp"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc_per_node=2", str(ROOT / "tests/scripts/ddp_train.py"), str(run),
+                    "300"], cwd=tmp_path, env=env, check=True, timeout=180,
+                   capture_output=True)
+    path = export_html(run, tmp_path / "ddp.html")
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = ctx.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    try:
+        page.goto(path.as_uri())
+        page.wait_for_selector(".nbw-root[data-ready]", timeout=30_000)
+        box = page.locator("[data-panel=ranks]")
+        box.locator(".nbw-ranks-sync .main-svg").first.wait_for(timeout=30_000)
+        assert box.is_visible()
+        assert box.get_attribute("data-ranks") == "2"
+        assert box.get_attribute("data-slowest") == "1"
+        assert box.locator(".nbw-warn-line").inner_text().startswith(
+            "step ")  # "step N: straggler: rank 1 is …% slower …"
+        assert "straggler: rank 1 is" in box.locator(".nbw-warn-line").inner_text()
+        plots = box.evaluate("""(b) => [...b.querySelectorAll('.js-plotly-plot')].map((gd) => ({
+            cls: gd.className, traces: gd.data.map((t) => ({
+              x: Array.from(t.x || []).length, y: Array.from(t.y || []),
+              color: t.marker && t.marker.color, line: t.marker && t.marker.line
+                && Array.from(t.marker.line.width || [])})),
+            notes: (gd.layout.annotations || []).map((a) => a.text)}))""")
+        time_plot, tput_plot, loss_plot, sync_plot = plots
+        busy = time_plot["traces"][0]
+        assert busy["x"] == 2 and busy["line"] == [0, 3]  # rank 1 outlined, rank 0 not
+        assert busy["y"][1] > 1.5 * busy["y"][0]  # rank 1 sleeps twice as long
+        assert busy["color"][0] != busy["color"][1]
+        assert tput_plot["traces"][0]["line"] == [0, 3]
+        assert any(n.startswith("slowest") for n in time_plot["notes"])
+        # One colour per rank across the panel: the loss lines use the bars' colours.
+        loss_colors = box.evaluate("""(b) => b.querySelector('.nbw-ranks-loss').data
+            .map((t) => t.line.color)""")
+        assert loss_colors == busy["color"]
+        assert [t["x"] for t in loss_plot["traces"]] == [300, 300]
+        assert len(sync_plot["traces"]) == 2 and all(t["x"] > 0 for t in sync_plot["traces"])
+        assert not errors, errors
+    finally:
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.locator("[data-panel=ranks]").screenshot(path=str(ARTIFACTS / "export_ranks.png"))
+        page.screenshot(path=str(ARTIFACTS / "export_ddp.png"), full_page=True)
         ctx.close()

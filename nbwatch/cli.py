@@ -12,12 +12,10 @@ from typing import Any
 
 
 def _demo(args: argparse.Namespace) -> int:
-    import torch
-
     from .demo import make_demo
     from .monitor import Monitor
+    from .run import open_run
 
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
     demo = make_demo(max_steps=args.steps)
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime(
         "demo-%Y%m%d-%H%M%S")
@@ -26,9 +24,14 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"nbwatch demo: TinyGPT on Python's own source, {args.steps} steps -> {run_dir}")
     mon.start(max_steps=args.steps, eval_every=args.eval_every, display=False,
               **demo.start_kwargs())
-    last = -1
+    last, alerts_seen = -1, 0
     while mon.running:
         time.sleep(args.print_every)
+        ev = mon.events
+        alerts = ev[(ev.kind == "alert") & (ev.severity != "info")]
+        for _, a in alerts.iloc[alerts_seen:].iterrows():
+            print(f"  {a.severity} at step {a.step}: {a.message}", flush=True)
+        alerts_seen = len(alerts)
         df = mon.df
         if "loss/train" not in df or mon.step == last:  # only system figures so far
             continue
@@ -43,7 +46,7 @@ def _demo(args: argparse.Namespace) -> int:
     first = df["loss/train"].iloc[:20].mean()
     final = df["loss/train"].iloc[-20:].mean()
     print(f"done: {mon.state} at step {mon.step}; train loss {first:.3f} -> {final:.3f}")
-    samples = mon._run().samples
+    samples = open_run(run_dir).samples
     if not samples.empty:
         print(f"sample at step {samples.step.iloc[-1]}: {samples.text.iloc[-1]!r}")
     print(f"run folder: {run_dir}  (nbwatch.open_run({str(run_dir)!r}))")

@@ -97,8 +97,9 @@ export function create(root) {
         Plotly.react(tput, [{
           name: "tokens/s", type: "bar", x: names, y: tok, marker: { color: colors, line: outline },
           hovertemplate: "%{x}<br>%{y:,.0f} tokens/s<extra></extra>",
-        }], baseLayout(t, { margin: m, annotations: note(tok[i] || 0, "slowest"),
-          title: { text: "throughput (tokens/s)", font: { size: 11 } },
+        }], baseLayout(t, { margin: m, annotations: note(tok[i] || 0, "slowest (by busy time)"),
+          // Under DDP every rank waits for the slowest, so this follows each rank's batch size.
+          title: { text: "throughput (tokens/s): own tokens ÷ whole step", font: { size: 11 } },
           xaxis: { type: "category", gridcolor: t.grid },
           yaxis: { gridcolor: t.grid, range: [0, tmax * 1.18 || 1] } }), CONFIG);
       }

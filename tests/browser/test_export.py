@@ -49,6 +49,7 @@ def test_export_draws_offline_and_runs_no_injected_script(browser, tmp_path):
 
         rendered = panels_rendered(page)
         assert all(rendered.values()), rendered
+        assert not page.locator("[data-panel=ranks]").is_visible()  # one process: no ranks
         svgs = page.evaluate(
             "(ps) => ps.map((p) => document.querySelectorAll(`[data-panel=${p}] .main-svg`)"
             ".length)", list(PLOTS))

@@ -76,3 +76,35 @@ def test_hidden_for_a_single_rank_and_bars_not_resent_without_new_rank_figures()
     assert d == {}
     d = ranks.build(two, None, [])
     assert "ranks" not in d and sorted(d["loss"]) == ["0", "1"]
+
+
+def test_feed_sends_bars_with_new_rank_figures_only(tmp_path):
+    """The live path: Feed folds a store's `rank{r}/...` columns into the ranks panel; a
+    refresh that brought no rank figures does not resend the bars; `full()` holds them."""
+    from nbwatch.panels import Feed
+    from nbwatch.records import Event, Scalars
+    from nbwatch.store import RunReader, RunStore
+
+    store = RunStore(tmp_path / "run")
+    reader = RunReader(tmp_path / "run")
+    try:
+        for step in range(1, 81):
+            store.put(Scalars(step, {"loss/train": 3.0, "rank0/loss": 3.1, "rank1/loss": 2.9,
+                                     "rank0/time/forward": 0.01, "rank1/time/forward": 0.03,
+                                     "rank0/time/step": 0.05, "rank1/time/step": 0.05}))
+        store.put(Event(40, "alert", "warning", "straggler: rank 1 is 200% slower ..."))
+        store.flush()
+        feed = Feed(reader)
+        d = feed.update()["ranks"]
+        assert d["ranks"] == [0, 1] and d["slowest"] == 1 and d["window"] == ranks.WINDOW
+        assert d["busy_s"] == pytest.approx([0.01, 0.03])
+        assert d["straggler"]["step"] == 40 and len(d["loss"]["1"]["x"]) == 80
+        store.put(Scalars(81, {"loss/train": 3.0}))
+        store.flush()
+        assert "ranks" not in (feed.update() or {})
+        full = feed.full()["ranks"]
+        assert full["slowest"] == 1 and full["to_step"] == 80
+        assert full["straggler"]["message"].startswith("straggler: rank 1")
+    finally:
+        reader.close()
+        store.close()

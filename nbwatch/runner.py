@@ -358,7 +358,14 @@ class Runner:
         t_probe = time.perf_counter()
 
         step = self.step + 1
-        alerts = self.engine.observe("step", step, values)
+        observed = values
+        if (scaler is not None and not math.isfinite(values["grad_norm/global"])
+                and math.isfinite(values["loss/train"])):
+            # fp16 loss-scale overflow: routine for a GradScaler, which skips the step and
+            # lowers its scale itself; not a reason to pause the run
+            values["amp/overflow"] = 1.0
+            observed = {k: v for k, v in values.items() if k != "grad_norm/global"}
+        alerts = self.engine.observe("step", step, observed)
         skip = any("skip_step" in a.rule.actions for a in alerts)
         for a in alerts:
             if "clip" in a.rule.actions and not skip:

@@ -348,3 +348,24 @@ def test_empty_data_and_bad_arguments(tiny, tmp_path):
     mon.start(tiny_step, [], max_steps=3, display=False)
     with pytest.raises(ValueError, match="yielded no batches"):
         mon.wait()
+
+
+def test_grad_scaler_overflow_is_routine_not_an_alert(tmp_path):
+    from nbwatch.demo import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # overflows at first
+
+    def big_loss(model, batch):  # gradients × 1e3 × 2^127: beyond float32
+        out = tiny_step(model, batch)
+        return {"loss": nbwatch.masked_cross_entropy(out["logits"], out["labels"],
+                                                     out["mask"]) * 1e3}
+
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", scaler=scaler)
+    mon.start(big_loss, make_batches(), max_steps=6, display=False).wait()
+    assert mon.state == "finished"
+    assert mon.df.loc[1, "amp/overflow"] == 1.0
+    assert not (mon.events.severity == "critical").any()
+    assert scaler.get_scale() < 2.0**127  # the scaler lowered its scale, as it should

@@ -25,7 +25,9 @@ import numpy as np
 from .records import Event
 
 ACTIONS = ("none", "checkpoint", "pause", "cut_lr", "clip", "skip_step")
-PHASES = ("step", "eval", "hist", "attention", "ranks")
+# "grads": after the gradient probes, before the optimizer step (the rule can still skip or
+# clip this step); "step": the step's complete figures, timings included.
+PHASES = ("grads", "step", "eval", "hist", "attention", "ranks")
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,8 @@ def _grad_explosion(w: Window, p: dict) -> str | None:
         return None
     if g > p["absolute"]:
         return f"gradient norm {g:.3g} above {p['absolute']:.0e}"
-    hist = w.arr("grad_norm/global")[:-1]
-    hist = hist[np.isfinite(hist)][-p["window"]:]
+    hist = w.arr("grad_norm/global", p["window"])  # earlier steps: this one is not in yet
+    hist = hist[np.isfinite(hist)]
     if len(hist) >= p["min_history"]:
         med = float(np.median(hist))
         if med > 0 and g > p["factor"] * med:
@@ -236,11 +238,11 @@ def _val_periodic(w: Window, p: dict) -> str | None:
 def default_rules() -> list[Rule]:
     """The built-in rules, thresholds from the seeds (documented in the README)."""
     return [
-        Rule("nonfinite", "critical", "step", _nonfinite,
+        Rule("nonfinite", "critical", "grads", _nonfinite,
              {"keys": ("loss/train", "grad_norm/global")},
              ("skip_step", "pause", "checkpoint"), 1,
              "non-finite loss or gradients: skip the step, pause, checkpoint the last good state"),
-        Rule("grad_explosion", "critical", "step", _grad_explosion,
+        Rule("grad_explosion", "critical", "grads", _grad_explosion,
              {"absolute": 1e5, "factor": 10.0, "window": 200, "min_history": 20, "max_norm": 1.0},
              ("clip",), 50, "global grad norm > 1e5 or > 10× its rolling median: clip at 1.0"),
         Rule("val_spike", "critical", "eval", _val_spike, {"factor": 2.0, "lr_factor": 0.5},
@@ -342,7 +344,7 @@ class AlertEngine:
 
     def observe(self, phase: str, step: int, values: dict[str, Any] | None = None,
                 **extra: Any) -> list[Alert]:
-        if values:
+        if values and phase != "grads":  # "step" brings the same figures, complete
             self.window.add(values)
         latest = dict(values or self.window.latest)
         latest["_step"] = step

@@ -365,7 +365,7 @@ class Runner:
             # lowers its scale itself; not a reason to pause the run
             values["amp/overflow"] = 1.0
             observed = {k: v for k, v in values.items() if k != "grad_norm/global"}
-        alerts = self.engine.observe("step", step, observed)
+        alerts = self.engine.observe("grads", step, observed)
         skip = any("skip_step" in a.rule.actions for a in alerts)
         for a in alerts:
             if "clip" in a.rule.actions and not skip:
@@ -409,6 +409,7 @@ class Runner:
             values["epoch"] = float(self._epoch)
         if skip:
             values["skipped"] = 1.0
+        alerts += self.engine.observe("step", step, values)
         if self.dist is not None:
             self._rank_rows.append((step, {**rank_figures(values), "time/sync": self._sync_s}))
             self._sync_s = 0.0

@@ -31,7 +31,10 @@ def feed(eng, n, start=1, seed=0, phase="step", **patch):
     fired = []
     for s in range(start, start + n):
         extra = {k: (f(s) if callable(f) else f) for k, f in patch.items()}
-        fired += eng.observe(phase, s, healthy(s, rng, **extra))
+        values = healthy(s, rng, **extra)
+        if phase == "step":  # what the runner does: before the optimizer, then complete
+            fired += eng.observe("grads", s, values)
+        fired += eng.observe(phase, s, values)
     return fired
 
 

@@ -17,13 +17,17 @@ from nbwatch.demo import TinyGPT, collate
 torch.set_num_threads(1)
 
 
+FOREIGN_THREADS = ("asyncio_",)  # playwright's own executor, alive for the whole session
+
+
 @pytest.fixture(autouse=True)
 def no_leftovers():
     before = set(threading.enumerate())
     yield
     deadline = time.monotonic() + 10
     while True:
-        extra = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+        extra = [t for t in threading.enumerate() if t not in before and t.is_alive()
+                 and not t.name.startswith(FOREIGN_THREADS)]
         if not extra or time.monotonic() > deadline:
             break
         time.sleep(0.05)

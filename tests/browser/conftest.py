@@ -9,7 +9,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -102,21 +101,6 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
-
-
-@pytest.fixture(autouse=True)
-def no_leftovers():
-    """The suite-wide thread check, less playwright's own asyncio executor (`asyncio_N`)."""
-    before = set(threading.enumerate())
-    yield
-    deadline = time.monotonic() + 10
-    while True:
-        extra = [t.name for t in threading.enumerate() if t not in before and t.is_alive()
-                 and not t.name.startswith("asyncio_")]
-        if not extra or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert not extra, f"test left threads running: {extra}"
 
 
 @pytest.fixture(scope="session")

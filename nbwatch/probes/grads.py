@@ -39,6 +39,14 @@ class Layers:
     def __len__(self) -> int:
         return len(self.names)
 
+    def index(self, device: torch.device) -> torch.Tensor:
+        """`layer_of` as a tensor on `device`, made once: building it from a list each step
+        would be a host→device copy, which waits for the GPU."""
+        cache = self.__dict__.setdefault("_index", {})
+        if device not in cache:
+            cache[device] = torch.tensor(self.layer_of, device=device)
+        return cache[device]
+
 
 def _gather(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.stack([t.float().to(device, non_blocking=True) for t in tensors])
@@ -64,7 +72,10 @@ def grad_norms(layers: Layers) -> tuple[torch.Tensor, torch.Tensor, list[torch.T
         return zero, torch.zeros(len(layers), device=dev), []
     grads = [g for g, _ in present]
     norms = _gather(list(torch._foreach_norm(grads)), dev)  # [P]
-    index = torch.tensor([li for _, li in present], device=dev)
+    if len(present) == len(layers.params):
+        index = layers.index(dev)
+    else:  # some parameters got no gradient this step
+        index = torch.tensor([li for _, li in present], device=dev)
     sq = layer_sum_sq(norms, index, len(layers))
     return sq.sum().sqrt(), sq.sqrt(), grads
 

@@ -16,7 +16,7 @@ def update_ratios(layers: Layers, before: list[torch.Tensor]) -> torch.Tensor:
     """‖W_after − W_before‖ / ‖W_after‖ per layer, [L] on device."""
     after = [p.detach() for p in layers.params]
     dev = after[0].device
-    index = torch.tensor(layers.layer_of, device=dev)
+    index = layers.index(dev)
     delta = _gather(list(torch._foreach_norm(torch._foreach_sub(after, before))), dev)
     norm = _gather(list(torch._foreach_norm(after)), dev)
     n = len(layers)
@@ -43,7 +43,9 @@ def histogram(x: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor]:
     idx = ((x - lo) * (bins / (hi - lo))).long().clamp_(0, bins - 1)
     idx -= (x < edges[idx]).long()
     idx += ((x >= edges[idx + 1]) & (idx < bins - 1)).long()
-    return edges, torch.bincount(idx, minlength=bins)
+    # scatter_add, not bincount: on CUDA bincount reads max(idx) back to size its output
+    counts = torch.zeros(bins, dtype=torch.int64, device=x.device)
+    return edges, counts.scatter_add_(0, idx, torch.ones_like(idx))
 
 
 def layer_histograms(layers: Layers, bins: int = 64) -> tuple[torch.Tensor, torch.Tensor]:

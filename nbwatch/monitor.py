@@ -174,7 +174,8 @@ class Monitor(ctl.Controls):
         `step_fn(model, batch)` returns the loss (or a dict with `loss`, `mask`…); the
         runner does backward, clipping, optimizer and scheduler steps. `val_fn(model)`
         runs every `eval_every` steps (eval mode, no grad); so do the attention probe on
-        `probe_batch` (passed to `step_fn`) and `sample_fn`. `resume=True` continues from
+        `probe_batch` (passed to `step_fn`; default: the first `attention_samples` samples
+        of the first training batch) and `sample_fn`. `resume=True` continues from
         the newest checkpoint in `run_dir`. Under torchrun the ranks exchange figures and
         commands every `rank_every` steps; a rank silent for `dist_timeout` s ends the run.
         """
@@ -204,9 +205,7 @@ class Monitor(ctl.Controls):
                 f"train_data must be iterable (a DataLoader, a list of batches…), "
                 f"got {type(train_data).__name__}"
             )
-        if probe_batch is None and eval_every and isinstance(train_data, (list, tuple)):
-            probe_batch = train_data[0] if train_data else None
-        if probe_batch is not None:
+        if probe_batch is not None:  # else the runner keeps samples of the first batch
             from .probes.attention import take_samples
 
             probe_batch = take_samples(probe_batch, attention_samples)

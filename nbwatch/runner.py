@@ -32,6 +32,7 @@ from .checkpoint import Checkpointer, rng_state
 from .distributed import Dist, lost_peer, merge_ranks, rank_figures
 from .evaluation import evaluate
 from .probes import weights as wprobe
+from .probes.attention import clone_samples
 from .probes.data import mask_stats, sequence_lengths
 from .probes.grads import Layers, clip_, grad_norms
 from .probes.loss import parse_step_output
@@ -314,6 +315,8 @@ class Runner:
             batch = self._next_batch()
             data_s += time.perf_counter() - td
             samples += _batch_size(batch)
+            if spec.probe_batch is None and spec.eval_every:  # fixed samples for attention
+                spec.probe_batch = clone_samples(batch, spec.attention_samples)
             tf = time.perf_counter()
             out = parse_step_output(spec.step_fn(model, batch))
             fwd_s += time.perf_counter() - tf

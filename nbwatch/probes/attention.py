@@ -157,13 +157,22 @@ def capture_attention(
             h.remove()
 
 
+def clone_samples(batch: Any, n: int) -> Any:
+    """`take_samples`, copied: the probe keeps them while the loader reuses its buffers."""
+    return _map_tensors(take_samples(batch, n), torch.Tensor.clone)
+
+
+def _map_tensors(obj: Any, fn: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_map_tensors(v, fn) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
+
+
 def take_samples(batch: Any, n: int) -> Any:
     """The first `n` samples of a batch: tensors sliced on dim 0, containers recursed."""
-    if isinstance(batch, torch.Tensor):
-        return batch[:n] if batch.dim() > 0 else batch
-    if isinstance(batch, dict):
-        return {k: take_samples(v, n) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)) and not isinstance(batch, str):
-        items = [take_samples(v, n) for v in batch]
-        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
-    return batch
+    return _map_tensors(batch, lambda t: t[:n] if t.dim() > 0 else t)

@@ -184,6 +184,8 @@ class Monitor(ctl.Controls):
                 f"this Monitor is already {self.state} at step {self.step}; call stop() and "
                 "wait() first, or create another Monitor with its own run_dir"
             )
+        if self._finalizer is not None:
+            self._finalizer.join()  # the previous run's store and sampler are closed
         if self._thread is not None and not resume:
             raise RuntimeError(
                 f"this Monitor already ran (it is {self.state}); pass resume=True to continue "
@@ -261,7 +263,9 @@ class Monitor(ctl.Controls):
         self._thread = run_in_thread(runner, f"nbwatch-train-{self.name}")
         # Closes the sampler and the store when training ends, even if nobody calls wait().
         self._finalizer = threading.Thread(
-            target=self._finish, name="nbwatch-finish", daemon=True
+            target=self._finish, name="nbwatch-finish", daemon=True,
+            args=(self._thread, self._sampler if self.rank == 0 else None, store, runner.log,
+                  self._log_handler if self.rank == 0 else None),
         )
         self._finalizer.start()
         if self.rank != 0:
@@ -319,16 +323,19 @@ class Monitor(ctl.Controls):
         if self._store is not None:
             self._store.put(Scalars(self._progress.step, figures))
 
-    def _finish(self) -> None:
-        assert self._thread is not None
-        self._thread.join()
-        if self._sampler is not None:
-            self._sampler.stop()
-        if self._store is not None:
-            self._store.close()
-        if self._log_handler is not None:
-            logging.getLogger(f"nbwatch.run.{self.run_dir.name}").removeHandler(self._log_handler)
-            self._log_handler.close()
+    @staticmethod
+    def _finish(thread: threading.Thread, sampler: SystemSampler | None,
+                store: Any, logger: logging.Logger, handler: logging.Handler | None) -> None:
+        """Close what one run opened, once its training thread has ended."""
+        thread.join()
+        try:
+            if sampler is not None:
+                sampler.stop()
+            store.close()
+        finally:
+            if handler is not None:
+                logger.removeHandler(handler)
+                handler.close()
 
     def wait(self, timeout: float | None = None) -> Monitor:
         """Block until training ends; re-raise the exception that ended it, if any.
@@ -377,7 +384,7 @@ class Monitor(ctl.Controls):
 
     def _run(self) -> Run | None:
         if self._store is not None:
-            with contextlib.suppress(RuntimeError):  # closed: everything is committed
+            with contextlib.suppress(RuntimeError):  # a failed writer: read what it committed
                 self._store.flush()
         return Run(self.run_dir) if (self.run_dir / DB_NAME).is_file() else None
 

@@ -120,6 +120,7 @@ class Runner:
         self._last_val: float | None = None
         self._seq_lens: list[torch.Tensor] = []
         self._store_poll = 0.0
+        self._command_id = 0  # the newest store command taken
         self._data: Iterator | None = None
         self._epoch = 0
         self.log = logging.getLogger(f"nbwatch.run.{store.run_dir.name}")
@@ -146,21 +147,22 @@ class Runner:
         except BaseException as e:  # noqa: BLE001 - recorded, then re-raised by Monitor.wait()
             p.error = e
             p.traceback = traceback.format_exc()
+            p.state = "failed"  # first: recording it below may itself fail (a dead store)
             msg = f"{type(e).__name__}: {e}"
             if self.dist is not None:
                 if lost_peer(e):
                     msg = ("lost contact with another rank (it died or hangs), so this rank "
                            f"stops: {str(e).splitlines()[0][:300]}")
                 msg = f"[rank {self.dist.rank}/{self.dist.world}] {msg}"
-            self._emit(
-                Event(self.step, "error", "critical", msg, {"traceback": p.traceback}),
-                logging.ERROR,
-            )
             try:
+                self._emit(
+                    Event(self.step, "error", "critical", msg, {"traceback": p.traceback}),
+                    logging.ERROR,
+                )
                 self._checkpoint("emergency")
+                self._set_state("failed")
             except BaseException as ce:  # noqa: BLE001 - the original error matters more
-                self.log.error("emergency checkpoint failed: %s", ce)
-            self._set_state("failed")
+                self.log.error("recording the failure failed too: %s\n%s", ce, p.traceback)
         finally:
             try:
                 self.store.flush()
@@ -187,8 +189,9 @@ class Runner:
         now = time.monotonic()
         if now - self._store_poll > 0.25:  # other processes write commands into the store
             self._store_poll = now
-            for cid, cmd in self.store.pending_commands():
+            for cid, cmd in self.store.pending_commands(self._command_id):
                 self.store.mark_taken(cid)
+                self._command_id = cid
                 cmds.append(cmd)
         return cmds
 

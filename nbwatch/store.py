@@ -23,6 +23,8 @@ import pandas as pd
 from .records import Attention, Command, Event, Histogram, Sample, Scalars
 
 DB_NAME = "nbwatch.db"
+_RECORDS = (Scalars, Histogram, Attention, Event, Sample, Command)
+_OPS = ("meta", "taken", "truncate")
 SCHEMA_VERSION = 1
 log = logging.getLogger("nbwatch.store")
 
@@ -201,9 +203,11 @@ class RunReader:
         )
         return json.loads(rows[0][0]) if rows and rows[0][0] else None
 
-    def pending_commands(self) -> list[tuple[int, Command]]:
+    def pending_commands(self, after_id: int = 0) -> list[tuple[int, Command]]:
+        """Commands not yet taken (with an id above `after_id`: `taken` is committed late)."""
         rows = self.query(
-            "SELECT id, kind, value, source FROM commands WHERE taken = 0 ORDER BY id"
+            "SELECT id, kind, value, source FROM commands WHERE taken = 0 AND id > ? ORDER BY id",
+            (after_id,),
         )
         return [(r[0], Command(r[1], r[2], r[3])) for r in rows]
 
@@ -237,6 +241,11 @@ class RunStore(RunReader):
     # -- writer API (any thread) --------------------------------------------------------
     def put(self, record: Any) -> None:
         """Queue a record (Scalars, Histogram, Attention, Event, Sample) for the next commit."""
+        if self.error is not None:
+            raise RuntimeError(f"the run store at {self.path} stopped writing") from self.error
+        if not isinstance(record, _RECORDS) and not (isinstance(record, tuple) and record
+                                                     and record[0] in _OPS):
+            raise TypeError(f"cannot store a {type(record).__name__}")  # here, not in a batch
         with self._cond:
             self._buf.append(record)
 

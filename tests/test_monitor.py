@@ -369,3 +369,17 @@ def test_grad_scaler_overflow_is_routine_not_an_alert(tmp_path):
     assert mon.df.loc[1, "amp/overflow"] == 1.0
     assert not (mon.events.severity == "critical").any()
     assert scaler.get_scale() < 2.0**127  # the scaler lowered its scale, as it should
+
+
+def test_a_store_that_stops_writing_fails_the_run_loudly(tiny, tmp_path):
+    mon = monitor(tiny, tmp_path)
+    mon.start(slow_step, tiny[2], max_steps=10_000, display=False)
+    wait_for(lambda: mon.step >= 3)
+    mon._store.flush()
+    with pytest.raises(TypeError, match="cannot store a object"):
+        mon._store.put(object())  # refused at once, not lost with a whole batch
+    mon._store._wcon.close()  # the disk goes away: the writer thread fails
+    with pytest.raises(RuntimeError, match="stopped writing"):
+        mon.wait()
+    assert mon.state == "failed"
+    assert nbwatch.open_run(mon.run_dir).df.index.max() >= 3  # what was committed stays

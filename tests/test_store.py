@@ -120,3 +120,11 @@ def test_second_process_reads_while_first_writes(tmp_path):
 def test_reader_on_a_folder_without_a_run_says_so(tmp_path):
     with pytest.raises(FileNotFoundError, match="holds no nbwatch run"):
         RunReader(tmp_path)
+
+
+def test_a_command_is_not_handed_out_twice_before_taken_commits(store):
+    store.add_command(Command("scale_lr", 0.5, "attach"))
+    store.flush()
+    (cid, cmd), = store.pending_commands()
+    store.mark_taken(cid)  # queued, not committed yet
+    assert store.pending_commands(after_id=cid) == []

@@ -86,6 +86,8 @@ class Feed:
         for e in d.events:
             if e["kind"] == "error":
                 self.error = e
+            elif e["kind"] == "state" and e["message"].startswith("run running"):
+                self.error = None  # resumed: the old failure is history, not the state
         self.events = (self.events + d.events)[-MAX_EVENTS:]
         self.samples = (self.samples + d.samples)[-samples.MAX_ITEMS:]
         if d.attention is not None:

@@ -115,3 +115,25 @@ def test_alerts_and_samples_newest_first():
     d = samples.build([{"step": 1, "text": "<script>x</script>"}, {"step": 2, "text": "b"}])
     assert [it["step"] for it in d["items"]] == [2, 1]
     assert d["items"][1]["text"] == "<script>x</script>"  # escaped by the view, not mangled
+
+
+def test_a_resumed_run_is_not_shown_as_failed(tmp_path):
+    from nbwatch.panels import Feed
+    from nbwatch.records import Event, Scalars
+    from nbwatch.store import RunReader, RunStore
+
+    store = RunStore(tmp_path / "r")
+    store.put(Scalars(1, {"loss/train": 2.0}))
+    store.put(Event(6, "error", "critical", "ZeroDivisionError: boom", {"traceback": "tb"}))
+    store.set_meta("state", "failed")
+    store.flush()
+    feed = Feed(RunReader(store.run_dir))
+    feed.update()
+    assert feed.header()["failed"]
+    store.put(Event(5, "state", "info", "run running at step 5"))
+    store.set_meta("state", "running")
+    store.put(Scalars(6, {"loss/train": 1.9}))
+    store.flush()
+    feed.update()
+    assert not feed.header()["failed"]
+    store.close()

@@ -121,7 +121,7 @@ def _throughput_drop(w: Window, p: dict) -> str | None:
                 if k in w.latest), None)
     if key is None:
         return None
-    a = w.arr(key)
+    a = w.arr(key, p["window"] + p["persist"])
     if len(a) < p["min_history"] + p["persist"]:
         return None
     base = float(np.median(a[-p["window"] - p["persist"]:-p["persist"]]))
@@ -304,6 +304,11 @@ def configure(rules: list[Rule], overrides: dict[str, Any] | None) -> list[Rule]
             if bad:
                 raise ValueError(f"alerts[{r.name!r}]: unknown action(s) {bad}; known: {ACTIONS}")
             kw["actions"] = tuple(a for a in acts if a != "none")
+            late = [a for a in kw["actions"] if a in ("skip_step", "clip") and r.phase != "grads"]
+            if late:
+                raise ValueError(
+                    f"alerts[{r.name!r}]: {late} act on the step being taken, but {r.name} "
+                    "is checked after it; use pause, checkpoint or cut_lr")
         for key in ("severity", "clear_steps", "every"):
             if key in o:
                 kw[key] = o.pop(key)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -84,7 +85,15 @@ class Checkpointer:
             raise ValueError(f"keep_last must be at least 1, got {keep_last}")
         self.dir = Path(directory)
         self.keep_last = keep_last
-        self.best_val: float | None = None
+        self.best_val: float | None = self._best_recorded()
+
+    def _best_recorded(self) -> float | None:
+        """The val loss of an earlier run's best.pt (from its small sidecar), so that a
+        resumed run does not replace it with a worse one."""
+        try:
+            return float(json.loads((self.dir / "best.json").read_text())["val_loss"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def steps(self) -> list[tuple[int, Path]]:
         if not self.dir.is_dir():
@@ -117,6 +126,7 @@ class Checkpointer:
 
                 shutil.copyfile(path, tmp)
             os.replace(tmp, self.dir / "best.pt")
+            (self.dir / "best.json").write_text(json.dumps({"step": step, "val_loss": val_loss}))
         for _, old in self.steps()[: -self.keep_last]:
             old.unlink(missing_ok=True)
         return Saved(path, time.perf_counter() - t0, size, best)

@@ -24,7 +24,7 @@ import torch
 from .records import Command, Scalars
 
 RANK_KEYS = ("loss", "time/step", "time/data", "time/forward", "throughput/tokens_per_s", "lr",
-             "gpu/mem_gb", "time/sync")
+             "gpu/mem_gb", "time/sync", "tokens/real")
 
 
 @dataclass
@@ -106,6 +106,10 @@ def merge_ranks(per_rank: list[list[tuple[int, dict[str, float]]]]) -> list[Scal
         ls = losses[step]
         if len(ls) == len(per_rank):
             d["loss/train"] = float(np.mean(ls))
+            for key in ("tokens/real", "throughput/tokens_per_s"):  # the job's, not one rank's
+                parts = [d.get(f"rank{r}/{key}") for r in range(len(per_rank))]
+                if all(v is not None for v in parts):
+                    d[key] = float(sum(parts))
         out.append(Scalars(step, d))
     return out
 

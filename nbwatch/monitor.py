@@ -28,7 +28,7 @@ from .logs import open_run_log
 from .probes.system import SystemSampler, gpu_names, open_nvml
 from .records import Command, Scalars
 from .run import Run
-from .runner import Progress, Runner, RunSpec, run_in_thread
+from .runner import SAME_ON_EVERY_RANK, Progress, Runner, RunSpec, run_in_thread
 from .store import DB_NAME, RunStore, is_run_dir
 
 log = logging.getLogger("nbwatch")
@@ -232,16 +232,18 @@ class Monitor(ctl.Controls):
             start_step = self._restore(ckpt)
 
         self._spec = RunSpec(
-            step_fn, train_data, max_steps, val_fn, eval_every, sample_fn, accumulate,
-            hist_every, 64, checkpoint_every, probe_batch, probe_tokens, attention_samples,
-            attention_tokens, log_every,
+            step_fn, train_data, max_steps, val_fn=val_fn, eval_every=eval_every,
+            sample_fn=sample_fn, accumulate=accumulate, hist_every=hist_every,
+            checkpoint_every=checkpoint_every, probe_batch=probe_batch,
+            probe_tokens=probe_tokens, attention_samples=attention_samples,
+            attention_tokens=attention_tokens, log_every=log_every,
         )
         rules = self.rules
         if dist is not None:  # decisions that need no exchange must see the same inputs
             rules = [replace(r, params={**r.params, "keys": ("grad_norm/global",)})
                      if r.name == "nonfinite" else r for r in rules]
             if dist.rank != 0:
-                rules = [r for r in rules if r.name in ("nonfinite", "grad_explosion")]
+                rules = [r for r in rules if r.name in SAME_ON_EVERY_RANK]
         if dist is not None and dist.rank != 0:
             store = self._store = NullStore(self.run_dir)
         else:

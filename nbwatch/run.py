@@ -76,6 +76,16 @@ class Run:
 
         return export_html(self.run_dir, path)
 
+    def show(self) -> Any:
+        """Display this run's dashboard (read-only) in the notebook."""
+        from IPython.display import display
+
+        from .widget import Dashboard
+
+        dash = Dashboard.for_run(self.run_dir)
+        display(dash)
+        return dash
+
     def __repr__(self) -> str:
         return f"<nbwatch.Run {self.name!r} {self.state} at step {self.step} in {self.run_dir}>"
 

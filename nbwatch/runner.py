@@ -12,6 +12,7 @@ Everything a step measures is gathered as device tensors and copied to the host 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -33,7 +34,7 @@ from .distributed import Dist, lost_peer, merge_ranks, rank_figures
 from .evaluation import evaluate
 from .probes import weights as wprobe
 from .probes.attention import clone_samples
-from .probes.data import mask_stats, sequence_lengths
+from .probes.data import mask_stats
 from .probes.grads import Layers, clip_, grad_norms
 from .probes.loss import parse_step_output
 from .probes.throughput import timing_figures
@@ -43,7 +44,9 @@ from .store import RunStore
 log = logging.getLogger("nbwatch.runner")
 # Rules whose inputs are identical on every DDP rank (the synchronised gradients): each
 # rank reaches the same decision at the same step without asking the others.
-_SAME_ON_EVERY_RANK = ("nonfinite", "grad_explosion")
+SAME_ON_EVERY_RANK = ("nonfinite", "grad_explosion")
+_FROM_ALL_RANKS = ("loss/train", "tokens/real", "throughput/tokens_per_s")
+_RUN_IDS = itertools.count(1)  # each run's logger is its own, whatever its folder's name
 
 
 @dataclass
@@ -123,7 +126,7 @@ class Runner:
         self._command_id = 0  # the newest store command taken
         self._data: Iterator | None = None
         self._epoch = 0
-        self.log = logging.getLogger(f"nbwatch.run.{store.run_dir.name}")
+        self.log = logging.getLogger(f"nbwatch.run.{store.run_dir.name}.{next(_RUN_IDS)}")
         self._start_step = start_step
         self._reduction_saved = False
         self._ckpt_step: int | None = None
@@ -308,7 +311,7 @@ class Runner:
         spec, model, opt, scaler = self.spec, self.model, self.opt, self.scaler
         t0 = time.perf_counter()
         data_s = fwd_s = 0.0
-        loss_sum = torch.zeros(())
+        loss_sum: torch.Tensor | None = None
         tokens: torch.Tensor | None = None
         padded = samples = 0
         mask_figs: list[dict[str, torch.Tensor]] = []
@@ -326,11 +329,13 @@ class Runner:
             reduction = out.reduction
             loss = out.loss / spec.accumulate
             (scaler.scale(loss) if scaler is not None else loss).backward()
-            loss_sum = loss_sum.to(loss.device) + out.loss.detach().float()
+            detached = out.loss.detach().float()
+            loss_sum = detached if loss_sum is None else loss_sum + detached
             if out.mask is not None:
                 figs = mask_stats(out.mask)
                 mask_figs.append(figs)
-                self._seq_lens.append(sequence_lengths(out.mask))
+                if spec.hist_every > 0:
+                    self._seq_lens.append(figs["lengths"])
                 tokens = figs["tokens"] if tokens is None else tokens + figs["tokens"]
                 padded += out.mask.numel()
         if not self._reduction_saved:
@@ -380,7 +385,8 @@ class Runner:
                     self.control.clip = limit
         g = values["grad_norm/global"]
         clip = self.control.clip
-        values["grad_norm/clipped"] = g * min(1.0, clip / (g + 1e-6)) if clip else g
+        applied = clip and not skip and math.isfinite(g)
+        values["grad_norm/clipped"] = g * min(1.0, clip / (g + 1e-6)) if applied else g
         if clip and not skip:
             clip_(grads, total, clip)
 
@@ -419,7 +425,8 @@ class Runner:
         if self.dist is not None:
             self._rank_rows.append((step, {**rank_figures(values), "time/sync": self._sync_s}))
             self._sync_s = 0.0
-            stored = {k: v for k, v in values.items() if k != "loss/train"}  # mean comes later
+            # run-level loss, tokens and throughput come from all ranks, at the next exchange
+            stored = {k: v for k, v in values.items() if k not in _FROM_ALL_RANKS}
         else:
             stored = values
         self.store.put(Scalars(step, stored))
@@ -446,7 +453,7 @@ class Runner:
                     self.log.exception("on_alert callback failed for %s", a.rule.name)
         for a in alerts:
             acts = a.rule.actions
-            if self.dist is not None and a.rule.name not in _SAME_ON_EVERY_RANK:
+            if self.dist is not None and a.rule.name not in SAME_ON_EVERY_RANK:
                 # decided on rank 0 alone: applied by every rank at the next exchange
                 for act in acts:
                     if act in ("pause", "checkpoint"):
@@ -458,7 +465,7 @@ class Runner:
             if "cut_lr" in acts:
                 f = float(a.rule.params.get("lr_factor", 0.5))
                 self._apply(Command("scale_lr", f, f"alert:{a.rule.name}"))
-            if "clip" in acts and a.rule.name != "nonfinite":
+            if "clip" in acts and self.control.clip is not None:
                 self._emit(Event(self.step, "action", "info",
                                  f"gradient clipping at {self.control.clip:g} "
                                  f"(alert {a.rule.name})",

@@ -155,3 +155,8 @@ def test_overrides_disable_and_tune_rules_with_clear_errors():
         engine(grad_explosion={"factr": 3})
     with pytest.raises(ValueError, match="unknown action.*'reboot'"):
         engine(padding={"actions": "reboot"})
+
+
+def test_actions_that_cannot_work_for_a_rule_are_refused():
+    with pytest.raises(ValueError, match="'val_spike'.*checked after"):
+        engine(val_spike={"actions": ["clip"]})

@@ -45,3 +45,12 @@ def test_corrupt_checkpoint_names_the_file_and_the_fix(tmp_path):
     torch.save({"weights": torch.zeros(1)}, other)
     with pytest.raises(CheckpointError, match="not an nbwatch checkpoint"):
         load(other)
+
+
+def test_a_resumed_run_keeps_the_earlier_best(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    Checkpointer(tmp_path).save(state(model), 10, val_loss=1.0)
+    resumed = Checkpointer(tmp_path)  # a new process, later
+    assert resumed.best_val == 1.0
+    assert not resumed.save(state(model), 20, val_loss=2.0).best
+    assert load(tmp_path / "best.pt")["step"] == 10

@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 
@@ -42,4 +43,4 @@ def test_cli_demo_and_ls(tmp_path):
     assert "done: finished at step 30" in out.stdout
     ls = subprocess.run([sys.executable, "-m", "nbwatch.cli", "ls", str(tmp_path / "runs")],
                         capture_output=True, text=True, timeout=60)
-    assert "finished" in ls.stdout and "30" in ls.stdout
+    assert re.search(r"^demo\s+finished\s+30/30\s", ls.stdout, re.M), ls.stdout

@@ -17,16 +17,9 @@ def mask_stats(mask: torch.Tensor) -> dict[str, torch.Tensor]:
     lengths = m.sum(dim=1)
     tokens = lengths.sum()
     return {
+        "lengths": lengths,
         "tokens": tokens,
         "data/padding_ratio": 1.0 - tokens / max(m.numel(), 1),
         "data/seq_len_mean": lengths.mean(),
         "data/seq_len_max": lengths.max(),
     }
-
-
-def sequence_lengths(mask: torch.Tensor) -> torch.Tensor:
-    """Real length of each sequence of a [batch, T] mask (stays on device)."""
-    m = mask.detach()
-    if m.dim() == 1:
-        m = m.unsqueeze(0)
-    return m.reshape(m.shape[0], -1).sum(dim=1)

@@ -39,13 +39,17 @@ class Layers:
     def __len__(self) -> int:
         return len(self.names)
 
-    def index(self, device: torch.device) -> torch.Tensor:
-        """`layer_of` as a tensor on `device`, made once: building it from a list each step
-        would be a host→device copy, which waits for the GPU."""
+    def index(self, device: torch.device, layer_of: tuple[int, ...] | None = None
+              ) -> torch.Tensor:
+        """`layer_of` (or a subset of it) as a tensor on `device`, made once: building it
+        from a list each step would be a host→device copy, which waits for the GPU."""
+        key = (device, self.layer_of if layer_of is None else layer_of)
         cache = self.__dict__.setdefault("_index", {})
-        if device not in cache:
-            cache[device] = torch.tensor(self.layer_of, device=device)
-        return cache[device]
+        if key not in cache:
+            if len(cache) > 16:  # parameter subsets without grads vary: keep a few
+                cache.clear()
+            cache[key] = torch.tensor(key[1], device=device)
+        return cache[key]
 
 
 def _gather(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -72,10 +76,8 @@ def grad_norms(layers: Layers) -> tuple[torch.Tensor, torch.Tensor, list[torch.T
         return zero, torch.zeros(len(layers), device=dev), []
     grads = [g for g, _ in present]
     norms = _gather(list(torch._foreach_norm(grads)), dev)  # [P]
-    if len(present) == len(layers.params):
-        index = layers.index(dev)
-    else:  # some parameters got no gradient this step
-        index = torch.tensor([li for _, li in present], device=dev)
+    full = len(present) == len(layers.params)
+    index = layers.index(dev, None if full else tuple(li for _, li in present))
     sq = layer_sum_sq(norms, index, len(layers))
     return sq.sum().sqrt(), sq.sqrt(), grads
 

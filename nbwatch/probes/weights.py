@@ -13,11 +13,12 @@ def snapshot(layers: Layers) -> list[torch.Tensor]:
 
 
 def update_ratios(layers: Layers, before: list[torch.Tensor]) -> torch.Tensor:
-    """‖W_after − W_before‖ / ‖W_after‖ per layer, [L] on device."""
+    """‖W_after − W_before‖ / ‖W_after‖ per layer, [L] on device. Consumes `before`."""
     after = [p.detach() for p in layers.params]
     dev = after[0].device
     index = layers.index(dev)
-    delta = _gather(list(torch._foreach_norm(torch._foreach_sub(after, before))), dev)
+    torch._foreach_sub_(before, after)  # the snapshot becomes the (negated) update
+    delta = _gather(list(torch._foreach_norm(before)), dev)
     norm = _gather(list(torch._foreach_norm(after)), dev)
     n = len(layers)
     return layer_sum_sq(delta, index, n).sqrt() / layer_sum_sq(norm, index, n).sqrt().clamp_min(

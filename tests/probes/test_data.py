@@ -1,6 +1,6 @@
 import torch
 
-from nbwatch.probes.data import mask_stats, sequence_lengths
+from nbwatch.probes.data import mask_stats
 from nbwatch.probes.throughput import timing_figures
 
 
@@ -11,7 +11,7 @@ def test_padding_ratio_and_lengths_equal_the_masks():
     assert figs["data/padding_ratio"].item() == 1 - mask.float().mean().item()
     assert figs["data/seq_len_mean"].item() == 3.0
     assert figs["data/seq_len_max"].item() == 5.0
-    assert sequence_lengths(mask).tolist() == [3, 5, 1]
+    assert figs["lengths"].tolist() == [3, 5, 1]
 
 
 def test_timing_split_and_throughput():

@@ -148,3 +148,9 @@ export function duration(s) {
   const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60), sec = s % 60;
   return h ? `${h}h${String(m).padStart(2, "0")}m` : m ? `${m}m${String(sec).padStart(2, "0")}s` : `${sec}s`;
 }
+
+// Plotly draws a subset of HTML in titles, tick labels and hover text: a layer name, a
+// token or an alert message from someone else's run is shown as text, never as markup.
+export function esc(s) {
+  return String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+}

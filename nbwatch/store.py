@@ -132,10 +132,14 @@ class RunReader:
         long = self.scalars_long(keys)
         if long.empty:
             return pd.DataFrame(index=pd.Index([], name="step", dtype="int64"))
-        wide = long.pivot_table(index="step", columns="key", values="value", aggfunc="last")
+        wide = long.pivot(index="step", columns="key", values="value")  # (key, step) is unique
         wide.columns.name = None
         order = [k for k in self.keys() if k in wide.columns]
-        return wide[order]
+        wide = wide[order]
+        trained = [c for c in order if not c.startswith("system/")]
+        if trained and keys is None:  # a row per step: not the sampler's reading before step 1
+            wide = wide[wide[trained].notna().any(axis=1)]
+        return wide
 
     def walls(self) -> pd.Series:
         """Wall-clock time (seconds since the epoch) at which each step was recorded."""

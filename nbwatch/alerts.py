@@ -44,6 +44,10 @@ class Rule:
     doc: str = ""
     every: int = 1  # observe every n-th step only (rules that look back over a window)
 
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"rule {self.name!r}: phase must be one of {PHASES}")
+
 
 class Window:
     """Bounded recent history of each figure (deques), plus the newest values seen."""

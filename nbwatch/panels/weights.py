@@ -50,27 +50,3 @@ def build(columns: Mapping[str, Sequence[Column]], series: Series) -> dict[str, 
     if ratios:
         out["ratios"] = {k.removeprefix("update_ratio/"): t for k, t in ratios.items()}
     return out
-
-
-def heatmap(steps: np.ndarray, edges: np.ndarray, counts: np.ndarray, bins: int = 64
-            ) -> dict[str, np.ndarray]:
-    """Histograms with their own bin edges → one grid: {x: steps, y: bin centres, z: [bins, n]}.
-
-    Each column's counts are spread onto a common range by their bin centres and scaled to
-    fractions, so columns of different ranges compare (`js/views/weights.js` does the same).
-    """
-    edges = np.asarray(edges, dtype=np.float64)
-    counts = np.asarray(counts, dtype=np.float64)
-    lo, hi = float(edges[:, 0].min()), float(edges[:, -1].max())
-    if hi <= lo:
-        hi = lo + 1.0
-    grid = np.linspace(lo, hi, bins + 1)
-    z = np.zeros((bins, len(steps)), dtype=np.float32)
-    for j in range(len(steps)):
-        centres = (edges[j, :-1] + edges[j, 1:]) / 2
-        idx = np.clip(((centres - lo) / (hi - lo) * bins).astype(np.int64), 0, bins - 1)
-        col = np.bincount(idx, weights=counts[j], minlength=bins)
-        total = col.sum()
-        z[:, j] = col / total if total > 0 else col
-    return {"x": np.asarray(steps, dtype=np.int32), "y": ((grid[:-1] + grid[1:]) / 2).astype(
-        np.float32), "z": z}

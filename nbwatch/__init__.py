@@ -15,12 +15,13 @@ from .distributed import launch
 from .export import export_html
 from .monitor import Monitor
 from .probes.loss import masked_cross_entropy
+from .recorder import StopTraining
 from .run import Run, open_run
 from .tensorboard import to_tensorboard
 
 __all__ = ["Monitor", "Run", "open_run", "attach", "compare", "export_html", "to_tensorboard",
            "launch",
-           "masked_cross_entropy", "load_ipython_extension"]
+           "masked_cross_entropy", "StopTraining", "load_ipython_extension"]
 
 
 def load_ipython_extension(ipython):  # noqa: ANN001 - IPython's own type, imported lazily

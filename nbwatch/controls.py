@@ -23,9 +23,10 @@ class ControlState:
     clip: float | None = None
     lr_factor: float = 1.0
     paused: bool = False
+    lr_raw: bool = False  # the optimizer's LRs hold the plain schedule (factor divided out)
 
     def to_dict(self) -> dict:
-        return {"clip": self.clip, "lr_factor": self.lr_factor}
+        return {"clip": self.clip, "lr_factor": self.lr_factor, "lr_raw": self.lr_raw}
 
 
 class CommandQueue:

@@ -44,26 +44,42 @@ def val_figures(v: Any) -> dict[str, float]:
     raise TypeError(f"val_fn returned a {type(v).__name__}; return a float or a dict of floats")
 
 
-def evaluate(model: nn.Module, spec: Any, step: int, train_mean: float | None) -> EvalResult:
+def probe_forward(model: nn.Module, batch: Any) -> Any:
+    """The probe pass of a loop nbwatch does not run: `model(**batch)` for a dict,
+    `model(x)` for a tensor, `model(batch[0])` for a tuple or list."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (list, tuple)):
+        return model(batch[0])
+    return model(batch)
+
+
+def evaluate(model: nn.Module, spec: Any, step: int, train_mean: float | None,
+             val: Any = None) -> EvalResult:
     """Run the eval-time callbacks of `spec` (a RunSpec) on `model`, then restore its mode.
 
-    `loss/gap` is val loss minus the mean train loss since the previous eval.
+    `val` is the val figure(s) a loop of the user's own computed (then `val_fn` is not
+    called). `loss/gap` is val loss minus the mean train loss since the previous eval.
     """
     out = EvalResult()
     was_training = model.training
     model.eval()
     try:
-        if spec.val_fn is not None:
+        if val is not None:
+            out.values.update(val_figures(val))
+        elif spec.val_fn is not None:
             t0 = time.perf_counter()
             with torch.no_grad():
                 out.values.update(val_figures(spec.val_fn(model)))
             out.values["time/eval"] = time.perf_counter() - t0
-            if "loss/val" in out.values and train_mean is not None:
-                out.values["loss/gap"] = out.values["loss/val"] - train_mean
+        if "loss/val" in out.values and train_mean is not None:
+            out.values["loss/gap"] = out.values["loss/val"] - train_mean
         if spec.probe_batch is not None:
             with capture_attention(model, spec.attention_samples,
                                    spec.attention_tokens) as maps:
-                spec.step_fn(model, spec.probe_batch)
+                forward = spec.probe_fn or spec.step_fn or probe_forward
+                with torch.no_grad():
+                    forward(model, spec.probe_batch)
             for module, w in maps.items():
                 for i in range(w.shape[0]):
                     toks = None

@@ -1,15 +1,24 @@
-"""`Monitor`: wires a model, optimizer and step function to the runner thread, the store
-and (in a notebook) the dashboard; its control methods are what the buttons call."""
+"""`Monitor`: wires a model and optimizer to the step recorder, the store and (in a
+notebook) the dashboard; its control methods are what the buttons call.
+
+Three ways to drive it, one recorder underneath: `start(step_fn, data)` (nbwatch runs the
+loop), `run(train)` (the user's loop, with `log()` once per optimizer step, in a
+background thread), or the user's loop in the foreground (`with Monitor(...) as mon:`).
+"""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +27,7 @@ from typing import Any
 import pandas as pd
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import controls as ctl
 from ._omp import release_caller_pool
@@ -26,10 +36,12 @@ from .checkpoint import Checkpointer, load, set_rng_state
 from .distributed import Dist, NullStore
 from .environment import environment
 from .logs import open_run_log
+from .probes.data import mask_stats
 from .probes.system import SystemSampler, gpu_names, open_nvml
+from .recorder import SAME_ON_EVERY_RANK, Progress, RunSpec, StepRecorder, StopTraining
 from .records import Command, Event, Scalars
 from .run import Run
-from .runner import SAME_ON_EVERY_RANK, Progress, Runner, RunSpec, run_in_thread
+from .runner import Runner, run_in_thread
 from .store import DB_NAME, RunStore, is_run_dir
 
 log = logging.getLogger("nbwatch")
@@ -72,6 +84,9 @@ def check_run_dir(run_dir: Path) -> None:
         ) from e
 
 
+_LIVE = ("starting", "running", "paused")
+
+
 class Monitor(ctl.Controls):
     """Train in a background thread while every step is measured into `run_dir`.
 
@@ -80,6 +95,20 @@ class Monitor(ctl.Controls):
     >>> mon.start(step_fn, loader, max_steps=2000, val_fn=val_fn, eval_every=200)
     >>> mon.pause(); mon.scale_lr(0.5); mon.resume()
     >>> mon.wait()          # blocks: in a notebook this also blocks the buttons
+
+    Or keep your own loop, with one line in it:
+
+    >>> def train():
+    ...     for batch in loader:
+    ...         loss = model(**batch).loss; loss.backward()
+    ...         optimizer.step(); scheduler.step(); optimizer.zero_grad()
+    ...         mon.log(loss=loss, mask=batch["attention_mask"])
+    >>> mon.run(train)      # or call train() yourself, inside `with mon:`
+
+    The keyword arguments from `resume` on configure a loop of your own (`start()` takes
+    its own): `resume=True` loads the newest checkpoint of `run_dir` now (`mon.step` says
+    where the loop stands); `probe_batch` (+ `probe_fn(model, batch)`) gives the attention
+    probe its fixed samples, run at each `log(val=...)`; `checkpoint_every` steps.
     """
 
     def __init__(
@@ -96,6 +125,19 @@ class Monitor(ctl.Controls):
         system_interval: float = 1.0,
         alerts: dict[str, Any] | None = None,
         on_alert: Callable[[Any], Any] | None = None,
+        resume: bool = False,
+        max_steps: int | None = None,
+        probe_batch: Any = None,
+        probe_fn: Callable[[nn.Module, Any], Any] | None = None,
+        probe_tokens: list[list[str]] | None = None,
+        attention_samples: int = 2,
+        attention_tokens: int = 64,
+        hist_every: int = 50,
+        checkpoint_every: int | None = None,
+        log_every: int = 50,
+        rank_every: int = 10,
+        dist_timeout: float = 60.0,
+        display: bool | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -121,10 +163,16 @@ class Monitor(ctl.Controls):
                     "ReduceLROnPlateau needs a metric at each step; call scheduler.step(val) "
                     "in your val_fn and pass scheduler=None to the Monitor"
                 )
+            if not callable(getattr(scheduler, "state_dict", None)):
+                warnings.warn(
+                    f"scheduler {type(scheduler).__name__} has no state_dict(): checkpoints "
+                    "will not hold its state, and a resumed run restarts its schedule; give "
+                    "it state_dict()/load_state_dict() to resume it", stacklevel=2)
         if config is not None and not isinstance(config, dict):
             raise TypeError(f"config must be a dict, got {type(config).__name__}")
         if keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+        _check_every(max_steps=max_steps, checkpoint_every=checkpoint_every)
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.scaler = scheduler, scaler
         self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
@@ -142,10 +190,58 @@ class Monitor(ctl.Controls):
         self._progress = Progress()
         self._store: RunStore | None = None
         self._thread: threading.Thread | None = None
+        self._done: threading.Event | None = None  # set when the training thread ends
+        self._closed = threading.Event()  # set when the run's store and sampler are closed
+        self._closed.set()
         self._sampler: SystemSampler | None = None
         self._log_handler: logging.Handler | None = None
-        self._spec: RunSpec | None = None
         self._finalizer: threading.Thread | None = None
+        self._recorder: StepRecorder | None = None
+        self._mode: str | None = None  # "start" | "run" | "loop" once a run was opened
+        self._stop_asked = False
+        self._resumed_step: int | None = None
+        self._progress_start = 0
+        self._loop_options = {
+            "max_steps": max_steps, "probe_fn": probe_fn, "probe_tokens": probe_tokens,
+            "attention_samples": attention_samples, "attention_tokens": attention_tokens,
+            "hist_every": hist_every, "checkpoint_every": checkpoint_every,
+            "log_every": log_every, "probe_batch": _probe_samples(probe_batch,
+                                                                  attention_samples),
+        }
+        self._dist_options = (rank_every, dist_timeout)
+        self._display = display
+        self._param_ids = {id(p) for p in model.parameters()}
+        self._foreign_ok: weakref.WeakSet = weakref.WeakSet()
+        self._hooks = [optimizer.register_step_pre_hook(self._pre_hook),
+                       optimizer.register_step_post_hook(self._post_hook)]
+        self._global_hook: Any = None
+        if resume:
+            self._progress.step = self._resumed_step = self._restore_latest()
+
+    # -- the optimizer's own step ---------------------------------------------------------
+    def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        rec = self._recorder
+        if rec is None:
+            if self._mode is not None:
+                return  # this Monitor's run has ended: later steps are not recorded
+            rec = self._open_loop()
+        rec.pre_step()
+
+    def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._recorder is not None:
+            self._recorder.post_step()
+
+    def _foreign_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if optimizer is self.optimizer or optimizer in self._foreign_ok:
+            return
+        if any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"]):
+            raise RuntimeError(
+                f"a second optimizer ({type(optimizer).__name__}) steps parameters of the "
+                f"monitored model, but the Monitor was given {type(self.optimizer).__name__}; "
+                "nbwatch measures and steers one optimizer: put all parameter groups in the "
+                "optimizer you pass to nbwatch.Monitor"
+            )
+        self._foreign_ok.add(optimizer)
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(
@@ -180,25 +276,12 @@ class Monitor(ctl.Controls):
         the newest checkpoint in `run_dir`. Under torchrun the ranks exchange figures and
         commands every `rank_every` steps; a rank silent for `dist_timeout` s ends the run.
         """
-        if self.running:
-            raise RuntimeError(
-                f"this Monitor is already {self.state} at step {self.step}; call stop() and "
-                "wait() first, or create another Monitor with its own run_dir"
-            )
-        if self._finalizer is not None:
-            self._finalizer.join()  # the previous run's store and sampler are closed
-        if self._thread is not None and not resume:
-            raise RuntimeError(
-                f"this Monitor already ran (it is {self.state}); pass resume=True to continue "
-                "from its newest checkpoint, or create a new Monitor"
-            )
+        self._check_can_open(resume)
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable as step_fn(model, batch), got {step_fn!r}")
         if not isinstance(max_steps, int) or max_steps < 1:
             raise ValueError(f"max_steps must be a positive int, got {max_steps!r}")
-        for label, v in (("eval_every", eval_every), ("checkpoint_every", checkpoint_every)):
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"{label} must be a positive int or None, got {v!r}")
+        _check_every(eval_every=eval_every, checkpoint_every=checkpoint_every)
         if accumulate < 1:
             raise ValueError(f"accumulate must be at least 1, got {accumulate}")
         if val_fn is not None and eval_every is None:
@@ -208,37 +291,139 @@ class Monitor(ctl.Controls):
                 f"train_data must be iterable (a DataLoader, a list of batches…), "
                 f"got {type(train_data).__name__}"
             )
-        if probe_batch is not None:  # else the runner keeps samples of the first batch
-            from .probes.attention import take_samples
-
-            probe_batch = take_samples(probe_batch, attention_samples)
-
-        dist = Dist.detect(rank_every, dist_timeout)  # collective: every rank calls start()
-        start_step = 0
-        ckpt = None
-        if resume:
-            latest = self.checkpointer.latest()
-            if latest is None:
-                raise FileNotFoundError(
-                    f"resume=True but {self.checkpointer.dir} holds no checkpoint; start "
-                    "without resume, or pass the run_dir of the run to continue"
-                )
-            ckpt = load(latest)
-        elif self.rank == 0 and is_run_dir(self.run_dir) and Run(self.run_dir).step > 0:
-            raise FileExistsError(
-                f"run_dir {self.run_dir} already holds a run at step {Run(self.run_dir).step}; "
-                "pass resume=True to continue it, or choose a new run_dir"
-            )
-        if ckpt is not None:
-            start_step = self._restore(ckpt)
-
-        self._spec = RunSpec(
+        spec = RunSpec(
             step_fn, train_data, max_steps, val_fn=val_fn, eval_every=eval_every,
             sample_fn=sample_fn, accumulate=accumulate, hist_every=hist_every,
-            checkpoint_every=checkpoint_every, probe_batch=probe_batch,
+            checkpoint_every=checkpoint_every,
+            probe_batch=_probe_samples(probe_batch, attention_samples),
             probe_tokens=probe_tokens, attention_samples=attention_samples,
             attention_tokens=attention_tokens, log_every=log_every,
         )
+        rec = self._open("start", spec, resume, (rank_every, dist_timeout),
+                         {"eval_every": eval_every, "accumulate": accumulate,
+                          "hist_every": hist_every})
+        self.model.train()
+        self._in_thread(Runner(spec, rec).run)
+        return self._after_open(display)
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Monitor:
+        """Run `fn(*args, **kwargs)`, a training loop of your own that calls `log()` once
+        per optimizer step, in a background thread; return at once.
+
+        Everything `start()` gives holds: the dashboard, the controls (acting at `log()`),
+        `wait()` re-raising the loop's exception, and a stop that ends the loop at its
+        next `log()` and records the run as stopped, with a final checkpoint.
+        """
+        if not callable(fn):
+            raise TypeError(f"run() takes your training loop as a function, got {fn!r}")
+        self._check_can_open(resume=self._resumed_step is not None)
+        spec = RunSpec(**self._loop_options)
+        rec = self._open("run", spec, False, self._dist_options, {})
+        self._in_thread(lambda: rec.guarded(lambda: fn(*args, **kwargs)))
+        return self._after_open(self._display)
+
+    def log(self, loss: Any = None, *, mask: torch.Tensor | None = None, val: Any = None,
+            **scalars: Any) -> int:
+        """Record the optimizer step just taken; the step boundary of a loop of your own.
+
+        Call it once per optimizer step, after `optimizer.step()` (and `scheduler.step()`).
+        `loss`: the step's loss (a scalar tensor or float); `mask`: the batch's
+        [batch, seq_len] 0/1 attention mask (padding ratio, sequence lengths, tokens/s);
+        `val`: at an eval step, the val loss or a dict of val figures (`loss` →
+        `loss/val`, others `val/<name>`); further keywords: scalars recorded as
+        `train/<name>`. Gradient figures were taken at the optimizer's step already.
+        Queued commands are applied here: pause blocks here until resumed, and a stop
+        raises `nbwatch.StopTraining` (after a final checkpoint) to end the loop.
+        Returns the step number recorded.
+        """
+        rec = self._recorder
+        if self._mode == "start":
+            raise RuntimeError(
+                "mon.log() is for a training loop of your own, but this run was started "
+                "with mon.start(step_fn, ...), whose runner records every step itself"
+            )
+        if rec is None:
+            if self._mode is None:
+                raise RuntimeError(
+                    "mon.log() before any optimizer step: call it once per optimizer step, "
+                    "after optimizer.step() (nbwatch takes the gradient figures during the "
+                    "optimizer's own step)")
+            raise RuntimeError(f"mon.log(): this run is {self.state} at step {self.step}; "
+                               "create a new Monitor (resume=True to continue it)")
+        if not rec.stepped and self.scaler is None:
+            if rec.step == self._progress_start:
+                raise RuntimeError(
+                    "mon.log() before any optimizer step: call it once per optimizer step, "
+                    "after optimizer.step()")
+            raise RuntimeError(
+                f"mon.log() twice for one optimizer step (step {rec.step}): call it once per "
+                "optimizer step, after optimizer.step(); with gradient accumulation, after "
+                "the step that follows the last micro-batch")
+        host, names, parts, lengths = _log_figures(loss, mask, scalars)
+        if lengths is not None:
+            rec.keep_seq_lens(lengths)
+        rec.save_reduction("as computed by the training loop (mon.log)")
+        samples = int(mask.shape[0]) if mask is not None and mask.dim() == 2 else None
+        step = rec.end_step(host, names, parts, samples=samples)
+        every = rec.spec.checkpoint_every
+        if val is not None:
+            rec.evaluate(val)
+        elif every and step % every == 0:
+            rec.checkpoint("periodic")
+        rec.apply_commands()
+        if rec.stopping:
+            rec.finish("stopped")
+            raise StopTraining(f"run {self.name!r} stopped at step {step}, final checkpoint "
+                               "written (mon.run() and `with mon:` end the loop cleanly)")
+        return step
+
+    @property
+    def stopping(self) -> bool:
+        """True once a stop was asked: a loop may check it to clean up and return."""
+        rec = self._recorder
+        return self._stop_asked or (rec is not None and rec.stopping)
+
+    def close(self) -> None:
+        """End a loop run in the foreground (finished, or stopped if a stop was asked),
+        with a final checkpoint; `with Monitor(...) as mon:` does this on exit."""
+        self._end_loop(None)
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, et: Any, exc: BaseException | None, tb: Any) -> bool:
+        if self._mode == "loop":
+            self._end_loop(exc)
+        elif self._done is not None and exc is None:
+            self.wait()
+        return isinstance(exc, StopTraining)  # a stop ends the block cleanly
+
+    def _check_can_open(self, resume: bool) -> None:
+        if self.running:
+            raise RuntimeError(
+                f"this Monitor is already {self.state} at step {self.step}; call stop() and "
+                "wait() first, or create another Monitor with its own run_dir"
+            )
+        self._closed.wait()  # the previous run's store and sampler are closed
+        if self._mode is not None and not resume:
+            raise RuntimeError(
+                f"this Monitor already ran (it is {self.state}); pass resume=True to continue "
+                "from its newest checkpoint, or create a new Monitor"
+            )
+
+    def _open_loop(self) -> StepRecorder:
+        """A loop of the user's own, in the foreground: opened at its first optimizer step."""
+        rec = self._open("loop", RunSpec(**self._loop_options), False, self._dist_options, {})
+        rec.begin()
+        atexit.register(self._at_exit)
+        self._after_open(self._display)
+        return rec
+
+    def _open(self, mode: str, spec: RunSpec, resume: bool, dist_options: tuple[int, float],
+              run_meta: dict[str, Any]) -> StepRecorder:
+        """Open a run: the store, the recorder, the run log and the system sampler."""
+        dist = Dist.detect(*dist_options)  # collective: every rank opens its run
+        start_step = self._start_step(resume)
         rules = self.rules
         if dist is not None:  # decisions that need no exchange must see the same inputs
             rules = [replace(r, params={**r.params, "keys": ("grad_norm/global",)})
@@ -248,31 +433,37 @@ class Monitor(ctl.Controls):
         if dist is not None and dist.rank != 0:
             store = self._store = NullStore(self.run_dir)
         else:
-            store = self._open_store(start_step, ckpt is not None, max_steps, {
-                "eval_every": eval_every, "accumulate": accumulate, "hist_every": hist_every,
-                "world_size": dist.world if dist else 1,
+            store = self._open_store(start_step, spec.max_steps, {
+                **run_meta, "mode": mode, "world_size": dist.world if dist else 1,
                 "backend": dist.backend if dist else None})
         self._progress = Progress(step=start_step, state="starting")
-        runner = Runner(
-            self._spec, self.model, self.optimizer, self.scheduler, self.scaler, store,
+        self._progress_start = start_step
+        self._stop_asked = False
+        self._closed.clear()
+        rec = StepRecorder(
+            spec, self.model, self.optimizer, self.scheduler, self.scaler, store,
             self.checkpointer, self._commands, self.control, self._progress, start_step,
             AlertEngine(rules), self.on_alert, dist,
         )
+        self._recorder, self._mode = rec, mode
+        self._global_hook = register_optimizer_step_pre_hook(self._foreign_hook)
         if self.rank == 0:
-            self._log_handler = open_run_log(runner.log, self.run_dir)
+            self._log_handler = open_run_log(rec.log, self.run_dir)
             self._sampler = SystemSampler(self._record_system, self.system_interval).start()
-        release_caller_pool()
-        self.model.train()
-        self._thread = run_in_thread(runner, f"nbwatch-train-{self.name}")
-        # Closes the sampler and the store when training ends, even if nobody calls wait().
-        self._finalizer = threading.Thread(
-            target=self._finish, name="nbwatch-finish", daemon=True,
-            args=(self._thread, self._sampler if self.rank == 0 else None, store, runner.log,
-                  self._log_handler if self.rank == 0 else None),
-        )
-        self._finalizer.start()
         if dist is not None and self.rank == 0:
             self._record_sigterm(store)
+        return rec
+
+    def _in_thread(self, target: Callable[[], Any]) -> None:
+        release_caller_pool()
+        self._done = threading.Event()
+        self._thread = run_in_thread(target, f"nbwatch-train-{self.name}", self._done)
+        # Closes the sampler and the store when training ends, even if nobody calls wait().
+        self._finalizer = threading.Thread(target=self._finish, args=(self._done,),
+                                           name="nbwatch-finish", daemon=True)
+        self._finalizer.start()
+
+    def _after_open(self, display: bool | None) -> Monitor:
         if self.rank != 0:
             return self
         from .magic import remember
@@ -283,6 +474,75 @@ class Monitor(ctl.Controls):
         if display:
             self.show()
         return self
+
+    def _start_step(self, resume: bool) -> int:
+        if self._resumed_step is not None:  # restored when the Monitor was created
+            step, self._resumed_step = self._resumed_step, None
+            return step
+        if resume:
+            return self._restore_latest()
+        if self.rank == 0 and is_run_dir(self.run_dir) and Run(self.run_dir).step > 0:
+            raise FileExistsError(
+                f"run_dir {self.run_dir} already holds a run at step {Run(self.run_dir).step}; "
+                "pass resume=True to continue it, or choose a new run_dir"
+            )
+        return 0
+
+    def _restore_latest(self) -> int:
+        latest = self.checkpointer.latest()
+        if latest is None:
+            raise FileNotFoundError(
+                f"resume=True but {self.checkpointer.dir} holds no checkpoint; start "
+                "without resume, or pass the run_dir of the run to continue"
+            )
+        return self._restore(load(latest))
+
+    def _finish(self, done: threading.Event) -> None:
+        """Close what one run opened, once its training thread has ended."""
+        done.wait()
+        self._close_run()
+
+    def _close_run(self) -> None:
+        rec, sampler, store, handler = (self._recorder, self._sampler, self._store,
+                                        self._log_handler)
+        self._recorder = self._sampler = self._log_handler = None
+        if self._global_hook is not None:
+            self._global_hook.remove()
+            self._global_hook = None
+        try:
+            if sampler is not None:
+                sampler.stop()
+            if store is not None:
+                store.close()
+        finally:
+            if handler is not None and rec is not None:
+                rec.log.removeHandler(handler)
+                handler.close()
+            self._closed.set()
+
+    def _end_loop(self, exc: BaseException | None) -> None:
+        """End a foreground loop run: finished, stopped, or failed with `exc`."""
+        rec = self._recorder
+        if self._mode != "loop" or rec is None:
+            return
+        atexit.unregister(self._at_exit)
+        try:
+            if exc is None or isinstance(exc, StopTraining):
+                rec.apply_commands(block=False)
+                rec.finish("stopped" if rec.stopping else "finished")
+            elif isinstance(exc, KeyboardInterrupt):
+                rec.finish("stopped")  # the user's Ctrl-C: a stop, not a crash
+            elif not rec.ended:
+                rec.fail(exc)
+            rec.store.flush()
+        finally:
+            self._close_run()
+
+    def _at_exit(self) -> None:
+        """A script's loop that ended without `with`/close(): record how the process ended."""
+        exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+        with contextlib.suppress(Exception):
+            self._end_loop(exc)
 
     def _record_sigterm(self, store: RunStore) -> None:
         """torchrun ends the survivors with SIGTERM when a rank dies, sometimes before the
@@ -345,44 +605,78 @@ class Monitor(ctl.Controls):
         self.control.lr_factor = float(c.get("lr_factor", 1.0))
         return int(ckpt["step"])
 
+    def _open_store(self, start_step: int, max_steps: int | None,
+                    run: dict[str, Any]) -> RunStore:
+        self._store = store = RunStore(self.run_dir)
+        if start_step:
+            store.truncate_after(start_step)
+        nvml, handles = open_nvml()
+        store.set_meta("name", self.name)
+        store.set_meta("config", self.config)
+        store.set_meta("environment", environment(gpu_names(nvml, handles)))
+        store.set_meta("max_steps", max_steps)
+        store.set_meta("started", time.time())
+        store.set_meta("pid", os.getpid())  # lets attach() tell a killed writer at once
+        store.set_meta("host", socket.gethostname())
+        store.set_meta("run", {
+            **run, "keep_last": self.checkpointer.keep_last, "resumed_from": start_step or None,
+            "model": type(self.model).__name__, "optimizer": type(self.optimizer).__name__,
+            "scheduler": type(self.scheduler).__name__ if self.scheduler is not None else None,
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+        })
+        return store
+
+    def _restore(self, ckpt: dict[str, Any]) -> int:
+        try:
+            self.model.load_state_dict(ckpt["model"])
+            self.optimizer.load_state_dict(ckpt["optimizer"])
+            if (self.scheduler is not None and ckpt.get("scheduler") is not None
+                    and hasattr(self.scheduler, "load_state_dict")):
+                self.scheduler.load_state_dict(ckpt["scheduler"])
+            if self.scaler is not None and ckpt.get("scaler") is not None:
+                self.scaler.load_state_dict(ckpt["scaler"])
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise RuntimeError(
+                f"checkpoint at step {ckpt.get('step')} in {self.checkpointer.dir} does not fit "
+                f"this model/optimizer ({e}); resume with the same model and optimizer setup"
+            ) from e
+        set_rng_state(ckpt["rng"])
+        c = ckpt.get("controls", {})
+        self.control.clip = c.get("clip")
+        self.control.lr_factor = float(c.get("lr_factor", 1.0))
+        self.control.lr_raw = bool(c.get("lr_raw", False))
+        return int(ckpt["step"])
+
     def _record_system(self, figures: dict[str, float]) -> None:
         if self._store is not None:
             self._store.put(Scalars(self._progress.step, figures))
-
-    @staticmethod
-    def _finish(thread: threading.Thread, sampler: SystemSampler | None,
-                store: Any, logger: logging.Logger, handler: logging.Handler | None) -> None:
-        """Close what one run opened, once its training thread has ended."""
-        thread.join()
-        try:
-            if sampler is not None:
-                sampler.stop()
-            store.close()
-        finally:
-            if handler is not None:
-                logger.removeHandler(handler)
-                handler.close()
 
     def wait(self, timeout: float | None = None) -> Monitor:
         """Block until training ends; re-raise the exception that ended it, if any.
 
         In a notebook this blocks the cell, and widget clicks wait until it returns.
+        Ctrl-C ("Interrupt kernel") ends the wait, not the run.
         """
-        if self._thread is None:
-            raise RuntimeError("wait() before start(): nothing is running")
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"training still running at step {self.step} after {timeout}s")
-        if self._finalizer is not None:
-            self._finalizer.join()
+        if self._done is None:
+            raise RuntimeError("wait() before start() or run(): nothing runs in the background")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # Event.wait, not Thread.join: an interrupted join can mark a live thread stopped
+        while not self._done.wait(0.1 if deadline is None
+                                  else max(0.0, min(0.1, deadline - time.monotonic()))):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"training still running at step {self.step} after {timeout}s")
+        self._closed.wait()
         if self._progress.error is not None:
             raise self._progress.error
         return self
 
-    # -- controls (applied by the runner between steps) ------------------------------------
+    # -- controls (applied by the recorder between steps) ----------------------------------
     def _send(self, kind: str, value: float | None = None, source: str = "api") -> None:
         if not self.running:
             raise RuntimeError(f"cannot {kind}: the run is {self.state}, not running")
+        if kind == "stop":
+            self._stop_asked = True
         self._commands.put(Command(kind, value, source))
 
     # -- what the caller reads ----------------------------------------------------------
@@ -398,7 +692,8 @@ class Monitor(ctl.Controls):
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """The run is open and neither ended nor failed (paused counts as running)."""
+        return self._recorder is not None and self._progress.state in _LIVE
 
     @property
     def error(self) -> BaseException | None:
@@ -462,6 +757,64 @@ class Monitor(ctl.Controls):
 
     def __repr__(self) -> str:
         return f"<nbwatch.Monitor {self.name!r} {self.state} at step {self.step} in {self.run_dir}>"
+
+
+def _check_every(**values: Any) -> None:
+    for label, v in values.items():
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"{label} must be a positive int or None, got {v!r}")
+
+
+def _probe_samples(batch: Any, n: int) -> Any:
+    if batch is None:
+        return None
+    from .probes.attention import take_samples
+
+    return take_samples(batch, n)
+
+
+def _log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any]
+                 ) -> tuple[dict[str, float], list[str], list[torch.Tensor], Any]:
+    """Check what `log()` was given: host figures, device figures with their names
+    (copied to the host with the next gradient norms: one sync a step), and the
+    sequence lengths of the mask."""
+    host: dict[str, float] = {}
+    names: list[str] = []
+    parts: list[torch.Tensor] = []
+
+    def add(name: str, v: Any, what: str) -> None:
+        if isinstance(v, torch.Tensor):
+            if v.numel() != 1:
+                raise ValueError(
+                    f"mon.log(): {what} has shape {tuple(v.shape)}, not one value: reduce it "
+                    "first (e.g. loss.mean(), or a masked mean over real tokens)")
+            names.append(name)
+            parts.append(v.detach().reshape(1))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            host[name] = float(v)
+        else:
+            raise TypeError(f"mon.log(): {what} is a {type(v).__name__}; pass a number or a "
+                            "one-element tensor")
+
+    if loss is not None:
+        add("loss/train", loss, "loss")
+    for k, v in scalars.items():
+        add(f"train/{k}", v, f"{k}=")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"mon.log(): mask is a {type(mask).__name__}; pass the batch's "
+                            "[batch, seq_len] attention mask tensor (1 for real tokens)")
+        if mask.dim() not in (1, 2) or mask.numel() == 0:
+            raise ValueError(
+                f"mon.log(): mask has shape {tuple(mask.shape)}; pass the batch's [batch, "
+                "seq_len] 0/1 attention mask (1 for real tokens, 0 for padding)")
+        figs = mask_stats(mask)
+        names += ["tokens/real", "data/seq_len_mean", "data/seq_len_max"]
+        parts += [figs["tokens"].reshape(1), figs["data/seq_len_mean"].reshape(1),
+                  figs["data/seq_len_max"].reshape(1)]
+        host["_padded"] = float(mask.numel())
+        return host, names, parts, figs["lengths"]
+    return host, names, parts, None
 
 
 def _in_notebook() -> bool:

@@ -22,8 +22,9 @@ import pandas as pd
 from . import controls as ctl
 from .alerts import AlertEngine
 from .checkpoint import Checkpointer, rng_state, set_rng_state
+from .recorder import Progress, RunSpec, StepRecorder
 from .run import Run
-from .runner import Progress, Runner, RunSpec
+from .runner import Runner
 from .store import RunStore
 
 if TYPE_CHECKING:
@@ -164,13 +165,15 @@ def preflight(mon: Monitor, step_fn: Any, data: Any, steps: int = 200, **kw: Any
         progress = Progress()
         control = ctl.ControlState()
         control.clip = mon.control.clip
-        runner = Runner(spec, mon.model, mon.optimizer, mon.scheduler, mon.scaler, store,
-                        Checkpointer(Path(tmp) / "checkpoints"), ctl.CommandQueue(), control,
-                        progress, 0, engine)
+        rec = StepRecorder(spec, mon.model, mon.optimizer, mon.scheduler, mon.scaler, store,
+                           Checkpointer(Path(tmp) / "checkpoints"), ctl.CommandQueue(), control,
+                           progress, 0, engine)
+        mon._recorder = rec  # the Monitor's optimizer hooks measure the trial's steps
         try:
             mon.model.train()
-            runner.run()
+            Runner(spec, rec).run()
         finally:
+            mon._recorder = None
             store.close()
             mon.model.load_state_dict(saved["model"])
             mon.optimizer.load_state_dict(saved["optimizer"])

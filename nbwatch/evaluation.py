@@ -23,6 +23,7 @@ class EvalResult:
     values: dict[str, float] = field(default_factory=dict)  # loss/val, val/<k>, time/eval
     attention: list[Attention] = field(default_factory=list)
     sample: str | None = None
+    probe_error: str | None = None  # the default probe forward did not fit the model
 
     def first_maps(self) -> dict[str, np.ndarray]:
         """{module: [heads, T, S]} of the first probe sample (what the rules look at)."""
@@ -75,11 +76,19 @@ def evaluate(model: nn.Module, spec: Any, step: int, train_mean: float | None,
         if "loss/val" in out.values and train_mean is not None:
             out.values["loss/gap"] = out.values["loss/val"] - train_mean
         if spec.probe_batch is not None:
+            forward = spec.probe_fn or spec.step_fn
             with capture_attention(model, spec.attention_samples,
-                                   spec.attention_tokens) as maps:
-                forward = spec.probe_fn or spec.step_fn or probe_forward
-                with torch.no_grad():
+                                   spec.attention_tokens) as maps, torch.no_grad():
+                if forward is not None:
                     forward(model, spec.probe_batch)
+                else:
+                    try:
+                        probe_forward(model, spec.probe_batch)
+                    except Exception as e:  # a guess at the model's signature: say so
+                        out.probe_error = (
+                            f"the attention probe's forward failed ({type(e).__name__}: "
+                            f"{str(e)[:200]}); pass probe_fn=lambda model, batch: ... to "
+                            "nbwatch.Monitor to say how the model takes probe_batch")
             for module, w in maps.items():
                 for i in range(w.shape[0]):
                     toks = None

@@ -337,6 +337,8 @@ class Monitor(ctl.Controls):
         Returns the step number recorded.
         """
         rec = self._recorder
+        if rec is None and self._mode is None and self.scaler is not None:
+            rec = self._open_loop()  # the scaler skipped the first optimizer step (overflow)
         if self._mode == "start":
             raise RuntimeError(
                 "mon.log() is for a training loop of your own, but this run was started "

@@ -617,6 +617,9 @@ class StepRecorder:
             self.progress.train_loss_sum, self.progress.train_loss_n = 0.0, 0
             v = result.values["loss/val"]
             self._last_val = v if math.isfinite(v) else None  # NaN is never "best"
+        if result.probe_error is not None:
+            self.spec.probe_batch = None  # tried once, said once
+            self._emit(Event(step, "probe", "warning", result.probe_error))
         for a in result.attention:
             self.store.put(a)
         if result.sample is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-FEED_KINDS = ("alert", "action", "checkpoint", "error")
+FEED_KINDS = ("alert", "action", "checkpoint", "error", "probe")
 MAX_ITEMS = 200
 
 

@@ -56,13 +56,33 @@ class Window:
         self.size = size
         self.series: dict[str, deque[float]] = {}
         self.latest: dict[str, Any] = {}
+        self.extra: dict[str, Any] = {}  # what a phase brings besides figures
         self.best: dict[str, float] = {}
+        self.adds = 0
+        self._medians: dict[tuple[str, int], tuple[int, float, int]] = {}
 
     def add(self, values: dict[str, Any]) -> None:
         self.latest = values
+        self.adds += 1
+        series = self.series
         for k, v in values.items():
             if isinstance(v, (int, float)):
-                self.series.setdefault(k, deque(maxlen=self.size)).append(float(v))
+                s = series.get(k)
+                if s is None:
+                    s = series[k] = deque(maxlen=self.size)
+                s.append(float(v))
+
+    def median(self, key: str, last: int, refresh: int = 10) -> tuple[float, int]:
+        """(median, count) of the finite values among the `last` of `key`, recomputed
+        every `refresh` additions: a rolling baseline need not move at every step."""
+        cached = self._medians.get((key, last))
+        if cached is not None and self.adds - cached[0] < refresh:
+            return cached[1], cached[2]
+        a = self.arr(key, last)
+        a = a[np.isfinite(a)]
+        out = (self.adds, float(np.median(a)) if len(a) else math.nan, len(a))
+        self._medians[(key, last)] = out
+        return out[1], out[2]
 
     def arr(self, key: str, last: int | None = None) -> np.ndarray:
         """The series (or its `last` values), oldest first; O(last), not O(window)."""
@@ -90,12 +110,9 @@ def _grad_explosion(w: Window, p: dict) -> str | None:
         return None
     if g > p["absolute"]:
         return f"gradient norm {g:.3g} above {p['absolute']:.0e}"
-    hist = w.arr("grad_norm/global", p["window"])  # earlier steps: this one is not in yet
-    hist = hist[np.isfinite(hist)]
-    if len(hist) >= p["min_history"]:
-        med = float(np.median(hist))
-        if med > 0 and g > p["factor"] * med:
-            return f"gradient norm {g:.3g} is {g / med:.0f}× its rolling median {med:.3g}"
+    med, n = w.median("grad_norm/global", p["window"])  # earlier steps: not this one
+    if n >= p["min_history"] and med > 0 and g > p["factor"] * med:
+        return f"gradient norm {g:.3g} is {g / med:.0f}× its rolling median {med:.3g}"
     return None
 
 
@@ -187,7 +204,7 @@ def _val_spike(w: Window, p: dict) -> str | None:
 
 def _lr_change(w: Window, p: dict) -> str | None:
     lr = w.latest.get("lr")
-    ref = w.latest.get("_lr_reported")
+    ref = w.extra.get("lr_reported")
     if lr is None or ref is None or lr <= 0 or ref <= 0:
         return None
     if max(lr / ref, ref / lr) >= p["factor"]:
@@ -196,7 +213,7 @@ def _lr_change(w: Window, p: dict) -> str | None:
 
 
 def _weight_collapse(w: Window, p: dict) -> str | None:
-    stds: dict[str, tuple[float, float]] = w.latest.get("_weight_std", {})
+    stds: dict[str, tuple[float, float]] = w.extra.get("weight_std", {})
     fallen = [(n, s0, s) for n, (s0, s) in stds.items()
               if s0 > p["min_start_std"] and s < s0 / p["factor"]]
     if fallen:
@@ -207,7 +224,7 @@ def _weight_collapse(w: Window, p: dict) -> str | None:
 
 
 def _attention_collapse(w: Window, p: dict) -> str | None:
-    maps: dict[str, np.ndarray] = w.latest.get("_attention", {})
+    maps: dict[str, np.ndarray] = w.extra.get("attention", {})
     for module, a in maps.items():  # a: [heads, T, S]
         rows = a[:, p["skip_rows"]:, :]
         if rows.shape[1] < 4:
@@ -223,7 +240,7 @@ def _attention_collapse(w: Window, p: dict) -> str | None:
 def _straggler(w: Window, p: dict) -> str | None:
     from .distributed import straggler
 
-    found = straggler(w.latest.get("_rank_step_times", {}), p["slower"])
+    found = straggler(w.extra.get("rank_step_times", {}), p["slower"])
     if found:
         r, by = found
         return (f"rank {r} is {by:.0%} slower than the others (median time in data and "
@@ -255,13 +272,13 @@ def default_rules() -> list[Rule]:
              {"global_below": 1e-7, "layer_ratio": 1e-3, "persist": 20}, (), 5,
              "global grad norm < 1e-7, or a layer 1000× below the median layer", every=10),
         Rule("throughput_drop", "warning", "step", _throughput_drop,
-             {"drop": 0.5, "window": 200, "min_history": 50, "persist": 10}, (), 50,
-             "throughput below half its rolling median for 10 steps"),
+             {"drop": 0.5, "window": 200, "min_history": 50, "persist": 10}, (), 5,
+             "throughput below half its rolling median for 10 steps", every=10),
         Rule("data_bottleneck", "warning", "step", _data_bottleneck,
-             {"share": 0.3, "p90_s": 0.1, "window": 50}, (), 200,
-             "data wait > 30% of step time, or its p90 > 0.1 s"),
-        Rule("padding", "warning", "step", _padding, {"ratio": 0.5, "window": 50}, (), 200,
-             "more than half the tokens are padding"),
+             {"share": 0.3, "p90_s": 0.1, "window": 50}, (), 20,
+             "data wait > 30% of step time, or its p90 > 0.1 s", every=10),
+        Rule("padding", "warning", "step", _padding, {"ratio": 0.5, "window": 50}, (), 20,
+             "more than half the tokens are padding", every=10),
         Rule("attention_collapse", "warning", "attention", _attention_collapse,
              {"max_weight": 0.99, "rows": 0.5, "skip_rows": 4}, (), 2,
              "most rows of a head put > 0.99 of their weight on one token"),
@@ -345,6 +362,7 @@ class AlertEngine:
 
     def __init__(self, rules: list[Rule], window: int = 1000):
         self.rules = rules
+        self._by_phase = {ph: [r for r in rules if r.phase == ph] for ph in PHASES}
         self.window = Window(window)
         self._active: dict[str, bool] = {}
         self._clear: dict[str, int] = {}
@@ -353,28 +371,26 @@ class AlertEngine:
 
     def observe(self, phase: str, step: int, values: dict[str, Any] | None = None,
                 **extra: Any) -> list[Alert]:
+        w = self.window
         if values and phase != "grads":  # "step" brings the same figures, complete
-            self.window.add(values)
-        latest = dict(values or self.window.latest)
-        latest["_step"] = step
+            w.add(values)
+        elif values:
+            w.latest = values
+        extra = {"step": step, **extra}
         if phase == "step":
-            lr = latest.get("lr")
+            lr = w.latest.get("lr")
             if self._lr_reported is None and lr is not None:
                 self._lr_reported = lr
-            latest["_lr_reported"] = self._lr_reported
+            extra["lr_reported"] = self._lr_reported
         if phase == "hist":
             stds = extra.get("weight_std", {})
             for n, s in stds.items():
                 self._weight_start.setdefault(n, s)
-            latest["_weight_std"] = {n: (self._weight_start[n], s) for n, s in stds.items()}
-        if phase == "attention":
-            latest["_attention"] = extra.get("attention", {})
-        if phase == "ranks":
-            latest["_rank_step_times"] = extra.get("rank_step_times", {})
-        self.window.latest = latest
+            extra["weight_std"] = {n: (self._weight_start[n], s) for n, s in stds.items()}
+        w.extra = extra
         fired = []
-        for rule in self.rules:
-            if rule.phase != phase or step % rule.every:
+        for rule in self._by_phase[phase]:
+            if step % rule.every:
                 continue
             msg = rule.check(self.window, rule.params)
             if msg is None:
@@ -388,7 +404,7 @@ class AlertEngine:
                 continue
             self._active[rule.name] = True
             if rule.name == "lr_change":
-                self._lr_reported = latest.get("lr")
+                self._lr_reported = w.latest.get("lr")
             fired.append(Alert(rule, step, msg))
         return fired
 

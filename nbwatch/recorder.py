@@ -39,7 +39,7 @@ from .checkpoint import Checkpointer, rng_state
 from .distributed import Dist, lost_peer, merge_ranks, rank_figures
 from .evaluation import EvalResult, evaluate
 from .probes import weights as wprobe
-from .probes.grads import Layers, clip_, grad_norms
+from .probes.grads import Layers, clip_, layer_norms, param_grad_norms
 from .probes.throughput import timing_figures
 from .records import Command, Event, Histogram, Sample, Scalars
 from .store import RunStore
@@ -395,25 +395,27 @@ class StepRecorder:
         self._lr_on()
         step = self.step + 1
         lrs = ctl.lrs(self.opt)  # the LR this step uses
-        total, per_layer, grads = grad_norms(self.layers)
-        dev = total.device
+        norms, layer_of, grads = param_grad_norms(self.layers)
+        dev = norms.device
         names: list[str] = []
         parts: list[torch.Tensor] = []
         deferred, self._deferred = self._deferred, None
-        if deferred is not None:
+        if deferred is not None:  # the previous step's loss: one copy for both steps
             names += deferred.names
             parts += deferred.parts
-        if self._staged is not None:
+        if self._staged is not None:  # this step's loss, from the runner
             names += self._staged[0]
             parts += self._staged[1]
             self._staged = None
-        names += self._grad_names
-        parts += [total.reshape(1), per_layer]
-        host = torch.cat([t.float().to(dev).reshape(-1) for t in parts]).tolist()  # the sync
-        values = dict(zip(names, host))
+        parts.append(norms)
+        host = _to_host(parts, dev)  # the sync
+        k, nd = len(names), len(deferred.names) if deferred is not None else 0
         if deferred is not None:
-            self._complete(deferred.step, {**deferred.values, **{
-                k: values.pop(k) for k in deferred.names}}, deferred.alerts)
+            deferred.values.update(zip(deferred.names, host[:nd]))
+            self._complete(deferred.step, deferred.values, deferred.alerts)
+        total, per_layer = layer_norms(host[k:], layer_of, len(self.layers))
+        values = dict(zip(names[nd:], host[nd:k]))
+        values.update(zip(self._grad_names, [total, *per_layer]))
         values["lr"] = lrs[0]
         for i, lr in enumerate(lrs[1:], start=1):
             values[f"lr/group{i}"] = lr
@@ -433,8 +435,8 @@ class StepRecorder:
         g, clip = values["grad_norm/global"], self.control.clip
         applied = clip and not skip and math.isfinite(g)
         values["grad_norm/clipped"] = g * min(1.0, clip / (g + 1e-6)) if applied else g
-        if clip and not skip:
-            clip_(grads, total, clip)
+        if applied:
+            clip_(grads, g, clip)
         if skip:
             # A parameter without a gradient is left alone by every torch optimizer, its
             # state included: the step changes nothing.
@@ -496,8 +498,8 @@ class StepRecorder:
             if on_gpu and self.dist is None:
                 self._deferred = _Deferred(step, list(names), list(parts), values, alerts)
             else:
-                host = torch.cat([p.float().reshape(-1) for p in parts]).tolist()
-                self._complete(step, {**values, **dict(zip(names, host))}, alerts, t is None)
+                values.update(zip(names, _to_host(parts)))
+                self._complete(step, values, alerts, t is None)
         else:
             self._complete(step, values, alerts, t is None)
         if t is not None and t.before is not None:
@@ -543,8 +545,8 @@ class StepRecorder:
         """Copy and record a step whose device figures wait for the next gradient copy."""
         d, self._deferred = self._deferred, None
         if d is not None:
-            host = torch.cat([p.float().reshape(-1) for p in d.parts]).tolist()
-            self._complete(d.step, {**d.values, **dict(zip(d.names, host))}, d.alerts)
+            d.values.update(zip(d.names, _to_host(d.parts)))
+            self._complete(d.step, d.values, d.alerts)
 
     def save_reduction(self, reduction: str | None) -> None:
         if not self._reduction_saved and reduction:
@@ -666,6 +668,14 @@ class StepRecorder:
         self._emit(Event(self.step, "checkpoint", "info", msg, {
             "path": str(saved.path), "seconds": saved.seconds, "bytes": saved.bytes,
             "best": saved.best, "reason": reason}))
+
+
+def _to_host(parts: list[torch.Tensor], device: torch.device | None = None) -> list[float]:
+    """One device→host copy of float tensors (0-dim or 1-dim), concatenated."""
+    if len(parts) == 1:
+        return parts[0].reshape(-1).tolist()
+    dev = device or parts[0].device
+    return torch.cat([t.float().to(dev).reshape(-1) for t in parts]).tolist()
 
 
 def _steps_taken(scheduler: Any) -> Any:

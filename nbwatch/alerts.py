@@ -376,18 +376,18 @@ class AlertEngine:
             w.add(values)
         elif values:
             w.latest = values
-        extra = {"step": step, **extra}
         if phase == "step":
             lr = w.latest.get("lr")
             if self._lr_reported is None and lr is not None:
                 self._lr_reported = lr
-            extra["lr_reported"] = self._lr_reported
-        if phase == "hist":
+            w.extra = {"lr_reported": self._lr_reported}
+        elif phase == "hist":
             stds = extra.get("weight_std", {})
             for n, s in stds.items():
                 self._weight_start.setdefault(n, s)
-            extra["weight_std"] = {n: (self._weight_start[n], s) for n, s in stds.items()}
-        w.extra = extra
+            w.extra = {"weight_std": {n: (self._weight_start[n], s) for n, s in stds.items()}}
+        elif extra:
+            w.extra = extra
         fired = []
         for rule in self._by_phase[phase]:
             if step % rule.every:

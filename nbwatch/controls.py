@@ -41,6 +41,8 @@ class CommandQueue:
         self._q.put(command)
 
     def drain(self) -> list[Command]:
+        if self._q.empty():  # the common case, without raising queue.Empty
+            return []
         out = []
         while True:
             try:

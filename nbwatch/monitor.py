@@ -668,7 +668,11 @@ class Monitor(ctl.Controls):
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"training still running at step {self.step} after {timeout}s")
-        self._closed.wait()
+        # The thread has finished its work: join it so that nothing of it runs while the
+        # interpreter shuts down (torch aborts a process whose thread outlives it).
+        for t in (self._thread, self._finalizer):
+            if t is not None:
+                t.join()
         if self._progress.error is not None:
             raise self._progress.error
         return self
@@ -783,25 +787,10 @@ def _log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any]
     host: dict[str, float] = {}
     names: list[str] = []
     parts: list[torch.Tensor] = []
-
-    def add(name: str, v: Any, what: str) -> None:
-        if isinstance(v, torch.Tensor):
-            if v.numel() != 1:
-                raise ValueError(
-                    f"mon.log(): {what} has shape {tuple(v.shape)}, not one value: reduce it "
-                    "first (e.g. loss.mean(), or a masked mean over real tokens)")
-            names.append(name)
-            parts.append(v.detach().reshape(1))
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            host[name] = float(v)
-        else:
-            raise TypeError(f"mon.log(): {what} is a {type(v).__name__}; pass a number or a "
-                            "one-element tensor")
-
     if loss is not None:
-        add("loss/train", loss, "loss")
+        _add_figure(host, names, parts, "loss/train", loss, "loss")
     for k, v in scalars.items():
-        add(f"train/{k}", v, f"{k}=")
+        _add_figure(host, names, parts, f"train/{k}", v, f"{k}=")
     if mask is not None:
         if not isinstance(mask, torch.Tensor):
             raise TypeError(f"mon.log(): mask is a {type(mask).__name__}; pass the batch's "
@@ -817,6 +806,22 @@ def _log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any]
         host["_padded"] = float(mask.numel())
         return host, names, parts, figs["lengths"]
     return host, names, parts, None
+
+
+def _add_figure(host: dict[str, float], names: list[str], parts: list[torch.Tensor],
+                name: str, v: Any, what: str) -> None:
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise ValueError(
+                f"mon.log(): {what} has shape {tuple(v.shape)}, not one value: reduce it "
+                "first (e.g. loss.mean(), or a masked mean over real tokens)")
+        names.append(name)
+        parts.append(v.detach().float().reshape(1))
+    elif isinstance(v, (int, float)) and not isinstance(v, bool):
+        host[name] = float(v)
+    else:
+        raise TypeError(f"mon.log(): {what} is a {type(v).__name__}; pass a number or a "
+                        "one-element tensor")
 
 
 def _in_notebook() -> bool:

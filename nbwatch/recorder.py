@@ -485,10 +485,12 @@ class StepRecorder:
             values["time/probes"] = t.t_probe - t.t_pre
             values["time/optimizer"] = t.t_post - t.t_probe
         step_s = t_end - self._t_boundary
-        values.update(timing_figures(step_s, data_s or 0.0, None, samples))
-        if data_s is None:
-            values.pop("time/data")
-            values.pop("time/compute")
+        if data_s is None:  # a loop of the user's: nbwatch does not see its data wait
+            values["time/step"] = step_s
+            if samples and step_s > 0:
+                values["throughput/samples_per_s"] = samples / step_s
+        else:
+            values.update(timing_figures(step_s, data_s, None, samples))
         if extra_times:
             values.update(extra_times)
         self.step = step

@@ -151,7 +151,8 @@ def test_checkpoint_button_writes_a_loadable_file(tiny, tmp_path):
     ev = mon.events.query("kind == 'checkpoint'").iloc[0]
     assert "manual checkpoint" in ev.message and ev.data["seconds"] >= 0
     ck = torch.load(ev.data["path"], weights_only=True)
-    assert ck["step"] == ev.step and ck["controls"] == {"clip": None, "lr_factor": 1.0, "lr_raw": False}
+    assert ck["step"] == ev.step
+    assert ck["controls"] == {"clip": None, "lr_factor": 1.0, "lr_raw": False}
 
 
 def test_a_failing_step_is_recorded_checkpointed_and_reraised(tiny, tmp_path):

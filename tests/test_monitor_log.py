@@ -145,7 +145,9 @@ def test_a_loop_may_check_stopping_to_clean_up(tmp_path):
             b = batches[i % len(batches)]
             nbwatch.masked_cross_entropy(model(b["input_ids"]), b["labels"],
                                          b["mask"]).backward()
-            opt.step(); sched.step(); opt.zero_grad()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
             mon.log(loss=1.0)
 
     mon.run(train)
@@ -199,7 +201,9 @@ def test_cut_lr_survives_every_kind_of_scheduler(tmp_path, kind):
     def train():
         for _ in range(8):
             model(torch.randn(2, 4)).square().mean().backward()
-            opt.step(); sched.step(); opt.zero_grad()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
             mon.log(loss=0.0)
             lrs.append(opt.param_groups[0]["lr"])
             if len(lrs) == 3:
@@ -247,7 +251,7 @@ def test_foreground_failure_is_recorded_with_traceback(tmp_path):
     mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False)
     with pytest.raises(ZeroDivisionError), mon:
         Loop(model, opt, sched, batches, mon)(4)
-        1 / 0
+        raise ZeroDivisionError("division by zero")
     assert mon.state == "failed" and "ZeroDivisionError" in mon.traceback
     ev = mon.events
     assert "emergency checkpoint at step 4" in " ".join(ev.message)
@@ -307,7 +311,9 @@ def test_nonfinite_loss_skips_the_step_and_pauses(tmp_path):
             if i in (4, 5):  # two bad steps in a row
                 loss = loss * float("nan")
             loss.backward()
-            opt.step(); sched.step(); opt.zero_grad()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
             mon.log(loss=loss, mask=b["mask"])
 
     mon.run(train)
@@ -390,7 +396,9 @@ def test_val_at_log_records_eval_figures_and_probes_attention(tmp_path):
             b = batches[i]
             loss = nbwatch.masked_cross_entropy(model(b["input_ids"]), b["labels"], b["mask"])
             loss.backward()
-            opt.step(); sched.step(); opt.zero_grad()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
             val = {"loss": 3.0 - i * 0.1, "accuracy": 0.1 * i} if i % 3 == 2 else None
             mon.log(loss=loss, mask=b["mask"], val=val)
     df = mon.df

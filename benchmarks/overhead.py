@@ -5,6 +5,8 @@ interleaved in one process, several rounds each, so that machine noise hits all 
 
   bare         the loop a user writes, in the main thread, nothing recorded
   default      nbwatch.Monitor with default probes (histograms/update ratios every 50 steps)
+  own loop     the bare loop with `mon.log(loss=..., mask=...)`, run by `mon.run(train)`
+               (the user's own loop, default probes)
   all/step     every per-step probe every step: weight histograms and update ratios each
                step (attention stays an eval-time probe by design: a separate forward pass)
   +attention   all/step plus the attention probe pass every step (an upper bound)
@@ -78,6 +80,27 @@ def monitored(demo, n, warm, root: Path, **start_kw):
     return (walls.loc[warm + n] - walls.loc[warm]) / n
 
 
+def own_loop(demo, n, warm, root: Path):
+    run_dir = root / f"own{time.monotonic_ns()}"
+    model, opt, sched = demo.model, demo.optimizer, demo.scheduler
+    mon = nbwatch.Monitor(model, opt, sched, run_dir=run_dir, display=False)
+
+    def train():
+        it = batches_forever(demo.train)
+        for _ in range(warm + n):
+            batch = next(it)
+            loss = loss_of(model, batch)
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            mon.log(loss=loss, mask=batch["mask"])
+
+    mon.run(train).wait()
+    walls = nbwatch.open_run(run_dir).reader.walls()
+    return (walls.loc[warm + n] - walls.loc[warm]) / n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
@@ -98,6 +121,7 @@ def main() -> None:
         variants = {
             "bare": lambda: bare(demo, n, warm),
             "default": lambda: monitored(demo, n, warm, root),
+            "own loop": lambda: own_loop(demo, n, warm, root),
             "all/step": lambda: monitored(demo, n, warm, root, hist_every=1),
             "+attention": lambda: monitored(
                 demo, n, warm, root, hist_every=1, eval_every=1, checkpoint_every=10**9,

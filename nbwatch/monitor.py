@@ -529,12 +529,14 @@ class Monitor(ctl.Controls):
             return
         atexit.unregister(self._at_exit)
         try:
-            if exc is None or isinstance(exc, StopTraining):
-                rec.apply_commands(block=False)
+            if rec.ended:  # stopped at log(), or failed already
+                pass
+            elif exc is None or isinstance(exc, StopTraining):
+                rec.apply_commands(block=False)  # a stop the loop saw before log() took it
                 rec.finish("stopped" if rec.stopping else "finished")
             elif isinstance(exc, KeyboardInterrupt):
                 rec.finish("stopped")  # the user's Ctrl-C: a stop, not a crash
-            elif not rec.ended:
+            else:
                 rec.fail(exc)
             rec.store.flush()
         finally:

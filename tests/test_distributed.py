@@ -97,6 +97,43 @@ def test_a_killed_rank_stops_the_other_and_the_store_stays_readable(tmp_path):
         assert torch.load(ck, weights_only=True)["step"] == run.step
 
 
+def test_own_loop_under_torchrun_rank0_records_controls_on_every_rank(tmp_path, monkeypatch):
+    """The script's own loop with `mon.log()` under torchrun: rank 0 records, pause and
+    cut LR from an attached process act on both ranks at one step, stop ends both loops."""
+    run_dir = tmp_path / "own"
+    monkeypatch.setenv("LOOP", "own")
+    job = nbwatch.launch(SCRIPT, nproc=2, run_dir=run_dir, args=[run_dir, 100_000],
+                         display=False)
+    proc = job.process
+    try:
+        job.wait_started(60)
+        until(lambda: job.step >= 20, what="step 20")
+        job.scale_lr(0.5)
+        until(lambda: (job.events.kind == "action").any(), what="scale_lr acknowledged")
+        job.pause()
+        until(lambda: job.state == "paused", what="paused")
+        held = job.step
+        time.sleep(1.0)
+        assert job.step == held
+        job.stop()  # while paused: both ranks leave their loop at the same log()
+        assert proc.wait(timeout=120) == 0, (run_dir / "torchrun.log").read_text()[-3000:]
+    finally:
+        proc.kill()
+        job.close()
+    run = nbwatch.open_run(run_dir)
+    df, ev = run.df, run.events
+    assert run.state == "stopped" and run.step == held
+    assert run.meta["run"]["mode"] == "loop" and run.meta["run"]["world_size"] == 2
+    mean = (df["rank0/loss"] + df["rank1/loss"]) / 2
+    assert df["loss/train"].tolist() == pytest.approx(mean.tolist())
+    assert df["rank0/lr"].tolist() == df["rank1/lr"].tolist()
+    scaled = ev[(ev.kind == "action") & ev.message.str.startswith("LR scaled")].step.iloc[0]
+    assert scaled % 5 == 0
+    assert df.loc[scaled + 1, "lr"] / df.loc[scaled, "lr"] == pytest.approx(0.5 * 0.999)
+    p0, p1 = (torch.load(run_dir / f"params_rank{r}.pt") for r in (0, 1))
+    assert p0["step"] == p1["step"] == held and torch.equal(p0["params"], p1["params"])
+
+
 def test_the_same_script_runs_alone_without_torchrun(tmp_path):
     run_dir = tmp_path / "single"
     out = subprocess.run([sys.executable, str(SCRIPT), str(run_dir), "30"], cwd=ROOT,

@@ -4,7 +4,8 @@
     torchrun --nproc_per_node=2 tests/scripts/ddp_train.py RUN_DIR [MAX_STEPS]
 
 Env: STEP_SLEEP (seconds per step, default 0.01); KILL_RANK / KILL_AT (a rank that kills
-itself with SIGKILL at that step). At the end each rank writes a checksum of its
+itself with SIGKILL at that step); LOOP=own: the script's own loop with `mon.log()` in the
+foreground instead of `mon.start()`. At the end each rank writes a checksum of its
 parameters to RUN_DIR/params_rank{r}.pt.
 """
 
@@ -53,11 +54,27 @@ def main() -> None:
         return {"logits": model(batch["input_ids"]), "labels": batch["labels"],
                 "mask": batch["mask"]}
 
-    mon = nbwatch.Monitor(model, opt, sched, run_dir=run_dir, config={"script": "ddp_train"})
-    mon.start(step_fn, batches(rank), max_steps=max_steps, rank_every=5, dist_timeout=20,
-              display=False)
     try:
-        mon.wait()
+        if os.environ.get("LOOP") == "own":
+            mon = nbwatch.Monitor(model, opt, sched, run_dir=run_dir, rank_every=5,
+                                  dist_timeout=20, config={"script": "ddp_train", "loop": "own"})
+            data = batches(rank)
+            with mon:
+                for i in range(max_steps):
+                    out = step_fn(model, data[i % len(data)])
+                    loss = nbwatch.masked_cross_entropy(out["logits"], out["labels"],
+                                                        out["mask"])
+                    loss.backward()
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad()
+                    mon.log(loss=loss, mask=out["mask"])
+        else:
+            mon = nbwatch.Monitor(model, opt, sched, run_dir=run_dir,
+                                  config={"script": "ddp_train"})
+            mon.start(step_fn, batches(rank), max_steps=max_steps, rank_every=5,
+                      dist_timeout=20, display=False)
+            mon.wait()
     finally:
         flat = torch.cat([p.detach().flatten() for p in model.parameters()])
         path = os.path.join(run_dir, f"params_rank{rank}.pt")

@@ -36,7 +36,7 @@ from .checkpoint import Checkpointer, load, set_rng_state
 from .distributed import Dist, NullStore
 from .environment import environment
 from .logs import open_run_log
-from .probes.data import mask_stats
+from .probes.data import batch_figures
 from .probes.system import SystemSampler, gpu_names, open_nvml
 from .recorder import SAME_ON_EVERY_RANK, Progress, RunSpec, StepRecorder, StopTraining
 from .records import Command, Event, Scalars
@@ -151,7 +151,10 @@ class Monitor(ctl.Controls):
                 "unfreeze some (p.requires_grad_(True)) before creating the Monitor"
             )
         if scheduler is not None:
-            if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+            built_on = getattr(scheduler, "optimizer", optimizer)
+            while built_on is not optimizer and hasattr(built_on, "optimizer"):
+                built_on = built_on.optimizer  # a framework's wrapper (accelerate, Lightning)
+            if built_on is not optimizer:
                 raise ValueError(
                     "the scheduler was built on another optimizer than the one passed to the "
                     "Monitor; build it on this optimizer: Scheduler(optimizer, ...)"
@@ -225,7 +228,8 @@ class Monitor(ctl.Controls):
             if self._mode is not None:
                 return  # this Monitor's run has ended: later steps are not recorded
             rec = self._open_loop()
-        rec.pre_step()
+        if rec.hook_measures:
+            rec.pre_step()
 
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._recorder is not None:
@@ -362,18 +366,10 @@ class Monitor(ctl.Controls):
                 "optimizer step, after optimizer.step(); with gradient accumulation, after "
                 "the step that follows the last micro-batch")
         host, names, parts, lengths = _log_figures(loss, mask, scalars)
-        if lengths is not None:
-            rec.keep_seq_lens(lengths)
-        rec.save_reduction("as computed by the training loop (mon.log)")
         samples = int(mask.shape[0]) if mask is not None and mask.dim() == 2 else None
-        step = rec.end_step(host, names, parts, samples=samples)
-        every = rec.spec.checkpoint_every
-        if val is not None:
-            rec.evaluate(val)
-        elif every and step % every == 0:
-            rec.checkpoint("periodic")
-        rec.apply_commands()
-        if rec.stopping:
+        step = rec.record_step(host, names, parts, lengths=lengths, samples=samples, val=val,
+                               reduction="as computed by the training loop (mon.log)")
+        if rec.boundary():
             rec.finish("stopped")
             raise StopTraining(f"run {self.name!r} stopped at step {step}, final checkpoint "
                                "written (mon.run() and `with mon:` end the loop cleanly)")
@@ -413,19 +409,24 @@ class Monitor(ctl.Controls):
                 "from its newest checkpoint, or create a new Monitor"
             )
 
-    def _open_loop(self) -> StepRecorder:
-        """A loop of the user's own, in the foreground: opened at its first optimizer step."""
-        rec = self._open("loop", RunSpec(**self._loop_options), False, self._dist_options, {})
+    def _open_loop(self, start_step: int | None = None,
+                   framework: str | None = None) -> StepRecorder:
+        """A loop of the user's own, in the foreground: opened at its first optimizer step
+        (or by a framework adapter, at the framework's step `start_step`)."""
+        rec = self._open("loop", RunSpec(**self._loop_options), False, self._dist_options,
+                         {"framework": framework} if framework else {}, start_step)
         rec.begin()
         atexit.register(self._at_exit)
         self._after_open(self._display)
         return rec
 
     def _open(self, mode: str, spec: RunSpec, resume: bool, dist_options: tuple[int, float],
-              run_meta: dict[str, Any]) -> StepRecorder:
-        """Open a run: the store, the recorder, the run log and the system sampler."""
+              run_meta: dict[str, Any], start_step: int | None = None) -> StepRecorder:
+        """Open a run: the store, the recorder, the run log and the system sampler.
+        `start_step`: where a framework that restored its own checkpoint stands."""
         dist = Dist.detect(*dist_options)  # collective: every rank opens its run
-        start_step = self._start_step(resume)
+        if start_step is None:
+            start_step = self._start_step(resume)
         rules = self.rules
         if dist is not None:  # decisions that need no exchange must see the same inputs
             rules = [replace(r, params={**r.params, "keys": ("grad_norm/global",)})
@@ -801,12 +802,11 @@ def _log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any]
             raise ValueError(
                 f"mon.log(): mask has shape {tuple(mask.shape)}; pass the batch's [batch, "
                 "seq_len] 0/1 attention mask (1 for real tokens, 0 for padding)")
-        figs = mask_stats(mask)
-        names += ["tokens/real", "data/seq_len_mean", "data/seq_len_max"]
-        parts += [figs["tokens"].reshape(1), figs["data/seq_len_mean"].reshape(1),
-                  figs["data/seq_len_max"].reshape(1)]
-        host["_padded"] = float(mask.numel())
-        return host, names, parts, figs["lengths"]
+        mnames, mparts, padded, lengths = batch_figures([mask])
+        names += mnames
+        parts += mparts
+        host["_padded"] = padded
+        return host, names, parts, lengths
     return host, names, parts, None
 
 

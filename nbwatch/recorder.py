@@ -27,6 +27,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -177,6 +178,12 @@ class StepRecorder:
         self._deferred: _Deferred | None = None
         self._sched_count: Any = None
         self._t_boundary = time.perf_counter()
+        # Set by framework adapters: False when the optimizer's pre-hook comes too early to
+        # see the gradients (Lightning's closure runs backward inside optimizer.step), and
+        # the adapter calls `pre_step()` itself at the framework's own moment.
+        self.hook_measures = True
+        # Set by framework adapters: checkpoints the framework's way; None: nbwatch's own.
+        self.save_fn: Callable[[str], None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
     def begin(self) -> None:
@@ -391,6 +398,8 @@ class StepRecorder:
                 "optimizer.step() ran twice without mon.log() in between: call "
                 "mon.log(loss=...) once after every optimizer.step()"
             )
+        if self._taking is not None:
+            return  # measured already, before the framework clipped (see `hook_measures`)
         t0 = time.perf_counter()
         self._lr_on()
         step = self.step + 1
@@ -543,6 +552,28 @@ class StepRecorder:
                 k: values[k] for k in ("loss/train", "grad_norm/global", "lr", "time/step")
                 if k in values}})
 
+    def record_step(self, host: dict[str, float], names: list[str],
+                    parts: list[torch.Tensor], *, lengths: torch.Tensor | None = None,
+                    samples: int | None = None, val: Any = None,
+                    reduction: str | None = None) -> int:
+        """The end of an optimizer step in a loop nbwatch does not run (`Monitor.log`, the
+        framework adapters): its record, its eval if `val`, a periodic checkpoint."""
+        if lengths is not None:
+            self.keep_seq_lens(lengths)
+        self.save_reduction(reduction)
+        step = self.end_step(host, names, parts, samples=samples)
+        every = self.spec.checkpoint_every
+        if val is not None:
+            self.evaluate(val)
+        elif every and step % every == 0:
+            self.checkpoint("periodic")
+        return step
+
+    def boundary(self) -> bool:
+        """Apply queued commands (pause blocks here); True once the run should stop."""
+        self.apply_commands()
+        return self.stopping
+
     def flush_deferred(self) -> None:
         """Copy and record a step whose device figures wait for the next gradient copy."""
         d, self._deferred = self._deferred, None
@@ -640,6 +671,19 @@ class StepRecorder:
         self._t_boundary = time.perf_counter()
 
     # -- checkpoints --------------------------------------------------------------------
+    def note_checkpoint(self, reason: str, path: str | Path, seconds: float | None = None,
+                        best: bool = False) -> None:
+        """Record a checkpoint the framework wrote (a folder or a file)."""
+        path = Path(path)
+        size = _dir_bytes(path) if path.exists() else 0
+        self._ckpt_step = self.step
+        took = f" in {seconds:.2f} s" if seconds is not None else ""
+        self._emit(Event(self.step, "checkpoint", "info",
+                         f"{reason} checkpoint at step {self.step}: {path.name}, "
+                         f"{size / 2**20:.1f} MiB{took}" + (" (best)" if best else ""),
+                         {"path": str(path), "seconds": seconds, "bytes": size, "best": best,
+                          "reason": reason}))
+
     def state_dict(self) -> dict[str, Any]:
         sched_state = getattr(self.sched, "state_dict", None)
         return {
@@ -657,6 +701,9 @@ class StepRecorder:
         self._t_boundary = time.perf_counter()
 
     def _checkpoint(self, reason: str) -> None:
+        if self.save_fn is not None:  # the framework saves (on every rank, its own way)
+            self.save_fn(reason)
+            return
         if self.spec.trial or (self.dist is not None and self.dist.rank != 0):
             return
         if reason in ("final", "stop") and self._ckpt_step == self.step:
@@ -670,6 +717,12 @@ class StepRecorder:
         self._emit(Event(self.step, "checkpoint", "info", msg, {
             "path": str(saved.path), "seconds": saved.seconds, "bytes": saved.bytes,
             "best": saved.best, "reason": reason}))
+
+
+def _dir_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def _to_host(parts: list[torch.Tensor], device: torch.device | None = None) -> list[float]:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .probes.attention import clone_samples
-from .probes.data import mask_stats
+from .probes.data import batch_figures
 from .probes.loss import parse_step_output
 from .recorder import SAME_ON_EVERY_RANK, Progress, RunSpec, StepRecorder
 
@@ -71,10 +71,8 @@ class Runner:
         t0 = time.perf_counter()
         data_s = fwd_s = 0.0
         loss_sum: torch.Tensor | None = None
-        tokens: torch.Tensor | None = None
-        padded = samples = 0
-        lens: list[torch.Tensor] = []
-        maxes: list[torch.Tensor] = []
+        masks: list[torch.Tensor] = []
+        samples = 0
         reduction = None
         for _ in range(spec.accumulate):
             td = time.perf_counter()
@@ -92,17 +90,15 @@ class Runner:
             detached = out.loss.detach().float()
             loss_sum = detached if loss_sum is None else loss_sum + detached
             if out.mask is not None:
-                figs = mask_stats(out.mask)
-                rec.keep_seq_lens(figs["lengths"])
-                lens.append(figs["data/seq_len_mean"])
-                maxes.append(figs["data/seq_len_max"])
-                tokens = figs["tokens"] if tokens is None else tokens + figs["tokens"]
-                padded += out.mask.numel()
+                masks.append(out.mask)
         rec.save_reduction(reduction)
-        names, parts = ["loss/train"], [loss_sum / spec.accumulate]
-        if tokens is not None:
-            names += ["tokens/real", "data/seq_len_mean", "data/seq_len_max"]
-            parts += [tokens, torch.stack(lens).float().mean(), torch.stack(maxes).float().max()]
+        names, parts = ["loss/train"], [(loss_sum / spec.accumulate).reshape(1)]
+        padded = 0.0
+        if masks:
+            mnames, mparts, padded, lengths = batch_figures(masks)
+            names += mnames
+            parts += mparts
+            rec.keep_seq_lens(lengths)
         rec.stage(names, parts)  # copied to the host with the gradient norms: one sync
         t_fb = time.perf_counter()
         if scaler is not None:
@@ -116,7 +112,7 @@ class Runner:
         figures: dict[str, float] = {"time/forward_backward": t_fb - t0 - data_s,
                                      "time/forward": fwd_s}  # under DDP, before grad sync
         if padded:
-            figures["_padded"] = float(padded)
+            figures["_padded"] = padded
         if self._epoch:
             figures["epoch"] = float(self._epoch)
         rec.end_step(figures, data_s=data_s, samples=samples or None)

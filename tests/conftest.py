@@ -17,7 +17,7 @@ from nbwatch.demo import TinyGPT, collate
 torch.set_num_threads(1)
 
 
-FOREIGN_THREADS = ("asyncio_",)  # playwright's own executor, alive for the whole session
+FOREIGN_THREADS = ("asyncio_", "tqdm_monitor")  # playwright, tqdm: alive for the session
 
 
 @pytest.fixture(autouse=True)

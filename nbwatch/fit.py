@@ -1,0 +1,150 @@
+"""What the framework adapters share: a run handle for a fit nbwatch does not drive, and
+the framework's own objects behind their wrappers.
+
+`FitRun` is returned by `nbwatch.hf.start(...)` and `nbwatch.lightning.start(...)` at
+once, before the framework has built its optimizer (so before the Monitor exists): it
+queues the controls until then and reads the run folder, with the Monitor's surface.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from . import controls as ctl
+from .records import Command
+from .run import Run
+from .runner import run_in_thread
+from .store import DB_NAME
+
+if TYPE_CHECKING:
+    from .monitor import Monitor
+
+_LIVE = ("starting", "running", "paused")
+
+
+class FitRun(ctl.Controls):
+    """A framework's fit running in a background thread, watched by nbwatch.
+
+    `pause resume stop checkpoint set_clip scale_lr`, `state`, `step`, `wait()`, `df`,
+    `events`, `export_html`, `show()`: as on a `Monitor`.
+    """
+
+    def __init__(self, run_dir: Path, name: str, commands: ctl.CommandQueue):
+        self.run_dir, self.name = Path(run_dir), name
+        self._commands = commands
+        self.monitor: Monitor | None = None  # set by the callback when the fit begins
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _start(self, fit: Callable[[], Any], end: Callable[[BaseException | None], None]
+               ) -> FitRun:
+        from ._omp import release_caller_pool
+
+        def body() -> None:
+            err: BaseException | None = None
+            try:
+                fit()
+            except BaseException as e:  # noqa: BLE001 - recorded, re-raised by wait()
+                err = e
+                self._error = e
+            finally:
+                end(err)
+
+        release_caller_pool()
+        self._thread = run_in_thread(body, f"nbwatch-fit-{self.name}", self._done)
+        return self
+
+    # -- controls -----------------------------------------------------------------------
+    def _send(self, kind: str, value: float | None = None, source: str = "api") -> None:
+        if not self.running:
+            raise RuntimeError(f"cannot {kind}: the run is {self.state}, not running")
+        if kind == "stop" and self.monitor is not None:
+            self.monitor._stop_asked = True
+        self._commands.put(Command(kind, value, source))
+
+    # -- what the caller reads ----------------------------------------------------------
+    @property
+    def state(self) -> str:
+        if self.monitor is not None and self.monitor.state != "created":
+            return self.monitor.state
+        if self._done.is_set():
+            return "failed" if self._error is not None else "finished"
+        return "starting"
+
+    @property
+    def running(self) -> bool:
+        return self.state in _LIVE and not self._done.is_set()
+
+    @property
+    def step(self) -> int:
+        return self.monitor.step if self.monitor is not None else 0
+
+    @property
+    def stopping(self) -> bool:
+        return self.monitor is not None and self.monitor.stopping
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error or (self.monitor.error if self.monitor is not None else None)
+
+    def wait(self, timeout: float | None = None) -> FitRun:
+        """Block until the fit returns; re-raise its exception, if any."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the fit is still running at step {self.step} after {timeout}s")
+        if self._thread is not None:
+            self._thread.join()
+        if self.monitor is not None:
+            self.monitor._closed.wait()
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def _run(self) -> Run | None:
+        return Run(self.run_dir) if (self.run_dir / DB_NAME).is_file() else None
+
+    @property
+    def df(self) -> pd.DataFrame:
+        run = self._run()
+        return run.df if run is not None else pd.DataFrame(index=pd.Index([], name="step"))
+
+    @property
+    def events(self) -> pd.DataFrame:
+        run = self._run()
+        if run is None:
+            return pd.DataFrame(columns=["step", "wall", "kind", "severity", "message", "data"])
+        return run.events
+
+    def export_html(self, path: str | os.PathLike) -> Path:
+        from .export import export_html
+
+        return export_html(self.run_dir, path)
+
+    def show(self) -> Any:
+        from IPython.display import display
+
+        from .widget import Dashboard
+
+        dash = Dashboard.for_monitor(self)  # type: ignore[arg-type]
+        display(dash)
+        return dash
+
+    def __repr__(self) -> str:
+        return f"<nbwatch.FitRun {self.name!r} {self.state} at step {self.step} in {self.run_dir}>"
+
+
+def unwrap(obj: Any, attr: str) -> Any:
+    """The object behind a framework's wrapper (`AcceleratedOptimizer.optimizer`, …)."""
+    seen = 0
+    while hasattr(obj, attr) and seen < 4 and getattr(obj, attr) is not obj:
+        inner = getattr(obj, attr)
+        if inner is None:
+            break
+        obj, seen = inner, seen + 1
+    return obj

@@ -1,0 +1,192 @@
+"""`nbwatch.hf`: a real `transformers.Trainer` on a tiny GPT-2 built from a config (no
+download), synthetic padded data (labels −100 on pads), watched and steered by nbwatch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import nbwatch  # noqa: E402
+import nbwatch.hf  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Padded(torch.utils.data.Dataset):
+    """Token sequences of random length, right-padded to 32, labels −100 on the pads."""
+
+    def __init__(self, n: int, seed: int, vocab: int = 64, T: int = 32):
+        g = torch.Generator().manual_seed(seed)
+        self.items = []
+        for _ in range(n):
+            length = int(torch.randint(6, T + 1, (1,), generator=g))
+            mask = (torch.arange(T) < length).long()
+            ids = torch.randint(1, vocab, (T,), generator=g) * mask
+            self.items.append({"input_ids": ids, "attention_mask": mask,
+                               "labels": ids.masked_fill(mask == 0, -100)})
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.items[i]
+
+
+def slow_collate(delay: float):
+    def collate(items):
+        time.sleep(delay)
+        return {k: torch.stack([it[k] for it in items]) for k in items[0]}
+    return collate
+
+
+def make_trainer(out: Path, max_steps: int = 20, delay: float = 0.0, **args):
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=64,
+                     bos_token_id=0, eos_token_id=0)
+    kw = dict(output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4,
+              per_device_eval_batch_size=4, logging_steps=1, report_to=[], save_strategy="no",
+              eval_strategy="steps", eval_steps=10, learning_rate=1e-3, warmup_steps=3,
+              use_cpu=True, disable_tqdm=True, seed=0, log_level="error")
+    kw.update(args)
+    return Trainer(model=GPT2LMHeadModel(cfg), args=TrainingArguments(**kw),
+                   train_dataset=Padded(64, 0), eval_dataset=Padded(8, 1),
+                   data_collator=slow_collate(delay) if delay else None)
+
+
+def until(cond, timeout: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def trainer_log(trainer, key: str) -> dict[int, float]:
+    return {h["step"]: h[key] for h in trainer.state.log_history if key in h}
+
+
+def test_recorded_figures_equal_the_trainers_own_log(tmp_path):
+    trainer = make_trainer(tmp_path / "out")
+    t0 = time.monotonic()
+    run = nbwatch.hf.start(trainer, run_dir=tmp_path / "run", display=False)
+    assert time.monotonic() - t0 < 2.0  # returns at once
+    run.wait()
+    assert run.state == "finished" and run.step == 20
+    df = run.df
+    assert list(df.dropna(subset=["loss/train"]).index) == list(range(1, 21))
+    for key, ours in (("loss", "loss/train"), ("grad_norm", "grad_norm/global"),
+                      ("learning_rate", "lr"), ("eval_loss", "loss/val")):
+        theirs = trainer_log(trainer, key)
+        assert theirs, key
+        for step, v in theirs.items():
+            assert df.loc[step, ours] == pytest.approx(v, rel=1e-5, abs=1e-9), (key, step)
+    assert df["loss/gap"].notna().sum() == 2
+    per_layer = [c for c in df if c.startswith("grad_norm/transformer.h.")]
+    assert len(per_layer) >= 8  # ln, attn, mlp modules of both blocks
+    # padding from the batches' attention masks
+    assert df["data/padding_ratio"].between(0.0, 0.9).all() and df["tokens/real"].gt(0).all()
+    maps = nbwatch.open_run(tmp_path / "run").attention(step=20)
+    assert sorted(maps) == ["transformer.h.0.attn", "transformer.h.1.attn"]
+    w = next(iter(maps.values()))
+    assert w.shape[0] == 2 and float(w[0][0, 1:].sum()) == pytest.approx(0.0)  # causal rows
+    assert "transformers" not in subprocess.run(
+        [sys.executable, "-c", "import nbwatch, sys; print(sorted(sys.modules))"],
+        capture_output=True, text=True, cwd=ROOT).stdout  # import nbwatch stays light
+
+
+def test_pause_cut_lr_checkpoint_stop_through_the_trainer(tmp_path):
+    out = tmp_path / "out"
+    trainer = make_trainer(out, max_steps=10_000, delay=0.02, eval_steps=10_000)
+    run = nbwatch.hf.start(trainer, run_dir=tmp_path / "run", display=False)
+    until(lambda: run.step >= 5, what="step 5")
+    run.pause()
+    until(lambda: run.state == "paused", what="paused")
+    held = trainer.state.global_step
+    time.sleep(0.5)
+    assert trainer.state.global_step == held == run.step  # the Trainer itself is frozen
+    run.scale_lr(0.5)
+    run.checkpoint()
+    run.resume()
+    until(lambda: (run.events.kind == "checkpoint").any(), what="checkpoint")
+    ck = run.events.query("kind == 'checkpoint'").iloc[0]
+    assert Path(ck.data["path"]).name == f"checkpoint-{ck.step}"
+    assert (Path(ck.data["path"]) / "trainer_state.json").is_file()  # the Trainer's own
+    until(lambda: run.step >= held + 5, what="steps after resume")
+    run.stop()
+    run.wait()
+    assert run.state == "stopped" and trainer.state.global_step == run.step < 10_000
+    df = run.df
+    theirs = trainer_log(trainer, "learning_rate")  # the schedule, which the cut is not in
+    cut = run.events.query("kind == 'action' and message.str.startswith('LR scaled')").step
+    after = [s for s in theirs if s > int(cut.iloc[0])]
+    assert after and all(df.loc[s, "lr"] == pytest.approx(0.5 * theirs[s]) for s in after)
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(
+        0.5 * trainer.lr_scheduler.get_last_lr()[0])
+    last = run.events.query("kind == 'checkpoint'").iloc[-1]
+    assert last.data["reason"] == "stop" and last.step == run.step
+    # the framework's checkpoint resumes the framework's way, and the history goes on
+    trainer2 = make_trainer(out, max_steps=run.step + 3, eval_steps=10_000)
+    run2 = nbwatch.hf.start(trainer2, run_dir=tmp_path / "run", display=False,
+                            resume_from_checkpoint=last.data["path"])
+    run2.wait()
+    df2 = nbwatch.open_run(tmp_path / "run").df.dropna(subset=["loss/train"])
+    assert list(df2.index) == list(range(1, run.step + 4))
+
+
+def test_gradient_accumulation_and_bf16(tmp_path):
+    trainer = make_trainer(tmp_path / "out", max_steps=6, gradient_accumulation_steps=2,
+                           bf16=True, eval_steps=3)
+    run = nbwatch.hf.start(trainer, run_dir=tmp_path / "run", display=False)
+    run.wait()
+    df = run.df
+    assert run.state == "finished" and len(df.dropna(subset=["loss/train"])) == 6
+    for step, v in trainer_log(trainer, "loss").items():
+        assert df.loc[step, "loss/train"] == pytest.approx(v, rel=1e-5)
+    for step, v in trainer_log(trainer, "grad_norm").items():
+        assert df.loc[step, "grad_norm/global"] == pytest.approx(v, rel=1e-4)
+
+
+def test_the_callback_alone_in_a_script(tmp_path):
+    """A script: `callbacks=[NbwatchCallback(...)]`, `trainer.train()` in the foreground,
+    a failure recorded with its traceback."""
+    script = textwrap.dedent("""
+        import sys, torch
+        import nbwatch.hf
+        from tests.test_hf import make_trainer
+        torch.set_num_threads(1)
+        trainer = make_trainer(sys.argv[1] + "/out", max_steps=8)
+        trainer.add_callback(nbwatch.hf.NbwatchCallback(run_dir=sys.argv[1] + "/run"))
+        trainer.train()
+        if sys.argv[2] == "fail":
+            trainer2 = make_trainer(sys.argv[1] + "/out2", max_steps=8)
+            trainer2.add_callback(nbwatch.hf.NbwatchCallback(run_dir=sys.argv[1] + "/run2"))
+            trainer2.compute_loss = lambda *a, **k: 1 / 0
+            trainer2.train()
+    """)
+    subprocess.run([sys.executable, "-c", script, str(tmp_path), "fail"], cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                   timeout=300)
+    ok = nbwatch.open_run(tmp_path / "run")
+    assert ok.state == "finished" and ok.step == 8
+    failed = nbwatch.open_run(tmp_path / "run2")
+    assert failed.state == "failed"
+    assert "ZeroDivisionError" in " ".join(failed.events.message)
+
+
+def test_adapter_errors_name_the_fix(tmp_path):
+    with pytest.raises(TypeError, match="transformers.Trainer"):
+        nbwatch.hf.start(object(), run_dir=tmp_path / "r")
+    assert nbwatch.hf.eval_figures({"eval_loss": 2.0, "eval_accuracy": 0.5,
+                                    "eval_runtime": 0.1, "epoch": 1.0}) == {
+        "loss": 2.0, "accuracy": 0.5}

@@ -83,6 +83,7 @@ class NbwatchCallback(TrainerCallback):
             self.handle.monitor = mon
         rec = mon._open_loop(start_step=state.global_step or None, framework="hf")
         rec.save_fn = self._save
+        rec.framework_clip = args.max_grad_norm or None
         if trainer is not None:
             self._wrap(trainer)
         else:

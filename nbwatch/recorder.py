@@ -184,6 +184,9 @@ class StepRecorder:
         self.hook_measures = True
         # Set by framework adapters: checkpoints the framework's way; None: nbwatch's own.
         self.save_fn: Callable[[str], None] | None = None
+        # Set by framework adapters: the framework's own clipping (Trainer max_grad_norm,
+        # Lightning gradient_clip_val), after nbwatch's; `grad_norm/clipped` shows both.
+        self.framework_clip: float | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
     def begin(self) -> None:
@@ -443,9 +446,10 @@ class StepRecorder:
                     self.control.clip = limit
         g, clip = values["grad_norm/global"], self.control.clip
         applied = clip and not skip and math.isfinite(g)
-        values["grad_norm/clipped"] = g * min(1.0, clip / (g + 1e-6)) if applied else g
-        if applied:
-            clip_(grads, g, clip)
+        after = clip_(grads, g, clip) if applied else g
+        if self.framework_clip and not skip and math.isfinite(after):
+            after = after * min(1.0, self.framework_clip / (after + 1e-6))
+        values["grad_norm/clipped"] = after
         if skip:
             # A parameter without a gradient is left alone by every torch optimizer, its
             # state included: the step changes nothing.
@@ -701,13 +705,13 @@ class StepRecorder:
         self._t_boundary = time.perf_counter()
 
     def _checkpoint(self, reason: str) -> None:
+        if reason in ("final", "stop") and self._ckpt_step == self.step:
+            return  # the periodic checkpoint of this very step is the final one
         if self.save_fn is not None:  # the framework saves (on every rank, its own way)
             self.save_fn(reason)
             return
         if self.spec.trial or (self.dist is not None and self.dist.rank != 0):
             return
-        if reason in ("final", "stop") and self._ckpt_step == self.step:
-            return  # the periodic checkpoint of this very step is the final one
         self._ckpt_step = self.step
         saved = self.ckpt.save(self.state_dict(), self.step, self._last_val)
         self._last_val = None  # "best" compares checkpoints taken right after an eval

@@ -1,0 +1,227 @@
+"""Lightning: watch and steer `trainer.fit(...)` with one line.
+
+    mon = nbwatch.lightning.start(trainer, module, train_dataloaders=..., run_dir="runs/pl")
+    L.Trainer(..., callbacks=[nbwatch.lightning.NbwatchCallback(run_dir="runs/pl")])
+
+Built on the step recorder of `Monitor.log()`. Lightning runs backward inside
+`optimizer.step(closure)`, so the gradient figures are taken at its
+`on_before_optimizer_step` (after backward, before its clipping), not in the optimizer's
+pre-hook. Stop sets `trainer.should_stop`; checkpoint is `trainer.save_checkpoint` (a
+`.ckpt` that `fit(ckpt_path=...)` takes); pause blocks between optimizer steps.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+try:
+    import lightning.pytorch as pl
+except ImportError:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "nbwatch.lightning needs the lightning package: pip install 'nbwatch[lightning]'"
+    ) from None
+
+import torch
+
+from . import controls as ctl
+from .fit import FitRun
+from .monitor import Monitor, _default_run_dir, _in_notebook, check_run_dir
+from .probes.attention import take_samples
+from .probes.data import batch_figures
+
+__all__ = ["NbwatchCallback", "start"]
+SUPPORTED = "lightning 2.2 – 2.x (tested with 2.6)"
+_MASK_KEYS = ("attention_mask", "mask")
+
+
+class NbwatchCallback(pl.Callback):
+    """Records every optimizer step of a Lightning fit into `run_dir`, and takes the
+    controls. Keyword arguments are the Monitor's (`name`, `alerts`, `probe_batch`,
+    `probe_fn`, `hist_every`, `rank_every`, …)."""
+
+    def __init__(self, run_dir: str | os.PathLike | None = None,
+                 config: dict[str, Any] | None = None, **monitor_kwargs: Any):
+        self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
+        self.config = dict(config or {})
+        self.monitor_kwargs = monitor_kwargs
+        self.name = monitor_kwargs.get("name") or self.run_dir.name
+        self.monitor: Monitor | None = None
+        self.handle: FitRun | None = None
+        self._commands = ctl.CommandQueue()
+        self._losses: list[torch.Tensor] = []
+        self._masks: list[torch.Tensor] = []
+        self._save_reason: str | None = None
+
+    def _rec(self) -> Any:
+        return self.monitor._recorder if self.monitor is not None else None
+
+    # -- Lightning's events -------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.optimizers:
+            raise RuntimeError("nbwatch.lightning: the module configured no optimizer")
+        if len(trainer.optimizers) > 1:
+            raise RuntimeError(
+                "nbwatch.lightning measures and steers one optimizer; this module configures "
+                f"{len(trainer.optimizers)}: put their parameter groups in one optimizer")
+        opt = trainer.optimizers[0]
+        sched = None
+        for cfg in trainer.lr_scheduler_configs:
+            s = cfg.scheduler
+            if not isinstance(s, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                sched = s
+        hparams = dict(pl_module.hparams) if getattr(pl_module, "hparams", None) else {}
+        config = {"hparams": hparams, "max_steps": trainer.max_steps,
+                  "max_epochs": trainer.max_epochs,
+                  "accumulate_grad_batches": trainer.accumulate_grad_batches,
+                  "precision": str(trainer.precision), **self.config}
+        max_steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        kwargs = {"display": False, **self.monitor_kwargs}
+        mon = self.monitor = Monitor(pl_module, opt, sched, self.run_dir, config,
+                                     max_steps=max_steps, **kwargs)
+        mon._commands = self._commands
+        if self.handle is not None:
+            self.handle.monitor = mon
+        rec = mon._open_loop(start_step=trainer.global_step or None, framework="lightning")
+        rec.hook_measures = False  # the closure's backward runs inside optimizer.step
+        rec.save_fn = lambda reason: self._save(trainer, reason)
+        if trainer.gradient_clip_algorithm in (None, "norm"):
+            rec.framework_clip = trainer.gradient_clip_val or None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any,
+                             batch_idx: int) -> None:
+        if isinstance(batch, Mapping):
+            mask = next((batch[k] for k in _MASK_KEYS if isinstance(batch.get(k),
+                                                                    torch.Tensor)), None)
+            if mask is not None:
+                self._masks.append(mask)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any,
+                                 optimizer: Any) -> None:
+        rec = self._rec()
+        if rec is not None:
+            rec.pre_step()  # after backward, before Lightning's gradient clipping
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        rec = self._rec()
+        if rec is None:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, torch.Tensor):
+            self._losses.append(loss.detach())
+        if not rec.stepped:
+            return  # accumulating: the optimizer steps at a later batch
+        losses, masks, self._losses, self._masks = self._losses, self._masks, [], []
+        host: dict[str, float] = {"epoch": float(trainer.current_epoch)}
+        names: list[str] = []
+        parts: list[torch.Tensor] = []
+        lengths = samples = None
+        if losses:
+            names.append("loss/train")
+            # Lightning hands each micro-batch's loss divided by the accumulation count:
+            # their sum is the step's mean loss
+            parts.append(torch.stack([x.float().reshape(()) for x in losses]).sum().reshape(1))
+        if masks:
+            mnames, mparts, host["_padded"], lengths = batch_figures(masks)
+            names += mnames
+            parts += mparts
+            samples = sum(int(m.shape[0]) for m in masks)
+        rec.record_step(host, names, parts, lengths=lengths, samples=samples,
+                        reduction="training_step's loss, mean over accumulation micro-batches")
+        if rec.boundary():  # pause blocks here: between two optimizer steps
+            trainer.should_stop = True
+            self._save(trainer, "stop")
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        rec = self._rec()
+        if rec is None or trainer.sanity_checking or rec.ended:
+            return
+        val = val_figures(trainer.callback_metrics)
+        if not val:
+            return
+        if rec.spec.probe_batch is None and self.monitor_kwargs.get("probe_batch") is None:
+            rec.spec.probe_batch = _probe_batch(trainer, pl_module, rec.spec.attention_samples)
+        rec.evaluate(val)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if self.handle is None:  # a script: the callback alone ends the run
+            self._end(None)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException
+                     ) -> None:
+        if self.handle is None:
+            self._end(exception)
+
+    # -- nbwatch's side -----------------------------------------------------------------
+    def _save(self, trainer: pl.Trainer, reason: str) -> None:
+        """The recorder's checkpoints, Lightning's way: `trainer.save_checkpoint`."""
+        if reason in ("final", "periodic", "emergency"):
+            return  # Lightning's own checkpointing; after a failure its state may be torn
+        rec = self._rec()
+        cb = trainer.checkpoint_callback
+        folder = Path(getattr(cb, "dirpath", None) or Path(trainer.default_root_dir) /
+                      "checkpoints")
+        path = folder / f"nbwatch-step={trainer.global_step}.ckpt"
+        t0 = time.perf_counter()
+        trainer.save_checkpoint(path)  # every rank calls it; rank 0 writes
+        if rec is not None:
+            rec.note_checkpoint(reason, path, time.perf_counter() - t0)
+
+    def _end(self, error: BaseException | None) -> None:
+        if self.monitor is not None:
+            self.monitor._end_loop(error)
+
+
+def start(trainer: pl.Trainer, module: pl.LightningModule, *args: Any,
+          run_dir: str | os.PathLike | None = None, config: dict[str, Any] | None = None,
+          display: bool | None = None, monitor: dict[str, Any] | None = None,
+          **fit_kwargs: Any) -> FitRun:
+    """Run `trainer.fit(module, *args, **fit_kwargs)` in a background thread, recorded
+    into `run_dir`; return at once (in a notebook, the dashboard shows)."""
+    if not isinstance(trainer, pl.Trainer):
+        raise TypeError(f"nbwatch.lightning.start takes a lightning Trainer, got "
+                        f"{type(trainer).__name__}")
+    cbs = [c for c in trainer.callbacks if isinstance(c, NbwatchCallback)]
+    cb = cbs[0] if cbs else NbwatchCallback(run_dir, config, **(monitor or {}))
+    if not cbs:
+        trainer.callbacks.append(cb)
+    check_run_dir(cb.run_dir)
+    handle = cb.handle = FitRun(cb.run_dir, cb.name, cb._commands)
+    handle._start(lambda: trainer.fit(module, *args, **fit_kwargs), cb._end)
+    if display is None:
+        display = _in_notebook()
+    if display:
+        handle.show()
+    return handle
+
+
+def val_figures(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Lightning's logged validation metrics: `val_loss`/`val/loss` → `loss`, `val_x` → `x`."""
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        for prefix in ("val_", "val/", "validation_", "validation/", "eval_"):
+            if k.startswith(prefix):
+                name = k[len(prefix):]
+                break
+        else:
+            continue
+        try:
+            out[name] = float(v)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def _probe_batch(trainer: pl.Trainer, module: Any, n: int) -> Any:
+    loaders = trainer.val_dataloaders
+    if isinstance(loaders, (list, tuple)):
+        loaders = loaders[0] if loaders else None
+    if loaders is None:
+        return None
+    batch = take_samples(next(iter(loaders)), n)
+    return module.transfer_batch_to_device(batch, module.device, 0) if hasattr(
+        module, "transfer_batch_to_device") else batch

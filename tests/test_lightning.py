@@ -1,0 +1,183 @@
+"""`nbwatch.lightning`: a real Lightning fit of a tiny GPT, watched and steered by nbwatch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning.pytorch")
+
+import nbwatch  # noqa: E402
+import nbwatch.lightning  # noqa: E402
+from nbwatch.demo import TinyGPT  # noqa: E402
+
+from .conftest import make_batches  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class TinyModule(L.LightningModule):
+    """A tiny GPT whose hooks write down what the fit computed, for comparison."""
+
+    def __init__(self, delay: float = 0.0, warmup: int = 5):
+        super().__init__()
+        self.net = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+        self.delay, self.warmup = delay, warmup
+        self.norms: list[float] = []
+        self.losses: list[float] = []
+        self.lrs: list[float] = []
+
+    def forward(self, input_ids):
+        return self.net(input_ids)
+
+    def training_step(self, batch, batch_idx):
+        if self.delay:
+            time.sleep(self.delay)
+        loss = nbwatch.masked_cross_entropy(self.net(batch["input_ids"]), batch["labels"],
+                                            batch["mask"])
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", nbwatch.masked_cross_entropy(
+            self.net(batch["input_ids"]), batch["labels"], batch["mask"]))
+
+    def on_before_optimizer_step(self, optimizer):
+        grads = [p.grad.norm() for p in self.parameters() if p.grad is not None]
+        self.norms.append(torch.linalg.vector_norm(torch.stack(grads)).item())
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        warm = self.warmup
+        sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sch, "interval": "step"}}
+
+
+def loader(n: int, seed: int = 0):
+    return torch.utils.data.DataLoader(make_batches(n, seed=seed), batch_size=None)
+
+
+def make_trainer(root: Path, **kw):
+    args = dict(max_steps=20, accelerator="cpu", logger=False, enable_progress_bar=False,
+                enable_model_summary=False, default_root_dir=str(root), val_check_interval=10,
+                num_sanity_val_steps=0, check_val_every_n_epoch=None)
+    args.update(kw)
+    return L.Trainer(**args)
+
+
+def until(cond, timeout: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_recorded_figures_equal_what_the_fit_computed(tmp_path):
+    torch.manual_seed(0)
+    module = TinyModule()
+    trainer = make_trainer(tmp_path / "pl", gradient_clip_val=0.5)
+    run = nbwatch.lightning.start(trainer, module, train_dataloaders=loader(16),
+                                  val_dataloaders=loader(2, seed=1), run_dir=tmp_path / "run",
+                                  display=False,
+                                  monitor={"probe_fn": lambda m, b: m(b["input_ids"])})
+    run.wait()
+    assert run.state == "finished" and run.step == 20 == trainer.global_step
+    df = run.df.dropna(subset=["loss/train"])
+    assert list(df.index) == list(range(1, 21))
+    assert df["loss/train"].tolist() == pytest.approx(module.losses, rel=1e-6)
+    assert df["grad_norm/global"].tolist() == pytest.approx(module.norms, rel=1e-5)  # pre-clip
+    assert (df["grad_norm/clipped"] <= 0.5 + 1e-6).all()  # Lightning's clip, shown
+    assert df["lr"].tolist() == pytest.approx(module.lrs)
+    val = run.df["loss/val"].dropna()
+    assert list(val.index) == [10, 20]
+    assert run.df["data/padding_ratio"].dropna().between(0, 1).all()
+    maps = nbwatch.open_run(tmp_path / "run").attention()
+    assert sorted(maps) == ["net.blocks.0.attn", "net.blocks.1.attn"]
+
+
+def test_pause_cut_lr_checkpoint_stop_through_lightning(tmp_path):
+    torch.manual_seed(0)
+    module = TinyModule(delay=0.02, warmup=1)
+    trainer = make_trainer(tmp_path / "pl", max_steps=100_000, val_check_interval=None,
+                           check_val_every_n_epoch=None, limit_val_batches=0)
+    run = nbwatch.lightning.start(trainer, module, train_dataloaders=loader(16),
+                                  run_dir=tmp_path / "run", display=False)
+    until(lambda: run.step >= 5, what="step 5")
+    run.pause()
+    until(lambda: run.state == "paused", what="paused")
+    held = trainer.global_step
+    time.sleep(0.5)
+    assert trainer.global_step == held == run.step
+    run.scale_lr(0.5)
+    run.checkpoint()
+    run.resume()
+    until(lambda: (run.events.kind == "checkpoint").any(), what="checkpoint")
+    ck = run.events.query("kind == 'checkpoint'").iloc[0]
+    assert Path(ck.data["path"]).suffix == ".ckpt" and Path(ck.data["path"]).is_file()
+    until(lambda: run.step >= held + 5)
+    run.stop()
+    run.wait()
+    assert run.state == "stopped" and trainer.global_step == run.step < 100_000
+    lrs = run.df["lr"].dropna()
+    assert lrs.iloc[-1] == pytest.approx(0.5e-3)  # the cut survives LambdaLR
+    last = run.events.query("kind == 'checkpoint'").iloc[-1]
+    assert last.data["reason"] == "stop" and Path(last.data["path"]).is_file()
+    # Lightning's own resume from nbwatch's checkpoint, and the history goes on
+    trainer2 = make_trainer(tmp_path / "pl", max_steps=run.step + 3, limit_val_batches=0,
+                            val_check_interval=None, check_val_every_n_epoch=None)
+    run2 = nbwatch.lightning.start(trainer2, TinyModule(warmup=1),
+                                   train_dataloaders=loader(16), run_dir=tmp_path / "run",
+                                   display=False, ckpt_path=last.data["path"])
+    run2.wait()
+    df = nbwatch.open_run(tmp_path / "run").df.dropna(subset=["loss/train"])
+    assert list(df.index) == list(range(1, run.step + 4))
+
+
+def test_accumulation_and_bf16(tmp_path):
+    torch.manual_seed(0)
+    module = TinyModule()
+    trainer = make_trainer(tmp_path / "pl", max_steps=6, accumulate_grad_batches=2,
+                           precision="bf16-mixed", limit_val_batches=0)
+    run = nbwatch.lightning.start(trainer, module, train_dataloaders=loader(16),
+                                  run_dir=tmp_path / "run", display=False)
+    run.wait()
+    df = run.df.dropna(subset=["loss/train"])
+    assert run.state == "finished" and list(df.index) == list(range(1, 7))
+    pairs = [sum(module.losses[i:i + 2]) / 2 for i in range(0, 12, 2)]
+    assert df["loss/train"].tolist() == pytest.approx(pairs, rel=1e-5)
+    assert df["grad_norm/global"].tolist() == pytest.approx(module.norms, rel=1e-4)
+
+
+def test_the_callback_alone_in_a_script(tmp_path):
+    script = textwrap.dedent("""
+        import sys, torch
+        import nbwatch.lightning
+        from tests.test_lightning import TinyModule, loader, make_trainer
+        torch.set_num_threads(1)
+        cb = nbwatch.lightning.NbwatchCallback(run_dir=sys.argv[1] + "/run")
+        trainer = make_trainer(sys.argv[1] + "/pl", max_steps=8, limit_val_batches=0,
+                               callbacks=[cb])
+        trainer.fit(TinyModule(), train_dataloaders=loader(16))
+    """)
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    run = nbwatch.open_run(tmp_path / "run")
+    assert run.state == "finished" and run.step == 8
+
+
+def test_adapter_errors_name_the_fix(tmp_path):
+    with pytest.raises(TypeError, match="lightning Trainer"):
+        nbwatch.lightning.start(object(), TinyModule(), run_dir=tmp_path / "r")
+    assert nbwatch.lightning.val_figures({"val_loss": 2.0, "val/acc": 0.5,
+                                          "train_loss": 3.0}) == {"loss": 2.0, "acc": 0.5}

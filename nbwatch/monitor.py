@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import numbers
 import os
 import signal
 import socket
@@ -85,6 +86,9 @@ def check_run_dir(run_dir: Path) -> None:
 
 
 _LIVE = ("starting", "running", "paused")
+# The Monitor whose hooks are on each optimizer: one at a time (a cell run twice makes a
+# second Monitor on the same optimizer; the first one's hooks must go).
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Monitor(ctl.Controls):
@@ -204,6 +208,7 @@ class Monitor(ctl.Controls):
         self._stop_asked = False
         self._resumed_step: int | None = None
         self._progress_start = 0
+        self._exc_at_open: BaseException | None = None
         self._loop_options = {
             "max_steps": max_steps, "probe_fn": probe_fn, "probe_tokens": probe_tokens,
             "attention_samples": attention_samples, "attention_tokens": attention_tokens,
@@ -215,6 +220,15 @@ class Monitor(ctl.Controls):
         self._display = display
         self._param_ids = {id(p) for p in model.parameters()}
         self._foreign_ok: weakref.WeakSet = weakref.WeakSet()
+        previous = _OWNERS.get(optimizer)
+        if previous is not None and previous is not self:
+            if previous.running:
+                raise RuntimeError(
+                    f"this optimizer is watched by a running Monitor ({previous.name!r}, "
+                    f"{previous.state} at step {previous.step}); stop() and wait() it first")
+            previous._remove_hooks()
+        _OWNERS[optimizer] = self
+        self._inside_step: int | None = None  # the thread inside optimizer.step, if any
         self._hooks = [optimizer.register_step_pre_hook(self._pre_hook),
                        optimizer.register_step_post_hook(self._post_hook)]
         self._global_hook: Any = None
@@ -223,21 +237,30 @@ class Monitor(ctl.Controls):
 
     # -- the optimizer's own step ---------------------------------------------------------
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._inside_step = threading.get_ident()
         rec = self._recorder
         if rec is None:
             if self._mode is not None:
                 return  # this Monitor's run has ended: later steps are not recorded
             rec = self._open_loop()
         if rec.hook_measures:
-            rec.pre_step()
+            rec.pre_step(explicit=False)
 
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._inside_step = None
         if self._recorder is not None:
             self._recorder.post_step()
+
+    def _remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def _foreign_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if optimizer is self.optimizer or optimizer in self._foreign_ok:
             return
+        if self._inside_step == threading.get_ident():
+            return  # a wrapper's inner optimizer (ZeroRedundancyOptimizer, Lookahead…)
         if any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"]):
             raise RuntimeError(
                 f"a second optimizer ({type(optimizer).__name__}) steps parameters of the "
@@ -353,24 +376,30 @@ class Monitor(ctl.Controls):
                 raise RuntimeError(
                     "mon.log() before any optimizer step: call it once per optimizer step, "
                     "after optimizer.step() (nbwatch takes the gradient figures during the "
-                    "optimizer's own step)")
+                    "optimizer's own step); with a GradScaler, whose overflow skips "
+                    "optimizer.step(), pass it as nbwatch.Monitor(..., scaler=scaler)")
             raise RuntimeError(f"mon.log(): this run is {self.state} at step {self.step}; "
                                "create a new Monitor (resume=True to continue it)")
-        if not rec.stepped and self.scaler is None:
+        if not rec.stepped and (self.scaler is None or not rec.overflowed()):
+            amp = "" if self.scaler is not None else (
+                "; with a GradScaler (whose overflow skips optimizer.step()), pass it as "
+                "nbwatch.Monitor(..., scaler=scaler)")
             if rec.step == self._progress_start:
                 raise RuntimeError(
                     "mon.log() before any optimizer step: call it once per optimizer step, "
-                    "after optimizer.step()")
+                    "after optimizer.step()" + amp)
             raise RuntimeError(
                 f"mon.log() twice for one optimizer step (step {rec.step}): call it once per "
                 "optimizer step, after optimizer.step(); with gradient accumulation, after "
-                "the step that follows the last micro-batch")
+                "the step that follows the last micro-batch" + amp)
         host, names, parts, lengths = _log_figures(loss, mask, scalars)
         samples = int(mask.shape[0]) if mask is not None and mask.dim() == 2 else None
         step = rec.record_step(host, names, parts, lengths=lengths, samples=samples, val=val,
                                reduction="as computed by the training loop (mon.log)")
         if rec.boundary():
             rec.finish("stopped")
+            if self._mode == "loop":
+                self._end_loop(None)  # closed now, not at exit: a new run can start
             raise StopTraining(f"run {self.name!r} stopped at step {step}, final checkpoint "
                                "written (mon.run() and `with mon:` end the loop cleanly)")
         return step
@@ -405,8 +434,9 @@ class Monitor(ctl.Controls):
         self._closed.wait()  # the previous run's store and sampler are closed
         if self._mode is not None and not resume:
             raise RuntimeError(
-                f"this Monitor already ran (it is {self.state}); pass resume=True to continue "
-                "from its newest checkpoint, or create a new Monitor"
+                f"this Monitor already ran (it is {self.state}); continue from its newest "
+                "checkpoint with start(..., resume=True) or nbwatch.Monitor(..., resume=True), "
+                "or create a new Monitor with its own run_dir"
             )
 
     def _open_loop(self, start_step: int | None = None,
@@ -416,6 +446,7 @@ class Monitor(ctl.Controls):
         rec = self._open("loop", RunSpec(**self._loop_options), False, self._dist_options,
                          {"framework": framework} if framework else {}, start_step)
         rec.begin()
+        self._exc_at_open = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
         atexit.register(self._at_exit)
         self._after_open(self._display)
         return rec
@@ -530,9 +561,10 @@ class Monitor(ctl.Controls):
             return
         atexit.unregister(self._at_exit)
         try:
+            clean_exit = isinstance(exc, SystemExit) and exc.code in (0, None)
             if rec.ended:  # stopped at log(), or failed already
                 pass
-            elif exc is None or isinstance(exc, StopTraining):
+            elif exc is None or isinstance(exc, StopTraining) or clean_exit:
                 rec.apply_commands(block=False)  # a stop the loop saw before log() took it
                 rec.finish("stopped" if rec.stopping else "finished")
             elif isinstance(exc, KeyboardInterrupt):
@@ -540,12 +572,16 @@ class Monitor(ctl.Controls):
             else:
                 rec.fail(exc)
             rec.store.flush()
+        except RuntimeError as e:  # a dead store: the loop's own exception matters more
+            log.error("closing the run store of %s failed: %s", self.name, e)
         finally:
             self._close_run()
 
     def _at_exit(self) -> None:
         """A script's loop that ended without `with`/close(): record how the process ended."""
         exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+        if exc is self._exc_at_open:  # e.g. an earlier notebook cell's error: not this loop's
+            exc = None
         with contextlib.suppress(Exception):
             self._end_loop(exc)
 
@@ -569,46 +605,6 @@ class Monitor(ctl.Controls):
             os.kill(os.getpid(), signum)
 
         signal.signal(signal.SIGTERM, on_sigterm)
-
-    def _open_store(self, start_step: int, resumed: bool, max_steps: int,
-                    run: dict[str, Any]) -> RunStore:
-        self._store = store = RunStore(self.run_dir)
-        if resumed:
-            store.truncate_after(start_step)
-        nvml, handles = open_nvml()
-        store.set_meta("name", self.name)
-        store.set_meta("config", self.config)
-        store.set_meta("environment", environment(gpu_names(nvml, handles)))
-        store.set_meta("max_steps", max_steps)
-        store.set_meta("started", time.time())
-        store.set_meta("pid", os.getpid())  # lets attach() tell a killed writer at once
-        store.set_meta("host", socket.gethostname())
-        store.set_meta("run", {
-            **run, "keep_last": self.checkpointer.keep_last, "resumed_from": start_step or None,
-            "model": type(self.model).__name__, "optimizer": type(self.optimizer).__name__,
-            "scheduler": type(self.scheduler).__name__ if self.scheduler is not None else None,
-            "parameters": sum(p.numel() for p in self.model.parameters()),
-        })
-        return store
-
-    def _restore(self, ckpt: dict[str, Any]) -> int:
-        try:
-            self.model.load_state_dict(ckpt["model"])
-            self.optimizer.load_state_dict(ckpt["optimizer"])
-            if self.scheduler is not None and ckpt.get("scheduler") is not None:
-                self.scheduler.load_state_dict(ckpt["scheduler"])
-            if self.scaler is not None and ckpt.get("scaler") is not None:
-                self.scaler.load_state_dict(ckpt["scaler"])
-        except (RuntimeError, KeyError, ValueError) as e:
-            raise RuntimeError(
-                f"checkpoint at step {ckpt.get('step')} in {self.checkpointer.dir} does not fit "
-                f"this model/optimizer ({e}); resume with the same model and optimizer setup"
-            ) from e
-        set_rng_state(ckpt["rng"])
-        c = ckpt.get("controls", {})
-        self.control.clip = c.get("clip")
-        self.control.lr_factor = float(c.get("lr_factor", 1.0))
-        return int(ckpt["step"])
 
     def _open_store(self, start_step: int, max_steps: int | None,
                     run: dict[str, Any]) -> RunStore:
@@ -819,7 +815,7 @@ def _add_figure(host: dict[str, float], names: list[str], parts: list[torch.Tens
                 "first (e.g. loss.mean(), or a masked mean over real tokens)")
         names.append(name)
         parts.append(v.detach().float().reshape(1))
-    elif isinstance(v, (int, float)) and not isinstance(v, bool):
+    elif isinstance(v, numbers.Real) and not isinstance(v, bool):
         host[name] = float(v)
     else:
         raise TypeError(f"mon.log(): {what} is a {type(v).__name__}; pass a number or a "

@@ -24,6 +24,7 @@ import logging
 import math
 import time
 import traceback
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -114,6 +115,7 @@ class _Taking:
     t_pre: float
     t_probe: float
     t_post: float = 0.0
+    explicit: bool = False  # measured by a framework adapter, not the optimizer's hook
 
 
 @dataclass
@@ -176,7 +178,9 @@ class StepRecorder:
         self._stepped = False  # the optimizer stepped since the last end of step
         self._staged: tuple[list[str], list[torch.Tensor]] | None = None  # the runner's loss
         self._deferred: _Deferred | None = None
-        self._sched_count: Any = None
+        self._sched_count: Any = None  # the scheduler's step count at the last post-hook
+        self._sched_at_end: Any = None  # … and at the last end of step
+        self._scale_ref: torch.Tensor | None = None  # the GradScaler's scale at that end
         self._t_boundary = time.perf_counter()
         # Set by framework adapters: False when the optimizer's pre-hook comes too early to
         # see the gradients (Lightning's closure runs backward inside optimizer.step), and
@@ -236,13 +240,15 @@ class StepRecorder:
                 msg = ("lost contact with another rank (it died or hangs), so this rank "
                        f"stops: {str(e).splitlines()[0][:300]}")
             msg = f"[rank {self.dist.rank}/{self.dist.world}] {msg}"
-        try:
-            self._emit(Event(self.step, "error", "critical", msg, {"traceback": p.traceback}),
-                       logging.ERROR)
-            self._checkpoint("emergency")
-            self._set_state("failed")
-        except BaseException as ce:  # noqa: BLE001 - the original error matters more
-            self.log.error("recording the failure failed too: %s\n%s", ce, p.traceback)
+        # each part on its own: a dead store must not cost the checkpoint, nor the reverse
+        for record in (self.flush_deferred, lambda: self._checkpoint("emergency"),
+                       lambda: self._emit(Event(self.step, "error", "critical", msg,
+                                                {"traceback": p.traceback}), logging.ERROR),
+                       lambda: self._set_state("failed")):
+            try:
+                record()
+            except BaseException as ce:  # noqa: BLE001 - the original error matters more
+                self.log.error("recording the failure failed too: %s\n%s", ce, p.traceback)
 
     def _set_state(self, state: str) -> None:
         self.progress.state = state
@@ -344,6 +350,10 @@ class StepRecorder:
             msg = f"gradient clipping at {cmd.value:g}" if cmd.value else "gradient clipping off"
         elif cmd.kind == "scale_lr":
             before = ctl.lrs(self.opt)[0] * (c.lr_factor if c.lr_raw else 1.0)
+            if not c.lr_raw and self._scheduler_pending():
+                # the loop steps its scheduler after log(): let it step the plain schedule
+                ctl.scale_lrs(self.opt, 1.0 / c.lr_factor)
+                c.lr_raw = True
             if not c.lr_raw:  # else the factor goes on when the scheduler has stepped
                 ctl.scale_lrs(self.opt, cmd.value)
             c.lr_factor *= cmd.value
@@ -364,7 +374,13 @@ class StepRecorder:
         if self.sched is not None and c.lr_factor != 1.0 and not c.lr_raw:
             ctl.scale_lrs(self.opt, 1.0 / c.lr_factor)
             c.lr_raw = True
-            self._sched_count = _steps_taken(self.sched)
+
+    def _scheduler_pending(self) -> bool:
+        """The optimizer stepped but the scheduler has not yet (it steps after log())."""
+        if self.sched is None or self._sched_count is None:
+            return False
+        n = _steps_taken(self.sched)
+        return n is not None and n == self._sched_count
 
     def _lr_on(self, only_if_scheduled: bool = False) -> None:
         c = self.control
@@ -383,6 +399,14 @@ class StepRecorder:
         """The optimizer step just taken was skipped (non-finite figures)."""
         return self._taking is not None and self._taking.skip
 
+    def overflowed(self) -> bool:
+        """Whether the GradScaler lowered its scale since the last end of step (it skipped
+        the optimizer); True when that cannot be told (its first steps)."""
+        scale = getattr(self.scaler, "_scale", None)
+        if not isinstance(scale, torch.Tensor) or self._scale_ref is None:
+            return True
+        return bool((scale < self._scale_ref.to(scale.device)).item())
+
     @property
     def stepped(self) -> bool:
         """The optimizer stepped since the last end of step."""
@@ -393,16 +417,18 @@ class StepRecorder:
         host together with its gradient norms."""
         self._staged = (names, parts)
 
-    def pre_step(self) -> None:
-        """Optimizer pre-hook: the step's gradient figures, one host copy, the rules that
-        can still skip or clip this step, and a weights snapshot on histogram steps."""
+    def pre_step(self, explicit: bool = True) -> None:
+        """The step's gradient figures, one host copy, the rules that can still skip or
+        clip this step, and a weights snapshot on histogram steps. Called by the
+        optimizer's pre-hook (`explicit=False`), or by a framework adapter at the moment
+        its framework has the gradients but has not clipped them yet."""
         if self._stepped:
             raise RuntimeError(
                 "optimizer.step() ran twice without mon.log() in between: call "
                 "mon.log(loss=...) once after every optimizer.step()"
             )
-        if self._taking is not None:
-            return  # measured already, before the framework clipped (see `hook_measures`)
+        if not explicit and self._taking is not None and self._taking.explicit:
+            return  # the adapter measured this step already, before its framework clipped
         t0 = time.perf_counter()
         self._lr_on()
         step = self.step + 1
@@ -419,14 +445,31 @@ class StepRecorder:
             names += self._staged[0]
             parts += self._staged[1]
             self._staged = None
+        # A GradScaler calls a fused optimizer's step even on an overflow, with `found_inf`
+        # set, and (unless unscale_ ran) with still-scaled gradients and their scale
+        scale = getattr(self.opt, "grad_scale", None)
+        found_inf = getattr(self.opt, "found_inf", None)
+        if isinstance(scale, torch.Tensor):
+            names.append("_grad_scale")
+            parts.append(scale.reshape(1).float())
+        if isinstance(found_inf, torch.Tensor):
+            names.append("_found_inf")
+            parts.append(found_inf.reshape(1).float())
         parts.append(norms)
         host = _to_host(parts, dev)  # the sync
         k, nd = len(names), len(deferred.names) if deferred is not None else 0
         if deferred is not None:
             deferred.values.update(zip(deferred.names, host[:nd]))
             self._complete(deferred.step, deferred.values, deferred.alerts)
-        total, per_layer = layer_norms(host[k:], layer_of, len(self.layers))
         values = dict(zip(names[nd:], host[nd:k]))
+        unscale = 1.0 / values.pop("_grad_scale", 1.0)
+        if values.pop("_found_inf", 0.0):  # the fused optimizer skips this step itself
+            values.update({"lr": lrs[0], "amp/overflow": 1.0})
+            self._taking = _Taking(step, values, [], True, None, t0, time.perf_counter(),
+                                   explicit=explicit)
+            return
+        total, per_layer = layer_norms([n * unscale for n in host[k:]], layer_of,
+                                       len(self.layers))
         values.update(zip(self._grad_names, [total, *per_layer]))
         values["lr"] = lrs[0]
         for i, lr in enumerate(lrs[1:], start=1):
@@ -460,7 +503,8 @@ class StepRecorder:
         hist = self.spec.hist_every > 0 and not skip and (
             step % self.spec.hist_every == 0 or self.step == self._start_step)
         before = wprobe.snapshot(self.layers) if hist else None
-        self._taking = _Taking(step, values, alerts, skip, before, t0, time.perf_counter())
+        self._taking = _Taking(step, values, alerts, skip, before, t0, time.perf_counter(),
+                               explicit=explicit)
 
     def post_step(self) -> None:
         """Optimizer post-hook: update ratios, and the LR factor off for the scheduler."""
@@ -471,6 +515,7 @@ class StepRecorder:
             ratios = wprobe.update_ratios(self.layers, t.before).tolist()
             t.values.update({f"update_ratio/{n}": r for n, r in zip(self.layers.names, ratios)})
             t.before = []  # a histogram step: taken at its end
+        self._sched_count = _steps_taken(self.sched) if self.sched is not None else None
         self._lr_off()
         t.t_post = time.perf_counter()
         self._stepped = True
@@ -487,7 +532,10 @@ class StepRecorder:
         self._lr_on(only_if_scheduled=True)
         step = self.step + 1
         if t is None:  # a GradScaler found inf/NaN gradients and skipped the optimizer
-            values = {**values, "lr": ctl.lrs(self.opt)[0], "amp/overflow": 1.0}
+            self.flush_deferred()  # steps are recorded in order
+            values = {**values, "amp/overflow": 1.0}
+            if self._repair_lr_after_overflow():
+                values["lr"] = ctl.lrs(self.opt)[0]
             alerts: list = []
             if self._staged is not None:  # the runner's loss, never copied: copy it now
                 names, parts = self._staged[0] + (names or []), self._staged[1] + (parts or [])
@@ -519,8 +567,27 @@ class StepRecorder:
             self._complete(step, values, alerts, t is None)
         if t is not None and t.before is not None:
             self._histograms(step)
+        if self.scaler is not None and isinstance(getattr(self.scaler, "_scale", None),
+                                                  torch.Tensor):
+            self._scale_ref = self.scaler._scale.clone()  # no sync: compared on overflow only
+        if self.sched is not None:
+            self._sched_at_end = _steps_taken(self.sched)
         self._t_boundary = time.perf_counter()
         return step
+
+    def _repair_lr_after_overflow(self) -> bool:
+        """No optimizer step, so no post-hook took the LR factor off before the loop's
+        `scheduler.step()`: a closed-form schedule then dropped it; put it back. Returns
+        whether the LR now reads what the next step will use."""
+        c = self.control
+        if self.sched is None or c.lr_factor == 1.0 or c.lr_raw:
+            return True
+        n = _steps_taken(self.sched)
+        if n is None or n == self._sched_at_end:
+            return True  # the scheduler did not step (the runner skips it on an overflow)
+        if not _chains(self.sched):
+            ctl.scale_lrs(self.opt, c.lr_factor)
+        return False
 
     def _complete(self, step: int, values: dict[str, float], alerts: list,
                   overflow: bool = False) -> None:
@@ -735,6 +802,36 @@ def _to_host(parts: list[torch.Tensor], device: torch.device | None = None) -> l
         return parts[0].reshape(-1).tolist()
     dev = device or parts[0].device
     return torch.cat([t.float().to(dev).reshape(-1) for t in parts]).tolist()
+
+
+def _chains(scheduler: Any) -> bool:
+    """Whether `scheduler.step()` scales the current LR (chainable: StepLR, ExponentialLR)
+    rather than recomputing it from `base_lrs` (closed form: LambdaLR, OneCycleLR)."""
+    cached = _CHAINS.get(scheduler)  # never an attribute: state_dict() is its __dict__
+    if cached is not None:
+        return cached
+    import warnings
+
+    groups = scheduler.optimizer.param_groups
+    saved = [g["lr"] for g in groups]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            a = list(scheduler.get_lr())
+            for g in groups:
+                g["lr"] = g["lr"] * 2.0
+            b = list(scheduler.get_lr())
+        chains = any(x != y for x, y in zip(a, b))
+    except Exception:  # a hand-written scheduler: assume closed form, the common case
+        chains = False
+    finally:
+        for g, lr in zip(groups, saved):
+            g["lr"] = lr
+    _CHAINS[scheduler] = chains
+    return chains
+
+
+_CHAINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _steps_taken(scheduler: Any) -> Any:

@@ -102,12 +102,13 @@ class Runner:
         rec.stage(names, parts)  # copied to the host with the gradient norms: one sync
         t_fb = time.perf_counter()
         if scaler is not None:
-            scaler.step(opt)  # unscales first: the hooks see the true gradients
+            scaler.unscale_(opt)  # the hooks see the true gradients, even a fused optimizer's
+            scaler.step(opt)
             scaler.update()
         else:
             opt.step()
-        if rec.sched is not None and not rec.skipping:
-            rec.sched.step()
+        if rec.sched is not None and rec.stepped and not rec.skipping:
+            rec.sched.step()  # not after a skipped or overflowed step, as the Trainer does
         opt.zero_grad(set_to_none=True)
         figures: dict[str, float] = {"time/forward_backward": t_fb - t0 - data_s,
                                      "time/forward": fwd_s}  # under DDP, before grad sync

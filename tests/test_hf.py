@@ -190,3 +190,35 @@ def test_adapter_errors_name_the_fix(tmp_path):
     assert nbwatch.hf.eval_figures({"eval_loss": 2.0, "eval_accuracy": 0.5,
                                     "eval_runtime": 0.1, "epoch": 1.0}) == {
         "loss": 2.0, "accuracy": 0.5}
+
+
+def test_torchrun_trainer_stop_from_attach_ends_both_ranks_at_one_step(tmp_path):
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    script = ROOT / "tests" / "scripts" / "hf_ddp_train.py"
+    env_before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(ROOT)
+    try:
+        job = nbwatch.launch(script, nproc=2, run_dir=run_dir, args=[out], display=False)
+    finally:
+        if env_before is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = env_before
+    proc = job.process
+    try:
+        job.wait_started(120)
+        until(lambda: job.step >= 12, timeout=120, what="step 12")
+        job.stop()
+        assert proc.wait(timeout=120) == 0, (run_dir / "torchrun.log").read_text()[-3000:]
+    finally:
+        proc.kill()
+        job.close()
+    steps = [int((out / f"step_rank{r}.txt").read_text()) for r in (0, 1)]
+    run = nbwatch.open_run(run_dir)
+    assert run.state == "stopped" and steps[0] == steps[1] == run.step
+    assert run.meta["run"]["world_size"] == 2
+    df = run.df
+    assert df["rank0/loss"].notna().all() and df["rank1/loss"].notna().all()
+    stop = run.events.query("kind == 'action' and message.str.startswith('stop')").step.iloc[0]
+    assert stop % 5 == 0  # taken at an exchange step, by both ranks

@@ -498,3 +498,45 @@ def test_grad_scaler_in_the_loop_norms_unscaled_overflow_routine(tmp_path):
     assert df.loc[1, "amp/overflow"] == 1.0 and len(df) == 6
     assert not (mon.events.severity == "critical").any()
     assert scaler.get_scale() < 2.0**127  # the scaler lowered its scale, as it should
+
+
+def test_a_second_monitor_on_the_same_optimizer_takes_over(tmp_path):
+    """A notebook cell run twice: the first Monitor (never used) must not record, nor
+    break the second one's run."""
+    model, opt, sched, batches = setup()
+    nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "a", display=False)
+    mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "b", display=False)
+    with mon:
+        Loop(model, opt, sched, batches, mon)(3)
+    assert mon.state == "finished" and mon.step == 3
+    assert not (tmp_path / "a" / "nbwatch.db").exists()
+    running = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "c", display=False)
+    running.run(Loop(model, opt, sched, batches, running, delay=0.01))
+    wait_for(lambda: running.step >= 1)
+    with pytest.raises(RuntimeError, match="watched by a running Monitor"):
+        nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "d", display=False)
+    running.stop()
+    running.wait()
+
+
+def test_fused_optimizer_under_a_grad_scaler_records_unscaled_norms(tmp_path):
+    """A fused AdamW gets still-scaled gradients (and found_inf) from the GradScaler."""
+    norms = {}
+    for fused in (False, True):
+        model, _, _, batches = setup()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        with nbwatch.Monitor(model, opt, run_dir=tmp_path / str(fused), scaler=scaler,
+                             display=False) as mon:
+            for i in range(4):
+                b = batches[i]
+                loss = nbwatch.masked_cross_entropy(model(b["input_ids"]), b["labels"],
+                                                    b["mask"])
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                mon.log(loss=loss)
+        norms[fused] = mon.df["grad_norm/global"].tolist()
+        assert not (mon.events.severity == "critical").any()
+    assert norms[True] == pytest.approx(norms[False], rel=1e-4)

@@ -74,7 +74,7 @@ class NbwatchCallback(TrainerCallback):
                 sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
             sched = None
         scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)
-        kwargs = {"display": False, **self.monitor_kwargs}
+        kwargs = {"display": False, "probe_fn": probe_forward, **self.monitor_kwargs}
         config = {"trainer": args.to_sanitized_dict(), **self.config}
         mon = self.monitor = Monitor(model, opt, sched, self.run_dir, config, scaler=scaler,
                                      max_steps=state.max_steps or None, **kwargs)
@@ -232,6 +232,17 @@ def eval_figures(metrics: Mapping[str, Any]) -> dict[str, float]:
         if math.isfinite(x) or name == "loss":
             out[name] = x
     return out
+
+
+def probe_forward(model: Any, batch: Any) -> Any:
+    """The attention probe's pass of a Hugging Face model: `model(**batch)`; eager
+    attention returns its weights only when asked (`output_attentions=True`), SDPA's are
+    recomputed from q and k by the probe itself."""
+    config = getattr(model, "config", None)
+    eager = getattr(config, "_attn_implementation", None) == "eager"
+    if isinstance(batch, Mapping):
+        return model(**batch, output_attentions=True) if eager else model(**batch)
+    return model(batch)
 
 
 def _probe_batch(loader: Any, model: Any, n: int) -> Any:

@@ -48,18 +48,34 @@ def slow_collate(delay: float):
     return collate
 
 
-def make_trainer(out: Path, max_steps: int = 20, delay: float = 0.0, **args):
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+def tiny_model(arch: str = "gpt2", attn: str = "sdpa"):
+    """A 2-layer, 2-head model of a Hugging Face architecture, built from its config."""
+    import transformers as tf
 
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=64,
-                     bos_token_id=0, eos_token_id=0)
+    if arch == "gpt2":
+        cfg = tf.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=64,
+                            bos_token_id=0, eos_token_id=0, attn_implementation=attn)
+        return tf.GPT2LMHeadModel(cfg)
+    if arch == "bert":
+        cfg = tf.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=64, vocab_size=64, attn_implementation=attn)
+        return tf.BertForMaskedLM(cfg)
+    cfg = tf.T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16, vocab_size=64,
+                      decoder_start_token_id=0, pad_token_id=0, attn_implementation=attn)
+    return tf.T5ForConditionalGeneration(cfg)
+
+
+def make_trainer(out: Path, max_steps: int = 20, delay: float = 0.0, model=None, **args):
+    from transformers import Trainer, TrainingArguments
+
     kw = dict(output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4,
               per_device_eval_batch_size=4, logging_steps=1, report_to=[], save_strategy="no",
               eval_strategy="steps", eval_steps=10, learning_rate=1e-3, warmup_steps=3,
               use_cpu=True, disable_tqdm=True, seed=0, log_level="error")
     kw.update(args)
-    return Trainer(model=GPT2LMHeadModel(cfg), args=TrainingArguments(**kw),
+    return Trainer(model=model if model is not None else tiny_model(),
+                   args=TrainingArguments(**kw),
                    train_dataset=Padded(64, 0), eval_dataset=Padded(8, 1),
                    data_collator=slow_collate(delay) if delay else None)
 
@@ -182,6 +198,26 @@ def test_the_callback_alone_in_a_script(tmp_path):
     failed = nbwatch.open_run(tmp_path / "run2")
     assert failed.state == "failed"
     assert "ZeroDivisionError" in " ".join(failed.events.message)
+
+
+@pytest.mark.parametrize("arch,attn", [("gpt2", "eager"), ("bert", "sdpa"), ("t5", "eager"),
+                                       ("t5", "sdpa")])
+def test_attention_maps_of_every_attention_module(tmp_path, arch, attn):
+    trainer = make_trainer(tmp_path / "out", max_steps=2, eval_steps=2,
+                           model=tiny_model(arch, attn))
+    nbwatch.hf.start(trainer, run_dir=tmp_path / "run", display=False).wait()
+    maps = nbwatch.open_run(tmp_path / "run").attention(step=2)
+    if arch == "gpt2":
+        assert sorted(maps) == ["transformer.h.0.attn", "transformer.h.1.attn"]
+        assert float(maps["transformer.h.0.attn"][0][0, 1:].sum()) == pytest.approx(0.0)
+    elif arch == "bert":
+        assert sorted(maps) == [f"bert.encoder.layer.{i}.attention.self" for i in (0, 1)]
+    else:
+        cross = [m for m in maps if "EncDecAttention" in m]
+        assert len(cross) == 2 and len(maps) == 6  # encoder self, decoder self, cross × 2
+        assert all(w.shape[0] == 2 for w in maps.values())
+        assert maps[cross[0]].shape[-2:] == (32, 32)  # labels (decoder) × inputs (encoder)
+    nbwatch.export_html(tmp_path / "run", tmp_path / "run.html")  # the panel takes them
 
 
 def test_adapter_errors_name_the_fix(tmp_path):

@@ -20,10 +20,19 @@ def build(att: Mapping[str, Any] | None) -> dict[str, Any]:
         if not maps:
             continue
         modules = list(maps)
-        stack = np.stack([np.asarray(maps[m], dtype=np.float32) for m in modules])  # [L,H,T,S]
+        arrays = [np.asarray(maps[m], dtype=np.float32) for m in modules]
+        # modules differ in shape (encoder-decoder: self T×T, cross T×S; GQA: heads):
+        # pad into one [L, H, T, S] block, each module's own shape alongside
+        heads = max(a.shape[0] for a in arrays)
+        t = max(a.shape[1] for a in arrays)
+        k = max(a.shape[2] for a in arrays)
+        stack = np.zeros((len(arrays), heads, t, k), dtype=np.float32)
+        for i, a in enumerate(arrays):
+            stack[i, : a.shape[0], : a.shape[1], : a.shape[2]] = a
+        shapes = [list(a.shape) for a in arrays]
         q = np.clip(np.rint(stack * 255), 0, 255).astype(np.uint8)
         tokens = list(s["tokens"]) if s.get("tokens") else None
-        samples.append({"tokens": tokens, "maps": q})
+        samples.append({"tokens": tokens, "maps": q, "shapes": shapes})
     if not samples:
         return {}
     return {"step": int(att["step"]), "modules": modules,

@@ -143,9 +143,23 @@ def capture_attention(
             w = w.unsqueeze(0)
         keep(stack[-1] if stack else "(root)", w)
 
+    returned: dict[str, torch.Tensor] = {}
+
+    def weights_out(mod: nn.Module, args: tuple, out: Any) -> None:
+        # eager attention (Hugging Face with output_attentions=True) returns its weights
+        # beside its output: (output, weights) or (output, position_bias, weights)
+        if not isinstance(out, tuple):
+            return
+        for w in out[1:]:
+            if _looks_like_attention(w):
+                returned[names.get(mod, "?")] = w[:samples]
+                return
+
     for mod in model.modules():
         handles.append(mod.register_forward_pre_hook(push))
         handles.append(mod.register_forward_hook(pop))
+        if not isinstance(mod, nn.MultiheadAttention):
+            handles.append(mod.register_forward_hook(weights_out))
         if isinstance(mod, nn.MultiheadAttention):
             handles.append(mod.register_forward_pre_hook(mha_pre, with_kwargs=True))
             handles.append(mod.register_forward_hook(mha_post, with_kwargs=True))
@@ -155,6 +169,19 @@ def capture_attention(
     finally:
         for h in handles:
             h.remove()
+        if not captured:  # no fused call seen: weights the modules returned themselves
+            for path, w in returned.items():  # the innermost module that returned them
+                if not any(p.startswith(path + ".") for p in returned):
+                    keep(path, w)
+
+
+def _looks_like_attention(w: Any) -> bool:
+    """[B, H, T, S], non-negative, each row summing to 1 (or 0 where fully masked)."""
+    if not (isinstance(w, torch.Tensor) and w.dim() == 4 and w.is_floating_point()):
+        return False
+    rows = w.float().sum(-1)
+    ones = (rows - 1).abs() < 1e-3
+    return bool(w.min() >= 0) and bool((ones | (rows.abs() < 1e-6)).all())
 
 
 def clone_samples(batch: Any, n: int) -> Any:

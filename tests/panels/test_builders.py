@@ -132,3 +132,15 @@ def test_a_resumed_run_is_not_shown_as_failed(tmp_path):
     feed.update()
     assert not feed.header()["failed"]
     store.close()
+
+
+def test_attention_of_modules_with_different_shapes():
+    """Encoder-decoder: self-attention T×T, cross-attention T×S, in one grid."""
+    rng = np.random.default_rng(0)
+    maps = {"encoder.0": rng.random((2, 10, 10)), "decoder.0.self": rng.random((2, 6, 6)),
+            "decoder.0.cross": rng.random((2, 6, 10))}
+    d = attention.build({"step": 4, "samples": [{"tokens": None, "maps": maps}]})
+    s = d["samples"][0]
+    assert s["maps"].shape == (3, 2, 10, 10)
+    assert s["shapes"] == [[2, 10, 10], [2, 6, 6], [2, 6, 10]]
+    assert (s["maps"][2, :, 6:, :] == 0).all()  # the padding of the 6×10 cross map

@@ -258,3 +258,11 @@ def test_torchrun_trainer_stop_from_attach_ends_both_ranks_at_one_step(tmp_path)
     assert df["rank0/loss"].notna().all() and df["rank1/loss"].notna().all()
     stop = run.events.query("kind == 'action' and message.str.startswith('stop')").step.iloc[0]
     assert stop % 5 == 0  # taken at an exchange step, by both ranks
+
+
+def test_without_transformers_the_error_names_the_extra():
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "try:\n    import nbwatch.hf\nexcept ImportError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT).stdout
+    assert "pip install 'nbwatch[hf]'" in out

@@ -181,3 +181,11 @@ def test_adapter_errors_name_the_fix(tmp_path):
         nbwatch.lightning.start(object(), TinyModule(), run_dir=tmp_path / "r")
     assert nbwatch.lightning.val_figures({"val_loss": 2.0, "val/acc": 0.5,
                                           "train_loss": 3.0}) == {"loss": 2.0, "acc": 0.5}
+
+
+def test_without_lightning_the_error_names_the_extra():
+    code = ("import sys; sys.modules['lightning'] = None; sys.modules['lightning.pytorch'] = None\n"
+            "try:\n    import nbwatch.lightning\nexcept ImportError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT).stdout
+    assert "pip install 'nbwatch[lightning]'" in out

@@ -30,6 +30,38 @@ print("ok")
 """
 
 
+ADAPTER_CHECK = """\
+run.wait()
+assert run.state == "finished" and run.step == steps, (run.state, run.step)
+df = run.df
+assert df["loss/train"].notna().sum() == steps and df["loss/val"].notna().any()
+assert df["grad_norm/global"].notna().all() and nbwatch.open_run(run.run_dir).attention()
+print("ok")
+"""
+
+
+def run_notebook(nb, tmp_path: Path) -> None:
+    NotebookClient(nb, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    last = nb.cells[-1].outputs
+    assert any("ok" in o.get("text", "") for o in last), last
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+              if o.output_type == "error"]
+    assert not errors, errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hf_trainer", "lightning"])
+def test_framework_notebooks_run_top_to_bottom(tmp_path, name):
+    pytest.importorskip("transformers" if name == "hf_trainer" else "lightning")
+    nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+    cells = [c for c in nb.cells if c.cell_type == "code" and c.source.strip() == "steps = 300"]
+    assert cells, f"{name}.ipynb lost its `steps = 300` cell"
+    cells[0].source = "torch.set_num_threads(1)\nsteps = 12"
+    nb.cells.append(nbformat.v4.new_code_cell(ADAPTER_CHECK))
+    run_notebook(nb, tmp_path)
+
+
 @pytest.mark.slow
 def test_quickstart_runs_top_to_bottom(tmp_path):
     nb = nbformat.read(ROOT / "notebooks" / "quickstart.ipynb", as_version=4)
@@ -39,10 +71,4 @@ def test_quickstart_runs_top_to_bottom(tmp_path):
     params[0].source = SMALL
     assert any(".run(train)" in c.source for c in code), "the own-loop cell is gone"
     nb.cells.append(nbformat.v4.new_code_cell(CHECK))
-    NotebookClient(nb, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
-    last = nb.cells[-1].outputs
-    assert any("ok" in o.get("text", "") for o in last), last
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-              if o.output_type == "error"]
-    assert not errors, errors
+    run_notebook(nb, tmp_path)

@@ -17,7 +17,8 @@ from nbwatch.demo import TinyGPT, collate
 torch.set_num_threads(1)
 
 
-FOREIGN_THREADS = ("asyncio_", "tqdm_monitor")  # playwright, tqdm: alive for the session
+# alive for the whole session: playwright's executor, tqdm's monitor, jupyter_core's runner
+FOREIGN_THREADS = ("asyncio_", "tqdm_monitor", "MainThread - runner")
 
 
 @pytest.fixture(autouse=True)

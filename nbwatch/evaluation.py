@@ -7,6 +7,8 @@ runner records them, feeds the alert rules and checkpoints.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +47,22 @@ def val_figures(v: Any) -> dict[str, float]:
     raise TypeError(f"val_fn returned a {type(v).__name__}; return a float or a dict of floats")
 
 
+@contextmanager
+def _eager_weights_returned(model: nn.Module) -> Iterator[None]:
+    """Hugging Face eager attention returns its weights only when asked: ask, for the
+    probe pass (`config.output_attentions`), then restore."""
+    config = getattr(model, "config", None)
+    eager = getattr(config, "_attn_implementation", None) == "eager"
+    was = getattr(config, "output_attentions", None)
+    if eager:
+        config.output_attentions = True
+    try:
+        yield
+    finally:
+        if eager:
+            config.output_attentions = was
+
+
 def probe_forward(model: nn.Module, batch: Any) -> Any:
     """The probe pass of a loop nbwatch does not run: `model(**batch)` for a dict,
     `model(x)` for a tensor, `model(batch[0])` for a tuple or list."""
@@ -75,20 +93,28 @@ def evaluate(model: nn.Module, spec: Any, step: int, train_mean: float | None,
             out.values["time/eval"] = time.perf_counter() - t0
         if "loss/val" in out.values and train_mean is not None:
             out.values["loss/gap"] = out.values["loss/val"] - train_mean
-        if spec.probe_batch is not None:
+        if spec.probe_batch is not None and spec.attention_samples > 0:
             forward = spec.probe_fn or spec.step_fn
-            with capture_attention(model, spec.attention_samples,
-                                   spec.attention_tokens) as maps, torch.no_grad():
+            # torch.compile: probe the module it wraps, so Dynamo never traces the hooks
+            target = getattr(model, "_orig_mod", model)
+            with capture_attention(target, spec.attention_samples,
+                                   spec.attention_tokens) as maps, torch.no_grad(), \
+                    _eager_weights_returned(target):
                 if forward is not None:
-                    forward(model, spec.probe_batch)
+                    forward(target, spec.probe_batch)
                 else:
                     try:
-                        probe_forward(model, spec.probe_batch)
+                        probe_forward(target, spec.probe_batch)
                     except Exception as e:  # a guess at the model's signature: say so
                         out.probe_error = (
                             f"the attention probe's forward failed ({type(e).__name__}: "
                             f"{str(e)[:200]}); pass probe_fn=lambda model, batch: ... to "
                             "nbwatch.Monitor to say how the model takes probe_batch")
+            if not maps and out.probe_error is None:
+                out.probe_error = (
+                    "the attention probe saw no attention weights (no "
+                    "F.scaled_dot_product_attention, nn.MultiheadAttention or attention "
+                    "module returning its weights ran); attention maps are off for this run")
             for module, w in maps.items():
                 for i in range(w.shape[0]):
                     toks = None

@@ -123,7 +123,8 @@ class NbwatchCallback(TrainerCallback):
         rec = self.monitor._recorder if self.monitor is not None else None
         if rec is None or not metrics or rec.ended:
             return
-        if rec.spec.probe_batch is None and eval_dataloader is not None and model is not None:
+        if (rec.spec.probe_batch is None and rec.spec.attention_samples > 0
+                and eval_dataloader is not None and model is not None):
             rec.spec.probe_batch = _probe_batch(eval_dataloader, model,
                                                 rec.spec.attention_samples)
         rec.evaluate(eval_figures(metrics))

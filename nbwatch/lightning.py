@@ -143,7 +143,7 @@ class NbwatchCallback(pl.Callback):
         val = val_figures(trainer.callback_metrics)
         if not val:
             return
-        if rec.spec.probe_batch is None and self.monitor_kwargs.get("probe_batch") is None:
+        if rec.spec.probe_batch is None and rec.spec.attention_samples > 0:
             rec.spec.probe_batch = _probe_batch(trainer, pl_module, rec.spec.attention_samples)
         rec.evaluate(val)
 

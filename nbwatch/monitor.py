@@ -771,7 +771,10 @@ def _check_every(**values: Any) -> None:
 
 
 def _probe_samples(batch: Any, n: int) -> Any:
-    if batch is None:
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"attention_samples must be an int ≥ 0 (0: no attention probe), "
+                         f"got {n!r}")
+    if batch is None or n == 0:
         return None
     from .probes.attention import take_samples
 

@@ -82,7 +82,7 @@ class RunSpec:
     probe_batch: Any = None
     probe_fn: Callable[[nn.Module, Any], Any] | None = None
     probe_tokens: list[list[str]] | None = None
-    attention_samples: int = 2
+    attention_samples: int = 2  # 0: no attention probe
     attention_tokens: int = 64
     log_every: int = 50
     trial: bool = False  # preflight: no checkpoints, no pausing
@@ -724,7 +724,7 @@ class StepRecorder:
             v = result.values["loss/val"]
             self._last_val = v if math.isfinite(v) else None  # NaN is never "best"
         if result.probe_error is not None:
-            self.spec.probe_batch = None  # tried once, said once
+            self.spec.attention_samples = 0  # tried once, said once: the probe is off
             self._emit(Event(step, "probe", "warning", result.probe_error))
         for a in result.attention:
             self.store.put(a)

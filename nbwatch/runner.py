@@ -79,20 +79,21 @@ class Runner:
             batch = self._next_batch()
             data_s += time.perf_counter() - td
             samples += _batch_size(batch)
-            if spec.probe_batch is None and spec.eval_every:  # fixed samples for attention
+            if spec.probe_batch is None and spec.eval_every and spec.attention_samples > 0:
                 spec.probe_batch = clone_samples(batch, spec.attention_samples)
             tf = time.perf_counter()
             out = parse_step_output(spec.step_fn(model, batch))
             fwd_s += time.perf_counter() - tf
             reduction = out.reduction
-            loss = out.loss / spec.accumulate
+            loss = out.loss / spec.accumulate if spec.accumulate > 1 else out.loss
             (scaler.scale(loss) if scaler is not None else loss).backward()
             detached = out.loss.detach().float()
             loss_sum = detached if loss_sum is None else loss_sum + detached
             if out.mask is not None:
                 masks.append(out.mask)
         rec.save_reduction(reduction)
-        names, parts = ["loss/train"], [(loss_sum / spec.accumulate).reshape(1)]
+        mean = loss_sum / spec.accumulate if spec.accumulate > 1 else loss_sum
+        names, parts = ["loss/train"], [mean.reshape(1)]
         padded = 0.0
         if masks:
             mnames, mparts, padded, lengths = batch_figures(masks)

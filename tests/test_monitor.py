@@ -384,3 +384,32 @@ def test_a_store_that_stops_writing_fails_the_run_loudly(tiny, tmp_path):
         mon.wait()
     assert mon.state == "failed"
     assert nbwatch.open_run(mon.run_dir).df.index.max() >= 3  # what was committed stays
+
+
+def test_a_torch_compiled_model_is_probed_and_named_as_the_model(tmp_path):
+    """torch.compile wraps the model (`_orig_mod`) and would trace the probe's hooks."""
+    from nbwatch.demo import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
+    mon = nbwatch.Monitor(compiled, opt, run_dir=tmp_path / "r")
+    mon.start(tiny_step, make_batches(), max_steps=4, eval_every=2, display=False).wait()
+    assert mon.state == "finished"
+    assert not [c for c in mon.df if "_orig_mod" in c]
+    assert "grad_norm/blocks.0.attn.qkv" in mon.df
+    assert sorted(nbwatch.open_run(tmp_path / "r").attention()) == [
+        "blocks.0.attn", "blocks.1.attn"]
+
+
+def test_a_model_without_attention_says_so_once(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r")
+    data = [torch.randn(4, 4) for _ in range(4)]
+    mon.start(lambda m, x: m(x).square().mean(), data, max_steps=6, eval_every=2,
+              display=False).wait()
+    probes = mon.events.query("kind == 'probe'")
+    assert len(probes) == 1 and "no attention weights" in probes.message.iloc[0]

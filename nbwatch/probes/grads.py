@@ -29,7 +29,8 @@ class Layers:
         for pname, p in model.named_parameters():
             if not p.requires_grad:
                 continue
-            owner = pname.rpartition(".")[0] or "(root)"
+            # torch.compile wraps the model: its layers are the model's own
+            owner = pname.replace("_orig_mod.", "").rpartition(".")[0] or "(root)"
             if owner not in index:
                 index[owner] = len(names)
                 names.append(owner)

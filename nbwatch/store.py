@@ -324,18 +324,34 @@ class RunStore(RunReader):
 
     def _write(self, batch: list[Any]) -> None:
         con = self._wcon
+        ids = self._key_ids
+        rows: list[tuple[int, int, float]] = []  # consecutive Scalars: one executemany
+        steps: list[tuple[int, float]] = []
+
+        def flush_scalars() -> None:
+            if rows:
+                con.executemany(
+                    "INSERT OR REPLACE INTO scalars (step, key, value) VALUES (?, ?, ?)", rows)
+                rows.clear()
+            if steps:
+                con.executemany("INSERT OR IGNORE INTO steps VALUES (?, ?)", steps)
+                steps.clear()
+
         with con:  # one transaction
             for r in batch:
                 if isinstance(r, Scalars):
-                    con.executemany(
-                        "INSERT OR REPLACE INTO scalars (step, key, value) VALUES (?, ?, ?)",
-                        [(r.step, self._key(k), float(v)) for k, v in r.values.items()],
-                    )
-                    if not all(k.startswith("system/") for k in r.values):
-                        con.execute(
-                            "INSERT OR IGNORE INTO steps VALUES (?, ?)", (r.step, r.wall)
-                        )
-                elif isinstance(r, Histogram):
+                    step = r.step
+                    system = True
+                    for k, v in r.values.items():
+                        kid = ids.get(k)
+                        rows.append((step, kid if kid is not None else self._key(k), float(v)))
+                        if system and not k.startswith("system/"):
+                            system = False
+                    if not system:
+                        steps.append((step, r.wall))
+                    continue
+                flush_scalars()  # records keep their order (a truncate, a meta write…)
+                if isinstance(r, Histogram):
                     con.execute(
                         "INSERT INTO histograms (step, name, edges, counts) VALUES (?, ?, ?, ?)",
                         (
@@ -385,3 +401,4 @@ class RunStore(RunReader):
                         con.execute(f"DELETE FROM {table} WHERE step > ?", (r[1],))
                 else:
                     raise TypeError(f"cannot store a {type(r).__name__}")
+            flush_scalars()

@@ -3,6 +3,7 @@ every checkpoint left on disk loads."""
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -39,8 +40,11 @@ def test_kill_9_loses_at_most_the_last_second(tmp_path):
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if (run / "nbwatch.db").exists() and RunReader(run).last_step() >= 60:
-                break
+            try:
+                if (run / "nbwatch.db").exists() and RunReader(run).last_step() >= 60:
+                    break
+            except sqlite3.OperationalError:  # the writer is still creating the schema
+                pass
             assert proc.poll() is None, "training subprocess died on its own"
             time.sleep(0.1)
         else:

@@ -14,11 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pandas as pd
-
 from . import controls as ctl
 from .records import Command
-from .run import Run
+from .run import Readout, Run
 from .runner import run_in_thread
 from .store import DB_NAME
 
@@ -28,7 +26,7 @@ if TYPE_CHECKING:
 _LIVE = ("starting", "running", "paused")
 
 
-class FitRun(ctl.Controls):
+class FitRun(ctl.Controls, Readout):
     """A framework's fit running in a background thread, watched by nbwatch.
 
     `pause resume stop checkpoint set_clip scale_lr`, `state`, `step`, `wait()`, `df`,
@@ -109,23 +107,6 @@ class FitRun(ctl.Controls):
     def _run(self) -> Run | None:
         return Run(self.run_dir) if (self.run_dir / DB_NAME).is_file() else None
 
-    @property
-    def df(self) -> pd.DataFrame:
-        run = self._run()
-        return run.df if run is not None else pd.DataFrame(index=pd.Index([], name="step"))
-
-    @property
-    def events(self) -> pd.DataFrame:
-        run = self._run()
-        if run is None:
-            return pd.DataFrame(columns=["step", "wall", "kind", "severity", "message", "data"])
-        return run.events
-
-    def export_html(self, path: str | os.PathLike) -> Path:
-        from .export import export_html
-
-        return export_html(self.run_dir, path)
-
     def show(self) -> Any:
         from IPython.display import display
 
@@ -137,6 +118,78 @@ class FitRun(ctl.Controls):
 
     def __repr__(self) -> str:
         return f"<nbwatch.FitRun {self.name!r} {self.state} at step {self.step} in {self.run_dir}>"
+
+
+class Adapter:
+    """What a framework's callback keeps: where the run goes, the Monitor it opens when
+    the fit begins, the handle of `start()`, and the step's micro-batch losses and masks."""
+
+    def __init__(self, run_dir: str | os.PathLike | None = None,
+                 config: dict[str, Any] | None = None, **monitor_kwargs: Any):
+        from .monitor import _default_run_dir
+
+        self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
+        self.config = dict(config or {})
+        self.monitor_kwargs = monitor_kwargs
+        self.name = monitor_kwargs.get("name") or self.run_dir.name
+        self.monitor: Monitor | None = None
+        self.handle: FitRun | None = None
+        self._commands = ctl.CommandQueue()  # shared with the handle, then the Monitor
+        self._losses: list[Any] = []
+        self._masks: list[Any] = []
+
+    def _rec(self) -> Any:
+        return self.monitor._recorder if self.monitor is not None else None
+
+    def _adopt(self, mon: Monitor) -> None:
+        """The Monitor of the fit now begun takes the commands queued so far."""
+        self.monitor = mon
+        mon._commands = self._commands
+        if self.handle is not None:
+            self.handle.monitor = mon
+
+    def _record_step(self, host: dict[str, float], reduction: str) -> bool:
+        """Record the optimizer step just taken from its micro-batches' losses (each
+        already divided by the accumulation count, so summed) and masks; apply the
+        commands (pause blocks here). True once the fit should stop."""
+        import torch
+
+        from .probes.data import batch_figures
+
+        rec = self._rec()
+        losses, masks, self._losses, self._masks = self._losses, self._masks, [], []
+        names: list[str] = []
+        parts: list[Any] = []
+        lengths = samples = None
+        if losses:
+            names.append("loss/train")
+            parts.append(torch.stack([x.float().reshape(()) for x in losses]).sum().reshape(1))
+        if masks:
+            mnames, mparts, host["_padded"], lengths = batch_figures(masks)
+            names += mnames
+            parts += mparts
+            samples = sum(int(m.shape[0]) for m in masks)
+        rec.record_step(host, names, parts, lengths=lengths, samples=samples,
+                        reduction=reduction)
+        return rec.boundary()
+
+    def _end(self, error: BaseException | None) -> None:
+        """The fit returned (or raised): end the run as finished, stopped or failed."""
+        if self.monitor is not None:
+            self.monitor._end_loop(error)
+
+    def _launch(self, fit: Callable[[], Any], display: bool | None) -> FitRun:
+        """Run `fit` in a background thread; return its handle (and show the dashboard)."""
+        from .monitor import _in_notebook, check_run_dir
+
+        check_run_dir(self.run_dir)
+        handle = self.handle = FitRun(self.run_dir, self.name, self._commands)
+        handle._start(fit, self._end)
+        if display is None:
+            display = _in_notebook()
+        if display:
+            handle.show()
+        return handle
 
 
 def unwrap(obj: Any, attr: str) -> Any:

@@ -27,18 +27,16 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 import torch
 
-from . import controls as ctl
-from .fit import FitRun, unwrap
-from .monitor import Monitor, _default_run_dir, _in_notebook, check_run_dir
+from .fit import Adapter, FitRun, unwrap
+from .monitor import Monitor
 from .probes.attention import take_samples
-from .probes.data import batch_figures
 
 __all__ = ["NbwatchCallback", "start"]
 SUPPORTED = "transformers 4.46 – 5.x (tested with 5.24)"
 _NOT_METRICS = ("runtime", "samples_per_second", "steps_per_second", "epoch")
 
 
-class NbwatchCallback(TrainerCallback):
+class NbwatchCallback(Adapter, TrainerCallback):
     """Records every optimizer step of a `Trainer` into `run_dir`, and takes the controls.
 
     Keyword arguments are the Monitor's: `config` (stored beside the TrainingArguments),
@@ -48,16 +46,8 @@ class NbwatchCallback(TrainerCallback):
 
     def __init__(self, run_dir: str | os.PathLike | None = None,
                  config: dict[str, Any] | None = None, **monitor_kwargs: Any):
-        self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
-        self.config = dict(config or {})
-        self.monitor_kwargs = monitor_kwargs
-        self.name = monitor_kwargs.get("name") or self.run_dir.name
-        self.monitor: Monitor | None = None
+        super().__init__(run_dir, config, **monitor_kwargs)
         self.trainer: Trainer | None = None
-        self.handle: FitRun | None = None
-        self._commands = ctl.CommandQueue()
-        self._losses: list[torch.Tensor] = []
-        self._masks: list[torch.Tensor] = []
         self._save_reason: str | None = None
         self._wrapped: list[str] = []
 
@@ -76,11 +66,9 @@ class NbwatchCallback(TrainerCallback):
         scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)
         kwargs = {"display": False, "probe_fn": probe_forward, **self.monitor_kwargs}
         config = {"trainer": args.to_sanitized_dict(), **self.config}
-        mon = self.monitor = Monitor(model, opt, sched, self.run_dir, config, scaler=scaler,
-                                     max_steps=state.max_steps or None, **kwargs)
-        mon._commands = self._commands  # the queue a FitRun handle has been filling
-        if self.handle is not None:
-            self.handle.monitor = mon
+        mon = Monitor(model, opt, sched, self.run_dir, config, scaler=scaler,
+                      max_steps=state.max_steps or None, **kwargs)
+        self._adopt(mon)
         rec = mon._open_loop(start_step=state.global_step or None, framework="hf")
         rec.save_fn = self._save
         rec.framework_clip = args.max_grad_norm or None
@@ -92,35 +80,18 @@ class NbwatchCallback(TrainerCallback):
                 "clipping and the emergency checkpoint is off; use nbwatch.hf.start(trainer)")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        rec = self.monitor._recorder if self.monitor is not None else None
-        if rec is None:
+        if self._rec() is None:
             return
-        losses, masks, self._losses, self._masks = self._losses, self._masks, [], []
-        host: dict[str, float] = {}
-        names: list[str] = []
-        parts: list[torch.Tensor] = []
-        lengths = samples = None
-        if losses:
-            names.append("loss/train")
-            parts.append(torch.stack([x.float().reshape(()) for x in losses]).sum().reshape(1))
-        if masks:
-            mnames, mparts, host["_padded"], lengths = batch_figures(masks)
-            names += mnames
-            parts += mparts
-            samples = sum(int(m.shape[0]) for m in masks)
-        if state.epoch is not None:
-            host["epoch"] = float(state.epoch)
-        rec.record_step(host, names, parts, lengths=lengths, samples=samples,
-                        reduction="the Trainer's loss, summed over accumulation micro-batches")
-        if rec.boundary():  # pause blocks here: between two optimizer steps
-            control.should_training_stop = True
+        host = {"epoch": float(state.epoch)} if state.epoch is not None else {}
+        if self._record_step(host, "the Trainer's loss, mean over accumulation micro-batches"):
+            control.should_training_stop = True  # stopped between two optimizer steps
             self._save_reason = "stop"
         if self._save_reason is not None:
             control.should_save = True
 
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: Any = None,
                     eval_dataloader: Any = None, model: Any = None, **kw: Any) -> None:
-        rec = self.monitor._recorder if self.monitor is not None else None
+        rec = self._rec()
         if rec is None or not metrics or rec.ended:
             return
         if (rec.spec.probe_batch is None and rec.spec.attention_samples > 0
@@ -130,7 +101,7 @@ class NbwatchCallback(TrainerCallback):
         rec.evaluate(eval_figures(metrics))
 
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        rec = self.monitor._recorder if self.monitor is not None else None
+        rec = self._rec()
         if rec is None:
             return
         path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
@@ -146,7 +117,7 @@ class NbwatchCallback(TrainerCallback):
         """The recorder's checkpoints, the Trainer's way."""
         if reason in ("final", "stop") or reason == "periodic":
             return  # the Trainer's save strategy; a stop asks for one at its step
-        rec = self.monitor._recorder if self.monitor is not None else None
+        rec = self._rec()
         if reason == "emergency" and self.trainer is not None and rec is not None:
             try:  # the fit raised: the Trainer will not reach its own save
                 self.trainer._save_checkpoint(self.trainer.model, trial=None)
@@ -172,7 +143,7 @@ class NbwatchCallback(TrainerCallback):
             return loss
 
         def clip_grad_norm(model: Any) -> Any:
-            rec = self.monitor._recorder if self.monitor is not None else None
+            rec = self._rec()
             if rec is not None:
                 rec.pre_step()  # pre-clip norms, and the skip / clip rules of nbwatch
             return clip(model)
@@ -188,10 +159,8 @@ class NbwatchCallback(TrainerCallback):
         self._wrapped = []
 
     def _end(self, error: BaseException | None) -> None:
-        """The fit returned (or raised): end the run as finished, stopped or failed."""
         self._unwrap()
-        if self.monitor is not None:
-            self.monitor._end_loop(error)
+        super()._end(error)
 
 
 def start(trainer: Trainer, run_dir: str | os.PathLike | None = None, *,
@@ -207,15 +176,8 @@ def start(trainer: Trainer, run_dir: str | os.PathLike | None = None, *,
     cb = cbs[0] if cbs else NbwatchCallback(run_dir, config, **(monitor or {}))
     if not cbs:
         trainer.add_callback(cb)
-    check_run_dir(cb.run_dir)
     cb.trainer = trainer
-    handle = cb.handle = FitRun(cb.run_dir, cb.name, cb._commands)
-    handle._start(lambda: trainer.train(**train_kwargs), cb._end)
-    if display is None:
-        display = _in_notebook()
-    if display:
-        handle.show()
-    return handle
+    return cb._launch(lambda: trainer.train(**train_kwargs), display)
 
 
 def eval_figures(metrics: Mapping[str, Any]) -> dict[str, float]:

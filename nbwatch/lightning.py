@@ -27,37 +27,19 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 import torch
 
-from . import controls as ctl
-from .fit import FitRun
-from .monitor import Monitor, _default_run_dir, _in_notebook, check_run_dir
+from .fit import Adapter, FitRun
+from .monitor import Monitor
 from .probes.attention import take_samples
-from .probes.data import batch_figures
 
 __all__ = ["NbwatchCallback", "start"]
 SUPPORTED = "lightning 2.2 – 2.x (tested with 2.6)"
 _MASK_KEYS = ("attention_mask", "mask")
 
 
-class NbwatchCallback(pl.Callback):
+class NbwatchCallback(Adapter, pl.Callback):
     """Records every optimizer step of a Lightning fit into `run_dir`, and takes the
     controls. Keyword arguments are the Monitor's (`name`, `alerts`, `probe_batch`,
     `probe_fn`, `hist_every`, `rank_every`, …)."""
-
-    def __init__(self, run_dir: str | os.PathLike | None = None,
-                 config: dict[str, Any] | None = None, **monitor_kwargs: Any):
-        self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
-        self.config = dict(config or {})
-        self.monitor_kwargs = monitor_kwargs
-        self.name = monitor_kwargs.get("name") or self.run_dir.name
-        self.monitor: Monitor | None = None
-        self.handle: FitRun | None = None
-        self._commands = ctl.CommandQueue()
-        self._losses: list[torch.Tensor] = []
-        self._masks: list[torch.Tensor] = []
-        self._save_reason: str | None = None
-
-    def _rec(self) -> Any:
-        return self.monitor._recorder if self.monitor is not None else None
 
     # -- Lightning's events -------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -80,11 +62,9 @@ class NbwatchCallback(pl.Callback):
                   "precision": str(trainer.precision), **self.config}
         max_steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         kwargs = {"display": False, **self.monitor_kwargs}
-        mon = self.monitor = Monitor(pl_module, opt, sched, self.run_dir, config,
-                                     max_steps=max_steps, **kwargs)
-        mon._commands = self._commands
-        if self.handle is not None:
-            self.handle.monitor = mon
+        mon = Monitor(pl_module, opt, sched, self.run_dir, config, max_steps=max_steps,
+                      **kwargs)
+        self._adopt(mon)
         rec = mon._open_loop(start_step=trainer.global_step or None, framework="lightning")
         rec.hook_measures = False  # the closure's backward runs inside optimizer.step
         rec.save_fn = lambda reason: self._save(trainer, reason)
@@ -115,25 +95,9 @@ class NbwatchCallback(pl.Callback):
             self._losses.append(loss.detach())
         if not rec.stepped:
             return  # accumulating: the optimizer steps at a later batch
-        losses, masks, self._losses, self._masks = self._losses, self._masks, [], []
-        host: dict[str, float] = {"epoch": float(trainer.current_epoch)}
-        names: list[str] = []
-        parts: list[torch.Tensor] = []
-        lengths = samples = None
-        if losses:
-            names.append("loss/train")
-            # Lightning hands each micro-batch's loss divided by the accumulation count:
-            # their sum is the step's mean loss
-            parts.append(torch.stack([x.float().reshape(()) for x in losses]).sum().reshape(1))
-        if masks:
-            mnames, mparts, host["_padded"], lengths = batch_figures(masks)
-            names += mnames
-            parts += mparts
-            samples = sum(int(m.shape[0]) for m in masks)
-        rec.record_step(host, names, parts, lengths=lengths, samples=samples,
-                        reduction="training_step's loss, mean over accumulation micro-batches")
-        if rec.boundary():  # pause blocks here: between two optimizer steps
-            trainer.should_stop = True
+        host = {"epoch": float(trainer.current_epoch)}
+        if self._record_step(host, "training_step's loss, mean over accumulation micro-batches"):
+            trainer.should_stop = True  # stopped between two optimizer steps
             self._save(trainer, "stop")
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
@@ -171,10 +135,6 @@ class NbwatchCallback(pl.Callback):
         if rec is not None:
             rec.note_checkpoint(reason, path, time.perf_counter() - t0)
 
-    def _end(self, error: BaseException | None) -> None:
-        if self.monitor is not None:
-            self.monitor._end_loop(error)
-
 
 def start(trainer: pl.Trainer, module: pl.LightningModule, *args: Any,
           run_dir: str | os.PathLike | None = None, config: dict[str, Any] | None = None,
@@ -189,14 +149,7 @@ def start(trainer: pl.Trainer, module: pl.LightningModule, *args: Any,
     cb = cbs[0] if cbs else NbwatchCallback(run_dir, config, **(monitor or {}))
     if not cbs:
         trainer.callbacks.append(cb)
-    check_run_dir(cb.run_dir)
-    handle = cb.handle = FitRun(cb.run_dir, cb.name, cb._commands)
-    handle._start(lambda: trainer.fit(module, *args, **fit_kwargs), cb._end)
-    if display is None:
-        display = _in_notebook()
-    if display:
-        handle.show()
-    return handle
+    return cb._launch(lambda: trainer.fit(module, *args, **fit_kwargs), display)
 
 
 def val_figures(metrics: Mapping[str, Any]) -> dict[str, float]:

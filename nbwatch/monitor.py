@@ -25,7 +25,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -41,7 +40,7 @@ from .probes.data import batch_figures
 from .probes.system import SystemSampler, gpu_names, open_nvml
 from .recorder import SAME_ON_EVERY_RANK, Progress, RunSpec, StepRecorder, StopTraining
 from .records import Command, Event, Scalars
-from .run import Run
+from .run import Readout, Run
 from .runner import Runner, run_in_thread
 from .store import DB_NAME, RunStore, is_run_dir
 
@@ -91,7 +90,7 @@ _LIVE = ("starting", "running", "paused")
 _OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-class Monitor(ctl.Controls):
+class Monitor(ctl.Controls, Readout):
     """Train in a background thread while every step is measured into `run_dir`.
 
     >>> mon = nbwatch.Monitor(model, optimizer, scheduler, run_dir="runs/exp1",
@@ -713,27 +712,6 @@ class Monitor(ctl.Controls):
             with contextlib.suppress(RuntimeError):  # a failed writer: read what it committed
                 self._store.flush()
         return Run(self.run_dir) if (self.run_dir / DB_NAME).is_file() else None
-
-    @property
-    def df(self) -> pd.DataFrame:
-        """One row per step (index `step`), one column per scalar."""
-        run = self._run()
-        return run.df if run is not None else pd.DataFrame(index=pd.Index([], name="step"))
-
-    @property
-    def events(self) -> pd.DataFrame:
-        """Alerts, actions, checkpoints and state changes: step, kind, severity, message."""
-        run = self._run()
-        if run is None:
-            return pd.DataFrame(columns=["step", "wall", "kind", "severity", "message", "data"])
-        return run.events
-
-    def export_html(self, path: str | os.PathLike) -> Path:
-        """Write this run (so far) as one self-contained HTML file; returns its path."""
-        from .export import export_html
-
-        self._run()  # commits what is queued
-        return export_html(self.run_dir, path)
 
     def diagnose(self) -> list:
         """Findings that explain the run so far (val periodicity, step-time bottleneck…)."""

@@ -11,6 +11,37 @@ import pandas as pd
 from .store import RunReader
 
 
+class Readout:
+    """`df`, `events` and `export_html` of a run still being written (a Monitor, a fit's
+    handle): subclasses give `run_dir` and `_run()`, the Run so far or None."""
+
+    run_dir: Path
+
+    def _run(self) -> Run | None:
+        raise NotImplementedError
+
+    @property
+    def df(self) -> pd.DataFrame:
+        """One row per step (index `step`), one column per scalar."""
+        run = self._run()
+        return run.df if run is not None else pd.DataFrame(index=pd.Index([], name="step"))
+
+    @property
+    def events(self) -> pd.DataFrame:
+        """Alerts, actions, checkpoints and state changes: step, kind, severity, message."""
+        run = self._run()
+        if run is None:
+            return pd.DataFrame(columns=["step", "wall", "kind", "severity", "message", "data"])
+        return run.events
+
+    def export_html(self, path: str | Path) -> Path:
+        """Write this run (so far) as one self-contained HTML file; returns its path."""
+        from .export import export_html
+
+        self._run()  # commits what is queued
+        return export_html(self.run_dir, path)
+
+
 class Run:
     """Read-only access to a run folder, finished or still being written.
 

@@ -10,6 +10,7 @@ so pause, stop, clip, LR factor and checkpoint never split the replicas.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -47,6 +48,15 @@ class Dist:
         # A CPU group of our own: figures are small, and its timeout bounds a dead peer.
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         return cls(dist.get_rank(), dist.get_world_size(), every, group, dist.get_backend())
+
+    def close(self) -> None:
+        """Destroy nbwatch's own group (a live gloo group aborts the process at exit)."""
+        import torch.distributed as dist
+
+        if self.group is not None and dist.is_initialized():
+            with contextlib.suppress(Exception):  # gone already with the default group
+                dist.destroy_process_group(self.group)
+        self.group = None
 
     def exchange(self, rows: list[tuple[int, dict[str, float]]], commands: list[Command]
                  ) -> tuple[list[list[tuple[int, dict[str, float]]]], list[Command]]:

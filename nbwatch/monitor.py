@@ -547,6 +547,8 @@ class Monitor(ctl.Controls, Readout):
                 sampler.stop()
             if store is not None:
                 store.close()
+            if rec is not None and rec.dist is not None:
+                rec.dist.close()  # nbwatch's own gloo group: its threads must not outlive us
         finally:
             if handler is not None and rec is not None:
                 rec.log.removeHandler(handler)

@@ -189,3 +189,27 @@ def test_without_lightning_the_error_names_the_extra():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT).stdout
     assert "pip install 'nbwatch[lightning]'" in out
+
+
+def test_ddp_stop_from_attach_ends_both_ranks_at_one_step(tmp_path, monkeypatch):
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    job = nbwatch.launch(ROOT / "tests" / "scripts" / "pl_ddp_train.py", nproc=2,
+                         run_dir=run_dir, args=[out], display=False)
+    proc = job.process
+    try:
+        job.wait_started(120)
+        until(lambda: job.step >= 12, timeout=120, what="step 12")
+        job.scale_lr(0.5)
+        job.stop()
+        assert proc.wait(timeout=120) == 0, (run_dir / "torchrun.log").read_text()[-3000:]
+    finally:
+        proc.kill()
+        job.close()
+    steps = [int((out / f"step_rank{r}.txt").read_text()) for r in (0, 1)]
+    run = nbwatch.open_run(run_dir)
+    assert run.state == "stopped" and steps[0] == steps[1] == run.step
+    df = run.df
+    assert run.meta["run"]["world_size"] == 2 and df["rank1/loss"].notna().all()
+    assert df["rank0/lr"].tolist() == df["rank1/lr"].tolist()  # the cut on both, at once

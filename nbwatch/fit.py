@@ -163,7 +163,7 @@ class Adapter:
         lengths = samples = None
         if losses:
             names.append("loss/train")
-            parts.append(torch.stack([x.float().reshape(()) for x in losses]).sum().reshape(1))
+            parts.append(torch.stack([x.float().reshape(()) for x in losses]).sum())
         if masks:
             mnames, mparts, host["_padded"], lengths = batch_figures(masks)
             names += mnames

@@ -797,7 +797,8 @@ def _add_figure(host: dict[str, float], names: list[str], parts: list[torch.Tens
                 f"mon.log(): {what} has shape {tuple(v.shape)}, not one value: reduce it "
                 "first (e.g. loss.mean(), or a masked mean over real tokens)")
         names.append(name)
-        parts.append(v.detach().float().reshape(1))
+        v = v.detach()
+        parts.append(v if v.dim() == 0 else v.reshape(()))
     elif isinstance(v, numbers.Real) and not isinstance(v, bool):
         host[name] = float(v)
     else:

@@ -434,7 +434,7 @@ class StepRecorder:
         step = self.step + 1
         lrs = ctl.lrs(self.opt)  # the LR this step uses
         norms, layer_of, grads = param_grad_norms(self.layers)
-        dev = norms.device
+        dev = self.layers.params[0].device
         names: list[str] = []
         parts: list[torch.Tensor] = []
         deferred, self._deferred = self._deferred, None
@@ -451,12 +451,12 @@ class StepRecorder:
         found_inf = getattr(self.opt, "found_inf", None)
         if isinstance(scale, torch.Tensor):
             names.append("_grad_scale")
-            parts.append(scale.reshape(1).float())
+            parts.append(scale.reshape(()).float())
         if isinstance(found_inf, torch.Tensor):
             names.append("_found_inf")
-            parts.append(found_inf.reshape(1).float())
-        parts.append(norms)
-        host = _to_host(parts, dev)  # the sync
+            parts.append(found_inf.reshape(()).float())
+        parts += norms
+        host = _to_host(parts, dev) if parts else []  # the sync
         k, nd = len(names), len(deferred.names) if deferred is not None else 0
         if deferred is not None:
             deferred.values.update(zip(deferred.names, host[:nd]))
@@ -797,11 +797,14 @@ def _dir_bytes(path: Path) -> int:
 
 
 def _to_host(parts: list[torch.Tensor], device: torch.device | None = None) -> list[float]:
-    """One device→host copy of float tensors (0-dim or 1-dim), concatenated."""
+    """One device→host copy of 0-dim tensors: one stack (dtypes promoted), one tolist."""
     if len(parts) == 1:
-        return parts[0].reshape(-1).tolist()
-    dev = device or parts[0].device
-    return torch.cat([t.float().to(dev).reshape(-1) for t in parts]).tolist()
+        return [parts[0].item()]
+    try:
+        return torch.stack(parts).tolist()
+    except RuntimeError:  # on several devices (a model split across GPUs)
+        dev = device or parts[-1].device
+        return torch.stack([t.to(dev) for t in parts]).tolist()
 
 
 def _chains(scheduler: Any) -> bool:

@@ -93,7 +93,7 @@ class Runner:
                 masks.append(out.mask)
         rec.save_reduction(reduction)
         mean = loss_sum / spec.accumulate if spec.accumulate > 1 else loss_sum
-        names, parts = ["loss/train"], [mean.reshape(1)]
+        names, parts = ["loss/train"], [mean]
         padded = 0.0
         if masks:
             mnames, mparts, padded, lengths = batch_figures(masks)

@@ -27,14 +27,18 @@ def mask_stats(mask: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def batch_figures(masks: list[torch.Tensor]
                   ) -> tuple[list[str], list[torch.Tensor], float, torch.Tensor]:
-    """Figures of one optimizer step's masks (one per micro-batch): names, 1-element
-    device tensors (real tokens, mean and max sequence length), the padded token count
-    and the sequence lengths (for the length histogram). No host sync."""
+    """Figures of one optimizer step's masks (one per micro-batch): names, 0-dim device
+    tensors (real tokens, mean and max sequence length), the padded token count and the
+    sequence lengths (for the length histogram). No host sync."""
     figs = [mask_stats(m) for m in masks]
-    tokens = torch.stack([f["tokens"] for f in figs]).sum()
-    mean = torch.stack([f["data/seq_len_mean"] for f in figs]).float().mean()
-    mx = torch.stack([f["data/seq_len_max"] for f in figs]).float().max()
     names = ["tokens/real", "data/seq_len_mean", "data/seq_len_max"]
-    parts = [t.float().reshape(1) for t in (tokens, mean, mx)]
+    if len(figs) == 1:
+        f = figs[0]
+        return names, [f["tokens"], f["data/seq_len_mean"], f["data/seq_len_max"]], \
+            float(masks[0].numel()), f["lengths"]
+    tokens = torch.stack([f["tokens"] for f in figs]).sum()
+    mean = torch.stack([f["data/seq_len_mean"] for f in figs]).mean()
+    mx = torch.stack([f["data/seq_len_max"] for f in figs]).max()
+    parts = [tokens, mean, mx]
     lengths = torch.cat([f["lengths"] for f in figs])
     return names, parts, float(sum(m.numel() for m in masks)), lengths

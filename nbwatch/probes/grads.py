@@ -64,26 +64,21 @@ def layer_sum_sq(per_param: torch.Tensor, index: torch.Tensor, n_layers: int) ->
     return out.index_add_(0, index, per_param.square())
 
 
-def param_grad_norms(layers: Layers) -> tuple[torch.Tensor, tuple[int, ...], list[torch.Tensor]]:
-    """(norm of each gradient [P'] on device, the layer of each, the gradients) for the
-    parameters that have a gradient this step: one `torch._foreach_norm`, no host sync.
+def param_grad_norms(layers: Layers) -> tuple[list[torch.Tensor], tuple[int, ...],
+                                               list[torch.Tensor]]:
+    """(norm of each gradient: 0-dim device tensors, the layer of each, the gradients) for
+    the parameters that have a gradient this step: one `torch._foreach_norm`, no sync.
 
-    The caller copies the norms to the host with the step's other figures and sums them
-    into layers there (`layer_norms`): fewer device ops than an on-device scatter, which
-    matters when the step itself is short.
+    The caller stacks the norms with the step's other figures into one host copy and sums
+    them into layers there (`layer_norms`): fewer device ops than an on-device scatter,
+    which matters when the step itself is short.
     """
     present = [(p.grad, li) for p, li in zip(layers.params, layers.layer_of) if p.grad is not None]
-    dev = layers.params[0].device
     if not present:
-        return torch.zeros(0, device=dev), (), []
+        return [], (), []
     grads = [g for g, _ in present]
-    per = torch._foreach_norm(grads)
-    try:
-        norms = torch.stack(per).float()
-    except RuntimeError:  # gradients on several devices
-        norms = _gather(list(per), dev)
     of = layers.layer_of if len(present) == len(layers.params) else tuple(li for _, li in present)
-    return norms, of, grads
+    return list(torch._foreach_norm(grads)), of, grads
 
 
 def layer_norms(norms: list[float], layer_of: tuple[int, ...], n_layers: int

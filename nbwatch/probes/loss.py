@@ -87,4 +87,4 @@ def parse_step_output(out: object) -> StepOutput:
             "step_fn's loss does not require grad: it was computed under torch.no_grad() "
             "or from detached tensors, so backward() has nothing to do"
         )
-    return StepOutput(loss.reshape(()), mask, reduction)
+    return StepOutput(loss if loss.dim() == 0 else loss.reshape(()), mask, reduction)

@@ -9,7 +9,7 @@ def grad_norms(layers):
     """(global, per-layer, grads) the way the recorder takes them: device norms, one host
     copy, layers summed on the host."""
     norms, layer_of, grads = param_grad_norms(layers)
-    total, per_layer = layer_norms(norms.tolist(), layer_of, len(layers))
+    total, per_layer = layer_norms([float(n) for n in norms], layer_of, len(layers))
     return torch.tensor(total), torch.tensor(per_layer), grads
 
 

@@ -7,7 +7,10 @@ here; the runner drains them between steps and records each as an event.
 from __future__ import annotations
 
 import queue
+import warnings
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -122,16 +125,38 @@ def lrs(optimizer: torch.optim.Optimizer) -> list[float]:
     return [float(g["lr"]) for g in optimizer.param_groups]
 
 
-def scheduler_step(scheduler, optimizer: torch.optim.Optimizer, factor: float) -> None:
-    """`scheduler.step()` that keeps the user's LR factor on top of the schedule.
+def chains(scheduler: Any) -> bool:
+    """Whether `scheduler.step()` scales the current LR (chainable: StepLR, ExponentialLR)
+    rather than recomputing it from `base_lrs` (closed form: LambdaLR, OneCycleLR)."""
+    cached = _CHAINS.get(scheduler)  # never an attribute: state_dict() is its __dict__
+    if cached is not None:
+        return cached
+    groups = scheduler.optimizer.param_groups
+    saved = [g["lr"] for g in groups]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            a = list(scheduler.get_lr())
+            for g in groups:
+                g["lr"] = g["lr"] * 2.0
+            b = list(scheduler.get_lr())
+        chains = any(x != y for x, y in zip(a, b))
+    except Exception:  # a hand-written scheduler: assume closed form, the common case
+        chains = False
+    finally:
+        for g, lr in zip(groups, saved):
+            g["lr"] = lr
+    _CHAINS[scheduler] = chains
+    return chains
 
-    Most schedulers recompute the LR from `base_lrs` (closed form) or from the current
-    group LR (chainable): dividing the factor out first and multiplying it back after
-    gives `factor × schedule` in both cases, where scaling `param_groups` once would be
-    undone (closed form) or compounded (never, but silently wrong on resume).
-    """
-    if factor != 1.0:
-        scale_lrs(optimizer, 1.0 / factor)
-    scheduler.step()
-    if factor != 1.0:
-        scale_lrs(optimizer, factor)
+
+_CHAINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def steps_taken(scheduler: Any) -> Any:
+    """A counter that moves when the scheduler steps (None if it has none)."""
+    for attr in ("_step_count", "last_epoch"):
+        n = getattr(scheduler, attr, None)
+        if n is not None:
+            return n
+    return None

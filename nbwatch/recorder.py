@@ -24,7 +24,6 @@ import logging
 import math
 import time
 import traceback
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -379,7 +378,7 @@ class StepRecorder:
         """The optimizer stepped but the scheduler has not yet (it steps after log())."""
         if self.sched is None or self._sched_count is None:
             return False
-        n = _steps_taken(self.sched)
+        n = ctl.steps_taken(self.sched)
         return n is not None and n == self._sched_count
 
     def _lr_on(self, only_if_scheduled: bool = False) -> None:
@@ -387,7 +386,7 @@ class StepRecorder:
         if not c.lr_raw:
             return
         if only_if_scheduled:
-            n = _steps_taken(self.sched)
+            n = ctl.steps_taken(self.sched)
             if n is not None and n == self._sched_count:
                 return  # the loop steps its scheduler after log(): the next step puts it on
         ctl.scale_lrs(self.opt, c.lr_factor)
@@ -515,7 +514,7 @@ class StepRecorder:
             ratios = wprobe.update_ratios(self.layers, t.before).tolist()
             t.values.update({f"update_ratio/{n}": r for n, r in zip(self.layers.names, ratios)})
             t.before = []  # a histogram step: taken at its end
-        self._sched_count = _steps_taken(self.sched) if self.sched is not None else None
+        self._sched_count = ctl.steps_taken(self.sched) if self.sched is not None else None
         self._lr_off()
         t.t_post = time.perf_counter()
         self._stepped = True
@@ -571,7 +570,7 @@ class StepRecorder:
                                                   torch.Tensor):
             self._scale_ref = self.scaler._scale.clone()  # no sync: compared on overflow only
         if self.sched is not None:
-            self._sched_at_end = _steps_taken(self.sched)
+            self._sched_at_end = ctl.steps_taken(self.sched)
         self._t_boundary = time.perf_counter()
         return step
 
@@ -582,10 +581,10 @@ class StepRecorder:
         c = self.control
         if self.sched is None or c.lr_factor == 1.0 or c.lr_raw:
             return True
-        n = _steps_taken(self.sched)
+        n = ctl.steps_taken(self.sched)
         if n is None or n == self._sched_at_end:
             return True  # the scheduler did not step (the runner skips it on an overflow)
-        if not _chains(self.sched):
+        if not ctl.chains(self.sched):
             ctl.scale_lrs(self.opt, c.lr_factor)
         return False
 
@@ -805,42 +804,3 @@ def _to_host(parts: list[torch.Tensor], device: torch.device | None = None) -> l
     except RuntimeError:  # on several devices (a model split across GPUs)
         dev = device or parts[-1].device
         return torch.stack([t.to(dev) for t in parts]).tolist()
-
-
-def _chains(scheduler: Any) -> bool:
-    """Whether `scheduler.step()` scales the current LR (chainable: StepLR, ExponentialLR)
-    rather than recomputing it from `base_lrs` (closed form: LambdaLR, OneCycleLR)."""
-    cached = _CHAINS.get(scheduler)  # never an attribute: state_dict() is its __dict__
-    if cached is not None:
-        return cached
-    import warnings
-
-    groups = scheduler.optimizer.param_groups
-    saved = [g["lr"] for g in groups]
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            a = list(scheduler.get_lr())
-            for g in groups:
-                g["lr"] = g["lr"] * 2.0
-            b = list(scheduler.get_lr())
-        chains = any(x != y for x, y in zip(a, b))
-    except Exception:  # a hand-written scheduler: assume closed form, the common case
-        chains = False
-    finally:
-        for g, lr in zip(groups, saved):
-            g["lr"] = lr
-    _CHAINS[scheduler] = chains
-    return chains
-
-
-_CHAINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _steps_taken(scheduler: Any) -> Any:
-    """A counter that moves when the scheduler steps (None if it has none)."""
-    for attr in ("_step_count", "last_epoch"):
-        n = getattr(scheduler, attr, None)
-        if n is not None:
-            return n
-    return None

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from nbwatch.controls import CommandQueue, check_clip, check_factor, lrs, scale_lrs, scheduler_step
+import nbwatch
+from nbwatch.controls import CommandQueue, check_clip, check_factor, lrs, scale_lrs
 from nbwatch.records import Command
 
 
@@ -21,23 +22,27 @@ def make(kind):
 
 
 @pytest.mark.parametrize("kind", ["lambda", "cosine", "onecycle", "exponential", "step"])
-def test_scale_lr_survives_the_scheduler(kind):
+def test_scale_lr_survives_the_scheduler(kind, tmp_path):
+    """Through the Monitor's optimizer hooks, as a loop of the user's own steps them."""
     ref_opt, ref_sched = make(kind)
     opt, sched = make(kind)
-    for _ in range(5):
-        ref_opt.step(), ref_sched.step()
-        opt.step(), scheduler_step(sched, opt, 1.0)
-    factor = 0.5
-    scale_lrs(opt, factor)  # what the runner does when scale_lr(0.5) arrives
-    assert lrs(opt)[0] == pytest.approx(factor * lrs(ref_opt)[0])
-    for _ in range(10):
-        ref_opt.step(), ref_sched.step()
-        opt.step(), scheduler_step(sched, opt, factor)
-        assert lrs(opt)[0] == pytest.approx(factor * lrs(ref_opt)[0], rel=1e-9)
+    model = opt.param_groups[0]["params"]
+    with nbwatch.Monitor(torch.nn.Linear(2, 2), opt, sched, run_dir=tmp_path / kind,
+                         display=False, hist_every=0) as mon:
+        for i in range(15):
+            for p in model:
+                p.grad = torch.ones_like(p)
+            ref_opt.step(), ref_sched.step()
+            opt.step(), sched.step()
+            mon.log(loss=0.0)
+            if i == 4:
+                mon.scale_lr(0.5)  # taken at the next log()
+            if i >= 5:
+                assert lrs(opt)[0] == pytest.approx(0.5 * lrs(ref_opt)[0], rel=1e-9), i
 
 
 def test_plain_param_group_scaling_is_undone_by_a_scheduler():
-    # Why scheduler_step exists: the obvious route loses the factor one step later.
+    # Why the factor is taken off around the scheduler: the obvious route loses it.
     opt, sched = make("lambda")
     ref_opt, ref_sched = make("lambda")
     scale_lrs(opt, 0.5)
@@ -58,3 +63,26 @@ def test_queue_and_value_checks():
             check_clip(bad)
         with pytest.raises(ValueError, match="positive finite"):
             check_factor(bad)
+
+
+def test_chains_tells_closed_form_from_chainable_schedulers_and_restores_the_lr():
+    import torch
+
+    from nbwatch.controls import chains
+
+    def sched(make):
+        opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.5)
+        return opt, make(opt)
+
+    for make, expected in (
+        (lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.9 ** s), False),
+        (lambda o: torch.optim.lr_scheduler.OneCycleLR(o, 1.0, total_steps=10), False),
+        (lambda o: torch.optim.lr_scheduler.ExponentialLR(o, 0.9), True),
+        (lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5), True),
+    ):
+        opt, s = sched(make)
+        s.step()
+        before = [g["lr"] for g in opt.param_groups]
+        assert chains(s) is expected, type(s).__name__
+        assert [g["lr"] for g in opt.param_groups] == before
+        assert "_nbwatch" not in str(s.state_dict())

@@ -80,9 +80,9 @@ def test_chains_tells_closed_form_from_chainable_schedulers_and_restores_the_lr(
         (lambda o: torch.optim.lr_scheduler.ExponentialLR(o, 0.9), True),
         (lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5), True),
     ):
-        opt, s = sched(make)
-        s.step()
+        opt, scheduler = sched(make)
+        scheduler.step()
         before = [g["lr"] for g in opt.param_groups]
-        assert chains(s) is expected, type(s).__name__
+        assert chains(scheduler) is expected, type(scheduler).__name__
         assert [g["lr"] for g in opt.param_groups] == before
-        assert "_nbwatch" not in str(s.state_dict())
+        assert "_nbwatch" not in str(scheduler.state_dict())

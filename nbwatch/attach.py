@@ -52,12 +52,14 @@ def last_write(run_dir: Path, reader: RunReader | None = None) -> float | None:
         with contextlib.suppress(FileNotFoundError):  # no WAL once the writer closed
             times.append(p.stat().st_mtime)
     if reader is not None:
-        rows = reader.query(
-            "SELECT (SELECT MAX(wall) FROM steps), (SELECT MAX(wall) FROM events),"
-            " (SELECT value FROM meta WHERE key = 'heartbeat')"
-        )
+        with reader.session():
+            step_wall = reader.last_wall()
+            rows = reader.query(
+                "SELECT (SELECT MAX(wall) FROM events),"
+                " (SELECT value FROM meta WHERE key = 'heartbeat')"
+            )
         if rows:
-            step_wall, event_wall, beat = rows[0]
+            event_wall, beat = rows[0]
             times += [t for t in (step_wall, event_wall) if t is not None]
             if beat is not None:
                 times.append(float(json.loads(beat)))

@@ -150,7 +150,7 @@ class Comparison:
                 part = pd.DataFrame({
                     "run": label,
                     "step": long["step"].to_numpy(),
-                    "wall": long["step"].map(walls).to_numpy(dtype=float) - float(start),
+                    "wall": walls.reindex(long["step"]).to_numpy(dtype=float) - float(start),
                     "metric": long["key"].to_numpy(),
                     "value": long["value"].to_numpy(),
                 })

@@ -1,40 +1,53 @@
-"""The run folder's embedded store: one SQLite file in WAL mode.
+"""The run folder's embedded store: one SQLite file, WAL while a run writes.
 
 One writer thread per run batches records into a transaction at least every
 `flush_interval` seconds, so a `kill -9` loses at most that much; any number of
-readers (this process or another) open their own read-only connections and see
-every committed transaction while the run writes. The schema lives here and only here.
+readers (this process or another) see every committed transaction while the run writes.
+Scalars are stored as blocks (`blocks.py`): one row holds one key family's values for the
+steps of one commit. When the writer closes, the WAL is folded into `nbwatch.db` and
+removed: a finished run is that one file. The schema lives here and only here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 import pandas as pd
 
+from . import blocks
+from .blocks import Layout, Part
 from .records import Attention, Command, Event, Histogram, Sample, Scalars
 
 DB_NAME = "nbwatch.db"
 _RECORDS = (Scalars, Histogram, Attention, Event, Sample, Command)
 _OPS = ("meta", "taken", "truncate")
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+MAX_PENDING = 1_000_000  # scalars queued for the writer before put() waits (back-pressure)
 log = logging.getLogger("nbwatch.store")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS keys (id INTEGER PRIMARY KEY, name TEXT UNIQUE NOT NULL);
-CREATE TABLE IF NOT EXISTS steps (step INTEGER PRIMARY KEY, wall REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS scalars (
-    id INTEGER PRIMARY KEY, step INTEGER NOT NULL, key INTEGER NOT NULL, value REAL);
-CREATE UNIQUE INDEX IF NOT EXISTS scalars_key_step ON scalars (key, step);
+CREATE TABLE IF NOT EXISTS layouts (
+    id INTEGER PRIMARY KEY, family TEXT NOT NULL, dtype TEXT NOT NULL, keys TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS blocks (
+    id INTEGER PRIMARY KEY, layout INTEGER NOT NULL, first INTEGER NOT NULL,
+    last INTEGER NOT NULL, steps BLOB, "values" BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS blocks_layout_last ON blocks (layout, last);
+CREATE TABLE IF NOT EXISTS walls (
+    id INTEGER PRIMARY KEY, first INTEGER NOT NULL, last INTEGER NOT NULL, steps BLOB,
+    walls BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS walls_last ON walls (last);
 CREATE TABLE IF NOT EXISTS histograms (
     id INTEGER PRIMARY KEY, step INTEGER NOT NULL, name TEXT NOT NULL,
     edges BLOB NOT NULL, counts BLOB NOT NULL);
@@ -61,16 +74,30 @@ def is_run_dir(path: str | Path) -> bool:
 
 def _connect(path: Path, readonly: bool) -> sqlite3.Connection:
     if readonly:
-        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10, check_same_thread=False)
-    else:
-        con = sqlite3.connect(path, timeout=10, check_same_thread=False)
-        con.execute("PRAGMA journal_mode=WAL")
-        con.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes
+        uri = f"file:{quote(str(path.resolve()))}?mode=ro"  # `#` and `?` are legal in paths
+        return sqlite3.connect(uri, uri=True, timeout=10, check_same_thread=False)
+    con = sqlite3.connect(path, timeout=10, check_same_thread=False)
+    con.execute("PRAGMA journal_mode=WAL")
+    con.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes
     return con
 
 
+def _version(con: sqlite3.Connection) -> int:
+    tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    if "meta" not in tables:
+        return 0
+    row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    if row is not None:
+        return int(json.loads(row[0]))
+    return 1 if "scalars" in tables else 0
+
+
 class RunReader:
-    """Read-only view of a run folder; safe to use while another process writes it."""
+    """Read-only view of a run folder; safe to use while another process writes it.
+
+    A connection lives only for one call (or one `with reader.session():`), so no reader
+    keeps the database open after its writer has finished with it.
+    """
 
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
@@ -81,72 +108,195 @@ class RunReader:
                 "pass the run_dir given to nbwatch.Monitor"
             )
         self._local = threading.local()
+        self._layouts: dict[int, Layout] = {}
+        self._migrate_if_old()
 
-    def _con(self) -> sqlite3.Connection:
-        con = getattr(self._local, "con", None)
-        if con is None:
-            con = self._local.con = _connect(self.path, readonly=True)
-        return con
+    def _migrate_if_old(self) -> None:
+        con = _connect(self.path, readonly=True)
+        try:
+            version = _version(con)
+        finally:
+            con.close()
+        if version == 1:
+            from .migrate import migrate_v1
+
+            migrate_v1(self.path)
+        elif version > SCHEMA_VERSION:
+            raise RuntimeError(
+                f"{self.path} was written by a newer nbwatch (schema {version}; this one reads"
+                f" up to {SCHEMA_VERSION}): upgrade nbwatch to open it")
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """Hold one connection (and one snapshot) for the queries inside the block."""
+        if getattr(self._local, "con", None) is not None:
+            yield
+            return
+        con = _connect(self.path, readonly=True)
+        con.execute("BEGIN")
+        self._local.con = con
+        try:
+            yield
+        finally:
+            self._local.con = None
+            con.close()
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
-        return self._con().execute(sql, params).fetchall()
-
-    def close(self) -> None:
         con = getattr(self._local, "con", None)
         if con is not None:
+            return con.execute(sql, params).fetchall()
+        con = _connect(self.path, readonly=True)
+        try:
+            return con.execute(sql, params).fetchall()
+        finally:
             con.close()
-            self._local.con = None
+
+    def close(self) -> None:
+        """Nothing to release (connections live for one call); kept for callers."""
 
     # -- metadata -----------------------------------------------------------------------
     def meta(self) -> dict[str, Any]:
         return {k: json.loads(v) for k, v in self.query("SELECT key, value FROM meta")}
 
     def last_step(self) -> int:
-        row = self.query("SELECT MAX(step) FROM steps")
+        row = self.query("SELECT MAX(last) FROM walls")
         return int(row[0][0]) if row and row[0][0] is not None else 0
 
     def keys(self) -> list[str]:
         return [r[0] for r in self.query("SELECT name FROM keys ORDER BY id")]
 
+    def layout(self, layout_id: int) -> Layout:
+        lay = self._layouts.get(layout_id)
+        if lay is None:
+            self._load_layouts()
+            lay = self._layouts[layout_id]
+        return lay
+
+    def _load_layouts(self) -> None:
+        """Layouts are only ever added: read the ones this reader has not seen."""
+        with self.session():
+            names = dict(self.query("SELECT id, name FROM keys"))
+            for i, dtype, ids in self.query("SELECT id, dtype, keys FROM layouts WHERE id > ?",
+                                            (max(self._layouts, default=0),)):
+                self._layouts[i] = Layout(i, tuple(names[k] for k in json.loads(ids)), dtype)
+
     # -- scalars ------------------------------------------------------------------------
-    def scalars_long(
-        self, keys: Iterable[str] | None = None, after_id: int = 0
-    ) -> pd.DataFrame:
-        """Scalar rows as a long frame (id, step, key, value), oldest first."""
-        sql = (
-            "SELECT s.id, s.step, k.name, s.value FROM scalars s JOIN keys k ON s.key = k.id"
-            " WHERE s.id > ?"
-        )
+    def _blocks(self, keys: list[str] | None, start: int | None, stop: int | None,
+                after_id: int = 0, limit: int | None = None) -> list[tuple]:
+        """Block rows (id, layout, first, steps, values) that hold any of `keys` (all when
+        None) at a step in [start, stop), oldest first."""
+        sql = 'SELECT id, layout, first, steps, "values" FROM blocks WHERE id > ?'
         params: list[Any] = [after_id]
         if keys is not None:
-            keys = list(keys)
-            sql += f" AND k.name IN ({','.join('?' * len(keys))})"
-            params += keys
-        rows = self.query(sql + " ORDER BY s.id", params)
-        df = pd.DataFrame(rows, columns=["id", "step", "key", "value"])
-        df["value"] = df["value"].astype("float64")
-        return df
+            self._load_layouts()
+            wanted = set(keys)
+            ids = [i for i, lay in self._layouts.items() if wanted.intersection(lay.keys)]
+            sql += f" AND layout IN ({','.join('?' * len(ids))})"
+            params += ids
+        if start is not None:
+            sql += " AND last >= ?"
+            params.append(int(start))
+        if stop is not None:
+            sql += " AND first < ?"
+            params.append(int(stop))
+        sql += " ORDER BY id"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        return self.query(sql, params)
+
+    def series(self, keys: Iterable[str] | None = None, start: int | None = None,
+               stop: int | None = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """{key: (steps, values float64)} for steps in [start, stop), in key order; where a
+        step was recorded twice, the later value wins."""
+        df = self.scalars(keys, start, stop, _trained_rows=False)
+        out = {}
+        for col in df.columns:
+            v = df[col].to_numpy()
+            ok = ~np.isnan(v)
+            out[col] = (df.index.to_numpy()[ok], v[ok])
+        return out
+
+    def scalars(self, keys: Iterable[str] | None = None, start: int | None = None,
+                stop: int | None = None, *, _trained_rows: bool = True) -> pd.DataFrame:
+        """One row per step in [start, stop) (the index), one column per scalar; NaN where a
+        step lacks one. Reads only the blocks that hold `keys` in that range."""
+        keys = list(keys) if keys is not None else None
+        with self.session():
+            rows = self._blocks(keys, start, stop)
+            order = self.keys()
+            for r in rows:
+                self.layout(r[1])
+        wanted = set(order if keys is None else keys)
+        columns = [k for k in order if k in wanted]
+        col_of = {k: i for i, k in enumerate(columns)}
+        parts = []
+        trained = []
+        for _, lid, first, steps, values in rows:
+            lay = self._layouts[lid]
+            s, v = blocks.decode(first, steps, values, lay)
+            if start is not None or stop is not None:
+                keep = (s >= (start if start is not None else s.min())) & (
+                    s < (stop if stop is not None else s.max() + 1))
+                s, v = s[keep], v[keep]
+            take = [j for j, k in enumerate(lay.keys) if k in col_of]
+            if take and len(s):
+                parts.append((s, v, take, [col_of[lay.keys[j]] for j in take]))
+                if not blocks.is_system(blocks.family(lay.keys[0])):
+                    trained.append(s)
+        index = None
+        if keys is None and _trained_rows and trained:
+            index = np.unique(np.concatenate(trained))  # not the sampler's reading before step 1
+        return blocks.frame(parts, columns, index)
 
     def df(self, keys: Iterable[str] | None = None) -> pd.DataFrame:
         """One row per step (the index), one column per scalar; NaN where a step lacks one."""
-        long = self.scalars_long(keys)
-        if long.empty:
-            return pd.DataFrame(index=pd.Index([], name="step", dtype="int64"))
-        wide = long.pivot(index="step", columns="key", values="value")  # (key, step) is unique
-        wide.columns.name = None
-        order = [k for k in self.keys() if k in wide.columns]
-        wide = wide[order]
-        trained = [c for c in order if not c.startswith("system/")]
-        if trained and keys is None:  # a row per step: not the sampler's reading before step 1
-            wide = wide[wide[trained].notna().any(axis=1)]
-        return wide
+        return self.scalars(keys)
+
+    def scalars_long(self, keys: Iterable[str] | None = None) -> pd.DataFrame:
+        """Scalars as a long frame (step, key, value), by key then step."""
+        parts = [pd.DataFrame({"step": s, "key": k, "value": v})
+                 for k, (s, v) in self.series(keys).items()]
+        if not parts:
+            return pd.DataFrame({"step": pd.Series(dtype="int64"), "key": pd.Series(dtype=str),
+                                 "value": pd.Series(dtype="float64")})
+        return pd.concat(parts, ignore_index=True)
 
     def walls(self) -> pd.Series:
         """Wall-clock time (seconds since the epoch) at which each step was recorded."""
-        rows = self.query("SELECT step, wall FROM steps ORDER BY step")
-        return pd.Series(
-            [r[1] for r in rows], index=pd.Index([r[0] for r in rows], name="step"), name="wall"
-        )
+        steps, walls = self._walls(self.query(
+            "SELECT first, steps, walls FROM walls ORDER BY id"))
+        return pd.Series(walls, index=pd.Index(steps, name="step"), name="wall")
+
+    def recent_walls(self, n: int = 64) -> list[tuple[int, float]]:
+        """(step, wall) of the newest `n` recorded steps, oldest first (for rates and ETA)."""
+        rows: list[tuple] = []
+        got = 0
+        while got < n:
+            more = self.query("SELECT id, first, steps, walls FROM walls WHERE id < ?"
+                              " ORDER BY id DESC LIMIT 16", (rows[-1][0] if rows else 2**62,))
+            if not more:
+                break
+            rows += more
+            got += sum(len(r[3]) // 8 for r in more)
+        steps, walls = self._walls([r[1:] for r in reversed(rows)])
+        return list(zip(steps[-n:].tolist(), walls[-n:].tolist()))
+
+    def last_wall(self) -> float | None:
+        """Wall time of the newest recorded step."""
+        rows = self.query("SELECT walls FROM walls ORDER BY id DESC LIMIT 1")
+        return float(np.frombuffer(rows[0][0], dtype=np.float64).max()) if rows else None
+
+    @staticmethod
+    def _walls(rows: list[tuple]) -> tuple[np.ndarray, np.ndarray]:
+        """Rows (first, steps, walls) → sorted unique steps and their first wall."""
+        if not rows:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float64)
+        w = [np.frombuffer(r[2], dtype=np.float64) for r in rows]
+        s = [np.frombuffer(r[1], dtype=np.int64) if r[1] is not None
+             else np.arange(r[0], r[0] + len(x), dtype=np.int64) for r, x in zip(rows, w)]
+        steps, walls = np.concatenate(s), np.concatenate(w)
+        uniq, first = np.unique(steps, return_index=True)
+        return uniq, walls[first]
 
     # -- the other record kinds ---------------------------------------------------------
     def events(self, after_id: int = 0) -> pd.DataFrame:
@@ -216,13 +366,128 @@ class RunReader:
         return [(r[0], Command(r[1], r[2], r[3])) for r in rows]
 
 
-class RunStore(RunReader):
-    """The writable store of one run: records go through `put()` to one writer thread."""
+class ScalarTables:
+    """Writes scalars as blocks (and their steps' walls) on one connection, inside the
+    caller's transaction: the store's writer thread and the schema-1 migration use it."""
 
-    def __init__(self, run_dir: str | Path, flush_interval: float = 0.2):
+    def __init__(self, con: sqlite3.Connection):
+        self.con = con
+        self.key_ids = dict((n, i) for i, n in con.execute("SELECT id, name FROM keys"))
+        self.layout_ids: dict[tuple[str, tuple[int, ...]], int] = {}
+        for i, fam, ids in con.execute("SELECT id, family, keys FROM layouts"):
+            self.layout_ids[(fam, tuple(json.loads(ids)))] = i
+        self.plans: dict[tuple[str, ...], tuple[list[Part], bool]] = {}
+
+    def key(self, name: str) -> int:
+        kid = self.key_ids.get(name)
+        if kid is None:
+            cur = self.con.execute("INSERT INTO keys (name) VALUES (?)", (name,))
+            kid = self.key_ids[name] = int(cur.lastrowid)
+        return kid
+
+    def plan(self, names: tuple[str, ...]) -> tuple[list[Part], bool]:
+        """How a record with these keys splits into layouts, and whether it is a trained
+        step (not the system sampler's reading alone)."""
+        plan = self.plans.get(names)
+        if plan is None:
+            parts = []
+            for fam, cols in blocks.split(names):
+                ids = tuple(self.key(names[c]) for c in cols)
+                lid = self.layout_ids.get((fam, ids))
+                dtype = blocks.dtype_of(fam)
+                if lid is None:
+                    cur = self.con.execute(
+                        "INSERT INTO layouts (family, dtype, keys) VALUES (?, ?, ?)",
+                        (fam, dtype, json.dumps(ids)))
+                    lid = self.layout_ids[(fam, ids)] = int(cur.lastrowid)
+                parts.append(Part(lid, np.array(cols, dtype=np.int64), dtype))
+            trained = any(not blocks.is_system(blocks.family(k)) for k in names)
+            plan = self.plans[names] = (parts, trained)
+        return plan
+
+    def write(self, groups: dict[tuple[str, ...], tuple[list, list, list]]) -> None:
+        """Runs of Scalars, grouped by key names: each group becomes a block per family."""
+        con = self.con
+        wall_steps: list[np.ndarray] = []
+        wall_times: list[np.ndarray] = []
+        rows = []
+        for names, (steps, walls, values) in groups.items():
+            parts, trained = self.plan(names)
+            s = np.array(steps, dtype=np.int64)
+            v = np.array(values, dtype=np.float64).reshape(len(steps), len(names))
+            for p in parts:
+                sub = v if len(p.columns) == len(names) else v[:, p.columns]
+                rows += [(p.layout, *b) for b in blocks.encode(s, sub, p.dtype)]
+            if trained:
+                wall_steps.append(s)
+                wall_times.append(np.array(walls, dtype=np.float64))
+        con.executemany(
+            'INSERT INTO blocks (layout, first, last, steps, "values") VALUES (?, ?, ?, ?, ?)',
+            rows)
+        if wall_steps:
+            s = np.concatenate(wall_steps)
+            w = np.concatenate(wall_times)
+            order = np.argsort(s, kind="stable")
+            con.executemany("INSERT INTO walls (first, last, steps, walls) VALUES (?, ?, ?, ?)",
+                            [(f, la, st, wb) for f, la, st, wb in blocks.encode(
+                                s[order], w[order, None], "f8")])
+        groups.clear()
+
+    def truncate(self, step: int) -> None:
+        """Drop every scalar, wall and record of a step after `step`."""
+        con = self.con
+        for table in ("blocks", "walls"):
+            con.execute(f"DELETE FROM {table} WHERE first > ?", (step,))
+        for bid, lid, first, steps, values in con.execute(
+                'SELECT id, layout, first, steps, "values" FROM blocks WHERE last > ?',
+                (step,)).fetchall():
+            lay = self.layout(lid)
+            s, v = blocks.decode(first, steps, values, lay)
+            keep = s <= step
+            con.execute("DELETE FROM blocks WHERE id = ?", (bid,))
+            if keep.any():
+                con.executemany(
+                    'INSERT INTO blocks (layout, first, last, steps, "values")'
+                    " VALUES (?, ?, ?, ?, ?)",
+                    [(lid, *b) for b in blocks.encode(s[keep], v[keep], lay.dtype)])
+        for wid, first, steps, walls in con.execute(
+                "SELECT id, first, steps, walls FROM walls WHERE last > ?", (step,)).fetchall():
+            w = np.frombuffer(walls, dtype=np.float64)
+            s = (np.frombuffer(steps, dtype=np.int64) if steps is not None
+                 else np.arange(first, first + len(w), dtype=np.int64))
+            keep = s <= step
+            con.execute("DELETE FROM walls WHERE id = ?", (wid,))
+            if keep.any():
+                con.executemany("INSERT INTO walls (first, last, steps, walls) VALUES (?, ?, ?, ?)",
+                                blocks.encode(s[keep], w[keep, None], "f8"))
+        for table in ("histograms", "attention", "samples"):
+            con.execute(f"DELETE FROM {table} WHERE step > ?", (step,))
+
+    def layout(self, lid: int) -> Layout:
+        """A layout as this connection sees it (it may not be committed yet)."""
+        names = {i: n for n, i in self.key_ids.items()}
+        dtype, ids = self.con.execute("SELECT dtype, keys FROM layouts WHERE id = ?",
+                                        (lid,)).fetchone()
+        return Layout(lid, tuple(names[k] for k in json.loads(ids)), dtype)
+
+
+class RunStore(RunReader):
+    """The writable store of one run: records go through `put()` to one writer thread.
+
+    `put()` returns at once while fewer than `max_pending` scalars wait for the writer;
+    past that it blocks the producer (the training thread) until the writer catches up,
+    so memory stays bounded and nothing is dropped.
+    """
+
+    def __init__(self, run_dir: str | Path, flush_interval: float = 0.2,
+                 max_pending: int = MAX_PENDING):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / DB_NAME
+        self._local = threading.local()
+        self._layouts = {}
+        if self.path.is_file():
+            self._migrate_if_old()
         con = _connect(self.path, readonly=False)
         con.executescript(_SCHEMA)
         con.execute(
@@ -230,9 +495,10 @@ class RunStore(RunReader):
         )
         con.commit()
         self._wcon = con
-        self._key_ids = dict((n, i) for i, n in con.execute("SELECT id, name FROM keys"))
-        self._local = threading.local()
+        self._tables = ScalarTables(con)
         self._buf: list[Any] = []
+        self._pending = 0  # scalars in _buf
+        self.max_pending = max_pending
         self._cond = threading.Condition()
         self._written = 0  # batches committed, for flush()
         self._queued = 0
@@ -244,14 +510,29 @@ class RunStore(RunReader):
 
     # -- writer API (any thread) --------------------------------------------------------
     def put(self, record: Any) -> None:
-        """Queue a record (Scalars, Histogram, Attention, Event, Sample) for the next commit."""
+        """Queue a record (Scalars, Histogram, Attention, Event, Sample) for the next commit;
+        blocks while the writer is `max_pending` scalars behind."""
         if self.error is not None:
             raise RuntimeError(f"the run store at {self.path} stopped writing") from self.error
-        if not isinstance(record, _RECORDS) and not (isinstance(record, tuple) and record
-                                                     and record[0] in _OPS):
+        if isinstance(record, Scalars):
+            n = len(record.values)
+        elif isinstance(record, _RECORDS) or (isinstance(record, tuple) and record
+                                              and record[0] in _OPS):
+            n = 1
+        else:
             raise TypeError(f"cannot store a {type(record).__name__}")  # here, not in a batch
         with self._cond:
+            if self._pending >= self.max_pending:
+                self._cond.notify_all()
+                while self._pending >= self.max_pending and self._thread.is_alive():
+                    self._cond.wait(1.0)
+                if self.error is not None:
+                    raise RuntimeError(
+                        f"the run store at {self.path} stopped writing") from self.error
             self._buf.append(record)
+            self._pending += n
+            if self._pending >= self.max_pending // 2:
+                self._cond.notify_all()  # write now, not at the next interval
 
     def set_meta(self, key: str, value: Any) -> None:
         self.put(("meta", key, json.dumps(value, default=str)))
@@ -281,13 +562,13 @@ class RunStore(RunReader):
             raise TimeoutError(f"the run store at {self.path} did not commit within {timeout}s")
 
     def close(self) -> None:
+        """Commit what is queued, fold the WAL into `nbwatch.db` and remove it."""
         if self._thread.is_alive():
-            self.flush()
+            self.flush(timeout=60)
             self._stop.set()
             with self._cond:
                 self._cond.notify_all()
-            self._thread.join(timeout=10)
-        super().close()
+            self._thread.join(timeout=60)
 
     # -- writer thread ------------------------------------------------------------------
     def _loop(self) -> None:
@@ -295,11 +576,14 @@ class RunStore(RunReader):
             while True:
                 with self._cond:
                     self._cond.wait_for(
-                        lambda: self._stop.is_set() or self._queued > self._written,
+                        lambda: (self._stop.is_set() or self._queued > self._written
+                                 or self._pending >= self.max_pending // 2),
                         self.flush_interval,
                     )
                     batch, self._buf = self._buf, []
+                    self._pending = 0
                     target = self._queued
+                    self._cond.notify_all()  # a put() waiting on back-pressure goes on
                 if batch:
                     self._write(batch)
                 with self._cond:
@@ -307,7 +591,8 @@ class RunStore(RunReader):
                     self._cond.notify_all()
                 if self._stop.is_set():
                     break
-        except BaseException as e:  # never die silently: flush() re-raises it
+            self._fold_wal()
+        except BaseException as e:  # never die silently: flush() and put() re-raise it
             self.error = e
             log.exception("nbwatch store writer failed; records after this point are lost")
             with self._cond:
@@ -315,42 +600,36 @@ class RunStore(RunReader):
         finally:
             self._wcon.close()
 
-    def _key(self, name: str) -> int:
-        kid = self._key_ids.get(name)
-        if kid is None:
-            cur = self._wcon.execute("INSERT INTO keys (name) VALUES (?)", (name,))
-            kid = self._key_ids[name] = int(cur.lastrowid)
-        return kid
+    def _fold_wal(self) -> None:
+        """Checkpoint the WAL into the database file and leave WAL mode, so the run folder's
+        `nbwatch.db` alone holds every record. A reader of another process that holds the
+        file open at this moment keeps the (emptied) WAL until the next writer."""
+        con = self._wcon
+        for _ in range(20):
+            try:
+                con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                if con.execute("PRAGMA journal_mode=DELETE").fetchone()[0] == "delete":
+                    return
+            except sqlite3.OperationalError:
+                pass
+            time.sleep(0.05)
+        log.warning("%s: a reader held the database open; its WAL is emptied but kept",
+                    self.path)
 
     def _write(self, batch: list[Any]) -> None:
         con = self._wcon
-        ids = self._key_ids
-        rows: list[tuple[int, int, float]] = []  # consecutive Scalars: one executemany
-        steps: list[tuple[int, float]] = []
-
-        def flush_scalars() -> None:
-            if rows:
-                con.executemany(
-                    "INSERT OR REPLACE INTO scalars (step, key, value) VALUES (?, ?, ?)", rows)
-                rows.clear()
-            if steps:
-                con.executemany("INSERT OR IGNORE INTO steps VALUES (?, ?)", steps)
-                steps.clear()
-
+        groups: dict[tuple[str, ...], tuple[list, list, list]] = {}
         with con:  # one transaction
             for r in batch:
                 if isinstance(r, Scalars):
-                    step = r.step
-                    system = True
-                    for k, v in r.values.items():
-                        kid = ids.get(k)
-                        rows.append((step, kid if kid is not None else self._key(k), float(v)))
-                        if system and not k.startswith("system/"):
-                            system = False
-                    if not system:
-                        steps.append((step, r.wall))
+                    names = tuple(r.values)
+                    g = groups.get(names)
+                    if g is None:
+                        g = groups[names] = ([], [], [])
+                    g[0].append(r.step)
+                    g[1].append(r.wall)
+                    g[2].append(list(r.values.values()))
                     continue
-                flush_scalars()  # records keep their order (a truncate, a meta write…)
                 if isinstance(r, Histogram):
                     con.execute(
                         "INSERT INTO histograms (step, name, edges, counts) VALUES (?, ?, ?, ?)",
@@ -397,8 +676,10 @@ class RunStore(RunReader):
                 elif r[0] == "taken":
                     con.execute("UPDATE commands SET taken = 1 WHERE id = ?", (r[1],))
                 elif r[0] == "truncate":
-                    for table in ("scalars", "steps", "histograms", "attention", "samples"):
-                        con.execute(f"DELETE FROM {table} WHERE step > ?", (r[1],))
+                    if groups:  # scalars queued before a truncate are cut by it
+                        self._tables.write(groups)
+                    self._tables.truncate(r[1])
                 else:
                     raise TypeError(f"cannot store a {type(r).__name__}")
-            flush_scalars()
+            if groups:
+                self._tables.write(groups)

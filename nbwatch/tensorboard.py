@@ -53,7 +53,7 @@ def to_tensorboard(
         writer = SummaryWriter(log_dir=str(out))
         try:
             long = reader.scalars_long()
-            long = long.sort_values(["step", "id"], kind="stable")
+            long = long.sort_values("step", kind="stable")
             for step, key, value in zip(long["step"].tolist(), long["key"].tolist(),
                                         long["value"].tolist()):
                 writer.add_scalar(key, value, step, walltime=wall_of.get(step, default_wall))

@@ -6,6 +6,7 @@ import time
 import numpy as np
 import pytest
 
+from nbwatch.panels.tail import Tail
 from nbwatch.records import Attention, Command, Event, Histogram, Sample, Scalars
 from nbwatch.store import RunReader, RunStore
 
@@ -50,11 +51,12 @@ def test_rewriting_a_step_replaces_its_value_and_tail_sees_it(store):
     store.put(Scalars(1, {"a": 1.0}))
     store.flush()
     r = RunReader(store.run_dir)
-    first = r.scalars_long()
+    tail = Tail(r)
+    assert tail.poll().scalars["a"][1].tolist() == [1.0]
     store.put(Scalars(1, {"a": 5.0}))
     store.flush()
-    new = r.scalars_long(after_id=int(first.id.max()))
-    assert new.value.tolist() == [5.0]
+    steps, values = tail.poll().scalars["a"]
+    assert steps.tolist() == [1] and values.tolist() == [5.0]
     assert r.df().loc[1, "a"] == 5.0
 
 

@@ -1,7 +1,8 @@
 """Read what is new in a run's store since the last call, by id cursors.
 
 Every query is `WHERE id > cursor` on a primary key, capped at `chunk` rows, so one call
-costs what arrived since the previous one, not what the run holds. A run folder being
+costs what arrived since the previous one, not what the run holds. Each poll reads in
+one snapshot (`reader.session()`). A run folder being
 written by another process is read the same way.
 """
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..blocks import decode
 from ..store import RunReader
 
 
@@ -36,9 +38,10 @@ class Delta:
 class Tail:
     """Incremental reader of one run folder."""
 
-    def __init__(self, reader: RunReader, chunk: int = 200_000):
+    def __init__(self, reader: RunReader, chunk: int = 200_000, blocks: int = 4096):
         self.reader = reader
         self.chunk = chunk
+        self.blocks = blocks
         self.scalar_id = self.event_id = self.hist_id = self.attn_id = self.sample_id = 0
         self._meta_raw: list[tuple] | None = None
 
@@ -46,17 +49,19 @@ class Tail:
         """What arrived since the previous call. The cursors move only when every query has
         succeeded, so a failed poll (sqlite3.OperationalError while the writer is still
         creating the schema) loses nothing: call it again."""
+        with self.reader.session():
+            return self._poll()
+
+    def _poll(self) -> Delta:
         q = self.reader.query
         d = Delta()
         scalar_id, event_id, hist_id, attn_id, sample_id = (
             self.scalar_id, self.event_id, self.hist_id, self.attn_id, self.sample_id)
-        rows = q(
-            "SELECT s.id, s.step, k.name, s.value FROM scalars s JOIN keys k ON s.key = k.id"
-            " WHERE s.id > ? ORDER BY s.id LIMIT ?", (scalar_id, self.chunk))
+        rows = self.reader._blocks(None, None, None, after_id=scalar_id, limit=self.blocks)
         if rows:
             scalar_id = rows[-1][0]
-            d.more = len(rows) == self.chunk
-            d.scalars = _group(rows)
+            d.more = len(rows) == self.blocks
+            d.scalars = self._group(rows)
         rows = q("SELECT id, step, wall, kind, severity, message, data FROM events"
                  " WHERE id > ? ORDER BY id", (event_id,))
         if rows:
@@ -99,17 +104,28 @@ class Tail:
 
     def recent_walls(self, n: int = 64) -> list[tuple[int, float]]:
         """(step, wall) of the newest `n` recorded steps, oldest first (for rates and ETA)."""
-        rows = self.reader.query("SELECT step, wall FROM steps ORDER BY step DESC LIMIT ?", (n,))
-        return [(int(s), float(w)) for s, w in reversed(rows)]
+        return self.reader.recent_walls(n)
 
-
-def _group(rows: list[tuple]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Rows (id, step, key, value) → {key: (steps int64, values float32)}, keys in order of
-    first appearance (for per-layer keys: the model's depth order)."""
-    acc: dict[str, tuple[list[int], list[float]]] = {}
-    for _, step, key, value in rows:
-        s, v = acc.get(key) or acc.setdefault(key, ([], []))
-        s.append(step)
-        v.append(np.nan if value is None else value)
-    return {k: (np.array(s, dtype=np.int64), np.array(v, dtype=np.float32))
-            for k, (s, v) in acc.items()}
+    def _group(self, rows: list[tuple]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Block rows → {key: (steps int64, values float32)}, keys in order of first
+        appearance (for per-layer keys: the model's depth order), steps in block order."""
+        acc: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        for _, lid, first, steps, values in rows:
+            lay = self.reader.layout(lid)
+            s, v = decode(first, steps, values, lay)
+            v = v.astype(np.float32, copy=False)
+            for j, key in enumerate(lay.keys):
+                a = acc.get(key) or acc.setdefault(key, ([], []))
+                a[0].append(s)
+                a[1].append(v[:, j])
+        out = {}
+        for k, (s, v) in acc.items():
+            if len(s) == 1:
+                out[k] = (s[0], np.ascontiguousarray(v[0]))
+                continue
+            steps, vals = np.concatenate(s), np.concatenate(v)
+            if (np.diff(steps) < 0).any():  # a key in two layouts (a first step's extra keys)
+                order = np.argsort(steps, kind="stable")
+                steps, vals = steps[order], vals[order]
+            out[k] = (steps, vals)
+        return out

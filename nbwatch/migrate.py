@@ -1,0 +1,62 @@
+"""Run folders written by nbwatch 0.1.0 (schema 1: one SQLite row per scalar) are rewritten
+in place to the current schema the first time they are opened."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import warnings
+from pathlib import Path
+
+from . import store
+
+
+def migrate_v1(path: Path) -> None:
+    """Rewrite a schema-1 `nbwatch.db` as the current schema in one transaction."""
+    try:
+        con = sqlite3.connect(path, timeout=30, isolation_level=None)
+        con.execute("BEGIN IMMEDIATE")
+    except sqlite3.OperationalError as e:
+        raise RuntimeError(
+            f"{path} is an nbwatch 0.1.0 run (schema 1) that must be migrated once before it"
+            f" can be read, but it cannot be written here ({e}): copy the run folder somewhere"
+            " writable and open the copy") from e
+    try:
+        if store._version(con) != 1:  # another process migrated it first
+            con.execute("ROLLBACK")
+            return
+        for statement in store._SCHEMA.split(";"):
+            if statement.strip():
+                con.execute(statement)
+        tables = store.ScalarTables(con)
+        names = dict(con.execute("SELECT id, name FROM keys"))
+        walls = dict(con.execute("SELECT step, wall FROM steps"))
+        by_step: dict[int, dict[str, float]] = {}
+        for step, key, value in con.execute("SELECT step, key, value FROM scalars ORDER BY id"):
+            by_step.setdefault(step, {})[names[key]] = float("nan") if value is None else value
+        groups: dict[tuple[str, ...], tuple[list, list, list]] = {}
+        last_wall = min(walls.values(), default=0.0)
+        for step in sorted(by_step):
+            values = by_step[step]
+            last_wall = walls.get(step, last_wall)
+            g = groups.setdefault(tuple(values), ([], [], []))
+            g[0].append(step)
+            g[1].append(last_wall)
+            g[2].append(list(values.values()))
+        tables.write(groups)
+        con.execute("DROP TABLE scalars")
+        con.execute("DROP TABLE steps")
+        con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)",
+                    (json.dumps(store.SCHEMA_VERSION),))
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        con.close()
+        raise
+    con.execute("VACUUM")
+    con.execute("PRAGMA journal_mode=DELETE")  # the run folder stays one file
+    con.close()
+    warnings.warn(
+        f"{path.parent} was written by nbwatch 0.1.0 (store schema 1); it has been migrated in"
+        f" place to schema {store.SCHEMA_VERSION} ({len(by_step)} steps kept). nbwatch 0.1.0"
+        " can no longer open it.", UserWarning, stacklevel=4)

@@ -75,22 +75,18 @@ def summarize(reader: RunReader, stale_after: float = 60.0) -> dict[str, Any]:
     """One row of figures about a run: state, steps, best val loss and its step, last train
     loss, wall time. Reads a few rows, not the run's history."""
     meta = reader.meta()
-    q = reader.query
-    best = q("SELECT s.step, s.value FROM scalars s JOIN keys k ON s.key = k.id"
-             " WHERE k.name = 'loss/val' AND s.value IS NOT NULL ORDER BY s.value, s.step"
-             " LIMIT 1")
-    last = q("SELECT s.value FROM scalars s JOIN keys k ON s.key = k.id"
-             " WHERE k.name = 'loss/train' ORDER BY s.step DESC LIMIT 1")
-    (first_wall, last_wall), = q("SELECT MIN(wall), MAX(wall) FROM steps")
+    best = reader.best("loss/val")
+    last = reader.last_value("loss/train")
+    first_wall, last_wall = reader.wall_range()
     start = meta.get("started", first_wall)
     return {
         "name": str(meta.get("name", reader.run_dir.name)),
         "state": run_state(reader.run_dir, meta, reader, stale_after),
         "steps": reader.last_step(),
         "max_steps": meta.get("max_steps"),
-        "best_val": best[0][1] if best else math.nan,
-        "best_val_step": best[0][0] if best else None,
-        "last_train": last[0][0] if last and last[0][0] is not None else math.nan,
+        "best_val": best[1] if best else math.nan,
+        "best_val_step": best[0] if best else None,
+        "last_train": last if last is not None else math.nan,
         "wall_s": (last_wall - float(start)) if last_wall is not None and start else math.nan,
     }
 

@@ -109,14 +109,11 @@ def _report(reader: RunReader, meta: Mapping[str, Any], step: int) -> dict[str, 
     folder = reader.run_dir / "checkpoints"
     kept = {p.name for p in folder.iterdir()} if folder.is_dir() else None
 
-    def scalar(sql: str, key: str) -> list[tuple]:
-        return q("SELECT " + sql + " FROM scalars s JOIN keys k ON s.key = k.id"
-                 " WHERE k.name = ? AND s.value IS NOT NULL", (key,))
-
-    best = scalar("s.step, s.value", "loss/val")
-    best_val = min(((float(v), int(s)) for s, v in best), default=None)
-    tokens = scalar("SUM(s.value)", "tokens/real")[0][0]
-    first, last = q("SELECT MIN(wall), MAX(wall) FROM steps")[0]
+    best = reader.best("loss/val")
+    best_val = (best[1], best[0]) if best else None
+    tokens_seen = reader.series(["tokens/real"]).get("tokens/real")
+    tokens = float(np.nansum(tokens_seen[1])) if tokens_seen is not None else None
+    first, last = reader.wall_range()
     started = meta.get("started")
     start = float(started) if isinstance(started, (int, float)) else first
     wall_s = last - start if last is not None and start is not None else None

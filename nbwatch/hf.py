@@ -88,6 +88,8 @@ class NbwatchCallback(Adapter, TrainerCallback):
             self._save_reason = "stop"
         if self._save_reason is not None:
             control.should_save = True
+        if control.should_save:  # the Trainer saves next: the store must not lag behind it
+            self._rec().commit()
 
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: Any = None,
                     eval_dataloader: Any = None, model: Any = None, **kw: Any) -> None:

@@ -85,6 +85,13 @@ class NbwatchCallback(Adapter, pl.Callback):
         if rec is not None:
             rec.pre_step()  # after backward, before Lightning's gradient clipping
 
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: Any,
+                           checkpoint: dict[str, Any]) -> None:
+        """Any checkpoint, Lightning's or ours: the store must not lag behind it."""
+        rec = self._rec()
+        if rec is not None:
+            rec.commit()
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         rec = self._rec()

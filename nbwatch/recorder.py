@@ -770,9 +770,16 @@ class StepRecorder:
         self._checkpoint(reason)
         self._t_boundary = time.perf_counter()
 
+    def commit(self) -> None:
+        """Put every record up to this step on disk. A checkpoint counts only after this:
+        one newer than the store would leave a hole in a resumed run's history."""
+        self.flush_deferred()
+        self.store.flush(timeout=60)
+
     def _checkpoint(self, reason: str) -> None:
         if reason in ("final", "stop") and self._ckpt_step == self.step:
             return  # the periodic checkpoint of this very step is the final one
+        self.commit()
         if self.save_fn is not None:  # the framework saves (on every rank, its own way)
             self.save_fn(reason)
             return

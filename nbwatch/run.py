@@ -83,6 +83,15 @@ class Run:
         """One row per step (index `step`), one column per scalar."""
         return self.reader.df()
 
+    def scalars(self, keys: list[str] | None = None, start: int | None = None,
+                stop: int | None = None) -> pd.DataFrame:
+        """`df` restricted to `keys` and to steps `start <= step < stop`; reads only the
+        stored blocks that hold them (a window of a long run costs the window).
+
+        >>> run.scalars(["loss/train", "loss/val"], start=90_000)
+        """
+        return self.reader.scalars(keys, start, stop)
+
     @property
     def events(self) -> pd.DataFrame:
         """Alerts, actions, checkpoints and state changes: step, kind, severity, message."""

@@ -283,8 +283,41 @@ class RunReader:
 
     def last_wall(self) -> float | None:
         """Wall time of the newest recorded step."""
-        rows = self.query("SELECT walls FROM walls ORDER BY id DESC LIMIT 1")
-        return float(np.frombuffer(rows[0][0], dtype=np.float64).max()) if rows else None
+        return self.wall_range()[1]
+
+    def wall_range(self) -> tuple[float | None, float | None]:
+        """Wall times of the first and the newest recorded step."""
+        with self.session():
+            first = self.query("SELECT walls FROM walls ORDER BY id LIMIT 1")
+            last = self.query("SELECT walls FROM walls ORDER BY id DESC LIMIT 1")
+        if not first:
+            return None, None
+        return (float(np.frombuffer(first[0][0], dtype=np.float64).min()),
+                float(np.frombuffer(last[0][0], dtype=np.float64).max()))
+
+    def best(self, key: str) -> tuple[int, float] | None:
+        """(step, value) of the lowest finite value of `key`; the earliest step on a tie."""
+        steps, values = self.series([key]).get(key, (np.empty(0), np.empty(0)))
+        ok = np.isfinite(values)
+        if not ok.any():
+            return None
+        i = int(np.argmin(np.where(ok, values, np.inf)))
+        return int(steps[i]), float(values[i])
+
+    def last_value(self, key: str) -> float | None:
+        """The value of `key` at its newest step (None when never recorded)."""
+        with self.session():
+            self._load_layouts()
+            ids = [i for i, lay in self._layouts.items() if key in lay.keys]
+            rows = self.query(
+                f'SELECT first, steps, "values", layout FROM blocks WHERE layout IN'
+                f" ({','.join('?' * len(ids))}) ORDER BY last DESC, id DESC LIMIT 1", ids)
+        if not rows:
+            return None
+        first, steps, values, lid = rows[0]
+        lay = self._layouts[lid]
+        s, v = blocks.decode(first, steps, values, lay)
+        return float(v[int(np.argmax(s)), lay.keys.index(key)])
 
     @staticmethod
     def _walls(rows: list[tuple]) -> tuple[np.ndarray, np.ndarray]:

@@ -9,8 +9,10 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import torch
 
+from nbwatch import blocks
 from nbwatch.store import RunReader
 
 SCRIPT = textwrap.dedent("""
@@ -65,3 +67,59 @@ def test_kill_9_loses_at_most_the_last_second(tmp_path):
         assert ck["step"] % 7 == 0 and set(ck["model"]) >= {"head.weight", "tok_emb.weight"}
     assert reader.meta()["state"] == "running"  # what a reader sees of a run that died
     reader.close()
+
+
+RESUMABLE = textwrap.dedent("""
+    import sys, torch
+    import nbwatch
+    from nbwatch.demo import TinyGPT
+    from tests.conftest import make_batches, tiny_step
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = nbwatch.Monitor(model, opt, run_dir=sys.argv[1])
+    resume = sys.argv[2] == "resume"
+    mon.start(tiny_step, make_batches(), max_steps=int(sys.argv[3]), checkpoint_every=3,
+              resume=resume, display=False)
+    mon.wait()
+""")
+
+
+def test_kill_9_then_resume_records_every_step_exactly_once(tmp_path):
+    """Checkpoints every 3 steps at full speed: the newest checkpoint must never be newer
+    than what the store committed, or the resumed run's history has a hole."""
+    run = tmp_path / "run"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    proc = subprocess.Popen([sys.executable, "-c", RESUMABLE, str(run), "new", "100000"],
+                            cwd=root, env=env)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                if (run / "nbwatch.db").exists() and RunReader(run).last_step() >= 120:
+                    break
+            except sqlite3.OperationalError:
+                pass
+            assert proc.poll() is None, "training subprocess died on its own"
+            time.sleep(0.02)
+        else:
+            raise AssertionError("the subprocess did not reach step 120 in time")
+        time.sleep(0.1)  # a commit was just seen: kill halfway to the next one
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        proc.kill()
+    killed_at = RunReader(run).last_step()
+    end = killed_at + 30
+    subprocess.run([sys.executable, "-c", RESUMABLE, str(run), "resume", str(end)],
+                   cwd=root, env=env, check=True, timeout=120)
+    reader = RunReader(run)
+    assert reader.meta()["state"] == "finished"
+    recorded = np.concatenate([
+        blocks.decode(first, steps, values, reader.layout(lid))[0]
+        for _, lid, first, steps, values in reader._blocks(["loss/train"], None, None)])
+    assert sorted(recorded.tolist()) == list(range(1, end + 1))  # every step, once
+    assert reader.walls().index.tolist() == list(range(1, end + 1))
+    assert reader.df()["loss/train"].notna().all()

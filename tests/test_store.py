@@ -1,11 +1,18 @@
+import os
+import shutil
+import sqlite3
 import subprocess
 import sys
 import textwrap
 import time
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import nbwatch
+from nbwatch import blocks
 from nbwatch.panels.tail import Tail
 from nbwatch.records import Attention, Command, Event, Histogram, Sample, Scalars
 from nbwatch.store import RunReader, RunStore
@@ -130,3 +137,136 @@ def test_a_command_is_not_handed_out_twice_before_taken_commits(store):
     (cid, cmd), = store.pending_commands()
     store.mark_taken(cid)  # queued, not committed yet
     assert store.pending_commands(after_id=cid) == []
+
+
+def test_precision_follows_the_family(store):
+    """Loss, LR and a user's own scalars keep float64; norms and timings are float32."""
+    loss, lr, acc, norm = 2.718281828459045, 3.0000001e-4, 0.123456789012, 1.2345678901
+    store.put(Scalars(1, {"loss/train": loss, "lr/group0": lr, "accuracy": acc,
+                          "grad_norm/global": norm}))
+    store.flush()
+    row = RunReader(store.run_dir).df().loc[1]
+    assert row["loss/train"] == loss and row["lr/group0"] == lr and row["accuracy"] == acc
+    assert row["grad_norm/global"] == np.float32(norm) and row["grad_norm/global"] != norm
+
+
+def test_partial_read_returns_the_window_and_keys_asked(store):
+    for s in range(1, 1001):
+        store.put(Scalars(s, {"loss/train": float(s), "grad_norm/global": s / 10}))
+        if s % 100 == 0:
+            store.put(Scalars(s, {"loss/val": s + 0.5}))
+    store.flush()
+    r = RunReader(store.run_dir)
+    win = r.scalars(["loss/train", "loss/val"], start=450, stop=700)
+    assert win.index.tolist() == list(range(450, 700))
+    assert list(win.columns) == ["loss/train", "loss/val"]
+    assert win["loss/val"].dropna().to_dict() == {500: 500.5, 600: 600.5}
+    assert (win["loss/train"] == win.index).all()
+    assert r.best("loss/val") == (100, 100.5) and r.last_value("loss/train") == 1000.0
+
+
+def test_a_key_recorded_in_two_layouts_reads_in_step_order(store):
+    """The first step often has keys the others lack: the same key then sits in two
+    layouts, interleaved within one commit."""
+    for s in range(1, 21):
+        values = {"loss/train": float(s)}
+        if s % 5 == 0:
+            values["loss/val"] = -float(s)
+        store.put(Scalars(s, values))
+    store.flush()
+    r = RunReader(store.run_dir)
+    assert r.df()["loss/train"].tolist() == [float(s) for s in range(1, 21)]
+    steps, values = Tail(r).poll().scalars["loss/train"]
+    assert steps.tolist() == list(range(1, 21)) and values.tolist() == steps.tolist()
+
+
+def test_truncate_cuts_inside_a_block_and_later_steps_are_recorded_once(store):
+    for s in range(1, 101):  # one commit: one block holding steps 1..100
+        store.put(Scalars(s, {"loss/train": float(s)}))
+    store.truncate_after(42)
+    for s in range(43, 61):
+        store.put(Scalars(s, {"loss/train": -float(s)}))
+    store.flush()
+    r = RunReader(store.run_dir)
+    df = r.df()
+    assert df.index.tolist() == list(range(1, 61))
+    assert df.loc[42, "loss/train"] == 42.0 and df.loc[43, "loss/train"] == -43.0
+    assert r.walls().index.tolist() == list(range(1, 61)) and r.last_step() == 60
+
+
+def test_put_blocks_the_producer_instead_of_growing_without_bound(tmp_path):
+    store = RunStore(tmp_path / "run", max_pending=2_000)
+    peak = 0
+    for s in range(1, 20_001):
+        store.put(Scalars(s, {f"grad_norm/l{i}": 1.0 for i in range(10)}))
+        peak = max(peak, store._pending)
+    store.close()
+    assert peak <= 2_000  # never more than max_pending scalars queued
+    assert RunReader(tmp_path / "run").df().shape == (20_000, 10)  # and nothing dropped
+
+
+def test_a_closed_store_is_one_file_that_can_be_copied_alone(tmp_path):
+    store = RunStore(tmp_path / "run")
+    reader = RunReader(tmp_path / "run")
+    for s in range(1, 301):
+        store.put(Scalars(s, {"loss/train": 1.0 / s}))
+        if s % 50 == 0:
+            store.flush()
+            assert reader.last_step() == s  # a reader in this process follows the run
+    store.put(Event(300, "state", "info", "run finished", {}))
+    store.close()
+    left = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert left == ["nbwatch.db"]
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(tmp_path / "run" / "nbwatch.db", copy / "nbwatch.db")
+    r = RunReader(copy)
+    assert r.df().index.tolist() == list(range(1, 301))
+    assert r.events().message.tolist() == ["run finished"]
+    assert sorted(p.name for p in copy.iterdir()) == ["nbwatch.db"]  # reading adds no files
+
+
+def test_a_schema_1_folder_is_migrated_in_place_with_a_warning(tmp_path):
+    """tests/data/run_v1 was written by nbwatch 0.1.0 (`nbwatch demo --steps 30`)."""
+    src = Path(__file__).parent / "data" / "run_v1"
+    run = tmp_path / "old"
+    shutil.copytree(src, run)
+    con = sqlite3.connect(run / "nbwatch.db")
+    old = con.execute("SELECT s.step, k.name, s.value FROM scalars s JOIN keys k"
+                      " ON s.key = k.id").fetchall()
+    old_walls = dict(con.execute("SELECT step, wall FROM steps"))
+    con.close()
+    with pytest.warns(UserWarning, match="nbwatch 0.1.0.*migrated in place"):
+        run_ = nbwatch.open_run(run)
+    df = run_.df
+    assert df.index.tolist() == list(range(1, 31))
+    for step, key, value in old:
+        got = df.loc[step, key]
+        if value is None:
+            assert np.isnan(got)
+        elif blocks.dtype_of(blocks.family(key)) == "f8":
+            assert got == value, key
+        else:
+            assert got == pytest.approx(value, rel=1e-6), key
+    assert run_.reader.walls().to_dict() == old_walls
+    assert run_.reader.meta()["schema_version"] == 2 and run_.state == "finished"
+    assert len(run_.events) > 0 and run_.reader.histogram_names()
+    out = run_.export_html(tmp_path / "old.html")
+    assert out.stat().st_size > 100_000
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(nbwatch.open_run(run).df) == 30  # the new schema: no warning, no rewrite
+
+
+def test_a_read_only_schema_1_folder_says_how_to_open_it(tmp_path):
+    run = tmp_path / "old"
+    shutil.copytree(Path(__file__).parent / "data" / "run_v1", run)
+    run.chmod(0o555)
+    (run / "nbwatch.db").chmod(0o444)
+    try:
+        if os.access(run / "nbwatch.db", os.W_OK):
+            pytest.skip("running as a user who can write read-only files (root)")
+        with pytest.raises(RuntimeError, match="copy the run folder somewhere writable"):
+            nbwatch.open_run(run)
+    finally:
+        run.chmod(0o755)

@@ -19,6 +19,7 @@ and the HTML export.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import shutil
@@ -76,10 +77,8 @@ def _status_kib(field: str) -> int:
 
 def _reset_peak() -> int:
     """Reset the peak RSS (Linux: VmHWM) to the current size, so imports do not count."""
-    try:
+    with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
     return _status_kib("VmRSS")
 
 

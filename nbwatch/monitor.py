@@ -601,7 +601,10 @@ class Monitor(ctl.Controls, Readout):
                                     f"[rank 0] terminated by SIGTERM at step {self.step}: "
                                     "the launcher stops the job when a rank fails", {}))
                     store.set_meta("state", "failed")
-                    store.flush(timeout=5)
+            elif self._progress.error is not None:  # the training thread is recording it
+                self._progress.failure_recorded.wait(20)  # torchrun kills after 30 s
+            with contextlib.suppress(Exception):
+                store.flush(timeout=5)
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 

@@ -19,14 +19,16 @@ the same moment, after backward (and a GradScaler's unscale) and before the upda
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
+import threading
 import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,8 @@ class Progress:
     traceback: str | None = None
     train_loss_sum: float = 0.0  # finite train losses since the last eval, for loss/gap
     train_loss_n: int = 0
+    # set when a failure is fully recorded (error, state, emergency checkpoint)
+    failure_recorded: threading.Event = field(default_factory=threading.Event)
 
     def train_mean(self) -> float | None:
         return self.train_loss_sum / self.train_loss_n if self.train_loss_n else None
@@ -240,14 +244,19 @@ class StepRecorder:
                        f"stops: {str(e).splitlines()[0][:300]}")
             msg = f"[rank {self.dist.rank}/{self.dist.world}] {msg}"
         # each part on its own: a dead store must not cost the checkpoint, nor the reverse
-        for record in (self.flush_deferred, lambda: self._checkpoint("emergency"),
+        # the error and the state first: the launcher may kill this process any moment now
+        for record in (self.flush_deferred,
                        lambda: self._emit(Event(self.step, "error", "critical", msg,
                                                 {"traceback": p.traceback}), logging.ERROR),
-                       lambda: self._set_state("failed")):
+                       lambda: self._set_state("failed"),
+                       lambda: self._checkpoint("emergency")):
             try:
                 record()
             except BaseException as ce:  # noqa: BLE001 - the original error matters more
                 self.log.error("recording the failure failed too: %s\n%s", ce, p.traceback)
+        with contextlib.suppress(Exception):
+            self.store.flush(timeout=30)
+        p.failure_recorded.set()
 
     def _set_state(self, state: str) -> None:
         self.progress.state = state

@@ -37,14 +37,23 @@ def reduce(steps: np.ndarray, values: np.ndarray, width: int) -> tuple[np.ndarra
         steps, values = steps[ok], values[ok]
     if len(steps) == 0:
         return steps, values
+    if len(steps) > 1 and (np.diff(steps) < 0).any():  # a resumed run's re-recorded steps
+        order = np.argsort(steps, kind="stable")
+        steps, values = steps[order], values[order]
     b = steps // width
-    pos = np.arange(len(steps))
-    # lexsort sorts by the last key first: bucket, then value, then position (first wins).
-    lo = np.lexsort((pos, values, b))
-    hi = np.lexsort((pos, -values, b))
-    starts = np.flatnonzero(np.r_[True, b[lo][1:] != b[lo][:-1]])
-    keep = np.union1d(lo[starts], hi[starts])  # sorted positions: input order
+    starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])  # buckets are contiguous runs
+    seg = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(steps)]))
+    first_min = _first_per_bucket(values == np.minimum.reduceat(values, starts)[seg], seg)
+    first_max = _first_per_bucket(values == np.maximum.reduceat(values, starts)[seg], seg)
+    keep = np.union1d(first_min, first_max)  # sorted positions: input order
     return steps[keep], values[keep]
+
+
+def _first_per_bucket(hit: np.ndarray, seg: np.ndarray) -> np.ndarray:
+    """Position of the first True of each bucket (every bucket has one)."""
+    idx = np.flatnonzero(hit)
+    s = seg[idx]
+    return idx[np.r_[True, s[1:] != s[:-1]]]
 
 
 def downsample(

@@ -17,13 +17,27 @@ def smooth(values: np.ndarray, carry: tuple[float, int] = (0.0, 0), weight: floa
     """Debiased exponential moving average (TensorBoard's), resumable: pass back `carry`.
 
     Non-finite values are skipped (they stay NaN in the output)."""
+    v = np.asarray(values, dtype=np.float64)
+    out = np.full(len(v), np.nan, dtype=np.float32)
+    ok = np.isfinite(v)
+    x = v[ok]
     ema, n = carry
-    out = np.full(len(values), np.nan, dtype=np.float32)
-    for i, x in enumerate(np.asarray(values, dtype=np.float64)):
-        if np.isfinite(x):
-            ema, n = weight * ema + (1 - weight) * x, n + 1
-            out[i] = ema / (1 - weight**n)
-    return out, (ema, n)
+    if not len(x):
+        return out, (ema, n)
+    # ema_i = w^(i+1)·ema + (1−w)·Σ_{k≤i} w^(i−k)·x_k, a chunk at a time: no Python loop
+    # per point, and w^(−k) stays far from overflow within a chunk.
+    chunk = 1024
+    k = np.arange(chunk)
+    up, down = weight ** (k + 1), weight ** -k.astype(np.float64)
+    res = np.empty(len(x))
+    for lo in range(0, len(x), chunk):
+        c = x[lo:lo + chunk]
+        m = len(c)
+        e = up[:m] * ema + (1 - weight) * np.cumsum(c * down[:m]) * (weight ** k[:m])
+        res[lo:lo + m] = e
+        ema = float(e[-1])
+    out[ok] = res / (1 - weight ** (n + np.arange(1, len(x) + 1, dtype=np.float64)))
+    return out, (ema, n + len(x))
 
 
 def build(series: Series, events: Iterable[Mapping[str, Any]] = ()) -> dict[str, Any]:

@@ -109,22 +109,25 @@ class Tail:
     def _group(self, rows: list[tuple]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Block rows → {key: (steps int64, values float32)}, keys in order of first
         appearance (for per-layer keys: the model's depth order), steps in block order."""
-        acc: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        acc: dict[str, tuple[list[np.ndarray], list[np.ndarray], set[int]]] = {}
         for _, lid, first, steps, values in rows:
             lay = self.reader.layout(lid)
             s, v = decode(first, steps, values, lay)
             v = v.astype(np.float32, copy=False)
             for j, key in enumerate(lay.keys):
-                a = acc.get(key) or acc.setdefault(key, ([], []))
+                a = acc.get(key) or acc.setdefault(key, ([], [], set()))
                 a[0].append(s)
                 a[1].append(v[:, j])
+                a[2].add(lid)
         out = {}
-        for k, (s, v) in acc.items():
+        for k, (s, v, lids) in acc.items():
             if len(s) == 1:
                 out[k] = (s[0], np.ascontiguousarray(v[0]))
                 continue
             steps, vals = np.concatenate(s), np.concatenate(v)
-            if (np.diff(steps) < 0).any():  # a key in two layouts (a first step's extra keys)
+            # Blocks of one layout come in step order; a key in two layouts (a first
+            # step's extra keys) may interleave.
+            if len(lids) > 1 and (np.diff(steps) < 0).any():
                 order = np.argsort(steps, kind="stable")
                 steps, vals = steps[order], vals[order]
             out[k] = (steps, vals)

@@ -9,6 +9,7 @@ memory (the peak RSS above the process's size after imports) is its own.
     python benchmarks/store.py                       # 100k × 25, 1M × 25, 1M × 300
     python benchmarks/store.py --runs 100000x25      # one shape
     python benchmarks/store.py --keep /tmp/stores    # keep the run folders
+    python benchmarks/store.py --commit-steps 20     # a live run: a commit every 20 steps
 
 Prints one row per run: scalars written, write rate (scalars/s), put() stall (the time
 the producer spent blocked by back-pressure), bytes on disk per scalar, `.df` seconds and
@@ -42,7 +43,7 @@ def keys_for(width: int) -> list[str]:
     return keys
 
 
-def write(run_dir: Path, steps: int, width: int) -> dict:
+def write(run_dir: Path, steps: int, width: int, commit_steps: int = 0) -> dict:
     from nbwatch.records import Scalars
     from nbwatch.store import RunStore
 
@@ -58,14 +59,19 @@ def write(run_dir: Path, steps: int, width: int) -> dict:
         p0 = time.perf_counter()
         store.put(Scalars(step, dict(zip(keys, row)), wall + step * 1e-3))
         stalled += max(time.perf_counter() - p0 - 20e-6, 0.0)  # a put is µs unless blocked
+        if commit_steps and step % commit_steps == 0:
+            store.flush()  # a live run: a commit every few steps, so small blocks
     store.flush(timeout=600)
     seconds = time.perf_counter() - t0
+    c0 = time.perf_counter()
     store.close()
+    close_s = time.perf_counter() - c0
     size = sum(p.stat().st_size for p in run_dir.iterdir() if p.name.startswith("nbwatch.db"))
     left = sorted(p.name for p in run_dir.iterdir() if p.name.startswith("nbwatch.db-"))
     n = steps * width
     return {"scalars": n, "write_per_s": n / seconds, "stall_s": stalled,
-            "bytes_per_scalar": size / n, "mib": size / 2**20, "left_beside_db": left}
+            "bytes_per_scalar": size / n, "mib": size / 2**20, "left_beside_db": left,
+            "close_s": close_s}
 
 
 def _status_kib(field: str) -> int:
@@ -128,6 +134,8 @@ def main() -> None:
     ap.add_argument("--runs", nargs="*", default=["100000x25", "1000000x25", "1000000x300"])
     ap.add_argument("--reads", nargs="*", default=["df", "partial", "feed", "export"])
     ap.add_argument("--keep", type=Path, default=None)
+    ap.add_argument("--commit-steps", type=int, default=0,
+                    help="commit every N steps, as a live run does (0: as fast as it can)")
     ap.add_argument("--child", nargs=2, metavar=("WHAT", "RUN_DIR"))
     args = ap.parse_args()
     if args.child:
@@ -139,10 +147,11 @@ def main() -> None:
             steps, width = (int(x) for x in shape.split("x"))
             run_dir = root / shape
             shutil.rmtree(run_dir, ignore_errors=True)
-            w = write(run_dir, steps, width)
+            w = write(run_dir, steps, width, args.commit_steps)
             print(f"{shape}: wrote {w['scalars']:,} scalars at {w['write_per_s'] / 1e6:.2f}M/s"
                   f" (put() blocked {w['stall_s']:.2f} s), {w['mib']:.1f} MiB on disk ="
-                  f" {w['bytes_per_scalar']:.2f} B/scalar; beside the .db: "
+                  f" {w['bytes_per_scalar']:.2f} B/scalar; close (compaction) {w['close_s']:.2f} s;"
+                  " beside the .db: "
                   f"{w['left_beside_db'] or 'nothing'}", flush=True)
             for what in args.reads:
                 r = read(what, run_dir)

@@ -229,11 +229,18 @@ class RunReader:
         wanted = set(order if keys is None else keys)
         columns = [k for k in order if k in wanted]
         col_of = {k: i for i, k in enumerate(columns)}
+        per_layout: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        for _, lid, first, steps, values in rows:  # a live run's blocks are small: join them
+            s, v = blocks.decode(first, steps, values, self._layouts[lid])
+            got = per_layout.get(lid) or per_layout.setdefault(lid, ([], []))
+            got[0].append(s)
+            got[1].append(v)
         parts = []
         trained = []
-        for _, lid, first, steps, values in rows:
+        for lid, (ss, vs) in per_layout.items():
             lay = self._layouts[lid]
-            s, v = blocks.decode(first, steps, values, lay)
+            s = ss[0] if len(ss) == 1 else np.concatenate(ss)
+            v = vs[0] if len(vs) == 1 else np.concatenate(vs)
             if start is not None or stop is not None:
                 keep = (s >= (start if start is not None else s.min())) & (
                     s < (stop if stop is not None else s.max() + 1))
@@ -466,6 +473,52 @@ class ScalarTables:
                                 s[order], w[order, None], "f8")])
         groups.clear()
 
+    def compact(self) -> int:
+        """Merge each layout's small blocks (a live run commits a few steps at a time) into
+        blocks of up to MAX_BLOCK_VALUES values, and the same for walls, so a finished run
+        reads as fast as one written in bulk. A merged block keeps the highest id of the
+        blocks it replaces: a follower's cursor past them does not read them again.
+        Returns the number of blocks removed."""
+        con = self.con
+        removed = 0
+        tables = [("blocks", '"values"', lid, len(keys), dtype)
+                  for (_, keys), lid in self.layout_ids.items()
+                  for dtype in [self.layout(lid).dtype]]
+        tables.append(("walls", "walls", None, 1, "f8"))
+        for table, col, lid, width, dtype in tables:
+            where, params = ("layout = ?", (lid,)) if lid is not None else ("1", ())
+            size = np.dtype(dtype).itemsize * width
+            groups: list[list[int]] = [[]]
+            held = 0
+            for bid, nbytes in con.execute(
+                    f"SELECT id, length({col}) FROM {table} WHERE {where} ORDER BY id", params):
+                n = nbytes // size
+                if held + n > blocks.MAX_BLOCK_VALUES // width and groups[-1]:
+                    groups.append([])
+                    held = 0
+                groups[-1].append(bid)
+                held += n
+            for ids in groups:
+                if len(ids) < 2:
+                    continue
+                marks = ",".join("?" * len(ids))
+                rows = con.execute(f"SELECT first, steps, {col} FROM {table} WHERE id IN"
+                                   f" ({marks}) ORDER BY id", ids).fetchall()
+                lay = Layout(0, ("",) * width, dtype)
+                parts = [blocks.decode(f, st, v, lay) for f, st, v in rows]
+                steps = np.concatenate([p[0] for p in parts])
+                values = np.concatenate([p[1] for p in parts])
+                (first, last, st, v), = blocks.encode(steps, values, dtype)
+                con.execute(f"DELETE FROM {table} WHERE id IN ({marks})", ids)
+                if lid is not None:
+                    con.execute('INSERT INTO blocks (id, layout, first, last, steps, "values")'
+                                " VALUES (?, ?, ?, ?, ?, ?)", (ids[-1], lid, first, last, st, v))
+                else:
+                    con.execute("INSERT INTO walls (id, first, last, steps, walls)"
+                                " VALUES (?, ?, ?, ?, ?)", (ids[-1], first, last, st, v))
+                removed += len(ids) - 1
+        return removed
+
     def truncate(self, step: int) -> None:
         """Drop every scalar, wall and record of a step after `step`."""
         con = self.con
@@ -624,6 +677,8 @@ class RunStore(RunReader):
                     self._cond.notify_all()
                 if self._stop.is_set():
                     break
+            with self._wcon:
+                self._tables.compact()
             self._fold_wal()
         except BaseException as e:  # never die silently: flush() and put() re-raise it
             self.error = e

@@ -256,3 +256,26 @@ def test_a_schema_1_folder_is_migrated_in_place_with_a_warning(tmp_path):
         warnings.simplefilter("error")
         assert len(nbwatch.open_run(run).df) == 30  # the new schema: no warning, no rewrite
 
+
+
+def test_closing_merges_a_live_runs_small_blocks_and_a_follower_reads_nothing_twice(tmp_path):
+    store = RunStore(tmp_path / "run")
+    follower = Tail(RunReader(tmp_path / "run"))
+    seen: dict[str, list[int]] = {}
+    for s in range(1, 501):
+        store.put(Scalars(s, {"loss/train": float(s), "grad_norm/a": s / 2, "grad_norm/b": 1.0}))
+        if s % 5 == 0:  # a commit every 5 steps: 100 small blocks per layout
+            store.flush()
+            for key, (steps, _) in follower.poll().scalars.items():
+                seen.setdefault(key, []).extend(steps.tolist())
+    r = RunReader(tmp_path / "run")
+    assert len(r.query("SELECT id FROM blocks")) == 200
+    store.close()
+    assert len(r.query("SELECT id FROM blocks")) == 2  # one per layout
+    assert len(r.query("SELECT id FROM walls")) == 1
+    df = r.df()
+    assert df.index.tolist() == list(range(1, 501))
+    assert df["grad_norm/a"].tolist() == [s / 2 for s in range(1, 501)]
+    assert r.walls().index.tolist() == list(range(1, 501))
+    assert follower.poll().scalars == {}  # the merged blocks are not news
+    assert seen["loss/train"] == list(range(1, 501))

@@ -252,7 +252,7 @@ class RunReader:
                     trained.append(s)
         index = None
         if keys is None and _trained_rows and trained:
-            index = np.unique(np.concatenate(trained))  # not the sampler's reading before step 1
+            index = blocks.union(trained)  # not the sampler's reading before step 1
         return blocks.frame(parts, columns, index)
 
     def df(self, keys: Iterable[str] | None = None) -> pd.DataFrame:

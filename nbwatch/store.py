@@ -493,6 +493,11 @@ class ScalarTables:
             for bid, nbytes in con.execute(
                     f"SELECT id, length({col}) FROM {table} WHERE {where} ORDER BY id", params):
                 n = nbytes // size
+                if n * width > blocks.MAX_BLOCK_VALUES // 16:  # big enough: left as it is
+                    if groups[-1]:
+                        groups.append([])
+                    held = 0
+                    continue
                 if held + n > blocks.MAX_BLOCK_VALUES // width and groups[-1]:
                     groups.append([])
                     held = 0

@@ -42,7 +42,8 @@ CREATE TABLE IF NOT EXISTS layouts (
     id INTEGER PRIMARY KEY, family TEXT NOT NULL, dtype TEXT NOT NULL, keys TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS blocks (
     id INTEGER PRIMARY KEY, layout INTEGER NOT NULL, first INTEGER NOT NULL,
-    last INTEGER NOT NULL, steps BLOB, "values" BLOB NOT NULL);
+    last INTEGER NOT NULL, steps BLOB, "values" BLOB NOT NULL,
+    merged_from INTEGER);  -- a merge of the blocks with ids merged_from..id (compaction)
 CREATE INDEX IF NOT EXISTS blocks_layout_last ON blocks (layout, last);
 CREATE TABLE IF NOT EXISTS walls (
     id INTEGER PRIMARY KEY, first INTEGER NOT NULL, last INTEGER NOT NULL, steps BLOB,
@@ -183,9 +184,10 @@ class RunReader:
     # -- scalars ------------------------------------------------------------------------
     def _blocks(self, keys: list[str] | None, start: int | None, stop: int | None,
                 after_id: int = 0, limit: int | None = None) -> list[tuple]:
-        """Block rows (id, layout, first, steps, values) that hold any of `keys` (all when
-        None) at a step in [start, stop), oldest first."""
-        sql = 'SELECT id, layout, first, steps, "values" FROM blocks WHERE id > ?'
+        """Block rows (id, layout, first, steps, values, merged_from) that hold any of
+        `keys` (all when None) at a step in [start, stop), oldest first."""
+        sql = ('SELECT id, layout, first, steps, "values", merged_from FROM blocks'
+               " WHERE id > ?")
         params: list[Any] = [after_id]
         if keys is not None:
             self._load_layouts()
@@ -230,7 +232,7 @@ class RunReader:
         columns = [k for k in order if k in wanted]
         col_of = {k: i for i, k in enumerate(columns)}
         per_layout: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
-        for _, lid, first, steps, values in rows:  # a live run's blocks are small: join them
+        for _, lid, first, steps, values, _ in rows:  # a live run's blocks are small: join
             s, v = blocks.decode(first, steps, values, self._layouts[lid])
             got = per_layout.get(lid) or per_layout.setdefault(lid, ([], []))
             got[0].append(s)
@@ -477,7 +479,8 @@ class ScalarTables:
         """Merge each layout's small blocks (a live run commits a few steps at a time) into
         blocks of up to MAX_BLOCK_VALUES values, and the same for walls, so a finished run
         reads as fast as one written in bulk. A merged block keeps the highest id of the
-        blocks it replaces: a follower's cursor past them does not read them again.
+        blocks it replaces and notes the lowest (`merged_from`): a follower's cursor past
+        them does not read them again, one between them drops the steps it has read.
         Returns the number of blocks removed."""
         con = self.con
         removed = 0
@@ -516,8 +519,9 @@ class ScalarTables:
                 (first, last, st, v), = blocks.encode(steps, values, dtype)
                 con.execute(f"DELETE FROM {table} WHERE id IN ({marks})", ids)
                 if lid is not None:
-                    con.execute('INSERT INTO blocks (id, layout, first, last, steps, "values")'
-                                " VALUES (?, ?, ?, ?, ?, ?)", (ids[-1], lid, first, last, st, v))
+                    con.execute('INSERT INTO blocks (id, layout, first, last, steps, "values",'
+                                " merged_from) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                (ids[-1], lid, first, last, st, v, ids[0]))
                 else:
                     con.execute("INSERT INTO walls (id, first, last, steps, walls)"
                                 " VALUES (?, ?, ?, ?, ?)", (ids[-1], first, last, st, v))

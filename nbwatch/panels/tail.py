@@ -38,10 +38,13 @@ class Delta:
 class Tail:
     """Incremental reader of one run folder."""
 
-    def __init__(self, reader: RunReader, chunk: int = 200_000, blocks: int = 4096):
+    def __init__(self, reader: RunReader, chunk: int = 200_000, blocks: int = 4096,
+                 max_bytes: int = 32 << 20):
         self.reader = reader
         self.chunk = chunk
         self.blocks = blocks
+        self.max_bytes = max_bytes  # of scalar blocks a poll reads: a late view's memory
+        self._delivered: dict[int, int] = {}  # layout → highest step handed out
         self.scalar_id = self.event_id = self.hist_id = self.attn_id = self.sample_id = 0
         self._meta_raw: list[tuple] | None = None
 
@@ -57,11 +60,20 @@ class Tail:
         d = Delta()
         scalar_id, event_id, hist_id, attn_id, sample_id = (
             self.scalar_id, self.event_id, self.hist_id, self.attn_id, self.sample_id)
-        rows = self.reader._blocks(None, None, None, after_id=scalar_id, limit=self.blocks)
+        rows: list[tuple] = []
+        held = 0
+        while len(rows) < self.blocks and held < self.max_bytes:
+            page = self.reader._blocks(None, None, None, after_id=scalar_id, limit=64)
+            rows += page
+            held += sum(len(r[4]) for r in page)
+            if len(page) < 64:
+                break
+            scalar_id = page[-1][0]
+        else:
+            d.more = True
         if rows:
+            d.scalars = self._group(rows, self.scalar_id)
             scalar_id = rows[-1][0]
-            d.more = len(rows) == self.blocks
-            d.scalars = self._group(rows)
         rows = q("SELECT id, step, wall, kind, severity, message, data FROM events"
                  " WHERE id > ? ORDER BY id", (event_id,))
         if rows:
@@ -106,29 +118,39 @@ class Tail:
         """(step, wall) of the newest `n` recorded steps, oldest first (for rates and ETA)."""
         return self.reader.recent_walls(n)
 
-    def _group(self, rows: list[tuple]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    def _group(self, rows: list[tuple], cursor: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Block rows → {key: (steps int64, values float32)}, keys in order of first
-        appearance (for per-layer keys: the model's depth order), steps in block order."""
-        acc: dict[str, tuple[list[np.ndarray], list[np.ndarray], set[int]]] = {}
-        for _, lid, first, steps, values in rows:
+        appearance (for per-layer keys: the model's depth order), steps in order.
+
+        A block that compaction merged from blocks this Tail has partly read (its
+        `merged_from` at or below `cursor`) brings only the steps past those read."""
+        per_layout: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        for _, lid, first, steps, values, merged_from in rows:
+            s, v = decode(first, steps, values, self.reader.layout(lid))
+            if merged_from is not None and merged_from <= cursor:
+                new = s > self._delivered.get(lid, -1)
+                s, v = s[new], v[new]
+            if len(s):
+                got = per_layout.get(lid) or per_layout.setdefault(lid, ([], []))
+                got[0].append(s)
+                got[1].append(v)
+        acc: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        for lid, (ss, vs) in per_layout.items():
             lay = self.reader.layout(lid)
-            s, v = decode(first, steps, values, lay)
-            v = v.astype(np.float32, copy=False)
+            s = ss[0] if len(ss) == 1 else np.concatenate(ss)
+            v = (vs[0] if len(vs) == 1 else np.concatenate(vs)).astype(np.float32, copy=False)
+            self._delivered[lid] = max(self._delivered.get(lid, -1), int(s.max()))
             for j, key in enumerate(lay.keys):
-                a = acc.get(key) or acc.setdefault(key, ([], [], set()))
+                a = acc.get(key) or acc.setdefault(key, ([], []))
                 a[0].append(s)
                 a[1].append(v[:, j])
-                a[2].add(lid)
         out = {}
-        for k, (s, v, lids) in acc.items():
-            if len(s) == 1:
-                out[k] = (s[0], np.ascontiguousarray(v[0]))
+        for k, (ss, vs) in acc.items():
+            if len(ss) == 1:
+                out[k] = (ss[0], np.ascontiguousarray(vs[0]))
                 continue
-            steps, vals = np.concatenate(s), np.concatenate(v)
-            # Blocks of one layout come in step order; a key in two layouts (a first
-            # step's extra keys) may interleave.
-            if len(lids) > 1 and (np.diff(steps) < 0).any():
-                order = np.argsort(steps, kind="stable")
-                steps, vals = steps[order], vals[order]
-            out[k] = (steps, vals)
+            # a key in two layouts (a first step's extra keys): interleaved steps
+            steps, vals = np.concatenate(ss), np.concatenate(vs)
+            order = np.argsort(steps, kind="stable")
+            out[k] = (steps[order], vals[order])
         return out

@@ -78,6 +78,9 @@ def _connect(path: Path, readonly: bool) -> sqlite3.Connection:
         uri = f"file:{quote(str(path.resolve()))}?mode=ro"  # `#` and `?` are legal in paths
         return sqlite3.connect(uri, uri=True, timeout=10, check_same_thread=False)
     con = sqlite3.connect(path, timeout=10, check_same_thread=False)
+    # a new file only, before WAL writes its header: lets a closing writer give the pages
+    # that compaction freed back to the disk
+    con.execute("PRAGMA auto_vacuum=INCREMENTAL")
     con.execute("PRAGMA journal_mode=WAL")
     con.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes
     return con
@@ -687,7 +690,9 @@ class RunStore(RunReader):
                 if self._stop.is_set():
                     break
             with self._wcon:
-                self._tables.compact()
+                removed = self._tables.compact()
+            if removed:
+                self._wcon.executescript("PRAGMA incremental_vacuum;")  # runs to the end
             self._fold_wal()
         except BaseException as e:  # never die silently: flush() and put() re-raise it
             self.error = e

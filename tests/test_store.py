@@ -286,3 +286,11 @@ def test_closing_merges_a_live_runs_small_blocks_and_a_follower_reads_nothing_tw
     assert seen["loss/train"] == list(range(1, 501))
     assert seen["grad_norm/b"] == list(range(1, 501))
     assert follower.poll().scalars == {}
+
+
+def test_a_run_folder_named_with_uri_characters_reads_back(tmp_path):
+    run = tmp_path / "lr=3e-4 #2 ?x %20"
+    store = RunStore(run)
+    store.put(Scalars(1, {"loss/train": 1.5}))
+    store.close()
+    assert RunReader(run).df().loc[1, "loss/train"] == 1.5

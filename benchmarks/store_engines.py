@@ -37,12 +37,13 @@ F32 = [k for k in KEYS if k.split("/")[0] in
        {"grad_norm", "update_ratio", "time", "throughput", "data"}]
 
 
-def batches(steps: int, per_commit: int):
+def batches(steps: int, per_commit: int, pace: float = 0.0):
     rng = np.random.default_rng(0)
     block = rng.standard_normal((per_commit, len(KEYS)))
     for lo in range(1, steps + 1, per_commit):
         n = min(per_commit, steps - lo + 1)
         yield np.arange(lo, lo + n), block[:n]
+        time.sleep(pace)
 
 
 def frame_of(steps: np.ndarray, values: np.ndarray) -> pd.DataFrame:
@@ -56,12 +57,12 @@ def frame_of(steps: np.ndarray, values: np.ndarray) -> pd.DataFrame:
 class SQLiteBlocks:
     name = "sqlite blocks (nbwatch)"
 
-    def write(self, root: Path, steps: int, per_commit: int) -> None:
+    def write(self, root: Path, steps: int, per_commit: int, pace: float = 0.0) -> None:
         from nbwatch.records import Scalars
         from nbwatch.store import RunStore
 
         store = RunStore(root, flush_interval=3600)  # commits when told: one per batch
-        for s, v in batches(steps, per_commit):
+        for s, v in batches(steps, per_commit, pace):
             for step, row in zip(s.tolist(), v.tolist()):
                 store.put(Scalars(step, dict(zip(KEYS, row))))
             store.flush(timeout=600)
@@ -78,7 +79,7 @@ class SQLiteBlocks:
 class ParquetSegments:
     name = "parquet segments"
 
-    def write(self, root: Path, steps: int, per_commit: int) -> None:
+    def write(self, root: Path, steps: int, per_commit: int, pace: float = 0.0) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -103,14 +104,14 @@ class ParquetSegments:
 class DuckDB:
     name = "duckdb"
 
-    def write(self, root: Path, steps: int, per_commit: int) -> None:
+    def write(self, root: Path, steps: int, per_commit: int, pace: float = 0.0) -> None:
         import duckdb
 
         root.mkdir(parents=True)
         con = duckdb.connect(str(root / "run.duckdb"))
         cols = ", ".join(f'"{k}" {"FLOAT" if k in F32 else "DOUBLE"}' for k in KEYS)
         con.execute(f"CREATE TABLE s (step BIGINT, {cols})")
-        for s, v in batches(steps, per_commit):
+        for s, v in batches(steps, per_commit, pace):
             df = frame_of(s, v)  # noqa: F841 (read by name by DuckDB)
             con.execute("INSERT INTO s SELECT * FROM df")
         con.close()
@@ -134,8 +135,10 @@ def size(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
-def concurrent(engine, root: Path, steps: int = 20_000) -> str:
-    """Write `steps` in commits of 20 in this process while another process polls."""
+def concurrent(engine, root: Path, steps: int = 10_000) -> str:
+    """Write `steps` in commits of 20, 100 commits a second at most, in this process while
+    another process polls every 0.1 s: what it saw (polls answered, distinct step counts,
+    the last count) and the errors it met."""
     reader = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys, time
@@ -149,11 +152,12 @@ def concurrent(engine, root: Path, steps: int = 20_000) -> str:
                 time.sleep(0.1)
                 if __import__("pathlib").Path(sys.argv[1], "done").exists():
                     break
-        """).replace("print(", "seen.append(") + "\nprint(len(seen), sorted(errors))",
+        """).replace("print(", "seen.append(")
+         + "\nprint((len(seen), len(set(seen)), seen[-1] if seen else None), sorted(errors))",
          str(root)],
         stdout=subprocess.PIPE, text=True)
-    time.sleep(1.0)
-    engine.write(root, steps, 20)
+    time.sleep(3.0)  # the reader's imports
+    engine.write(root, steps, 20, pace=0.01)
     (root / "done").touch()
     out, _ = reader.communicate(timeout=120)
     return out.strip()
@@ -181,8 +185,9 @@ def main() -> None:
                       f"{size(root) / n:5.2f} B/scalar, read {r:5.2f} s", flush=True)
                 shutil.rmtree(root)
             root = tmp / f"{engine.name.split()[0]}-concurrent"
+            seen = concurrent(engine, root)
             print(f"{engine.name:24s} a second process polling while it writes: "
-                  f"(polls answered, errors) = {concurrent(engine, root)}", flush=True)
+                  f"(polls answered, distinct, last), errors = {seen}", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

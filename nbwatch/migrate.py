@@ -25,9 +25,18 @@ def migrate_v1(path: Path) -> None:
         if store._version(con) != 1:  # another process migrated it first
             con.execute("ROLLBACK")
             return
+        # schema 1's record tables reused row ids after a truncate: rebuild them
+        kept = ("histograms", "attention", "events", "samples", "commands")
+        for t in kept:
+            con.execute(f"ALTER TABLE {t} RENAME TO {t}_v1")
+        for index in ("histograms_name_step", "attention_step"):
+            con.execute(f"DROP INDEX IF EXISTS {index}")
         for statement in store._SCHEMA.split(";"):
             if statement.strip():
                 con.execute(statement)
+        for t in kept:
+            con.execute(f"INSERT INTO {t} SELECT * FROM {t}_v1")
+            con.execute(f"DROP TABLE {t}_v1")
         tables = store.ScalarTables(con)
         names = dict(con.execute("SELECT id, name FROM keys"))
         walls = dict(con.execute("SELECT step, wall FROM steps"))

@@ -4,8 +4,10 @@ One writer thread per run batches records into a transaction at least every
 `flush_interval` seconds, so a `kill -9` loses at most that much; any number of
 readers (this process or another) see every committed transaction while the run writes.
 Scalars are stored as blocks (`blocks.py`): one row holds one key family's values for the
-steps of one commit. When the writer closes, the WAL is folded into `nbwatch.db` and
-removed: a finished run is that one file. The schema lives here and only here.
+steps of one commit. Row ids are never reused (AUTOINCREMENT), so a follower's
+`id > cursor` reads every row written after a resume's truncate. When the writer closes,
+the WAL is folded into `nbwatch.db` and removed: a finished run is that one file.
+The schema lives here and only here.
 """
 
 from __future__ import annotations
@@ -41,29 +43,30 @@ CREATE TABLE IF NOT EXISTS keys (id INTEGER PRIMARY KEY, name TEXT UNIQUE NOT NU
 CREATE TABLE IF NOT EXISTS layouts (
     id INTEGER PRIMARY KEY, family TEXT NOT NULL, dtype TEXT NOT NULL, keys TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS blocks (
-    id INTEGER PRIMARY KEY, layout INTEGER NOT NULL, first INTEGER NOT NULL,
+    id INTEGER PRIMARY KEY AUTOINCREMENT, layout INTEGER NOT NULL, first INTEGER NOT NULL,
     last INTEGER NOT NULL, steps BLOB, "values" BLOB NOT NULL,
     merged_from INTEGER);  -- a merge of the blocks with ids merged_from..id (compaction)
 CREATE INDEX IF NOT EXISTS blocks_layout_last ON blocks (layout, last);
 CREATE TABLE IF NOT EXISTS walls (
-    id INTEGER PRIMARY KEY, first INTEGER NOT NULL, last INTEGER NOT NULL, steps BLOB,
-    walls BLOB NOT NULL);
+    id INTEGER PRIMARY KEY AUTOINCREMENT, first INTEGER NOT NULL, last INTEGER NOT NULL,
+    steps BLOB, walls BLOB NOT NULL);
 CREATE INDEX IF NOT EXISTS walls_last ON walls (last);
 CREATE TABLE IF NOT EXISTS histograms (
-    id INTEGER PRIMARY KEY, step INTEGER NOT NULL, name TEXT NOT NULL,
+    id INTEGER PRIMARY KEY AUTOINCREMENT, step INTEGER NOT NULL, name TEXT NOT NULL,
     edges BLOB NOT NULL, counts BLOB NOT NULL);
 CREATE INDEX IF NOT EXISTS histograms_name_step ON histograms (name, step);
 CREATE TABLE IF NOT EXISTS attention (
-    id INTEGER PRIMARY KEY, step INTEGER NOT NULL, module TEXT NOT NULL, sample INTEGER NOT NULL,
-    shape TEXT NOT NULL, weights BLOB NOT NULL, tokens TEXT);
+    id INTEGER PRIMARY KEY AUTOINCREMENT, step INTEGER NOT NULL, module TEXT NOT NULL,
+    sample INTEGER NOT NULL, shape TEXT NOT NULL, weights BLOB NOT NULL, tokens TEXT);
 CREATE INDEX IF NOT EXISTS attention_step ON attention (step);
 CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY, step INTEGER NOT NULL, wall REAL NOT NULL, kind TEXT NOT NULL,
-    severity TEXT NOT NULL, message TEXT NOT NULL, data TEXT NOT NULL);
+    id INTEGER PRIMARY KEY AUTOINCREMENT, step INTEGER NOT NULL, wall REAL NOT NULL,
+    kind TEXT NOT NULL, severity TEXT NOT NULL, message TEXT NOT NULL, data TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS samples (
-    id INTEGER PRIMARY KEY, step INTEGER NOT NULL, wall REAL NOT NULL, text TEXT NOT NULL);
+    id INTEGER PRIMARY KEY AUTOINCREMENT, step INTEGER NOT NULL, wall REAL NOT NULL,
+    text TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS commands (
-    id INTEGER PRIMARY KEY, wall REAL NOT NULL, kind TEXT NOT NULL, value REAL,
+    id INTEGER PRIMARY KEY AUTOINCREMENT, wall REAL NOT NULL, kind TEXT NOT NULL, value REAL,
     source TEXT NOT NULL, taken INTEGER NOT NULL DEFAULT 0);
 """
 
@@ -543,11 +546,11 @@ class ScalarTables:
             s, v = blocks.decode(first, steps, values, lay)
             keep = s <= step
             con.execute("DELETE FROM blocks WHERE id = ?", (bid,))
-            if keep.any():
+            if keep.any():  # what followers have read: `merged_from` tells them
                 con.executemany(
-                    'INSERT INTO blocks (layout, first, last, steps, "values")'
-                    " VALUES (?, ?, ?, ?, ?)",
-                    [(lid, *b) for b in blocks.encode(s[keep], v[keep], lay.dtype)])
+                    'INSERT INTO blocks (layout, first, last, steps, "values", merged_from)'
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    [(lid, *b, bid) for b in blocks.encode(s[keep], v[keep], lay.dtype)])
         for wid, first, steps, walls in con.execute(
                 "SELECT id, first, steps, walls FROM walls WHERE last > ?", (step,)).fetchall():
             w = np.frombuffer(walls, dtype=np.float64)

@@ -294,3 +294,23 @@ def test_a_run_folder_named_with_uri_characters_reads_back(tmp_path):
     store.put(Scalars(1, {"loss/train": 1.5}))
     store.close()
     assert RunReader(run).df().loc[1, "loss/train"] == 1.5
+
+
+def test_a_follower_sees_what_a_resumed_run_writes_after_its_truncate(store):
+    """Row ids are never reused: a cursor past the truncated rows still reads the new ones."""
+    follower = Tail(RunReader(store.run_dir))
+    for s in range(1, 11):
+        store.put(Scalars(s, {"loss/train": float(s)}))
+        store.put(Sample(s, f"old {s}"))
+    store.flush()
+    first = follower.poll()
+    assert first.scalars["loss/train"][0].tolist() == list(range(1, 11))
+    store.truncate_after(5)  # a resume from the checkpoint of step 5
+    for s in range(6, 9):
+        store.put(Scalars(s, {"loss/train": -float(s)}))
+        store.put(Sample(s, f"new {s}"))
+    store.flush()
+    d = follower.poll()
+    steps, values = d.scalars["loss/train"]
+    assert steps.tolist() == [6, 7, 8] and values.tolist() == [-6.0, -7.0, -8.0]
+    assert [x["text"] for x in d.samples] == ["new 6", "new 7", "new 8"]

@@ -100,7 +100,10 @@ def _nonfinite(w: Window, p: dict) -> str | None:
     bad = [k for k in p["keys"]
            if k in w.latest and not math.isfinite(w.latest[k])]
     if bad:
-        return f"non-finite {' and '.join(bad)} at this step: step skipped, weights untouched"
+        if p.get("skips", True):
+            return f"non-finite {' and '.join(bad)} at this step: step skipped, weights untouched"
+        return (f"non-finite {' and '.join(bad)} at this step: the step was APPLIED (skip_step "
+                "is not among this rule's actions), so the weights may now be non-finite")
     return None
 
 
@@ -194,11 +197,21 @@ def _val_spike(w: Window, p: dict) -> str | None:
     v = w.latest.get("loss/val")
     vals = w.arr("loss/val")[:-1]
     vals = vals[np.isfinite(vals)]
-    if v is None or not len(vals):
+    if v is None or not math.isfinite(v) or not len(vals):  # non-finite: nonfinite_val
         return None
     best = float(vals.min())
-    if not math.isfinite(v) or (best > 0 and v > p["factor"] * best):
+    if best > 0 and v > p["factor"] * best:
         return f"val loss {v:.4g} is over {p['factor']:g}× the best so far ({best:.4g})"
+    return None
+
+
+def _nonfinite_val(w: Window, p: dict) -> str | None:
+    bad = [k for k, v in w.latest.items()
+           if (k == "loss/val" or k.startswith("val/")) and not math.isfinite(v)]
+    if bad:
+        return (f"non-finite {' and '.join(bad)} at this eval: never kept as the best "
+                "checkpoint; check val_fn and the weights (a NaN loss here often means NaN "
+                "weights)")
     return None
 
 
@@ -268,6 +281,8 @@ def default_rules() -> list[Rule]:
              ("clip",), 50, "global grad norm > 1e5 or > 10× its rolling median: clip at 1.0"),
         Rule("val_spike", "critical", "eval", _val_spike, {"factor": 2.0, "lr_factor": 0.5},
              ("checkpoint", "cut_lr"), 1, "val loss > 2× the best: checkpoint and cut LR ×0.5"),
+        Rule("nonfinite_val", "critical", "eval", _nonfinite_val, {}, (), 1,
+             "a non-finite val loss or val figure: never best, always said"),
         Rule("vanishing_gradients", "warning", "step", _vanishing,
              {"global_below": 1e-7, "layer_ratio": 1e-3, "persist": 20}, (), 5,
              "global grad norm < 1e-7, or a layer 1000× below the median layer", every=10),
@@ -300,6 +315,17 @@ def default_rules() -> list[Rule]:
 
 def configure(rules: list[Rule], overrides: dict[str, Any] | None) -> list[Rule]:
     """Apply `{rule: False | {param: value, "actions": [...], "severity": ...}}`."""
+    return [_truthful(r) for r in _override(rules, overrides)]
+
+
+def _truthful(r: Rule) -> Rule:
+    """A rule whose message says what its actions do (nonfinite: skipped or applied)."""
+    if r.name == "nonfinite":
+        return replace(r, params={**r.params, "skips": "skip_step" in r.actions})
+    return r
+
+
+def _override(rules: list[Rule], overrides: dict[str, Any] | None) -> list[Rule]:
     if not overrides:
         return rules
     by_name = {r.name: r for r in rules}

@@ -27,7 +27,7 @@ from typing import Any
 import pandas as pd
 
 from . import controls as ctl
-from .store import DB_NAME, RunReader, is_run_dir
+from .store import DB_NAME, RunReader, is_run_dir, writer_alive
 
 LIVE = ("starting", "running", "paused")
 ENDED = ("finished", "stopped", "failed")
@@ -66,21 +66,13 @@ def last_write(run_dir: Path, reader: RunReader | None = None) -> float | None:
     return max(times) if times else None
 
 
-def _writer_gone(meta: dict[str, Any]) -> bool:
-    """True when meta names a writer process on this host that no longer exists.
-
-    Only a hint: a Monitor that records `pid` and `host` in meta makes a killed writer
-    visible at once instead of after `stale_after` seconds."""
-    pid, host = meta.get("pid"), meta.get("host")
-    if not isinstance(pid, int) or host != socket.gethostname():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # exists, owned by someone else
-        return False
-    return False
+def _writer_gone(run_dir: Path, meta: dict[str, Any]) -> bool:
+    """True when the run's writer is gone: nothing holds the run folder's writer lock (exact
+    on this host: the OS drops the lock of a killed process). A writer on another host, or
+    one that has not written its pid yet, is judged by its writes alone."""
+    if "pid" not in meta or meta.get("host") != socket.gethostname():
+        return False  # no writer has said who it is yet, or it runs elsewhere
+    return not writer_alive(run_dir)
 
 
 def run_state(run_dir: Path, meta: dict[str, Any], reader: RunReader | None,
@@ -93,7 +85,7 @@ def run_state(run_dir: Path, meta: dict[str, Any], reader: RunReader | None,
             t = last_write(run_dir, reader)
         except sqlite3.OperationalError:  # the writer is creating the schema right now
             t = last_write(run_dir)
-        if (t is not None and time.time() - t > stale_after) or _writer_gone(meta):
+        if (t is not None and time.time() - t > stale_after) or _writer_gone(run_dir, meta):
             return "stale"
     return state
 

@@ -65,7 +65,7 @@ def _export(args: argparse.Namespace) -> int:
         return 1
     out = Path(args.output) if args.output else run_dir / "report.html"
     t0 = time.perf_counter()
-    export_html(run_dir, out)
+    out = export_html(run_dir, out, environment=not args.no_environment)
     print(f"{out}  ({out.stat().st_size / 2**20:.1f} MB in {time.perf_counter() - t0:.1f} s)")
     return 0
 
@@ -108,14 +108,15 @@ def _ls(args: argparse.Namespace) -> int:
     where = _parse_where(args.where)
     rows, configs = [], {}
     for d in find_runs(root):
-        reader = RunReader(d)
         try:
+            reader = RunReader(d)
             config = reader.meta().get("config", {})
             if not matches(config, where or None):
                 continue
             row = summarize(reader, stale_after=args.stale_after)
-        finally:
-            reader.close()
+        except Exception as e:  # noqa: BLE001 - one damaged run must not hide the others
+            print(f"nbwatch ls: skipped {d}: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
         label = str(d.relative_to(root)) if d != root else d.name
         rows.append((label, row))
         configs[label] = config
@@ -172,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("run_dir")
     ex.add_argument("-o", "--output", default=None,
                     help="the HTML file to write (default: RUN_DIR/report.html)")
+    ex.add_argument("--no-environment", action="store_true",
+                    help="leave out host, pid, working directory, command line and versions")
     ex.set_defaults(fn=_export)
     args = parser.parse_args(argv)
     return args.fn(args)

@@ -10,6 +10,7 @@ import html
 import json
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -283,12 +284,11 @@ def compare(
             raise ValueError("no runs given; pass a list of run folders or a root folder")
     configs = {}
     for d in dirs:
-        r = RunReader(d)
         try:
-            configs[d] = r.meta().get("config", {})
-        finally:
-            r.close()
-    kept = [d for d in dirs if matches(configs[d], where)]
+            configs[d] = RunReader(d).meta().get("config", {})
+        except Exception as e:  # noqa: BLE001 - one damaged run must not hide the others
+            warnings.warn(f"compare: skipped {d}: {type(e).__name__}: {e}", stacklevel=2)
+    kept = [d for d in dirs if d in configs and matches(configs[d], where)]
     if not kept:
         seen = ""
         if isinstance(where, Mapping):

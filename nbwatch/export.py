@@ -32,7 +32,7 @@ from .panels import report as rpt
 from .panels.downsample import MAX_POINTS
 from .panels.weights import thin
 from .panels.wire import pack
-from .store import RunReader
+from .store import DB_NAME, RunReader
 
 _STATIC = Path(__file__).parent / "static"
 MAX_HIST_COLUMNS = 2400  # all layers together; each layer keeps at least 16
@@ -41,35 +41,66 @@ _JSON_ESCAPES = {ord("<"): "\\u003c", ord(">"): "\\u003e", ord("&"): "\\u0026",
                  0x2028: "\\u2028", 0x2029: "\\u2029"}
 
 
-def export_html(run_dir: str | os.PathLike, path: str | os.PathLike) -> Path:
+def export_html(run_dir: str | os.PathLike, path: str | os.PathLike, *,
+                environment: bool = True) -> Path:
     """Write the run in `run_dir` as one HTML file at `path` (opens offline, anywhere).
+
+    `path` may be a folder (the file is `report.html` in it). `environment=False` leaves
+    out where the run ran: host, pid, working directory, command line, versions and
+    devices (for a snapshot you share).
 
     >>> nbwatch.export_html("runs/exp1", "exp1.html")
     PosixPath('exp1.html')
     """
+    out = _target(Path(run_dir), Path(path))
     reader = RunReader(run_dir)
     try:
-        state = snapshot(reader)
+        state = snapshot(reader, environment=environment)
     finally:
         reader.close()
     name = str(state["name"]) or Path(run_dir).name
-    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(render(state, name), encoding="utf-8")
-    tmp.replace(out)  # a reader never sees half a file
+    try:
+        tmp.write_text(render(state, name), encoding="utf-8")
+        tmp.replace(out)  # a reader never sees half a file
+    finally:
+        tmp.unlink(missing_ok=True)
     return out
 
 
+def _target(run_dir: Path, path: Path) -> Path:
+    """Where the export goes; refuses a path that would destroy the run or another file."""
+    if path.is_dir():
+        path = path / "report.html"
+    full, run = path.absolute().resolve(), run_dir.absolute().resolve()
+    owned = [run / n for n in (DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm", "log.jsonl")]
+    if full in owned or run / "checkpoints" in full.parents:
+        raise ValueError(
+            f"refusing to export over {path}: it holds the run itself; write the export"
+            f" beside it, e.g. {run / 'report.html'}")
+    if full.exists() and full.suffix.lower() not in (".html", ".htm"):
+        raise FileExistsError(
+            f"refusing to overwrite {path}: it is not an .html file; pass a path ending in"
+            " .html (an existing .html export is replaced)")
+    return path
+
+
 # -- the state ----------------------------------------------------------------------------
+PRIVATE_META = ("environment", "pid", "host")  # where the run ran: left out on request
+
+
 def snapshot(reader: RunReader, max_points: int = MAX_POINTS,
-             max_columns: int = MAX_HIST_COLUMNS, now: float | None = None) -> dict[str, Any]:
+             max_columns: int = MAX_HIST_COLUMNS, now: float | None = None,
+             environment: bool = True) -> dict[str, Any]:
     """{name, panels (the dashboard's full state), report (summary and tables)}."""
     now = time.time() if now is None else now
     feed = Feed(reader, max_points)
     feed.update(now)
     while feed.more:  # the whole history, a chunk at a time, folded into bounded series
         feed.update(now)
+    if not environment:
+        feed.meta = {k: v for k, v in feed.meta.items() if k not in PRIVATE_META}
     panels = feed.full(now)
     _cap_columns(panels.get("weights", {}), max_columns)
     meta = feed.meta

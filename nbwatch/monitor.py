@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import numbers
 import os
@@ -42,10 +43,31 @@ from .recorder import SAME_ON_EVERY_RANK, Progress, RunSpec, StepRecorder, StopT
 from .records import Command, Event, Scalars
 from .run import Readout, Run
 from .runner import Runner, run_in_thread
-from .store import DB_NAME, RunStore, is_run_dir
+from .store import DB_NAME, RunStore, check_no_writer, is_run_dir
 
 log = logging.getLogger("nbwatch")
 _ALLOWED_FOREIGN = {".ipynb_checkpoints", ".DS_Store", "torchrun.log"}  # launch() writes the log
+
+
+def _check_covers(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer built on another model; warn about trainable parameters it
+    leaves out (they get gradients, are counted in the norms, and never change)."""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    left = [n for n, p in trainable if id(p) not in held]
+    if len(left) == len(trainable):
+        raise ValueError(
+            "the optimizer holds none of the model's trainable parameters (was it built on "
+            "another model?); build it on this one: torch.optim.AdamW(model.parameters(), ...)")
+    if left:
+        modules = sorted({n.rsplit(".", 1)[0] if "." in n else n for n in left})
+        shown = ", ".join(modules[:6]) + (f" and {len(modules) - 6} more" if len(modules) > 6
+                                          else "")
+        warnings.warn(
+            f"{len(left)} of the model's {len(trainable)} trainable parameters are not in the "
+            f"optimizer ({shown}): they get gradients but never change. Freeze them "
+            "(p.requires_grad_(False)) if that is deliberate, or add them to the optimizer",
+            stacklevel=3)
 
 
 def _default_run_dir() -> Path:
@@ -176,12 +198,23 @@ class Monitor(ctl.Controls, Readout):
                     "it state_dict()/load_state_dict() to resume it", stacklevel=2)
         if config is not None and not isinstance(config, dict):
             raise TypeError(f"config must be a dict, got {type(config).__name__}")
+        try:  # stored as JSON (what cannot be is stored as its str())
+            json.dumps(config, default=str)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"config cannot be stored as JSON ({e}); pass a dict of plain "
+                             "values (numbers, strings, lists, dicts)") from e
+        if not system_interval or system_interval < 0.1:
+            raise ValueError(
+                f"system_interval must be at least 0.1 s (the CPU/GPU sampler's period), got "
+                f"{system_interval!r}; it cannot be turned off")
+        _check_covers(model, optimizer)
         if keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, got {keep_last}")
         _check_every(max_steps=max_steps, checkpoint_every=checkpoint_every)
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.scaler = scheduler, scaler
-        self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
+        # absolute now: a later os.chdir must not send the run (or mon.df) elsewhere
+        self.run_dir = (Path(run_dir) if run_dir is not None else _default_run_dir()).absolute()
         self.rank = _rank()
         if self.rank == 0:  # under torchrun, rank 0 alone writes the run folder
             check_run_dir(self.run_dir)
@@ -232,6 +265,8 @@ class Monitor(ctl.Controls, Readout):
                        optimizer.register_step_post_hook(self._post_hook)]
         self._global_hook: Any = None
         if resume:
+            if self.rank == 0:
+                check_no_writer(self.run_dir)  # not another live run's checkpoint
             self._progress.step = self._resumed_step = self._restore_latest()
 
     # -- the optimizer's own step ---------------------------------------------------------
@@ -431,6 +466,8 @@ class Monitor(ctl.Controls, Readout):
                 "wait() first, or create another Monitor with its own run_dir"
             )
         self._closed.wait()  # the previous run's store and sampler are closed
+        if self.rank == 0:
+            check_no_writer(self.run_dir)  # before a resume touches the model
         if self._mode is not None and not resume:
             raise RuntimeError(
                 f"this Monitor already ran (it is {self.state}); continue from its newest "
@@ -495,6 +532,24 @@ class Monitor(ctl.Controls, Readout):
         self._finalizer = threading.Thread(target=self._finish, args=(self._done,),
                                            name="nbwatch-finish", daemon=True)
         self._finalizer.start()
+        atexit.register(self._stop_at_exit)
+
+    def _stop_at_exit(self) -> None:
+        """The interpreter is exiting while the run trains (a script that did not wait()):
+        stop it as the Stop button does — a stop checkpoint, state `stopped` — and say so,
+        rather than let the process abort under a running thread."""
+        done, thread = self._done, self._thread
+        if done is None or done.is_set():
+            return
+        with contextlib.suppress(RuntimeError):  # it ended a moment ago
+            self._send("stop", source="exit")
+        done.wait(300)
+        for t in (thread, self._finalizer):
+            if t is not None:
+                t.join(60)
+        print(f"nbwatch: the program exited while run {self.name!r} was training; it was "
+              f"stopped at step {self.step} ({self.state}), with a checkpoint, in "
+              f"{self.run_dir}. Call mon.wait() to let a run finish.", file=sys.stderr)
 
     def _after_open(self, display: bool | None) -> Monitor:
         if self.rank != 0:
@@ -534,6 +589,7 @@ class Monitor(ctl.Controls, Readout):
         """Close what one run opened, once its training thread has ended."""
         done.wait()
         self._close_run()
+        atexit.unregister(self._stop_at_exit)
 
     def _close_run(self) -> None:
         rec, sampler, store, handler = (self._recorder, self._sampler, self._store,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +35,13 @@ class Readout:
             return pd.DataFrame(columns=["step", "wall", "kind", "severity", "message", "data"])
         return run.events
 
-    def export_html(self, path: str | Path) -> Path:
-        """Write this run (so far) as one self-contained HTML file; returns its path."""
+    def export_html(self, path: str | Path, *, environment: bool = True) -> Path:
+        """Write this run (so far) as one self-contained HTML file; returns its path.
+        `environment=False` leaves out host, pid, working directory, argv and versions."""
         from .export import export_html
 
         self._run()  # commits what is queued
-        return export_html(self.run_dir, path)
+        return export_html(self.run_dir, path, environment=environment)
 
 
 class Run:
@@ -53,6 +55,12 @@ class Run:
     def __init__(self, run_dir: str | Path):
         self.reader = RunReader(run_dir)
         self.run_dir = self.reader.run_dir
+        try:
+            self.reader.meta()
+        except sqlite3.OperationalError as e:
+            raise RuntimeError(
+                f"{self.reader.path} holds no nbwatch records ({e}): its writer has not"
+                " created them yet, or was cut off before it did") from e
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -110,11 +118,12 @@ class Run:
         """{module path: weights [heads, T, S]} at the newest (or given) eval step."""
         return self.reader.attention(step, sample)
 
-    def export_html(self, path: str | Path) -> Path:
-        """Write this run as one self-contained HTML file (opens offline); returns its path."""
+    def export_html(self, path: str | Path, *, environment: bool = True) -> Path:
+        """Write this run as one self-contained HTML file (opens offline); returns its path.
+        `environment=False` leaves out host, pid, working directory, argv and versions."""
         from .export import export_html
 
-        return export_html(self.run_dir, path)
+        return export_html(self.run_dir, path, environment=environment)
 
     def show(self) -> Any:
         """Display this run's dashboard (read-only) in the notebook."""

@@ -30,6 +30,7 @@ class Runner:
         self.spec, self.rec = spec, recorder
         self._data: Iterator | None = None
         self._epoch = 0
+        self._batches = 0  # taken from train_data so far
 
     def run(self) -> None:
         self.rec.guarded(self._loop)
@@ -53,16 +54,25 @@ class Runner:
         if self._data is None:
             self._data = iter(self.spec.train_data)
         try:
-            return next(self._data)
+            batch = next(self._data)
+            self._batches += 1
+            return batch
         except StopIteration:
             self._epoch += 1
             self._data = iter(self.spec.train_data)
             try:
-                return next(self._data)
+                batch = next(self._data)
+                self._batches += 1
+                return batch
             except StopIteration:
+                if self._batches:
+                    raise ValueError(
+                        f"train_data ran out after {self._batches} batches, before max_steps="
+                        f"{self.spec.max_steps}: it cannot be iterated again (a generator or "
+                        "iterator is used up after one pass); pass a list, a DataLoader, or "
+                        "an iterable that can be iterated again") from None
                 raise ValueError(
-                    "train_data yielded no batches; pass a non-empty DataLoader or iterable "
-                    "(a generator is used up after one pass: pass a list or a DataLoader)"
+                    "train_data yielded no batches; pass a non-empty DataLoader or iterable"
                 ) from None
 
     def _train_step(self) -> None:

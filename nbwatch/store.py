@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -99,6 +100,67 @@ def _version(con: sqlite3.Connection) -> int:
     return 1 if "scalars" in tables else 0
 
 
+class RunInUse(RuntimeError):
+    """Another live writer (a Monitor in this process or another) holds the run folder."""
+
+
+def _lock_dir(run_dir: Path, exclusive: bool) -> int | None:
+    """An flock on the run folder itself (not on the database: closing another descriptor
+    of `nbwatch.db` would drop SQLite's own POSIX locks). Returns the descriptor that holds
+    it, or None when another process holds a conflicting lock. The OS releases it when the
+    process dies, so a killed writer never leaves the folder locked."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, no check
+        return -1
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def writer_alive(run_dir: str | Path) -> bool:
+    """True while a live writer holds `run_dir` (exact on this host: the OS drops the lock of
+    a killed process)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return False
+    fd = _lock_dir(run_dir, exclusive=False)
+    if fd is None:
+        return True
+    if fd >= 0:
+        os.close(fd)
+    return False
+
+
+def _writer_named(run_dir: Path) -> str:
+    """'pid 123 on host x, started 12:01:02' from the run's meta, as far as it says."""
+    try:
+        meta = RunReader(run_dir).meta()
+    except Exception:  # noqa: BLE001 - only for a message
+        return "a writer whose meta is not readable yet"
+    parts = [f"pid {meta['pid']}" if "pid" in meta else "a process",
+             f"on host {meta['host']}" if "host" in meta else ""]
+    if isinstance(meta.get("started"), (int, float)):
+        parts.append("started " + time.strftime("%H:%M:%S", time.localtime(meta["started"])))
+    return " ".join(p for p in parts if p)
+
+
+def check_no_writer(run_dir: str | Path) -> None:
+    """Raise RunInUse, naming the live writer, when another one holds `run_dir`."""
+    if writer_alive(run_dir):
+        raise RunInUse(_in_use(Path(run_dir)))
+
+
+def _in_use(run_dir: Path) -> str:
+    return (f"{run_dir} is being written by another nbwatch run ({_writer_named(run_dir)}): a "
+            "run folder has one writer at a time. Follow it with nbwatch.attach(run_dir), stop"
+            " it first, or choose another run_dir")
+
+
 class RunReader:
     """Read-only view of a run folder; safe to use while another process writes it.
 
@@ -122,6 +184,11 @@ class RunReader:
         con = _connect(self.path, readonly=True)
         try:
             version = _version(con)
+        except sqlite3.DatabaseError as e:
+            raise RuntimeError(
+                f"{self.path} is not a readable nbwatch store ({e}): the file is damaged or"
+                " is not an nbwatch database. Its checkpoints/ folder, if any, still holds"
+                " the weights") from e
         finally:
             con.close()
         if version == 1:
@@ -585,6 +652,26 @@ class RunStore(RunReader):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / DB_NAME
+        for _ in range(20):  # a reader's probe holds a shared lock for a moment
+            lock = _lock_dir(self.run_dir, exclusive=True)
+            if lock is not None:
+                break
+            time.sleep(0.05)
+        else:
+            raise RunInUse(_in_use(self.run_dir))
+        self._lock = lock
+        try:
+            self._open_writer(flush_interval, max_pending)
+        except BaseException:
+            self._unlock()
+            raise
+
+    def _unlock(self) -> None:
+        if self._lock >= 0:
+            os.close(self._lock)
+            self._lock = -1
+
+    def _open_writer(self, flush_interval: float, max_pending: int) -> None:
         self._local = threading.local()
         self._layouts = {}
         if self.path.is_file():
@@ -670,6 +757,8 @@ class RunStore(RunReader):
             with self._cond:
                 self._cond.notify_all()
             self._thread.join(timeout=60)
+        if not self._thread.is_alive():
+            self._unlock()
 
     # -- writer thread ------------------------------------------------------------------
     def _loop(self) -> None:

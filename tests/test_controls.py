@@ -6,8 +6,8 @@ from nbwatch.controls import CommandQueue, check_clip, check_factor, lrs, scale_
 from nbwatch.records import Command
 
 
-def make(kind):
-    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+def make(kind, model=None):
+    opt = torch.optim.SGD((model or torch.nn.Linear(2, 2)).parameters(), lr=0.1)
     if kind == "lambda":
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     elif kind == "cosine":
@@ -25,12 +25,12 @@ def make(kind):
 def test_scale_lr_survives_the_scheduler(kind, tmp_path):
     """Through the Monitor's optimizer hooks, as a loop of the user's own steps them."""
     ref_opt, ref_sched = make(kind)
-    opt, sched = make(kind)
-    model = opt.param_groups[0]["params"]
-    with nbwatch.Monitor(torch.nn.Linear(2, 2), opt, sched, run_dir=tmp_path / kind,
+    net = torch.nn.Linear(2, 2)
+    opt, sched = make(kind, net)
+    with nbwatch.Monitor(net, opt, sched, run_dir=tmp_path / kind,
                          display=False, hist_every=0) as mon:
         for i in range(15):
-            for p in model:
+            for p in net.parameters():
                 p.grad = torch.ones_like(p)
             ref_opt.step(), ref_sched.step()
             opt.step(), sched.step()

@@ -27,9 +27,17 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class _RunLog(logging.FileHandler):
+    """The run folder's log: when the folder stops taking writes (disk full, deleted), the
+    store's error says so once; a traceback per log line would bury it."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        pass
+
+
 def open_run_log(logger: logging.Logger, run_dir: Path) -> logging.Handler:
     """Send `logger`'s records to `run_dir/log.jsonl`; returns the handler to close later."""
-    handler = logging.FileHandler(run_dir / "log.jsonl", encoding="utf-8")
+    handler = _RunLog(run_dir / "log.jsonl", encoding="utf-8")
     handler.setFormatter(JsonFormatter())
     handler.setLevel(logging.INFO)
     logger.addHandler(handler)

@@ -608,7 +608,8 @@ class Monitor(ctl.Controls, Readout):
         finally:
             if handler is not None and rec is not None:
                 rec.log.removeHandler(handler)
-                handler.close()
+                with contextlib.suppress(OSError):  # a full disk: the store said so already
+                    handler.close()
             self._closed.set()
 
     def _end_loop(self, exc: BaseException | None) -> None:

@@ -13,9 +13,11 @@ The schema lives here and only here.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
+import shutil
 import sqlite3
 import threading
 import time
@@ -98,6 +100,42 @@ def _version(con: sqlite3.Connection) -> int:
     if row is not None:
         return int(json.loads(row[0]))
     return 1 if "scalars" in tables else 0
+
+
+class StoreFailed(RuntimeError):
+    """The run store stopped writing; the first line of the message says why."""
+
+
+def _failure(e: BaseException, path: Path) -> str:
+    """What a store write failure means for the user, cause first."""
+    text = f"{type(e).__name__}: {e}"
+    kept = "what was committed before is kept; later records are lost"
+    if not path.parent.exists():
+        return f"the run folder {path.parent} was deleted while the run wrote to it ({text})"
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = None
+    if "full" in str(e) or getattr(e, "errno", None) == errno.ENOSPC or (
+            free is not None and free < 1 << 20):
+        return (f"disk full: the run store {path} could not be written ({text}); free space"
+                f" on its disk and resume the run from its newest checkpoint; {kept}")
+    limit = _file_size_limit()
+    if limit is not None and any(
+            p.exists() and p.stat().st_size > limit - (1 << 20)
+            for p in (path, path.with_name(path.name + "-wal"))):
+        return (f"file size limit reached (ulimit -f, {limit} bytes): the run store {path} "
+                f"could not grow ({text}); {kept}")
+    return f"the run store {path} stopped writing ({text}); {kept}"
+
+
+def _file_size_limit() -> int | None:
+    try:
+        import resource
+    except ImportError:
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
 class RunInUse(RuntimeError):
@@ -216,14 +254,19 @@ class RunReader:
             con.close()
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
-        con = getattr(self._local, "con", None)
-        if con is not None:
-            return con.execute(sql, params).fetchall()
-        con = _connect(self.path, readonly=True)
         try:
-            return con.execute(sql, params).fetchall()
-        finally:
-            con.close()
+            con = getattr(self._local, "con", None)
+            if con is not None:
+                return con.execute(sql, params).fetchall()
+            con = _connect(self.path, readonly=True)
+            try:
+                return con.execute(sql, params).fetchall()
+            finally:
+                con.close()
+        except sqlite3.OperationalError as e:
+            if not self.path.exists():
+                raise StoreFailed(_failure(e, self.path)) from e
+            raise
 
     def close(self) -> None:
         """Nothing to release (connections live for one call); kept for callers."""
@@ -701,7 +744,7 @@ class RunStore(RunReader):
         """Queue a record (Scalars, Histogram, Attention, Event, Sample) for the next commit;
         blocks while the writer is `max_pending` scalars behind."""
         if self.error is not None:
-            raise RuntimeError(f"the run store at {self.path} stopped writing") from self.error
+            raise StoreFailed(str(self.error)) from self.error.__cause__
         if isinstance(record, Scalars):
             n = len(record.values)
         elif isinstance(record, _RECORDS) or (isinstance(record, tuple) and record
@@ -715,8 +758,7 @@ class RunStore(RunReader):
                 while self._pending >= self.max_pending and self._thread.is_alive():
                     self._cond.wait(1.0)
                 if self.error is not None:
-                    raise RuntimeError(
-                        f"the run store at {self.path} stopped writing") from self.error
+                    raise StoreFailed(str(self.error)) from self.error.__cause__
             self._buf.append(record)
             self._pending += n
             if self._pending >= self.max_pending // 2:
@@ -745,7 +787,7 @@ class RunStore(RunReader):
                 lambda: self._written >= target or not self._thread.is_alive(), timeout
             )
         if self.error is not None:
-            raise RuntimeError(f"the run store at {self.path} failed to write") from self.error
+            raise StoreFailed(str(self.error)) from self.error.__cause__
         if not ok:
             raise TimeoutError(f"the run store at {self.path} did not commit within {timeout}s")
 
@@ -787,7 +829,8 @@ class RunStore(RunReader):
                 self._wcon.executescript("PRAGMA incremental_vacuum;")  # runs to the end
             self._fold_wal()
         except BaseException as e:  # never die silently: flush() and put() re-raise it
-            self.error = e
+            self.error = StoreFailed(_failure(e, self.path))
+            self.error.__cause__ = e
             log.exception("nbwatch store writer failed; records after this point are lost")
             with self._cond:
                 self._cond.notify_all()

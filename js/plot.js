@@ -154,3 +154,8 @@ export function duration(s) {
 export function esc(s) {
   return String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 }
+
+// Inside a hovertemplate, plotly also expands `%{...}`: a name there keeps its `%` as text.
+export function escTemplate(s) {
+  return esc(s).replace(/%/g, "&#37;");
+}

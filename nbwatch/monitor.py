@@ -38,7 +38,7 @@ from .distributed import Dist, NullStore
 from .environment import environment
 from .logs import open_run_log
 from .probes.data import batch_figures
-from .probes.system import SystemSampler, gpu_names, open_nvml
+from .probes.system import SystemSampler, close_nvml, gpu_names, open_nvml
 from .recorder import SAME_ON_EVERY_RANK, Progress, RunSpec, StepRecorder, StopTraining
 from .records import Command, Event, Scalars
 from .run import Readout, Run
@@ -500,28 +500,33 @@ class Monitor(ctl.Controls, Readout):
                      if r.name == "nonfinite" else r for r in rules]
             if dist.rank != 0:
                 rules = [r for r in rules if r.name in SAME_ON_EVERY_RANK]
-        if dist is not None and dist.rank != 0:
-            store = self._store = NullStore(self.run_dir)
-        else:
-            store = self._open_store(start_step, spec.max_steps, {
-                **run_meta, "mode": mode, "world_size": dist.world if dist else 1,
-                "backend": dist.backend if dist else None})
         self._progress = Progress(step=start_step, state="starting")
         self._progress_start = start_step
         self._stop_asked = False
         self._closed.clear()
-        rec = StepRecorder(
-            spec, self.model, self.optimizer, self.scheduler, self.scaler, store,
-            self.checkpointer, self._commands, self.control, self._progress, start_step,
-            AlertEngine(rules), self.on_alert, dist,
-        )
-        self._recorder, self._mode = rec, mode
-        self._global_hook = register_optimizer_step_pre_hook(self._foreign_hook)
-        if self.rank == 0:
-            self._log_handler = open_run_log(rec.log, self.run_dir)
-            self._sampler = SystemSampler(self._record_system, self.system_interval).start()
-        if dist is not None and self.rank == 0:
-            self._record_sigterm(store)
+        try:
+            if dist is not None and dist.rank != 0:
+                store = self._store = NullStore(self.run_dir)
+            else:
+                store = self._open_store(start_step, spec.max_steps, {
+                    **run_meta, "mode": mode, "world_size": dist.world if dist else 1,
+                    "backend": dist.backend if dist else None})
+            rec = StepRecorder(
+                spec, self.model, self.optimizer, self.scheduler, self.scaler, store,
+                self.checkpointer, self._commands, self.control, self._progress, start_step,
+                AlertEngine(rules), self.on_alert, dist,
+            )
+            self._recorder, self._mode = rec, mode
+            self._global_hook = register_optimizer_step_pre_hook(self._foreign_hook)
+            if self.rank == 0:
+                self._log_handler = open_run_log(rec.log, self.run_dir)
+                self._sampler = SystemSampler(self._record_system,
+                                              self.system_interval).start()
+            if dist is not None and self.rank == 0:
+                self._record_sigterm(store)
+        except BaseException:  # nothing opened may outlive a start that failed
+            self._close_run()
+            raise
         return rec
 
     def _in_thread(self, target: Callable[[], Any]) -> None:
@@ -669,13 +674,16 @@ class Monitor(ctl.Controls, Readout):
 
     def _open_store(self, start_step: int, max_steps: int | None,
                     run: dict[str, Any]) -> RunStore:
+        self._store = None
         self._store = store = RunStore(self.run_dir)
         if start_step:
             store.truncate_after(start_step)
         nvml, handles = open_nvml()
+        names = gpu_names(nvml, handles)
+        close_nvml(nvml)
         store.set_meta("name", self.name)
         store.set_meta("config", self.config)
-        store.set_meta("environment", environment(gpu_names(nvml, handles)))
+        store.set_meta("environment", environment(names))
         store.set_meta("max_steps", max_steps)
         store.set_meta("started", time.time())
         store.set_meta("pid", os.getpid())  # lets attach() tell a killed writer at once

@@ -1,6 +1,6 @@
 // Attention: a layers × heads grid of heatmaps for a chosen probe sample of the newest
 // eval, with the sample's tokens on the axes.
-import { baseLayout, CONFIG, el, esc, panel } from "../plot.js";
+import { baseLayout, CONFIG, el, esc, escTemplate, panel } from "../plot.js";
 
 const MAX_TICKS = 24;
 
@@ -61,7 +61,7 @@ export function create(root, ctx) {
           });
           traces.push({ type: "heatmap", z, text: hover, xaxis: `x${n}`, yaxis: `y${n}`,
             colorscale: "Blues", reversescale: true, zmin: 0, zmax: 1, showscale: false,
-            hovertemplate: `${esc(data.modules[l])} head ${h}<br>%{text}<br>weight %{z:.3f}<extra></extra>` });
+            hovertemplate: `${escTemplate(data.modules[l])} head ${h}<br>%{text}<br>weight %{z:.3f}<extra></extra>` });
           const ax = n === 1 ? "" : String(n);
           layout[`xaxis${ax}`] = { showticklabels: l === L - 1, tickvals: ticks(S), ticktext: ticks(S).map(label),
             tickfont: { size: 8 }, tickangle: -90, showgrid: false };

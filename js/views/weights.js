@@ -1,7 +1,7 @@
 // Weights: a layer's weight histogram over time as a heatmap (layer picker), and the
 // update ratios ‖Δw‖/‖w‖ of every layer.
 import { Series, apply, bucketWidth } from "../downsample.js";
-import { baseLayout, CONFIG, el, layerColor, panel } from "../plot.js";
+import { baseLayout, CONFIG, el, esc, escTemplate, layerColor, panel } from "../plot.js";
 
 const MAX_COLUMNS = 200;
 const BINS = 64;
@@ -98,13 +98,13 @@ export function create(root, ctx) {
         type: "heatmap", x: h.x, y: h.y, z: h.z, colorscale: "Viridis", showscale: false,
         hovertemplate: "step %{x}<br>weight %{y:.3g}<br>fraction %{z:.3f}<extra></extra>",
       }], baseLayout(t, { margin: { l: 52, r: 8, t: 24, b: 32 },
-        title: { text: `weight histogram: ${layer || "–"}`, font: { size: 11 } },
+        title: { text: `weight histogram: ${esc(layer || "–")}`, font: { size: 11 } },
         yaxis: { title: { text: "weight" }, gridcolor: t.grid } }), CONFIG);
       const traces = layers.filter((l) => ratios[l]).map((l) => ({
-        name: l, x: ratios[l].x, y: ratios[l].y, type: "scatter", mode: "lines+markers",
+        name: esc(l), x: ratios[l].x, y: ratios[l].y, type: "scatter", mode: "lines+markers",
         marker: { size: 3 },
         line: { color: layerColor(layers.indexOf(l), layers.length), width: l === layer ? 2.5 : 1 },
-        hovertemplate: `${l}<br>step %{x}<br>update ratio %{y:.3e}<extra></extra>`,
+        hovertemplate: `${escTemplate(l)}<br>step %{x}<br>update ratio %{y:.3e}<extra></extra>`,
       }));
       Plotly.react(ratio, traces, baseLayout(t, { margin: { l: 52, r: 8, t: 24, b: 32 },
         title: { text: "update ratio ‖Δw‖/‖w‖", font: { size: 11 } },

@@ -6,6 +6,7 @@ fake one); `SystemSampler` is the thread that calls them and hands figures to a 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -28,6 +29,13 @@ def open_nvml() -> tuple[ModuleType | None, list[Any]]:
         return pynvml, [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
     except pynvml.NVMLError:  # no driver / no GPU: fall back to psutil
         return None, []
+
+
+def close_nvml(nvml: ModuleType | None) -> None:
+    """Undo one open_nvml() (NVML counts its inits)."""
+    if nvml is not None:
+        with contextlib.suppress(Exception):
+            nvml.nvmlShutdown()
 
 
 def gpu_names(nvml: ModuleType | None, handles: list[Any]) -> list[str]:
@@ -113,3 +121,5 @@ class SystemSampler:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        close_nvml(self._nvml)
+        self._nvml = None

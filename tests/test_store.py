@@ -314,3 +314,11 @@ def test_a_follower_sees_what_a_resumed_run_writes_after_its_truncate(store):
     steps, values = d.scalars["loss/train"]
     assert steps.tolist() == [6, 7, 8] and values.tolist() == [-6.0, -7.0, -8.0]
     assert [x["text"] for x in d.samples] == ["new 6", "new 7", "new 8"]
+
+
+def test_a_store_from_a_newer_nbwatch_says_to_upgrade(tmp_path):
+    store = RunStore(tmp_path / "run")
+    store.set_meta("schema_version", 99)
+    store.close()
+    with pytest.raises(RuntimeError, match="written by a newer nbwatch.*upgrade"):
+        nbwatch.open_run(tmp_path / "run")

@@ -73,7 +73,7 @@ def probe_forward(model: nn.Module, batch: Any) -> Any:
     return model(batch)
 
 
-def evaluate(model: nn.Module, spec: Any, step: int, train_mean: float | None,
+def evaluate(model: nn.Module, spec: Any, step: int, train_loss: float | None,
              val: Any = None) -> EvalResult:
     """Run the eval-time callbacks of `spec` (a RunSpec) on `model`, then restore its mode.
 
@@ -91,8 +91,8 @@ def evaluate(model: nn.Module, spec: Any, step: int, train_mean: float | None,
             with torch.no_grad():
                 out.values.update(val_figures(spec.val_fn(model)))
             out.values["time/eval"] = time.perf_counter() - t0
-        if "loss/val" in out.values and train_mean is not None:
-            out.values["loss/gap"] = out.values["loss/val"] - train_mean
+        if "loss/val" in out.values and train_loss is not None:
+            out.values["loss/gap"] = out.values["loss/val"] - train_loss
         if spec.probe_batch is not None and spec.attention_samples > 0:
             forward = spec.probe_fn or spec.step_fn
             # torch.compile: probe the module it wraps, so Dynamo never traces the hooks

@@ -89,6 +89,9 @@ class RunSpec:
     trial: bool = False  # preflight: no checkpoints, no pausing
 
 
+SMOOTHING = 0.9  # panels/loss.py smooth()'s weight: the gap is measured on the drawn curve
+
+
 @dataclass
 class Progress:
     """State shared with the caller's thread: read freely, written only by the recorder."""
@@ -97,13 +100,16 @@ class Progress:
     state: str = "created"
     error: BaseException | None = None
     traceback: str | None = None
-    train_loss_sum: float = 0.0  # finite train losses since the last eval, for loss/gap
-    train_loss_n: int = 0
+    # the train loss smoothed as the dashboard draws it (debiased EMA, weight 0.9): loss/gap
+    train_ema: float = 0.0
+    train_ema_n: int = 0
     # set when a failure is fully recorded (error, state, emergency checkpoint)
     failure_recorded: threading.Event = field(default_factory=threading.Event)
 
-    def train_mean(self) -> float | None:
-        return self.train_loss_sum / self.train_loss_n if self.train_loss_n else None
+    def train_smooth(self) -> float | None:
+        """The smoothed train loss at this step: the curve's value where val is drawn."""
+        n = self.train_ema_n
+        return self.train_ema / (1 - SMOOTHING**n) if n else None
 
 
 @dataclass
@@ -622,8 +628,9 @@ class StepRecorder:
             stored = values
         self.store.put(Scalars(step, stored))
         if loss is not None and math.isfinite(loss):
-            self.progress.train_loss_sum += loss
-            self.progress.train_loss_n += 1
+            p = self.progress
+            p.train_ema = SMOOTHING * p.train_ema + (1 - SMOOTHING) * loss
+            p.train_ema_n += 1
         self._raise_alerts(alerts)
         every = self.spec.log_every
         if every and step % every == 0:
@@ -725,10 +732,9 @@ class StepRecorder:
         probe, `sample_fn`; recorded, fed to the rules, checkpointed."""
         self.flush_deferred()  # loss/gap needs this step's train loss
         step = self.step
-        result: EvalResult = evaluate(self.model, self.spec, step, self.progress.train_mean(),
-                                      val)
+        result: EvalResult = evaluate(self.model, self.spec, step,
+                                      self.progress.train_smooth(), val)
         if "loss/val" in result.values:
-            self.progress.train_loss_sum, self.progress.train_loss_n = 0.0, 0
             v = result.values["loss/val"]
             self._last_val = v if math.isfinite(v) else None  # NaN is never "best"
         if result.probe_error is not None:

@@ -51,7 +51,7 @@ def build(series: Series, events: Iterable[Mapping[str, Any]] = ()) -> dict[str,
     if "loss/val" in series and "loss/gap" in series:
         (vs, vv), (gs, gv) = series["loss/val"], series["loss/gap"]
         common, vi, gi = np.intersect1d(vs, gs, return_indices=True)
-        # The gap is val − mean train since the previous eval: the shaded band's lower edge.
+        # The gap is val − the smoothed train loss at that step: the band's lower edge.
         out["gap"] = {"x": common.astype(np.int32), "y": (vv[vi] - gv[gi]).astype(np.float32),
                       "top": vv[vi].astype(np.float32)}
     markers = [{"step": int(e["step"]), "kind": str(e["kind"]), "severity": str(e["severity"]),

@@ -148,6 +148,7 @@ class Monitor(ctl.Controls, Readout):
         name: str | None = None,
         keep_last: int = 3,
         system_interval: float = 1.0,
+        clip: float | None = None,
         alerts: dict[str, Any] | None = None,
         on_alert: Callable[[Any], Any] | None = None,
         resume: bool = False,
@@ -225,6 +226,7 @@ class Monitor(ctl.Controls, Readout):
         self.on_alert = on_alert
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep_last)
         self.control = ctl.ControlState()
+        self._clip_asked = ctl.check_clip(clip)  # wins over a resumed checkpoint's
         self._commands = ctl.CommandQueue()
         self._progress = Progress()
         self._store: RunStore | None = None
@@ -316,6 +318,7 @@ class Monitor(ctl.Controls, Readout):
         resume: bool = False,
         *,
         accumulate: int = 1,
+        clip: float | None = None,
         hist_every: int = 50,
         checkpoint_every: int | None = None,
         probe_batch: Any = None,
@@ -334,10 +337,14 @@ class Monitor(ctl.Controls, Readout):
         runs every `eval_every` steps (eval mode, no grad); so do the attention probe on
         `probe_batch` (passed to `step_fn`; default: the first `attention_samples` samples
         of the first training batch) and `sample_fn`. `resume=True` continues from
-        the newest checkpoint in `run_dir`. Under torchrun the ranks exchange figures and
+        the newest checkpoint in `run_dir`. `clip` clips the global gradient norm from step
+        1 (as `set_clip` would; it is recorded in the run's config). Under torchrun the
+        ranks exchange figures and
         commands every `rank_every` steps; a rank silent for `dist_timeout` s ends the run.
         """
         self._check_can_open(resume)
+        if clip is not None:
+            self._clip_asked = ctl.check_clip(clip)
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable as step_fn(model, batch), got {step_fn!r}")
         if not isinstance(max_steps, int) or max_steps < 1:
@@ -494,6 +501,8 @@ class Monitor(ctl.Controls, Readout):
         dist = Dist.detect(*dist_options)  # collective: every rank opens its run
         if start_step is None:
             start_step = self._start_step(resume)
+        if self._clip_asked is not None:  # from step 1, and over a resumed checkpoint's
+            self.control.clip = self._clip_asked
         rules = self.rules
         if dist is not None:  # decisions that need no exchange must see the same inputs
             rules = [replace(r, params={**r.params, "keys": ("grad_norm/global",)})
@@ -682,7 +691,10 @@ class Monitor(ctl.Controls, Readout):
         names = gpu_names(nvml, handles)
         close_nvml(nvml)
         store.set_meta("name", self.name)
-        store.set_meta("config", self.config)
+        config = dict(self.config)
+        if self.control.clip is not None:  # a setting of the run: compare() shows it
+            config.setdefault("clip", self.control.clip)
+        store.set_meta("config", config)
         store.set_meta("environment", environment(names))
         store.set_meta("max_steps", max_steps)
         store.set_meta("started", time.time())
@@ -746,6 +758,15 @@ class Monitor(ctl.Controls, Readout):
         return self
 
     # -- controls (applied by the recorder between steps) ----------------------------------
+    def set_clip(self, max_norm: float | None) -> None:
+        """Clip the global gradient norm to `max_norm` from the next step (None: no
+        clipping). Before the run starts, it applies from step 1."""
+        if not self.running and self._mode is None:
+            self._clip_asked = ctl.check_clip(max_norm)
+            self.control.clip = self._clip_asked
+            return
+        super().set_clip(max_norm)
+
     def _send(self, kind: str, value: float | None = None, source: str = "api") -> None:
         if not self.running:
             raise RuntimeError(f"cannot {kind}: the run is {self.state}, not running")

@@ -1,0 +1,44 @@
+"""Common workflows tried as a new user would (issue 13): settings before the run, the gap
+at the first eval, wrong objectives caught early."""
+
+import pytest
+import torch
+
+import nbwatch
+from nbwatch.demo import TinyGPT
+from nbwatch.panels.loss import smooth
+from tests.conftest import make_batches, tiny_step
+
+
+def new_tiny(seed=0):
+    torch.manual_seed(seed)
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("how", ["start", "set_clip", "monitor"])
+def test_clipping_set_before_the_run_clips_step_1_and_is_in_the_config(tmp_path, how):
+    model, opt = new_tiny()
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / how,
+                          **({"clip": 0.05} if how == "monitor" else {}))
+    if how == "set_clip":
+        mon.set_clip(0.05)
+    mon.start(tiny_step, make_batches(), max_steps=3, display=False,
+              **({"clip": 0.05} if how == "start" else {}))
+    mon.wait()
+    df = mon.df
+    assert (df["grad_norm/global"] > 0.05).all()
+    assert df["grad_norm/clipped"].tolist() == pytest.approx([0.05] * 3, rel=1e-5)
+    assert nbwatch.open_run(tmp_path / how).config == {"clip": 0.05}
+
+
+def test_the_gap_at_the_first_eval_is_val_minus_the_drawn_train_curve(tmp_path):
+    model, opt = new_tiny()
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
+    mon.start(tiny_step, make_batches(), max_steps=30, val_fn=lambda m: 3.5, eval_every=30,
+              display=False)
+    mon.wait()
+    df = mon.df
+    drawn, _ = smooth(df["loss/train"].to_numpy())
+    assert df.loc[30, "loss/gap"] == pytest.approx(3.5 - float(drawn[-1]), rel=1e-5)
+    assert df.loc[30, "loss/gap"] != pytest.approx(3.5 - df["loss/train"].mean(), rel=1e-3)

@@ -17,7 +17,7 @@ import torch
 
 from .probes.attention import clone_samples
 from .probes.data import batch_figures
-from .probes.loss import parse_step_output
+from .probes.loss import check_not_copying, parse_step_output
 from .recorder import SAME_ON_EVERY_RANK, Progress, RunSpec, StepRecorder
 
 __all__ = ["SAME_ON_EVERY_RANK", "Progress", "RunSpec", "Runner", "run_in_thread"]
@@ -31,6 +31,7 @@ class Runner:
         self._data: Iterator | None = None
         self._epoch = 0
         self._batches = 0  # taken from train_data so far
+        self._checked = False
 
     def run(self) -> None:
         self.rec.guarded(self._loop)
@@ -92,7 +93,11 @@ class Runner:
             if spec.probe_batch is None and spec.eval_every and spec.attention_samples > 0:
                 spec.probe_batch = clone_samples(batch, spec.attention_samples)
             tf = time.perf_counter()
-            out = parse_step_output(spec.step_fn(model, batch))
+            raw = spec.step_fn(model, batch)
+            if not self._checked:  # a wrong objective is refused at the first step
+                check_not_copying(batch, raw)
+                self._checked = True
+            out = parse_step_output(raw)
             fwd_s += time.perf_counter() - tf
             reduction = out.reduction
             loss = out.loss / spec.accumulate if spec.accumulate > 1 else out.loss

@@ -42,3 +42,19 @@ def test_the_gap_at_the_first_eval_is_val_minus_the_drawn_train_curve(tmp_path):
     drawn, _ = smooth(df["loss/train"].to_numpy())
     assert df.loc[30, "loss/gap"] == pytest.approx(3.5 - float(drawn[-1]), rel=1e-5)
     assert df.loc[30, "loss/gap"] != pytest.approx(3.5 - df["loss/train"].mean(), rel=1e-3)
+
+
+def test_labels_equal_to_the_inputs_are_refused_with_the_shift(tmp_path):
+    """A Hugging Face causal LM takes labels=input_ids and shifts inside; nbwatch's
+    {'logits', 'labels'} form does not, so passing them unshifted would train a copier."""
+    model, opt = new_tiny()
+
+    def copying(model, batch):
+        return {"logits": model(batch["input_ids"]), "labels": batch["input_ids"],
+                "mask": batch["mask"]}
+
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
+    mon.start(copying, make_batches(), max_steps=5, display=False)
+    with pytest.raises(ValueError, match=r"labels equal the batch's input_ids.*input_ids\[:, 1:\]"):
+        mon.wait()
+    assert mon.step == 0

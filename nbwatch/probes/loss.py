@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,24 @@ class StepOutput:
     loss: torch.Tensor
     mask: torch.Tensor | None = None
     reduction: str = "as returned by step_fn"
+
+
+def check_not_copying(batch: object, out: object) -> None:
+    """Refuse `{'logits', 'labels'}` whose labels are the batch's own inputs: nbwatch's loss
+    compares logits[:, t] with labels[:, t], so unshifted labels (what a Hugging Face causal
+    LM takes, shifting inside) would train the model to copy its input."""
+    if not (isinstance(out, dict) and "loss" not in out and "logits" in out and "labels" in out
+            and isinstance(batch, Mapping)):
+        return
+    labels, inputs = out["labels"], batch.get("input_ids")
+    if (isinstance(labels, torch.Tensor) and isinstance(inputs, torch.Tensor)
+            and labels.shape == inputs.shape and torch.equal(labels, inputs)):
+        raise ValueError(
+            "step_fn's labels equal the batch's input_ids, so the loss would teach the model "
+            "to copy its input: with {'logits', 'labels'}, labels[:, t] must be the token "
+            "that follows position t. Shift them: {'logits': logits[:, :-1], 'labels': "
+            "input_ids[:, 1:], 'mask': mask[:, 1:]}, or return {'loss': out.loss} from a "
+            "Hugging Face model given labels=input_ids (it shifts inside)")
 
 
 def parse_step_output(out: object) -> StepOutput:

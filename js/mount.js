@@ -8,12 +8,13 @@ import * as data from "./views/data.js";
 import * as grads from "./views/grads.js";
 import * as header from "./views/header.js";
 import * as loss from "./views/loss.js";
+import * as metrics from "./views/metrics.js";
 import * as ranks from "./views/ranks.js";
 import * as samples from "./views/samples.js";
 import * as system from "./views/system.js";
 import * as weights from "./views/weights.js";
 
-export const PANELS = { loss, ranks, grads, weights, attention, system, data, alerts, samples };
+export const PANELS = { loss, ranks, grads, weights, attention, system, data, metrics, alerts, samples };
 
 // Build the header, the controls bar (when `live`) and one view per panel under `root`.
 // `ctx`: {send(msg), schedule()}. Returns {apply(panels, full), draw(Plotly), restyle()}.

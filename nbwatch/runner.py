@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextvars
+import numbers
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -83,6 +84,7 @@ class Runner:
         data_s = fwd_s = 0.0
         loss_sum: torch.Tensor | None = None
         masks: list[torch.Tensor] = []
+        extras: dict[str, list[Any]] = {}
         samples = 0
         reduction = None
         for _ in range(spec.accumulate):
@@ -98,6 +100,8 @@ class Runner:
                 check_not_copying(batch, raw)
                 self._checked = True
             out = parse_step_output(raw)
+            if isinstance(raw, dict):
+                _extras(raw, extras)
             fwd_s += time.perf_counter() - tf
             reduction = out.reduction
             loss = out.loss / spec.accumulate if spec.accumulate > 1 else out.loss
@@ -109,6 +113,13 @@ class Runner:
         rec.save_reduction(reduction)
         mean = loss_sum / spec.accumulate if spec.accumulate > 1 else loss_sum
         names, parts = ["loss/train"], [mean]
+        figures: dict[str, float] = {}
+        for k, vs in extras.items():  # the step_fn's own scalars, mean over micro-batches
+            if isinstance(vs[0], torch.Tensor):
+                names.append(f"train/{k}")
+                parts.append(torch.stack(vs).mean() if len(vs) > 1 else vs[0])
+            else:
+                figures[f"train/{k}"] = sum(vs) / len(vs)
         padded = 0.0
         if masks:
             mnames, mparts, padded, lengths = batch_figures(masks)
@@ -126,13 +137,28 @@ class Runner:
         if rec.sched is not None and rec.stepped and not rec.skipping:
             rec.sched.step()  # not after a skipped or overflowed step, as the Trainer does
         opt.zero_grad(set_to_none=True)
-        figures: dict[str, float] = {"time/forward_backward": t_fb - t0 - data_s,
-                                     "time/forward": fwd_s}  # under DDP, before grad sync
+        figures.update({"time/forward_backward": t_fb - t0 - data_s,
+                        "time/forward": fwd_s})  # under DDP, before grad sync
         if padded:
             figures["_padded"] = padded
         if self._epoch:
             figures["epoch"] = float(self._epoch)
         rec.end_step(figures, data_s=data_s, samples=samples or None)
+
+
+_RESERVED = frozenset({"loss", "logits", "labels", "mask"})
+
+
+def _extras(out: dict, into: dict[str, list[Any]]) -> None:
+    """A step_fn dict's other one-value entries (`{"loss": ..., "accuracy": acc}`): recorded
+    as `train/<name>`. Anything else it carries (hidden states, caches) is left alone."""
+    for k, v in out.items():
+        if k in _RESERVED or not isinstance(k, str):
+            continue
+        if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.dtype.is_complex:
+            into.setdefault(k, []).append(v.detach().float().reshape(()))
+        elif isinstance(v, numbers.Real) and not isinstance(v, bool):
+            into.setdefault(k, []).append(float(v))
 
 
 def _batch_size(batch: Any) -> int:

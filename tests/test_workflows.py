@@ -6,7 +6,9 @@ import torch
 
 import nbwatch
 from nbwatch.demo import TinyGPT
+from nbwatch.panels import Feed
 from nbwatch.panels.loss import smooth
+from nbwatch.store import RunReader
 from tests.conftest import make_batches, tiny_step
 
 
@@ -58,3 +60,35 @@ def test_labels_equal_to_the_inputs_are_refused_with_the_shift(tmp_path):
     with pytest.raises(ValueError, match=r"labels equal the batch's input_ids.*input_ids\[:, 1:\]"):
         mon.wait()
     assert mon.step == 0
+
+
+def test_every_recorded_series_is_viewable_in_the_metrics_panel_and_the_export(tmp_path):
+    """val/accuracy (a val_fn dict), lr/group1 (a second param group) and a step_fn dict's
+    own scalar reach the metrics panel, live and in the export."""
+    model, _ = new_tiny()
+    opt = torch.optim.AdamW([{"params": model.blocks.parameters()},
+                             {"params": [p for n, p in model.named_parameters()
+                                         if not n.startswith("blocks")], "lr": 1e-4}], lr=1e-3)
+
+    def step(model, batch):
+        out = tiny_step(model, batch)
+        out["my_metric"] = torch.tensor(0.5)
+        return out
+
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
+    mon.start(step, make_batches(), max_steps=6, display=False, eval_every=3,
+              val_fn=lambda m: {"loss": 3.0, "accuracy": 0.25})
+    mon.wait()
+    df = mon.df
+    assert df["train/my_metric"].tolist() == [0.5] * 6
+    assert df["lr/group1"].dropna().iloc[0] == pytest.approx(1e-4)
+    feed = Feed(RunReader(tmp_path / "run"))
+    while feed.update() is not None or feed.more:
+        pass
+    shown = feed.full()["metrics"]["series"]
+    assert {"val/accuracy", "lr/group1", "train/my_metric"} <= set(shown)
+    assert shown["val/accuracy"]["y"].tolist() == [0.25, 0.25]
+    assert "loss/train" not in shown  # drawn by the loss panel
+    page = mon.export_html(tmp_path / "run.html").read_text()
+    for key in ("val/accuracy", "lr/group1", "train/my_metric"):
+        assert key in page

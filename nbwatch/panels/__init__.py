@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 
 from ..store import RunReader
-from . import alerts, attention, data, grads, header, loss, ranks, samples, system, weights
+from . import alerts, attention, data, grads, header, loss, metrics, ranks, samples, system, weights
 from .downsample import MAX_POINTS, Downsampler, reduce
 from .tail import Delta, Tail
 
 PANELS = ("header", "loss", "ranks", "grads", "weights", "attention", "system", "data",
-          "alerts", "samples")
+          "metrics", "alerts", "samples")
 MAX_EVENTS = 500
 ENDED = ("finished", "stopped", "failed")
 
@@ -99,14 +99,14 @@ class Feed:
         seq = self.seq_len if any(h[1] == "data/seq_len" for h in d.histograms) else None
         recent = self.recent if any(map(ranks.is_rank_key, d.scalars)) else None
         out = self._build(new, d.events, new_cols, seq, d.attention, d.samples, walls, now,
-                          recent)
+                          recent, full=False)
         return {k: v for k, v in out.items() if v}
 
     def full(self, now: float | None = None) -> dict[str, Any]:
         series = {k: (ds.steps, ds.values) for k, ds in self.series.items()}
         return self._build(series, self.events, self.columns, self.seq_len, self.attention,
                            self.samples, self.walls, time.time() if now is None else now,
-                           self.recent)
+                           self.recent, full=True)
 
     def header(self, now: float | None = None) -> dict[str, Any]:
         """The header panel alone, from what is held."""
@@ -114,8 +114,8 @@ class Feed:
             k: v for k, (_, v) in self.latest.items()}, time.time() if now is None else now,
             self.error)
 
-    def _build(self, series, events, columns, seq_len, att, new_samples, walls, now, recent
-               ) -> dict[str, Any]:
+    def _build(self, series, events, columns, seq_len, att, new_samples, walls, now, recent,
+               full: bool) -> dict[str, Any]:
         return {
             "header": self.header(now),
             "loss": loss.build(series, events),
@@ -125,6 +125,7 @@ class Feed:
             "attention": attention.build(att),
             "system": system.build(self.latest),
             "data": data.build(series, seq_len),
+            "metrics": metrics.build(series, full),
             "alerts": alerts.build(events),
             "samples": samples.build(new_samples),
         }

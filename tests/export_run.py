@@ -42,9 +42,11 @@ def write_run(run_dir: Path, steps: int = 200, hist_every: int = 50, seed: int =
         for i, layer in enumerate(LAYERS):
             v[f"grad_norm/{layer}"] = 0.1 * (i + 1)
             v[f"update_ratio/{layer}"] = 1e-3 * (i + 1)
+        v[f"train/evil{IMG}%{{x}}"] = float(s)  # a user's own scalar, named with markup
         if s % hist_every == 0:
             v["loss/val"] = 4.0 * np.exp(-s / steps) + 0.05
             v["loss/gap"] = 0.05
+            v["val/accuracy"] = min(1.0, s / steps)
         store.put(Scalars(s, v, wall=t0 + s * 0.1))
         if s % hist_every == 0:
             for layer in LAYERS:

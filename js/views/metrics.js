@@ -11,7 +11,7 @@ function rank(key) {
   return key.startsWith("grad_norm/") ? 2 : key.startsWith("val/") || key.startsWith("lr") ? 0 : 1;
 }
 
-export function create(root) {
+export function create(root, ctx) {
   const p = panel(root, "metrics", "Metrics");
   const search = el("input", "nbw-metric-search");
   search.type = "search";
@@ -45,6 +45,7 @@ export function create(root) {
         if (box.checked) picked.add(k); else picked.delete(k);
         dirty = true;
         relist();
+        ctx.schedule();
       });
       row.append(box, el("span", "", k)); // a key is text, never markup
       return row;

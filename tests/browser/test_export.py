@@ -17,7 +17,7 @@ from .harness import panels_rendered
 
 pytestmark = pytest.mark.browser
 
-PLOTS = ("loss", "grads", "weights", "attention", "data")
+PLOTS = ("loss", "grads", "weights", "attention", "data", "metrics")
 TABLES = ("events", "checkpoints", "config", "environment")
 
 
@@ -69,6 +69,16 @@ def test_export_draws_offline_and_runs_no_injected_script(browser, tmp_path):
         assert page.evaluate("() => window.__xss") is None
         assert page.evaluate("() => document.querySelectorAll('img').length") == 0
         assert page.evaluate("() => document.scripts.length") == 3  # the page's own
+        # The metrics panel draws a val metric by default, and lists the user's own scalar
+        # (named with markup) as text; picking it draws it, still inert.
+        listed = page.locator("[data-panel=metrics] .nbw-metric-list").inner_text()
+        assert "val/accuracy" in listed and f"train/evil{IMG}%{{x}}" in listed
+        assert page.locator('[data-panel=metrics] input[data-key="val/accuracy"]').is_checked()
+        page.locator("[data-panel=metrics] .nbw-metric-search").fill("evil")
+        page.locator("[data-panel=metrics] .nbw-metric-list input").first.check()
+        page.wait_for_timeout(300)
+        legend = page.locator("[data-panel=metrics] .legend").text_content()
+        assert f"evil{IMG}" in legend
         # The layer picker offers the hostile layer name; choosing it redraws, still inert.
         page.select_option(".nbw-layer-pick", f"evil{IMG}")
         page.wait_for_timeout(300)

@@ -10,6 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -217,7 +218,14 @@ def test_attention_maps_of_every_attention_module(tmp_path, arch, attn):
         assert len(cross) == 2 and len(maps) == 6  # encoder self, decoder self, cross × 2
         assert all(w.shape[0] == 2 for w in maps.values())
         assert maps[cross[0]].shape[-2:] == (32, 32)  # labels (decoder) × inputs (encoder)
-    nbwatch.export_html(tmp_path / "run", tmp_path / "run.html")  # the panel takes them
+        run = nbwatch.open_run(tmp_path / "run")
+        for sample in (0, 1):  # weights, not T5's position bias beside them: rows sum to 1
+            got = run.attention(step=2, sample=sample)
+            assert len(got) == 6
+            for m in cross:
+                np.testing.assert_allclose(got[m].sum(-1), 1.0, atol=2e-2)
+    page = nbwatch.export_html(tmp_path / "run", tmp_path / "run.html").read_text()
+    assert all(m in page for m in maps)  # every module's map is in the panel
 
 
 def test_adapter_errors_name_the_fix(tmp_path):

@@ -14,18 +14,19 @@ def build(att: Mapping[str, Any] | None) -> dict[str, Any]:
     if not att or not att["samples"]:
         return {}
     samples = []
-    modules: list[str] = []
+    # one module list for every sample (a sample may lack a module another has)
+    modules = list(dict.fromkeys(m for s in att["samples"] for m in s["maps"]))
     for s in att["samples"]:
         maps = s["maps"]
         if not maps:
             continue
-        modules = list(maps)
-        arrays = [np.asarray(maps[m], dtype=np.float32) for m in modules]
+        arrays = [np.asarray(maps[m], dtype=np.float32) if m in maps
+                  else np.zeros((0, 0, 0), dtype=np.float32) for m in modules]
         # modules differ in shape (encoder-decoder: self T×T, cross T×S; GQA: heads):
         # pad into one [L, H, T, S] block, each module's own shape alongside
-        heads = max(a.shape[0] for a in arrays)
-        t = max(a.shape[1] for a in arrays)
-        k = max(a.shape[2] for a in arrays)
+        heads = max(max(a.shape[0] for a in arrays), 1)
+        t = max(max(a.shape[1] for a in arrays), 1)
+        k = max(max(a.shape[2] for a in arrays), 1)
         stack = np.zeros((len(arrays), heads, t, k), dtype=np.float32)
         for i, a in enumerate(arrays):
             stack[i, : a.shape[0], : a.shape[1], : a.shape[2]] = a

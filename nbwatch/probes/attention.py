@@ -176,12 +176,14 @@ def capture_attention(
 
 
 def _looks_like_attention(w: Any) -> bool:
-    """[B, H, T, S], non-negative, each row summing to 1 (or 0 where fully masked)."""
+    """[B, H, T, S], non-negative, each row summing to 1 (or 0 where fully masked), and
+    some row summing to 1: T5's all-zero position bias, returned beside the weights, is
+    not attention."""
     if not (isinstance(w, torch.Tensor) and w.dim() == 4 and w.is_floating_point()):
         return False
     rows = w.float().sum(-1)
     ones = (rows - 1).abs() < 1e-3
-    return bool(w.min() >= 0) and bool((ones | (rows.abs() < 1e-6)).all())
+    return bool(w.min() >= 0) and bool(ones.any()) and bool((ones | (rows.abs() < 1e-6)).all())
 
 
 def clone_samples(batch: Any, n: int) -> Any:

@@ -39,7 +39,7 @@ from .environment import environment
 from .logs import open_run_log
 from .probes.data import batch_figures
 from .probes.system import SystemSampler, close_nvml, gpu_names, open_nvml
-from .recorder import SAME_ON_EVERY_RANK, Progress, RunSpec, StepRecorder, StopTraining
+from .recorder import SAME_ON_EVERY_RANK, Progress, RunSpec, StepRecorder, StopTraining, plain
 from .records import Command, Event, Scalars
 from .run import Readout, Run
 from .runner import Runner, run_in_thread
@@ -710,7 +710,11 @@ class Monitor(ctl.Controls, Readout):
 
     def _restore(self, ckpt: dict[str, Any]) -> int:
         try:
-            self.model.load_state_dict(ckpt["model"])
+            model = plain(self.model)
+            state = ckpt["model"]
+            if any(k.startswith("_orig_mod.") for k in state):  # saved before this fix
+                state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
+            model.load_state_dict(state)
             self.optimizer.load_state_dict(ckpt["optimizer"])
             if (self.scheduler is not None and ckpt.get("scheduler") is not None
                     and hasattr(self.scheduler, "load_state_dict")):

@@ -772,7 +772,7 @@ class StepRecorder:
     def state_dict(self) -> dict[str, Any]:
         sched_state = getattr(self.sched, "state_dict", None)
         return {
-            "model": self.model.state_dict(),
+            "model": plain(self.model).state_dict(),
             "optimizer": self.opt.state_dict(),
             "scheduler": sched_state() if callable(sched_state) else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
@@ -809,6 +809,12 @@ class StepRecorder:
         self._emit(Event(self.step, "checkpoint", "info", msg, {
             "path": str(saved.path), "seconds": saved.seconds, "bytes": saved.bytes,
             "best": saved.best, "reason": reason}))
+
+
+def plain(model: nn.Module) -> nn.Module:
+    """The module a checkpoint holds: a torch.compile'd model's original module, so the
+    keys carry no `_orig_mod.` and load into the uncompiled model as into the compiled."""
+    return getattr(model, "_orig_mod", model)
 
 
 def _dir_bytes(path: Path) -> int:

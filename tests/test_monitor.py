@@ -403,6 +403,16 @@ def test_a_torch_compiled_model_is_probed_and_named_as_the_model(tmp_path):
     assert "grad_norm/blocks.0.attn.qkv" in mon.df
     assert sorted(nbwatch.open_run(tmp_path / "r").attention()) == [
         "blocks.0.attn", "blocks.1.attn"]
+    # its checkpoints hold the plain module: they load into the uncompiled model, and a
+    # compiled model resumes from them
+    ck = load(mon.checkpointer.latest())
+    assert not [k for k in ck["model"] if k.startswith("_orig_mod.")]
+    TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32).load_state_dict(ck["model"])
+    again = torch.compile(TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32), backend="eager")
+    mon2 = nbwatch.Monitor(again, torch.optim.AdamW(again.parameters(), lr=1e-3),
+                           run_dir=tmp_path / "r", resume=True)
+    assert mon2.step == 4
+    assert torch.equal(again._orig_mod.head.weight, model.head.weight)
 
 
 def test_a_model_without_attention_says_so_once(tmp_path):

@@ -55,11 +55,17 @@ def test_labels_equal_to_the_inputs_are_refused_with_the_shift(tmp_path):
         return {"logits": model(batch["input_ids"]), "labels": batch["input_ids"],
                 "mask": batch["mask"]}
 
-    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
-    mon.start(copying, make_batches(), max_steps=5, display=False)
-    with pytest.raises(ValueError, match=r"labels equal the batch's input_ids.*input_ids\[:, 1:\]"):
-        mon.wait()
-    assert mon.step == 0
+    def hf_labels(model, batch):  # what a HF collator makes: the inputs, -100 on padding
+        labels = batch["input_ids"].masked_fill(batch["mask"] == 0, -100)
+        return {"logits": model(batch["input_ids"]), "labels": labels, "mask": batch["mask"]}
+
+    for i, step in enumerate((copying, hf_labels)):
+        mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / f"run{i}")
+        mon.start(step, make_batches(), max_steps=5, display=False)
+        with pytest.raises(ValueError,
+                           match=r"labels equal the batch's input_ids.*input_ids\[:, 1:\]"):
+            mon.wait()
+        assert mon.step == 0
 
 
 def test_every_recorded_series_is_viewable_in_the_metrics_panel_and_the_export(tmp_path):

@@ -78,7 +78,7 @@ def evaluate(model: nn.Module, spec: Any, step: int, train_loss: float | None,
     """Run the eval-time callbacks of `spec` (a RunSpec) on `model`, then restore its mode.
 
     `val` is the val figure(s) a loop of the user's own computed (then `val_fn` is not
-    called). `loss/gap` is val loss minus the mean train loss since the previous eval.
+    called). `loss/gap` is val loss minus `train_loss`, the smoothed train loss now.
     """
     out = EvalResult()
     was_training = model.training

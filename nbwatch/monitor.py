@@ -322,6 +322,8 @@ class Monitor(ctl.Controls, Readout):
         hist_every: int = 50,
         checkpoint_every: int | None = None,
         probe_batch: Any = None,
+        probe_fn: Callable[[nn.Module, Any], Any] | None = None,
+        dry_run: bool = True,
         probe_tokens: list[list[str]] | None = None,
         attention_samples: int = 2,
         attention_tokens: int = 64,
@@ -335,12 +337,15 @@ class Monitor(ctl.Controls, Readout):
         `step_fn(model, batch)` returns the loss (or a dict with `loss`, `mask`…); the
         runner does backward, clipping, optimizer and scheduler steps. `val_fn(model)`
         runs every `eval_every` steps (eval mode, no grad); so do the attention probe on
-        `probe_batch` (passed to `step_fn`; default: the first `attention_samples` samples
-        of the first training batch) and `sample_fn`. `resume=True` continues from
-        the newest checkpoint in `run_dir`. `clip` clips the global gradient norm from step
-        1 (as `set_clip` would; it is recorded in the run's config). Under torchrun the
-        ranks exchange figures and
-        commands every `rank_every` steps; a rank silent for `dist_timeout` s ends the run.
+        `probe_batch` (default: the first `attention_samples` samples of the first training
+        batch) and `sample_fn`. The probe's one forward pass goes through `step_fn` (so
+        code inside it runs once more per eval), or through `probe_fn(model, batch)`.
+        `dry_run` runs one eval and builds a checkpoint's state before step 1, so a broken
+        `val_fn`, probe or scheduler fails the run at once, not at the first eval.
+        `resume=True` continues from the newest checkpoint in `run_dir`. `clip` clips the
+        global gradient norm from step 1 (as `set_clip` would; it is recorded in the run's
+        config). Under torchrun the ranks exchange figures and commands every `rank_every`
+        steps; a rank silent for `dist_timeout` s ends the run.
         """
         self._check_can_open(resume)
         if clip is not None:
@@ -364,6 +369,7 @@ class Monitor(ctl.Controls, Readout):
             sample_fn=sample_fn, accumulate=accumulate, hist_every=hist_every,
             checkpoint_every=checkpoint_every,
             probe_batch=_probe_samples(probe_batch, attention_samples),
+            probe_fn=probe_fn or self._loop_options.get("probe_fn"), dry_run=dry_run,
             probe_tokens=probe_tokens, attention_samples=attention_samples,
             attention_tokens=attention_tokens, log_every=log_every,
         )

@@ -87,6 +87,7 @@ class RunSpec:
     attention_tokens: int = 64
     log_every: int = 50
     trial: bool = False  # preflight: no checkpoints, no pausing
+    dry_run: bool = True  # start(): an eval and a checkpoint's state before step 1
 
 
 SMOOTHING = 0.9  # panels/loss.py smooth()'s weight: the gap is measured on the drawn curve
@@ -738,8 +739,7 @@ class StepRecorder:
             v = result.values["loss/val"]
             self._last_val = v if math.isfinite(v) else None  # NaN is never "best"
         if result.probe_error is not None:
-            self.spec.attention_samples = 0  # tried once, said once: the probe is off
-            self._emit(Event(step, "probe", "warning", result.probe_error))
+            self.probe_failed(result.probe_error)
         for a in result.attention:
             self.store.put(a)
         if result.sample is not None:
@@ -754,6 +754,11 @@ class StepRecorder:
         if not every or step % every == 0:
             self.checkpoint("periodic")
         self._t_boundary = time.perf_counter()
+
+    def probe_failed(self, message: str) -> None:
+        """The attention probe cannot work on this model: said once, then off."""
+        self.spec.attention_samples = 0
+        self._emit(Event(self.step, "probe", "warning", message))
 
     # -- checkpoints --------------------------------------------------------------------
     def note_checkpoint(self, reason: str, path: str | Path, seconds: float | None = None,

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextvars
+import io
 import numbers
 import threading
 import time
@@ -16,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .checkpoint import rng_state, set_rng_state
+from .evaluation import evaluate
 from .probes.attention import clone_samples
 from .probes.data import batch_figures
 from .probes.loss import check_not_copying, parse_step_output
@@ -33,12 +36,15 @@ class Runner:
         self._epoch = 0
         self._batches = 0  # taken from train_data so far
         self._checked = False
+        self._pending: Any = None  # a batch taken early (the dry run's probe samples)
 
     def run(self) -> None:
         self.rec.guarded(self._loop)
 
     def _loop(self) -> None:
         spec, rec = self.spec, self.rec
+        if spec.dry_run and not spec.trial:
+            self._dry_run()
         while rec.step < spec.max_steps:
             rec.apply_commands()
             if rec.stopping:
@@ -52,7 +58,39 @@ class Runner:
         if spec.val_fn is not None and not evaluated:
             rec.evaluate()
 
+    def _dry_run(self) -> None:
+        """Before step 1, what would otherwise fail only at the first eval or checkpoint:
+        `val_fn`, the attention probe on its batch, `sample_fn`, and a checkpoint's state
+        (all but the tensors, serialised to memory). Nothing is recorded, and the RNG is
+        restored after, so training goes exactly as without it."""
+        spec, rec = self.spec, self.rec
+        if spec.eval_every and spec.probe_batch is None and spec.attention_samples > 0:
+            self._pending = self._next_batch()  # step 1's batch: the default probe samples
+            spec.probe_batch = clone_samples(self._pending, spec.attention_samples)
+        saved = rng_state()
+        try:
+            what = "a checkpoint"
+            state = rec.state_dict()
+            torch.save({k: v for k, v in state.items() if k not in ("model", "optimizer")},
+                       io.BytesIO())
+            if spec.eval_every or spec.val_fn is not None:
+                what = "the first eval (val_fn, the attention probe or sample_fn)"
+                result = evaluate(rec.model, spec, rec.step, None)
+                if result.probe_error is not None:
+                    rec.probe_failed(result.probe_error)
+        except Exception as e:
+            raise RuntimeError(
+                f"{what} failed in the dry run before step 1, so the run stopped there "
+                f"rather than at step {spec.eval_every or spec.checkpoint_every}: "
+                f"{type(e).__name__}: {e} (start(..., dry_run=False) skips this check)"
+            ) from e
+        finally:
+            set_rng_state(saved)
+
     def _next_batch(self) -> Any:
+        if self._pending is not None:
+            batch, self._pending = self._pending, None
+            return batch
         if self._data is None:
             self._data = iter(self.spec.train_data)
         try:

@@ -98,3 +98,58 @@ def test_every_recorded_series_is_viewable_in_the_metrics_panel_and_the_export(t
     page = mon.export_html(tmp_path / "run.html").read_text()
     for key in ("val/accuracy", "lr/group1", "train/my_metric"):
         assert key in page
+
+
+def test_the_probe_uses_probe_fn_not_step_fn_when_given(tmp_path):
+    calls = {"step": 0, "probe": 0}
+
+    def step(model, batch):
+        calls["step"] += 1
+        return tiny_step(model, batch)
+
+    def probe(model, batch):
+        calls["probe"] += 1
+        return model(batch["input_ids"])
+
+    model, opt = new_tiny()
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
+    mon.start(step, make_batches(), max_steps=6, eval_every=2, probe_fn=probe, display=False)
+    mon.wait()
+    assert calls == {"step": 6, "probe": 4}  # the dry run and 3 evals
+    assert sorted(nbwatch.open_run(tmp_path / "run").attention()) == [
+        "blocks.0.attn", "blocks.1.attn"]
+
+
+def test_a_broken_val_fn_fails_the_run_before_step_1(tmp_path):
+    def broken(model):
+        raise RuntimeError("val_fn broken on purpose")
+
+    model, opt = new_tiny()
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
+    mon.start(tiny_step, make_batches(), max_steps=100, val_fn=broken, eval_every=50,
+              display=False)
+    with pytest.raises(RuntimeError, match="dry run before step 1.*rather than at step 50"):
+        mon.wait(timeout=30)
+    assert mon.step == 0 and mon.state == "failed"
+
+
+def test_the_dry_run_leaves_training_exactly_as_without_it(tmp_path):
+    """It draws random numbers (val_fn, the probe) and takes step 1's batch early: the RNG
+    is restored and the batch handed back, so the weights end the same."""
+    def noisy_val(model):
+        return float(torch.rand(()))
+
+    def noisy_step(model, batch):
+        out = tiny_step(model, batch)
+        out["logits"] = out["logits"] + 0.01 * torch.randn_like(out["logits"])
+        return out
+
+    finals = []
+    for dry in (True, False):
+        model, opt = new_tiny()
+        mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / f"dry{dry}")
+        mon.start(noisy_step, make_batches(), max_steps=6, val_fn=noisy_val, eval_every=3,
+                  dry_run=dry, display=False)
+        mon.wait()
+        finals.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(finals[0], finals[1])

@@ -15,7 +15,6 @@ but that nothing has touched for `stale_after` seconds is reported "stale".
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import socket
@@ -27,7 +26,8 @@ from typing import Any
 import pandas as pd
 
 from . import controls as ctl
-from .store import DB_NAME, RunReader, is_run_dir, writer_alive
+from .records import Command
+from .store import DB_NAME, RunReader, is_run_dir, send_command, writer_alive
 
 LIVE = ("starting", "running", "paused")
 ENDED = ("finished", "stopped", "failed")
@@ -52,17 +52,7 @@ def last_write(run_dir: Path, reader: RunReader | None = None) -> float | None:
         with contextlib.suppress(FileNotFoundError):  # no WAL once the writer closed
             times.append(p.stat().st_mtime)
     if reader is not None:
-        with reader.session():
-            step_wall = reader.last_wall()
-            rows = reader.query(
-                "SELECT (SELECT MAX(wall) FROM events),"
-                " (SELECT value FROM meta WHERE key = 'heartbeat')"
-            )
-        if rows:
-            event_wall, beat = rows[0]
-            times += [t for t in (step_wall, event_wall) if t is not None]
-            if beat is not None:
-                times.append(float(json.loads(beat)))
+        times += [t for t in reader.last_signs_of_life() if t is not None]
     return max(times) if times else None
 
 
@@ -208,13 +198,12 @@ class Attached(ctl.Controls):
         if r is None:
             return None
         try:
-            rows = r.query("SELECT message, data FROM events WHERE kind = 'error'"
-                           " ORDER BY id DESC LIMIT 1")
+            last = r.last_error()
         except sqlite3.OperationalError:  # the writer is creating the schema right now
             return None
-        if not rows:
+        if last is None:
             return None
-        return RunFailed(rows[0][0], json.loads(rows[0][1]).get("traceback"))
+        return RunFailed(last[0], last[1].get("traceback"))
 
     @property
     def traceback(self) -> str | None:
@@ -280,15 +269,7 @@ class Attached(ctl.Controls):
             raise RuntimeError(
                 f"cannot {kind}: the run in {self.run_dir} {why}; a command sent now would "
                 "wait in the store and be applied if the run were ever resumed")
-        con = sqlite3.connect(self.run_dir / DB_NAME, timeout=10)
-        try:
-            with con:
-                cur = con.execute(
-                    "INSERT INTO commands (wall, kind, value, source) VALUES (?, ?, ?, ?)",
-                    (time.time(), kind, value, self.source))
-            return int(cur.lastrowid)
-        finally:
-            con.close()
+        return send_command(self.run_dir, Command(kind, value, self.source))
 
     # -- display ------------------------------------------------------------------------
     def show(self) -> Any:

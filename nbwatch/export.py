@@ -124,19 +124,8 @@ def _cap_columns(weights: dict[str, Any], budget: int) -> None:
 
 
 def _report(reader: RunReader, meta: Mapping[str, Any], step: int) -> dict[str, Any]:
-    q = reader.query
-    kinds = rpt.TABLE_KINDS
-    marks = ",".join("?" * len(kinds))
-
-    def events(where: str, params: tuple) -> tuple[list[dict[str, Any]], int]:
-        total = q(f"SELECT COUNT(*) FROM events WHERE {where}", params)[0][0]
-        rows = q(f"SELECT step, kind, severity, message, data FROM events WHERE {where}"
-                 " ORDER BY id DESC LIMIT ?", (*params, rpt.MAX_ROWS))
-        return [{"step": r[0], "kind": r[1], "severity": r[2], "message": r[3],
-                 "data": json.loads(r[4])} for r in rows], int(total)
-
-    alerts, n_alerts = events(f"kind IN ({marks})", kinds)
-    ckpts, n_ckpts = events("kind = ?", ("checkpoint",))
+    alerts, n_alerts = reader.events_of(rpt.TABLE_KINDS, rpt.MAX_ROWS)
+    ckpts, n_ckpts = reader.events_of(("checkpoint",), rpt.MAX_ROWS)
     folder = reader.run_dir / "checkpoints"
     kept = {p.name for p in folder.iterdir()} if folder.is_dir() else None
 

@@ -56,7 +56,6 @@ class Tail:
             return self._poll()
 
     def _poll(self) -> Delta:
-        q = self.reader.query
         d = Delta()
         scalar_id, event_id, hist_id, attn_id, sample_id = (
             self.scalar_id, self.event_id, self.hist_id, self.attn_id, self.sample_id)
@@ -74,30 +73,25 @@ class Tail:
         if rows:
             d.scalars = self._group(rows, self.scalar_id)
             scalar_id = rows[-1][0]
-        rows = q("SELECT id, step, wall, kind, severity, message, data FROM events"
-                 " WHERE id > ? ORDER BY id", (event_id,))
-        if rows:
-            event_id = rows[-1][0]
-            d.events = [
-                {"id": r[0], "step": r[1], "wall": r[2], "kind": r[3], "severity": r[4],
-                 "message": r[5], "data": json.loads(r[6])} for r in rows]
-        rows = q("SELECT id, step, name, edges, counts FROM histograms WHERE id > ?"
-                 " ORDER BY id LIMIT ?", (hist_id, self.chunk // 100))
-        if rows:
-            hist_id = rows[-1][0]
-            d.more = d.more or len(rows) == self.chunk // 100
-            d.histograms = [
-                (r[1], r[2], np.frombuffer(r[3], dtype=np.float64),
-                 np.frombuffer(r[4], dtype=np.int64)) for r in rows]
-        rows = q("SELECT MAX(id), MAX(step) FROM attention WHERE id > ?", (attn_id,))
-        if rows and rows[0][0] is not None:
-            attn_id = rows[0][0]
-            d.attention = self._attention(int(rows[0][1]))
-        rows = q("SELECT id, step, text FROM samples WHERE id > ? ORDER BY id", (sample_id,))
-        if rows:
-            sample_id = rows[-1][0]
-            d.samples = [{"step": r[1], "text": r[2]} for r in rows]
-        meta = q("SELECT key, value FROM meta ORDER BY key")
+        r = self.reader
+        events = r.events_since(event_id)
+        if events:
+            event_id = events[-1]["id"]
+            d.events = events
+        hists = r.histograms_since(hist_id, self.chunk // 100)
+        if hists:
+            hist_id = hists[-1][0]
+            d.more = d.more or len(hists) == self.chunk // 100
+            d.histograms = [h[1:] for h in hists]
+        newest = r.attention_since(attn_id)
+        if newest is not None:
+            attn_id = newest[0]
+            d.attention = self._attention(newest[1])
+        samples = r.samples_since(sample_id)
+        if samples:
+            sample_id = samples[-1][0]
+            d.samples = [{"step": step, "text": text} for _, step, text in samples]
+        meta = r.meta_rows()
         if meta != self._meta_raw:
             self._meta_raw = meta
             d.meta = {k: json.loads(v) for k, v in meta}
@@ -107,9 +101,8 @@ class Tail:
 
     def _attention(self, step: int) -> dict[str, Any]:
         """Every probe sample of one step: {step, samples: [{tokens, maps: {module: [H,T,S]}}]}."""
-        n = self.reader.query("SELECT MAX(sample) FROM attention WHERE step = ?", (step,))[0][0]
         samples = []
-        for i in range(int(n) + 1 if n is not None else 0):
+        for i in range(self.reader.attention_samples(step)):
             samples.append({"tokens": self.reader.attention_tokens(step, i),
                             "maps": self.reader.attention(step, i)})
         return {"step": step, "samples": samples}

@@ -8,7 +8,8 @@ import sqlite3
 import warnings
 from pathlib import Path
 
-from . import store
+from . import schema
+from .tables import ScalarTables
 
 
 def migrate_v1(path: Path) -> None:
@@ -22,7 +23,7 @@ def migrate_v1(path: Path) -> None:
             f" can be read, but it cannot be written here ({e}): copy the run folder somewhere"
             " writable and open the copy") from e
     try:
-        if store._version(con) != 1:  # another process migrated it first
+        if schema._version(con) != 1:  # another process migrated it first
             con.execute("ROLLBACK")
             return
         # schema 1's record tables reused row ids after a truncate: rebuild them
@@ -31,13 +32,13 @@ def migrate_v1(path: Path) -> None:
             con.execute(f"ALTER TABLE {t} RENAME TO {t}_v1")
         for index in ("histograms_name_step", "attention_step"):
             con.execute(f"DROP INDEX IF EXISTS {index}")
-        for statement in store._SCHEMA.split(";"):
+        for statement in schema._SCHEMA.split(";"):
             if statement.strip():
                 con.execute(statement)
         for t in kept:
             con.execute(f"INSERT INTO {t} SELECT * FROM {t}_v1")
             con.execute(f"DROP TABLE {t}_v1")
-        tables = store.ScalarTables(con)
+        tables = ScalarTables(con)
         names = dict(con.execute("SELECT id, name FROM keys"))
         walls = dict(con.execute("SELECT step, wall FROM steps"))
         by_step: dict[int, dict[str, float]] = {}
@@ -56,7 +57,7 @@ def migrate_v1(path: Path) -> None:
         con.execute("DROP TABLE scalars")
         con.execute("DROP TABLE steps")
         con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)",
-                    (json.dumps(store.SCHEMA_VERSION),))
+                    (json.dumps(schema.SCHEMA_VERSION),))
         con.execute("COMMIT")
     except BaseException:
         con.execute("ROLLBACK")
@@ -67,5 +68,5 @@ def migrate_v1(path: Path) -> None:
     con.close()
     warnings.warn(
         f"{path.parent} was written by nbwatch 0.1.0 (store schema 1); it has been migrated in"
-        f" place to schema {store.SCHEMA_VERSION} ({len(by_step)} steps kept). nbwatch 0.1.0"
+        f" place to schema {schema.SCHEMA_VERSION} ({len(by_step)} steps kept). nbwatch 0.1.0"
         " can no longer open it.", UserWarning, stacklevel=4)

@@ -1,0 +1,19 @@
+"""The run folder's embedded store: one SQLite file, WAL while a run writes.
+
+One writer thread per run (`RunStore`) batches records into a transaction at least every
+`flush_interval` seconds, so a `kill -9` loses at most that much; any number of readers
+(`RunReader`, this process or another) see every committed transaction while the run
+writes. Scalars are stored as blocks (`nbwatch/blocks.py`): one row holds one key family's
+values for the steps of one commit. Row ids are never reused (AUTOINCREMENT), so a
+follower's `id > cursor` reads every row written after a resume's truncate. When the
+writer closes, the WAL is folded into `nbwatch.db` and removed: a finished run is that one
+file. Every SQL statement of nbwatch lives in this package; the schema in `schema.py`.
+"""
+
+from .lock import RunInUse, check_no_writer, writer_alive
+from .reader import RunReader
+from .schema import DB_NAME, MAX_PENDING, SCHEMA_VERSION, StoreFailed, is_run_dir, send_command
+from .writer import RunStore
+
+__all__ = ["DB_NAME", "MAX_PENDING", "SCHEMA_VERSION", "RunInUse", "RunReader", "RunStore",
+           "StoreFailed", "check_no_writer", "is_run_dir", "send_command", "writer_alive"]

@@ -1,0 +1,405 @@
+"""Reading a run folder: any process, any thread, while the run writes or after."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .. import blocks
+from ..blocks import Layout
+from ..records import Command
+from .schema import DB_NAME, SCHEMA_VERSION, StoreFailed, _connect, _failure, _version
+
+
+class RunReader:
+    """Read-only view of a run folder; safe to use while another process writes it.
+
+    A connection lives only for one call (or one `with reader.session():`), so no reader
+    keeps the database open after its writer has finished with it.
+    """
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / DB_NAME
+        if not self.path.is_file():
+            raise FileNotFoundError(
+                f"{self.run_dir} holds no nbwatch run (no {DB_NAME}); "
+                "pass the run_dir given to nbwatch.Monitor"
+            )
+        self._local = threading.local()
+        self._layouts: dict[int, Layout] = {}
+        self._migrate_if_old()
+
+    def _migrate_if_old(self) -> None:
+        con = _connect(self.path, readonly=True)
+        try:
+            version = _version(con)
+        except sqlite3.DatabaseError as e:
+            raise RuntimeError(
+                f"{self.path} is not a readable nbwatch store ({e}): the file is damaged or"
+                " is not an nbwatch database. Its checkpoints/ folder, if any, still holds"
+                " the weights") from e
+        finally:
+            con.close()
+        if version == 1:
+            from .migrate import migrate_v1
+
+            migrate_v1(self.path)
+        elif version > SCHEMA_VERSION:
+            raise RuntimeError(
+                f"{self.path} was written by a newer nbwatch (schema {version}; this one reads"
+                f" up to {SCHEMA_VERSION}): upgrade nbwatch to open it")
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """Hold one connection (and one snapshot) for the queries inside the block."""
+        if getattr(self._local, "con", None) is not None:
+            yield
+            return
+        con = _connect(self.path, readonly=True)
+        con.execute("BEGIN")
+        self._local.con = con
+        try:
+            yield
+        finally:
+            self._local.con = None
+            con.close()
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
+        try:
+            con = getattr(self._local, "con", None)
+            if con is not None:
+                return con.execute(sql, params).fetchall()
+            con = _connect(self.path, readonly=True)
+            try:
+                return con.execute(sql, params).fetchall()
+            finally:
+                con.close()
+        except sqlite3.OperationalError as e:
+            if not self.path.exists():
+                raise StoreFailed(_failure(e, self.path)) from e
+            raise
+
+    def close(self) -> None:
+        """Nothing to release (connections live for one call); kept for callers."""
+
+    # -- metadata -----------------------------------------------------------------------
+    def meta(self) -> dict[str, Any]:
+        return {k: json.loads(v) for k, v in self.query("SELECT key, value FROM meta")}
+
+    def last_step(self) -> int:
+        row = self.query("SELECT MAX(last) FROM walls")
+        return int(row[0][0]) if row and row[0][0] is not None else 0
+
+    def keys(self) -> list[str]:
+        return [r[0] for r in self.query("SELECT name FROM keys ORDER BY id")]
+
+    def layout(self, layout_id: int) -> Layout:
+        lay = self._layouts.get(layout_id)
+        if lay is None:
+            self._load_layouts()
+            lay = self._layouts[layout_id]
+        return lay
+
+    def _load_layouts(self) -> None:
+        """Layouts are only ever added: read the ones this reader has not seen."""
+        with self.session():
+            names = dict(self.query("SELECT id, name FROM keys"))
+            for i, dtype, ids in self.query("SELECT id, dtype, keys FROM layouts WHERE id > ?",
+                                            (max(self._layouts, default=0),)):
+                self._layouts[i] = Layout(i, tuple(names[k] for k in json.loads(ids)), dtype)
+
+    # -- scalars ------------------------------------------------------------------------
+    def _blocks(self, keys: list[str] | None, start: int | None, stop: int | None,
+                after_id: int = 0, limit: int | None = None) -> list[tuple]:
+        """Block rows (id, layout, first, steps, values, merged_from) that hold any of
+        `keys` (all when None) at a step in [start, stop), oldest first."""
+        sql = ('SELECT id, layout, first, steps, "values", merged_from FROM blocks'
+               " WHERE id > ?")
+        params: list[Any] = [after_id]
+        if keys is not None:
+            self._load_layouts()
+            wanted = set(keys)
+            ids = [i for i, lay in self._layouts.items() if wanted.intersection(lay.keys)]
+            sql += f" AND layout IN ({','.join('?' * len(ids))})"
+            params += ids
+        if start is not None:
+            sql += " AND last >= ?"
+            params.append(int(start))
+        if stop is not None:
+            sql += " AND first < ?"
+            params.append(int(stop))
+        sql += " ORDER BY id"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        return self.query(sql, params)
+
+    def series(self, keys: Iterable[str] | None = None, start: int | None = None,
+               stop: int | None = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """{key: (steps, values float64)} for steps in [start, stop), in key order; where a
+        step was recorded twice, the later value wins."""
+        df = self.scalars(keys, start, stop, _trained_rows=False)
+        out = {}
+        for col in df.columns:
+            v = df[col].to_numpy()
+            ok = ~np.isnan(v)
+            out[col] = (df.index.to_numpy()[ok], v[ok])
+        return out
+
+    def scalars(self, keys: Iterable[str] | None = None, start: int | None = None,
+                stop: int | None = None, *, _trained_rows: bool = True) -> pd.DataFrame:
+        """One row per step in [start, stop) (the index), one column per scalar; NaN where a
+        step lacks one. Reads only the blocks that hold `keys` in that range."""
+        keys = list(keys) if keys is not None else None
+        with self.session():
+            rows = self._blocks(keys, start, stop)
+            order = self.keys()
+            for r in rows:
+                self.layout(r[1])
+        wanted = set(order if keys is None else keys)
+        columns = [k for k in order if k in wanted]
+        col_of = {k: i for i, k in enumerate(columns)}
+        per_layout: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        for _, lid, first, steps, values, _ in rows:  # a live run's blocks are small: join
+            s, v = blocks.decode(first, steps, values, self._layouts[lid])
+            got = per_layout.get(lid) or per_layout.setdefault(lid, ([], []))
+            got[0].append(s)
+            got[1].append(v)
+        parts = []
+        trained = []
+        for lid, (ss, vs) in per_layout.items():
+            lay = self._layouts[lid]
+            s = ss[0] if len(ss) == 1 else np.concatenate(ss)
+            v = vs[0] if len(vs) == 1 else np.concatenate(vs)
+            if start is not None or stop is not None:
+                keep = (s >= (start if start is not None else s.min())) & (
+                    s < (stop if stop is not None else s.max() + 1))
+                s, v = s[keep], v[keep]
+            take = [j for j, k in enumerate(lay.keys) if k in col_of]
+            if take and len(s):
+                parts.append((s, v, take, [col_of[lay.keys[j]] for j in take]))
+                if not blocks.is_system(blocks.family(lay.keys[0])):
+                    trained.append(s)
+        index = None
+        if keys is None and _trained_rows and trained:
+            index = blocks.union(trained)  # not the sampler's reading before step 1
+        return blocks.frame(parts, columns, index)
+
+    def df(self, keys: Iterable[str] | None = None) -> pd.DataFrame:
+        """One row per step (the index), one column per scalar; NaN where a step lacks one."""
+        return self.scalars(keys)
+
+    def scalars_long(self, keys: Iterable[str] | None = None) -> pd.DataFrame:
+        """Scalars as a long frame (step, key, value), by key then step."""
+        parts = [pd.DataFrame({"step": s, "key": k, "value": v})
+                 for k, (s, v) in self.series(keys).items()]
+        if not parts:
+            return pd.DataFrame({"step": pd.Series(dtype="int64"), "key": pd.Series(dtype=str),
+                                 "value": pd.Series(dtype="float64")})
+        return pd.concat(parts, ignore_index=True)
+
+    def walls(self) -> pd.Series:
+        """Wall-clock time (seconds since the epoch) at which each step was recorded."""
+        steps, walls = self._walls(self.query(
+            "SELECT first, steps, walls FROM walls ORDER BY id"))
+        return pd.Series(walls, index=pd.Index(steps, name="step"), name="wall")
+
+    def recent_walls(self, n: int = 64) -> list[tuple[int, float]]:
+        """(step, wall) of the newest `n` recorded steps, oldest first (for rates and ETA)."""
+        rows: list[tuple] = []
+        got = 0
+        while got < n:
+            more = self.query("SELECT id, first, steps, walls FROM walls WHERE id < ?"
+                              " ORDER BY id DESC LIMIT 16", (rows[-1][0] if rows else 2**62,))
+            if not more:
+                break
+            rows += more
+            got += sum(len(r[3]) // 8 for r in more)
+        steps, walls = self._walls([r[1:] for r in reversed(rows)])
+        return list(zip(steps[-n:].tolist(), walls[-n:].tolist()))
+
+    def last_wall(self) -> float | None:
+        """Wall time of the newest recorded step."""
+        return self.wall_range()[1]
+
+    def wall_range(self) -> tuple[float | None, float | None]:
+        """Wall times of the first and the newest recorded step."""
+        with self.session():
+            first = self.query("SELECT walls FROM walls ORDER BY id LIMIT 1")
+            last = self.query("SELECT walls FROM walls ORDER BY id DESC LIMIT 1")
+        if not first:
+            return None, None
+        return (float(np.frombuffer(first[0][0], dtype=np.float64).min()),
+                float(np.frombuffer(last[0][0], dtype=np.float64).max()))
+
+    def best(self, key: str) -> tuple[int, float] | None:
+        """(step, value) of the lowest finite value of `key`; the earliest step on a tie."""
+        steps, values = self.series([key]).get(key, (np.empty(0), np.empty(0)))
+        ok = np.isfinite(values)
+        if not ok.any():
+            return None
+        i = int(np.argmin(np.where(ok, values, np.inf)))
+        return int(steps[i]), float(values[i])
+
+    def last_value(self, key: str) -> float | None:
+        """The value of `key` at its newest step (None when never recorded)."""
+        with self.session():
+            self._load_layouts()
+            ids = [i for i, lay in self._layouts.items() if key in lay.keys]
+            rows = self.query(
+                f'SELECT first, steps, "values", layout FROM blocks WHERE layout IN'
+                f" ({','.join('?' * len(ids))}) ORDER BY last DESC, id DESC LIMIT 1", ids)
+        if not rows:
+            return None
+        first, steps, values, lid = rows[0]
+        lay = self._layouts[lid]
+        s, v = blocks.decode(first, steps, values, lay)
+        return float(v[int(np.argmax(s)), lay.keys.index(key)])
+
+    @staticmethod
+    def _walls(rows: list[tuple]) -> tuple[np.ndarray, np.ndarray]:
+        """Rows (first, steps, walls) → sorted unique steps and their first wall."""
+        if not rows:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float64)
+        w = [np.frombuffer(r[2], dtype=np.float64) for r in rows]
+        s = [np.frombuffer(r[1], dtype=np.int64) if r[1] is not None
+             else np.arange(r[0], r[0] + len(x), dtype=np.int64) for r, x in zip(rows, w)]
+        steps, walls = np.concatenate(s), np.concatenate(w)
+        uniq, first = np.unique(steps, return_index=True)
+        return uniq, walls[first]
+
+    # -- the other record kinds ---------------------------------------------------------
+    def events(self, after_id: int = 0) -> pd.DataFrame:
+        rows = self.query(
+            "SELECT id, step, wall, kind, severity, message, data FROM events WHERE id > ?"
+            " ORDER BY id",
+            (after_id,),
+        )
+        df = pd.DataFrame(
+            rows, columns=["id", "step", "wall", "kind", "severity", "message", "data"]
+        )
+        df["data"] = [json.loads(d) for d in df["data"]]
+        return df
+
+    def samples(self) -> pd.DataFrame:
+        rows = self.query("SELECT step, wall, text FROM samples ORDER BY id")
+        return pd.DataFrame(rows, columns=["step", "wall", "text"])
+
+    def histogram_names(self) -> list[str]:
+        return [r[0] for r in self.query("SELECT DISTINCT name FROM histograms ORDER BY id")]
+
+    def histograms(self, name: str) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+        """(steps, bin_edges per step, counts [steps, bins]) of one histogram series."""
+        rows = self.query(
+            "SELECT step, edges, counts FROM histograms WHERE name = ? ORDER BY step", (name,)
+        )
+        if not rows:
+            known = ", ".join(self.histogram_names()[:8]) or "none recorded yet"
+            raise KeyError(f"no histogram series {name!r} in this run (known: {known})")
+        steps = np.array([r[0] for r in rows], dtype=np.int64)
+        edges = [np.frombuffer(r[1], dtype=np.float64) for r in rows]
+        counts = np.stack([np.frombuffer(r[2], dtype=np.int64) for r in rows])
+        return steps, edges, counts
+
+    def attention_steps(self) -> list[int]:
+        return [r[0] for r in self.query("SELECT DISTINCT step FROM attention ORDER BY step")]
+
+    def attention(self, step: int | None = None, sample: int = 0) -> dict[str, np.ndarray]:
+        """{module path: weights [heads, T, S]} at the newest (or given) probe step."""
+        if step is None:
+            steps = self.attention_steps()
+            if not steps:
+                return {}
+            step = steps[-1]
+        rows = self.query(
+            "SELECT module, shape, weights FROM attention WHERE step = ? AND sample = ?"
+            " ORDER BY id",
+            (step, sample),
+        )
+        return {
+            m: np.frombuffer(w, dtype=np.float16).reshape(json.loads(s)).astype(np.float32)
+            for m, s, w in rows
+        }
+
+    def attention_tokens(self, step: int, sample: int = 0) -> list[str] | None:
+        rows = self.query(
+            "SELECT tokens FROM attention WHERE step = ? AND sample = ? LIMIT 1", (step, sample)
+        )
+        return json.loads(rows[0][0]) if rows and rows[0][0] else None
+
+    # -- what a follower reads since its cursors (panels/tail.py) ------------------------
+    def events_since(self, after_id: int) -> list[dict[str, Any]]:
+        """Events with an id above `after_id`, oldest first, each a dict with its id."""
+        rows = self.query("SELECT id, step, wall, kind, severity, message, data FROM events"
+                          " WHERE id > ? ORDER BY id", (after_id,))
+        return [{"id": r[0], "step": r[1], "wall": r[2], "kind": r[3], "severity": r[4],
+                 "message": r[5], "data": json.loads(r[6])} for r in rows]
+
+    def histograms_since(self, after_id: int, limit: int
+                         ) -> list[tuple[int, int, str, np.ndarray, np.ndarray]]:
+        """(id, step, name, edges, counts) of at most `limit` histograms past `after_id`."""
+        rows = self.query("SELECT id, step, name, edges, counts FROM histograms WHERE id > ?"
+                          " ORDER BY id LIMIT ?", (after_id, limit))
+        return [(r[0], r[1], r[2], np.frombuffer(r[3], dtype=np.float64),
+                 np.frombuffer(r[4], dtype=np.int64)) for r in rows]
+
+    def attention_since(self, after_id: int) -> tuple[int, int] | None:
+        """(newest id, newest step) of attention maps past `after_id`, or None."""
+        rows = self.query("SELECT MAX(id), MAX(step) FROM attention WHERE id > ?", (after_id,))
+        return (int(rows[0][0]), int(rows[0][1])) if rows and rows[0][0] is not None else None
+
+    def attention_samples(self, step: int) -> int:
+        """How many probe samples the attention maps of `step` hold."""
+        n = self.query("SELECT MAX(sample) FROM attention WHERE step = ?", (step,))[0][0]
+        return int(n) + 1 if n is not None else 0
+
+    def samples_since(self, after_id: int) -> list[tuple[int, int, str]]:
+        """(id, step, text) of the samples past `after_id`."""
+        return [tuple(r) for r in self.query(
+            "SELECT id, step, text FROM samples WHERE id > ? ORDER BY id", (after_id,))]
+
+    def meta_rows(self) -> list[tuple[str, str]]:
+        """Meta as stored (key, JSON text), by key: cheap to compare between polls."""
+        return [tuple(r) for r in self.query("SELECT key, value FROM meta ORDER BY key")]
+
+    def events_of(self, kinds: Sequence[str], limit: int) -> tuple[list[dict[str, Any]], int]:
+        """The newest `limit` events of `kinds` (newest first), and how many there are."""
+        marks = ",".join("?" * len(kinds))
+        total = self.query(f"SELECT COUNT(*) FROM events WHERE kind IN ({marks})", kinds)[0][0]
+        rows = self.query(f"SELECT step, kind, severity, message, data FROM events WHERE kind"
+                          f" IN ({marks}) ORDER BY id DESC LIMIT ?", (*kinds, limit))
+        return [{"step": r[0], "kind": r[1], "severity": r[2], "message": r[3],
+                 "data": json.loads(r[4])} for r in rows], int(total)
+
+    def last_error(self) -> tuple[str, dict[str, Any]] | None:
+        """(message, data) of the newest `error` event."""
+        rows = self.query("SELECT message, data FROM events WHERE kind = 'error'"
+                          " ORDER BY id DESC LIMIT 1")
+        return (rows[0][0], json.loads(rows[0][1])) if rows else None
+
+    def last_signs_of_life(self) -> tuple[float | None, float | None, float | None]:
+        """Wall times of the newest step, the newest event and the sampler's heartbeat."""
+        with self.session():
+            step_wall = self.last_wall()
+            rows = self.query("SELECT (SELECT MAX(wall) FROM events),"
+                              " (SELECT value FROM meta WHERE key = 'heartbeat')")
+        event_wall, beat = rows[0] if rows else (None, None)
+        return step_wall, event_wall, float(json.loads(beat)) if beat is not None else None
+
+    def pending_commands(self, after_id: int = 0) -> list[tuple[int, Command]]:
+        """Commands not yet taken (with an id above `after_id`: `taken` is committed late)."""
+        rows = self.query(
+            "SELECT id, kind, value, source FROM commands WHERE taken = 0 AND id > ? ORDER BY id",
+            (after_id,),
+        )
+        return [(r[0], Command(r[1], r[2], r[3])) for r in rows]
+
+

@@ -1,0 +1,136 @@
+"""The run folder's SQLite schema, its version, connections, and what a store failure means.
+
+The schema lives here and only here (every SQL statement is in the `nbwatch.store`
+package).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import sqlite3
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+from ..records import Attention, Command, Event, Histogram, Sample, Scalars
+
+DB_NAME = "nbwatch.db"
+_RECORDS = (Scalars, Histogram, Attention, Event, Sample, Command)
+_OPS = ("meta", "taken", "truncate")
+SCHEMA_VERSION = 2
+MAX_PENDING = 1_000_000  # scalars queued for the writer before put() waits (back-pressure)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS keys (id INTEGER PRIMARY KEY, name TEXT UNIQUE NOT NULL);
+CREATE TABLE IF NOT EXISTS layouts (
+    id INTEGER PRIMARY KEY, family TEXT NOT NULL, dtype TEXT NOT NULL, keys TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS blocks (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, layout INTEGER NOT NULL, first INTEGER NOT NULL,
+    last INTEGER NOT NULL, steps BLOB, "values" BLOB NOT NULL,
+    merged_from INTEGER);  -- a merge of the blocks with ids merged_from..id (compaction)
+CREATE INDEX IF NOT EXISTS blocks_layout_last ON blocks (layout, last);
+CREATE TABLE IF NOT EXISTS walls (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, first INTEGER NOT NULL, last INTEGER NOT NULL,
+    steps BLOB, walls BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS walls_last ON walls (last);
+CREATE TABLE IF NOT EXISTS histograms (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, step INTEGER NOT NULL, name TEXT NOT NULL,
+    edges BLOB NOT NULL, counts BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS histograms_name_step ON histograms (name, step);
+CREATE TABLE IF NOT EXISTS attention (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, step INTEGER NOT NULL, module TEXT NOT NULL,
+    sample INTEGER NOT NULL, shape TEXT NOT NULL, weights BLOB NOT NULL, tokens TEXT);
+CREATE INDEX IF NOT EXISTS attention_step ON attention (step);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, step INTEGER NOT NULL, wall REAL NOT NULL,
+    kind TEXT NOT NULL, severity TEXT NOT NULL, message TEXT NOT NULL, data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS samples (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, step INTEGER NOT NULL, wall REAL NOT NULL,
+    text TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS commands (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, wall REAL NOT NULL, kind TEXT NOT NULL, value REAL,
+    source TEXT NOT NULL, taken INTEGER NOT NULL DEFAULT 0);
+"""
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """True when `path` holds an nbwatch store."""
+    return (Path(path) / DB_NAME).is_file()
+
+
+def _connect(path: Path, readonly: bool) -> sqlite3.Connection:
+    if readonly:
+        uri = f"file:{quote(str(path.resolve()))}?mode=ro"  # `#` and `?` are legal in paths
+        return sqlite3.connect(uri, uri=True, timeout=10, check_same_thread=False)
+    con = sqlite3.connect(path, timeout=10, check_same_thread=False)
+    # a new file only, before WAL writes its header: lets a closing writer give the pages
+    # that compaction freed back to the disk
+    con.execute("PRAGMA auto_vacuum=INCREMENTAL")
+    con.execute("PRAGMA journal_mode=WAL")
+    con.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes
+    return con
+
+
+def _version(con: sqlite3.Connection) -> int:
+    tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    if "meta" not in tables:
+        return 0
+    row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    if row is not None:
+        return int(json.loads(row[0]))
+    return 1 if "scalars" in tables else 0
+
+
+class StoreFailed(RuntimeError):
+    """The run store stopped writing; the first line of the message says why."""
+
+
+def _failure(e: BaseException, path: Path) -> str:
+    """What a store write failure means for the user, cause first."""
+    text = f"{type(e).__name__}: {e}"
+    kept = "what was committed before is kept; later records are lost"
+    if not path.parent.exists():
+        return f"the run folder {path.parent} was deleted while the run wrote to it ({text})"
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = None
+    if "full" in str(e) or getattr(e, "errno", None) == errno.ENOSPC or (
+            free is not None and free < 1 << 20):
+        return (f"disk full: the run store {path} could not be written ({text}); free space"
+                f" on its disk and resume the run from its newest checkpoint; {kept}")
+    limit = _file_size_limit()
+    if limit is not None and any(
+            p.exists() and p.stat().st_size > limit - (1 << 20)
+            for p in (path, path.with_name(path.name + "-wal"))):
+        return (f"file size limit reached (ulimit -f, {limit} bytes): the run store {path} "
+                f"could not grow ({text}); {kept}")
+    return f"the run store {path} stopped writing ({text}); {kept}"
+
+
+def _file_size_limit() -> int | None:
+    try:
+        import resource
+    except ImportError:
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+
+
+def send_command(run_dir: Path, command: Command) -> int:
+    """Write a control command into a run folder written by another process (attach); the
+    writer's recorder takes it between two steps. Returns its id."""
+    con = sqlite3.connect(Path(run_dir) / DB_NAME, timeout=10)
+    try:
+        with con:
+            cur = con.execute(
+                "INSERT INTO commands (wall, kind, value, source) VALUES (?, ?, ?, ?)",
+                (time.time(), command.kind, command.value, command.source))
+        return int(cur.lastrowid)
+    finally:
+        con.close()

@@ -1,0 +1,171 @@
+"""Scalars as blocks in SQLite: the writer's and the migration's side of `blocks.py`."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import numpy as np
+
+from .. import blocks
+from ..blocks import Layout, Part
+
+
+class ScalarTables:
+    """Writes scalars as blocks (and their steps' walls) on one connection, inside the
+    caller's transaction: the store's writer thread and the schema-1 migration use it."""
+
+    def __init__(self, con: sqlite3.Connection):
+        self.con = con
+        self.key_ids = dict((n, i) for i, n in con.execute("SELECT id, name FROM keys"))
+        self.layout_ids: dict[tuple[str, tuple[int, ...]], int] = {}
+        for i, fam, ids in con.execute("SELECT id, family, keys FROM layouts"):
+            self.layout_ids[(fam, tuple(json.loads(ids)))] = i
+        self.plans: dict[tuple[str, ...], tuple[list[Part], bool]] = {}
+
+    def key(self, name: str) -> int:
+        kid = self.key_ids.get(name)
+        if kid is None:
+            cur = self.con.execute("INSERT INTO keys (name) VALUES (?)", (name,))
+            kid = self.key_ids[name] = int(cur.lastrowid)
+        return kid
+
+    def plan(self, names: tuple[str, ...]) -> tuple[list[Part], bool]:
+        """How a record with these keys splits into layouts, and whether it is a trained
+        step (not the system sampler's reading alone)."""
+        plan = self.plans.get(names)
+        if plan is None:
+            parts = []
+            for fam, cols in blocks.split(names):
+                ids = tuple(self.key(names[c]) for c in cols)
+                lid = self.layout_ids.get((fam, ids))
+                dtype = blocks.dtype_of(fam)
+                if lid is None:
+                    cur = self.con.execute(
+                        "INSERT INTO layouts (family, dtype, keys) VALUES (?, ?, ?)",
+                        (fam, dtype, json.dumps(ids)))
+                    lid = self.layout_ids[(fam, ids)] = int(cur.lastrowid)
+                parts.append(Part(lid, np.array(cols, dtype=np.int64), dtype))
+            trained = any(not blocks.is_system(blocks.family(k)) for k in names)
+            plan = self.plans[names] = (parts, trained)
+        return plan
+
+    def write(self, groups: dict[tuple[str, ...], tuple[list, list, list]]) -> None:
+        """Runs of Scalars, grouped by key names: each group becomes a block per family."""
+        con = self.con
+        wall_steps: list[np.ndarray] = []
+        wall_times: list[np.ndarray] = []
+        rows = []
+        for names, (steps, walls, values) in groups.items():
+            parts, trained = self.plan(names)
+            s = np.array(steps, dtype=np.int64)
+            v = np.array(values, dtype=np.float64).reshape(len(steps), len(names))
+            for p in parts:
+                sub = v if len(p.columns) == len(names) else v[:, p.columns]
+                rows += [(p.layout, *b) for b in blocks.encode(s, sub, p.dtype)]
+            if trained:
+                wall_steps.append(s)
+                wall_times.append(np.array(walls, dtype=np.float64))
+        con.executemany(
+            'INSERT INTO blocks (layout, first, last, steps, "values") VALUES (?, ?, ?, ?, ?)',
+            rows)
+        if wall_steps:
+            s = np.concatenate(wall_steps)
+            w = np.concatenate(wall_times)
+            order = np.argsort(s, kind="stable")
+            con.executemany("INSERT INTO walls (first, last, steps, walls) VALUES (?, ?, ?, ?)",
+                            [(f, la, st, wb) for f, la, st, wb in blocks.encode(
+                                s[order], w[order, None], "f8")])
+        groups.clear()
+
+    def compact(self) -> int:
+        """Merge each layout's small blocks (a live run commits a few steps at a time) into
+        blocks of up to MAX_BLOCK_VALUES values, and the same for walls, so a finished run
+        reads as fast as one written in bulk. A merged block keeps the highest id of the
+        blocks it replaces and notes the lowest (`merged_from`): a follower's cursor past
+        them does not read them again, one between them drops the steps it has read.
+        Returns the number of blocks removed."""
+        con = self.con
+        removed = 0
+        tables = [("blocks", '"values"', lid, len(keys), dtype)
+                  for (_, keys), lid in self.layout_ids.items()
+                  for dtype in [self.layout(lid).dtype]]
+        tables.append(("walls", "walls", None, 1, "f8"))
+        for table, col, lid, width, dtype in tables:
+            where, params = ("layout = ?", (lid,)) if lid is not None else ("1", ())
+            size = np.dtype(dtype).itemsize * width
+            groups: list[list[int]] = [[]]
+            held = 0
+            for bid, nbytes in con.execute(
+                    f"SELECT id, length({col}) FROM {table} WHERE {where} ORDER BY id", params):
+                n = nbytes // size
+                if n * width > blocks.MAX_BLOCK_VALUES // 16:  # big enough: left as it is
+                    if groups[-1]:
+                        groups.append([])
+                    held = 0
+                    continue
+                if held + n > blocks.MAX_BLOCK_VALUES // width and groups[-1]:
+                    groups.append([])
+                    held = 0
+                groups[-1].append(bid)
+                held += n
+            for ids in groups:
+                if len(ids) < 2:
+                    continue
+                marks = ",".join("?" * len(ids))
+                rows = con.execute(f"SELECT first, steps, {col} FROM {table} WHERE id IN"
+                                   f" ({marks}) ORDER BY id", ids).fetchall()
+                lay = Layout(0, ("",) * width, dtype)
+                parts = [blocks.decode(f, st, v, lay) for f, st, v in rows]
+                steps = np.concatenate([p[0] for p in parts])
+                values = np.concatenate([p[1] for p in parts])
+                (first, last, st, v), = blocks.encode(steps, values, dtype)
+                con.execute(f"DELETE FROM {table} WHERE id IN ({marks})", ids)
+                if lid is not None:
+                    con.execute('INSERT INTO blocks (id, layout, first, last, steps, "values",'
+                                " merged_from) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                (ids[-1], lid, first, last, st, v, ids[0]))
+                else:
+                    con.execute("INSERT INTO walls (id, first, last, steps, walls)"
+                                " VALUES (?, ?, ?, ?, ?)", (ids[-1], first, last, st, v))
+                removed += len(ids) - 1
+        return removed
+
+    def truncate(self, step: int) -> None:
+        """Drop every scalar, wall and record of a step after `step`."""
+        con = self.con
+        for table in ("blocks", "walls"):
+            con.execute(f"DELETE FROM {table} WHERE first > ?", (step,))
+        for bid, lid, first, steps, values in con.execute(
+                'SELECT id, layout, first, steps, "values" FROM blocks WHERE last > ?',
+                (step,)).fetchall():
+            lay = self.layout(lid)
+            s, v = blocks.decode(first, steps, values, lay)
+            keep = s <= step
+            con.execute("DELETE FROM blocks WHERE id = ?", (bid,))
+            if keep.any():  # what followers have read: `merged_from` tells them
+                con.executemany(
+                    'INSERT INTO blocks (layout, first, last, steps, "values", merged_from)'
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    [(lid, *b, bid) for b in blocks.encode(s[keep], v[keep], lay.dtype)])
+        for wid, first, steps, walls in con.execute(
+                "SELECT id, first, steps, walls FROM walls WHERE last > ?", (step,)).fetchall():
+            w = np.frombuffer(walls, dtype=np.float64)
+            s = (np.frombuffer(steps, dtype=np.int64) if steps is not None
+                 else np.arange(first, first + len(w), dtype=np.int64))
+            keep = s <= step
+            con.execute("DELETE FROM walls WHERE id = ?", (wid,))
+            if keep.any():
+                con.executemany("INSERT INTO walls (first, last, steps, walls) VALUES (?, ?, ?, ?)",
+                                blocks.encode(s[keep], w[keep, None], "f8"))
+        for table in ("histograms", "attention", "samples"):
+            con.execute(f"DELETE FROM {table} WHERE step > ?", (step,))
+
+    def layout(self, lid: int) -> Layout:
+        """A layout as this connection sees it (it may not be committed yet)."""
+        names = {i: n for n, i in self.key_ids.items()}
+        dtype, ids = self.con.execute("SELECT dtype, keys FROM layouts WHERE id = ?",
+                                        (lid,)).fetchone()
+        return Layout(lid, tuple(names[k] for k in json.loads(ids)), dtype)
+
+

@@ -5,16 +5,12 @@ go the other way as one `commands` row each, written with a short-lived connecti
 writer's runner polls that table every 0.25 s, applies the command between steps and
 records an `action` event, which is the acknowledgement.
 
-Liveness is read from the store, not from a heartbeat thread here: the newest of the
-last step's wall time, the last event's, a `heartbeat` in meta (if the writer keeps one)
-and the modification time of the database and its WAL (the writer's system sampler
-commits a row every second, even while paused). A run whose meta still says running
-but that nothing has touched for `stale_after` seconds is reported "stale".
+Liveness (`liveness.py`) is read from the store: a run whose meta still says running but
+whose writer is gone, or that nothing has touched for `stale_after` seconds, is "stale".
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import socket
@@ -26,58 +22,9 @@ from typing import Any
 import pandas as pd
 
 from . import controls as ctl
+from .liveness import ENDED, LIVE, RunFailed, last_write, run_state
 from .records import Command
-from .store import DB_NAME, RunReader, is_run_dir, send_command, writer_alive
-
-LIVE = ("starting", "running", "paused")
-ENDED = ("finished", "stopped", "failed")
-
-
-class RunFailed(RuntimeError):
-    """The attached run ended with an error in its own process; `traceback` is its text."""
-
-    def __init__(self, message: str, traceback: str | None = None):
-        super().__init__(message)
-        self.traceback = traceback
-
-
-def last_write(run_dir: Path, reader: RunReader | None = None) -> float | None:
-    """Wall time (epoch seconds) of the newest sign of life in a run folder, or None.
-
-    >>> time.time() - last_write(Path("runs/exp1"))   # seconds since the writer last wrote
-    """
-    db = run_dir / DB_NAME
-    times = []
-    for p in (db, db.with_name(DB_NAME + "-wal")):
-        with contextlib.suppress(FileNotFoundError):  # no WAL once the writer closed
-            times.append(p.stat().st_mtime)
-    if reader is not None:
-        times += [t for t in reader.last_signs_of_life() if t is not None]
-    return max(times) if times else None
-
-
-def _writer_gone(run_dir: Path, meta: dict[str, Any]) -> bool:
-    """True when the run's writer is gone: nothing holds the run folder's writer lock (exact
-    on this host: the OS drops the lock of a killed process). A writer on another host, or
-    one that has not written its pid yet, is judged by its writes alone."""
-    if "pid" not in meta or meta.get("host") != socket.gethostname():
-        return False  # no writer has said who it is yet, or it runs elsewhere
-    return not writer_alive(run_dir)
-
-
-def run_state(run_dir: Path, meta: dict[str, Any], reader: RunReader | None,
-              stale_after: float) -> str:
-    """The run's state from its meta, or 'stale' where meta says live (starting, running,
-    paused) but nothing was written for `stale_after` seconds or the writer is gone."""
-    state = str(meta.get("state", "starting"))
-    if state in LIVE:
-        try:
-            t = last_write(run_dir, reader)
-        except sqlite3.OperationalError:  # the writer is creating the schema right now
-            t = last_write(run_dir)
-        if (t is not None and time.time() - t > stale_after) or _writer_gone(run_dir, meta):
-            return "stale"
-    return state
+from .store import DB_NAME, RunReader, is_run_dir, send_command
 
 
 class Attached(ctl.Controls):
@@ -322,7 +269,7 @@ def attach(
     if timeout is not None:
         att.wait_started(timeout)
     if display is None:
-        from .monitor import _in_notebook
+        from .notebook import in_notebook as _in_notebook
 
         display = _in_notebook()
     if display:

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from ._flat import flatten
-from .attach import run_state
+from .liveness import run_state
 from .store import RunReader, is_run_dir
 
 Where = Mapping[str, Any] | Callable[[dict[str, Any]], bool] | None
@@ -217,7 +217,7 @@ class Comparison:
     def _ipython_display_(self) -> None:
         from IPython.display import display
 
-        from .monitor import _in_notebook
+        from .notebook import in_notebook as _in_notebook
 
         if _in_notebook():  # JupyterLab draws it offline (jupyterlab-plotly's renderer);
             display(self.figure())  # in a terminal plotly would open a browser instead

@@ -11,25 +11,12 @@ Button clicks are handled while the kernel is idle: a cell blocked in `mon.wait(
 from __future__ import annotations
 
 import shlex
-import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .monitor import Monitor
+from .notebook import latest, remember
 
-_latest: weakref.ref[Monitor] | None = None
-
-
-def remember(monitor: Monitor) -> None:
-    """Make `monitor` the one a bare `%nbwatch` shows (called by `Monitor.start`)."""
-    global _latest
-    _latest = weakref.ref(monitor)
-
-
-def latest() -> Monitor | None:
-    """The most recently started Monitor still alive, if any."""
-    return _latest() if _latest is not None else None
+__all__ = ["latest", "nbwatch_magic", "register", "remember"]
 
 
 def nbwatch_magic(line: str) -> Any:

@@ -37,6 +37,7 @@ from .checkpoint import Checkpointer, load, set_rng_state
 from .distributed import Dist, NullStore
 from .environment import environment
 from .logs import open_run_log
+from .notebook import in_notebook, remember
 from .probes.data import batch_figures
 from .probes.system import SystemSampler, close_nvml, gpu_names, open_nvml
 from .recorder import SAME_ON_EVERY_RANK, Progress, RunSpec, StepRecorder, StopTraining, plain
@@ -574,8 +575,6 @@ class Monitor(ctl.Controls, Readout):
     def _after_open(self, display: bool | None) -> Monitor:
         if self.rank != 0:
             return self
-        from .magic import remember
-
         remember(self)  # `%nbwatch` shows the newest run
         if display is None:
             display = _in_notebook()
@@ -905,10 +904,4 @@ def _add_figure(host: dict[str, float], names: list[str], parts: list[torch.Tens
                         "one-element tensor")
 
 
-def _in_notebook() -> bool:
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    ip = get_ipython()
-    return ip is not None and type(ip).__name__ == "ZMQInteractiveShell"
+_in_notebook = in_notebook  # the name older code imports

@@ -14,7 +14,7 @@ import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -26,9 +26,6 @@ from .recorder import Progress, RunSpec, StepRecorder
 from .run import Run
 from .runner import Runner
 from .store import RunStore
-
-if TYPE_CHECKING:
-    from .monitor import Monitor
 
 
 @dataclass(frozen=True)
@@ -142,7 +139,7 @@ def evaluate(df: pd.DataFrame, events: pd.DataFrame, has_scheduler: bool,
     return checks
 
 
-def preflight(mon: Monitor, step_fn: Any, data: Any, steps: int = 200, **kw: Any) -> Preflight:
+def preflight(mon: Any, step_fn: Any, data: Any, steps: int = 200, **kw: Any) -> Preflight:
     """Trial-run `steps` steps on `mon`'s model, optimizer and scheduler, then restore them."""
     import torch
 

@@ -14,19 +14,20 @@ import logging
 import sqlite3
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anywidget
 import traitlets
 
+from .notebook import remember
 from .panels import Feed
 from .panels.wire import pack
 from .store import RunReader, is_run_dir
 
-if TYPE_CHECKING:
-    from .monitor import Monitor
-
 log = logging.getLogger("nbwatch.widget")
+# What a live dashboard watches: a Monitor, a fit's handle or an attached run (run_dir,
+# state, step, running and the control methods). Not imported: the widget sits below them.
+Watched = Any
 _STATIC = Path(__file__).parent / "static"
 _PLOTLY: bytes | None = None
 STALE_AFTER = 60.0  # s without a write: a read-only dashboard stops polling a dead run
@@ -52,7 +53,7 @@ class Dashboard(anywidget.AnyWidget):
     live = traitlets.Bool(False).tag(sync=True)
     run_dir = traitlets.Unicode("").tag(sync=True)
 
-    def __init__(self, run_dir: str | Path, monitor: Monitor | None = None,
+    def __init__(self, run_dir: str | Path, monitor: Watched | None = None,
                  interval: float = 0.25, **kwargs: Any):
         super().__init__(live=monitor is not None, run_dir=str(run_dir), **kwargs)
         self._dir = Path(run_dir)
@@ -70,10 +71,8 @@ class Dashboard(anywidget.AnyWidget):
         self._thread.start()
 
     @classmethod
-    def for_monitor(cls, monitor: Monitor, **kwargs: Any) -> Dashboard:
+    def for_monitor(cls, monitor: Watched, **kwargs: Any) -> Dashboard:
         """The live dashboard of a Monitor's run, with its controls."""
-        from .magic import remember
-
         remember(monitor)  # what a bare `%nbwatch` shows
         return cls(monitor.run_dir, monitor=monitor, **kwargs)
 
@@ -149,7 +148,7 @@ class Dashboard(anywidget.AnyWidget):
         if feed.ended:
             return mon is None or not mon.running
         if mon is None and not feed.more:  # read-only view of a run whose writer was killed
-            from .attach import run_state
+            from .liveness import run_state
 
             return run_state(self._dir, feed.meta, None, STALE_AFTER) == "stale"
         return False

@@ -1,0 +1,70 @@
+"""Is a run alive? One answer for `Run`, `attach`, `ls`, `compare` and the dashboard.
+
+Liveness is read from the store, not from a heartbeat thread: the run folder's writer lock
+(exact on this host: the OS drops the lock of a killed process), else the newest of the
+last step's wall time, the last event's, a `heartbeat` in meta and the modification time of
+the database and its WAL (the writer's system sampler commits a row every second, even
+while paused). A run whose meta says live but whose writer is gone, or that nothing has
+touched for `stale_after` seconds, is "stale".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+from .store import DB_NAME, RunReader, writer_alive
+
+LIVE = ("starting", "running", "paused")
+ENDED = ("finished", "stopped", "failed")
+
+
+class RunFailed(RuntimeError):
+    """The attached run ended with an error in its own process; `traceback` is its text."""
+
+    def __init__(self, message: str, traceback: str | None = None):
+        super().__init__(message)
+        self.traceback = traceback
+
+
+def last_write(run_dir: Path, reader: RunReader | None = None) -> float | None:
+    """Wall time (epoch seconds) of the newest sign of life in a run folder, or None.
+
+    >>> time.time() - last_write(Path("runs/exp1"))   # seconds since the writer last wrote
+    """
+    db = run_dir / DB_NAME
+    times = []
+    for p in (db, db.with_name(DB_NAME + "-wal")):
+        with contextlib.suppress(FileNotFoundError):  # no WAL once the writer closed
+            times.append(p.stat().st_mtime)
+    if reader is not None:
+        times += [t for t in reader.last_signs_of_life() if t is not None]
+    return max(times) if times else None
+
+
+def _writer_gone(run_dir: Path, meta: dict[str, Any]) -> bool:
+    """True when the run's writer is gone: nothing holds the run folder's writer lock (exact
+    on this host: the OS drops the lock of a killed process). A writer on another host, or
+    one that has not written its pid yet, is judged by its writes alone."""
+    if "pid" not in meta or meta.get("host") != socket.gethostname():
+        return False  # no writer has said who it is yet, or it runs elsewhere
+    return not writer_alive(run_dir)
+
+
+def run_state(run_dir: Path, meta: dict[str, Any], reader: RunReader | None,
+              stale_after: float) -> str:
+    """The run's state from its meta, or 'stale' where meta says live (starting, running,
+    paused) but nothing was written for `stale_after` seconds or the writer is gone."""
+    state = str(meta.get("state", "starting"))
+    if state in LIVE:
+        try:
+            t = last_write(run_dir, reader)
+        except sqlite3.OperationalError:  # the writer is creating the schema right now
+            t = last_write(run_dir)
+        if (t is not None and time.time() - t > stale_after) or _writer_gone(run_dir, meta):
+            return "stale"
+    return state

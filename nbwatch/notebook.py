@@ -1,0 +1,30 @@
+"""What nbwatch knows of the notebook it runs in: whether there is one, and the newest
+Monitor (what a bare `%nbwatch` shows). A leaf module: it imports nothing of nbwatch."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+_latest: weakref.ref[Any] | None = None
+
+
+def remember(monitor: Any) -> None:
+    """Make `monitor` the one a bare `%nbwatch` shows (called by `Monitor.start`)."""
+    global _latest
+    _latest = weakref.ref(monitor)
+
+
+def latest() -> Any | None:
+    """The most recently started Monitor still alive, if any."""
+    return _latest() if _latest is not None else None
+
+
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel (where a run shows its dashboard by default)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    ip = get_ipython()
+    return ip is not None and type(ip).__name__ == "ZMQInteractiveShell"

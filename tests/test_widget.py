@@ -196,7 +196,8 @@ def test_magic_shows_latest_monitor_and_reopens_runs(tiny, tmp_path, capsys):
     ro = nbwatch_magic(str(mon.run_dir))
     assert isinstance(ro, Dashboard) and not ro.live
     nbwatch_magic(f"ls {tmp_path}")
-    assert "run" in capsys.readouterr().out
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[1].split()[:3] == ["run", "finished", "10/10"]  # the header, then the run
     assert nbwatch_magic(str(tmp_path / "nope")) is None
     for d in (live, ro):
         d.close()

@@ -1,3 +1,4 @@
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,11 +82,10 @@ def test_transformer_encoder_in_eval_mode_is_captured_despite_the_fast_path():
 
 def test_hooks_removed_even_when_forward_raises():
     model = TinyGPT(vocab=64, d=32, layers=1, heads=2, ctx=32)
-    try:
-        with capture_attention(model):
-            model(torch.zeros(1, 40, dtype=torch.long))  # longer than ctx: raises
-    except IndexError:
-        pass
+    with pytest.raises(RuntimeError, match="the probe's forward failed"), \
+            capture_attention(model):
+        model(torch.zeros(1, 8, dtype=torch.long))
+        raise RuntimeError("the probe's forward failed")
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 

@@ -64,3 +64,40 @@ def test_width_doubling_merges_buckets():
     steps, values = walk(20_000, seed=2)
     once = reduce(steps, values, 16)
     np.testing.assert_array_equal(reduce(*once, 32)[0], reduce(steps, values, 32)[0])
+
+
+def test_the_browser_reduces_exactly_as_python():
+    """js/downsample.js folds new points into what the page holds: it must keep the same
+    points as panels/downsample.py, or a reloaded page and a live one would differ."""
+    import json
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    steps, values = walk(30_000, seed=3)
+    values[[10, 20_000]] = [50.0, -50.0]  # spikes
+    values = values.astype(np.float32)
+    js = Path(__file__).resolve().parents[2] / "js" / "downsample.js"
+    script = (f"import {{ reduce, Series }} from {json.dumps(js.as_uri())};\n"
+              "import { readFileSync } from 'node:fs';\n"
+              "const d = JSON.parse(readFileSync(0, 'utf8'));\n"
+              "const r = reduce(d.x, d.y, 16);\n"
+              "const s = new Series(2000);\n"
+              "for (let i = 0; i < d.x.length; i += 777) s.extend(d.x.slice(i, i + 777),"
+              " d.y.slice(i, i + 777));\n"
+              "console.log(JSON.stringify({rx: r.x, ry: r.y, sx: s.x, sy: s.y}));\n")
+    out = subprocess.run([node, "--input-type=module", "-e", script], capture_output=True,
+                         text=True, check=True,
+                         input=json.dumps({"x": steps.tolist(), "y": values.tolist()}))
+    got = json.loads(out.stdout)
+    xs, ys = reduce(steps, values, 16)
+    assert got["rx"] == xs.tolist()
+    np.testing.assert_array_equal(np.float32(got["ry"]), ys)
+    ds = Downsampler(2000)
+    for i in range(0, len(steps), 777):
+        ds.extend(steps[i:i + 777], values[i:i + 777])
+    assert got["sx"] == ds.steps.tolist()
+    np.testing.assert_array_equal(np.float32(got["sy"]), ds.values)

@@ -126,9 +126,9 @@ class Adapter:
 
     def __init__(self, run_dir: str | os.PathLike | None = None,
                  config: dict[str, Any] | None = None, **monitor_kwargs: Any):
-        from .monitor import _default_run_dir
+        from .inputs import default_run_dir
 
-        self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
+        self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
         self.config = dict(config or {})
         self.monitor_kwargs = monitor_kwargs
         self.name = monitor_kwargs.get("name") or self.run_dir.name
@@ -180,7 +180,8 @@ class Adapter:
 
     def _launch(self, fit: Callable[[], Any], display: bool | None) -> FitRun:
         """Run `fit` in a background thread; return its handle (and show the dashboard)."""
-        from .monitor import _in_notebook, check_run_dir
+        from .inputs import check_run_dir
+        from .notebook import in_notebook as _in_notebook
 
         check_run_dir(self.run_dir)
         handle = self.handle = FitRun(self.run_dir, self.name, self._commands)

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import logging
-import numbers
 import os
 import signal
 import socket
 import sys
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -36,9 +33,17 @@ from .alerts import AlertEngine, configure, default_rules
 from .checkpoint import Checkpointer, load, set_rng_state
 from .distributed import Dist, NullStore
 from .environment import environment
+from .inputs import (
+    check_every,
+    check_monitor,
+    check_run_dir,
+    default_run_dir,
+    log_figures,
+    probe_samples,
+    rank,
+)
 from .logs import open_run_log
 from .notebook import in_notebook, remember
-from .probes.data import batch_figures
 from .probes.system import SystemSampler, close_nvml, gpu_names, open_nvml
 from .recorder import SAME_ON_EVERY_RANK, Progress, RunSpec, StepRecorder, StopTraining, plain
 from .records import Command, Event, Scalars
@@ -47,66 +52,6 @@ from .runner import Runner, run_in_thread
 from .store import DB_NAME, RunStore, check_no_writer, is_run_dir
 
 log = logging.getLogger("nbwatch")
-_ALLOWED_FOREIGN = {".ipynb_checkpoints", ".DS_Store", "torchrun.log"}  # launch() writes the log
-
-
-def _check_covers(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an optimizer built on another model; warn about trainable parameters it
-    leaves out (they get gradients, are counted in the norms, and never change)."""
-    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    left = [n for n, p in trainable if id(p) not in held]
-    if len(left) == len(trainable):
-        raise ValueError(
-            "the optimizer holds none of the model's trainable parameters (was it built on "
-            "another model?); build it on this one: torch.optim.AdamW(model.parameters(), ...)")
-    if left:
-        modules = sorted({n.rsplit(".", 1)[0] if "." in n else n for n in left})
-        shown = ", ".join(modules[:6]) + (f" and {len(modules) - 6} more" if len(modules) > 6
-                                          else "")
-        warnings.warn(
-            f"{len(left)} of the model's {len(trainable)} trainable parameters are not in the "
-            f"optimizer ({shown}): they get gradients but never change. Freeze them "
-            "(p.requires_grad_(False)) if that is deliberate, or add them to the optimizer",
-            stacklevel=3)
-
-
-def _default_run_dir() -> Path:
-    """`NBWATCH_RUN_DIR` (set by `nbwatch.launch`), else runs/<date-time>."""
-    env = os.environ.get("NBWATCH_RUN_DIR")
-    return Path(env) if env else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def check_run_dir(run_dir: Path) -> None:
-    """Refuse a folder that cannot be written or that holds another tool's files."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise NotADirectoryError(f"run_dir {run_dir} is a file; pass a folder path")
-    if run_dir.is_dir() and not is_run_dir(run_dir):
-        foreign = sorted(p.name for p in run_dir.iterdir() if p.name not in _ALLOWED_FOREIGN)
-        if foreign:
-            shown = ", ".join(foreign[:5]) + (" …" if len(foreign) > 5 else "")
-            raise FileExistsError(
-                f"run_dir {run_dir} already holds files that nbwatch did not write ({shown}); "
-                "pass a new or empty folder so that nothing of yours is mixed up or overwritten"
-            )
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".nbwatch-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise PermissionError(
-            f"run_dir {run_dir} is not writable ({e.strerror or e}); pass a folder you can "
-            "write to, e.g. run_dir='runs/exp1' under your home or project"
-        ) from e
-
-
 _LIVE = ("starting", "running", "paused")
 # The Monitor whose hooks are on each optimizer: one at a time (a cell run twice makes a
 # second Monitor on the same optimizer; the first one's hooks must go).
@@ -166,58 +111,13 @@ class Monitor(ctl.Controls, Readout):
         dist_timeout: float = 60.0,
         display: bool | None = None,
     ):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-            )
-        if not any(p.requires_grad for p in model.parameters()):
-            raise ValueError(
-                "the model has no parameters that require grad, so there is nothing to train; "
-                "unfreeze some (p.requires_grad_(True)) before creating the Monitor"
-            )
-        if scheduler is not None:
-            built_on = getattr(scheduler, "optimizer", optimizer)
-            while built_on is not optimizer and hasattr(built_on, "optimizer"):
-                built_on = built_on.optimizer  # a framework's wrapper (accelerate, Lightning)
-            if built_on is not optimizer:
-                raise ValueError(
-                    "the scheduler was built on another optimizer than the one passed to the "
-                    "Monitor; build it on this optimizer: Scheduler(optimizer, ...)"
-                )
-            if not callable(getattr(scheduler, "step", None)):
-                raise TypeError("scheduler must have a step() method (a torch LR scheduler)")
-            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-                raise TypeError(
-                    "ReduceLROnPlateau needs a metric at each step; call scheduler.step(val) "
-                    "in your val_fn and pass scheduler=None to the Monitor"
-                )
-            if not callable(getattr(scheduler, "state_dict", None)):
-                warnings.warn(
-                    f"scheduler {type(scheduler).__name__} has no state_dict(): checkpoints "
-                    "will not hold its state, and a resumed run restarts its schedule; give "
-                    "it state_dict()/load_state_dict() to resume it", stacklevel=2)
-        if config is not None and not isinstance(config, dict):
-            raise TypeError(f"config must be a dict, got {type(config).__name__}")
-        try:  # stored as JSON (what cannot be is stored as its str())
-            json.dumps(config, default=str)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"config cannot be stored as JSON ({e}); pass a dict of plain "
-                             "values (numbers, strings, lists, dicts)") from e
-        if not system_interval or system_interval < 0.1:
-            raise ValueError(
-                f"system_interval must be at least 0.1 s (the CPU/GPU sampler's period), got "
-                f"{system_interval!r}; it cannot be turned off")
-        _check_covers(model, optimizer)
-        if keep_last < 1:
-            raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-        _check_every(max_steps=max_steps, checkpoint_every=checkpoint_every)
+        check_monitor(model, optimizer, scheduler, config, keep_last, system_interval)
+        check_every(max_steps=max_steps, checkpoint_every=checkpoint_every)
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.scaler = scheduler, scaler
         # absolute now: a later os.chdir must not send the run (or mon.df) elsewhere
-        self.run_dir = (Path(run_dir) if run_dir is not None else _default_run_dir()).absolute()
-        self.rank = _rank()
+        self.run_dir = (Path(run_dir) if run_dir is not None else default_run_dir()).absolute()
+        self.rank = rank()
         if self.rank == 0:  # under torchrun, rank 0 alone writes the run folder
             check_run_dir(self.run_dir)
         self.name = name or self.run_dir.name
@@ -248,7 +148,7 @@ class Monitor(ctl.Controls, Readout):
             "max_steps": max_steps, "probe_fn": probe_fn, "probe_tokens": probe_tokens,
             "attention_samples": attention_samples, "attention_tokens": attention_tokens,
             "hist_every": hist_every, "checkpoint_every": checkpoint_every,
-            "log_every": log_every, "probe_batch": _probe_samples(probe_batch,
+            "log_every": log_every, "probe_batch": probe_samples(probe_batch,
                                                                   attention_samples),
         }
         self._dist_options = (rank_every, dist_timeout)
@@ -355,7 +255,7 @@ class Monitor(ctl.Controls, Readout):
             raise TypeError(f"step_fn must be callable as step_fn(model, batch), got {step_fn!r}")
         if not isinstance(max_steps, int) or max_steps < 1:
             raise ValueError(f"max_steps must be a positive int, got {max_steps!r}")
-        _check_every(eval_every=eval_every, checkpoint_every=checkpoint_every)
+        check_every(eval_every=eval_every, checkpoint_every=checkpoint_every)
         if accumulate < 1:
             raise ValueError(f"accumulate must be at least 1, got {accumulate}")
         if val_fn is not None and eval_every is None:
@@ -369,7 +269,7 @@ class Monitor(ctl.Controls, Readout):
             step_fn, train_data, max_steps, val_fn=val_fn, eval_every=eval_every,
             sample_fn=sample_fn, accumulate=accumulate, hist_every=hist_every,
             checkpoint_every=checkpoint_every,
-            probe_batch=_probe_samples(probe_batch, attention_samples),
+            probe_batch=probe_samples(probe_batch, attention_samples),
             probe_fn=probe_fn or self._loop_options.get("probe_fn"), dry_run=dry_run,
             probe_tokens=probe_tokens, attention_samples=attention_samples,
             attention_tokens=attention_tokens, log_every=log_every,
@@ -440,7 +340,7 @@ class Monitor(ctl.Controls, Readout):
                 f"mon.log() twice for one optimizer step (step {rec.step}): call it once per "
                 "optimizer step, after optimizer.step(); with gradient accumulation, after "
                 "the step that follows the last micro-batch" + amp)
-        host, names, parts, lengths = _log_figures(loss, mask, scalars)
+        host, names, parts, lengths = log_figures(loss, mask, scalars)
         samples = int(mask.shape[0]) if mask is not None and mask.dim() == 2 else None
         step = rec.record_step(host, names, parts, lengths=lengths, samples=samples, val=val,
                                reduction="as computed by the training loop (mon.log)")
@@ -840,68 +740,6 @@ class Monitor(ctl.Controls, Readout):
 
     def __repr__(self) -> str:
         return f"<nbwatch.Monitor {self.name!r} {self.state} at step {self.step} in {self.run_dir}>"
-
-
-def _check_every(**values: Any) -> None:
-    for label, v in values.items():
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ValueError(f"{label} must be a positive int or None, got {v!r}")
-
-
-def _probe_samples(batch: Any, n: int) -> Any:
-    if not isinstance(n, int) or n < 0:
-        raise ValueError(f"attention_samples must be an int ≥ 0 (0: no attention probe), "
-                         f"got {n!r}")
-    if batch is None or n == 0:
-        return None
-    from .probes.attention import take_samples
-
-    return take_samples(batch, n)
-
-
-def _log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any]
-                 ) -> tuple[dict[str, float], list[str], list[torch.Tensor], Any]:
-    """Check what `log()` was given: host figures, device figures with their names
-    (copied to the host with the next gradient norms: one sync a step), and the
-    sequence lengths of the mask."""
-    host: dict[str, float] = {}
-    names: list[str] = []
-    parts: list[torch.Tensor] = []
-    if loss is not None:
-        _add_figure(host, names, parts, "loss/train", loss, "loss")
-    for k, v in scalars.items():
-        _add_figure(host, names, parts, f"train/{k}", v, f"{k}=")
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor):
-            raise TypeError(f"mon.log(): mask is a {type(mask).__name__}; pass the batch's "
-                            "[batch, seq_len] attention mask tensor (1 for real tokens)")
-        if mask.dim() not in (1, 2) or mask.numel() == 0:
-            raise ValueError(
-                f"mon.log(): mask has shape {tuple(mask.shape)}; pass the batch's [batch, "
-                "seq_len] 0/1 attention mask (1 for real tokens, 0 for padding)")
-        mnames, mparts, padded, lengths = batch_figures([mask])
-        names += mnames
-        parts += mparts
-        host["_padded"] = padded
-        return host, names, parts, lengths
-    return host, names, parts, None
-
-
-def _add_figure(host: dict[str, float], names: list[str], parts: list[torch.Tensor],
-                name: str, v: Any, what: str) -> None:
-    if isinstance(v, torch.Tensor):
-        if v.numel() != 1:
-            raise ValueError(
-                f"mon.log(): {what} has shape {tuple(v.shape)}, not one value: reduce it "
-                "first (e.g. loss.mean(), or a masked mean over real tokens)")
-        names.append(name)
-        v = v.detach()
-        parts.append(v if v.dim() == 0 else v.reshape(()))
-    elif isinstance(v, numbers.Real) and not isinstance(v, bool):
-        host[name] = float(v)
-    else:
-        raise TypeError(f"mon.log(): {what} is a {type(v).__name__}; pass a number or a "
-                        "one-element tensor")
 
 
 _in_notebook = in_notebook  # the name older code imports

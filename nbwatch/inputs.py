@@ -1,0 +1,195 @@
+"""What a user passes to nbwatch, checked before anything opens: the model, optimizer and
+scheduler that a Monitor is given, the run folder, step counts, probe samples and what
+`log()` receives. Every refusal names the problem and the fix."""
+
+from __future__ import annotations
+
+import json
+import numbers
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .probes.attention import take_samples
+from .probes.data import batch_figures
+from .store import is_run_dir
+
+
+def check_monitor(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                  config: dict[str, Any] | None, keep_last: int,
+                  system_interval: float) -> None:
+    """Refuse what cannot work, before anything opens, with the fix in the message."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            "the model has no parameters that require grad, so there is nothing to train; "
+            "unfreeze some (p.requires_grad_(True)) before creating the Monitor"
+        )
+    if scheduler is not None:
+        built_on = getattr(scheduler, "optimizer", optimizer)
+        while built_on is not optimizer and hasattr(built_on, "optimizer"):
+            built_on = built_on.optimizer  # a framework's wrapper (accelerate, Lightning)
+        if built_on is not optimizer:
+            raise ValueError(
+                "the scheduler was built on another optimizer than the one passed to the "
+                "Monitor; build it on this optimizer: Scheduler(optimizer, ...)"
+            )
+        if not callable(getattr(scheduler, "step", None)):
+            raise TypeError("scheduler must have a step() method (a torch LR scheduler)")
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TypeError(
+                "ReduceLROnPlateau needs a metric at each step; call scheduler.step(val) "
+                "in your val_fn and pass scheduler=None to the Monitor"
+            )
+        if not callable(getattr(scheduler, "state_dict", None)):
+            warnings.warn(
+                f"scheduler {type(scheduler).__name__} has no state_dict(): checkpoints "
+                "will not hold its state, and a resumed run restarts its schedule; give "
+                "it state_dict()/load_state_dict() to resume it", stacklevel=4)
+    if config is not None and not isinstance(config, dict):
+        raise TypeError(f"config must be a dict, got {type(config).__name__}")
+    try:  # stored as JSON (what cannot be is stored as its str())
+        json.dumps(config, default=str)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"config cannot be stored as JSON ({e}); pass a dict of plain "
+                         "values (numbers, strings, lists, dicts)") from e
+    if not system_interval or system_interval < 0.1:
+        raise ValueError(
+            f"system_interval must be at least 0.1 s (the CPU/GPU sampler's period), got "
+            f"{system_interval!r}; it cannot be turned off")
+    check_covers(model, optimizer)
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+
+
+_ALLOWED_FOREIGN = {".ipynb_checkpoints", ".DS_Store", "torchrun.log"}  # launch() writes the log
+
+
+def check_covers(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer built on another model; warn about trainable parameters it
+    leaves out (they get gradients, are counted in the norms, and never change)."""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    left = [n for n, p in trainable if id(p) not in held]
+    if len(left) == len(trainable):
+        raise ValueError(
+            "the optimizer holds none of the model's trainable parameters (was it built on "
+            "another model?); build it on this one: torch.optim.AdamW(model.parameters(), ...)")
+    if left:
+        modules = sorted({n.rsplit(".", 1)[0] if "." in n else n for n in left})
+        shown = ", ".join(modules[:6]) + (f" and {len(modules) - 6} more" if len(modules) > 6
+                                          else "")
+        warnings.warn(
+            f"{len(left)} of the model's {len(trainable)} trainable parameters are not in the "
+            f"optimizer ({shown}): they get gradients but never change. Freeze them "
+            "(p.requires_grad_(False)) if that is deliberate, or add them to the optimizer",
+            stacklevel=3)
+
+
+def default_run_dir() -> Path:
+    """`NBWATCH_RUN_DIR` (set by `nbwatch.launch`), else runs/<date-time>."""
+    env = os.environ.get("NBWATCH_RUN_DIR")
+    return Path(env) if env else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse a folder that cannot be written or that holds another tool's files."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise NotADirectoryError(f"run_dir {run_dir} is a file; pass a folder path")
+    if run_dir.is_dir() and not is_run_dir(run_dir):
+        foreign = sorted(p.name for p in run_dir.iterdir() if p.name not in _ALLOWED_FOREIGN)
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (" …" if len(foreign) > 5 else "")
+            raise FileExistsError(
+                f"run_dir {run_dir} already holds files that nbwatch did not write ({shown}); "
+                "pass a new or empty folder so that nothing of yours is mixed up or overwritten"
+            )
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".nbwatch-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise PermissionError(
+            f"run_dir {run_dir} is not writable ({e.strerror or e}); pass a folder you can "
+            "write to, e.g. run_dir='runs/exp1' under your home or project"
+        ) from e
+
+
+def check_every(**values: Any) -> None:
+    for label, v in values.items():
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"{label} must be a positive int or None, got {v!r}")
+
+
+def probe_samples(batch: Any, n: int) -> Any:
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"attention_samples must be an int ≥ 0 (0: no attention probe), "
+                         f"got {n!r}")
+    if batch is None or n == 0:
+        return None
+
+    return take_samples(batch, n)
+
+
+def log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any]
+                 ) -> tuple[dict[str, float], list[str], list[torch.Tensor], Any]:
+    """Check what `log()` was given: host figures, device figures with their names
+    (copied to the host with the next gradient norms: one sync a step), and the
+    sequence lengths of the mask."""
+    host: dict[str, float] = {}
+    names: list[str] = []
+    parts: list[torch.Tensor] = []
+    if loss is not None:
+        add_figure(host, names, parts, "loss/train", loss, "loss")
+    for k, v in scalars.items():
+        add_figure(host, names, parts, f"train/{k}", v, f"{k}=")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"mon.log(): mask is a {type(mask).__name__}; pass the batch's "
+                            "[batch, seq_len] attention mask tensor (1 for real tokens)")
+        if mask.dim() not in (1, 2) or mask.numel() == 0:
+            raise ValueError(
+                f"mon.log(): mask has shape {tuple(mask.shape)}; pass the batch's [batch, "
+                "seq_len] 0/1 attention mask (1 for real tokens, 0 for padding)")
+        mnames, mparts, padded, lengths = batch_figures([mask])
+        names += mnames
+        parts += mparts
+        host["_padded"] = padded
+        return host, names, parts, lengths
+    return host, names, parts, None
+
+
+def add_figure(host: dict[str, float], names: list[str], parts: list[torch.Tensor],
+                name: str, v: Any, what: str) -> None:
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise ValueError(
+                f"mon.log(): {what} has shape {tuple(v.shape)}, not one value: reduce it "
+                "first (e.g. loss.mean(), or a masked mean over real tokens)")
+        names.append(name)
+        v = v.detach()
+        parts.append(v if v.dim() == 0 else v.reshape(()))
+    elif isinstance(v, numbers.Real) and not isinstance(v, bool):
+        host[name] = float(v)
+    else:
+        raise TypeError(f"mon.log(): {what} is a {type(v).__name__}; pass a number or a "
+                        "one-element tensor")
+
+

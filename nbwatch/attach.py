@@ -22,7 +22,7 @@ from typing import Any
 import pandas as pd
 
 from . import controls as ctl
-from .liveness import ENDED, LIVE, RunFailed, last_write, run_state
+from .liveness import ENDED, LIVE, STALE_AFTER, RunFailed, last_write, run_state
 from .records import Command
 from .store import DB_NAME, RunReader, is_run_dir, send_command
 
@@ -41,7 +41,7 @@ class Attached(ctl.Controls):
     'paused at step 421 of 2000; last write 0.4 s ago'
     """
 
-    def __init__(self, run_dir: str | os.PathLike, stale_after: float = 10.0):
+    def __init__(self, run_dir: str | os.PathLike, stale_after: float = STALE_AFTER):
         if not stale_after > 0:
             raise ValueError(f"stale_after must be a positive number of seconds, got "
                              f"{stale_after!r}")
@@ -252,7 +252,7 @@ def attach(
     run_dir: str | os.PathLike,
     timeout: float | None = None,
     *,
-    stale_after: float = 10.0,
+    stale_after: float = STALE_AFTER,
     display: bool | None = None,
 ) -> Attached:
     """Follow a run that another process writes into `run_dir`, with working controls.

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .liveness import STALE_AFTER
+
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import make_demo
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ls.add_argument("--keys", default=None,
                     help="comma-separated config keys to show (default: those that differ)")
     ls.add_argument("--max-keys", type=int, default=6)
-    ls.add_argument("--stale-after", type=float, default=60.0,
+    ls.add_argument("--stale-after", type=float, default=STALE_AFTER,
                     help="call a 'running' run stale after this many seconds without a write")
     ls.set_defaults(fn=_ls)
     ex = sub.add_parser("export", help="write a run as one self-contained HTML file")

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from ._flat import flatten
-from .liveness import run_state
+from .liveness import STALE_AFTER, run_state
 from .store import RunReader, is_run_dir
 
 Where = Mapping[str, Any] | Callable[[dict[str, Any]], bool] | None
@@ -72,7 +72,7 @@ def matches(config: Mapping[str, Any], where: Where) -> bool:
     return True
 
 
-def summarize(reader: RunReader, stale_after: float = 60.0) -> dict[str, Any]:
+def summarize(reader: RunReader, stale_after: float = STALE_AFTER) -> dict[str, Any]:
     """One row of figures about a run: state, steps, best val loss and its step, last train
     loss, wall time. Reads a few rows, not the run's history."""
     meta = reader.meta()

@@ -19,6 +19,9 @@ from typing import Any
 
 from .store import DB_NAME, RunReader, writer_alive
 
+# s without a write before a live-looking run counts as gone. On this host the writer lock
+# answers at once; the time matters for a writer on another host (a shared file system).
+STALE_AFTER = 30.0
 LIVE = ("starting", "running", "paused")
 ENDED = ("finished", "stopped", "failed")
 

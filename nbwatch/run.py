@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .liveness import STALE_AFTER, run_state
 from .store import RunReader
 
 
@@ -80,7 +81,12 @@ class Run:
 
     @property
     def state(self) -> str:
-        return str(self.meta.get("state", "unknown"))
+        """What the writer last recorded, or "stale" where that says live but the writer is
+        gone (killed: its folder lock is free) or silent for `STALE_AFTER` seconds."""
+        meta = self.meta
+        if "state" not in meta:
+            return "unknown"
+        return run_state(self.run_dir, meta, self.reader, STALE_AFTER)
 
     @property
     def step(self) -> int:

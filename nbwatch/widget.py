@@ -30,7 +30,6 @@ log = logging.getLogger("nbwatch.widget")
 Watched = Any
 _STATIC = Path(__file__).parent / "static"
 _PLOTLY: bytes | None = None
-STALE_AFTER = 60.0  # s without a write: a read-only dashboard stops polling a dead run
 
 
 def _plotly_source() -> bytes:
@@ -148,7 +147,7 @@ class Dashboard(anywidget.AnyWidget):
         if feed.ended:
             return mon is None or not mon.running
         if mon is None and not feed.more:  # read-only view of a run whose writer was killed
-            from .liveness import run_state
+            from .liveness import STALE_AFTER, run_state
 
             return run_state(self._dir, feed.meta, None, STALE_AFTER) == "stale"
         return False

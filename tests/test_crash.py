@@ -12,6 +12,7 @@ import time
 import numpy as np
 import torch
 
+import nbwatch
 from nbwatch import blocks
 from nbwatch.store import RunReader
 
@@ -65,7 +66,8 @@ def test_kill_9_loses_at_most_the_last_second(tmp_path):
     for path in checkpoints:
         ck = torch.load(path, weights_only=True)
         assert ck["step"] % 7 == 0 and set(ck["model"]) >= {"head.weight", "tok_emb.weight"}
-    assert reader.meta()["state"] == "running"  # what a reader sees of a run that died
+    assert reader.meta()["state"] == "running"  # what the killed writer last recorded
+    assert nbwatch.open_run(run).state == "stale"  # what a reader is told: its writer is gone
     reader.close()
 
 

@@ -270,7 +270,8 @@ class StepRecorder:
         self.store.set_meta("state", state)
         self.store.set_meta("step", self.step)
         if state != "running" or self.step:
-            self._emit(Event(self.step, "state", "info", f"run {state} at step {self.step}"))
+            self._emit(Event(self.step, "state", "info", f"run {state} at step {self.step}",
+                             {"state": state}))
 
     def _emit(self, ev: Event, level: int | None = None) -> None:
         self.store.put(ev)

@@ -86,7 +86,7 @@ class Feed:
         for e in d.events:
             if e["kind"] == "error":
                 self.error = e
-            elif e["kind"] == "state" and e["message"].startswith("run running"):
+            elif e["kind"] == "state" and _state_of(e) == "running":
                 self.error = None  # resumed: the old failure is history, not the state
         self.events = (self.events + d.events)[-MAX_EVENTS:]
         self.samples = (self.samples + d.samples)[-samples.MAX_ITEMS:]
@@ -129,3 +129,12 @@ class Feed:
             "alerts": alerts.build(events),
             "samples": samples.build(new_samples),
         }
+
+
+def _state_of(event: dict[str, Any]) -> str | None:
+    """The state a `state` event records: its data (older runs: its message's second word)."""
+    state = (event.get("data") or {}).get("state")
+    if state is None:
+        words = str(event.get("message", "")).split()
+        state = words[1] if len(words) > 1 and words[0] == "run" else None
+    return state

@@ -100,7 +100,7 @@ def straggler(events: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
     """The newest straggler alert: {step, message}."""
     found = None
     for e in events:
-        if e["kind"] == "alert" and str(e["message"]).startswith("straggler"):
+        if e["kind"] == "alert" and (e.get("data") or {}).get("rule", _rule_of(e)) == "straggler":
             found = {"step": int(e["step"]), "message": str(e["message"])}
     return found
 
@@ -128,3 +128,8 @@ def build(series: Series, recent: Series | None, events: Iterable[Mapping[str, A
     if (s := straggler(events)) is not None:
         out["straggler"] = s
     return out
+
+
+def _rule_of(event: dict[str, Any]) -> str:
+    """An alert's rule for a run recorded before alerts carried it: its message's prefix."""
+    return str(event.get("message", "")).split(":", 1)[0]

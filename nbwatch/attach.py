@@ -11,7 +11,6 @@ whose writer is gone, or that nothing has touched for `stale_after` seconds, is 
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import sqlite3
@@ -25,6 +24,7 @@ from . import controls as ctl
 from .liveness import ENDED, LIVE, STALE_AFTER, RunFailed, last_write, run_state
 from .records import Command
 from .store import DB_NAME, RunReader, is_run_dir, send_command
+from .text import duration
 
 
 class Attached(ctl.Controls):
@@ -125,7 +125,7 @@ class Attached(ctl.Controls):
         meta, step = self.meta, self.step
         of = f" of {meta['max_steps']}" if meta.get("max_steps") else ""
         age = self.seconds_since_write
-        ago = f"{_duration(age)} ago" if age is not None else "never"
+        ago = f"{duration(age)} ago" if age is not None else "never"
         if state == "stale":
             was = meta.get("state", "running")
             return (f"stale: the writer has written nothing for {ago.removesuffix(' ago')} "
@@ -236,16 +236,6 @@ class Attached(ctl.Controls):
 
     def __repr__(self) -> str:
         return f"<nbwatch.Attached {self.name!r} in {self.run_dir}: {self.message}>"
-
-
-def _duration(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    if seconds < 3600:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def attach(

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .liveness import STALE_AFTER
+from .text import duration
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -91,14 +92,6 @@ def _fmt(v: Any, spec: str) -> str:
     return format(v, spec)
 
 
-def _duration(s: float) -> str:
-    if not math.isfinite(s):
-        return "-"
-    if s < 10:
-        return f"{s:.1f}s"
-    return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.1f}h"
-
-
 def _ls(args: argparse.Namespace) -> int:
     from .compare import config_diff, find_runs, flatten, matches, summarize
     from .store import RunReader
@@ -146,7 +139,7 @@ def _ls(args: argparse.Namespace) -> int:
                         for k in keys if k in flat)
         print(f"{label:{width}s}  {r['state']:9s} {steps:>13s} {_fmt(r['best_val'], '9.4f')} "
               f"{_fmt(r['best_val_step'], '7d')} {_fmt(r['last_train'], '10.4f')} "
-              f"{_duration(r['wall_s']):>6s}  {cfg}")
+              f"{duration(r['wall_s']):>6s}  {cfg}")
     return 0
 
 

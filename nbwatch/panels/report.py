@@ -4,12 +4,12 @@ actions table, the checkpoints table, config and environment as key/value rows."
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterable, Mapping
 from pathlib import PurePath
 from typing import Any
 
 from .._flat import flatten
+from ..text import duration
 
 MAX_ROWS = 1000
 MAX_CHARS = 2000  # one cell: a config value that is a long list is cut, not dropped
@@ -58,14 +58,6 @@ def checkpoints_table(events: Iterable[Mapping[str, Any]], total: int,
     return {"rows": rows, "total": int(total)}
 
 
-def _duration(s: float | None) -> str:
-    if s is None or not math.isfinite(s):
-        return "–"
-    s = int(round(s))
-    h, m, sec = s // 3600, s % 3600 // 60, s % 60
-    return f"{h}h{m:02d}m{sec:02d}s" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"
-
-
 def summary(meta: Mapping[str, Any], step: int, best_val: tuple[int, float] | None,
             tokens: float | None, wall_s: float | None) -> list[list[str]]:
     """[[label, value]]: state, steps, best val loss and its step, tokens seen, wall time,
@@ -77,7 +69,7 @@ def summary(meta: Mapping[str, Any], step: int, best_val: tuple[int, float] | No
         ["steps", f"{step:,}" + (f" / {int(max_steps):,}" if max_steps else "")],
         ["best val loss", f"{best_val[1]:.4f} at step {best_val[0]:,}" if best_val else "–"],
         ["tokens seen", f"{tokens:,.0f}" if tokens is not None else "–"],
-        ["wall time", _duration(wall_s)],
+        ["wall time", duration(wall_s)],
     ]
     if run.get("model"):
         params = run.get("parameters")

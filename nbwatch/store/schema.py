@@ -14,11 +14,9 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
-from ..records import Attention, Command, Event, Histogram, Sample, Scalars
+from ..records import Command
 
 DB_NAME = "nbwatch.db"
-_RECORDS = (Scalars, Histogram, Attention, Event, Sample, Command)
-_OPS = ("meta", "taken", "truncate")
 SCHEMA_VERSION = 2
 MAX_PENDING = 1_000_000  # scalars queued for the writer before put() waits (back-pressure)
 

@@ -11,14 +11,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from ..records import Attention, Command, Event, Histogram, Sample, Scalars
+from ..records import Command, Scalars
 from .lock import RunInUse, _in_use, _lock_dir
 from .reader import RunReader
+from .rows import WRITE, Meta, Taken, Truncate
 from .schema import (
-    _OPS,
-    _RECORDS,
     _SCHEMA,
     DB_NAME,
     MAX_PENDING,
@@ -96,8 +93,7 @@ class RunStore(RunReader):
             raise StoreFailed(str(self.error)) from self.error.__cause__
         if isinstance(record, Scalars):
             n = len(record.values)
-        elif isinstance(record, _RECORDS) or (isinstance(record, tuple) and record
-                                              and record[0] in _OPS):
+        elif type(record) in WRITE or type(record) is Truncate:
             n = 1
         else:
             raise TypeError(f"cannot store a {type(record).__name__}")  # here, not in a batch
@@ -114,17 +110,17 @@ class RunStore(RunReader):
                 self._cond.notify_all()  # write now, not at the next interval
 
     def set_meta(self, key: str, value: Any) -> None:
-        self.put(("meta", key, json.dumps(value, default=str)))
+        self.put(Meta(key, json.dumps(value, default=str)))
 
     def add_command(self, command: Command) -> None:
         self.put(command)
 
     def mark_taken(self, command_id: int) -> None:
-        self.put(("taken", command_id))
+        self.put(Taken(command_id))
 
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after `step` (a resumed run recomputes them)."""
-        self.put(("truncate", step))
+        self.put(Truncate(step))
 
     def flush(self, timeout: float = 10.0) -> None:
         """Block until everything queued so far is committed."""
@@ -216,56 +212,11 @@ class RunStore(RunReader):
                     g[1].append(r.wall)
                     g[2].append(list(r.values.values()))
                     continue
-                if isinstance(r, Histogram):
-                    con.execute(
-                        "INSERT INTO histograms (step, name, edges, counts) VALUES (?, ?, ?, ?)",
-                        (
-                            r.step,
-                            r.name,
-                            np.ascontiguousarray(r.edges, dtype=np.float64).tobytes(),
-                            np.ascontiguousarray(r.counts, dtype=np.int64).tobytes(),
-                        ),
-                    )
-                elif isinstance(r, Attention):
-                    w = np.ascontiguousarray(r.weights, dtype=np.float16)
-                    con.execute(
-                        "INSERT INTO attention (step, module, sample, shape, weights, tokens)"
-                        " VALUES (?, ?, ?, ?, ?, ?)",
-                        (
-                            r.step,
-                            r.module,
-                            r.sample,
-                            json.dumps(list(w.shape)),
-                            w.tobytes(),
-                            json.dumps(list(r.tokens)) if r.tokens is not None else None,
-                        ),
-                    )
-                elif isinstance(r, Event):
-                    con.execute(
-                        "INSERT INTO events (step, wall, kind, severity, message, data)"
-                        " VALUES (?, ?, ?, ?, ?, ?)",
-                        (r.step, r.wall, r.kind, r.severity, r.message,
-                         json.dumps(r.data, default=str)),
-                    )
-                elif isinstance(r, Sample):
-                    con.execute(
-                        "INSERT INTO samples (step, wall, text) VALUES (?, ?, ?)",
-                        (r.step, r.wall, r.text),
-                    )
-                elif isinstance(r, Command):
-                    con.execute(
-                        "INSERT INTO commands (wall, kind, value, source) VALUES (?, ?, ?, ?)",
-                        (time.time(), r.kind, r.value, r.source),
-                    )
-                elif r[0] == "meta":
-                    con.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (r[1], r[2]))
-                elif r[0] == "taken":
-                    con.execute("UPDATE commands SET taken = 1 WHERE id = ?", (r[1],))
-                elif r[0] == "truncate":
+                if type(r) is Truncate:
                     if groups:  # scalars queued before a truncate are cut by it
                         self._tables.write(groups)
-                    self._tables.truncate(r[1])
-                else:
-                    raise TypeError(f"cannot store a {type(r).__name__}")
+                    self._tables.truncate(r.step)
+                    continue
+                WRITE[type(r)](con, r)
             if groups:
                 self._tables.write(groups)

@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from . import controls as ctl
 from .records import Command
-from .run import Readout, Run
+from .run import Readout, Run, started_run
 from .runner import run_in_thread
-from .store import DB_NAME
 
 if TYPE_CHECKING:
     from .monitor import Monitor
@@ -105,7 +104,7 @@ class FitRun(ctl.Controls, Readout):
         return self
 
     def _run(self) -> Run | None:
-        return Run(self.run_dir) if (self.run_dir / DB_NAME).is_file() else None
+        return started_run(self.run_dir)
 
     def show(self) -> Any:
         from IPython.display import display

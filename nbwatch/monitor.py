@@ -8,31 +8,22 @@ background thread), or the user's loop in the foreground (`with Monitor(...) as 
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
-import signal
-import socket
-import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import controls as ctl
-from ._omp import release_caller_pool
-from .alerts import AlertEngine, configure, default_rules
-from .checkpoint import Checkpointer, load, set_rng_state
-from .distributed import Dist, NullStore
-from .environment import environment
+from .alerts import configure, default_rules
+from .checkpoint import Checkpointer
 from .inputs import (
     check_every,
     check_monitor,
@@ -42,14 +33,14 @@ from .inputs import (
     probe_samples,
     rank,
 )
-from .logs import open_run_log
-from .notebook import in_notebook, remember
-from .probes.system import SystemSampler, close_nvml, gpu_names, open_nvml
-from .recorder import SAME_ON_EVERY_RANK, Progress, RunSpec, StepRecorder, StopTraining, plain
-from .records import Command, Event, Scalars
-from .run import Readout, Run
-from .runner import Runner, run_in_thread
-from .store import DB_NAME, RunStore, check_no_writer, is_run_dir
+from .notebook import in_notebook
+from .opening import RunOpening
+from .probes.system import SystemSampler
+from .recorder import Progress, RunSpec, StepRecorder, StopTraining
+from .records import Command
+from .run import Readout, Run, started_run
+from .runner import Runner
+from .store import RunStore, check_no_writer
 
 log = logging.getLogger("nbwatch")
 _LIVE = ("starting", "running", "paused")
@@ -58,7 +49,7 @@ _LIVE = ("starting", "running", "paused")
 _OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-class Monitor(ctl.Controls, Readout):
+class Monitor(RunOpening, ctl.Controls, Readout):
     """Train in a background thread while every step is measured into `run_dir`.
 
     >>> mon = nbwatch.Monitor(model, optimizer, scheduler, run_dir="runs/exp1",
@@ -373,275 +364,6 @@ class Monitor(ctl.Controls, Readout):
             self.wait()
         return isinstance(exc, StopTraining)  # a stop ends the block cleanly
 
-    def _check_can_open(self, resume: bool) -> None:
-        if self.running:
-            raise RuntimeError(
-                f"this Monitor is already {self.state} at step {self.step}; call stop() and "
-                "wait() first, or create another Monitor with its own run_dir"
-            )
-        self._closed.wait()  # the previous run's store and sampler are closed
-        if self.rank == 0:
-            check_no_writer(self.run_dir)  # before a resume touches the model
-        if self._mode is not None and not resume:
-            raise RuntimeError(
-                f"this Monitor already ran (it is {self.state}); continue from its newest "
-                "checkpoint with start(..., resume=True) or nbwatch.Monitor(..., resume=True), "
-                "or create a new Monitor with its own run_dir"
-            )
-
-    def _open_loop(self, start_step: int | None = None,
-                   framework: str | None = None) -> StepRecorder:
-        """A loop of the user's own, in the foreground: opened at its first optimizer step
-        (or by a framework adapter, at the framework's step `start_step`)."""
-        rec = self._open("loop", RunSpec(**self._loop_options), False, self._dist_options,
-                         {"framework": framework} if framework else {}, start_step)
-        rec.begin()
-        self._exc_at_open = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-        atexit.register(self._at_exit)
-        self._after_open(self._display)
-        return rec
-
-    def _open(self, mode: str, spec: RunSpec, resume: bool, dist_options: tuple[int, float],
-              run_meta: dict[str, Any], start_step: int | None = None) -> StepRecorder:
-        """Open a run: the store, the recorder, the run log and the system sampler.
-        `start_step`: where a framework that restored its own checkpoint stands."""
-        dist = Dist.detect(*dist_options)  # collective: every rank opens its run
-        if start_step is None:
-            start_step = self._start_step(resume)
-        if self._clip_asked is not None:  # from step 1, and over a resumed checkpoint's
-            self.control.clip = self._clip_asked
-        rules = self.rules
-        if dist is not None:  # decisions that need no exchange must see the same inputs
-            rules = [replace(r, params={**r.params, "keys": ("grad_norm/global",)})
-                     if r.name == "nonfinite" else r for r in rules]
-            if dist.rank != 0:
-                rules = [r for r in rules if r.name in SAME_ON_EVERY_RANK]
-        self._progress = Progress(step=start_step, state="starting")
-        self._progress_start = start_step
-        self._stop_asked = False
-        self._closed.clear()
-        try:
-            if dist is not None and dist.rank != 0:
-                store = self._store = NullStore(self.run_dir)
-            else:
-                store = self._open_store(start_step, spec.max_steps, {
-                    **run_meta, "mode": mode, "world_size": dist.world if dist else 1,
-                    "backend": dist.backend if dist else None})
-            rec = StepRecorder(
-                spec, self.model, self.optimizer, self.scheduler, self.scaler, store,
-                self.checkpointer, self._commands, self.control, self._progress, start_step,
-                AlertEngine(rules), self.on_alert, dist,
-            )
-            self._recorder, self._mode = rec, mode
-            self._global_hook = register_optimizer_step_pre_hook(self._foreign_hook)
-            if self.rank == 0:
-                self._log_handler = open_run_log(rec.log, self.run_dir)
-                self._sampler = SystemSampler(self._record_system,
-                                              self.system_interval).start()
-            if dist is not None and self.rank == 0:
-                self._record_sigterm(store)
-        except BaseException:  # nothing opened may outlive a start that failed
-            self._close_run()
-            raise
-        return rec
-
-    def _in_thread(self, target: Callable[[], Any]) -> None:
-        release_caller_pool()
-        self._done = threading.Event()
-        self._thread = run_in_thread(target, f"nbwatch-train-{self.name}", self._done)
-        # Closes the sampler and the store when training ends, even if nobody calls wait().
-        self._finalizer = threading.Thread(target=self._finish, args=(self._done,),
-                                           name="nbwatch-finish", daemon=True)
-        self._finalizer.start()
-        atexit.register(self._stop_at_exit)
-
-    def _stop_at_exit(self) -> None:
-        """The interpreter is exiting while the run trains (a script that did not wait()):
-        stop it as the Stop button does — a stop checkpoint, state `stopped` — and say so,
-        rather than let the process abort under a running thread."""
-        done, thread = self._done, self._thread
-        if done is None or done.is_set():
-            return
-        with contextlib.suppress(RuntimeError):  # it ended a moment ago
-            self._send("stop", source="exit")
-        done.wait(300)
-        for t in (thread, self._finalizer):
-            if t is not None:
-                t.join(60)
-        print(f"nbwatch: the program exited while run {self.name!r} was training; it was "
-              f"stopped at step {self.step} ({self.state}), with a checkpoint, in "
-              f"{self.run_dir}. Call mon.wait() to let a run finish.", file=sys.stderr)
-
-    def _after_open(self, display: bool | None) -> Monitor:
-        if self.rank != 0:
-            return self
-        remember(self)  # `%nbwatch` shows the newest run
-        if display is None:
-            display = _in_notebook()
-        if display:
-            self.show()
-        return self
-
-    def _start_step(self, resume: bool) -> int:
-        if self._resumed_step is not None:  # restored when the Monitor was created
-            step, self._resumed_step = self._resumed_step, None
-            return step
-        if resume:
-            return self._restore_latest()
-        if self.rank == 0 and is_run_dir(self.run_dir) and Run(self.run_dir).step > 0:
-            raise FileExistsError(
-                f"run_dir {self.run_dir} already holds a run at step {Run(self.run_dir).step}; "
-                "pass resume=True to continue it, or choose a new run_dir"
-            )
-        return 0
-
-    def _restore_latest(self) -> int:
-        latest = self.checkpointer.latest()
-        if latest is None:
-            raise FileNotFoundError(
-                f"resume=True but {self.checkpointer.dir} holds no checkpoint; start "
-                "without resume, or pass the run_dir of the run to continue"
-            )
-        return self._restore(load(latest))
-
-    def _finish(self, done: threading.Event) -> None:
-        """Close what one run opened, once its training thread has ended."""
-        done.wait()
-        self._close_run()
-        atexit.unregister(self._stop_at_exit)
-
-    def _close_run(self) -> None:
-        rec, sampler, store, handler = (self._recorder, self._sampler, self._store,
-                                        self._log_handler)
-        self._recorder = self._sampler = self._log_handler = None
-        if self._global_hook is not None:
-            self._global_hook.remove()
-            self._global_hook = None
-        try:
-            if sampler is not None:
-                sampler.stop()
-            if store is not None:
-                store.close()
-            if rec is not None and rec.dist is not None:
-                rec.dist.close()  # nbwatch's own gloo group: its threads must not outlive us
-        finally:
-            if handler is not None and rec is not None:
-                rec.log.removeHandler(handler)
-                with contextlib.suppress(OSError):  # a full disk: the store said so already
-                    handler.close()
-            self._closed.set()
-
-    def _end_loop(self, exc: BaseException | None) -> None:
-        """End a foreground loop run: finished, stopped, or failed with `exc`."""
-        rec = self._recorder
-        if self._mode != "loop" or rec is None:
-            return
-        atexit.unregister(self._at_exit)
-        try:
-            clean_exit = isinstance(exc, SystemExit) and exc.code in (0, None)
-            if rec.ended:  # stopped at log(), or failed already
-                pass
-            elif exc is None or isinstance(exc, StopTraining) or clean_exit:
-                rec.apply_commands(block=False)  # a stop the loop saw before log() took it
-                rec.finish("stopped" if rec.stopping else "finished")
-            elif isinstance(exc, KeyboardInterrupt):
-                rec.finish("stopped")  # the user's Ctrl-C: a stop, not a crash
-            else:
-                rec.fail(exc)
-            rec.store.flush()
-        except RuntimeError as e:  # a dead store: the loop's own exception matters more
-            log.error("closing the run store of %s failed: %s", self.name, e)
-        finally:
-            self._close_run()
-
-    def _at_exit(self) -> None:
-        """A script's loop that ended without `with`/close(): record how the process ended."""
-        exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-        if exc is self._exc_at_open:  # e.g. an earlier notebook cell's error: not this loop's
-            exc = None
-        with contextlib.suppress(Exception):
-            self._end_loop(exc)
-
-    def _record_sigterm(self, store: RunStore) -> None:
-        """torchrun ends the survivors with SIGTERM when a rank dies, sometimes before the
-        lost connection reaches the training thread: record the failure, then die as asked."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        previous = signal.getsignal(signal.SIGTERM)
-
-        def on_sigterm(signum: int, frame: Any) -> None:
-            if self.running and self._progress.error is None:
-                self._progress.state = "failed"
-                with contextlib.suppress(Exception):
-                    store.put(Event(self.step, "error", "critical",
-                                    f"[rank 0] terminated by SIGTERM at step {self.step}: "
-                                    "the launcher stops the job when a rank fails", {}))
-                    store.set_meta("state", "failed")
-            elif self._progress.error is not None:  # the training thread is recording it
-                self._progress.failure_recorded.wait(20)  # torchrun kills after 30 s
-            with contextlib.suppress(Exception):
-                store.flush(timeout=5)
-            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-
-        signal.signal(signal.SIGTERM, on_sigterm)
-
-    def _open_store(self, start_step: int, max_steps: int | None,
-                    run: dict[str, Any]) -> RunStore:
-        self._store = None
-        self._store = store = RunStore(self.run_dir)
-        if start_step:
-            store.truncate_after(start_step)
-        nvml, handles = open_nvml()
-        names = gpu_names(nvml, handles)
-        close_nvml(nvml)
-        store.set_meta("name", self.name)
-        config = dict(self.config)
-        if self.control.clip is not None:  # a setting of the run: compare() shows it
-            config.setdefault("clip", self.control.clip)
-        store.set_meta("config", config)
-        store.set_meta("environment", environment(names))
-        store.set_meta("max_steps", max_steps)
-        store.set_meta("started", time.time())
-        store.set_meta("pid", os.getpid())  # lets attach() tell a killed writer at once
-        store.set_meta("host", socket.gethostname())
-        store.set_meta("run", {
-            **run, "keep_last": self.checkpointer.keep_last, "resumed_from": start_step or None,
-            "model": type(self.model).__name__, "optimizer": type(self.optimizer).__name__,
-            "scheduler": type(self.scheduler).__name__ if self.scheduler is not None else None,
-            "parameters": sum(p.numel() for p in self.model.parameters()),
-        })
-        return store
-
-    def _restore(self, ckpt: dict[str, Any]) -> int:
-        try:
-            model = plain(self.model)
-            state = ckpt["model"]
-            if any(k.startswith("_orig_mod.") for k in state):  # saved before this fix
-                state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
-            model.load_state_dict(state)
-            self.optimizer.load_state_dict(ckpt["optimizer"])
-            if (self.scheduler is not None and ckpt.get("scheduler") is not None
-                    and hasattr(self.scheduler, "load_state_dict")):
-                self.scheduler.load_state_dict(ckpt["scheduler"])
-            if self.scaler is not None and ckpt.get("scaler") is not None:
-                self.scaler.load_state_dict(ckpt["scaler"])
-        except (RuntimeError, KeyError, ValueError) as e:
-            raise RuntimeError(
-                f"checkpoint at step {ckpt.get('step')} in {self.checkpointer.dir} does not fit "
-                f"this model/optimizer ({e}); resume with the same model and optimizer setup"
-            ) from e
-        set_rng_state(ckpt["rng"])
-        c = ckpt.get("controls", {})
-        self.control.clip = c.get("clip")
-        self.control.lr_factor = float(c.get("lr_factor", 1.0))
-        self.control.lr_raw = bool(c.get("lr_raw", False))
-        return int(ckpt["step"])
-
-    def _record_system(self, figures: dict[str, float]) -> None:
-        if self._store is not None:
-            self._store.put(Scalars(self._progress.step, figures))
-
     def wait(self, timeout: float | None = None) -> Monitor:
         """Block until training ends; re-raise the exception that ended it, if any.
 
@@ -711,7 +433,7 @@ class Monitor(ctl.Controls, Readout):
         if self._store is not None:
             with contextlib.suppress(RuntimeError):  # a failed writer: read what it committed
                 self._store.flush()
-        return Run(self.run_dir) if (self.run_dir / DB_NAME).is_file() else None
+        return started_run(self.run_dir)
 
     def diagnose(self) -> list:
         """Findings that explain the run so far (val periodicity, step-time bottleneck…)."""

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 from .liveness import STALE_AFTER, run_state
-from .store import RunReader
+from .store import DB_NAME, RunReader
 
 
 class Readout:
@@ -45,6 +45,20 @@ class Readout:
         return export_html(self.run_dir, path, environment=environment)
 
 
+class RunNotStarted(RuntimeError):
+    """The run folder's database exists but its writer has not created the store yet."""
+
+
+def started_run(run_dir: Path) -> Run | None:
+    """The run in `run_dir`, or None before its writer has created it (a run starting)."""
+    if not (Path(run_dir) / DB_NAME).is_file():
+        return None
+    try:
+        return Run(run_dir)
+    except RunNotStarted:
+        return None
+
+
 class Run:
     """Read-only access to a run folder, finished or still being written.
 
@@ -59,7 +73,7 @@ class Run:
         try:
             self.reader.meta()
         except sqlite3.OperationalError as e:
-            raise RuntimeError(
+            raise RunNotStarted(
                 f"{self.reader.path} holds no nbwatch records ({e}): its writer has not"
                 " created them yet, or was cut off before it did") from e
 

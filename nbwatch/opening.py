@@ -75,7 +75,7 @@ class RunOpening:
         if start_step is None:
             start_step = self._start_step(resume)
         if self._clip_asked is not None:  # from step 1, and over a resumed checkpoint's
-            self.control.clip = self._clip_asked
+            self.control.clip, self._clip_asked = self._clip_asked, None  # once
         rules = self.rules
         if dist is not None:  # decisions that need no exchange must see the same inputs
             rules = [replace(r, params={**r.params, "keys": ("grad_norm/global",)})
@@ -108,6 +108,7 @@ class RunOpening:
                 self._record_sigterm(store)
         except BaseException:  # nothing opened may outlive a start that failed
             self._close_run()
+            self._mode, self._progress = None, Progress(step=start_step, state="created")
             raise
         return rec
 
@@ -127,6 +128,8 @@ class RunOpening:
         rather than let the process abort under a running thread."""
         done, thread = self._done, self._thread
         if done is None or done.is_set():
+            if self._finalizer is not None:  # it may be folding the store's WAL right now
+                self._finalizer.join(60)
             return
         with contextlib.suppress(RuntimeError):  # it ended a moment ago
             self._send("stop", source="exit")

@@ -153,7 +153,10 @@ class Runner:
         names, parts = ["loss/train"], [mean]
         figures: dict[str, float] = {}
         for k, vs in extras.items():  # the step_fn's own scalars, mean over micro-batches
-            if isinstance(vs[0], torch.Tensor):
+            t = next((v for v in vs if isinstance(v, torch.Tensor)), None)
+            if t is not None:  # on the device, copied with the step's other figures
+                vs = [v if isinstance(v, torch.Tensor) else torch.tensor(v, device=t.device)
+                      for v in vs]
                 names.append(f"train/{k}")
                 parts.append(torch.stack(vs).mean() if len(vs) > 1 else vs[0])
             else:

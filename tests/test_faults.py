@@ -371,3 +371,22 @@ def test_a_generator_that_runs_out_is_said_so(tmp_path):
     mon.start(tiny_step, (b for b in make_batches(3)), max_steps=10, display=False)
     with pytest.raises(ValueError, match="ran out after 3 batches, before max_steps=10"):
         mon.wait()
+
+
+def test_dataloader_workers_do_not_keep_the_run_folder_locked(tmp_path):
+    """Forked workers share the writer lock's file description: the child drops it."""
+    from nbwatch.store import writer_alive
+
+    model, opt = new_tiny()
+    loader = torch.utils.data.DataLoader(make_batches(), batch_size=None, num_workers=1,
+                                         persistent_workers=True)
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
+    mon.start(tiny_step, loader, max_steps=4, display=False)
+    mon.wait()
+    assert not writer_alive(tmp_path / "run")
+    model2, opt2 = new_tiny(1)
+    again = nbwatch.Monitor(model2, opt2, run_dir=tmp_path / "run")
+    again.start(tiny_step, make_batches(), max_steps=6, resume=True, display=False)
+    again.wait()
+    assert again.step == 6
+    del loader

@@ -322,3 +322,18 @@ def test_a_store_from_a_newer_nbwatch_says_to_upgrade(tmp_path):
     store.close()
     with pytest.raises(RuntimeError, match="written by a newer nbwatch.*upgrade"):
         nbwatch.open_run(tmp_path / "run")
+
+
+def test_a_dead_writer_is_noticed_at_once_and_the_folder_unlocked(tmp_path):
+    from nbwatch.store import StoreFailed, writer_alive
+
+    store = RunStore(tmp_path / "run")
+    store.put(Histogram(2, "h", np.array(["a", "b"]), np.array([1])))  # cannot be stored
+    t0 = time.monotonic()
+    with pytest.raises(StoreFailed):
+        store.flush(timeout=30)
+    assert time.monotonic() - t0 < 5  # not after the whole timeout
+    with pytest.raises(StoreFailed):
+        store.close()
+    assert not writer_alive(tmp_path / "run")  # a new writer may take the folder
+    RunStore(tmp_path / "run").close()

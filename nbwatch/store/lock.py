@@ -3,6 +3,7 @@ process dies, so readers can tell a live writer from a killed one exactly."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -30,7 +31,32 @@ def _lock_dir(run_dir: Path, exclusive: bool) -> int | None:
     except BlockingIOError:
         os.close(fd)
         return None
+    if exclusive:
+        _HELD.add(fd)
     return fd
+
+
+def unlock(fd: int) -> None:
+    """Release a writer lock taken by `_lock_dir`."""
+    if fd >= 0:
+        _HELD.discard(fd)
+        os.close(fd)
+
+
+# A forked child (a DataLoader worker) shares the lock's open file description: unless the
+# child closes its copy, the lock outlives the writer for as long as the worker lives.
+_HELD: set[int] = set()
+
+
+def _drop_in_child() -> None:
+    for fd in list(_HELD):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_in_child)
 
 
 def writer_alive(run_dir: str | Path) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sqlite3
 import threading
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..records import Command, Scalars
-from .lock import RunInUse, _in_use, _lock_dir
+from .lock import RunInUse, _in_use, _lock_dir, unlock
 from .reader import RunReader
 from .rows import WRITE, Meta, Taken, Truncate
 from .schema import (
@@ -56,9 +55,8 @@ class RunStore(RunReader):
             raise
 
     def _unlock(self) -> None:
-        if self._lock >= 0:
-            os.close(self._lock)
-            self._lock = -1
+        unlock(self._lock)
+        self._lock = -1
 
     def _open_writer(self, flush_interval: float, max_pending: int) -> None:
         self._local = threading.local()
@@ -100,7 +98,8 @@ class RunStore(RunReader):
         with self._cond:
             if self._pending >= self.max_pending:
                 self._cond.notify_all()
-                while self._pending >= self.max_pending and self._thread.is_alive():
+                while (self._pending >= self.max_pending and self._thread.is_alive()
+                       and self.error is None):
                     self._cond.wait(1.0)
                 if self.error is not None:
                     raise StoreFailed(str(self.error)) from self.error.__cause__
@@ -129,8 +128,8 @@ class RunStore(RunReader):
             target = self._queued
             self._cond.notify_all()
             ok = self._cond.wait_for(
-                lambda: self._written >= target or not self._thread.is_alive(), timeout
-            )
+                lambda: (self._written >= target or self.error is not None
+                         or not self._thread.is_alive()), timeout)
         if self.error is not None:
             raise StoreFailed(str(self.error)) from self.error.__cause__
         if not ok:
@@ -138,14 +137,16 @@ class RunStore(RunReader):
 
     def close(self) -> None:
         """Commit what is queued, fold the WAL into `nbwatch.db` and remove it."""
-        if self._thread.is_alive():
-            self.flush(timeout=60)
+        try:
+            if self._thread.is_alive():
+                self.flush(timeout=60)
+        finally:  # a dead writer too: stop it, and never keep the folder locked
             self._stop.set()
             with self._cond:
                 self._cond.notify_all()
             self._thread.join(timeout=60)
-        if not self._thread.is_alive():
-            self._unlock()
+            if not self._thread.is_alive():
+                self._unlock()
 
     # -- writer thread ------------------------------------------------------------------
     def _loop(self) -> None:

@@ -68,10 +68,13 @@ export function create(root, ctx) {
       for (const b of all) b.disabled = ended;
       bar.dataset.state = s;
     },
-    // Acknowledgements: the newest action/checkpoint event the runner recorded.
+    // Acknowledgements: the newest action or checkpoint event the runner recorded, not a
+    // periodic checkpoint (nobody asked for it: it would hide the ack of a click).
     events(items) {
       for (const it of items) {
-        if ((it.kind === "action" || it.kind === "checkpoint") && it.wall >= seen) {
+        const asked = it.kind === "action"
+          || (it.kind === "checkpoint" && it.reason !== "periodic");
+        if (asked && it.wall >= seen) {
           seen = it.wall;
           ack.textContent = `✓ ${it.message}`;
           delete ack.dataset.pending;

@@ -12,6 +12,8 @@ MAX_ITEMS = 200
 def build(events: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """Events (oldest first) → {"items": newest first, at most MAX_ITEMS}."""
     items = [{"step": int(e["step"]), "kind": str(e["kind"]), "severity": str(e["severity"]),
-              "message": str(e["message"]), "wall": float(e.get("wall", 0.0))}
+              "message": str(e["message"]), "wall": float(e.get("wall", 0.0)),
+              **({"reason": str((e.get("data") or {}).get("reason"))}
+                 if e["kind"] == "checkpoint" else {})}
              for e in events if e["kind"] in FEED_KINDS]
     return {"items": items[::-1][:MAX_ITEMS]} if items else {}

@@ -144,3 +144,17 @@ def test_attention_of_modules_with_different_shapes():
     assert s["maps"].shape == (3, 2, 10, 10)
     assert s["shapes"] == [[2, 10, 10], [2, 6, 6], [2, 6, 10]]
     assert (s["maps"][2, :, 6:, :] == 0).all()  # the padding of the 6×10 cross map
+
+
+def test_alert_feed_items_say_why_a_checkpoint_was_taken():
+    """The controls bar acknowledges what was asked for, not a periodic checkpoint."""
+    from nbwatch.panels import alerts
+
+    items = alerts.build([
+        {"step": 50, "kind": "checkpoint", "severity": "info", "wall": 1.0,
+         "message": "periodic checkpoint at step 50", "data": {"reason": "periodic"}},
+        {"step": 51, "kind": "action", "severity": "info", "wall": 2.0,
+         "message": "resumed at step 51", "data": {}},
+    ])["items"]
+    assert [(i["kind"], i.get("reason")) for i in items] == [("action", None),
+                                                            ("checkpoint", "periodic")]

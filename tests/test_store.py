@@ -337,3 +337,20 @@ def test_a_dead_writer_is_noticed_at_once_and_the_folder_unlocked(tmp_path):
         store.close()
     assert not writer_alive(tmp_path / "run")  # a new writer may take the folder
     RunStore(tmp_path / "run").close()
+
+
+def test_a_layout_shared_by_two_records_of_one_commit_is_one_block_in_step_order(store):
+    """An eval step's record has more keys than the others, but the same grad norms: those
+    get one block per commit, in step order, so a follower reading "the steps after the
+    last I read" never skips one when closing merges blocks."""
+    for s in range(1, 21):
+        v = {"grad_norm/a": float(s), "grad_norm/b": 1.0}
+        if s == 10:
+            v["loss/val"] = 2.0
+        store.put(Scalars(s, v))
+    store.flush()
+    r = RunReader(store.run_dir)
+    rows = [row for row in r._blocks(["grad_norm/a"], None, None)]
+    assert len(rows) == 1
+    steps, values = blocks.decode(rows[0][2], rows[0][3], rows[0][4], r.layout(rows[0][1]))
+    assert steps.tolist() == list(range(1, 21)) and values[:, 0].tolist() == steps.tolist()

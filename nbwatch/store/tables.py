@@ -55,17 +55,30 @@ class ScalarTables:
         con = self.con
         wall_steps: list[np.ndarray] = []
         wall_times: list[np.ndarray] = []
-        rows = []
+        # A layout shared by two groups (the same grad norms in a step's record and in an
+        # eval step's, which has more keys) gets one block, in step order: a layout's blocks
+        # then never interleave, which is what a follower's "steps after the last I read"
+        # relies on when closing merges blocks.
+        per_layout: dict[int, tuple[str, list[np.ndarray], list[np.ndarray]]] = {}
         for names, (steps, walls, values) in groups.items():
             parts, trained = self.plan(names)
             s = np.array(steps, dtype=np.int64)
             v = np.array(values, dtype=np.float64).reshape(len(steps), len(names))
             for p in parts:
                 sub = v if len(p.columns) == len(names) else v[:, p.columns]
-                rows += [(p.layout, *b) for b in blocks.encode(s, sub, p.dtype)]
+                got = per_layout.setdefault(p.layout, (p.dtype, [], []))
+                got[1].append(s)
+                got[2].append(sub)
             if trained:
                 wall_steps.append(s)
                 wall_times.append(np.array(walls, dtype=np.float64))
+        rows = []
+        for lid, (dtype, ss, vs) in per_layout.items():
+            s, v = (ss[0], vs[0]) if len(ss) == 1 else (np.concatenate(ss), np.concatenate(vs))
+            if len(ss) > 1:
+                order = np.argsort(s, kind="stable")  # equal steps keep their order
+                s, v = s[order], v[order]
+            rows += [(lid, *b) for b in blocks.encode(s, v, dtype)]
         con.executemany(
             'INSERT INTO blocks (layout, first, last, steps, "values") VALUES (?, ?, ?, ?, ?)',
             rows)

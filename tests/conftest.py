@@ -38,6 +38,17 @@ def no_leftovers():
     assert not torch._C._is_torch_function_mode_enabled(), "test left a torch function mode"
 
 
+def until(cond, timeout: float = 60.0, what: str = "condition", poll: float = 0.02):
+    """Wait for `cond()` to be truthy and return its value; fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
 def make_batches(n: int = 16, batch: int = 4, T: int = 24, seed: int = 0) -> list[dict]:
     """Variable-length random 'sentences' padded per batch, as the demo collates them."""
     g = torch.Generator().manual_seed(seed)

@@ -16,6 +16,7 @@ import pytest
 import nbwatch
 from nbwatch.store import RunReader
 from nbwatch.widget import Dashboard
+from tests.conftest import until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = textwrap.dedent("""
@@ -41,16 +42,6 @@ SCRIPT = textwrap.dedent("""
 def spawn(run: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", SCRIPT, str(run)], cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": ROOT})
-
-
-def until(cond, timeout: float, what: str, poll: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def actions(att) -> list[dict]:

@@ -12,6 +12,7 @@ import torch
 
 import nbwatch
 from nbwatch.distributed import merge_ranks, straggler
+from tests.conftest import until
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "scripts" / "ddp_train.py"
@@ -23,14 +24,6 @@ def torchrun(run_dir, steps, **env):
          str(SCRIPT), str(run_dir), str(steps)],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def until(cond, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout} s")
-        time.sleep(0.05)
 
 
 def test_two_ranks_one_store_rank_figures_and_controls_on_every_rank(tmp_path):

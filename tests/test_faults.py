@@ -20,7 +20,7 @@ import torch
 import nbwatch
 from nbwatch.demo import TinyGPT
 from nbwatch.store import RunInUse, StoreFailed
-from tests.conftest import make_batches, tiny_step
+from tests.conftest import make_batches, tiny_step, until
 
 ROOT = Path(__file__).resolve().parents[1]
 PRELUDE = textwrap.dedent("""
@@ -45,14 +45,6 @@ def script(body: str, *args: str, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-u", "-c", PRELUDE + textwrap.dedent(body),
                              *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
-
-
-def until(cond, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout} s")
-        time.sleep(0.05)
 
 
 def new_tiny(seed=0):

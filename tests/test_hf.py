@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 import nbwatch  # noqa: E402
 import nbwatch.hf  # noqa: E402
+from tests.conftest import until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,14 +80,6 @@ def make_trainer(out: Path, max_steps: int = 20, delay: float = 0.0, model=None,
                    args=TrainingArguments(**kw),
                    train_dataset=Padded(64, 0), eval_dataset=Padded(8, 1),
                    data_collator=slow_collate(delay) if delay else None)
-
-
-def until(cond, timeout: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def trainer_log(trainer, key: str) -> dict[int, float]:

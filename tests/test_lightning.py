@@ -18,7 +18,7 @@ import nbwatch  # noqa: E402
 import nbwatch.lightning  # noqa: E402
 from nbwatch.demo import TinyGPT  # noqa: E402
 
-from .conftest import make_batches  # noqa: E402
+from .conftest import make_batches, until  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,14 +71,6 @@ def make_trainer(root: Path, **kw):
                 num_sanity_val_steps=0, check_val_every_n_epoch=None)
     args.update(kw)
     return L.Trainer(**args)
-
-
-def until(cond, timeout: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def test_recorded_figures_equal_what_the_fit_computed(tmp_path):

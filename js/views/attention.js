@@ -1,21 +1,116 @@
-// Attention: a layers × heads grid of heatmaps for a chosen probe sample of the newest
-// eval, with the sample's tokens on the axes.
+// Attention: a layers × heads overview of one number per head (entropy, or largest weight)
+// for a chosen probe sample of the newest eval; a click on a head opens its map large and
+// square, with the sample's tokens on the axes and padded positions greyed out.
 import { baseLayout, CONFIG, el, esc, escTemplate, panel } from "../plot.js";
 
-const MAX_TICKS = 24;
+const MAX_TICKS = 32;
+const MEASURES = { entropy: "entropy (nats)", peak: "largest weight" };
 
 export function create(root, ctx) {
   const p = panel(root, "attention", "Attention");
   const pick = el("select", "nbw-sample-pick");
-  p.head.appendChild(pick);
+  const measure = el("select", "nbw-attn-measure");
+  for (const [k, label] of Object.entries(MEASURES)) {
+    const o = el("option", null, label);
+    o.value = k;
+    measure.appendChild(o);
+  }
   const info = el("span", "nbw-small");
-  p.head.appendChild(info);
+  p.head.append(measure, pick, info);
   const empty = el("div", "nbw-small nbw-empty", "no probe yet: attention maps come with the first eval");
-  const plot = el("div", "nbw-plot nbw-attn-plot");
-  p.body.append(empty, plot);
+  const overview = el("div", "nbw-plot nbw-attn-overview");
+  const map = el("div", "nbw-plot nbw-attn-map");
+  p.body.append(empty, overview, map);
   let data = null;
+  let open = { l: 0, h: 0 };
   let dirty = false;
-  pick.onchange = () => { dirty = true; ctx.schedule(); };
+  let clickable = false;
+  const redraw = () => { dirty = true; ctx.schedule(); };
+  pick.onchange = redraw;
+  measure.onchange = redraw;
+
+  // The head at (layer l, head h): its own [T, S] crop as rows of weights, null where padded.
+  function headMap(s, l, h) {
+    const [, H, T, S] = s.maps.shape;
+    const [, t, k] = s.shapes[l];
+    const base = (l * H + h) * T * S;
+    const z = Array.from({ length: t }, (_, q) => {
+      const row = new Array(k);
+      for (let j = 0; j < k; j++) row[j] = s.maps[base + q * S + j] / 255;
+      return row;
+    });
+    // A query row with no weight, or a key no query attends to, is padding.
+    const rowLive = z.map((r) => r.some((v) => v > 0));
+    const colLive = Array.from({ length: k }, (_, j) => z.some((r) => r[j] > 0));
+    return z.map((r, q) => r.map((v, j) => (rowLive[q] && colLive[j] ? v : null)));
+  }
+
+  function drawOverview(Plotly, t, s) {
+    const [L, H] = s.maps.shape;
+    const m = measure.value;
+    const vals = s[m];
+    // An absolute scale (0 to the largest possible), so that heads equal to 0.001 do not
+    // look apart: entropy up to ln(keys), the largest weight up to 1.
+    const top = m === "peak" ? 1 : Math.log(Math.max(2, ...s.shapes.map((sh) => sh[2])));
+    const z = Array.from({ length: L }, (_, l) => Array.from({ length: H }, (_, h) => {
+      const v = vals ? vals[l * H + h] : NaN;
+      return Number.isFinite(v) && h < s.shapes[l][0] ? v : null;
+    }));
+    overview.style.height = `${Math.min(Math.max(200, 16 * L + 90), 560)}px`;
+    const names = data.modules.map(esc);
+    const every = Math.max(1, Math.ceil(L / 40));
+    Plotly.react(overview, [{
+      type: "heatmap", z, x: Array.from({ length: H }, (_, h) => h), y: Array.from({ length: L }, (_, l) => l),
+      colorscale: "Viridis", reversescale: m === "peak", xgap: 1, ygap: 1, zmin: 0, zmax: top,
+      colorbar: { thickness: 10, len: 0.9, title: { text: m === "peak" ? "max w" : "nats", side: "right" } },
+      customdata: data.modules.map((mod) => Array.from({ length: H }, () => escTemplate(mod))),
+      hovertemplate: `%{customdata} head %{x}<br>${MEASURES[m]} %{z:.3f}<br>click to open<extra></extra>`,
+    }], baseLayout(t, {
+      margin: { l: 8, r: 8, t: 24, b: 36 },
+      title: { text: `${MEASURES[m]} per head`, font: { size: 11 } },
+      xaxis: { title: { text: "head" }, dtick: H > 16 ? 4 : 1, showgrid: false, zeroline: false },
+      yaxis: { autorange: "reversed", automargin: true, showgrid: false, zeroline: false, tickfont: { size: 9 },
+        tickvals: Array.from({ length: Math.ceil(L / every) }, (_, i) => i * every),
+        ticktext: Array.from({ length: Math.ceil(L / every) }, (_, i) => names[i * every]) },
+      shapes: [{ type: "rect", x0: open.h - 0.5, x1: open.h + 0.5, y0: open.l - 0.5, y1: open.l + 0.5,
+        line: { color: t.warn, width: 2 } }],
+    }), CONFIG);
+    if (!clickable) {
+      clickable = true;
+      overview.on("plotly_click", (ev) => {
+        const pt = ev.points && ev.points[0];
+        if (!pt) return;
+        open = { l: Number(pt.y), h: Number(pt.x) };
+        redraw();
+      });
+    }
+  }
+
+  function drawMap(Plotly, t, s) {
+    const { l, h } = open;
+    const z = headMap(s, l, h);
+    const T = z.length, S = z.length ? z[0].length : 0;
+    const toks = s.tokens ? s.tokens.slice(0, Math.max(T, S)) : null;
+    const label = (i) => (toks && i < toks.length ? esc(JSON.stringify(toks[i]).slice(1, -1)) : String(i));
+    const hover = Array.from({ length: T }, (_, q) => Array.from({ length: S }, (_, k) => `${label(q)} → ${label(k)}`));
+    const every = Math.max(1, Math.ceil(Math.max(T, S) / MAX_TICKS));
+    const ticks = (n) => Array.from({ length: Math.ceil(n / every) }, (_, i) => i * every);
+    Plotly.react(map, [{
+      type: "heatmap", z, text: hover, colorscale: "Blues", reversescale: true, zmin: 0, zmax: 1,
+      colorbar: { thickness: 10, len: 0.9, title: { text: "weight", side: "right" } },
+      hovertemplate: `${escTemplate(data.modules[l])} head ${h}<br>%{text}<br>weight %{z:.3f}<extra></extra>`,
+    }], baseLayout(t, {
+      margin: { l: 8, r: 8, t: 24, b: 8 },
+      plot_bgcolor: t.grid, // padded positions (null cells) show through as grey
+      title: { text: `${esc(data.modules[l])}, head ${h}`, font: { size: 11 } },
+      xaxis: { side: "bottom", tickvals: ticks(S), ticktext: ticks(S).map(label), tickangle: -90, tickfont: { size: 9 },
+        showgrid: false, zeroline: false, automargin: true, constrain: "domain", title: { text: "key" } },
+      yaxis: { autorange: "reversed", tickvals: ticks(T), ticktext: ticks(T).map(label), tickfont: { size: 9 },
+        showgrid: false, zeroline: false, automargin: true, scaleanchor: "x", constrain: "domain",
+        title: { text: "query" } },
+    }), CONFIG);
+    p.box.dataset.open = `${l}:${h}`;
+  }
 
   return {
     box: p.box,
@@ -31,6 +126,7 @@ export function create(root, ctx) {
       }));
       if (keep && Number(keep) < d.samples.length) pick.value = keep;
       info.textContent = `step ${d.step}`;
+      if (open.l >= d.modules.length || open.h >= d.heads) open = { l: 0, h: 0 };
       dirty = true;
     },
     restyle() { dirty = true; },
@@ -38,44 +134,8 @@ export function create(root, ctx) {
       if (!dirty || !data) return;
       dirty = false;
       const s = data.samples[Number(pick.value) || 0];
-      const [L, H, T, S] = s.maps.shape;
-      const toks = s.tokens ? s.tokens.slice(0, Math.max(T, S)) : null;
-      const label = (i) => (toks && i < toks.length ? esc(JSON.stringify(toks[i]).slice(1, -1)) : String(i));
-      const hover = Array.from({ length: T }, (_, q) => Array.from({ length: S }, (_, k) => `${label(q)} → ${label(k)}`));
-      const every = Math.max(1, Math.ceil(Math.max(T, S) / MAX_TICKS));
-      const ticks = (n) => Array.from({ length: Math.ceil(n / every) }, (_, i) => i * every);
-      const traces = [];
-      const layout = baseLayout(t, {
-        grid: { rows: L, columns: H, pattern: "independent", xgap: 0.04, ygap: 0.06 },
-        margin: { l: 70, r: 8, t: 20, b: 40 },
-        annotations: [],
-      });
-      for (let l = 0; l < L; l++) {
-        for (let h = 0; h < H; h++) {
-          const n = l * H + h + 1;
-          const base = ((l * H + h) * T) * S;
-          const z = Array.from({ length: T }, (_, q) => {
-            const row = new Array(S);
-            for (let k = 0; k < S; k++) row[k] = s.maps[base + q * S + k] / 255;
-            return row;
-          });
-          traces.push({ type: "heatmap", z, text: hover, xaxis: `x${n}`, yaxis: `y${n}`,
-            colorscale: "Blues", reversescale: true, zmin: 0, zmax: 1, showscale: false,
-            hovertemplate: `${escTemplate(data.modules[l])} head ${h}<br>%{text}<br>weight %{z:.3f}<extra></extra>` });
-          const ax = n === 1 ? "" : String(n);
-          layout[`xaxis${ax}`] = { showticklabels: l === L - 1, tickvals: ticks(S), ticktext: ticks(S).map(label),
-            tickfont: { size: 8 }, tickangle: -90, showgrid: false };
-          layout[`yaxis${ax}`] = { autorange: "reversed", showticklabels: h === 0, tickvals: ticks(T),
-            ticktext: ticks(T).map(label), tickfont: { size: 8 }, showgrid: false,
-            title: h === 0 ? { text: esc(data.modules[l]), font: { size: 9 } } : undefined };
-        }
-      }
-      for (let h = 0; h < H; h++) {
-        layout.annotations.push({ text: `head ${h}`, showarrow: false, xref: `x${h === 0 ? "" : h + 1} domain`,
-          yref: "paper", x: 0.5, y: 1.0, yanchor: "bottom", font: { size: 10 } });
-      }
-      plot.style.height = `${Math.max(240, 110 * L + 60)}px`;
-      Plotly.react(plot, traces, layout, CONFIG);
+      drawOverview(Plotly, t, s);
+      drawMap(Plotly, t, s);
     },
   };
 }

@@ -23,7 +23,12 @@ export function create(root) {
     draw(Plotly, t) {
       if (!dirty) return;
       dirty = false;
-      Plotly.react(pad, [{ x: s.padding.x, y: s.padding.y, type: "scatter", mode: "lines",
+      // A figure the run does not record is not drawn as empty axes: the others take its room.
+      pad.hidden = !s.padding.x.length;
+      hist.hidden = !seq;
+      time.hidden = !s.time_data.x.length && !s.time_compute.x.length;
+      p.box.hidden = pad.hidden && hist.hidden && time.hidden;
+      if (!pad.hidden) Plotly.react(pad, [{ x: s.padding.x, y: s.padding.y, type: "scatter", mode: "lines",
         line: { color: COLORS["data/padding_ratio"] }, hovertemplate: "step %{x}<br>padding %{y:.1%}<extra></extra>" }],
       baseLayout(t, { margin: m, title: { text: "padding ratio", font: { size: 11 } },
         yaxis: { tickformat: ".0%", gridcolor: t.grid, rangemode: "tozero" } }), CONFIG);
@@ -31,11 +36,11 @@ export function create(root) {
       if (seq) for (let i = 0; i < seq.counts.length; i++) {
         centres.push((seq.edges[i] + seq.edges[i + 1]) / 2); widths.push(seq.edges[i + 1] - seq.edges[i]);
       }
-      Plotly.react(hist, [{ type: "bar", x: centres, y: seq ? Array.from(seq.counts) : [], width: widths,
+      if (!hist.hidden) Plotly.react(hist, [{ type: "bar", x: centres, y: seq ? Array.from(seq.counts) : [], width: widths,
         marker: { color: COLORS["data/seq_len"] }, hovertemplate: "length ≈ %{x:.0f}<br>%{y} samples<extra></extra>" }],
       baseLayout(t, { margin: m, title: { text: seq ? `sequence lengths (to step ${seq.step})` : "sequence lengths", font: { size: 11 } },
         xaxis: { title: { text: "tokens" }, gridcolor: t.grid }, bargap: 0 }), CONFIG);
-      Plotly.react(time, [
+      if (!time.hidden) Plotly.react(time, [
         { name: "data wait", x: s.time_data.x, y: s.time_data.y.map((v) => v * 1000), type: "scatter", mode: "lines",
           stackgroup: "t", line: { color: COLORS["time/data"], width: 0.5 }, hovertemplate: "step %{x}<br>data %{y:.1f} ms<extra></extra>" },
         { name: "compute", x: s.time_compute.x, y: s.time_compute.y.map((v) => v * 1000), type: "scatter", mode: "lines",

@@ -1,39 +1,86 @@
-// Grads: per-layer grad-norm bars for the latest step in depth order; the global norm over
-// time with the post-clip norm and the clip threshold line.
+// Grads: a layer × step heat map of per-layer grad norms (log colour, depth order: which
+// layer, and when), the newest step's largest norms as bars (every layer one click away),
+// and the global norm over time with the post-clip norm and the clip threshold line.
 import { Series, apply } from "../downsample.js";
 import { baseLayout, COLORS, CONFIG, el, esc, layerColor, panel } from "../plot.js";
 
+const TOP = 12; // bars shown before "all layers"
+
 export function create(root, ctx) {
   const p = panel(root, "grads", "Gradients");
-  const bars = el("div", "nbw-plot nbw-half");
+  const more = el("button", "nbw-btn nbw-grads-all", "all layers");
+  more.hidden = true;
+  p.head.appendChild(more);
+  const heatDiv = el("div", "nbw-plot nbw-grads-heat");
+  const bars = el("div", "nbw-plot nbw-half nbw-grads-bars");
   const line = el("div", "nbw-plot nbw-half");
-  p.body.append(bars, line);
+  p.body.append(heatDiv, bars, line);
   const g = new Series(), c = new Series();
   let layers = [], norms = [], step = null, clip = [];
+  let heat = null; // {w, z: [layer][column]} of raw norms
+  let all = false;
   let dirty = false;
+  more.onclick = () => { all = !all; dirty = true; ctx.schedule(); };
+
+  function foldHeat(h) {
+    const rows = Array.from({ length: h.z.shape[0] }, (_, i) =>
+      Array.from(h.z.subarray(i * h.z.shape[1], (i + 1) * h.z.shape[1])));
+    if (!heat || heat.w !== h.w || h.c0 === 0 || rows.length !== heat.z.length) heat = { w: h.w, z: rows };
+    else heat.z = heat.z.map((r, i) => r.slice(0, h.c0).concat(rows[i]));
+  }
+
+  function drawHeat(Plotly, t) {
+    if (!heat || !layers.length) { heatDiv.hidden = true; return; }
+    heatDiv.hidden = false;
+    const n = heat.z.length, cols = heat.z[0].length;
+    const x = Array.from({ length: cols }, (_, j) => j * heat.w);
+    const logz = heat.z.map((r) => r.map((v) => (v > 0 && Number.isFinite(v) ? Math.log10(v) : null)));
+    heatDiv.style.height = `${Math.min(Math.max(160, 7 * n + 80), 520)}px`;
+    const names = layers.slice(0, n).map(esc);
+    Plotly.react(heatDiv, [{
+      type: "heatmap", x, y: names, z: logz, customdata: heat.z, colorscale: "Viridis",
+      colorbar: { title: { text: "log₁₀", side: "right" }, thickness: 10, len: 0.9 },
+      hovertemplate: `%{y}<br>steps %{x}… (${heat.w} a bin)<br>max grad norm %{customdata:.4g}<extra></extra>`,
+      xgap: 0, ygap: n > 60 ? 0 : 1,
+    }], baseLayout(t, {
+      margin: { l: 8, r: 8, t: 24, b: 32 },
+      title: { text: `per-layer grad norm (bins of ${heat.w} step${heat.w > 1 ? "s" : ""}, max)`, font: { size: 11 } },
+      xaxis: { title: { text: "step" }, gridcolor: t.grid },
+      yaxis: { autorange: "reversed", automargin: true, tickfont: { size: 9 }, type: "category" },
+    }), CONFIG);
+  }
 
   return {
     box: p.box,
     series: { global: g, clipped: c },
     update(d, full) {
-      if (full) { g.set([], []); c.set([], []); clip = []; }
+      if (full) { g.set([], []); c.set([], []); clip = []; heat = null; }
       dirty = apply(g, d["grad_norm/global"], full) || dirty;
       dirty = apply(c, d["grad_norm/clipped"], full) || dirty;
       if (d.layers) { layers = d.layers; norms = d.norms; step = d.step; dirty = true; }
+      if (d.heat) { foldHeat(d.heat); dirty = true; }
       if (d.clip) { clip = clip.concat(d.clip); dirty = true; }
     },
     restyle() { dirty = true; },
     draw(Plotly, t) {
       if (!dirty) return;
       dirty = false;
+      drawHeat(Plotly, t);
+      // The newest step: the TOP largest norms, largest first; or every layer in depth order.
+      const order = layers.map((_, i) => i);
+      if (!all) order.sort((a, b) => norms[b] - norms[a]).splice(TOP);
+      more.hidden = layers.length <= TOP;
+      more.textContent = all ? `top ${TOP}` : `all ${layers.length} layers`;
+      bars.style.height = `${Math.max(240, 14 * order.length + 60)}px`;
       Plotly.react(bars, [{
-        type: "bar", x: layers.map(esc), y: norms, marker: { color: layers.map((_, i) => layerColor(i, layers.length)) },
-        hovertemplate: `%{x}<br>grad norm %{y:.4g}<br>step ${step}<extra></extra>`,
+        type: "bar", orientation: "h", y: order.map((i) => esc(layers[i])), x: order.map((i) => norms[i]),
+        marker: { color: order.map((i) => layerColor(i, layers.length)) },
+        hovertemplate: `%{y}<br>grad norm %{x:.4g}<br>step ${step}<extra></extra>`,
       }], baseLayout(t, {
-        margin: { l: 48, r: 8, t: 24, b: 90 },
-        title: { text: step === null ? "per layer" : `per layer, step ${step}`, font: { size: 11 } },
-        xaxis: { tickangle: -45, automargin: true, tickfont: { size: 9 }, gridcolor: t.grid },
-        yaxis: { title: { text: "grad norm" }, gridcolor: t.grid },
+        margin: { l: 8, r: 8, t: 24, b: 32 },
+        title: { text: step === null ? "per layer" : all ? `every layer, step ${step}` : `largest ${order.length}, step ${step}`, font: { size: 11 } },
+        xaxis: { title: { text: "grad norm" }, gridcolor: t.grid },
+        yaxis: { autorange: "reversed", automargin: true, tickfont: { size: 9 }, type: "category" },
       }), CONFIG);
       // The clip threshold as a step function of the controls' clip events.
       const last = g.x.length ? g.x[g.x.length - 1] : 0;

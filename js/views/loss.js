@@ -5,6 +5,14 @@ import { baseLayout, COLORS, CONFIG, el, esc, panel, severityColor } from "../pl
 
 const MAX_MARKERS = 300;
 
+// A constant LR would get plotly's ±0.5 around it (ticks like −0.5): show 0 to twice it.
+export function flatRange(ys) {
+  let lo = Infinity, hi = -Infinity;
+  for (const v of ys) if (Number.isFinite(v)) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
+  if (!(hi >= lo) || hi > lo) return {};
+  return { range: hi > 0 ? [0, 2 * hi] : hi < 0 ? [2 * hi, 0] : [0, 1] };
+}
+
 export function create(root, ctx) {
   const p = panel(root, "loss", "Loss");
   const logLabel = el("label", "nbw-toggle");
@@ -69,7 +77,7 @@ export function create(root, ctx) {
         legend: { orientation: "h", y: -0.22, font: { size: 10 } },
         yaxis: { title: { text: "loss" }, type: logBox.checked ? "log" : "linear", gridcolor: t.grid },
         yaxis2: { title: { text: "LR" }, overlaying: "y", side: "right", showgrid: false, zeroline: false,
-          exponentformat: "e", color: COLORS.lr },
+          exponentformat: "e", color: COLORS.lr, ...flatRange(s.lr.y) },
         yaxis3: { overlaying: "y", range: [0, 1.05], visible: false, fixedrange: true },
         shapes: markers.map((m) => ({ type: "line", xref: "x", yref: "paper", x0: m.step, x1: m.step,
           y0: 0, y1: 1, line: { color: severityColor(m.severity), width: 1, dash: "dot" } })),

@@ -40,10 +40,34 @@ function thin(cols) {
   return out;
 }
 
+const MAX_LINES = 12;
+const EDGE = 5; // with many layers: this many highest and lowest
+
+// "transformer.h.3.attn.c_attn" → "transformer.h.3": the block a layer belongs to.
+export function blockOf(name) {
+  const m = /^(.*?\.\d+)(\.|$)/.exec(name);
+  return m ? m[1] : name.split(".")[0];
+}
+
+// Every layer's update ratio while they are few; else the picked layer and the layers with
+// the EDGE highest and lowest newest ratios (the rest: pick them).
+function shownRatios(layers, ratios, picked) {
+  const have = layers.filter((l) => ratios[l] && ratios[l].y.length);
+  if (have.length <= MAX_LINES) return have;
+  const last = (l) => ratios[l].y[ratios[l].y.length - 1];
+  const sorted = [...have].sort((a, b) => last(b) - last(a));
+  const pick = new Set([...sorted.slice(0, EDGE), ...sorted.slice(-EDGE)]);
+  if (ratios[picked]) pick.add(picked);
+  return have.filter((l) => pick.has(l));
+}
+
 export function create(root, ctx) {
   const p = panel(root, "weights", "Weights");
+  const search = el("input", "nbw-layer-search");
+  search.type = "search";
+  search.placeholder = "filter layers…";
   const pick = el("select", "nbw-layer-pick");
-  p.head.appendChild(pick);
+  p.head.append(search, pick);
   const heat = el("div", "nbw-plot nbw-half");
   const ratio = el("div", "nbw-plot nbw-half");
   p.body.append(heat, ratio);
@@ -52,19 +76,39 @@ export function create(root, ctx) {
   const ratios = {};   // layer → Series
   let dirty = false;
   pick.onchange = () => { dirty = true; ctx.schedule(); };
+  search.oninput = () => { relist(); dirty = true; ctx.schedule(); };
+
+  // The picker lists the layers that match the filter, grouped by block ("h.3", "layers.11").
+  function relist() {
+    const q = search.value.trim().toLowerCase();
+    const keep = pick.value;
+    const groups = new Map();
+    for (const name of layers) {
+      if (q && !name.toLowerCase().includes(q)) continue;
+      const g = blockOf(name);
+      if (!groups.has(g)) groups.set(g, []);
+      groups.get(g).push(name);
+    }
+    pick.replaceChildren(...[...groups].map(([g, names]) => {
+      const og = el("optgroup");
+      og.label = g;
+      og.append(...names.map((n) => { const o = el("option", null, n); o.value = n; return o; }));
+      return og;
+    }));
+    if (keep && [...pick.options].some((o) => o.value === keep)) pick.value = keep;
+  }
 
   const addLayer = (name) => {
-    if (layers.includes(name)) return;
+    if (layers.includes(name)) return false;
     layers.push(name);
-    const o = el("option", null, name);
-    o.value = name;
-    pick.appendChild(o);
+    return true;
   };
 
   return {
     box: p.box,
     update(d, full) {
       if (full) { cols = {}; for (const k in ratios) ratios[k].set([], []); }
+      const before = layers.length;
       if (d.hist) {
         for (const [layer, h] of Object.entries(d.hist)) {
           addLayer(layer);
@@ -86,12 +130,14 @@ export function create(root, ctx) {
         }
         dirty = true;
       }
+      if (layers.length !== before) relist();
     },
     restyle() { dirty = true; },
     draw(Plotly, t) {
       if (!dirty) return;
       dirty = false;
       const layer = pick.value || layers[0];
+      const many = layers.length > MAX_LINES;
       const c = cols[layer] || [];
       const h = c.length ? heatmap(c) : { x: [], y: [], z: [] };
       Plotly.react(heat, [{
@@ -100,14 +146,15 @@ export function create(root, ctx) {
       }], baseLayout(t, { margin: { l: 52, r: 8, t: 24, b: 32 },
         title: { text: `weight histogram: ${esc(layer || "–")}`, font: { size: 11 } },
         yaxis: { title: { text: "weight" }, gridcolor: t.grid } }), CONFIG);
-      const traces = layers.filter((l) => ratios[l]).map((l) => ({
-        name: esc(l), x: ratios[l].x, y: ratios[l].y, type: "scatter", mode: "lines+markers",
+      const traces = shownRatios(layers, ratios, layer).map((l) => ({
+        name: esc(l), x: ratios[l].x, y: ratios[l].y, type: "scatter", mode: many ? "lines" : "lines+markers",
         marker: { size: 3 },
         line: { color: layerColor(layers.indexOf(l), layers.length), width: l === layer ? 2.5 : 1 },
         hovertemplate: `${escTemplate(l)}<br>step %{x}<br>update ratio %{y:.3e}<extra></extra>`,
       }));
       Plotly.react(ratio, traces, baseLayout(t, { margin: { l: 52, r: 8, t: 24, b: 32 },
-        title: { text: "update ratio ‖Δw‖/‖w‖", font: { size: 11 } },
+        title: { text: many ? `update ratio ‖Δw‖/‖w‖: ${esc(layer || "–")}, the ${EDGE} highest and lowest`
+          : "update ratio ‖Δw‖/‖w‖", font: { size: 11 } },
         yaxis: { type: "log", exponentformat: "e", gridcolor: t.grid } }), CONFIG);
     },
   };

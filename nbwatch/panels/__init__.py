@@ -13,6 +13,7 @@ import numpy as np
 
 from ..store import RunReader
 from . import alerts, attention, data, grads, header, loss, metrics, ranks, samples, system, weights
+from ._common import layers_of
 from .downsample import MAX_POINTS, Downsampler, reduce
 from .tail import Delta, Tail
 
@@ -46,6 +47,7 @@ class Feed:
         self.step = 0
         self.walls: list[tuple[int, float]] = []
         self._ema: tuple[float, int] = (0.0, 0)
+        self._heat: tuple[int, list[str]] | None = None  # (bin width, layers) last sent
         self.more = False
 
     @property
@@ -99,14 +101,32 @@ class Feed:
         seq = self.seq_len if any(h[1] == "data/seq_len" for h in d.histograms) else None
         recent = self.recent if any(map(ranks.is_rank_key, d.scalars)) else None
         out = self._build(new, d.events, new_cols, seq, d.attention, d.samples, walls, now,
-                          recent, full=False)
+                          recent, full=False, heat=self._grad_heat(new))
         return {k: v for k, v in out.items() if v}
 
     def full(self, now: float | None = None) -> dict[str, Any]:
         series = {k: (ds.steps, ds.values) for k, ds in self.series.items()}
         return self._build(series, self.events, self.columns, self.seq_len, self.attention,
                            self.samples, self.walls, time.time() if now is None else now,
-                           self.recent, full=True)
+                           self.recent, full=True, heat=self._grad_heat(None))
+
+    def _grad_heat(self, new: dict[str, tuple[np.ndarray, np.ndarray]] | None
+                   ) -> dict[str, Any] | None:
+        """The grad-norm heat map's columns that changed (`new`: this refresh's points), or
+        all of it (`new` None, or when its bins or layers changed since the last send)."""
+        layers = layers_of(self.latest, "grad_norm/")
+        moved = None if new is None else [int(new[f"grad_norm/{n}"][0][0]) for n in layers
+                                          if len(new.get(f"grad_norm/{n}", ((),))[0])]
+        if not layers or moved == []:
+            return None
+        held = {f"grad_norm/{n}": (ds.steps, ds.values) for n in layers
+                if (ds := self.series.get(f"grad_norm/{n}")) is not None}
+        h = grads.heat(held, layers, None if moved is None else min(moved))
+        if h is not None and moved is not None and self._heat != (h["w"], layers):
+            h = grads.heat(held, layers, None)  # the browser's columns no longer fit
+        if h is not None:
+            self._heat = (h["w"], layers)
+        return h
 
     def header(self, now: float | None = None) -> dict[str, Any]:
         """The header panel alone, from what is held."""
@@ -115,12 +135,12 @@ class Feed:
             self.error)
 
     def _build(self, series, events, columns, seq_len, att, new_samples, walls, now, recent,
-               full: bool) -> dict[str, Any]:
+               full: bool, heat: dict[str, Any] | None = None) -> dict[str, Any]:
         return {
             "header": self.header(now),
             "loss": loss.build(series, events),
             "ranks": ranks.build(series, recent, events),
-            "grads": grads.build(series, self.latest, events),
+            "grads": grads.build(series, self.latest, events, heat),
             "weights": weights.build(columns, series),
             "attention": attention.build(att),
             "system": system.build(self.latest),

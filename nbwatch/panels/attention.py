@@ -1,4 +1,5 @@
-"""Attention: a layers × heads grid of heatmaps for each probe sample of the newest eval."""
+"""Attention: for each probe sample of the newest eval, a layers × heads overview of one
+number per head (its entropy, its largest weight), and every head's map to open large."""
 
 from __future__ import annotations
 
@@ -32,9 +33,26 @@ def build(att: Mapping[str, Any] | None) -> dict[str, Any]:
             stack[i, : a.shape[0], : a.shape[1], : a.shape[2]] = a
         shapes = [list(a.shape) for a in arrays]
         q = np.clip(np.rint(stack * 255), 0, 255).astype(np.uint8)
+        ent, peak = head_summary(stack)
         tokens = list(s["tokens"]) if s.get("tokens") else None
-        samples.append({"tokens": tokens, "maps": q, "shapes": shapes})
+        samples.append({"tokens": tokens, "maps": q, "shapes": shapes, "entropy": ent,
+                        "peak": peak})
     if not samples:
         return {}
     return {"step": int(att["step"]), "modules": modules,
             "heads": int(samples[0]["maps"].shape[1]), "samples": samples}
+
+
+def head_summary(stack: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[L, H, T, S] maps → (entropy, peak), each [L, H]: the mean over attending query rows
+    (rows summing to ~1; padded and fully masked rows sum to 0) of the row's entropy in nats,
+    and of its largest weight. NaN for a head with no such row (a padded slot)."""
+    rows = stack.sum(-1) > 0.5  # [L, H, T]
+    p = np.clip(stack, 1e-12, None)
+    ent_rows = -(stack * np.log(p)).sum(-1)
+    peak_rows = stack.max(-1)
+    n = rows.sum(-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ent = np.where(n > 0, (ent_rows * rows).sum(-1) / n, np.nan)
+        peak = np.where(n > 0, (peak_rows * rows).sum(-1) / n, np.nan)
+    return ent.astype(np.float32), peak.astype(np.float32)

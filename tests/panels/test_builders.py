@@ -80,7 +80,20 @@ def test_attention_quantised_grid():
     assert m.shape == (2, 2, 3, 3) and m.dtype == np.uint8
     assert m[0, 0, 0, 0] == 85 and m[1, 1, 2, 2] == 255 and m[1, 1, 2, 1] == 0
     assert d["modules"] == ["b0.attn", "b1.attn"] and d["samples"][0]["tokens"][1] == "<b>"
+    # The overview's numbers: uniform rows over 3 keys have entropy ln 3, one-hot rows 0.
+    np.testing.assert_allclose(d["samples"][0]["entropy"], [[np.log(3)] * 2, [0, 0]], atol=1e-5)
+    np.testing.assert_allclose(d["samples"][0]["peak"], [[1 / 3] * 2, [1, 1]], atol=1e-6)
     assert attention.build(None) == {}
+
+
+def test_attention_overview_skips_padded_rows():
+    """A padded query row (all zero) does not count; a causal row i has i+1 keys."""
+    a = np.tril(np.ones((4, 4)))
+    a = a / a.sum(-1, keepdims=True)
+    a[3] = 0  # the last query is padding
+    d = attention.build({"step": 1, "samples": [{"tokens": None, "maps": {"m": a[None]}}]})
+    want = np.mean([np.log(1), np.log(2), np.log(3)])
+    np.testing.assert_allclose(d["samples"][0]["entropy"], [[want]], atol=1e-5)
 
 
 def test_system_gpus_or_cpu():
@@ -158,3 +171,40 @@ def test_alert_feed_items_say_why_a_checkpoint_was_taken():
     ])["items"]
     assert [(i["kind"], i.get("reason")) for i in items] == [("action", None),
                                                             ("checkpoint", "periodic")]
+
+
+def test_grad_heat_map_shows_a_spike_at_its_layer_and_step_and_folds_like_a_full_build(
+        tmp_path):
+    """Per-layer norms of 12 layers over 3,000 steps, 100× at layer 7, step 2,345: the heat
+    map's cell for that layer and bin holds the spike; the columns a live view folds in
+    refresh by refresh equal the full state a late view gets."""
+    from nbwatch.panels import Feed
+    from nbwatch.records import Scalars
+    from nbwatch.store import RunReader, RunStore
+
+    layers = [f"h.{i}.attn" for i in range(12)]
+    rng = np.random.default_rng(0)
+    store = RunStore(tmp_path / "r")
+    feed = Feed(RunReader(store.run_dir))
+    held: dict = {}  # what a live browser holds: {"w", "z" columns}
+    for step in range(1, 3001):
+        v = {f"grad_norm/{n}": float(0.5 + 0.1 * rng.random()) for n in layers}
+        if step == 2345:
+            v["grad_norm/h.7.attn"] = 50.0
+        store.put(Scalars(step, {"loss/train": 1.0, **v}))
+        if step % 97 == 0 or step == 3000:
+            store.flush()
+            h = feed.update()["grads"]["heat"]
+            z = h["z"]
+            if held.get("w") != h["w"] or h["c0"] == 0:
+                held = {"w": h["w"], "z": z.copy()}
+            else:
+                held["z"] = np.concatenate([held["z"][:, :h["c0"]], z], axis=1)
+    full = feed.full()["grads"]["heat"]
+    assert full["c0"] == 0 and full["z"].shape == (12, 3000 // full["w"] + 1)
+    assert full["z"].shape[1] <= grads.HEAT_COLUMNS
+    np.testing.assert_array_equal(held["z"], full["z"])
+    row, col = np.unravel_index(np.nanargmax(full["z"]), full["z"].shape)
+    assert (row, col) == (7, 2345 // full["w"]) and full["z"][row, col] == 50.0
+    assert np.nanmax(np.delete(full["z"], 7, axis=0)) < 0.61
+    store.close()

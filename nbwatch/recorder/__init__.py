@@ -1,0 +1,29 @@
+"""The step boundary, shared by `Monitor.start()` (the runner's loop) and `Monitor.log()`
+(a loop the user keeps): gradient probes at the optimizer's own step, one host copy,
+records, alerts and their actions, evals, checkpoints, commands, and the run's end.
+
+Gradient figures come from optimizer step hooks, so both modes measure the same thing at
+the same moment, after backward (and a GradScaler's unscale) and before the update:
+
+    optimizer.step()  pre-hook   LR factor on · grad norms · ONE host copy (with the loss
+                                 the runner staged, or the previous logged step's) ·
+                                 "grads" rules (skip, clip) · clip · weights snapshot
+                      (update)
+                      post-hook  update ratios · LR factor off, so that the scheduler
+                                 steps the plain schedule
+    scheduler.step()
+    end of the step              LR factor on · the step's record · "step" rules ·
+                                 histograms · eval figures · checkpoint · commands
+                                 (pause blocks here, stop ends the loop here)
+
+Its parts: spec.py (RunSpec, Progress, StopTraining), step_recorder.py (the recorder and
+its lifecycle), optimizer_step.py (the hooks: measure, clip decision), lr_factor.py,
+step_end.py (the record), steering.py (commands, ranks, alert actions),
+eval_checkpoint.py.
+"""
+
+from .eval_checkpoint import plain
+from .spec import SAME_ON_EVERY_RANK, Progress, RunSpec, StopTraining
+from .step_recorder import StepRecorder
+
+__all__ = ["SAME_ON_EVERY_RANK", "Progress", "RunSpec", "StepRecorder", "StopTraining", "plain"]

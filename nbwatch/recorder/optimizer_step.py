@@ -1,0 +1,194 @@
+"""The optimizer step, measured from its own hooks: gradient norms and one host copy
+(measure), the "grads" rules that may skip or clip it (clip decision), a weights snapshot
+before the update and update ratios after it.
+
+    optimizer.step()  pre-hook   LR factor on · grad norms · ONE host copy · "grads"
+                                 rules (skip, clip) · clip · weights snapshot
+                      (update)
+                      post-hook  update ratios · LR factor off for the scheduler
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .. import controls as ctl
+from ..probes import weights as wprobe
+from ..probes.grads import clip_, layer_norms, param_grad_norms
+
+
+@dataclass
+class _Taking:
+    """The optimizer step being taken: what its pre-hook measured and decided."""
+
+    step: int
+    values: dict[str, float]
+    alerts: list
+    skip: bool
+    before: list | None  # weights snapshot on histogram steps
+    t_pre: float
+    t_probe: float
+    t_post: float = 0.0
+    explicit: bool = False  # measured by a framework adapter, not the optimizer's hook
+
+
+class OptimizerStep:
+    """Part of `StepRecorder` (its state is set in `StepRecorder.__init__`)."""
+
+    @property
+    def skipping(self) -> bool:
+        """The optimizer step just taken was skipped (non-finite figures)."""
+        return self._taking is not None and self._taking.skip
+
+    def overflowed(self) -> bool:
+        """Whether the GradScaler lowered its scale since the last end of step (it skipped
+        the optimizer); True when that cannot be told (its first steps)."""
+        scale = getattr(self.scaler, "_scale", None)
+        if not isinstance(scale, torch.Tensor) or self._scale_ref is None:
+            return True
+        return bool((scale < self._scale_ref.to(scale.device)).item())
+
+    @property
+    def stepped(self) -> bool:
+        """The optimizer stepped since the last end of step."""
+        return self._stepped
+
+    def stage(self, names: list[str], parts: list[torch.Tensor]) -> None:
+        """Device figures of the step about to be taken (the runner's loss), copied to the
+        host together with its gradient norms."""
+        self._staged = (names, parts)
+
+    def pre_step(self, explicit: bool = True) -> None:
+        """The step's gradient figures, one host copy, the rules that can still skip or
+        clip this step, and a weights snapshot on histogram steps. Called by the
+        optimizer's pre-hook (`explicit=False`), or by a framework adapter at the moment
+        its framework has the gradients but has not clipped them yet."""
+        if self._stepped:
+            raise RuntimeError(
+                "optimizer.step() ran twice without mon.log() in between: call "
+                "mon.log(loss=...) once after every optimizer.step()"
+            )
+        if not explicit and self._taking is not None and self._taking.explicit:
+            return  # the adapter measured this step already, before its framework clipped
+        t0 = time.perf_counter()
+        self._lr_on()
+        step = self.step + 1
+        lrs = ctl.lrs(self.opt)  # the LR this step uses
+        norms, layer_of, grads = param_grad_norms(self.layers)
+        values, host_norms = self._copy_to_host(norms)
+        unscale = 1.0 / values.pop("_grad_scale", 1.0)
+        if values.pop("_found_inf", 0.0):  # the fused optimizer skips this step itself
+            values.update({"lr": lrs[0], "amp/overflow": 1.0})
+            self._taking = _Taking(step, values, [], True, None, t0, time.perf_counter(),
+                                   explicit=explicit)
+            return
+        total, per_layer = layer_norms([n * unscale for n in host_norms], layer_of,
+                                       len(self.layers))
+        values.update(zip(self._grad_names, [total, *per_layer]))
+        values["lr"] = lrs[0]
+        for i, lr in enumerate(lrs[1:], start=1):
+            values[f"lr/group{i}"] = lr
+
+        alerts, skip = self._decide(step, values)
+        self._clip_or_skip(grads, values, skip)
+        hist = self.spec.hist_every > 0 and not skip and (
+            step % self.spec.hist_every == 0 or self.step == self._start_step)
+        before = wprobe.snapshot(self.layers) if hist else None
+        self._taking = _Taking(step, values, alerts, skip, before, t0, time.perf_counter(),
+                               explicit=explicit)
+
+    def _copy_to_host(self, norms: list[torch.Tensor]) -> tuple[dict[str, float], list[float]]:
+        """The step's one device→host copy: the previous step's deferred figures (recorded
+        here), the runner's staged loss, a fused optimizer's AMP flags and the gradient
+        norms. Returns this step's named figures and the norms, still scaled."""
+        dev = self.layers.params[0].device
+        names: list[str] = []
+        parts: list[torch.Tensor] = []
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:  # the previous step's loss: one copy for both steps
+            names += deferred.names
+            parts += deferred.parts
+        if self._staged is not None:  # this step's loss, from the runner
+            names += self._staged[0]
+            parts += self._staged[1]
+            self._staged = None
+        # A GradScaler calls a fused optimizer's step even on an overflow, with `found_inf`
+        # set, and (unless unscale_ ran) with still-scaled gradients and their scale
+        scale = getattr(self.opt, "grad_scale", None)
+        found_inf = getattr(self.opt, "found_inf", None)
+        if isinstance(scale, torch.Tensor):
+            names.append("_grad_scale")
+            parts.append(scale.reshape(()).float())
+        if isinstance(found_inf, torch.Tensor):
+            names.append("_found_inf")
+            parts.append(found_inf.reshape(()).float())
+        parts += norms
+        host = to_host(parts, dev) if parts else []  # the sync
+        k, nd = len(names), len(deferred.names) if deferred is not None else 0
+        if deferred is not None:
+            deferred.values.update(zip(deferred.names, host[:nd]))
+            self._complete(deferred.step, deferred.values, deferred.alerts)
+        return dict(zip(names[nd:], host[nd:k])), host[k:]
+
+    def _decide(self, step: int, values: dict[str, float]) -> tuple[list, bool]:
+        """The "grads" rules on this step's figures: its alerts, and whether to skip it.
+        A clip rule that fired lowers the clip limit (never raises it)."""
+        alerts = self.engine.observe("grads", step, values)
+        nonfinite = not (math.isfinite(values["grad_norm/global"])
+                         and math.isfinite(values.get("loss/train", 0.0)))
+        # Skipping depends on the figures, not on the alert's episode: a second non-finite
+        # step in a row is skipped too.
+        skip = (nonfinite and self._skip_nonfinite) or any(
+            "skip_step" in a.rule.actions for a in alerts)
+        for a in alerts:
+            if "clip" in a.rule.actions and not skip:
+                limit = float(a.rule.params.get("max_norm", 1.0))
+                if self.control.clip is None or self.control.clip > limit:
+                    self.control.clip = limit
+        return alerts, skip
+
+    def _clip_or_skip(self, grads: list[torch.Tensor], values: dict[str, float],
+                      skip: bool) -> None:
+        """Clip the gradients (and note the framework's own clipping), or drop them."""
+        g, clip = values["grad_norm/global"], self.control.clip
+        applied = clip and not skip and math.isfinite(g)
+        after = clip_(grads, g, clip) if applied else g
+        if self.framework_clip and not skip and math.isfinite(after):
+            after = after * min(1.0, self.framework_clip / (after + 1e-6))
+        values["grad_norm/clipped"] = after
+        if skip:
+            # A parameter without a gradient is left alone by every torch optimizer, its
+            # state included: the step changes nothing.
+            for group in self.opt.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            values["skipped"] = 1.0
+
+    def post_step(self) -> None:
+        """Optimizer post-hook: update ratios, and the LR factor off for the scheduler."""
+        t = self._taking
+        if t is None:
+            return
+        if t.before is not None:
+            ratios = wprobe.update_ratios(self.layers, t.before).tolist()
+            t.values.update({f"update_ratio/{n}": r for n, r in zip(self.layers.names, ratios)})
+            t.before = []  # a histogram step: taken at its end
+        self._sched_count = ctl.steps_taken(self.sched) if self.sched is not None else None
+        self._lr_off()
+        t.t_post = time.perf_counter()
+        self._stepped = True
+
+
+def to_host(parts: list[torch.Tensor], device: torch.device | None = None) -> list[float]:
+    """One device→host copy of 0-dim tensors: one stack (dtypes promoted), one tolist."""
+    if len(parts) == 1:
+        return [parts[0].item()]
+    try:
+        return torch.stack(parts).tolist()
+    except RuntimeError:  # on several devices (a model split across GPUs)
+        dev = device or parts[-1].device
+        return torch.stack([t.to(dev) for t in parts]).tolist()

@@ -1,0 +1,73 @@
+"""What a run is asked to record (`RunSpec`), what it has done so far (`Progress`), and the
+exception that ends a loop nbwatch does not run (`StopTraining`)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+# Rules whose inputs are identical on every DDP rank (the synchronised gradients): each
+# rank reaches the same decision at the same step without asking the others.
+SAME_ON_EVERY_RANK = ("nonfinite", "grad_explosion")
+
+
+class StopTraining(BaseException):  # noqa: N818 - reads as what it does, like SystemExit
+    """Raised by `Monitor.log()` once the run was stopped: it ends a loop that ignores
+    log's return value. `Monitor.run()` and `with Monitor(...)` take it as a clean stop.
+
+    A BaseException, so that a loop's `except Exception:` does not swallow it.
+    """
+
+    def _render_traceback_(self) -> list[str]:  # IPython: one line, not a traceback
+        return [f"nbwatch: {self}"]
+
+
+@dataclass
+class RunSpec:
+    """What a run records and when; `step_fn`/`train_data`/`max_steps` drive `start()`."""
+
+    step_fn: Callable[[nn.Module, Any], Any] | None = None
+    train_data: Iterable | None = None
+    max_steps: int | None = None
+    val_fn: Callable[[nn.Module], Any] | None = None
+    eval_every: int | None = None
+    sample_fn: Callable[[nn.Module], str] | None = None
+    accumulate: int = 1
+    hist_every: int = 50
+    hist_bins: int = 64
+    checkpoint_every: int | None = None
+    probe_batch: Any = None
+    probe_fn: Callable[[nn.Module, Any], Any] | None = None
+    probe_tokens: list[list[str]] | None = None
+    attention_samples: int = 2  # 0: no attention probe
+    attention_tokens: int = 64
+    log_every: int = 50
+    trial: bool = False  # preflight: no checkpoints, no pausing
+    dry_run: bool = True  # start(): an eval and a checkpoint's state before step 1
+
+
+SMOOTHING = 0.9  # panels/loss.py smooth()'s weight: the gap is measured on the drawn curve
+
+
+@dataclass
+class Progress:
+    """State shared with the caller's thread: read freely, written only by the recorder."""
+
+    step: int = 0
+    state: str = "created"
+    error: BaseException | None = None
+    traceback: str | None = None
+    # the train loss smoothed as the dashboard draws it (debiased EMA, weight 0.9): loss/gap
+    train_ema: float = 0.0
+    train_ema_n: int = 0
+    # set when a failure is fully recorded (error, state, emergency checkpoint)
+    failure_recorded: threading.Event = field(default_factory=threading.Event)
+
+    def train_smooth(self) -> float | None:
+        """The smoothed train loss at this step: the curve's value where val is drawn."""
+        n = self.train_ema_n
+        return self.train_ema / (1 - SMOOTHING**n) if n else None

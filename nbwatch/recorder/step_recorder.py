@@ -1,0 +1,177 @@
+"""`StepRecorder`: one run's recorder, and its lifecycle (begin, a guarded loop, finish,
+fail). What it does at each moment of a step lives in its parts: `OptimizerStep` (the
+optimizer's hooks), `LrFactor`, `StepEnd` (the record), `Steering` (commands, ranks,
+alert actions) and `EvalCheckpoint`."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import controls as ctl
+from ..alerts import AlertEngine, default_rules
+from ..checkpoint import Checkpointer
+from ..distributed import Dist, lost_peer
+from ..probes.grads import Layers
+from ..records import Event
+from ..store import RunStore
+from .eval_checkpoint import EvalCheckpoint
+from .lr_factor import LrFactor
+from .optimizer_step import OptimizerStep, _Taking
+from .spec import Progress, RunSpec, StopTraining
+from .steering import Steering
+from .step_end import StepEnd, _Deferred
+
+log = logging.getLogger("nbwatch.recorder")
+_RUN_IDS = itertools.count(1)  # each run's logger is its own, whatever its folder's name
+
+
+class StepRecorder(OptimizerStep, LrFactor, StepEnd, Steering, EvalCheckpoint):
+    """Measures and records each optimizer step of one run, and steers it between steps."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        scaler: Any,
+        store: RunStore,
+        checkpointer: Checkpointer,
+        commands: ctl.CommandQueue,
+        control: ctl.ControlState,
+        progress: Progress,
+        start_step: int = 0,
+        engine: AlertEngine | None = None,
+        on_alert: Callable[[Event], Any] | None = None,
+        dist: Dist | None = None,
+    ):
+        self.spec, self.model, self.opt, self.sched, self.scaler = (
+            spec, model, optimizer, scheduler, scaler
+        )
+        self.store, self.ckpt, self.commands, self.control = store, checkpointer, commands, control
+        self.progress = progress
+        self.engine = engine if engine is not None else AlertEngine(default_rules())
+        self.on_alert = on_alert
+        self.dist = dist
+        self.step = self._start_step = start_step
+        self.layers = Layers.of(model)
+        self._grad_names = ["grad_norm/global"] + [f"grad_norm/{n}" for n in self.layers.names]
+        self.stopping = False
+        self.ended = False
+        self.log = logging.getLogger(f"nbwatch.run.{store.run_dir.name}.{next(_RUN_IDS)}")
+        self._skip_nonfinite = any(r.name == "nonfinite" and "skip_step" in r.actions
+                                   for r in self.engine.rules)
+        self._rank_rows: list[tuple[int, dict[str, float]]] = []
+        self._sync_s = 0.0
+        self._rank_step_times: dict[int, deque[float]] = {}
+        self._last_val: float | None = None
+        self._seq_lens: list[torch.Tensor] = []
+        self._store_poll = 0.0
+        self._command_id = 0  # the newest store command taken
+        self._reduction_saved = False
+        self._ckpt_step: int | None = None
+        self._taking: _Taking | None = None  # set by the pre-hook, consumed at the step's end
+        self._stepped = False  # the optimizer stepped since the last end of step
+        self._staged: tuple[list[str], list[torch.Tensor]] | None = None  # the runner's loss
+        self._deferred: _Deferred | None = None
+        self._sched_count: Any = None  # the scheduler's step count at the last post-hook
+        self._sched_at_end: Any = None  # … and at the last end of step
+        self._scale_ref: torch.Tensor | None = None  # the GradScaler's scale at that end
+        self._t_boundary = time.perf_counter()
+        # Set by framework adapters: False when the optimizer's pre-hook comes too early to
+        # see the gradients (Lightning's closure runs backward inside optimizer.step), and
+        # the adapter calls `pre_step()` itself at the framework's own moment.
+        self.hook_measures = True
+        # Set by framework adapters: checkpoints the framework's way; None: nbwatch's own.
+        self.save_fn: Callable[[str], None] | None = None
+        # Set by framework adapters: the framework's own clipping (Trainer max_grad_norm,
+        # Lightning gradient_clip_val), after nbwatch's; `grad_norm/clipped` shows both.
+        self.framework_clip: float | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def begin(self) -> None:
+        self._set_state("running")
+        self._t_boundary = time.perf_counter()
+
+    def guarded(self, body: Callable[[], Any]) -> None:
+        """Run `body` (the training loop) as this run: a clean return ends it finished (or
+        stopped, if a stop was asked), `StopTraining` stopped, any other exception failed
+        with its traceback and an emergency checkpoint. Never raises."""
+        try:
+            self.begin()
+            body()
+            self.apply_commands(block=False)  # a stop the loop saw before log() took it
+            self.finish("stopped" if self.stopping else "finished")
+        except StopTraining:
+            self.finish("stopped")
+        except BaseException as e:  # noqa: BLE001 - recorded, then re-raised by Monitor.wait()
+            self.fail(e)
+        finally:
+            try:
+                self.store.flush()
+            except Exception as fe:  # never mask the training error
+                log.error("final flush of the run store failed: %s", fe)
+
+    def finish(self, outcome: str) -> None:
+        """End the run as "finished" or "stopped", with a final checkpoint."""
+        if self.ended:
+            return
+        self.flush_deferred()
+        if self.dist is not None:
+            self._sync_ranks(final=True)
+        self._checkpoint("stop" if outcome == "stopped" else "final")
+        self._set_state(outcome)
+        self.ended = True
+
+    def fail(self, e: BaseException) -> None:
+        """Record `e` as the end of the run, with an emergency checkpoint."""
+        p = self.progress
+        p.error = e
+        p.traceback = "".join(traceback.format_exception(e))
+        p.state = "failed"  # first: recording it below may itself fail (a dead store)
+        self.ended = True
+        msg = f"{type(e).__name__}: {e}"
+        if self.dist is not None:
+            if lost_peer(e):
+                msg = ("lost contact with another rank (it died or hangs), so this rank "
+                       f"stops: {str(e).splitlines()[0][:300]}")
+            msg = f"[rank {self.dist.rank}/{self.dist.world}] {msg}"
+        # each part on its own: a dead store must not cost the checkpoint, nor the reverse
+        # the error and the state first: the launcher may kill this process any moment now
+        for record in (self.flush_deferred,
+                       lambda: self._emit(Event(self.step, "error", "critical", msg,
+                                                {"traceback": p.traceback}), logging.ERROR),
+                       lambda: self._set_state("failed"),
+                       lambda: self._checkpoint("emergency")):
+            try:
+                record()
+            except BaseException as ce:  # noqa: BLE001 - the original error matters more
+                self.log.error("recording the failure failed too: %s\n%s", ce, p.traceback)
+        with contextlib.suppress(Exception):
+            self.store.flush(timeout=30)
+        p.failure_recorded.set()
+
+    def _set_state(self, state: str) -> None:
+        self.progress.state = state
+        self.store.set_meta("state", state)
+        self.store.set_meta("step", self.step)
+        if state != "running" or self.step:
+            self._emit(Event(self.step, "state", "info", f"run {state} at step {self.step}",
+                             {"state": state}))
+
+    def _emit(self, ev: Event, level: int | None = None) -> None:
+        self.store.put(ev)
+        lvl = level if level is not None else {
+            "info": logging.INFO, "warning": logging.WARNING, "critical": logging.CRITICAL
+        }[ev.severity]
+        self.log.log(lvl, ev.message, extra={"step": ev.step, "kind": ev.kind, "data": ev.data})

@@ -106,3 +106,34 @@ def ack(page: Page, text: str, timeout: float = 15) -> str:
     loc = page.locator(".nbw-ack:not([data-pending])", has_text=text)
     loc.wait_for(timeout=timeout * 1000)
     return loc.inner_text()
+
+
+def grad_heat_peak(page: Page) -> dict[str, Any]:
+    """The grads heat map's largest cell as drawn: its layer label, bin start step, width."""
+    return page.evaluate(
+        """() => {
+            const gd = document.querySelector('[data-panel=grads] .nbw-grads-heat');
+            const t = gd.data[0];
+            let best = [-Infinity, 0, 0];
+            t.customdata.forEach((row, i) => row.forEach((v, j) => {
+              if (Number.isFinite(v) && v > best[0]) best = [v, i, j];
+            }));
+            const w = t.x.length > 1 ? t.x[1] - t.x[0] : 1;
+            return {value: best[0], layer: t.y[best[1]], step: t.x[best[2]], width: w,
+                    layers: t.y.length};
+        }""")
+
+
+def click_head(page: Page, layer: int, head: int) -> None:
+    """Click the attention overview's cell of (layer, head), where the page draws it."""
+    ov = page.locator("[data-panel=attention] .nbw-attn-overview").first
+    ov.scroll_into_view_if_needed()
+    x, y = page.evaluate(
+        """([l, h]) => {
+            const gd = document.querySelector('[data-panel=attention] .nbw-attn-overview');
+            const fl = gd._fullLayout, r = gd.getBoundingClientRect();
+            return [r.left + fl.xaxis._offset + fl.xaxis.d2p(h),
+                    r.top + fl.yaxis._offset + fl.yaxis.d2p(l)];
+        }""", [layer, head])
+    page.mouse.move(x, y)
+    page.mouse.click(x, y)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -42,10 +43,11 @@ def spike_layer_name(layers: int = 12) -> str:
     return f"transformer.h.{min(SPIKE_LAYER, layers - 1)}.mlp.c_fc"
 
 
-def write(run_dir: Path, steps: int = 60, layers: int = 12, heads: int = 12) -> Path:
+def make_trainer(out: str | Path, steps: int = 60, layers: int = 12, heads: int = 12,
+                 delay: float = 0.0):
+    """The Trainer (its model's spike hook installed); `delay` seconds of data loading per
+    batch make a run last while a browser watches it."""
     import transformers as tf
-
-    import nbwatch.hf
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -61,15 +63,27 @@ def write(run_dir: Path, steps: int = 60, layers: int = 12, heads: int = 12) -> 
         return g * 1000 if seen[0] == SPIKE_STEP else g
 
     spiked.register_hook(spike)
+    args = tf.TrainingArguments(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=4,
+        per_device_eval_batch_size=4, logging_steps=1, report_to=[], save_strategy="no",
+        eval_strategy="steps", eval_steps=max(steps // 3, 1), learning_rate=1e-3,
+        warmup_steps=5, max_grad_norm=0.0, use_cpu=True, disable_tqdm=True, seed=0,
+        log_level="error")
+    collate = None
+    if delay:
+        def collate(items: list[dict]) -> dict:
+            time.sleep(delay)
+            return {k: torch.stack([it[k] for it in items]) for k in items[0]}
+    return tf.Trainer(model=model, args=args, train_dataset=Padded(256, 0),
+                      eval_dataset=Padded(8, 1), data_collator=collate)
+
+
+def write(run_dir: Path, steps: int = 60, layers: int = 12, heads: int = 12) -> Path:
+    """A finished run in `run_dir`."""
+    import nbwatch.hf
+
     with tempfile.TemporaryDirectory() as out:
-        args = tf.TrainingArguments(
-            output_dir=out, max_steps=steps, per_device_train_batch_size=4,
-            per_device_eval_batch_size=4, logging_steps=1, report_to=[], save_strategy="no",
-            eval_strategy="steps", eval_steps=max(steps // 3, 1), learning_rate=1e-3,
-            warmup_steps=5, max_grad_norm=0.0, use_cpu=True, disable_tqdm=True, seed=0,
-            log_level="error")
-        trainer = tf.Trainer(model=model, args=args, train_dataset=Padded(256, 0),
-                             eval_dataset=Padded(8, 1))
+        trainer = make_trainer(out, steps, layers, heads)
         nbwatch.hf.start(trainer, run_dir=run_dir, display=False).wait()
     return Path(run_dir)
 

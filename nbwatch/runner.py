@@ -13,6 +13,7 @@ import numbers
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -116,20 +117,31 @@ class Runner:
                 ) from None
 
     def _train_step(self) -> None:
-        spec, rec = self.spec, self.rec
-        model, opt, scaler = rec.model, rec.opt, rec.scaler
+        """One optimizer step, in its stages: forward/backward over the micro-batches,
+        measure (stage the device figures), optimizer step, record."""
         t0 = time.perf_counter()
-        data_s = fwd_s = 0.0
-        loss_sum: torch.Tensor | None = None
-        masks: list[torch.Tensor] = []
-        extras: dict[str, list[Any]] = {}
-        samples = 0
-        reduction = None
+        micro = self._forward_backward()
+        figures, padded = self._measure(micro)
+        t_fb = time.perf_counter()
+        self._optimizer_step()
+        figures.update({"time/forward_backward": t_fb - t0 - micro.data_s,
+                        "time/forward": micro.fwd_s})  # under DDP, before grad sync
+        if padded:
+            figures["_padded"] = padded
+        if self._epoch:
+            figures["epoch"] = float(self._epoch)
+        self.rec.end_step(figures, data_s=micro.data_s, samples=micro.samples or None)
+
+    def _forward_backward(self) -> _Micro:
+        """`step_fn` and backward on `accumulate` batches; the gradients add up."""
+        spec, rec = self.spec, self.rec
+        model, scaler = rec.model, rec.scaler
+        m = _Micro()
         for _ in range(spec.accumulate):
             td = time.perf_counter()
             batch = self._next_batch()
-            data_s += time.perf_counter() - td
-            samples += _batch_size(batch)
+            m.data_s += time.perf_counter() - td
+            m.samples += _batch_size(batch)
             if spec.probe_batch is None and spec.eval_every and spec.attention_samples > 0:
                 spec.probe_batch = clone_samples(batch, spec.attention_samples)
             tf = time.perf_counter()
@@ -139,20 +151,27 @@ class Runner:
                 self._checked = True
             out = parse_step_output(raw)
             if isinstance(raw, dict):
-                _extras(raw, extras)
-            fwd_s += time.perf_counter() - tf
-            reduction = out.reduction
+                _extras(raw, m.extras)
+            m.fwd_s += time.perf_counter() - tf
+            m.reduction = out.reduction
             loss = out.loss / spec.accumulate if spec.accumulate > 1 else out.loss
             (scaler.scale(loss) if scaler is not None else loss).backward()
             detached = out.loss.detach().float()
-            loss_sum = detached if loss_sum is None else loss_sum + detached
+            m.loss_sum = detached if m.loss_sum is None else m.loss_sum + detached
             if out.mask is not None:
-                masks.append(out.mask)
-        rec.save_reduction(reduction)
-        mean = loss_sum / spec.accumulate if spec.accumulate > 1 else loss_sum
+                m.masks.append(out.mask)
+        return m
+
+    def _measure(self, m: _Micro) -> tuple[dict[str, float], float]:
+        """Stage the step's device figures (mean loss, the step_fn's tensor scalars, the
+        masks' token counts) to be copied with the gradient norms: one sync. Returns the
+        host figures and the padded token count."""
+        rec, accumulate = self.rec, self.spec.accumulate
+        rec.save_reduction(m.reduction)
+        mean = m.loss_sum / accumulate if accumulate > 1 else m.loss_sum
         names, parts = ["loss/train"], [mean]
         figures: dict[str, float] = {}
-        for k, vs in extras.items():  # the step_fn's own scalars, mean over micro-batches
+        for k, vs in m.extras.items():  # the step_fn's own scalars, mean over micro-batches
             t = next((v for v in vs if isinstance(v, torch.Tensor)), None)
             if t is not None:  # on the device, copied with the step's other figures
                 vs = [v if isinstance(v, torch.Tensor) else torch.tensor(v, device=t.device)
@@ -162,13 +181,19 @@ class Runner:
             else:
                 figures[f"train/{k}"] = sum(vs) / len(vs)
         padded = 0.0
-        if masks:
-            mnames, mparts, padded, lengths = batch_figures(masks)
+        if m.masks:
+            mnames, mparts, padded, lengths = batch_figures(m.masks)
             names += mnames
             parts += mparts
             rec.keep_seq_lens(lengths)
         rec.stage(names, parts)  # copied to the host with the gradient norms: one sync
-        t_fb = time.perf_counter()
+        return figures, padded
+
+    def _optimizer_step(self) -> None:
+        """The optimizer step (the recorder's hooks measure, skip or clip it), then the
+        scheduler's and zero_grad."""
+        rec = self.rec
+        opt, scaler = rec.opt, rec.scaler
         if scaler is not None:
             scaler.unscale_(opt)  # the hooks see the true gradients, even a fused optimizer's
             scaler.step(opt)
@@ -178,13 +203,19 @@ class Runner:
         if rec.sched is not None and rec.stepped and not rec.skipping:
             rec.sched.step()  # not after a skipped or overflowed step, as the Trainer does
         opt.zero_grad(set_to_none=True)
-        figures.update({"time/forward_backward": t_fb - t0 - data_s,
-                        "time/forward": fwd_s})  # under DDP, before grad sync
-        if padded:
-            figures["_padded"] = padded
-        if self._epoch:
-            figures["epoch"] = float(self._epoch)
-        rec.end_step(figures, data_s=data_s, samples=samples or None)
+
+
+@dataclass
+class _Micro:
+    """What the micro-batches of one optimizer step leave for its measure stage."""
+
+    loss_sum: torch.Tensor | None = None  # sum of the micro-batches' detached losses
+    masks: list[torch.Tensor] = field(default_factory=list)
+    extras: dict[str, list[Any]] = field(default_factory=dict)  # the step_fn's scalars
+    samples: int = 0
+    reduction: str | None = None
+    data_s: float = 0.0  # waiting for batches
+    fwd_s: float = 0.0  # step_fn calls
 
 
 _RESERVED = frozenset({"loss", "logits", "labels", "mask"})

@@ -40,9 +40,10 @@ def _demo(args: argparse.Namespace) -> int:
             continue
         last = mon.step
         row = df.iloc[-20:].mean(numeric_only=True)
-        val = df["loss/val"].dropna().iloc[-1] if "loss/val" in df else math.nan
+        vals = df["loss/val"].dropna() if "loss/val" in df else ()
+        val = f"val {vals.iloc[-1]:.3f}" if len(vals) else "val –    "  # before the first eval
         print(f"step {mon.step:5d}/{args.steps}  loss {row['loss/train']:.3f}  "
-              f"val {val:.3f}  lr {row['lr']:.2e}  grad {row['grad_norm/global']:.2f}  "
+              f"{val}  lr {row['lr']:.2e}  grad {row['grad_norm/global']:.2f}  "
               f"{row.get('throughput/tokens_per_s', math.nan):,.0f} tok/s", flush=True)
     mon.wait()
     df = mon.df

@@ -90,11 +90,19 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(x))  # (B, T, vocab)
 
     @torch.no_grad()
-    def generate(self, prompt: str, n: int = 60) -> str:
+    def generate(self, prompt: str, n: int = 60, temperature: float = 0.8, seed: int = 0) -> str:
+        """Sampled with a temperature (greedy decoding of a small model repeats one character:
+        `def ______`); seeded, so that samples at successive evals compare."""
         idx = torch.tensor([encode(prompt)], device=self.head.weight.device)
+        g = torch.Generator(device=idx.device).manual_seed(seed)
         for _ in range(n):
-            logits = self(idx[:, -self.ctx:])[:, -1]
-            idx = torch.cat([idx, logits.argmax(-1, keepdim=True)], dim=1)
+            logits = self(idx[:, -self.ctx:])[:, -1].float()
+            if temperature <= 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=g)
+            idx = torch.cat([idx, nxt], dim=1)
         return decode(idx[0].tolist())
 
 

@@ -29,6 +29,8 @@ def test_demo_loss_falls(tmp_path):
     assert 0.05 < df["data/padding_ratio"].mean() < 0.9
     run = nbwatch.open_run(mon.run_dir)
     assert len(run.samples) == 2 and run.samples.text.iloc[0].startswith("def ")
+    # Sampled, not greedy: a small model's greedy text is one character repeated.
+    assert all(len(set(t[4:])) > 5 for t in run.samples.text), list(run.samples.text)
     tokens = run.reader.attention_tokens(80)
     assert tokens and all(isinstance(t, str) for t in tokens)
 
@@ -41,6 +43,9 @@ def test_cli_demo_and_ls(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "done: finished at step 30" in out.stdout
+    # Progress lines say "val –" until the first eval, never "val nan".
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("step ")]
+    assert lines and not any("nan" in ln for ln in lines), out.stdout
     ls = subprocess.run([sys.executable, "-m", "nbwatch.cli", "ls", str(tmp_path / "runs")],
                         capture_output=True, text=True, timeout=60)
     assert re.search(r"^demo\s+finished\s+30/30\s", ls.stdout, re.M), ls.stdout

@@ -13,7 +13,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from .inputs import (
 )
 from .notebook import in_notebook
 from .opening import RunOpening
+from .optimizer_hooks import OptimizerHooks
 from .probes.system import SystemSampler
 from .recorder import Progress, RunSpec, StepRecorder, StopTraining
 from .records import Command
@@ -44,12 +44,9 @@ from .store import RunStore, check_no_writer
 
 log = logging.getLogger("nbwatch")
 _LIVE = ("starting", "running", "paused")
-# The Monitor whose hooks are on each optimizer: one at a time (a cell run twice makes a
-# second Monitor on the same optimizer; the first one's hooks must go).
-_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-class Monitor(RunOpening, ctl.Controls, Readout):
+class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
     """Train in a background thread while every step is measured into `run_dir`.
 
     >>> mon = nbwatch.Monitor(model, optimizer, scheduler, run_dir="runs/exp1",
@@ -144,59 +141,11 @@ class Monitor(RunOpening, ctl.Controls, Readout):
         }
         self._dist_options = (rank_every, dist_timeout)
         self._display = display
-        self._param_ids = {id(p) for p in model.parameters()}
-        self._foreign_ok: weakref.WeakSet = weakref.WeakSet()
-        previous = _OWNERS.get(optimizer)
-        if previous is not None and previous is not self:
-            if previous.running:
-                raise RuntimeError(
-                    f"this optimizer is watched by a running Monitor ({previous.name!r}, "
-                    f"{previous.state} at step {previous.step}); stop() and wait() it first")
-            previous._remove_hooks()
-        _OWNERS[optimizer] = self
-        self._inside_step: int | None = None  # the thread inside optimizer.step, if any
-        self._hooks = [optimizer.register_step_pre_hook(self._pre_hook),
-                       optimizer.register_step_post_hook(self._post_hook)]
-        self._global_hook: Any = None
+        self._hook_optimizer()
         if resume:
             if self.rank == 0:
                 check_no_writer(self.run_dir)  # not another live run's checkpoint
             self._progress.step = self._resumed_step = self._restore_latest()
-
-    # -- the optimizer's own step ---------------------------------------------------------
-    def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._inside_step = threading.get_ident()
-        rec = self._recorder
-        if rec is None:
-            if self._mode is not None:
-                return  # this Monitor's run has ended: later steps are not recorded
-            rec = self._open_loop()
-        if rec.hook_measures:
-            rec.pre_step(explicit=False)
-
-    def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._inside_step = None
-        if self._recorder is not None:
-            self._recorder.post_step()
-
-    def _remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
-    def _foreign_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if optimizer is self.optimizer or optimizer in self._foreign_ok:
-            return
-        if self._inside_step == threading.get_ident():
-            return  # a wrapper's inner optimizer (ZeroRedundancyOptimizer, Lookahead…)
-        if any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"]):
-            raise RuntimeError(
-                f"a second optimizer ({type(optimizer).__name__}) steps parameters of the "
-                f"monitored model, but the Monitor was given {type(self.optimizer).__name__}; "
-                "nbwatch measures and steers one optimizer: put all parameter groups in the "
-                "optimizer you pass to nbwatch.Monitor"
-            )
-        self._foreign_ok.add(optimizer)
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(

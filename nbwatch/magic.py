@@ -14,7 +14,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from .notebook import latest, remember
+from .notebook import enable_colab_widgets, latest, remember
 
 __all__ = ["latest", "nbwatch_magic", "register", "remember"]
 
@@ -46,5 +46,7 @@ def nbwatch_magic(line: str) -> Any:
 
 
 def register(ipython: Any) -> None:
-    """Register `%nbwatch` on an IPython shell (`%load_ext nbwatch` calls this)."""
+    """Register `%nbwatch` on an IPython shell (`%load_ext nbwatch` calls this); in Colab,
+    turn on its custom widget manager, so that dashboards render."""
+    enable_colab_widgets()
     ipython.register_magic_function(nbwatch_magic, magic_kind="line", magic_name="nbwatch")

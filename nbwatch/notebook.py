@@ -3,6 +3,7 @@ Monitor (what a bare `%nbwatch` shows). A leaf module: it imports nothing of nbw
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -28,3 +29,17 @@ def in_notebook() -> bool:
         return False
     ip = get_ipython()
     return ip is not None and type(ip).__name__ == "ZMQInteractiveShell"
+
+
+def enable_colab_widgets() -> bool:
+    """In Colab, turn on its custom widget manager, which third-party widgets (the
+    dashboard is an anywidget) need; elsewhere do nothing. True when it was turned on."""
+    if "google.colab" not in sys.modules:  # Colab's kernel imports it at start
+        return False
+    try:
+        from google.colab import output
+
+        output.enable_custom_widget_manager()
+    except Exception:  # an old or changed Colab: the dashboard says it waits for the kernel
+        return False
+    return True

@@ -19,7 +19,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from .notebook import remember
+from .notebook import enable_colab_widgets, remember
 from .panels import Feed
 from .panels.wire import pack
 from .store import RunReader, is_run_dir
@@ -54,6 +54,7 @@ class Dashboard(anywidget.AnyWidget):
 
     def __init__(self, run_dir: str | Path, monitor: Watched | None = None,
                  interval: float = 0.25, **kwargs: Any):
+        enable_colab_widgets()  # a dashboard shown without `%load_ext nbwatch`
         super().__init__(live=monitor is not None, run_dir=str(run_dir), **kwargs)
         self._dir = Path(run_dir)
         self._monitor = monitor
@@ -68,6 +69,11 @@ class Dashboard(anywidget.AnyWidget):
         self._thread = threading.Thread(target=self._loop, name="nbwatch-dashboard",
                                         daemon=True)
         self._thread.start()
+
+    def __repr__(self) -> str:
+        # what a saved notebook shows where widgets do not render (GitHub, nbviewer, a diff)
+        return (f"nbwatch dashboard of {self._dir} (reopen it with `%nbwatch {self._dir}`, "
+                f"or nbwatch.export_html({str(self._dir)!r}) for a page that opens anywhere)")
 
     @classmethod
     def for_monitor(cls, monitor: Watched, **kwargs: Any) -> Dashboard:

@@ -48,6 +48,22 @@ def run_notebook(nb, tmp_path: Path) -> None:
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if o.output_type == "error"]
     assert not errors, errors
+    check_saved(nb, tmp_path / "saved.ipynb")
+
+
+def check_saved(nb, path: Path) -> None:
+    """Saved with its dashboards, the notebook stays valid nbformat, its widget state has the
+    `state` key GitHub's renderer requires, and where widgets do not render a dashboard's
+    text names its run folder."""
+    nbformat.write(nb, path)
+    saved = nbformat.read(path, as_version=4)
+    nbformat.validate(saved)
+    for entry in saved.metadata.get("widgets", {}).values():
+        assert "state" in entry, list(entry)
+    views = [o["data"] for c in saved.cells if c.cell_type == "code" for o in c.outputs
+             if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert views, "no dashboard was displayed"
+    assert all(v["text/plain"].startswith("nbwatch dashboard of ") for v in views), views
 
 
 @pytest.mark.slow

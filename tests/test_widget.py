@@ -4,6 +4,7 @@ and buttons reaching a real Monitor training the tiny GPT."""
 from __future__ import annotations
 
 import sqlite3
+import sys
 import time
 
 import numpy as np
@@ -291,3 +292,32 @@ def test_a_read_only_dashboard_stops_polling_a_run_whose_writer_is_gone(tmp_path
         assert not dash.polling
     finally:
         dash.close()
+
+
+def test_in_colab_the_extension_turns_on_the_custom_widget_manager(tmp_path, monkeypatch):
+    """Colab renders third-party widgets only after `enable_custom_widget_manager()`:
+    `%load_ext nbwatch` and a dashboard call it; outside Colab nothing is imported."""
+    import types
+
+    calls = []
+    colab = types.ModuleType("google.colab")
+    colab.output = types.SimpleNamespace(enable_custom_widget_manager=lambda: calls.append(1))
+    google = types.ModuleType("google")
+    google.colab = colab
+
+    class Shell:
+        def register_magic_function(self, *a, **k):
+            calls.append("magic")
+
+    nbwatch.load_ipython_extension(Shell())
+    assert calls == ["magic"]  # not in Colab
+    monkeypatch.setitem(sys.modules, "google", google)
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    nbwatch.load_ipython_extension(Shell())
+    assert calls == ["magic", 1, "magic"]
+    store = RunStore(tmp_path / "r")
+    store.put(Scalars(1, {"loss/train": 1.0}))
+    store.close()
+    d = Dashboard.for_run(tmp_path / "r")
+    d.close()
+    assert calls[-1] == 1

@@ -138,6 +138,28 @@ def check_every(**values: Any) -> None:
             raise ValueError(f"{label} must be a positive int or None, got {v!r}")
 
 
+def check_start(step_fn: Any, train_data: Any, max_steps: Any, val_fn: Any,
+                eval_every: int | None, checkpoint_every: int | None, accumulate: int
+                ) -> int | None:
+    """`Monitor.start()`'s loop arguments; returns `eval_every` (with a `val_fn` and none
+    given: every tenth of the run)."""
+    if not callable(step_fn):
+        raise TypeError(f"step_fn must be callable as step_fn(model, batch), got {step_fn!r}")
+    if not isinstance(max_steps, int) or max_steps < 1:
+        raise ValueError(f"max_steps must be a positive int, got {max_steps!r}")
+    check_every(eval_every=eval_every, checkpoint_every=checkpoint_every)
+    if accumulate < 1:
+        raise ValueError(f"accumulate must be at least 1, got {accumulate}")
+    if val_fn is not None and eval_every is None:
+        eval_every = max(max_steps // 10, 1)
+    if not hasattr(train_data, "__iter__"):
+        raise TypeError(
+            f"train_data must be iterable (a DataLoader, a list of batches…), "
+            f"got {type(train_data).__name__}"
+        )
+    return eval_every
+
+
 def probe_samples(batch: Any, n: int) -> Any:
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"attention_samples must be an int ≥ 0 (0: no attention probe), "

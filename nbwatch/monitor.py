@@ -27,6 +27,7 @@ from .inputs import (
     check_every,
     check_monitor,
     check_run_dir,
+    check_start,
     default_run_dir,
     log_figures,
     probe_samples,
@@ -191,20 +192,8 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         self._check_can_open(resume)
         if clip is not None:
             self._clip_asked = ctl.check_clip(clip)
-        if not callable(step_fn):
-            raise TypeError(f"step_fn must be callable as step_fn(model, batch), got {step_fn!r}")
-        if not isinstance(max_steps, int) or max_steps < 1:
-            raise ValueError(f"max_steps must be a positive int, got {max_steps!r}")
-        check_every(eval_every=eval_every, checkpoint_every=checkpoint_every)
-        if accumulate < 1:
-            raise ValueError(f"accumulate must be at least 1, got {accumulate}")
-        if val_fn is not None and eval_every is None:
-            eval_every = max(max_steps // 10, 1)
-        if not hasattr(train_data, "__iter__"):
-            raise TypeError(
-                f"train_data must be iterable (a DataLoader, a list of batches…), "
-                f"got {type(train_data).__name__}"
-            )
+        eval_every = check_start(step_fn, train_data, max_steps, val_fn, eval_every,
+                                 checkpoint_every, accumulate)
         spec = RunSpec(
             step_fn, train_data, max_steps, val_fn=val_fn, eval_every=eval_every,
             sample_fn=sample_fn, accumulate=accumulate, hist_every=hist_every,

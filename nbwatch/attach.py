@@ -15,23 +15,28 @@ import os
 import socket
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pandas as pd
 
 from . import controls as ctl
 from .liveness import ENDED, LIVE, STALE_AFTER, RunFailed, last_write, run_state
 from .records import Command
-from .store import DB_NAME, RunReader, is_run_dir, send_command
+from .run import Run, started_run
+from .store import DB_NAME, is_run_dir, send_command
 from .text import duration
+
+T = TypeVar("T")
 
 
 class Attached(ctl.Controls):
     """A run written by another process, followed from here: `nbwatch.attach(run_dir)`.
 
     The same surface as `Monitor` (pause/resume/stop/checkpoint/set_clip/scale_lr, step,
-    state, running, error, traceback, df, events), read from and written to the store.
+    state, running, error, traceback, df, events): reads go through a `Run` of the folder
+    (once the writer has created its store), commands are rows written to the store.
 
     >>> att = nbwatch.attach("runs/exp1")
     >>> att.state, att.step
@@ -47,56 +52,54 @@ class Attached(ctl.Controls):
                              f"{stale_after!r}")
         self.run_dir = Path(run_dir)
         self.stale_after = float(stale_after)
-        self._reader: RunReader | None = None
+        self._run: Run | None = None  # set once the writer has created the store
         self.source = f"attach:{socket.gethostname()}:{os.getpid()}"
 
-    # -- reading ------------------------------------------------------------------------
-    def _open(self) -> RunReader | None:
-        if self._reader is None and is_run_dir(self.run_dir):
-            self._reader = RunReader(self.run_dir)
-        return self._reader
+    # -- reading: a live `Run` of the folder, once its writer has created the store -----
+    def _live_run(self) -> Run | None:
+        if self._run is None:
+            self._run = started_run(self.run_dir)
+        return self._run
+
+    def _read(self, read: Callable[[Run], T], default: T) -> T:
+        """`read(run)`, or `default` before the writer has created the store."""
+        run = self._live_run()
+        if run is None:
+            return default
+        try:
+            return read(run)
+        except sqlite3.OperationalError:  # the writer is creating the schema right now
+            return default
 
     @property
     def exists(self) -> bool:
         """True once the writer has created the run's store."""
-        return self._open() is not None
+        return is_run_dir(self.run_dir)
 
     @property
     def meta(self) -> dict[str, Any]:
-        r = self._open()
-        if r is None:
-            return {}
-        try:
-            return r.meta()
-        except sqlite3.OperationalError:  # the writer is creating the schema right now
-            return {}
+        return self._read(lambda r: r.meta, {})
 
     @property
     def name(self) -> str:
-        return str(self.meta.get("name", self.run_dir.name))
+        return self._read(lambda r: r.name, self.run_dir.name)
 
     @property
     def config(self) -> dict[str, Any]:
-        return self.meta.get("config", {})
+        return self._read(lambda r: r.config, {})
 
     @property
     def step(self) -> int:
         """Steps the writer has committed so far (0 while waiting)."""
-        r = self._open()
-        try:
-            return r.last_step() if r is not None else 0
-        except sqlite3.OperationalError:
-            return 0
+        return self._read(lambda r: r.step, 0)
 
     @property
     def seconds_since_write(self) -> float | None:
         """Seconds since the writer last committed anything (None while waiting)."""
-        r = self._open()
-        if r is None:
+        if not self.exists:
             return None
-        try:
-            t = last_write(self.run_dir, r)
-        except sqlite3.OperationalError:
+        t = self._read(lambda r: last_write(self.run_dir, r.reader), None)
+        if t is None:
             t = last_write(self.run_dir)
         return None if t is None else max(time.time() - t, 0.0)
 
@@ -105,10 +108,11 @@ class Attached(ctl.Controls):
         """'waiting' (no store yet), 'starting', 'running', 'paused', 'stopped',
         'finished', 'failed', or 'stale' (meta says live, but nothing was written for
         `stale_after` seconds or the writer process is gone)."""
-        r = self._open()
-        if r is None:
+        if not self.exists:
             return "waiting"
-        return run_state(self.run_dir, self.meta, r, self.stale_after)
+        run = self._live_run()
+        return run_state(self.run_dir, self.meta, run.reader if run is not None else None,
+                         self.stale_after)
 
     @property
     def running(self) -> bool:
@@ -141,16 +145,8 @@ class Attached(ctl.Controls):
     @property
     def error(self) -> RunFailed | None:
         """The error that ended the run in its own process (message and traceback text)."""
-        r = self._open()
-        if r is None:
-            return None
-        try:
-            last = r.last_error()
-        except sqlite3.OperationalError:  # the writer is creating the schema right now
-            return None
-        if last is None:
-            return None
-        return RunFailed(last[0], last[1].get("traceback"))
+        last = self._read(lambda r: r.reader.last_error(), None)
+        return RunFailed(last[0], last[1].get("traceback")) if last is not None else None
 
     @property
     def traceback(self) -> str | None:
@@ -160,24 +156,13 @@ class Attached(ctl.Controls):
     @property
     def df(self) -> pd.DataFrame:
         """One row per step (index `step`), one column per scalar."""
-        r = self._open()
-        try:
-            if r is not None:
-                return r.df()
-        except sqlite3.OperationalError:  # the writer is creating the schema right now
-            pass
-        return pd.DataFrame(index=pd.Index([], name="step"))
+        return self._read(lambda r: r.df, pd.DataFrame(index=pd.Index([], name="step")))
 
     @property
     def events(self) -> pd.DataFrame:
         """Alerts, actions, checkpoints and state changes: step, kind, severity, message."""
-        r = self._open()
-        try:
-            if r is not None:
-                return r.events().drop(columns=["id"]).reset_index(drop=True)
-        except sqlite3.OperationalError:  # the writer is creating the schema right now
-            pass
-        return pd.DataFrame(columns=["step", "wall", "kind", "severity", "message", "data"])
+        return self._read(lambda r: r.events, pd.DataFrame(
+            columns=["step", "wall", "kind", "severity", "message", "data"]))
 
     def wait_started(self, timeout: float = 60.0, poll: float = 0.1) -> Attached:
         """Block until the writer has created the store (raises TimeoutError after `timeout`)."""
@@ -231,8 +216,8 @@ class Attached(ctl.Controls):
 
     def close(self) -> None:
         """Close this thread's read connection (others close when their thread ends)."""
-        if self._reader is not None:
-            self._reader.close()
+        if self._run is not None:
+            self._run.reader.close()
 
     def __repr__(self) -> str:
         return f"<nbwatch.Attached {self.name!r} in {self.run_dir}: {self.message}>"

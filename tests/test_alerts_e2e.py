@@ -2,12 +2,12 @@
 
 import itertools
 import math
-import time
 
 import torch
 
 import nbwatch
 from nbwatch.demo import collate, make_demo, make_samples, masked_cross_entropy, stdlib_text
+from tests.conftest import until
 
 
 def small_demo(**kw):
@@ -15,11 +15,8 @@ def small_demo(**kw):
 
 
 def wait_state(mon, state, timeout=60):
-    deadline = time.monotonic() + timeout
-    while mon.state != state:
-        assert time.monotonic() < deadline, f"run is {mon.state}, not {state}"
-        assert mon.state != "failed", mon.traceback
-        time.sleep(0.02)
+    until(lambda: mon.state in (state, "failed"), timeout, f"the run to be {state}")
+    assert mon.state == state, mon.traceback
 
 
 def test_nan_step_is_skipped_and_the_run_pauses_with_one_critical_alert(tmp_path):
@@ -77,9 +74,7 @@ def spiked_run(tmp_path, alerts):
         return demo.step_fn(model, batch)
 
     mon.start(step, demo.train, max_steps=400, display=False)
-    deadline = time.monotonic() + 120
-    while mon.running and mon.state != "paused" and time.monotonic() < deadline:
-        time.sleep(0.05)
+    until(lambda: not mon.running or mon.state == "paused", 120, "the run to end or pause")
     if mon.state == "paused":
         mon.stop()
     mon.wait()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -15,6 +16,7 @@ import torch
 import nbwatch
 from nbwatch import blocks
 from nbwatch.store import RunReader
+from tests.conftest import until
 
 SCRIPT = textwrap.dedent("""
     import sys, time, torch
@@ -35,23 +37,22 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+def reached(run: Path, proc: subprocess.Popen, step: int) -> bool:
+    """The training subprocess has committed `step` (it must not have died meanwhile)."""
+    assert proc.poll() is None, "training subprocess died on its own"
+    try:
+        return (run / "nbwatch.db").exists() and RunReader(run).last_step() >= step
+    except sqlite3.OperationalError:  # the writer is still creating the schema
+        return False
+
+
 def test_kill_9_loses_at_most_the_last_second(tmp_path):
     run = tmp_path / "run"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(run)], cwd=root,
                             env={**os.environ, "PYTHONPATH": root})
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if (run / "nbwatch.db").exists() and RunReader(run).last_step() >= 60:
-                    break
-            except sqlite3.OperationalError:  # the writer is still creating the schema
-                pass
-            assert proc.poll() is None, "training subprocess died on its own"
-            time.sleep(0.1)
-        else:
-            raise AssertionError("the subprocess did not reach step 60 in time")
+        until(lambda: reached(run, proc, 60), 60, "the subprocess to reach step 60", poll=0.1)
         killed_at = time.time()
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
@@ -97,17 +98,7 @@ def test_kill_9_then_resume_records_every_step_exactly_once(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", RESUMABLE, str(run), "new", "100000"],
                             cwd=root, env=env)
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            try:
-                if (run / "nbwatch.db").exists() and RunReader(run).last_step() >= 120:
-                    break
-            except sqlite3.OperationalError:
-                pass
-            assert proc.poll() is None, "training subprocess died on its own"
-            time.sleep(0.02)
-        else:
-            raise AssertionError("the subprocess did not reach step 120 in time")
+        until(lambda: reached(run, proc, 120), 90, "the subprocess to reach step 120")
         time.sleep(0.1)  # a commit was just seen: kill halfway to the next one
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)

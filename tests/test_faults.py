@@ -28,7 +28,7 @@ PRELUDE = textwrap.dedent("""
     torch.set_num_threads(1)
     import nbwatch
     from nbwatch.demo import TinyGPT
-    from tests.conftest import make_batches, tiny_step
+    from tests.conftest import make_batches, tiny_step, until
 
     def slow(model, batch):
         time.sleep(0.01)
@@ -105,7 +105,7 @@ def test_ctrl_c_during_wait_leaves_the_run_in_hand_and_recording(tmp_path):
         except KeyboardInterrupt:
             print("INTERRUPTED", mon.running, mon.state, flush=True)
             mon.pause()
-            time.sleep(0.3)
+            until(lambda: mon.state == "paused", 30, "the pause")
             at = mon.step
             time.sleep(0.3)
             print("PAUSED", mon.state, mon.step == at, flush=True)

@@ -11,20 +11,12 @@ import torch
 import nbwatch
 from nbwatch.checkpoint import load
 from nbwatch.panels.loss import smooth as smooth_loss
-from tests.conftest import make_batches, tiny_step
+from tests.conftest import make_batches, tiny_step, until
 
 
 def slow_step(model, batch):
     time.sleep(0.01)
     return tiny_step(model, batch)
-
-
-def wait_for(cond, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
 
 
 def monitor(tiny, tmp_path, **kw):
@@ -87,14 +79,14 @@ def test_start_returns_at_once_and_records_every_step(tiny, tmp_path):
 def test_pause_stops_the_step_count_and_resume_restarts_it(tiny, tmp_path):
     mon = monitor(tiny, tmp_path)
     mon.start(slow_step, tiny[2], max_steps=10_000, display=False)
-    wait_for(lambda: mon.step >= 3)
+    until(lambda: mon.step >= 3)
     mon.pause()
-    wait_for(lambda: mon.state == "paused")
+    until(lambda: mon.state == "paused")
     paused_at = mon.step
     time.sleep(0.5)
     assert mon.step == paused_at
     mon.resume()
-    wait_for(lambda: mon.step >= paused_at + 3)
+    until(lambda: mon.step >= paused_at + 3)
     mon.stop()
     mon.wait()
     assert mon.state == "stopped"
@@ -110,11 +102,11 @@ def test_scale_lr_holds_under_the_schedule(tiny, tmp_path):
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=200)
     mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "run")
     mon.start(slow_step, batches, max_steps=10_000, display=False)
-    wait_for(lambda: mon.step >= 5)
+    until(lambda: mon.step >= 5)
     mon.scale_lr(0.5)
-    wait_for(lambda: any(mon.events.kind == "action"))
+    until(lambda: any(mon.events.kind == "action"))
     at = int(mon.events.query("kind == 'action'").step.iloc[0])
-    wait_for(lambda: mon.step >= at + 12)
+    until(lambda: mon.step >= at + 12)
     mon.stop()
     mon.wait()
     df = mon.df
@@ -127,13 +119,13 @@ def test_scale_lr_holds_under_the_schedule(tiny, tmp_path):
 def test_clip_bounds_the_post_clip_norm(tiny, tmp_path):
     mon = monitor(tiny, tmp_path)
     mon.start(slow_step, tiny[2], max_steps=10_000, display=False)
-    wait_for(lambda: mon.step >= 3)
+    until(lambda: mon.step >= 3)
     df = mon.df
     limit = float(df["grad_norm/global"].median()) / 3
     mon.set_clip(limit)
-    wait_for(lambda: any(mon.events.kind == "action"))
+    until(lambda: any(mon.events.kind == "action"))
     at = int(mon.events.query("kind == 'action'").step.iloc[0])
-    wait_for(lambda: mon.step >= at + 5)
+    until(lambda: mon.step >= at + 5)
     mon.set_clip(None)
     mon.stop()
     mon.wait()
@@ -145,9 +137,9 @@ def test_clip_bounds_the_post_clip_norm(tiny, tmp_path):
 def test_checkpoint_button_writes_a_loadable_file(tiny, tmp_path):
     mon = monitor(tiny, tmp_path)
     mon.start(slow_step, tiny[2], max_steps=10_000, display=False)
-    wait_for(lambda: mon.step >= 2)
+    until(lambda: mon.step >= 2)
     mon.checkpoint()
-    wait_for(lambda: any(mon.events.kind == "checkpoint"))
+    until(lambda: any(mon.events.kind == "checkpoint"))
     mon.stop()
     mon.wait()
     ev = mon.events.query("kind == 'checkpoint'").iloc[0]
@@ -377,7 +369,7 @@ def test_grad_scaler_overflow_is_routine_not_an_alert(tmp_path):
 def test_a_store_that_stops_writing_fails_the_run_loudly(tiny, tmp_path):
     mon = monitor(tiny, tmp_path)
     mon.start(slow_step, tiny[2], max_steps=10_000, display=False)
-    wait_for(lambda: mon.step >= 3)
+    until(lambda: mon.step >= 3)
     mon._store.flush()
     with pytest.raises(TypeError, match="cannot store a object"):
         mon._store.put(object())  # refused at once, not lost with a whole batch

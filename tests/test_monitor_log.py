@@ -19,18 +19,9 @@ import torch
 import nbwatch
 from nbwatch.demo import TinyGPT
 
-from .conftest import make_batches
+from .conftest import make_batches, until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def wait_for(cond, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def setup(seed: int = 0, warmup: int = 10):
@@ -105,14 +96,14 @@ def test_pause_checkpoint_resume_stop_a_loop_that_ignores_log(tmp_path):
     mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False)
     loop = Loop(model, opt, sched, batches, mon, delay=0.005)
     mon.run(loop)  # runs for ever unless stopped
-    wait_for(lambda: mon.step >= 3, what="3 steps")
+    until(lambda: mon.step >= 3, what="3 steps")
     mon.pause()
-    wait_for(lambda: mon.state == "paused", what="paused")
+    until(lambda: mon.state == "paused", what="paused")
     frozen = mon.step
     time.sleep(0.4)
     assert mon.step == frozen and len(loop.seen) == frozen  # the loop itself is frozen
     mon.checkpoint()
-    wait_for(lambda: (mon.events.kind == "checkpoint").any(), what="checkpoint")
+    until(lambda: (mon.events.kind == "checkpoint").any(), what="checkpoint")
     ev = mon.events.query("kind == 'checkpoint'").iloc[0]
     ck = torch.load(ev.data["path"], weights_only=True)
     assert ck["step"] == frozen == ev.step
@@ -120,7 +111,7 @@ def test_pause_checkpoint_resume_stop_a_loop_that_ignores_log(tmp_path):
     probe.load_state_dict(ck["model"])  # loadable into a fresh model
     assert ck["scheduler"]["last_epoch"] == frozen and ck["optimizer"]["state"]
     mon.resume()
-    wait_for(lambda: mon.step >= frozen + 3, what="steps after resume")
+    until(lambda: mon.step >= frozen + 3, what="steps after resume")
     mon.stop()
     mon.wait()  # no exception: a stop is not a failure
     assert mon.state == "stopped"
@@ -138,7 +129,7 @@ def test_a_loop_may_check_stopping_to_clean_up(tmp_path):
     def train():
         for i in range(10**6):
             if i == 3:
-                wait_for(lambda: mon.stopping, what="the stop")
+                until(lambda: mon.stopping, what="the stop")
             if mon.stopping:  # True as soon as stop() is asked
                 cleaned.append(mon.step)
                 return
@@ -151,7 +142,7 @@ def test_a_loop_may_check_stopping_to_clean_up(tmp_path):
             mon.log(loss=1.0)
 
     mon.run(train)
-    wait_for(lambda: mon.step >= 3)
+    until(lambda: mon.step >= 3)
     mon.stop()
     mon.wait()
     assert mon.state == "stopped" and cleaned == [3] and mon.step == 3
@@ -163,16 +154,16 @@ def test_clip_and_cut_lr_act_at_the_optimizer_step(tmp_path):
     mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False)
     loop = Loop(model, opt, sched, batches, mon, delay=0.003)
     mon.run(loop)
-    wait_for(lambda: mon.step >= 3)
+    until(lambda: mon.step >= 3)
     mon.pause()
-    wait_for(lambda: mon.state == "paused")
+    until(lambda: mon.state == "paused")
     mon.set_clip(1e-3)
     mon.scale_lr(0.5)
-    wait_for(lambda: (mon.events.kind == "action").sum() >= 3, what="actions")  # pause+2
+    until(lambda: (mon.events.kind == "action").sum() >= 3, what="actions")  # pause+2
     assert opt.param_groups[0]["lr"] == pytest.approx(0.5e-3)  # between steps: half
     cut_at = mon.step
     mon.resume()
-    wait_for(lambda: mon.step >= cut_at + 5)
+    until(lambda: mon.step >= cut_at + 5)
     mon.stop()
     mon.wait()
     df = mon.df
@@ -237,7 +228,7 @@ def test_stop_ends_a_foreground_loop_that_ignores_log(tmp_path):
     model, opt, sched, batches = setup()
     mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False)
     loop = Loop(model, opt, sched, batches, mon, delay=0.002)
-    stopper = threading.Thread(target=lambda: (wait_for(lambda: mon.step >= 5), mon.stop()))
+    stopper = threading.Thread(target=lambda: (until(lambda: mon.step >= 5), mon.stop()))
     stopper.start()
     with mon:
         loop()  # for ever, but for the stop
@@ -317,10 +308,10 @@ def test_nonfinite_loss_skips_the_step_and_pauses(tmp_path):
             mon.log(loss=loss, mask=b["mask"])
 
     mon.run(train)
-    wait_for(lambda: mon.state == "paused", what="the alert's pause")
+    until(lambda: mon.state == "paused", what="the alert's pause")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     mon.resume()  # step 6 is NaN too: skipped again, whatever the alert's episode
-    wait_for(lambda: mon.step >= 8)
+    until(lambda: mon.step >= 8)
     mon.stop()
     mon.wait()
     df = mon.df
@@ -372,7 +363,7 @@ def test_ctrl_c_during_wait_leaves_the_run_in_hand(tmp_path):
     model, opt, sched, batches = setup()
     mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False)
     mon.run(Loop(model, opt, sched, batches, mon, delay=0.005))
-    wait_for(lambda: mon.step >= 2)
+    until(lambda: mon.step >= 2)
     timer = threading.Timer(0.3, _thread.interrupt_main)
     timer.start()
     with pytest.raises(KeyboardInterrupt):
@@ -380,7 +371,7 @@ def test_ctrl_c_during_wait_leaves_the_run_in_hand(tmp_path):
     timer.join()
     assert mon.running and mon.state == "running"
     at = mon.step
-    wait_for(lambda: mon.step > at + 2, what="training goes on")
+    until(lambda: mon.step > at + 2, what="training goes on")
     mon.stop()  # the controls still answer
     mon.wait()
     assert mon.state == "stopped"
@@ -427,11 +418,11 @@ def test_a_script_in_a_terminal_is_steered_by_attach(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         att = nbwatch.attach(run_dir).wait_started(timeout=60)
-        wait_for(lambda: att.step >= 3, what="the script's steps")
+        until(lambda: att.step >= 3, what="the script's steps")
         att.pause()
-        wait_for(lambda: att.state == "paused", what="paused")
+        until(lambda: att.state == "paused", what="paused")
         att.checkpoint()
-        wait_for(lambda: (att.events.kind == "checkpoint").any(), what="checkpoint")
+        until(lambda: (att.events.kind == "checkpoint").any(), what="checkpoint")
         att.stop()
         out, err = proc.communicate(timeout=60)
     finally:
@@ -512,7 +503,7 @@ def test_a_second_monitor_on_the_same_optimizer_takes_over(tmp_path):
     assert not (tmp_path / "a" / "nbwatch.db").exists()
     running = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "c", display=False)
     running.run(Loop(model, opt, sched, batches, running, delay=0.01))
-    wait_for(lambda: running.step >= 1)
+    until(lambda: running.step >= 1)
     with pytest.raises(RuntimeError, match="watched by a running Monitor"):
         nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "d", display=False)
     running.stop()

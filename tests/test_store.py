@@ -15,6 +15,7 @@ from nbwatch import blocks
 from nbwatch.panels.tail import Tail
 from nbwatch.records import Attention, Command, Event, Histogram, Sample, Scalars
 from nbwatch.store import RunReader, RunStore
+from tests.conftest import until
 
 
 @pytest.fixture
@@ -86,8 +87,17 @@ def test_commands_from_another_writer_are_seen_once(store):
 
 def test_commits_within_the_flush_interval_without_flush(store):
     store.put(Scalars(1, {"a": 1.0}))
-    time.sleep(store.flush_interval * 3)
-    assert RunReader(store.run_dir).last_step() == 1
+    until(lambda: RunReader(store.run_dir).last_step() == 1, store.flush_interval * 3,
+          "a commit without flush()")
+
+
+def readable(run: Path) -> bool:
+    """The run's store exists and its writer has created the tables."""
+    try:
+        RunReader(run).last_step()
+    except (FileNotFoundError, sqlite3.OperationalError):
+        return False
+    return True
 
 
 def test_second_process_reads_while_first_writes(tmp_path):
@@ -106,9 +116,7 @@ def test_second_process_reads_while_first_writes(tmp_path):
     )
     try:
         deadline = time.monotonic() + 30
-        while not (run / "nbwatch.db").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)
+        until(lambda: readable(run), 30, "the writer to create its store")
         reader = RunReader(run)
         seen = []
         while writer.poll() is None and time.monotonic() < deadline:

@@ -15,7 +15,7 @@ from nbwatch.magic import nbwatch_magic, remember
 from nbwatch.records import Scalars
 from nbwatch.store import RunStore, is_run_dir
 from nbwatch.widget import Dashboard, pack
-from tests.conftest import tiny_step
+from tests.conftest import tiny_step, until
 
 
 class Outbox:
@@ -40,14 +40,6 @@ def unpack(obj, buffers):
     return obj
 
 
-def wait_for(cond, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        time.sleep(0.05)
-
-
 def slow_step(model, batch):
     time.sleep(0.03)
     return tiny_step(model, batch)
@@ -66,7 +58,7 @@ def test_deltas_carry_only_new_points_as_binary_buffers(tiny, tmp_path):
     dash = Dashboard.for_monitor(mon)
     out = Outbox(dash)
     mon.wait()
-    wait_for(lambda: not dash.polling)  # the poll thread ends once the run has ended
+    until(lambda: not dash.polling)  # the poll thread ends once the run has ended
     deltas = [unpack(c["panels"], b) for c, b in out.of("delta")]
     assert len(deltas) >= 2
     for _, b in out.of("delta"):
@@ -88,7 +80,7 @@ def test_hello_gets_plotly_once_and_the_whole_history(tiny, tmp_path):
     mon = start(tiny, tmp_path, steps=30)
     mon.wait()
     dash = Dashboard.for_run(mon.run_dir)
-    wait_for(lambda: not dash.polling)
+    until(lambda: not dash.polling)
     out = Outbox(dash)
     dash._on_msg(dash, {"type": "hello", "view": "v1", "plotly": True}, [])
     dash._on_msg(dash, {"type": "hello", "view": "v2", "plotly": False}, [])
@@ -116,9 +108,9 @@ def test_buttons_call_the_monitor_and_the_ack_comes_back(tiny, tmp_path):
     click = lambda kind, value=None: dash._on_msg(
         dash, {"type": "command", "view": "v", "kind": kind, "value": value}, [])
     try:
-        wait_for(lambda: mon.step >= 5)
+        until(lambda: mon.step >= 5)
         click("pause")
-        wait_for(lambda: mon.state == "paused")
+        until(lambda: mon.state == "paused")
         at = mon.step
         time.sleep(0.5)
         assert mon.step == at
@@ -126,8 +118,8 @@ def test_buttons_call_the_monitor_and_the_ack_comes_back(tiny, tmp_path):
         click("clip", 0.05)
         click("checkpoint")
         click("resume")
-        wait_for(lambda: mon.step >= at + 5)
-        wait_for(lambda: any(
+        until(lambda: mon.step >= at + 5)
+        until(lambda: any(
             "LR scaled" in it["message"] for c, b in out.of("delta")
             for it in unpack(c["panels"], b).get("alerts", {}).get("items", [])))
         assert list((mon.run_dir / "checkpoints").glob("*.pt"))
@@ -161,7 +153,7 @@ def test_failed_run_shows_red_with_traceback(tiny, tmp_path):
     dash = Dashboard.for_monitor(mon)
     with pytest.raises(RuntimeError):
         mon.wait()
-    wait_for(lambda: not dash.polling)
+    until(lambda: not dash.polling)
     out = Outbox(dash)
     dash._on_msg(dash, {"type": "hello", "view": "v", "plotly": False}, [])
     h = out.of("full")[0][0]["panels"]["header"]
@@ -173,7 +165,7 @@ def test_failed_run_shows_red_with_traceback(tiny, tmp_path):
 def test_close_stops_the_poll_thread_of_a_live_run(tiny, tmp_path):
     mon = start(tiny, tmp_path, steps=2000, fn=slow_step)
     dash = Dashboard.for_monitor(mon)
-    wait_for(lambda: dash.refreshes > 0)
+    until(lambda: dash.refreshes > 0)
     dash.close()
     assert not dash.polling
     mon.stop()
@@ -230,7 +222,7 @@ def test_db_without_tables_yet_is_retried_not_fatal(tmp_path):
         store.put(Scalars(s, {"loss/train": 3.0 - 0.1 * s}))
     store.set_meta("state", "finished")
     store.close()
-    wait_for(lambda: not dash.polling)
+    until(lambda: not dash.polling)
     panels = [unpack(c["panels"], b) for c, b in out.msgs]
     steps = np.concatenate([p["loss"]["train"]["x"] for p in panels if "loss" in p])
     assert list(steps) == list(range(1, 11))
@@ -249,7 +241,7 @@ def test_header_shows_an_attached_runs_state_and_message(tmp_path):
 
     try:
         # No store yet: the header says "waiting", with the attach's message.
-        wait_for(lambda: hello().get("state") == "waiting")
+        until(lambda: hello().get("state") == "waiting")
         assert "waiting for a run" in hello()["message"]
         # A writer that said "running" and then went silent reads "stale", not "running",
         # and the poll thread sends that change by itself.
@@ -258,7 +250,7 @@ def test_header_shows_an_attached_runs_state_and_message(tmp_path):
         store.set_meta("state", "running")
         store.put(Scalars(1, {"loss/train": 3.0}))
         store.close()
-        wait_for(lambda: any(c["type"] == "delta" and c["panels"].get("header", {}).get(
+        until(lambda: any(c["type"] == "delta" and c["panels"].get("header", {}).get(
             "state") == "stale" for c, _ in out.msgs))
         head = [c["panels"]["header"] for c, _ in out.msgs
                 if c["type"] == "delta" and "header" in c["panels"]][-1]
@@ -272,7 +264,6 @@ def test_header_shows_an_attached_runs_state_and_message(tmp_path):
 
 def test_a_read_only_dashboard_stops_polling_a_run_whose_writer_is_gone(tmp_path):
     import socket
-    import time
 
     from nbwatch.records import Scalars
     from nbwatch.store import RunStore
@@ -286,10 +277,7 @@ def test_a_read_only_dashboard_stops_polling_a_run_whose_writer_is_gone(tmp_path
     store.close()
     dash = Dashboard.for_run(tmp_path / "dead")
     try:
-        deadline = time.monotonic() + 10
-        while dash.polling and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not dash.polling
+        until(lambda: not dash.polling, 10, "the dashboard to stop polling a dead run")
     finally:
         dash.close()
 

@@ -3,6 +3,7 @@ import types
 import psutil
 
 from nbwatch.probes.system import SystemSampler, read_host, read_nvml
+from tests.conftest import until
 
 
 def fake_nvml(n=2):
@@ -53,8 +54,8 @@ def test_host_figures_without_gpu():
 def test_sampler_thread_emits_and_stops():
     got = []
     s = SystemSampler(got.append, interval=0.05).start()
-    import time
-
-    time.sleep(0.3)
-    s.stop()
+    try:
+        until(lambda: len(got) >= 2, 10, "two samples")
+    finally:
+        s.stop()
     assert len(got) >= 2 and "system/cpu/util" in got[0]

@@ -2,6 +2,7 @@
 
     python benchmarks/dashboard.py            # bytes and CPU per refresh at 1k/100k/1M steps
     python benchmarks/dashboard.py --latency  # + recorded step → page latency, notebook growth
+    python benchmarks/dashboard.py --draw     # + page main-thread time: 2-layer demo vs 12 × 12
 
 Traffic: a synthetic run is written straight through `RunStore` (20 scalars a step, an eval
 every 100 steps, 16 weight histograms every 1,000), the dashboard's `Feed` reads it all,
@@ -10,6 +11,12 @@ then each refresh appends 10 steps (40 steps/s at 4 refreshes/s) and measures wh
 JSON content + binary buffers. Latency needs JupyterLab and /usr/bin/chromium (the browser
 test harness): a real Monitor trains the demo at ~20 steps/s; the page records when each
 step arrives; the store holds when each step was recorded.
+
+Draw: the same JupyterLab + Chromium, a live run of the 2-layer demo and of a 12-layer,
+12-head GPT-2 under a real Trainer (tests/scripts/wide_run.py). The page's own Performance
+API measures (js/index.js): main-thread time of each refresh (unpack + fold in + draw), the
+first full draw after a page reload (from when the page has both the state and plotly.js),
+and the bytes of each message.
 """
 
 from __future__ import annotations
@@ -171,15 +178,124 @@ def latency(seconds: float = 25.0) -> dict:
     return out
 
 
+WIDE_CELL = """\
+import tempfile, torch, nbwatch.hf
+from tests.scripts.wide_run import make_trainer
+mon = nbwatch.hf.start(make_trainer(tempfile.mkdtemp(), steps=100_000, delay=0.04, eval_steps=50),
+                       run_dir='runs/draw')
+"""
+
+
+def _page_figures(page) -> dict:
+    return page.evaluate("""() => {
+        const d = (n) => performance.getEntriesByName(n).map((e) => e.duration);
+        const panels = {};
+        for (const e of performance.getEntriesByType('measure')) {
+          if (!e.name.startsWith('nbw:draw:')) continue;
+          const k = e.name.slice(9);
+          (panels[k] = panels[k] || []).push(e.duration);
+        }
+        return {draw: d('nbw:draw'), apply: d('nbw:apply'), first: d('nbw:first-draw'),
+                bytes: window.__nbwatchBytes || [], panels};
+    }""")
+
+
+def draw_timings(model: str, seconds: float = 30.0) -> dict:
+    """Main-thread time per refresh and of the first full draw, in a real JupyterLab."""
+    import nbformat
+    from playwright.sync_api import sync_playwright
+
+    from tests.browser.conftest import ARGS, CHROMIUM, Server, write_notebook
+    from tests.browser.harness import kernel_json, open_notebook, run_all, wait_step
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root, home = Path(tmp) / "root", Path(tmp) / "home"
+        root.mkdir()
+        home.mkdir()
+        if model == "demo":
+            write_notebook(root, "draw", steps=100_000, sleep=0.04)
+        else:
+            nb = nbformat.v4.new_notebook(metadata={"kernelspec": {
+                "name": "python3", "display_name": "Python 3", "language": "python"}})
+            nb.cells = [nbformat.v4.new_code_cell(WIDE_CELL)]
+            nbformat.write(nb, root / "draw.ipynb")
+        srv = Server("lab", root, home)
+        try:
+            with sync_playwright() as pw:
+                b = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+                page = b.new_page(viewport={"width": 1400, "height": 1800})
+                page.route("**/*", lambda r: r.continue_() if r.request.url.startswith(
+                    ("http://127.0.0.1", "ws://127.0.0.1", "blob:", "data:")) else r.abort())
+                open_notebook(page, f"{srv.url}/lab/tree/draw.ipynb?reset")
+                page.evaluate("() => { window.__nbwatchBytes = []; }")
+                run_all(page)
+                wait_step(page, 60, timeout=120)  # past the first eval: attention drawn
+                page.evaluate("() => performance.clearMeasures()")
+                page.evaluate("() => { window.__nbwatchBytes = []; }")
+                time.sleep(seconds)
+                live = _page_figures(page)
+                steps = kernel_json(page, "mon.step")
+                saved = (root / "draw.ipynb").stat().st_mtime_ns
+                page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+                deadline = time.monotonic() + 30  # the reloaded page shows the saved outputs
+                while (root / "draw.ipynb").stat().st_mtime_ns == saved:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("JupyterLab did not save the notebook")
+                    time.sleep(0.1)
+                page.reload()
+                page.wait_for_selector(".nbw-root[data-drawn]", timeout=90_000)
+                page.wait_for_function(
+                    "() => performance.getEntriesByName('nbw:first-draw').length", timeout=30_000)
+                first = _page_figures(page)["first"]
+                kernel_json(page, "mon.stop()")
+                b.close()
+        finally:
+            srv.shutdown_kernels()
+            srv.stop()
+    n_refresh = sum(1 for kind, _ in live["bytes"] if kind == "delta")
+    per_refresh = (sum(live["apply"]) + sum(live["draw"])) / max(n_refresh, 1)
+    per = live["draw"]  # each frame's drawing: the longest task a refresh puts on the page
+    busiest = sorted(((float(np.sum(v)) / max(n_refresh, 1), k)
+                      for k, v in live["panels"].items()), reverse=True)[:4]
+    print(f"{model:>6}: per refresh, unpack + fold in {sum(live['apply']) / max(n_refresh, 1):.1f}"
+          f" ms; drawing, by panel: " + ", ".join(
+        f"{k} {ms:.1f} ms" for ms, k in busiest), flush=True)
+    deltas = [n for kind, n in live["bytes"] if kind == "delta"]
+    third = max(len(deltas) // 3, 1)
+    out = {"model": model, "refreshes": n_refresh, "steps": steps,
+           "refresh_ms_mean": per_refresh,
+           "frame_ms_p50": float(np.median(per)), "frame_ms_p95": float(np.percentile(per, 95)),
+           "frame_ms_max": float(max(per)), "first_draw_ms": float(first[0]),
+           "delta_kb_first_third": float(np.median(deltas[:third])) / 1e3,
+           "delta_kb_last_third": float(np.median(deltas[-third:])) / 1e3}
+    print(f"{model:>6}: first full draw {out['first_draw_ms']:6.0f} ms | main thread per "
+          f"refresh {out['refresh_ms_mean']:5.1f} ms; per frame p50 {out['frame_ms_p50']:5.1f} "
+          f"p95 {out['frame_ms_p95']:5.1f} max {out['frame_ms_max']:5.1f} ms "
+          f"({out['refreshes']} refreshes, to step {steps}) | "
+          f"delta {out['delta_kb_first_third']:.2f} kB → {out['delta_kb_last_third']:.2f} kB",
+          flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1000,100000,1000000")
     ap.add_argument("--latency", action="store_true")
+    ap.add_argument("--draw", action="store_true")
+    ap.add_argument("--models", default="demo,12x12")
     ap.add_argument("--seconds", type=float, default=25.0)
     args = ap.parse_args()
-    traffic([int(s) for s in args.sizes.split(",")])
+    if args.sizes:
+        traffic([int(s) for s in args.sizes.split(",")])
     if args.latency:
         latency(args.seconds)
+    if args.draw:
+        rows = [draw_timings(m, args.seconds) for m in args.models.split(",")]
+        if len(rows) == 2:
+            a, b = rows
+            print(f"{b['model']} / {a['model']}: first draw "
+                  f"{b['first_draw_ms'] / a['first_draw_ms']:.2f}×, refresh p50 "
+                  f"{b['refresh_ms_mean'] / a['refresh_ms_mean']:.2f}×")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 import { mount } from "./mount.js";
 import { needPlotly, plotlyState, receivePlotly, unpack } from "./plot.js";
 
+const G = globalThis;
+
 function render({ model, el }) {
   const viewId = Math.random().toString(36).slice(2);
   const root = document.createElement("div");
@@ -26,24 +28,43 @@ function render({ model, el }) {
   status.textContent = "waiting for the kernel…";
   root.appendChild(status);
 
+  // Main-thread time of each draw, and of the first full draw after a "full" state, as
+  // Performance API measures ("nbw:draw", "nbw:first-draw"): benchmarks/dashboard.py reads them.
+  let fullAt = null;
+  let plotlyAt = null;
   function draw() {
     frame = null;
     if (!Plotly || !alive) return;
+    const t0 = performance.now();
     board.draw(Plotly);
+    performance.measure("nbw:draw", { start: t0 });
+    if (fullAt !== null) {
+      performance.measure("nbw:first-draw", { start: Math.max(fullAt, plotlyAt) });
+      fullAt = null;
+    }
   }
 
   const apply = board.apply;
 
   function onMsg(msg, buffers) {
     if (msg.to && msg.to !== viewId) return;
+    const t0 = performance.now();
+    if (G.__nbwatchBytes && (msg.type === "delta" || msg.type === "full")) {
+      let n = JSON.stringify(msg).length;
+      for (const b of buffers) n += b.byteLength;
+      G.__nbwatchBytes.push([msg.type, n]); // opt-in, for benchmarks: bytes per message
+    }
     if (msg.type === "plotly") {
       receivePlotly(buffers[0]).catch((e) => console.error("nbwatch: plotly.js failed to load", e));
     } else if (msg.type === "full") {
       ready = true;
       status.textContent = "";
+      fullAt = t0;
       apply(unpack(msg.panels, buffers), true);
+      performance.measure("nbw:apply", { start: t0 });
     } else if (msg.type === "delta" && ready) {
       apply(unpack(msg.panels, buffers), false);
+      performance.measure("nbw:apply", { start: t0 });
     } else if (msg.type === "refused" && ctl) {
       ctl.refused(msg.message);
     }
@@ -51,6 +72,7 @@ function render({ model, el }) {
   model.on("msg:custom", onMsg);
   plotlyState().promise.then((P) => {
     Plotly = P;
+    plotlyAt = performance.now();
     ctx.schedule();
   });
   // Say hello until the kernel answers: a view restored before its kernel connection is up

@@ -16,6 +16,15 @@ import * as weights from "./views/weights.js";
 
 export const PANELS = { loss, ranks, grads, weights, attention, system, data, metrics, alerts, samples };
 
+// A live dashboard keeps the page's main thread free for the notebook: each Plotly.react
+// costs 5–15 ms, so the panels a user reads as a trend redraw at most once a second (one
+// such panel per frame, and not in a frame already busy), and a panel scrolled out of view
+// at most every few seconds.
+// The loss, gauges and feeds follow every refresh. A full state draws everything at once.
+const EVERY_MS = { ranks: 1000, grads: 1000, weights: 1000, data: 1000, metrics: 1000 };
+const OFFSCREEN_MS = 3000;
+const BUSY_MS = 12; // a frame that spent this much already leaves trend panels to the next
+
 // Build the header, the controls bar (when `live`) and one view per panel under `root`.
 // `ctx`: {send(msg), schedule()}. Returns {apply(panels, full), draw(Plotly), restyle()}.
 export function mount(root, ctx, { live }) {
@@ -26,20 +35,59 @@ export function mount(root, ctx, { live }) {
   root.appendChild(grid);
   const views = {};
   for (const [name, mod] of Object.entries(PANELS)) views[name] = mod.create(grid, ctx);
+  const last = {};     // view → when it last drew
+  const onscreen = {}; // view → intersects the viewport (or near it)
+  let force = true;    // the next draw draws every view (a full state, a theme switch)
+  let timer = null;
+  if (live && typeof IntersectionObserver !== "undefined") {
+    const io = new IntersectionObserver((entries) => {
+      for (const e of entries) onscreen[e.target.dataset.panel] = e.isIntersecting;
+      ctx.schedule();
+    }, { rootMargin: "200px" });
+    for (const v of Object.values(views)) io.observe(v.box);
+  }
+
+  // Whether a view may draw now; when not, when it may (ms from now).
+  function due(name, now, busy) {
+    if (force || !live) return 0;
+    const every = onscreen[name] === false ? OFFSCREEN_MS : EVERY_MS[name] || 0;
+    if (!every) return 0;
+    const wait = (last[name] || -Infinity) + every - now;
+    if (wait > 0) return wait;
+    return busy ? 40 : 0;
+  }
+
+  // Views that follow every refresh first, then the trend panels.
+  const order = Object.keys(views).sort((a, b) => (EVERY_MS[a] || 0) - (EVERY_MS[b] || 0));
 
   function draw(Plotly) {
     const t = theme(root);
-    for (const v of Object.values(views)) {
+    const now = performance.now();
+    let throttled = false, next = Infinity;
+    for (const name of order) {
+      const v = views[name];
+      const wait = due(name, now, throttled || performance.now() - now > BUSY_MS);
+      if (wait > 0) { next = Math.min(next, wait); continue; }
+      if (EVERY_MS[name] || onscreen[name] === false) throttled = true;
+      last[name] = now;
+      const t0 = performance.now();
       try {
         v.draw(Plotly, t);
+        performance.measure(`nbw:draw:${name}`, { start: t0 });
       } catch (e) {
         console.error("nbwatch: a panel failed to draw", e);
       }
+    }
+    force = false;
+    // A view that was held back draws later even when no refresh comes (a finished run).
+    if (next < Infinity && timer === null) {
+      timer = setTimeout(() => { timer = null; ctx.schedule(); }, next);
     }
     root.dataset.drawn = String((Number(root.dataset.drawn) || 0) + 1);
   }
 
   function apply(panels, full) {
+    if (full) force = true;
     if (panels.header) {
       head.update(panels.header);
       if (ctl) ctl.setState(panels.header.state);
@@ -54,6 +102,7 @@ export function mount(root, ctx, { live }) {
   }
 
   function restyle() {
+    force = true;
     for (const v of Object.values(views)) if (v.restyle) v.restyle();
   }
 

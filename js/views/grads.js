@@ -13,7 +13,7 @@ export function create(root, ctx) {
   p.head.appendChild(more);
   const heatDiv = el("div", "nbw-plot nbw-grads-heat");
   const bars = el("div", "nbw-plot nbw-half nbw-grads-bars");
-  const line = el("div", "nbw-plot nbw-half");
+  const line = el("div", "nbw-plot nbw-half nbw-grads-norm");
   p.body.append(heatDiv, bars, line);
   const g = new Series(), c = new Series();
   let layers = [], norms = [], step = null, clip = [];

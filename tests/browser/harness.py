@@ -62,11 +62,14 @@ def wait_step(page: Page, at_least: int, timeout: float = 60) -> int:
     return page_step(page)
 
 
-def trace(page: Page, panel: str, name: str, plot: int = 0) -> dict[str, list]:
-    """x and y of the plotly trace `name` in a panel's `plot`-th figure, as the page holds it."""
+def trace(page: Page, panel: str, name: str, plot: int | str = 0) -> dict[str, list]:
+    """x and y of the plotly trace `name` in a panel's `plot`-th figure (or the figure of
+    that CSS class), as the page holds it."""
     return page.evaluate(
         """([panel, name, i]) => {
-            const gd = document.querySelectorAll(`[data-panel=${panel}] .js-plotly-plot`)[i];
+            const gd = typeof i === "string"
+              ? document.querySelector(`[data-panel=${panel}] .${i}`)
+              : document.querySelectorAll(`[data-panel=${panel}] .js-plotly-plot`)[i];
             const t = gd.data.find((t) => t.name === name);
             return t ? {x: Array.from(t.x), y: Array.from(t.y)} : null;
         }""", [panel, name, plot])

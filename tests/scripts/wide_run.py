@@ -44,7 +44,7 @@ def spike_layer_name(layers: int = 12) -> str:
 
 
 def make_trainer(out: str | Path, steps: int = 60, layers: int = 12, heads: int = 12,
-                 delay: float = 0.0):
+                 delay: float = 0.0, eval_steps: int | None = None):
     """The Trainer (its model's spike hook installed); `delay` seconds of data loading per
     batch make a run last while a browser watches it."""
     import transformers as tf
@@ -66,7 +66,7 @@ def make_trainer(out: str | Path, steps: int = 60, layers: int = 12, heads: int 
     args = tf.TrainingArguments(
         output_dir=str(out), max_steps=steps, per_device_train_batch_size=4,
         per_device_eval_batch_size=4, logging_steps=1, report_to=[], save_strategy="no",
-        eval_strategy="steps", eval_steps=max(steps // 3, 1), learning_rate=1e-3,
+        eval_strategy="steps", eval_steps=eval_steps or max(steps // 3, 1), learning_rate=1e-3,
         warmup_steps=5, max_grad_norm=0.0, use_cpu=True, disable_tqdm=True, seed=0,
         log_level="error")
     collate = None

@@ -221,7 +221,8 @@ def _lr_change(w: Window, p: dict) -> str | None:
     if lr is None or ref is None or lr <= 0 or ref <= 0:
         return None
     if max(lr / ref, ref / lr) >= p["factor"]:
-        return f"LR changed {ref:.3g} → {lr:.3g}"
+        return (f"LR changed {ref:.3g} → {lr:.3g}, not by the scheduler or a control (set in "
+                f"the loop? pass the scheduler to Monitor to have its changes expected)")
     return None
 
 
@@ -309,7 +310,8 @@ def default_rules() -> list[Rule]:
         Rule("straggler", "warning", "ranks", _straggler, {"slower": 0.2}, (), 3,
              "one DDP rank's median step time > 20% above the others'"),
         Rule("lr_change", "info", "step", _lr_change, {"factor": 2.0}, (), 1,
-             "the LR moved 2× from the last reported value"),
+             "the LR moved 2× from the last reported value, and neither the scheduler nor a "
+             "control moved it"),
     ]
 
 
@@ -393,7 +395,13 @@ class AlertEngine:
         self._active: dict[str, bool] = {}
         self._clear: dict[str, int] = {}
         self._lr_reported: float | None = None
+        self._lr_explained = False
         self._weight_start: dict[str, float] = {}
+
+    def explain_lr(self) -> None:
+        """The LR of the next "step" observation moved as planned (the scheduler stepped, or
+        a control scaled it): `lr_change` reports only changes nothing explains."""
+        self._lr_explained = True
 
     def observe(self, phase: str, step: int, values: dict[str, Any] | None = None,
                 **extra: Any) -> list[Alert]:
@@ -404,8 +412,9 @@ class AlertEngine:
             w.latest = values
         if phase == "step":
             lr = w.latest.get("lr")
-            if self._lr_reported is None and lr is not None:
-                self._lr_reported = lr
+            if (self._lr_reported is None or self._lr_explained) and lr is not None:
+                self._lr_reported = lr  # the reference follows a planned change
+            self._lr_explained = False
             w.extra = {"lr_reported": self._lr_reported}
         elif phase == "hist":
             stds = extra.get("weight_std", {})

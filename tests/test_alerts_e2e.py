@@ -203,3 +203,41 @@ def test_on_alert_callback_and_log_records_at_the_alert_level(tmp_path, caplog):
     records = [r for r in caplog.records if r.getMessage().startswith("nonfinite")]
     assert [r.levelno for r in records] == [logging.CRITICAL]
     assert any("on_alert callback failed" in r.getMessage() for r in caplog.records)
+
+
+def lr_alerts(mon):
+    ev = mon.events
+    return ev[(ev.kind == "alert") & ev.message.str.startswith("lr_change")]
+
+
+def test_lr_change_is_quiet_for_the_schedule_and_controls_and_reports_a_hand_set_lr(tmp_path):
+    """The demo's warm-up (LR ×100 over 100 steps) and a Cut LR click are planned changes; an
+    own loop that sets the LR by hand, with no scheduler to explain it, is reported once."""
+    demo = small_demo(max_steps=120)
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "a")
+    mon.start(max_steps=120, eval_every=100, display=False, **demo.start_kwargs())
+    until(lambda: mon.step >= 60, 60, "step 60")
+    mon.scale_lr(0.1)
+    mon.wait()
+    lrs = mon.df["lr"]
+    assert lrs.iloc[5] / lrs.iloc[0] > 2 and lrs.iloc[-1] / lrs.iloc[58] < 0.5  # it moved
+    assert lr_alerts(mon).empty, list(lr_alerts(mon).message)
+
+    model = small_demo().model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    own = nbwatch.Monitor(model, opt, run_dir=tmp_path / "b")
+    batches = itertools.cycle(demo.train)
+    for step in range(1, 41):
+        if step == 20:
+            for g in opt.param_groups:
+                g["lr"] = 1e-2  # by hand, no scheduler
+        b = next(batches)
+        loss = masked_cross_entropy(model(b["input_ids"]), b["labels"], b["mask"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        own.log(loss=loss)
+    own.close()
+    fired = lr_alerts(own)
+    assert list(fired.step) == [20], list(fired.message)
+    assert "not by the scheduler or a control" in fired.message.iloc[0]

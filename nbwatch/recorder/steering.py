@@ -115,6 +115,7 @@ class Steering:
             if not c.lr_raw:  # else the factor goes on when the scheduler has stepped
                 ctl.scale_lrs(self.opt, cmd.value)
             c.lr_factor *= cmd.value
+            self.engine.explain_lr()
             msg = (f"LR scaled ×{cmd.value:g} (factor now {c.lr_factor:g}): "
                    f"{before:.3g} → {before * cmd.value:.3g}")
         else:  # pause while paused, resume while running: nothing to acknowledge

@@ -111,6 +111,10 @@ class StepEnd:
             alerts = alerts + self.engine.observe("grads", step, values)  # a real NaN
         elif overflow:
             values.pop("grad_norm/global", None)
+        if self.sched is not None:
+            n = ctl.steps_taken(self.sched)  # None: a scheduler without a counter
+            if n is None or n != self._sched_at_end:
+                self.engine.explain_lr()
         alerts = alerts + self.engine.observe("step", step, values)
         if self.dist is not None:
             self._rank_rows.append((step, {**rank_figures(values), "time/sync": self._sync_s}))

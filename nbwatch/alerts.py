@@ -272,6 +272,12 @@ def _val_periodic(w: Window, p: dict) -> str | None:
 
 def default_rules() -> list[Rule]:
     """The built-in rules, thresholds from the seeds (documented in the README)."""
+    from .health import rules as health_rules
+
+    return [*_base_rules(), *health_rules()]
+
+
+def _base_rules() -> list[Rule]:
     return [
         Rule("nonfinite", "critical", "grads", _nonfinite,
              {"keys": ("loss/train", "grad_norm/global")},

@@ -3,7 +3,7 @@ probe pass (never a training step), and the rules that watch them."""
 
 from __future__ import annotations
 
-from .alerts import Rule
+from .rules import Rule
 
 
 def rules() -> list[Rule]:

@@ -16,13 +16,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import health
+from .probes.activations import capture_block_rms, logit_figures, output_logits
 from .probes.attention import capture_attention
 from .records import Attention
 
 
 @dataclass
 class EvalResult:
-    values: dict[str, float] = field(default_factory=dict)  # loss/val, val/<k>, time/eval
+    # loss/val, val/<k>, time/eval; the probe pass's health figures (attn/, logits/, act/)
+    values: dict[str, float] = field(default_factory=dict)
     attention: list[Attention] = field(default_factory=list)
     sample: str | None = None
     probe_error: str | None = None  # the default probe forward did not fit the model
@@ -97,14 +100,16 @@ def evaluate(model: nn.Module, spec: Any, step: int, train_loss: float | None,
             forward = spec.probe_fn or spec.step_fn
             # torch.compile: probe the module it wraps, so Dynamo never traces the hooks
             target = getattr(model, "_orig_mod", model)
+            returned = None
             with capture_attention(target, spec.attention_samples,
                                    spec.attention_tokens) as maps, torch.no_grad(), \
-                    _eager_weights_returned(target):
+                    _eager_weights_returned(target), \
+                    capture_block_rms(target, spec.attention_samples) as rms:
                 if forward is not None:
-                    forward(target, spec.probe_batch)
+                    returned = forward(target, spec.probe_batch)
                 else:
                     try:
-                        probe_forward(target, spec.probe_batch)
+                        returned = probe_forward(target, spec.probe_batch)
                     except Exception as e:  # a guess at the model's signature: say so
                         out.probe_error = (
                             f"the attention probe's forward failed ({type(e).__name__}: "
@@ -115,6 +120,10 @@ def evaluate(model: nn.Module, spec: Any, step: int, train_loss: float | None,
                     "the attention probe saw no attention weights (no "
                     "F.scaled_dot_product_attention, nn.MultiheadAttention or attention "
                     "module returning its weights ran); attention maps are off for this run")
+            logits = output_logits(returned)
+            out.values.update(health.figures(
+                maps.entropy, maps.max_logit, rms,
+                logit_figures(logits) if logits is not None else {}))
             for module, w in maps.items():
                 for i in range(w.shape[0]):
                     toks = None

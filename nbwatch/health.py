@@ -3,9 +3,102 @@ probe pass (never a training step), and the rules that watch them."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
 from .rules import Rule
+
+ENTROPY = "attn/entropy/"      # + module: mean over heads; + module/head: one head
+MAX_LOGIT = "attn/max_logit/"  # + module: max over heads; + module/head: one head
+RMS = "act/rms/"               # + block: RMS of the block's output (the residual stream)
+
+
+def figures(entropy: dict[str, np.ndarray], max_logit: dict[str, np.ndarray],
+            rms: dict[str, float], logits: dict[str, float]) -> dict[str, float]:
+    """The probe pass's health figures as scalar names (what the store, the panel and the
+    rules read)."""
+    out: dict[str, float] = {}
+    for prefix, per_head, reduce in ((ENTROPY, entropy, np.nanmean),
+                                     (MAX_LOGIT, max_logit, np.nanmax)):
+        for module, heads in per_head.items():
+            heads = np.asarray(heads, dtype=np.float64)
+            if heads.size and np.isfinite(heads).any():
+                out[prefix + module] = float(reduce(heads))
+            for h, v in enumerate(heads.tolist()):
+                if math.isfinite(v):
+                    out[f"{prefix}{module}/{h}"] = v
+    out.update({RMS + block: v for block, v in rms.items()})
+    out.update(logits)
+    return out
+
+
+def per_head(key: str) -> bool:
+    """`attn/<figure>/<module>/<head>`: one head's figure (not the module's summary)."""
+    return key.startswith(("attn/entropy/", "attn/max_logit/")) and \
+        key.rsplit("/", 1)[-1].isdigit()
+
+
+# -- the checks (pure: window + params → message or None); the window's series of these
+# figures has one value per probe pass
+def _entropy_collapse(w, p: dict) -> str | None:
+    fallen = []
+    for key in w.latest:
+        if not (key.startswith(ENTROPY) and per_head(key)):
+            continue
+        a = w.arr(key)
+        early, now = (float(a[0]), float(a[-1])) if len(a) >= 2 else (math.nan, math.nan)
+        if early >= p["min_early"] and now < p["fraction"] * early:
+            fallen.append((now / early, key[len(ENTROPY):], early, now))
+    if not fallen:
+        return None
+    _, head, early, now = min(fallen)
+    module, h = head.rsplit("/", 1)
+    more = f" (and {len(fallen) - 1} more heads)" if len(fallen) > 1 else ""
+    return (f"attention entropy of {module} head {h} fell to {now:.2f} nats from {early:.2f} "
+            f"at the first probe{more}: the head attends to one token; entropy collapse "
+            "comes before loss spikes (Zhai et al. 2023): lower the LR, add QK-norm")
+
+
+def _logit_growth(w, p: dict) -> str | None:
+    grown = []
+    for key in w.latest:
+        if not key.startswith(MAX_LOGIT) or per_head(key):
+            continue
+        a = w.arr(key)
+        if len(a) >= 2 and a[-1] > p["threshold"] and a[-1] > a[-2]:
+            grown.append((float(a[-1]), key[len(MAX_LOGIT):], float(a[-2])))
+    if not grown:
+        return None
+    now, module, before = max(grown)
+    more = f" (and {len(grown) - 1} more modules)" if len(grown) > 1 else ""
+    return (f"attention logits of {module} reached {now:.3g} (was {before:.3g} at the last "
+            f"probe; above {p['threshold']:g} and rising){more}: softmax turns one-hot and the "
+            "loss diverges next (Wortsman et al. 2023): lower the LR, add QK-layernorm")
+
+
+def _output_drift(w, p: dict) -> str | None:
+    a = w.arr("logits/z_mean")
+    if len(a) < 2 or not math.isfinite(a[-1]):
+        return None
+    early, now = float(a[0]), float(a[-1])
+    if abs(now - early) > p["nats"]:
+        return (f"the output log-partition log Z drifted to {now:.3g} from {early:.3g} at the "
+                f"first probe (by more than {p['nats']:g} nats): the output logits grow; a "
+                "z-loss (PaLM: 1e-4 · log²Z) holds them")
+    return None
 
 
 def rules() -> list[Rule]:
-    """The health rules, appended to `alerts.default_rules()`."""
-    return []
+    """The health rules, appended to `alerts.default_rules()`; they read the probe pass
+    (phase "eval"), so they cost nothing on a training step."""
+    return [
+        Rule("attention_entropy_collapse", "warning", "eval", _entropy_collapse,
+             {"fraction": 0.2, "min_early": 0.5}, (), 1,
+             "a head's attention entropy fell below 20% of its value at the first probe"),
+        Rule("attention_logit_growth", "warning", "eval", _logit_growth,
+             {"threshold": 50.0}, (), 1,
+             "a module's largest pre-softmax attention logit is above 50 and rising"),
+        Rule("output_logit_drift", "warning", "eval", _output_drift, {"nats": 10.0}, (), 1,
+             "the LM head's mean log-partition moved 10 nats from the first probe"),
+    ]

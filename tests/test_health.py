@@ -1,0 +1,151 @@
+"""Transformer health on the probe pass: attention entropy and max logit per head (SDPA,
+Hugging Face eager attention, nn.MultiheadAttention), the residual stream's RMS per block,
+the output log-partition; and the rules that watch them, on a healthy run and on a run
+whose LR grows until the loss diverges."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import nbwatch
+from nbwatch import health
+from nbwatch.demo import TinyGPT, make_demo
+from nbwatch.probes.activations import blocks, capture_block_rms, logit_figures
+from nbwatch.probes.attention import capture_attention
+
+
+def entropy_and_max(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Per head, straight from the logits [B, H, T, S] (masked at −inf)."""
+    p = torch.softmax(logits, -1)
+    ent = -(p * torch.log(p.clamp_min(1e-12))).sum(-1).mean(dim=(0, 2))
+    m = logits.masked_fill(torch.isinf(logits), -1e9).amax(dim=(0, 2, 3))
+    return ent.numpy(), m.numpy()
+
+
+def test_sdpa_entropy_and_max_logit_equal_a_direct_computation():
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32).eval()
+    idx = torch.randint(1, 64, (3, 10))
+    with capture_attention(model, samples=2, max_tokens=8) as maps, \
+            capture_block_rms(model, samples=2) as rms:
+        out = model(idx)
+    blk = model.blocks[0]
+    x = model.tok_emb(idx) + model.pos_emb(torch.arange(10))
+    q, k, _ = blk.attn.qkv(blk.ln1(x)).split(32, dim=2)
+    q, k = (t.view(3, 10, 2, 16).transpose(1, 2)[:2] for t in (q, k))
+    logits = (q @ k.transpose(-2, -1)) / 4.0 + torch.full((10, 10), float("-inf")).triu(1)
+    ent, mx = entropy_and_max(logits.detach())
+    # uncropped: the 10 × 10 maps, though the stored maps are cropped to 8 × 8
+    np.testing.assert_allclose(maps.entropy["blocks.0.attn"], ent, rtol=1e-5)
+    np.testing.assert_allclose(maps.max_logit["blocks.0.attn"], mx, rtol=1e-5)
+    h0 = model.blocks[0](x)[:2]
+    assert rms["blocks.0"] == pytest.approx(float(h0.detach().pow(2).mean().sqrt()), rel=1e-5)
+    assert list(rms) == ["blocks.0", "blocks.1"]
+    f = logit_figures(out)
+    assert f["logits/z_mean"] == pytest.approx(float(torch.logsumexp(out, -1).mean()), rel=1e-6)
+    assert f["logits/max_abs"] == pytest.approx(float(out.abs().max()))
+    # the scalar names the store and the rules read: per head, and per module
+    figs = health.figures(maps.entropy, maps.max_logit, rms, f)
+    assert figs["attn/max_logit/blocks.0.attn"] == pytest.approx(float(mx.max()), rel=1e-5)
+    assert figs["attn/entropy/blocks.0.attn/1"] == pytest.approx(float(ent[1]), rel=1e-5)
+    assert health.per_head("attn/entropy/blocks.0.attn/1")
+    assert not health.per_head("attn/entropy/blocks.0.attn")
+
+
+def test_hf_eager_attention_logits_come_from_its_softmax():
+    """Eager attention computes softmax(QKᵀ/√d + mask) in Python: the probe reads the
+    logits at that softmax, padding and the causal mask excluded."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(
+        n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=32,
+        attn_implementation="eager")).eval()
+    ids = torch.randint(1, 64, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 9:] = 0  # padding at the end of sample 1
+    model.config.output_attentions = True
+    with capture_attention(model, samples=2) as maps:
+        out = model(input_ids=ids, attention_mask=mask)
+    attn = model.transformer.h[0].attn
+    x = model.transformer.wte(ids) + model.transformer.wpe(torch.arange(12))
+    q, k, _ = attn.c_attn(model.transformer.h[0].ln_1(x)).split(32, dim=2)
+    q, k = (t.view(2, 12, 4, 8).transpose(1, 2) for t in (q, k))
+    logits = (q @ k.transpose(-2, -1)) / math.sqrt(8)
+    allowed = torch.ones(12, 12, dtype=torch.bool).tril() & mask[:, None, None, :].bool()
+    logits = logits.masked_fill(~allowed, float("-inf")).detach()
+    _, mx = entropy_and_max(logits)
+    np.testing.assert_allclose(maps.max_logit["transformer.h.0.attn"], mx, rtol=1e-4)
+    # every query row attends (a padded query still sees the real keys before it)
+    w = out.attentions[0]
+    want = -(w * torch.log(w.clamp_min(1e-12))).sum(-1).mean(dim=(0, 2))
+    np.testing.assert_allclose(maps.entropy["transformer.h.0.attn"], want.detach().numpy(),
+                               rtol=1e-4)
+
+
+def test_multihead_attention_logits_per_head():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(2, 6, 16)
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = mha
+
+        def forward(self, x):
+            return self.mha(x, x, x)[0]
+
+    model = Wrap()
+    with capture_attention(model, samples=2) as maps:
+        model(x)
+    wq, wk, _ = mha.in_proj_weight.split(16)
+    bq, bk, _ = mha.in_proj_bias.split(16)
+    q = (x @ wq.T + bq).view(2, 6, 4, 4).transpose(1, 2)
+    k = (x @ wk.T + bk).view(2, 6, 4, 4).transpose(1, 2)
+    ent, mx = entropy_and_max(((q @ k.transpose(-2, -1)) / 2.0).detach())
+    np.testing.assert_allclose(maps.max_logit["mha"], mx, rtol=1e-4)
+    np.testing.assert_allclose(maps.entropy["mha"], ent, rtol=1e-4)
+    assert blocks(model) == []  # no repeated blocks: no activation figures
+
+
+def health_alerts(mon) -> list[tuple[int, str]]:
+    ev = mon.events
+    names = {r.name for r in health.rules()}
+    rows = ev[(ev.kind == "alert")]
+    return [(int(s), m) for s, m in zip(rows.step, rows.message) if m.split(":")[0] in names]
+
+
+def test_a_healthy_run_stays_quiet(tmp_path):
+    demo = make_demo(d=64, layers=2, heads=4, ctx=64, max_steps=300)
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "r")
+    mon.start(max_steps=300, eval_every=20, display=False, **demo.start_kwargs()).wait()
+    assert mon.state == "finished"
+    df = mon.df
+    assert df["attn/max_logit/blocks.0.attn"].notna().sum() == 15  # every probe recorded
+    assert df["act/rms/blocks.1"].notna().sum() == 15
+    assert health_alerts(mon) == []
+
+
+def test_growing_lr_trips_logit_growth_and_entropy_collapse_before_the_loss_diverges(tmp_path):
+    """The LR grows 4% a step (an LR range test run past its edge; no QK-norm): attention
+    logits grow and heads collapse onto one token long before the loss blows up."""
+    torch.manual_seed(0)
+    demo = make_demo(d=64, layers=2, heads=4, ctx=64, lr=1e-3, warmup=1, max_steps=200)
+    sched = torch.optim.lr_scheduler.LambdaLR(demo.optimizer, lambda s: 1.04 ** s)
+    quiet = {r: {"actions": []} for r in ("nonfinite", "grad_explosion", "val_spike")}
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, sched, run_dir=tmp_path / "r",
+                          alerts=quiet)
+    mon.start(max_steps=200, eval_every=5, display=False, **demo.start_kwargs()).wait()
+    loss = mon.df["loss/train"]
+    best = loss.rolling(5).mean().min()
+    diverged = int(loss[loss > 2 * best].index.min())  # the loss doubles its best
+    fired = {m.split(":")[0]: s for s, m in reversed(health_alerts(mon))}
+    assert fired["attention_logit_growth"] < diverged - 30, (fired, diverged)
+    assert fired["attention_entropy_collapse"] < diverged - 30, (fired, diverged)
+    print(f"logit growth at step {fired['attention_logit_growth']}, entropy collapse at "
+          f"{fired['attention_entropy_collapse']}, loss doubled its best at {diverged}")

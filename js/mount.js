@@ -7,6 +7,7 @@ import * as controls from "./views/controls.js";
 import * as data from "./views/data.js";
 import * as grads from "./views/grads.js";
 import * as header from "./views/header.js";
+import * as health from "./views/health.js";
 import * as loss from "./views/loss.js";
 import * as metrics from "./views/metrics.js";
 import * as ranks from "./views/ranks.js";
@@ -14,14 +15,14 @@ import * as samples from "./views/samples.js";
 import * as system from "./views/system.js";
 import * as weights from "./views/weights.js";
 
-export const PANELS = { loss, ranks, grads, weights, attention, system, data, metrics, alerts, samples };
+export const PANELS = { loss, ranks, grads, weights, attention, health, system, data, metrics, alerts, samples };
 
 // A live dashboard keeps the page's main thread free for the notebook: each Plotly.react
 // costs 5–15 ms, so the panels a user reads as a trend redraw at most once a second (one
 // such panel per frame, and not in a frame already busy), and a panel scrolled out of view
 // at most every few seconds.
 // The loss, gauges and feeds follow every refresh. A full state draws everything at once.
-const EVERY_MS = { ranks: 1000, grads: 1000, weights: 1000, data: 1000, metrics: 1000 };
+const EVERY_MS = { ranks: 1000, grads: 1000, weights: 1000, health: 1000, data: 1000, metrics: 1000 };
 const OFFSCREEN_MS = 3000;
 const BUSY_MS = 12; // a frame that spent this much already leaves trend panels to the next
 

@@ -4,7 +4,7 @@
 import { baseLayout, CONFIG, el, esc, escTemplate, panel } from "../plot.js";
 
 const MAX_TICKS = 32;
-const MEASURES = { entropy: "entropy (nats)", peak: "largest weight" };
+const MEASURES = { entropy: "entropy (nats)", peak: "largest weight", logit: "largest logit" };
 
 export function create(root, ctx) {
   const p = panel(root, "attention", "Attention");
@@ -51,9 +51,11 @@ export function create(root, ctx) {
     const vals = s[m];
     // An absolute scale (0 to the largest possible), so that heads equal to 0.001 do not
     // look apart: entropy up to ln(keys), the largest weight up to 1.
-    const top = m === "peak" ? 1 : Math.log(Math.max(2, ...s.shapes.map((sh) => sh[2])));
+    const logits = m === "logit" ? data.logit : null; // the probe's, the same for every sample
+    let top = m === "peak" ? 1 : Math.log(Math.max(2, ...s.shapes.map((sh) => sh[2])));
+    if (logits) top = Math.max(1, ...Array.from(logits).filter(Number.isFinite));
     const z = Array.from({ length: L }, (_, l) => Array.from({ length: H }, (_, h) => {
-      const v = vals ? vals[l * H + h] : NaN;
+      const v = logits ? logits[l * H + h] : vals ? vals[l * H + h] : NaN;
       return Number.isFinite(v) && h < s.shapes[l][0] ? v : null;
     }));
     overview.style.height = `${Math.min(Math.max(200, 16 * L + 90), 560)}px`;
@@ -62,7 +64,7 @@ export function create(root, ctx) {
     Plotly.react(overview, [{
       type: "heatmap", z, x: Array.from({ length: H }, (_, h) => h), y: Array.from({ length: L }, (_, l) => l),
       colorscale: "Viridis", reversescale: m === "peak", xgap: 1, ygap: 1, zmin: 0, zmax: top,
-      colorbar: { thickness: 10, len: 0.9, title: { text: m === "peak" ? "max w" : "nats", side: "right" } },
+      colorbar: { thickness: 10, len: 0.9, title: { text: { peak: "max w", logit: "logit", entropy: "nats" }[m], side: "right" } },
       customdata: data.modules.map((mod) => Array.from({ length: H }, () => escTemplate(mod))),
       hovertemplate: `%{customdata} head %{x}<br>${MEASURES[m]} %{z:.3f}<br>click to open<extra></extra>`,
     }], baseLayout(t, {
@@ -126,6 +128,8 @@ export function create(root, ctx) {
       }));
       if (keep && Number(keep) < d.samples.length) pick.value = keep;
       info.textContent = `step ${d.step}`;
+      measure.querySelector('option[value="logit"]').hidden = !d.logit;
+      if (!d.logit && measure.value === "logit") measure.value = "entropy";
       if (open.l >= d.modules.length || open.h >= d.heads) open = { l: 0, h: 0 };
       dirty = true;
     },

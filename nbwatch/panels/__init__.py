@@ -12,13 +12,26 @@ from typing import Any
 import numpy as np
 
 from ..store import RunReader
-from . import alerts, attention, data, grads, header, loss, metrics, ranks, samples, system, weights
+from . import (
+    alerts,
+    attention,
+    data,
+    grads,
+    header,
+    health,
+    loss,
+    metrics,
+    ranks,
+    samples,
+    system,
+    weights,
+)
 from ._common import layers_of
 from .downsample import MAX_POINTS, Downsampler, reduce
 from .tail import Delta, Tail
 
-PANELS = ("header", "loss", "ranks", "grads", "weights", "attention", "system", "data",
-          "metrics", "alerts", "samples")
+PANELS = ("header", "loss", "ranks", "grads", "weights", "attention", "health", "system",
+          "data", "metrics", "alerts", "samples")
 MAX_EVENTS = 500
 ENDED = ("finished", "stopped", "failed")
 
@@ -142,7 +155,8 @@ class Feed:
             "ranks": ranks.build(series, recent, events),
             "grads": grads.build(series, self.latest, events, heat),
             "weights": weights.build(columns, series),
-            "attention": attention.build(att),
+            "attention": attention.build(att, self.latest),
+            "health": health.build(series),
             "system": system.build(self.latest),
             "data": data.build(series, seq_len),
             "metrics": metrics.build(series, full),

@@ -9,9 +9,12 @@ from typing import Any
 import numpy as np
 
 
-def build(att: Mapping[str, Any] | None) -> dict[str, Any]:
+def build(att: Mapping[str, Any] | None,
+          latest: Mapping[str, tuple[int, float]] | None = None) -> dict[str, Any]:
     """`att`: {step, samples: [{tokens, maps: {module: [heads, T, S]}}]} → weights as uint8
-    (×255: attention rows sum to 1, so 1/255 resolution is what a colour scale shows)."""
+    (×255: attention rows sum to 1, so 1/255 resolution is what a colour scale shows).
+    `latest` {key: (step, value)}: each head's largest logit at that probe, for the
+    overview."""
     if not att or not att["samples"]:
         return {}
     samples = []
@@ -39,8 +42,17 @@ def build(att: Mapping[str, Any] | None) -> dict[str, Any]:
                         "peak": peak})
     if not samples:
         return {}
-    return {"step": int(att["step"]), "modules": modules,
-            "heads": int(samples[0]["maps"].shape[1]), "samples": samples}
+    out = {"step": int(att["step"]), "modules": modules,
+           "heads": int(samples[0]["maps"].shape[1]), "samples": samples}
+    logit = np.full((len(modules), out["heads"]), np.nan, dtype=np.float32)
+    for i, m in enumerate(modules):
+        for h in range(out["heads"]):
+            got = (latest or {}).get(f"attn/max_logit/{m}/{h}")
+            if got is not None and got[0] == out["step"]:
+                logit[i, h] = got[1]
+    if np.isfinite(logit).any():
+        out["logit"] = logit
+    return out
 
 
 def head_summary(stack: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -28,6 +28,12 @@ def check_scale(page) -> None:
     layer and step in the heat map, the attention overview opening the clicked head."""
     rendered = panels_rendered(page)
     assert all(rendered[p] for p in DRAWN), rendered
+    # the probe pass's health figures: entropy, max logit, block RMS, output logits
+    page.wait_for_function("() => document.querySelectorAll("
+                           "'[data-panel=health] .main-svg').length >= 4", timeout=10_000)
+    lines = page.evaluate("""() => document.querySelector('[data-panel=health] .nbw-health-rms')
+        .data.map((t) => t.name)""")
+    assert lines == [f"transformer.h.{i}" for i in range(12)]
     peak = grad_heat_peak(page)
     assert peak["layers"] == 2 + 12 * 6 + 1  # wte, wpe, 6 per block, ln_f: depth order
     assert peak["layer"] == wide_run.spike_layer_name()

@@ -208,3 +208,17 @@ def test_grad_heat_map_shows_a_spike_at_its_layer_and_step_and_folds_like_a_full
     assert (row, col) == (7, 2345 // full["w"]) and full["z"][row, col] == 50.0
     assert np.nanmax(np.delete(full["z"], 7, axis=0)) < 0.61
     store.close()
+
+
+def test_health_draws_modules_not_heads():
+    from nbwatch.panels import health
+
+    series = {"attn/entropy/h.0.attn": s([10, 20], [2.0, 1.5]),
+              "attn/entropy/h.0.attn/0": s([10, 20], [2.1, 1.0]),
+              "attn/max_logit/h.0.attn": s([10, 20], [5.0, 9.0]),
+              "act/rms/h.0": s([10], [1.2]), "logits/z_mean": s([10], [4.8]),
+              "loss/train": s([10], [3.0])}
+    d = health.build(series)
+    assert list(d["entropy"]) == ["h.0.attn"] and list(d["max_logit"]) == ["h.0.attn"]
+    assert list(d["rms"]) == ["h.0"] and list(d["z"]["y"]) == [4.8] and "max_abs" not in d
+    assert health.build({"loss/train": s([1], [1.0])}) == {}

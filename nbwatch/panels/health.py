@@ -1,0 +1,25 @@
+"""Health: the probe pass's Transformer-health figures over steps: attention entropy and
+largest attention logit per module, the residual stream's RMS per block, and the output
+log-partition with the largest |logit|."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..health import ENTROPY, MAX_LOGIT, RMS, per_head
+from ._common import Series, trace
+
+
+def build(series: Series) -> dict[str, Any]:
+    """{"entropy" | "max_logit" | "rms": {name: {x, y}}, "z", "max_abs": {x, y}}, per module
+    (not per head: the attention panel's overview shows heads)."""
+    out: dict[str, Any] = {}
+    for part, prefix in (("entropy", ENTROPY), ("max_logit", MAX_LOGIT), ("rms", RMS)):
+        got = {k[len(prefix):]: trace(series, k) for k in series
+               if k.startswith(prefix) and not per_head(k)}
+        if got:
+            out[part] = got
+    for part, key in (("z", "logits/z_mean"), ("max_abs", "logits/max_abs")):
+        if (t := trace(series, key)) is not None:
+            out[part] = t
+    return out

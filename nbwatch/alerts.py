@@ -14,7 +14,7 @@ Defaults follow the seeds and are all overridable with one dict passed to the Mo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -46,6 +46,23 @@ def _grad_explosion(w: Window, p: dict) -> str | None:
     if n >= p["min_history"] and med > 0 and g > p["factor"] * med:
         return f"gradient norm {g:.3g} is {g / med:.0f}× its rolling median {med:.3g}"
     return None
+
+
+def _loss_spike(w: Window, p: dict) -> tuple[str, dict[str, Any]] | None:
+    loss = w.latest.get("loss/train")
+    if loss is None or not math.isfinite(loss):  # non-finite: the nonfinite rule's
+        return None
+    med, mad, n = w.mad("loss/train", p["window"])  # cached: recomputed every 10 steps
+    if n < p["min_history"] or loss <= med:
+        return None
+    # the floor: a loss flat to the last digit has a MAD of ~0, and its noise is no spike
+    scale = 1.4826 * max(mad, 1e-3 * abs(med), 1e-12)
+    z = (loss - med) / scale
+    if z <= p["z"]:
+        return None
+    return (f"train loss {loss:.4g} spiked: z = {z:.1f} against its rolling median "
+            f"{med:.4g} (MAD {mad:.3g}, last {n} steps)",
+            {"loss": loss, "median": med, "mad": mad, "z": z})
 
 
 def _vanishing(w: Window, p: dict) -> str | None:
@@ -217,6 +234,10 @@ def _base_rules() -> list[Rule]:
              ("checkpoint", "cut_lr"), 1, "val loss > 2× the best: checkpoint and cut LR ×0.5"),
         Rule("nonfinite_val", "critical", "eval", _nonfinite_val, {}, (), 1,
              "a non-finite val loss or val figure: never best, always said"),
+        Rule("loss_spike", "warning", "step", _loss_spike,
+             {"window": 200, "z": 6.0, "min_history": 50, "batches_before": 4}, (), 10,
+             "train loss > 6 robust SDs (1.4826 × MAD) above its rolling median over 200 "
+             "steps; the event names the batches of the spike and the 4 steps before"),
         Rule("vanishing_gradients", "warning", "step", _vanishing,
              {"global_below": 1e-7, "layer_ratio": 1e-3, "persist": 20}, (), 5,
              "global grad norm < 1e-7, or a layer 1000× below the median layer", every=10),
@@ -310,12 +331,13 @@ class Alert:
     rule: Rule
     step: int
     message: str
+    data: dict[str, Any] = field(default_factory=dict)  # the check's figures; the batches
 
     @property
     def event(self) -> Event:
         return Event(self.step, "alert", self.rule.severity, f"{self.rule.name}: {self.message}",
                      {"rule": self.rule.name, "actions": list(self.rule.actions),
-                      "params": self.rule.params})
+                      "params": self.rule.params, **self.data})
 
 
 class AlertEngine:
@@ -361,6 +383,9 @@ class AlertEngine:
             if step % rule.every:
                 continue
             msg = rule.check(self.window, rule.params)
+            data: dict[str, Any] = {}
+            if isinstance(msg, tuple):
+                msg, data = msg
             if msg is None:
                 if self._active.get(rule.name):
                     self._clear[rule.name] = self._clear.get(rule.name, 0) + 1
@@ -373,7 +398,7 @@ class AlertEngine:
             self._active[rule.name] = True
             if rule.name == "lr_change":
                 self._lr_reported = w.latest.get("lr")
-            fired.append(Alert(rule, step, msg))
+            fired.append(Alert(rule, step, msg, data))
         return fired
 
 

@@ -136,6 +136,9 @@ class NbwatchCallback(Adapter, TrainerCallback):
         step, clip = trainer.training_step, trainer._clip_grad_norm
 
         def training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            rec = self._rec()
+            if rec is not None:  # which batch: its ids' hash where they are on the CPU
+                rec.note_batch(inputs)
             loss = step(model, inputs, *args, **kwargs)
             if isinstance(loss, torch.Tensor):
                 self._losses.append(loss.detach())

@@ -73,6 +73,9 @@ class NbwatchCallback(Adapter, pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:
+        rec = self._rec()
+        if rec is not None:  # which batch; hashed only where it is on the CPU
+            rec.note_batch(batch, trainer.current_epoch, batch_idx)
         if isinstance(batch, Mapping):
             mask = next((batch[k] for k in _MASK_KEYS if isinstance(batch.get(k),
                                                                     torch.Tensor)), None)

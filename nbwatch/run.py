@@ -36,6 +36,13 @@ class Readout:
             return pd.DataFrame(columns=["step", "wall", "kind", "severity", "message", "data"])
         return run.events
 
+    @property
+    def spikes(self) -> pd.DataFrame:
+        """One row per `loss_spike` alert: step, loss, median, z, and batches (the
+        identities of the spike step's batch and those just before it)."""
+        run = self._run()
+        return run.spikes if run is not None else pd.DataFrame(columns=SPIKE_COLUMNS)
+
     def export_html(self, path: str | Path, *, environment: bool = True) -> Path:
         """Write this run (so far) as one self-contained HTML file; returns its path.
         `environment=False` leaves out host, pid, working directory, argv and versions."""
@@ -127,6 +134,16 @@ class Run:
         return ev.drop(columns=["id"]).reset_index(drop=True)
 
     @property
+    def spikes(self) -> pd.DataFrame:
+        """One row per `loss_spike` alert: step, loss, the rolling median and the robust z
+        it was judged against, and batches: the identities (`{"step", "epoch", "index",
+        "hash"}`, as far as known) of the batches of the spike step and the steps before.
+
+        >>> run.spikes.batches.iloc[0][-1]   # the spike step's batch
+        """
+        return spikes_of(self.events)
+
+    @property
     def samples(self) -> pd.DataFrame:
         return self.reader.samples()
 
@@ -157,6 +174,18 @@ class Run:
 
     def __repr__(self) -> str:
         return f"<nbwatch.Run {self.name!r} {self.state} at step {self.step} in {self.run_dir}>"
+
+
+SPIKE_COLUMNS = ["step", "loss", "median", "z", "batches"]
+
+
+def spikes_of(events: pd.DataFrame) -> pd.DataFrame:
+    """The loss-spike alerts among `events` (a run's events table), one row each."""
+    rows = [{"step": int(step), **{k: data.get(k) for k in ("loss", "median", "z")},
+             "batches": data.get("batches", [])}
+            for step, kind, data in zip(events["step"], events["kind"], events["data"])
+            if kind == "alert" and isinstance(data, dict) and data.get("rule") == "loss_spike"]
+    return pd.DataFrame(rows, columns=SPIKE_COLUMNS)
 
 
 def open_run(run_dir: str | Path) -> Run:

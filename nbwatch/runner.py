@@ -36,6 +36,8 @@ class Runner:
         self._data: Iterator | None = None
         self._epoch = 0
         self._batches = 0  # taken from train_data so far
+        self._index = 0  # the next batch's position in its epoch
+        self._pos = (0, 0)  # (epoch, index) of the batch taken last
         self._checked = False
         self._pending: Any = None  # a batch taken early (the dry run's probe samples)
 
@@ -96,15 +98,11 @@ class Runner:
             self._data = iter(self.spec.train_data)
         try:
             batch = next(self._data)
-            self._batches += 1
-            return batch
         except StopIteration:
-            self._epoch += 1
+            self._epoch, self._index = self._epoch + 1, 0
             self._data = iter(self.spec.train_data)
             try:
                 batch = next(self._data)
-                self._batches += 1
-                return batch
             except StopIteration:
                 if self._batches:
                     raise ValueError(
@@ -115,6 +113,10 @@ class Runner:
                 raise ValueError(
                     "train_data yielded no batches; pass a non-empty DataLoader or iterable"
                 ) from None
+        self._batches += 1
+        self._pos = (self._epoch, self._index)  # a batch taken early keeps it till used
+        self._index += 1
+        return batch
 
     def _train_step(self) -> None:
         """One optimizer step, in its stages: forward/backward over the micro-batches,
@@ -141,6 +143,7 @@ class Runner:
             td = time.perf_counter()
             batch = self._next_batch()
             m.data_s += time.perf_counter() - td
+            rec.note_batch(batch, *self._pos)
             m.samples += _batch_size(batch)
             if spec.probe_batch is None and spec.eval_every and spec.attention_samples > 0:
                 spec.probe_batch = clone_samples(batch, spec.attention_samples)

@@ -161,3 +161,49 @@ def test_overrides_disable_and_tune_rules_with_clear_errors():
 def test_actions_that_cannot_work_for_a_rule_are_refused():
     with pytest.raises(ValueError, match="'val_spike'.*checked after"):
         engine(val_spike={"actions": ["clip"]})
+
+
+def test_loss_spike_fires_on_one_bad_step_with_its_figures():
+    eng = engine()
+    fired = feed(eng, 300, **{"loss/train": lambda s: 9.0 if s == 200 else 2.0 + 0.01 * (s % 7)})
+    assert [(a.rule.name, a.step) for a in fired] == [("loss_spike", 200)]
+    a = fired[0]
+    assert a.rule.severity == "warning" and a.rule.actions == ()
+    d = a.event.data
+    assert d["loss"] == 9.0 and abs(d["median"] - 2.03) < 1e-9  # the steps before only
+    assert d["z"] == pytest.approx((9.0 - d["median"]) / (1.4826 * d["mad"]))
+    assert a.message.startswith("train loss 9 spiked")
+    assert f"median {d['median']:.4g}" in a.message and f"z = {d['z']:.1f}" in a.message
+
+
+def test_loss_spike_needs_history_ignores_drops_and_a_flat_loss_s_noise():
+    early = feed(engine(), 100, **{"loss/train": lambda s: 9.0 if s == 40 else 2.0})
+    assert "loss_spike" not in names(early)  # 39 values: under min_history
+    drop = feed(engine(), 300, **{"loss/train": lambda s: 0.1 if s == 200 else 2.0})
+    assert "loss_spike" not in names(drop)
+    # flat to 1e-7: the MAD is ~0, yet a 1e-4 wiggle is no spike (the floor, 1e-3 × median)
+    wiggle = lambda s: 2.0 + (1e-4 if s == 200 else 1e-7 * (s % 3))  # noqa: E731
+    flat = feed(engine(), 300, **{"loss/train": wiggle})
+    assert "loss_spike" not in names(flat)
+    tuned = feed(engine(loss_spike={"z": 1e6}), 300,
+                 **{"loss/train": lambda s: 9.0 if s == 200 else 2.0 + 0.01 * (s % 7)})
+    assert "loss_spike" not in names(tuned)
+
+
+def test_loss_spike_fires_once_per_episode_and_re_arms():
+    eng = engine()
+    rising = lambda s: 2.0 + 0.01 * (s % 7) + (5.0 if 150 <= s < 170 or s == 250 else 0.0)  # noqa: E731
+    fired = feed(eng, 300, **{"loss/train": rising})
+    assert [a.step for a in fired if a.rule.name == "loss_spike"] == [150, 250]
+
+
+def test_window_mad_leaves_out_the_newest_value_and_is_cached():
+    from nbwatch.rules import Window
+
+    w = Window(1000)
+    for v in [1.0, 2.0, 3.0, 4.0, 100.0]:
+        w.add({"x": v})
+    assert w.mad("x", 10) == (2.5, 1.0, 4)  # 1..4; not the newest (100)
+    w.add({"x": 50.0})
+    assert w.mad("x", 10) == (2.5, 1.0, 4)  # cached until 10 more additions
+    assert w.mad("x", 10, refresh=1) == (3.0, 1.0, 5)  # 1, 2, 3, 4, 100

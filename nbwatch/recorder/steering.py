@@ -126,6 +126,9 @@ class Steering:
     def _raise_alerts(self, alerts: list) -> None:
         """Record each alert, then carry out its actions (skip and clip are done already)."""
         for a in alerts:
+            before = a.rule.params.get("batches_before")
+            if before is not None:  # which batches: the step's and those just before it
+                a.data["batches"] = self.batches_around(a.step, int(before))
             self._emit(a.event)
             if self.on_alert is not None:
                 try:

@@ -77,6 +77,7 @@ class StepEnd:
             values.update(extra_times)
         self.step = step
         self.progress.step = step
+        self._ring_batch(step)
         if parts:
             on_gpu = parts[0].device.type == "cuda" and t is not None
             if on_gpu and self.dist is None:

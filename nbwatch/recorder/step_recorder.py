@@ -1,7 +1,7 @@
 """`StepRecorder`: one run's recorder, and its lifecycle (begin, a guarded loop, finish,
 fail). What it does at each moment of a step lives in its parts: `OptimizerStep` (the
 optimizer's hooks), `LrFactor`, `StepEnd` (the record), `Steering` (commands, ranks,
-alert actions) and `EvalCheckpoint`."""
+alert actions), `EvalCheckpoint` and `BatchIds` (which batch each step took)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from ..distributed import Dist, lost_peer
 from ..probes.grads import Layers
 from ..records import Event
 from ..store import RunStore
+from .batches import RING, BatchIds
 from .eval_checkpoint import EvalCheckpoint
 from .lr_factor import LrFactor
 from .optimizer_step import OptimizerStep, _Taking
@@ -35,7 +36,7 @@ log = logging.getLogger("nbwatch.recorder")
 _RUN_IDS = itertools.count(1)  # each run's logger is its own, whatever its folder's name
 
 
-class StepRecorder(OptimizerStep, LrFactor, StepEnd, Steering, EvalCheckpoint):
+class StepRecorder(OptimizerStep, LrFactor, StepEnd, Steering, EvalCheckpoint, BatchIds):
     """Measures and records each optimizer step of one run, and steers it between steps."""
 
     def __init__(
@@ -76,6 +77,8 @@ class StepRecorder(OptimizerStep, LrFactor, StepEnd, Steering, EvalCheckpoint):
         self._rank_step_times: dict[int, deque[float]] = {}
         self._last_val: float | None = None
         self._seq_lens: list[torch.Tensor] = []
+        self.batches: deque[dict[str, Any]] = deque(maxlen=RING)  # the last steps' batches
+        self._batch: dict[str, Any] | None = None  # the identity of the step being taken
         self._store_poll = 0.0
         self._command_id = 0  # the newest store command taken
         self._reduction_saved = False

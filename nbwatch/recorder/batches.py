@@ -1,0 +1,83 @@
+"""Which batch: each recorded step's batch identity, kept in a ring of the last
+`RING` steps, so that an alert about a step (a loss spike) can name the batches of the
+steps around it.
+
+An identity is `{"step": s}` plus what the loop offers cheaply: `epoch` and `index` (the
+batch's position in its epoch) where nbwatch iterates the data (`Monitor.start()`) or the
+framework says (Lightning), and `hash`, the CRC-32 (hex) of the batch's token ids where
+they are a CPU integer tensor (`batch["input_ids"]`, the batch itself, or its first
+element). Device tensors are never hashed: that would cost a device→host copy a step.
+With gradient accumulation, `micro` counts the micro-batches, `epoch`/`index` are the
+first one's, and `hash` is the CRC-32 of all of them in order.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+RING = 64
+
+
+def hashable_ids(batch: Any) -> np.ndarray | None:
+    """The batch's token ids as a contiguous host array, or None where there are none on
+    the CPU (floats, device tensors, no tensor)."""
+    if isinstance(batch, torch.Tensor):
+        t = batch
+    elif isinstance(batch, Mapping):
+        t = batch.get("input_ids")
+    elif isinstance(batch, (list, tuple)) and batch:
+        t = batch[0]
+    else:
+        return None
+    if (not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.layout != torch.strided
+            or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
+        return None
+    try:
+        return np.ascontiguousarray(t.detach().numpy())
+    except (TypeError, RuntimeError):  # a dtype numpy lacks
+        return None
+
+
+def content_hash(batch: Any) -> str | None:
+    """CRC-32 (8 hex digits) of the batch's CPU token ids, or None (see `hashable_ids`)."""
+    a = hashable_ids(batch)
+    return None if a is None else f"{zlib.crc32(a):08x}"
+
+
+class BatchIds:
+    """Part of `StepRecorder` (its state, `batches` and `_batch`, is set in its __init__)."""
+
+    def note_batch(self, batch: Any, epoch: int | None = None, index: int | None = None
+                   ) -> None:
+        """The step being taken uses `batch` (call once per micro-batch, before the step's
+        end): its identity goes into the ring at the end of the step."""
+        a = hashable_ids(batch)
+        cur = self._batch
+        if cur is None:
+            cur = self._batch = {}
+            if epoch is not None:
+                cur["epoch"] = int(epoch)
+            if index is not None:
+                cur["index"] = int(index)
+            if a is not None:
+                cur["hash"] = f"{zlib.crc32(a):08x}"
+            return
+        cur["micro"] = cur.get("micro", 1) + 1
+        if "hash" in cur:
+            if a is None:
+                del cur["hash"]
+            else:  # crc32(b, crc32(a)) == crc32(a + b): the hash of the step's ids in order
+                cur["hash"] = f"{zlib.crc32(a, int(cur['hash'], 16)):08x}"
+
+    def _ring_batch(self, step: int) -> None:
+        b, self._batch = self._batch, None
+        self.batches.append({"step": step, **b} if b else {"step": step})
+
+    def batches_around(self, step: int, before: int) -> list[dict[str, Any]]:
+        """The identities of steps `step - before` … `step` still in the ring, oldest first."""
+        return [dict(b) for b in self.batches if step - before <= b["step"] <= step]

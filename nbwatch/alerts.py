@@ -315,11 +315,14 @@ def _override(rules: list[Rule], overrides: dict[str, Any] | None) -> list[Rule]
         for key in ("severity", "clear_steps", "every"):
             if key in o:
                 kw[key] = o.pop(key)
-        bad = set(o) - set(r.params)
+        # the rewind action's own settings, on any rule that rewinds
+        known = set(r.params) | ({"rewind_steps", "rewind_skip"}
+                                 if "rewind" in kw.get("actions", r.actions) else set())
+        bad = set(o) - known
         if bad:
             raise KeyError(f"alerts[{r.name!r}]: unknown setting(s) {sorted(bad)}; "
                            f"settings: {sorted(r.params)}, actions, severity, clear_steps, "
-                           "every")
+                           "every (and rewind_steps, rewind_skip with the rewind action)")
         out.append(replace(r, params={**r.params, **o}, **kw))
     return out
 

@@ -132,6 +132,34 @@ class Checkpointer:
         return Saved(path, time.perf_counter() - t0, size, best)
 
 
+def restore_into(ckpt: dict[str, Any], model: Any, optimizer: Any, scheduler: Any,
+                 scaler: Any, control: Any, where: Path) -> int:
+    """Load a checkpoint's model, optimizer, scheduler, scaler, RNG and control state
+    (resume, rewind); returns its step. A model that does not fit gets a clear error."""
+    try:
+        state = ckpt["model"]
+        if any(k.startswith("_orig_mod.") for k in state):  # saved before compiled = plain
+            state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
+        getattr(model, "_orig_mod", model).load_state_dict(state)
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if (scheduler is not None and ckpt.get("scheduler") is not None
+                and hasattr(scheduler, "load_state_dict")):
+            scheduler.load_state_dict(ckpt["scheduler"])
+        if scaler is not None and ckpt.get("scaler") is not None:
+            scaler.load_state_dict(ckpt["scaler"])
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise RuntimeError(
+            f"checkpoint at step {ckpt.get('step')} in {where} does not fit "
+            f"this model/optimizer ({e}); resume with the same model and optimizer setup"
+        ) from e
+    set_rng_state(ckpt["rng"])
+    c = ckpt.get("controls", {})
+    control.clip = c.get("clip")
+    control.lr_factor = float(c.get("lr_factor", 1.0))
+    control.lr_raw = bool(c.get("lr_raw", False))
+    return int(ckpt["step"])
+
+
 def load(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
     """Load an nbwatch checkpoint with `weights_only=True`; a clear error if it is not one."""
     path = Path(path)

@@ -16,7 +16,7 @@ import torch
 
 from .records import Command
 
-KINDS = ("pause", "resume", "stop", "checkpoint", "clip", "scale_lr")
+KINDS = ("pause", "resume", "stop", "checkpoint", "clip", "scale_lr", "rewind", "skip")
 
 
 @dataclass
@@ -92,6 +92,26 @@ class Controls:
     def scale_lr(self, factor: float) -> None:
         """Multiply the LR by `factor` from the next step; the scheduler does not undo it."""
         self._send("scale_lr", check_factor(factor))
+
+    def rewind(self, steps: int = 100, skip: int = 200) -> None:
+        """PaLM's remedy for a loss spike: reload the newest checkpoint at least `steps`
+        steps back (model, optimizer, scheduler, RNG) and go on from there, on the data that
+        comes `skip` batches after the current one; the batches since the checkpoint and
+        those `skip` are not trained on. The rewound-over steps stay in the history as a
+        branch (`rewind/<n>/loss/train`). Needs nbwatch to run the loop (`start()`)."""
+        steps, skip = check_count("steps", steps, 1), check_count("skip", skip, 0)
+        self._send("rewind", float(steps))
+        self._send("skip", float(skip))  # also 0: it closes the rewind's answer
+
+    def skip(self, batches: int) -> None:
+        """Skip the next `batches` batches of the data stream (`start()` only)."""
+        self._send("skip", float(check_count("batches", batches, 1)))
+
+
+def check_count(name: str, v: int, least: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        raise ValueError(f"{name} must be an int ≥ {least}, got {v!r}")
+    return v
 
 
 def check_clip(max_norm: float | None) -> float | None:

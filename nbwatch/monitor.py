@@ -339,6 +339,12 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
     def _send(self, kind: str, value: float | None = None, source: str = "api") -> None:
         if not self.running:
             raise RuntimeError(f"cannot {kind}: the run is {self.state}, not running")
+        if kind in ("rewind", "skip") and self._mode != "start":
+            raise RuntimeError(
+                f"cannot {kind}: nbwatch does not hold this run's data stream (own loop or "
+                "framework); to rewind, load a checkpoint yourself (nbwatch.checkpoint.load"
+                "(path) → model/optimizer/scheduler .load_state_dict) and skip batches in "
+                "your loader")
         if kind == "stop":
             self._stop_asked = True
         self._commands.put(Command(kind, value, source))

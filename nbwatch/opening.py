@@ -21,13 +21,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._omp import release_caller_pool
 from .alerts import AlertEngine
-from .checkpoint import load, set_rng_state
+from .checkpoint import load, restore_into
 from .distributed import Dist, NullStore
 from .environment import environment
 from .logs import open_run_log
 from .notebook import in_notebook, remember
 from .probes.system import SystemSampler, close_nvml, gpu_names, open_nvml
-from .recorder import SAME_ON_EVERY_RANK, Progress, RunSpec, StepRecorder, StopTraining, plain
+from .recorder import SAME_ON_EVERY_RANK, Progress, RunSpec, StepRecorder, StopTraining
 from .records import Event, Scalars
 from .run import Run
 from .runner import run_in_thread
@@ -283,29 +283,8 @@ class RunOpening:
         return store
 
     def _restore(self, ckpt: dict[str, Any]) -> int:
-        try:
-            model = plain(self.model)
-            state = ckpt["model"]
-            if any(k.startswith("_orig_mod.") for k in state):  # saved before this fix
-                state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
-            model.load_state_dict(state)
-            self.optimizer.load_state_dict(ckpt["optimizer"])
-            if (self.scheduler is not None and ckpt.get("scheduler") is not None
-                    and hasattr(self.scheduler, "load_state_dict")):
-                self.scheduler.load_state_dict(ckpt["scheduler"])
-            if self.scaler is not None and ckpt.get("scaler") is not None:
-                self.scaler.load_state_dict(ckpt["scaler"])
-        except (RuntimeError, KeyError, ValueError) as e:
-            raise RuntimeError(
-                f"checkpoint at step {ckpt.get('step')} in {self.checkpointer.dir} does not fit "
-                f"this model/optimizer ({e}); resume with the same model and optimizer setup"
-            ) from e
-        set_rng_state(ckpt["rng"])
-        c = ckpt.get("controls", {})
-        self.control.clip = c.get("clip")
-        self.control.lr_factor = float(c.get("lr_factor", 1.0))
-        self.control.lr_raw = bool(c.get("lr_raw", False))
-        return int(ckpt["step"])
+        return restore_into(ckpt, self.model, self.optimizer, self.scheduler, self.scaler,
+                            self.control, self.checkpointer.dir)
 
     def _record_system(self, figures: dict[str, float]) -> None:
         if self._store is not None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-ACTIONS = ("none", "checkpoint", "pause", "cut_lr", "clip", "skip_step")
+ACTIONS = ("none", "checkpoint", "pause", "cut_lr", "clip", "skip_step", "rewind")
 # "grads": after the gradient probes, before the optimizer step (the rule can still skip or
 # clip this step); "step": the step's complete figures, timings included.
 PHASES = ("grads", "step", "eval", "hist", "attention", "ranks")

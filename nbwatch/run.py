@@ -43,6 +43,12 @@ class Readout:
         run = self._run()
         return run.spikes if run is not None else pd.DataFrame(columns=SPIKE_COLUMNS)
 
+    @property
+    def branches(self) -> pd.DataFrame:
+        """The steps each rewind went back over (`rewind/<n>/loss/train`, `/loss/val`)."""
+        run = self._run()
+        return run.branches if run is not None else pd.DataFrame(index=pd.Index([], name="step"))
+
     def export_html(self, path: str | Path, *, environment: bool = True) -> Path:
         """Write this run (so far) as one self-contained HTML file; returns its path.
         `environment=False` leaves out host, pid, working directory, argv and versions."""
@@ -115,8 +121,17 @@ class Run:
 
     @property
     def df(self) -> pd.DataFrame:
-        """One row per step (index `step`), one column per scalar."""
-        return self.reader.df()
+        """One row per step (index `step`), one column per scalar: the live line (the steps
+        a rewind went back over are in `branches`)."""
+        df = self.reader.df()
+        return df[[c for c in df.columns if not c.startswith("rewind/")]]
+
+    @property
+    def branches(self) -> pd.DataFrame:
+        """The steps each rewind went back over: columns `rewind/<n>/loss/train` (and
+        `/loss/val`), one row per step; empty when the run never rewound."""
+        df = self.reader.df()
+        return df[[c for c in df.columns if c.startswith("rewind/")]].dropna(how="all")
 
     def scalars(self, keys: list[str] | None = None, start: int | None = None,
                 stop: int | None = None) -> pd.DataFrame:

@@ -33,6 +33,7 @@ class Runner:
 
     def __init__(self, spec: RunSpec, recorder: StepRecorder):
         self.spec, self.rec = spec, recorder
+        recorder._mode_runs_loop = True  # rewind and skip: the data and the steps are ours
         self._data: Iterator | None = None
         self._epoch = 0
         self._batches = 0  # taken from train_data so far
@@ -91,6 +92,12 @@ class Runner:
             set_rng_state(saved)
 
     def _next_batch(self) -> Any:
+        while self.rec.skip_batches > 0:  # a skip or a rewind's: never trained on
+            self.rec.skip_batches -= 1
+            self._take()
+        return self._take()
+
+    def _take(self) -> Any:
         if self._pending is not None:
             batch, self._pending = self._pending, None
             return batch

@@ -169,6 +169,10 @@ class Dashboard(anywidget.AnyWidget):
         with self._lock:
             upd = feed.update()
             caught_up = False
+            if feed.rewound:  # the store dropped steps this mirror holds: read it anew
+                feed.tail.reader.close()
+                feed = self._feed = Feed(RunReader(self._dir))
+                upd, caught_up = feed.update(), True
             while feed.more and not self._stop.is_set():
                 feed.update()
                 caught_up = True
@@ -226,6 +230,9 @@ class Dashboard(anywidget.AnyWidget):
             mon.set_clip(None if value is None else float(value))
         elif kind == "scale_lr":
             mon.scale_lr(float(value if value is not None else 0.5))
+        elif kind == "rewind":
+            steps, skip = value if isinstance(value, (list, tuple)) else (100, 200)
+            mon.rewind(int(steps), int(skip))
         else:
             raise ValueError(f"unknown command {kind!r}")
 

@@ -1,4 +1,5 @@
-// Controls bar: Pause/Resume, Stop, Checkpoint, Clip (value + on/off), Cut LR (factor).
+// Controls bar: Pause/Resume, Stop, Checkpoint, Clip (value + on/off), Cut LR (factor),
+// Rewind (steps back, batches to skip).
 // A click sends one command; what the bar shows as done is the runner's event coming back.
 import { el } from "../plot.js";
 
@@ -32,6 +33,16 @@ export function create(root, ctx) {
   lrVal.type = "number"; lrVal.min = "0"; lrVal.step = "0.05"; lrVal.value = "0.5";
   lrBox.append(lr, el("span", "nbw-small", "×"), lrVal);
   bar.appendChild(lrBox);
+  const rwBox = el("span", "nbw-group");
+  const rw = el("button", "nbw-btn nbw-rewind", "Rewind");
+  rw.type = "button";
+  rw.title = "reload the newest checkpoint at least this many steps back, and skip this many batches";
+  const rwSteps = el("input", "nbw-rewind-steps");
+  rwSteps.type = "number"; rwSteps.min = "1"; rwSteps.step = "10"; rwSteps.value = "100";
+  const rwSkip = el("input", "nbw-rewind-skip");
+  rwSkip.type = "number"; rwSkip.min = "0"; rwSkip.step = "50"; rwSkip.value = "200";
+  rwBox.append(rw, rwSteps, el("span", "nbw-small", "steps, skip"), rwSkip);
+  bar.appendChild(rwBox);
   const ack = el("span", "nbw-ack");
   bar.appendChild(ack);
   root.appendChild(bar);
@@ -57,7 +68,13 @@ export function create(root, ctx) {
     ctx.send({ type: "command", kind: "scale_lr", value: f > 0 ? f : 0.5 });
     pending("Cut LR sent…");
   };
-  const all = [pause, stop, ckpt, clip, lr, clipVal, clipOn, lrVal];
+  rw.onclick = () => {
+    const steps = Math.max(1, parseInt(rwSteps.value, 10) || 100);
+    const skip = Math.max(0, parseInt(rwSkip.value, 10) || 0);
+    ctx.send({ type: "command", kind: "rewind", value: [steps, skip] });
+    pending("rewind sent…");
+  };
+  const all = [pause, stop, ckpt, clip, lr, clipVal, clipOn, lrVal, rw, rwSteps, rwSkip];
 
   return {
     box: bar,

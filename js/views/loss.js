@@ -24,6 +24,7 @@ export function create(root, ctx) {
   const plot = el("div", "nbw-plot");
   p.body.appendChild(plot);
   const s = { train: new Series(), smooth: new Series(), val: new Series(), lr: new Series() };
+  let branches = {}; // rewind n → Series of the train loss it rewound over
   let gap = { x: [], y: [], top: [] };
   let markers = [];
   let dirty = false;
@@ -33,7 +34,10 @@ export function create(root, ctx) {
     box: p.box,
     series: s,
     update(d, full) {
-      if (full) { gap = { x: [], y: [], top: [] }; markers = []; for (const k in s) s[k].set([], []); }
+      if (full) { gap = { x: [], y: [], top: [] }; markers = []; branches = {}; for (const k in s) s[k].set([], []); }
+      for (const [n, tr] of Object.entries(d.branches || {})) {
+        dirty = apply(branches[n] || (branches[n] = new Series()), tr, full) || dirty;
+      }
       for (const k of ["train", "smooth", "val", "lr"]) dirty = apply(s[k], d[k], full) || dirty;
       if (d.gap) {
         gap.x = gap.x.concat(Array.from(d.gap.x));
@@ -52,6 +56,10 @@ export function create(root, ctx) {
       for (const v of s.val.y) if (v > top && Number.isFinite(v)) top = v;
       if (!Number.isFinite(top)) top = 1;
       const traces = [
+        ...Object.entries(branches).map(([n, b]) => ({
+          name: `rewound over (${n})`, x: b.x, y: b.y, type: "scatter", mode: "lines",
+          line: { color: COLORS["loss/train"], width: 1, dash: "dot" }, opacity: 0.35,
+          hovertemplate: `step %{x}<br>train %{y:.4f} (rewound over, rewind ${n})<extra></extra>` })),
         { name: "train loss", x: s.train.x, y: s.train.y, type: "scatter", mode: "lines",
           line: { color: COLORS["loss/train"], width: 1 }, opacity: 0.45,
           hovertemplate: "step %{x}<br>train %{y:.4f}<extra></extra>" },

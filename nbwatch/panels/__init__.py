@@ -62,6 +62,8 @@ class Feed:
         self._ema: tuple[float, int] = (0.0, 0)
         self._heat: tuple[int, list[str]] | None = None  # (bin width, layers) last sent
         self.more = False
+        self.rewound = False  # a rewind cut the history this mirror holds: rebuild it
+        self._caught_up = False  # read to the end once (a rewind read before is history)
 
     @property
     def ended(self) -> bool:
@@ -72,8 +74,11 @@ class Feed:
         d = self.tail.poll()
         self.more = d.more
         if d.empty():
+            self._caught_up = self._caught_up or not d.more
             return None
-        return self._fold(d, time.time() if now is None else now)
+        out = self._fold(d, time.time() if now is None else now)
+        self._caught_up = self._caught_up or not d.more
+        return out
 
     def _fold(self, d: Delta, now: float) -> dict[str, Any]:
         new: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -99,6 +104,9 @@ class Feed:
             elif name == "data/seq_len":
                 self.seq_len = (step, edges, counts)
         for e in d.events:
+            if e["kind"] == "action" and (e.get("data") or {}).get("command") == "rewind" \
+                    and self._caught_up:
+                self.rewound = True
             if e["kind"] == "error":
                 self.error = e
             elif e["kind"] == "state" and _state_of(e) == "running":

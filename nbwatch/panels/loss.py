@@ -1,7 +1,9 @@
-"""Loss: train raw and smoothed, val points, the val−train gap, LR, markers at actions/alerts."""
+"""Loss: train raw and smoothed, val points, the val−train gap, LR, markers at actions/alerts,
+and the branches a rewind left (the steps it rewound over, kept as `rewind/<n>/loss/train`)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -10,6 +12,7 @@ import numpy as np
 from ._common import Series, trace
 
 MARKER_KINDS = ("action", "alert", "error")
+BRANCH = re.compile(r"^rewind/(\d+)/loss/train$")
 
 
 def smooth(values: np.ndarray, carry: tuple[float, int] = (0.0, 0), weight: float = 0.9
@@ -54,6 +57,9 @@ def build(series: Series, events: Iterable[Mapping[str, Any]] = ()) -> dict[str,
         # The gap is val − the smoothed train loss at that step: the band's lower edge.
         out["gap"] = {"x": common.astype(np.int32), "y": (vv[vi] - gv[gi]).astype(np.float32),
                       "top": vv[vi].astype(np.float32)}
+    branches = {m.group(1): trace(series, k) for k in series if (m := BRANCH.match(k))}
+    if branches:
+        out["branches"] = branches
     markers = [{"step": int(e["step"]), "kind": str(e["kind"]), "severity": str(e["severity"]),
                 "message": str(e["message"])} for e in events if e["kind"] in MARKER_KINDS]
     if markers:

@@ -118,6 +118,10 @@ class Steering:
             self.engine.explain_lr()
             msg = (f"LR scaled ×{cmd.value:g} (factor now {c.lr_factor:g}): "
                    f"{before:.3g} → {before * cmd.value:.3g}")
+        elif cmd.kind == "rewind":
+            return self._rewind(int(cmd.value or 100), cmd.source)
+        elif cmd.kind == "skip":
+            return self._skip(int(cmd.value or 0), cmd.source)
         else:  # pause while paused, resume while running: nothing to acknowledge
             return
         self._emit(Event(step, "action", "info", msg,
@@ -149,6 +153,12 @@ class Steering:
             if "cut_lr" in acts:
                 f = float(a.rule.params.get("lr_factor", 0.5))
                 self._apply(Command("scale_lr", f, f"alert:{a.rule.name}"))
+            if "rewind" in acts:  # at the next step boundary, as a click would
+                src = f"alert:{a.rule.name}"
+                self.commands.put(Command("rewind", float(a.rule.params.get(
+                    "rewind_steps", 100)), src))
+                self.commands.put(Command("skip", float(a.rule.params.get(
+                    "rewind_skip", 200)), src))
             if "clip" in acts and self.control.clip is not None:
                 self._emit(Event(self.step, "action", "info",
                                  f"gradient clipping at {self.control.clip:g} "

@@ -1,7 +1,7 @@
 """`StepRecorder`: one run's recorder, and its lifecycle (begin, a guarded loop, finish,
 fail). What it does at each moment of a step lives in its parts: `OptimizerStep` (the
 optimizer's hooks), `LrFactor`, `StepEnd` (the record), `Steering` (commands, ranks,
-alert actions), `EvalCheckpoint` and `BatchIds` (which batch each step took)."""
+alert actions), `EvalCheckpoint`, `BatchIds` (which batch each step took) and `Rewind`."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from .batches import RING, BatchIds
 from .eval_checkpoint import EvalCheckpoint
 from .lr_factor import LrFactor
 from .optimizer_step import OptimizerStep, _Taking
+from .rewind import Rewind
 from .spec import Progress, RunSpec, StopTraining
 from .steering import Steering
 from .step_end import StepEnd, _Deferred
@@ -36,7 +37,8 @@ log = logging.getLogger("nbwatch.recorder")
 _RUN_IDS = itertools.count(1)  # each run's logger is its own, whatever its folder's name
 
 
-class StepRecorder(OptimizerStep, LrFactor, StepEnd, Steering, EvalCheckpoint, BatchIds):
+class StepRecorder(OptimizerStep, LrFactor, StepEnd, Steering, EvalCheckpoint, BatchIds,
+                   Rewind):
     """Measures and records each optimizer step of one run, and steers it between steps."""
 
     def __init__(

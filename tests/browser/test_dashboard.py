@@ -143,6 +143,16 @@ def test_lab_live_dashboard_controls_and_reload(page, lab_server, workdir):
     assert len(page.locator(".nbw-item", has_text="LR scaled").all()) == 1
     page.wait_for_timeout(300)
     shot(page, "lab_after_reload")
+
+    # Rewind to the newest checkpoint ≥ 10 steps back: acknowledged, and the page redraws
+    # from a full state with the rewound-over steps as a faded branch.
+    page.fill(".nbw-rewind-steps", "10")
+    page.fill(".nbw-rewind-skip", "5")
+    page.click(".nbw-rewind")
+    text = ack(page, "rewound from step", timeout=30)
+    assert "to the checkpoint of step" in text
+    until(lambda: trace(page, "loss", "rewound over (1)"), timeout=15,
+          what="the branch drawn on the loss chart")
     page.click(".nbw-stop")
     ack(page, "stop")
 

@@ -1,0 +1,129 @@
+"""Rewind after a bad batch (PaLM's remedy): the run reloads an earlier checkpoint, skips the
+bad batch and the ones after it, goes on to the end, and keeps the rewound-over steps as a
+branch; where nbwatch does not run the loop, the control refuses and says why."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import nbwatch
+from nbwatch.checkpoint import load
+from nbwatch.demo import make_demo
+from nbwatch.panels import Feed
+from nbwatch.store import RunReader
+
+BAD = 150  # the data position of the poisoned batch (0-based: step 151 takes it)
+
+
+def test_rewind_past_a_bad_batch_restores_skips_and_keeps_the_branch(tmp_path):
+    demo = make_demo(d=64, layers=2, heads=2, ctx=64, max_steps=220)
+    data = [dict(b, pos=i) for i, b in enumerate(itertools.islice(itertools.cycle(demo.train),
+                                                                  400))]
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "r",
+                          keep_last=5)
+    seen: list[int] = []
+    restored: list[bool] = []
+
+    def step(model, batch):
+        pos = int(batch["pos"])
+        if seen and seen[-1] == BAD:  # the first step after the rewind: the weights of 100
+            ref = load(mon.run_dir / "checkpoints" / "step_00000100.pt")["model"]
+            restored.append(all(torch.equal(v, ref[k]) for k, v in model.state_dict().items()))
+        seen.append(pos)
+        out = demo.step_fn(model, batch)
+        if pos == BAD:  # garbage labels: the loss spikes; the user (or a rule) rewinds
+            out["labels"] = torch.randint(0, 90, out["labels"].shape)
+            mon.rewind(steps=40, skip=20)
+        return out
+
+    mon.start(step, data, max_steps=220, checkpoint_every=50, display=False)
+    mon.wait()
+    assert mon.state == "finished" and mon.step == 220, mon.traceback
+    # the weights went back to step 100's; the bad batch and the 20 after it never came back
+    assert restored == [True]
+    i = seen.index(BAD)
+    assert seen[i + 1] == BAD + 1 + 20 and seen.count(BAD) == 1
+    ev = mon.events
+    rw = ev[[(d or {}).get("command") == "rewind" for d in ev.data]]
+    assert len(rw) == 1 and rw.step.iloc[0] == 151
+    assert rw.data.iloc[0]["to"] == 100 and rw.data.iloc[0]["branch"] == 1
+    # the live line: every step once, 101–151 trained again on later batches
+    df = mon.df
+    assert df["loss/train"].notna().sum() == 220 and df.index.max() == 220
+    # the branch: the steps rewound over, with the spike in it
+    assert not any(c.startswith("rewind/") for c in df.columns)
+    branch = mon.branches["rewind/1/loss/train"].dropna()
+    assert list(branch.index) == list(range(101, 152))
+    assert branch.loc[151] > 2 * branch.loc[140]
+    assert df.loc[151, "loss/train"] < branch.loc[151] / 2  # the live step 151 is healthy
+    # the dashboard and the export draw it: the loss panel's faded branch
+    feed = Feed(RunReader(mon.run_dir))
+    while True:
+        feed.update()
+        if not feed.more:
+            break
+    b = feed.full()["loss"]["branches"]["1"]
+    assert int(b["x"][0]) == 101 and int(b["x"][-1]) == 151
+
+
+def test_rewind_is_refused_where_it_cannot_be_honoured(tmp_path):
+    demo = make_demo(d=32, layers=1, heads=2, ctx=32, max_steps=30)
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "a")
+    for b in itertools.islice(demo.train, 3):  # an own loop: its data stream is not ours
+        out = demo.step_fn(demo.model, b)
+        loss = nbwatch.masked_cross_entropy(out["logits"], out["labels"], out["mask"])
+        loss.backward()
+        demo.optimizer.step()
+        demo.optimizer.zero_grad()
+        mon.log(loss=loss)
+    with pytest.raises(RuntimeError, match="own loop or framework"):
+        mon.rewind()
+    mon.close()
+
+    demo = make_demo(d=32, layers=1, heads=2, ctx=32, max_steps=40)
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "b")
+    asked = []
+
+    def step(model, batch):
+        if not asked and mon.step == 20:
+            asked.append(1)
+            mon.rewind(steps=15)  # applied after step 21: no checkpoint at or before 6
+        return demo.step_fn(model, batch)
+
+    mon.start(step, demo.train, max_steps=40, checkpoint_every=10, display=False).wait()
+    ev = mon.events
+    refused = ev[ev.message.str.startswith("rewind refused")]
+    assert len(refused) == 1 and "no checkpoint at or before step 6" in refused.message.iloc[0]
+    assert mon.state == "finished" and mon.step == 40
+    with pytest.raises(ValueError, match="steps must be an int"):
+        nbwatch.Monitor.rewind(mon, steps=0)
+
+
+def test_a_rule_can_rewind(tmp_path):
+    """`loss_spike` with the rewind action: the bad batch's spike rewinds the run by itself."""
+    demo = make_demo(d=64, layers=2, heads=2, ctx=64, max_steps=200)
+    data = [dict(b, pos=i) for i, b in enumerate(itertools.islice(itertools.cycle(demo.train),
+                                                                  400))]
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "r",
+                          keep_last=5, alerts={"loss_spike": {
+                              "actions": ["rewind"], "rewind_steps": 40, "rewind_skip": 20}})
+    seen: list[int] = []
+
+    def step(model, batch):
+        seen.append(int(batch["pos"]))
+        out = demo.step_fn(model, batch)
+        if seen[-1] == BAD:
+            out["labels"] = torch.randint(0, 90, out["labels"].shape)
+        return out
+
+    mon.start(step, data, max_steps=200, checkpoint_every=50, display=False).wait()
+    assert mon.state == "finished" and mon.step == 200, mon.traceback
+    ev = mon.events
+    assert list(ev[ev.message.str.startswith("loss_spike")].step) == [151]
+    rw = ev[[(d or {}).get("command") == "rewind" for d in ev.data]]
+    assert len(rw) == 1 and rw.data.iloc[0]["source"] == "alert:loss_spike"
+    i = seen.index(BAD)
+    assert seen[i + 1] == BAD + 1 + 20 and seen.count(BAD) == 1

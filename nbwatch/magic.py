@@ -34,7 +34,13 @@ def nbwatch_magic(line: str) -> Any:
     if args[0] == "ls":
         from .cli import main
 
-        main(["ls", *args[1:]])  # ROOT and any option: --where, --sort, --keys
+        try:
+            main(["ls", *args[1:]])  # ROOT and any option: --where, --sort, --keys
+        except SystemExit as e:  # a bad flag: say so here, not as a kernel-level exit
+            if isinstance(e.code, str):
+                print(e.code)
+            elif e.code:
+                print("usage: %nbwatch ls [ROOT] [--where KEY=VALUE] [--sort best] [--keys K,...]")
         return None
     path = Path(args[0]).expanduser()
     from .store import is_run_dir

@@ -205,6 +205,11 @@ def test_magic_ls_passes_every_argument(tmp_path, capsys):
     nbwatch_magic(f"ls {tmp_path} --where lr=0.2")
     out = capsys.readouterr().out
     assert "b " in out and "\na " not in out
+    # a bad flag or value is said in the cell; the kernel sees no SystemExit
+    nbwatch_magic(f"ls {tmp_path} --sort bogus")
+    assert "usage: %nbwatch ls" in capsys.readouterr().out
+    nbwatch_magic(f"ls {tmp_path} --where lr")
+    assert "--where takes KEY=VALUE" in capsys.readouterr().out
 
 
 def test_db_without_tables_yet_is_retried_not_fatal(tmp_path):

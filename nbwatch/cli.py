@@ -87,6 +87,15 @@ def _parse_where(items: list[str]) -> dict[str, Any]:
     return where
 
 
+def _plain(v: Any) -> Any:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return None
+        if v.is_integer() and abs(v) < 2**53:
+            return int(v)
+    return v
+
+
 def _fmt(v: Any, spec: str) -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "-"
@@ -94,51 +103,35 @@ def _fmt(v: Any, spec: str) -> str:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from .compare import config_diff, find_runs, flatten, matches, summarize
-    from .store import RunReader
+    import warnings
 
-    root = Path(args.root)
-    if not root.is_dir():
-        print(f"{root} is not a folder; nbwatch ls ROOT lists the runs under ROOT")
-        return 1
+    from .compare import LS_COLUMNS, list_runs
+
     where = _parse_where(args.where)
-    rows, configs = [], {}
-    for d in find_runs(root):
-        try:
-            reader = RunReader(d)
-            config = reader.meta().get("config", {})
-            if not matches(config, where or None):
-                continue
-            row = summarize(reader, stale_after=args.stale_after)
-        except Exception as e:  # noqa: BLE001 - one damaged run must not hide the others
-            print(f"nbwatch ls: skipped {d}: {type(e).__name__}: {e}", file=sys.stderr)
-            continue
-        label = str(d.relative_to(root)) if d != root else d.name
-        rows.append((label, row))
-        configs[label] = config
-    if not rows:
-        print(f"no nbwatch runs under {root}" + (f" matching {where}" if where else ""))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runs = list_runs(args.root, where, args.sort,
+                             args.keys.split(",") if args.keys else None, args.max_keys,
+                             args.stale_after)
+    except FileNotFoundError as e:
+        print(e)
+        return 1
+    for w in caught:
+        print(w.message, file=sys.stderr)
+    if runs.empty:
+        print(f"no nbwatch runs under {args.root}" + (f" matching {where}" if where else ""))
         return 0
-    order = {"name": lambda r: r[0], "best": lambda r: (math.isnan(r[1]["best_val"]),
-             r[1]["best_val"]), "steps": lambda r: -r[1]["steps"]}[args.sort]
-    rows.sort(key=order)
-    # The config keys worth a column: those given, else those that differ between runs
-    # (all of them when there is one run), at most a few.
-    if args.keys:
-        keys = args.keys.split(",")
-    else:
-        keys = list(config_diff(configs).columns) if len(configs) > 1 else []
-        keys = keys or list(flatten(next(iter(configs.values()))))
-    keys = keys[: args.max_keys]
-    width = max(len("run"), *(len(label) for label, _ in rows))
+    keys = [c for c in runs.columns if c not in LS_COLUMNS]
+    width = max(len("run"), *(len(r) for r in runs["run"]))
     print(f"{'run':{width}s}  {'state':9s} {'steps':>13s} {'best val':>9s} {'@step':>7s} "
           f"{'last train':>10s} {'wall':>6s}  config")
-    for label, r in rows:
+    for r in runs.to_dict("records"):
+        r = {k: _plain(v) for k, v in r.items()}  # pandas' NaN for a missing value, 3.0 for 3
         steps = f"{r['steps']}/{r['max_steps']}" if r["max_steps"] else str(r["steps"])
-        flat = flatten(configs[label])
-        cfg = "  ".join(f"{k}={flat[k]!r}" if isinstance(flat[k], str) else f"{k}={flat[k]}"
-                        for k in keys if k in flat)
-        print(f"{label:{width}s}  {r['state']:9s} {steps:>13s} {_fmt(r['best_val'], '9.4f')} "
+        cfg = "  ".join(f"{k}={r[k]!r}" if isinstance(r[k], str) else f"{k}={r[k]}"
+                        for k in keys if r[k] is not None)
+        print(f"{r['run']:{width}s}  {r['state']:9s} {steps:>13s} {_fmt(r['best_val'], '9.4f')} "
               f"{_fmt(r['best_val_step'], '7d')} {_fmt(r['last_train'], '10.4f')} "
               f"{duration(r['wall_s']):>6s}  {cfg}")
     return 0

@@ -236,6 +236,51 @@ class Comparison:
         return f"<nbwatch.Comparison of {len(self.labels)} runs: {', '.join(self.labels)}>"
 
 
+LS_COLUMNS = ["run", "state", "steps", "max_steps", "best_val", "best_val_step",
+              "last_train", "wall_s"]
+_ORDER = {"name": lambda r: r["run"],
+          "best": lambda r: (math.isnan(r["best_val"]), r["best_val"]),
+          "steps": lambda r: -r["steps"]}
+
+
+def list_runs(root: str | os.PathLike = "runs", where: Where = None, sort: str = "name",
+              keys: Sequence[str] | None = None, max_keys: int = 4,
+              stale_after: float = STALE_AFTER) -> pd.DataFrame:
+    """The runs under `root`, one row each: run (its folder under root), state, steps,
+    max_steps, best_val, best_val_step, last_train, wall_s, then config columns: `keys`,
+    else those that differ between runs (all of them for one run), at most `max_keys`.
+    What `nbwatch ls` and `%nbwatch ls` print. A damaged run is skipped with a warning."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root} is not a folder; nbwatch ls ROOT lists the runs "
+                                "under ROOT")
+    if sort not in _ORDER:
+        raise ValueError(f"sort must be one of {sorted(_ORDER)}, got {sort!r}")
+    rows, configs = [], {}
+    for d in find_runs(root):
+        try:
+            reader = RunReader(d)
+            config = reader.meta().get("config", {})
+            if not matches(config, where or None):
+                continue
+            row = summarize(reader, stale_after=stale_after)
+        except Exception as e:  # noqa: BLE001 - one damaged run must not hide the others
+            warnings.warn(f"nbwatch ls: skipped {d}: {type(e).__name__}: {e}", stacklevel=2)
+            continue
+        label = str(d.relative_to(root)) if d != root else d.name
+        rows.append({"run": label, **{k: row[k] for k in LS_COLUMNS[1:]}})
+        configs[label] = config
+    rows.sort(key=_ORDER[sort])
+    if keys is None:
+        keys = list(config_diff(configs).columns) if len(configs) > 1 else []
+        keys = keys or (list(flatten(next(iter(configs.values())))) if configs else [])
+    keys = list(keys)[:max_keys]
+    for r in rows:
+        flat = flatten(configs[r["run"]])
+        r.update({k: flat.get(k) for k in keys})
+    return pd.DataFrame(rows, columns=LS_COLUMNS + [k for k in keys if k not in LS_COLUMNS])
+
+
 def _labels(dirs: Sequence[Path], root: Path | None) -> list[str]:
     names = [d.name for d in dirs]
     if len(set(names)) == len(names):

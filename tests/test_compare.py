@@ -142,6 +142,19 @@ def test_ls_lists_state_steps_best_val_and_config(runs, capsys):
     assert best == sorted(best)
 
 
+def test_list_runs_is_the_frame_ls_prints(runs):
+    from nbwatch.compare import list_runs
+
+    df = list_runs(runs, sort="best")
+    assert list(df.columns[:8]) == ["run", "state", "steps", "max_steps", "best_val",
+                                    "best_val_step", "last_train", "wall_s"]
+    assert list(df.columns[8:]) == ["lr"]  # the config key that differs
+    assert df["best_val"].is_monotonic_increasing and set(df["state"]) == {"finished"}
+    assert list(list_runs(runs, where={"lr": 0.001})["run"]) == ["lr0.001"]
+    with pytest.raises(FileNotFoundError, match="is not a folder"):
+        list_runs(runs / "nope")
+
+
 def test_ls_on_an_empty_folder(tmp_path, capsys):
     assert main(["ls", str(tmp_path)]) == 0
     assert "no nbwatch runs under" in capsys.readouterr().out

@@ -37,7 +37,7 @@ from .notebook import in_notebook
 from .opening import RunOpening
 from .optimizer_hooks import OptimizerHooks
 from .probes.system import SystemSampler
-from .recorder import Progress, RunSpec, StepRecorder, StopTraining
+from .recorder import Progress, Rewound, RunSpec, StepRecorder, StopTraining
 from .records import Command
 from .run import Readout, Run, started_run
 from .runner import Runner
@@ -133,6 +133,8 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         self._resumed_step: int | None = None
         self._progress_start = 0
         self._exc_at_open: BaseException | None = None
+        self._framework: str | None = None  # an adapter's loop ("hf", "lightning")
+        self.rewound: Rewound | None = None  # set by log() after a rewind (own loop)
         self._loop_options = {
             "max_steps": max_steps, "probe_fn": probe_fn, "probe_tokens": probe_tokens,
             "attention_samples": attention_samples, "attention_tokens": attention_tokens,
@@ -238,7 +240,8 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         `train/<name>`. Gradient figures were taken at the optimizer's step already.
         Queued commands are applied here: pause blocks here until resumed, and a stop
         raises `nbwatch.StopTraining` (after a final checkpoint) to end the loop.
-        Returns the step number recorded.
+        Returns the step number recorded, or after a rewind the checkpoint's step the
+        weights are now at (`mon.rewound` then says it, and how many batches to skip).
         """
         rec = self._recorder
         if rec is None and self._mode is None and self.scaler is not None:
@@ -279,6 +282,10 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
                 self._end_loop(None)  # closed now, not at exit: a new run can start
             raise StopTraining(f"run {self.name!r} stopped at step {step}, final checkpoint "
                                "written (mon.run() and `with mon:` end the loop cleanly)")
+        self.rewound = None
+        if rec.rewound_to is not None:  # the weights are a checkpoint's: tell the loop
+            self.rewound = Rewound(rec.rewound_to, rec.skip_batches)
+            rec.rewound_to, rec.skip_batches, step = None, 0, rec.rewound_to
         return step
 
     @property
@@ -339,12 +346,10 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
     def _send(self, kind: str, value: float | None = None, source: str = "api") -> None:
         if not self.running:
             raise RuntimeError(f"cannot {kind}: the run is {self.state}, not running")
-        if kind in ("rewind", "skip") and self._mode != "start":
+        if kind in ("rewind", "skip") and self._framework:
             raise RuntimeError(
-                f"cannot {kind}: nbwatch does not hold this run's data stream (own loop or "
-                "framework); to rewind, load a checkpoint yourself (nbwatch.checkpoint.load"
-                "(path) → model/optimizer/scheduler .load_state_dict) and skip batches in "
-                "your loader")
+                f"cannot {kind}: {self._framework} runs this loop and keeps its own step "
+                "count; resume it from a checkpoint instead (nbwatch.checkpoint.load)")
         if kind == "stop":
             self._stop_asked = True
         self._commands.put(Command(kind, value, source))

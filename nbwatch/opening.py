@@ -61,6 +61,8 @@ class RunOpening:
         (or by a framework adapter, at the framework's step `start_step`)."""
         rec = self._open("loop", RunSpec(**self._loop_options), False, self._dist_options,
                          {"framework": framework} if framework else {}, start_step)
+        rec._can_rewind = framework is None  # a framework keeps its own step count
+        self._framework = framework
         rec.begin()
         self._exc_at_open = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
         atexit.register(self._at_exit)

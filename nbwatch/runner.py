@@ -33,7 +33,7 @@ class Runner:
 
     def __init__(self, spec: RunSpec, recorder: StepRecorder):
         self.spec, self.rec = spec, recorder
-        recorder._mode_runs_loop = True  # rewind and skip: the data and the steps are ours
+        recorder._mode_runs_loop = recorder._can_rewind = True  # the data and steps are ours
         self._data: Iterator | None = None
         self._epoch = 0
         self._batches = 0  # taken from train_data so far

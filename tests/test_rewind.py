@@ -69,20 +69,43 @@ def test_rewind_past_a_bad_batch_restores_skips_and_keeps_the_branch(tmp_path):
     assert int(b["x"][0]) == 101 and int(b["x"][-1]) == 151
 
 
-def test_rewind_is_refused_where_it_cannot_be_honoured(tmp_path):
-    demo = make_demo(d=32, layers=1, heads=2, ctx=32, max_steps=30)
-    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "a")
-    for b in itertools.islice(demo.train, 3):  # an own loop: its data stream is not ours
-        out = demo.step_fn(demo.model, b)
+def test_an_own_loop_is_told_where_the_rewind_went(tmp_path):
+    """In a loop of the user's own, the rewind restores model, optimizer and scheduler at
+    the next `log`, which returns the checkpoint's step; `mon.rewound` says how many
+    batches the loop should skip."""
+    demo = make_demo(d=32, layers=1, heads=2, ctx=32, max_steps=60)
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "a",
+                          checkpoint_every=10)
+    batches = itertools.cycle(demo.train)
+    told, after = [], None
+    step = 0
+    while step < 60:
+        out = demo.step_fn(demo.model, next(batches))
         loss = nbwatch.masked_cross_entropy(out["logits"], out["labels"], out["mask"])
         loss.backward()
         demo.optimizer.step()
+        demo.scheduler.step()
         demo.optimizer.zero_grad()
-        mon.log(loss=loss)
-    with pytest.raises(RuntimeError, match="own loop or framework"):
-        mon.rewind()
+        if step == 34 and not told:
+            mon.rewind(steps=12, skip=7)  # applied at the next log: after step 35
+        step = mon.log(loss=loss)
+        if mon.rewound is not None:
+            told.append(mon.rewound)
+            for _ in range(mon.rewound.skip):
+                next(batches)
+            ref = load(mon.run_dir / "checkpoints" / "step_00000020.pt")
+            after = all(torch.equal(v, ref["model"][k])
+                        for k, v in demo.model.state_dict().items())
+            lr = demo.optimizer.param_groups[0]["lr"]
+            assert demo.scheduler.last_epoch == ref["scheduler"]["last_epoch"]
     mon.close()
+    assert told == [(20, 7)] and after and lr > 0
+    df = mon.df
+    assert df.index.max() == 60 and df["loss/train"].notna().sum() == 60
+    assert list(mon.branches["rewind/1/loss/train"].dropna().index) == list(range(21, 36))
 
+
+def test_rewind_is_refused_where_it_cannot_be_honoured(tmp_path):
     demo = make_demo(d=32, layers=1, heads=2, ctx=32, max_steps=40)
     mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "b")
     asked = []

@@ -19,11 +19,13 @@ the same moment, after backward (and a GradScaler's unscale) and before the upda
 Its parts: spec.py (RunSpec, Progress, StopTraining), step_recorder.py (the recorder and
 its lifecycle), optimizer_step.py (the hooks: measure, clip decision), lr_factor.py,
 step_end.py (the record), steering.py (commands, ranks, alert actions),
-eval_checkpoint.py.
+eval_checkpoint.py, batches.py (which batch), rewind.py (rewind, skip).
 """
 
 from .eval_checkpoint import plain
+from .rewind import Rewound
 from .spec import SAME_ON_EVERY_RANK, Progress, RunSpec, StopTraining
 from .step_recorder import StepRecorder
 
-__all__ = ["SAME_ON_EVERY_RANK", "Progress", "RunSpec", "StepRecorder", "StopTraining", "plain"]
+__all__ = ["SAME_ON_EVERY_RANK", "Progress", "Rewound", "RunSpec", "StepRecorder",
+           "StopTraining", "plain"]

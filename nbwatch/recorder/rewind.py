@@ -3,6 +3,8 @@ rewound-over steps as a branch, and skip batches of the data stream."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ..checkpoint import CheckpointError, load, restore_into
 from ..records import Event, Scalars
 from ..store import RunReader
@@ -10,21 +12,31 @@ from ..store import RunReader
 BRANCH_KEYS = ("loss/train", "loss/val")  # kept per rewind as rewind/<n>/<key>
 
 
+class Rewound(NamedTuple):
+    """What a rewind did, for a loop of the user's own (`mon.rewound` after `mon.log`):
+    the weights are now the checkpoint of `step`; skip the next `skip` batches."""
+
+    step: int
+    skip: int
+
+
 class Rewind:
     """Part of `StepRecorder` (its state is set in `StepRecorder.__init__`)."""
 
     skip_batches = 0  # the runner discards this many batches before the next step's
     rewinds = 0       # rewinds so far: the branch number of the next
-    _mode_runs_loop = False  # set by the Runner: only then are the data and steps ours
+    _mode_runs_loop = False  # set by the Runner: start()'s loop, whose data stream is ours
+    _can_rewind = False  # start()'s loop, or a loop of the user's own (not a framework's)
+    rewound_to: int | None = None  # the step a rewind went back to, until the loop is told
     _rewound: str | None = None  # what the rewind just applied did, for its skip's event
 
     def _rewind(self, steps: int, source: str) -> None:
         now = self.step
         target = now - steps
         found = [(s, p) for s, p in self.ckpt.steps() if s <= target]
-        if not self._mode_runs_loop:
-            return self._refuse("rewind", "nbwatch does not hold this run's data stream (own "
-                                "loop or framework): load a checkpoint yourself")
+        if not self._can_rewind:
+            return self._refuse("rewind", "a framework runs this loop and keeps its own step "
+                                "count: resume it from a checkpoint instead")
         if self.dist is not None:
             return self._refuse("rewind", "not under torchrun yet: every rank would have to "
                                 "reload at the same step; resume from a checkpoint instead")
@@ -52,7 +64,7 @@ class Rewind:
         for key, (steps_, values) in gone.items():
             for s, v in zip(steps_.tolist(), values.tolist()):
                 self.store.put(Scalars(int(s), {f"rewind/{self.rewinds}/{key}": v}))
-        self.step = self.progress.step = to
+        self.step = self.progress.step = self.rewound_to = to
         self._rewound = msg = (f"rewound from step {now} to the checkpoint of step {to} "
                                f"(branch {self.rewinds} keeps steps {to + 1}–{now})")
         self._emit(Event(now, "action", "warning", msg,
@@ -60,14 +72,15 @@ class Rewind:
                           "branch": self.rewinds, "source": source}))
 
     def _skip(self, batches: int, source: str) -> None:
-        if not self._mode_runs_loop:
-            return self._refuse("skip", "nbwatch does not hold this run's data stream (own "
-                                "loop or framework): skip batches in your loader")
+        if not self._can_rewind:
+            return self._refuse("skip", "a framework runs this loop: skip batches in its "
+                                "data loader")
         self.skip_batches += batches
         if not batches:  # a rewind without a skip: its own event said it all
             self._rewound = None
             return None
-        msg = f"skipping the next {batches} batches of the data stream"
+        msg = (f"skipping the next {batches} batches of the data stream" if self._mode_runs_loop
+               else f"the loop is asked to skip its next {batches} batches (mon.rewound)")
         if self._rewound:  # the second half of one rewind: one answer to one click
             msg, self._rewound = f"{self._rewound}, {msg}", None
         self._emit(Event(self.step, "action", "info", msg,

@@ -53,10 +53,14 @@ class Rewind:
         self.flush_deferred()
         self.store.flush()
         reader = RunReader(self.store.run_dir)
-        try:  # what the rewind goes back over
+        try:  # what the rewind goes back over; the branch numbers taken (before a resume)
             gone = reader.series(BRANCH_KEYS, to + 1, now + 1)
+            names = reader.keys()  # RunReader's stored scalar names
+            taken = [int(k.split("/")[1]) for k in names
+                     if k.startswith("rewind/") and k.split("/")[1].isdigit()]
         finally:
             reader.close()
+        self.rewinds = max([self.rewinds, *taken])
         restore_into(ckpt, self.model, self.opt, self.sched, self.scaler, self.control,
                      self.ckpt.dir)
         self.rewinds += 1

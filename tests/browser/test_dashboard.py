@@ -73,7 +73,8 @@ def test_lab_live_dashboard_controls_and_reload(page, lab_server, workdir):
     lr_before = kernel_json(page, "float(mon.df['lr'].iloc[-1])")
 
     # While paused: Cut LR ×0.5, Clip at 0.05, Checkpoint; each acknowledged by the runner.
-    n_ckpt = kernel_json(page, "len(list((mon.run_dir / 'checkpoints').glob('*.pt')))")
+    # (a count of files would not do: rotation keeps keep_last of them)
+    t_click = kernel_json(page, "__import__('time').time()")
     page.click(".nbw-lr")
     ack(page, "LR scaled ×0.5")
     page.fill(".nbw-clip-value", "0.05")
@@ -81,7 +82,9 @@ def test_lab_live_dashboard_controls_and_reload(page, lab_server, workdir):
     ack(page, "clipping")
     page.click(".nbw-checkpoint")
     ack(page, "manual checkpoint")
-    assert kernel_json(page, "len(list((mon.run_dir / 'checkpoints').glob('*.pt')))") > n_ckpt
+    written = kernel_json(page, f"(mon.run_dir / 'checkpoints' / 'step_{paused_at:08d}.pt')"
+                                ".stat().st_mtime")
+    assert written >= t_click
     assert kernel_json(page, "mon.step") == paused_at
 
     # Resume restarts the count.

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from .rules import Rule
+from .rules import Rule, Window
 
 ENTROPY = "attn/entropy/"      # + module: mean over heads; + module/head: one head
 MAX_LOGIT = "attn/max_logit/"  # + module: max over heads; + module/head: one head
@@ -35,13 +35,12 @@ def figures(entropy: dict[str, np.ndarray], max_logit: dict[str, np.ndarray],
 
 def per_head(key: str) -> bool:
     """`attn/<figure>/<module>/<head>`: one head's figure (not the module's summary)."""
-    return key.startswith(("attn/entropy/", "attn/max_logit/")) and \
-        key.rsplit("/", 1)[-1].isdigit()
+    return key.startswith((ENTROPY, MAX_LOGIT)) and key.rsplit("/", 1)[-1].isdigit()
 
 
 # -- the checks (pure: window + params → message or None); the window's series of these
 # figures has one value per probe pass
-def _entropy_collapse(w, p: dict) -> str | None:
+def _entropy_collapse(w: Window, p: dict) -> str | None:
     fallen = []
     for key in w.latest:
         if not (key.startswith(ENTROPY) and per_head(key)):
@@ -60,7 +59,7 @@ def _entropy_collapse(w, p: dict) -> str | None:
             "comes before loss spikes (Zhai et al. 2023): lower the LR, add QK-norm")
 
 
-def _logit_growth(w, p: dict) -> str | None:
+def _logit_growth(w: Window, p: dict) -> str | None:
     grown = []
     for key in w.latest:
         if not key.startswith(MAX_LOGIT) or per_head(key):
@@ -77,7 +76,7 @@ def _logit_growth(w, p: dict) -> str | None:
             "loss diverges next (Wortsman et al. 2023): lower the LR, add QK-layernorm")
 
 
-def _output_drift(w, p: dict) -> str | None:
+def _output_drift(w: Window, p: dict) -> str | None:
     a = w.arr("logits/z_mean")
     if len(a) < 2 or not math.isfinite(a[-1]):
         return None

@@ -19,28 +19,14 @@ transformers = pytest.importorskip("transformers")
 import nbwatch  # noqa: E402
 import nbwatch.hf  # noqa: E402
 from tests.conftest import until  # noqa: E402
+from tests.scripts import wide_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class Padded(torch.utils.data.Dataset):
-    """Token sequences of random length, right-padded to 32, labels −100 on the pads."""
-
-    def __init__(self, n: int, seed: int, vocab: int = 64, T: int = 32):
-        g = torch.Generator().manual_seed(seed)
-        self.items = []
-        for _ in range(n):
-            length = int(torch.randint(6, T + 1, (1,), generator=g))
-            mask = (torch.arange(T) < length).long()
-            ids = torch.randint(1, vocab, (T,), generator=g) * mask
-            self.items.append({"input_ids": ids, "attention_mask": mask,
-                               "labels": ids.masked_fill(mask == 0, -100)})
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> dict:
-        return self.items[i]
+def padded(n: int, seed: int) -> wide_run.Padded:
+    """Token sequences of 6 to 32 tokens, right-padded to 32, labels −100 on the pads."""
+    return wide_run.Padded(n, seed, vocab=64, shortest=6)
 
 
 def slow_collate(delay: float):
@@ -78,7 +64,7 @@ def make_trainer(out: Path, max_steps: int = 20, delay: float = 0.0, model=None,
     kw.update(args)
     return Trainer(model=model if model is not None else tiny_model(),
                    args=TrainingArguments(**kw),
-                   train_dataset=Padded(64, 0), eval_dataset=Padded(8, 1),
+                   train_dataset=padded(64, 0), eval_dataset=padded(8, 1),
                    data_collator=slow_collate(delay) if delay else None)
 
 

@@ -20,13 +20,14 @@ SPIKE_STEP = 30
 
 
 class Padded(torch.utils.data.Dataset):
-    """Token sequences of random length, right-padded to `T`, labels −100 on the pads."""
+    """Token sequences of random length (`shortest` to `T`), right-padded to `T`, labels
+    −100 on the pads (also tests/test_hf.py's data)."""
 
-    def __init__(self, n: int, seed: int, vocab: int = 128, T: int = 32):
+    def __init__(self, n: int, seed: int, vocab: int = 128, T: int = 32, shortest: int = 8):
         g = torch.Generator().manual_seed(seed)
         self.items = []
         for _ in range(n):
-            length = int(torch.randint(8, T + 1, (1,), generator=g))
+            length = int(torch.randint(shortest, T + 1, (1,), generator=g))
             mask = (torch.arange(T) < length).long()
             ids = torch.randint(1, vocab, (T,), generator=g) * mask
             self.items.append({"input_ids": ids, "attention_mask": mask,

@@ -26,7 +26,10 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -119,49 +122,66 @@ def traffic(sizes: list[int], refreshes: int = 40) -> list[dict]:
     return rows
 
 
-def latency(seconds: float = 25.0) -> dict:
-    """Recorded step → page latency in a real JupyterLab + headless Chromium."""
+@contextmanager
+def lab_page(name: str, write: Callable[[Path], object]) -> Iterator[tuple[Any, Path]]:
+    """A real JupyterLab on a temporary folder, in which `write(root)` put `name`.ipynb, and
+    a headless Chromium page with that notebook open (no request leaves 127.0.0.1)."""
     from playwright.sync_api import sync_playwright
 
-    from tests.browser.conftest import ARGS, CHROMIUM, Server, write_notebook
-    from tests.browser.harness import kernel_json, open_notebook, run_all, wait_step
+    from tests.browser.conftest import ARGS, CHROMIUM, Server
+    from tests.browser.harness import open_notebook
 
     with tempfile.TemporaryDirectory() as tmp:
         root, home = Path(tmp) / "root", Path(tmp) / "home"
         root.mkdir()
         home.mkdir()
-        path = write_notebook(root, "latency", steps=100_000, sleep=0.04)
-        size0 = path.stat().st_size
+        write(root)
         srv = Server("lab", root, home)
         try:
             with sync_playwright() as pw:
                 b = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-                page = b.new_page(viewport={"width": 1400, "height": 1800})
-                page.route("**/*", lambda r: r.continue_() if r.request.url.startswith(
-                    ("http://127.0.0.1", "ws://127.0.0.1", "blob:", "data:")) else r.abort())
-                open_notebook(page, f"{srv.url}/lab/tree/latency.ipynb?reset")
-                run_all(page)
-                wait_step(page, 5)
-                page.evaluate("""() => {
-                    window.__arrivals = [];
-                    const root = document.querySelector('.nbw-root');
-                    new MutationObserver(() => window.__arrivals.push(
-                        [Date.now() / 1000, Number(root.dataset.step)])
-                    ).observe(root, {attributes: true, attributeFilter: ['data-step']});
-                }""")
-                time.sleep(seconds)
-                arrivals = page.evaluate("() => window.__arrivals")
-                walls = kernel_json(page, "{int(k): float(v) for k, v in "
-                                          "nbwatch.open_run(mon.run_dir).reader.walls().items()}")
-                rate = kernel_json(page, "mon.step") / max(seconds, 1)
-                page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
-                time.sleep(1.5)
-                kernel_json(page, "mon.stop()")
-                size1 = path.stat().st_size
-                b.close()
+                try:
+                    page = b.new_page(viewport={"width": 1400, "height": 1800})
+                    page.route("**/*", lambda r: r.continue_() if r.request.url.startswith(
+                        ("http://127.0.0.1", "ws://127.0.0.1", "blob:", "data:")) else r.abort())
+                    open_notebook(page, f"{srv.url}/lab/tree/{name}.ipynb?reset")
+                    yield page, root
+                finally:
+                    b.close()
         finally:
             srv.shutdown_kernels()
             srv.stop()
+
+
+def latency(seconds: float = 25.0) -> dict:
+    """Recorded step → page latency in a real JupyterLab + headless Chromium."""
+    from tests.browser.conftest import write_notebook
+    from tests.browser.harness import kernel_json, run_all, wait_step
+
+    def write(root: Path) -> None:
+        write_notebook(root, "latency", steps=100_000, sleep=0.04)
+
+    with lab_page("latency", write) as (page, root):
+        path = root / "latency.ipynb"
+        size0 = path.stat().st_size
+        run_all(page)
+        wait_step(page, 5)
+        page.evaluate("""() => {
+            window.__arrivals = [];
+            const root = document.querySelector('.nbw-root');
+            new MutationObserver(() => window.__arrivals.push(
+                [Date.now() / 1000, Number(root.dataset.step)])
+            ).observe(root, {attributes: true, attributeFilter: ['data-step']});
+        }""")
+        time.sleep(seconds)
+        arrivals = page.evaluate("() => window.__arrivals")
+        walls = kernel_json(page, "{int(k): float(v) for k, v in "
+                                  "nbwatch.open_run(mon.run_dir).reader.walls().items()}")
+        rate = kernel_json(page, "mon.step") / max(seconds, 1)
+        page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+        time.sleep(1.5)
+        kernel_json(page, "mon.stop()")
+        size1 = path.stat().st_size
     lat, prev = [], None
     for t, step in arrivals:
         if prev is not None:
@@ -203,55 +223,41 @@ def _page_figures(page) -> dict:
 def draw_timings(model: str, seconds: float = 30.0) -> dict:
     """Main-thread time per refresh and of the first full draw, in a real JupyterLab."""
     import nbformat
-    from playwright.sync_api import sync_playwright
 
-    from tests.browser.conftest import ARGS, CHROMIUM, Server, write_notebook
-    from tests.browser.harness import kernel_json, open_notebook, run_all, wait_step
+    from tests.browser.conftest import write_notebook
+    from tests.browser.harness import kernel_json, run_all, wait_step
 
-    with tempfile.TemporaryDirectory() as tmp:
-        root, home = Path(tmp) / "root", Path(tmp) / "home"
-        root.mkdir()
-        home.mkdir()
+    def write(root: Path) -> None:
         if model == "demo":
             write_notebook(root, "draw", steps=100_000, sleep=0.04)
-        else:
-            nb = nbformat.v4.new_notebook(metadata={"kernelspec": {
-                "name": "python3", "display_name": "Python 3", "language": "python"}})
-            nb.cells = [nbformat.v4.new_code_cell(WIDE_CELL)]
-            nbformat.write(nb, root / "draw.ipynb")
-        srv = Server("lab", root, home)
-        try:
-            with sync_playwright() as pw:
-                b = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-                page = b.new_page(viewport={"width": 1400, "height": 1800})
-                page.route("**/*", lambda r: r.continue_() if r.request.url.startswith(
-                    ("http://127.0.0.1", "ws://127.0.0.1", "blob:", "data:")) else r.abort())
-                open_notebook(page, f"{srv.url}/lab/tree/draw.ipynb?reset")
-                page.evaluate("() => { window.__nbwatchBytes = []; }")
-                run_all(page)
-                wait_step(page, 60, timeout=120)  # past the first eval: attention drawn
-                page.evaluate("() => performance.clearMeasures()")
-                page.evaluate("() => { window.__nbwatchBytes = []; }")
-                time.sleep(seconds)
-                live = _page_figures(page)
-                steps = kernel_json(page, "mon.step")
-                saved = (root / "draw.ipynb").stat().st_mtime_ns
-                page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
-                deadline = time.monotonic() + 30  # the reloaded page shows the saved outputs
-                while (root / "draw.ipynb").stat().st_mtime_ns == saved:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("JupyterLab did not save the notebook")
-                    time.sleep(0.1)
-                page.reload()
-                page.wait_for_selector(".nbw-root[data-drawn]", timeout=90_000)
-                page.wait_for_function(
-                    "() => performance.getEntriesByName('nbw:first-draw').length", timeout=30_000)
-                first = _page_figures(page)["first"]
-                kernel_json(page, "mon.stop()")
-                b.close()
-        finally:
-            srv.shutdown_kernels()
-            srv.stop()
+            return
+        nb = nbformat.v4.new_notebook(metadata={"kernelspec": {
+            "name": "python3", "display_name": "Python 3", "language": "python"}})
+        nb.cells = [nbformat.v4.new_code_cell(WIDE_CELL)]
+        nbformat.write(nb, root / "draw.ipynb")
+
+    with lab_page("draw", write) as (page, root):
+        page.evaluate("() => { window.__nbwatchBytes = []; }")
+        run_all(page)
+        wait_step(page, 60, timeout=120)  # past the first eval: attention drawn
+        page.evaluate("() => performance.clearMeasures()")
+        page.evaluate("() => { window.__nbwatchBytes = []; }")
+        time.sleep(seconds)
+        live = _page_figures(page)
+        steps = kernel_json(page, "mon.step")
+        saved = (root / "draw.ipynb").stat().st_mtime_ns
+        page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+        deadline = time.monotonic() + 30  # the reloaded page shows the saved outputs
+        while (root / "draw.ipynb").stat().st_mtime_ns == saved:
+            if time.monotonic() > deadline:
+                raise TimeoutError("JupyterLab did not save the notebook")
+            time.sleep(0.1)
+        page.reload()
+        page.wait_for_selector(".nbw-root[data-drawn]", timeout=90_000)
+        page.wait_for_function(
+            "() => performance.getEntriesByName('nbw:first-draw').length", timeout=30_000)
+        first = _page_figures(page)["first"]
+        kernel_json(page, "mon.stop()")
     n_refresh = sum(1 for kind, _ in live["bytes"] if kind == "delta")
     per_refresh = (sum(live["apply"]) + sum(live["draw"])) / max(n_refresh, 1)
     per = live["draw"]  # each frame's drawing: the longest task a refresh puts on the page

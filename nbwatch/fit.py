@@ -8,16 +8,21 @@ queues the controls until then and reads the run folder, with the Monitor's surf
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import threading
+import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import controls as ctl
-from .records import Command
+from .records import Command, Event
 from .run import Readout, Run, started_run
 from .runner import run_in_thread
+from .store import RunStore, is_run_dir
 
 if TYPE_CHECKING:
     from .monitor import Monitor
@@ -39,6 +44,7 @@ class FitRun(ctl.Controls, Readout):
         self._error: BaseException | None = None
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
+        self._placeholder = False  # this handle wrote the folder's first records
 
     def _start(self, fit: Callable[[], Any], end: Callable[[BaseException | None], None]
                ) -> FitRun:
@@ -53,10 +59,48 @@ class FitRun(ctl.Controls, Readout):
                 self._error = e
             finally:
                 end(err)
+                self._ended_unopened(err)
+                atexit.unregister(self._at_exit)
 
+        if not is_run_dir(self.run_dir):
+            # The dashboard names this folder now, seconds (a model load, a dataset map)
+            # before the fit's first step opens the run: it must open from the start.
+            _write_folder(self.run_dir, {"name": self.name, "state": "starting",
+                                         "started": time.time()})
+            self._placeholder = True
         release_caller_pool()
         self._thread = run_in_thread(body, f"nbwatch-fit-{self.name}", self._done)
+        atexit.register(self._at_exit)
         return self
+
+    def _ended_unopened(self, error: BaseException | None, why: str | None = None) -> None:
+        """The fit ended (or the process does) before its first step opened the run: say
+        so in the folder, which would otherwise read `starting` for ever."""
+        if not self._placeholder or self.monitor is not None:
+            return
+        self._placeholder = False
+        if error is not None:
+            msg = f"{type(error).__name__}: {error}"
+            meta = {"state": "failed"}
+            ev = Event(0, "error", "critical", msg,
+                       {"traceback": "".join(traceback.format_exception(error))})
+        else:
+            why = why or "the fit returned before its first optimizer step"
+            meta, ev = {"state": "stopped", "stopped_by": why}, Event(
+                0, "state", "warning", f"{why}: nothing was trained",
+                {"state": "stopped", "reason": why})
+        with contextlib.suppress(Exception):  # the fit's own error matters more
+            _write_folder(self.run_dir, meta, ev)
+
+    def _at_exit(self) -> None:
+        """The process ends while the fit has not opened its run yet (a kernel shut down
+        during the Trainer's setup); once open, the Monitor's own exit hook stops it."""
+        if self._done.is_set():
+            return
+        from .notebook import in_notebook
+
+        why = "kernel shut down" if in_notebook() else "the program exited"
+        self._ended_unopened(None, f"{why} before the first step")
 
     # -- controls -----------------------------------------------------------------------
     def _send(self, kind: str, value: float | None = None, source: str = "api") -> None:
@@ -190,6 +234,18 @@ class Adapter:
         if display:
             handle.show()
         return handle
+
+
+def _write_folder(run_dir: Path, meta: dict[str, Any], event: Event | None = None) -> None:
+    """Write `meta` (and `event`) into the run folder's store, and close it."""
+    store = RunStore(run_dir)
+    try:
+        for k, v in meta.items():
+            store.set_meta(k, v)
+        if event is not None:
+            store.put(event)
+    finally:
+        store.close()
 
 
 def unwrap(obj: Any, attr: str) -> Any:

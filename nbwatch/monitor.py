@@ -28,6 +28,7 @@ from .inputs import (
     check_monitor,
     check_run_dir,
     check_start,
+    check_val,
     default_run_dir,
     log_figures,
     probe_samples,
@@ -100,7 +101,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         dist_timeout: float = 60.0,
         display: bool | None = None,
     ):
-        check_monitor(model, optimizer, scheduler, config, keep_last, system_interval)
+        check_monitor(model, optimizer, scheduler, config, keep_last, system_interval, on_alert)
         check_every(max_steps=max_steps, checkpoint_every=checkpoint_every)
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.scaler = scheduler, scaler
@@ -133,6 +134,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         self._resumed_step: int | None = None
         self._progress_start = 0
         self._exc_at_open: BaseException | None = None
+        self._loop_thread: threading.Thread | None = None  # where an own loop's log() runs
         self._framework: str | None = None  # an adapter's loop ("hf", "lightning")
         self.rewound: Rewound | None = None  # set by log() after a rewind (own loop)
         self._loop_options = {
@@ -272,7 +274,9 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
                 f"mon.log() twice for one optimizer step (step {rec.step}): call it once per "
                 "optimizer step, after optimizer.step(); with gradient accumulation, after "
                 "the step that follows the last micro-batch" + amp)
-        host, names, parts, lengths = log_figures(loss, mask, scalars)
+        host, names, parts, lengths = log_figures(loss, mask, scalars,
+                                                  first=rec.step == self._progress_start)
+        val = check_val(val)
         samples = int(mask.shape[0]) if mask is not None and mask.dim() == 2 else None
         step = rec.record_step(host, names, parts, lengths=lengths, samples=samples, val=val,
                                reduction="as computed by the training loop (mon.log)")

@@ -36,6 +36,12 @@ from .store import RunStore, check_no_writer, is_run_dir
 log = logging.getLogger("nbwatch")
 
 
+def exit_budget() -> float:
+    """Seconds a run may take to stop when the process ends under it: in a kernel, less
+    than the 2.5 s before jupyter_client follows its shutdown request with SIGTERM."""
+    return 2.0 if in_notebook() else 300.0
+
+
 class RunOpening:
     """Opening and closing one run of a Monitor (see `Monitor` for the attributes)."""
 
@@ -63,6 +69,7 @@ class RunOpening:
                          {"framework": framework} if framework else {}, start_step)
         rec._can_rewind = framework is None  # a framework keeps its own step count
         self._framework = framework
+        self._loop_thread = threading.current_thread()  # a framework's fit thread, maybe
         rec.begin()
         self._exc_at_open = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
         atexit.register(self._at_exit)
@@ -125,23 +132,54 @@ class RunOpening:
         atexit.register(self._stop_at_exit)
 
     def _stop_at_exit(self) -> None:
-        """The interpreter is exiting while the run trains (a script that did not wait()):
-        stop it as the Stop button does — a stop checkpoint, state `stopped` — and say so,
-        rather than let the process abort under a running thread."""
-        done, thread = self._done, self._thread
+        """The interpreter is exiting while the run trains (a script that did not wait(),
+        a notebook's kernel shut down or restarted): stop it as the Stop button does — a
+        stop checkpoint, state `stopped` — and say so, rather than let the process abort
+        under a running thread."""
+        done = self._done
         if done is None or done.is_set():
             if self._finalizer is not None:  # it may be folding the store's WAL right now
-                self._finalizer.join(60)
+                self._finalizer.join(exit_budget())
             return
+        self._stop_for_exit(done, (self._thread, self._finalizer))
+
+    def _stop_for_exit(self, ended: threading.Event,
+                       threads: tuple[threading.Thread | None, ...] = ()) -> None:
+        """Stop a run whose loop runs in another thread, because the process is ending.
+
+        The reason and the state `stopped` are recorded first, at once: a kernel that is
+        shut down is sent SIGTERM after 2.5 s (jupyter_client's shutdown_wait_time / 2), so
+        the stop checkpoint and the store's close get what is left of `exit_budget()`."""
+        kernel = in_notebook()
+        why = f"{'kernel shut down' if kernel else 'the program exited'} at step {self.step}"
+        self._record_ending(why)
         with contextlib.suppress(RuntimeError):  # it ended a moment ago
             self._send("stop", source="exit")
-        done.wait(300)
-        for t in (thread, self._finalizer):
+        deadline = time.monotonic() + exit_budget()
+        ended.wait(max(0.0, deadline - time.monotonic()))
+        for t in threads:
             if t is not None:
-                t.join(60)
-        print(f"nbwatch: the program exited while run {self.name!r} was training; it was "
-              f"stopped at step {self.step} ({self.state}), with a checkpoint, in "
-              f"{self.run_dir}. Call mon.wait() to let a run finish.", file=sys.stderr)
+                t.join(max(0.0, deadline - time.monotonic()))
+        done = ended.is_set()
+        print(f"nbwatch: {why} while run {self.name!r} was training; it was stopped at step "
+              f"{self.step} ({self.state}), "
+              f"{'with a checkpoint' if done else 'before its stop checkpoint was written'}, "
+              f"in {self.run_dir}. "
+              + ("A last cell with mon.wait() lets a notebook run headless to its end."
+                 if kernel else "Call mon.wait() to let a run finish."), file=sys.stderr)
+
+    def _record_ending(self, why: str) -> None:
+        """Say now, before the stop is taken, why the run ends and that it is stopped: the
+        process may be killed before the training thread gets to record it."""
+        store = self._store
+        if store is None or self.rank != 0:
+            return
+        with contextlib.suppress(Exception):  # a dead store: the stop still goes ahead
+            store.set_meta("stopped_by", why)
+            store.set_meta("state", "stopped")
+            store.put(Event(self.step, "state", "warning", f"{why}: the run stops there",
+                            {"state": "stopped", "reason": why}))
+            store.flush(timeout=0.5)
 
     def _after_open(self, display: bool | None) -> Any:
         if self.rank != 0:
@@ -226,7 +264,14 @@ class RunOpening:
             self._close_run()
 
     def _at_exit(self) -> None:
-        """A script's loop that ended without `with`/close(): record how the process ended."""
+        """A script's loop that ended without `with`/close(): record how the process ended.
+        A loop still running in another thread (a framework's fit) is stopped instead: it
+        did not end, so it must not read `finished`."""
+        loop = self._loop_thread
+        if (loop is not None and loop is not threading.main_thread() and loop.is_alive()
+                and self._recorder is not None and not self._recorder.ended):
+            self._stop_for_exit(self._closed)
+            return
         exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
         if exc is self._exc_at_open:  # e.g. an earlier notebook cell's error: not this loop's
             exc = None

@@ -197,16 +197,34 @@ class RunOpening:
             return step
         if resume:
             return self._restore_latest()
-        if self.rank == 0 and is_run_dir(self.run_dir) and Run(self.run_dir).step > 0:
+        held = self._recorded_step()
+        if held:
+            if self.checkpointer.latest() is None:
+                raise FileExistsError(
+                    f"run_dir {self.run_dir} already holds a run at step {held} that ended "
+                    "before its first checkpoint, so it cannot be continued: choose a new "
+                    "run_dir, or delete this folder to start over")
             raise FileExistsError(
-                f"run_dir {self.run_dir} already holds a run at step {Run(self.run_dir).step}; "
+                f"run_dir {self.run_dir} already holds a run at step {held}; "
                 "pass resume=True to continue it, or choose a new run_dir"
             )
         return 0
 
+    def _recorded_step(self) -> int:
+        """The last step the run folder holds (0 for a new or empty folder; rank 0 reads)."""
+        if self.rank != 0 or not is_run_dir(self.run_dir):
+            return 0
+        return Run(self.run_dir).step
+
     def _restore_latest(self) -> int:
         latest = self.checkpointer.latest()
         if latest is None:
+            held = self._recorded_step()
+            if held:
+                raise FileNotFoundError(
+                    f"resume=True but the run in {self.run_dir} ended at step {held} before "
+                    "its first checkpoint, so there is nothing to continue from: start again "
+                    "in a new run_dir, or delete this folder to start over")
             raise FileNotFoundError(
                 f"resume=True but {self.checkpointer.dir} holds no checkpoint; start "
                 "without resume, or pass the run_dir of the run to continue"

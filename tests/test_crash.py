@@ -11,10 +11,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 import nbwatch
 from nbwatch import blocks
+from nbwatch.demo import TinyGPT
 from nbwatch.store import RunReader
 from tests.conftest import until
 
@@ -116,3 +118,30 @@ def test_kill_9_then_resume_records_every_step_exactly_once(tmp_path):
     assert sorted(recorded.tolist()) == list(range(1, end + 1))  # every step, once
     assert reader.walls().index.tolist() == list(range(1, end + 1))
     assert reader.df()["loss/train"].notna().all()
+
+
+def test_a_run_killed_before_its_first_checkpoint_says_what_to_do(tmp_path):
+    """Both ways in name the same way out (they used to point at each other)."""
+    run = tmp_path / "run"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = SCRIPT.replace("checkpoint_every=7", "checkpoint_every=100_000")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(run)], cwd=root,
+                            env={**os.environ, "PYTHONPATH": root})
+    try:
+        until(lambda: reached(run, proc, 5), 60, "the subprocess to reach step 5", poll=0.1)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        proc.kill()
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(FileNotFoundError) as resumed:
+        nbwatch.Monitor(model, opt, run_dir=run, resume=True)
+    mon = nbwatch.Monitor(model, opt, run_dir=run)
+    with pytest.raises(FileExistsError) as fresh:
+        mon.start(lambda m, b: m(b["input_ids"]).sum(), [{}], max_steps=1, display=False)
+    for err in (resumed.value, fresh.value):
+        assert "before its first checkpoint" in str(err)
+        assert "new run_dir" in str(err) and "delete this folder" in str(err)
+        assert "resume=True to continue" not in str(err) and "without resume" not in str(err)

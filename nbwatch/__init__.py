@@ -7,21 +7,75 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-from .attach import attach
-from .compare import compare
-from .distributed import launch
-from .export import export_html
-from .monitor import Monitor
-from .probes.loss import masked_cross_entropy
-from .recorder import StopTraining
-from .run import Run, open_run
-from .tensorboard import to_tensorboard
+# Public name -> the module that defines it. Imported on first use (PEP 562), so that
+# `import nbwatch` and `nbwatch --help` do not pay for torch; `nbwatch.Monitor` etc. work
+# exactly as before.
+_LAZY = {
+    "Monitor": ".monitor",
+    "Run": ".run",
+    "open_run": ".run",
+    "attach": ".attach",
+    "compare": ".compare",
+    "launch": ".distributed",
+    "export_html": ".export",
+    "to_tensorboard": ".tensorboard",
+    "masked_cross_entropy": ".probes.loss",
+    "StopTraining": ".recorder",
+}
 
 __all__ = ["Monitor", "Run", "open_run", "attach", "compare", "export_html", "to_tensorboard",
            "launch",
            "masked_cross_entropy", "StopTraining", "load_ipython_extension"]
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the names as if imported eagerly
+    from .attach import attach
+    from .compare import compare
+    from .distributed import launch
+    from .export import export_html
+    from .monitor import Monitor
+    from .probes.loss import masked_cross_entropy
+    from .recorder import StopTraining
+    from .run import Run, open_run
+    from .tensorboard import to_tensorboard
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    try:  # `import nbwatch; nbwatch.store.RunReader`, as when everything was imported eagerly
+        return importlib.import_module(f".{name}", __name__)
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """`nbwatch.compare` and `nbwatch.attach` are functions, though `nbwatch/compare.py`
+    and `nbwatch/attach.py` are modules of the same name: importing those modules must not
+    rebind the package's attribute to the module (the import system's `setattr`)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if (name in _LAZY and isinstance(value, types.ModuleType)
+                and value.__name__ == f"{__name__}.{name}"):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def load_ipython_extension(ipython):  # noqa: ANN001 - IPython's own type, imported lazily

@@ -1,32 +1,77 @@
-"""Command line: `nbwatch demo`, `nbwatch ls [ROOT]`, `nbwatch export RUN_DIR -o run.html`."""
+"""Command line: `nbwatch demo`, `nbwatch ls [ROOT]`, `nbwatch export RUN_DIR -o run.html`.
+
+A mistake of the user's (a bad argument, a missing or damaged run, a refused output path)
+is one line on stderr and a nonzero exit status (2 for what argparse rejects), never a
+traceback; set NBWATCH_TRACEBACK=1 to see one. Nothing heavy (torch, pandas) is imported until a
+subcommand runs, so `nbwatch --help` and `nbwatch --version` answer at once.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
+import sqlite3
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from .liveness import STALE_AFTER
 from .text import duration
+
+MISSING = "–"  # a value a run does not have, in every column (the same as `duration`'s)
+
+
+class UserError(Exception):
+    """A mistake the user can fix: printed as one line, exit status 1."""
 
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import make_demo
     from .monitor import Monitor
     from .run import open_run
+    from .store import is_run_dir
 
-    demo = make_demo(max_steps=args.steps)
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / time.strftime(
         "demo-%Y%m%d-%H%M%S")
+    if is_run_dir(run_dir):
+        raise UserError(f"{run_dir} already holds a run; pass a new --run-dir (or leave it "
+                        "out for runs/demo-<time>)")
+    demo = make_demo(max_steps=args.steps)
     mon = Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=run_dir,
                   config=demo.config, name=run_dir.name)
     print(f"nbwatch demo: TinyGPT on Python's own source, {args.steps} steps -> {run_dir}")
     mon.start(max_steps=args.steps, eval_every=args.eval_every, display=False,
               **demo.start_kwargs())
+    try:
+        _follow(mon, args)
+    except KeyboardInterrupt:
+        mon.stop()
+        mon.wait()
+        print(f"interrupted: stopped at step {mon.step}; run folder: {run_dir}",
+              file=sys.stderr)
+        return 130
+    try:
+        mon.wait()
+    except Exception as e:  # noqa: BLE001 - the training's own error: one line, then where
+        raise UserError(f"training failed at step {mon.step}: {_first_line(e)} (the "
+                        f"traceback is in {run_dir / 'log.jsonl'})") from e
+    df = mon.df
+    first = df["loss/train"].iloc[:20].mean()
+    final = df["loss/train"].iloc[-20:].mean()
+    print(f"done: {mon.state} at step {mon.step}; train loss {first:.3f} -> {final:.3f}")
+    samples = open_run(run_dir).samples
+    if not samples.empty:
+        print(f"sample at step {samples.step.iloc[-1]}: {samples.text.iloc[-1]!r}")
+    print(f"run folder: {run_dir}  (nbwatch.open_run({str(run_dir)!r}))")
+    report = mon.export_html(run_dir / "report.html")
+    print(f"snapshot: {report}  ({report.stat().st_size / 2**20:.1f} MB, opens offline)")
+    return 0
+
+
+def _follow(mon: Any, args: argparse.Namespace) -> None:
+    """Progress lines and alerts while the demo trains."""
     last, alerts_seen = -1, 0
     while mon.running:
         time.sleep(args.print_every)
@@ -41,22 +86,10 @@ def _demo(args: argparse.Namespace) -> int:
         last = mon.step
         row = df.iloc[-20:].mean(numeric_only=True)
         vals = df["loss/val"].dropna() if "loss/val" in df else ()
-        val = f"val {vals.iloc[-1]:.3f}" if len(vals) else "val –    "  # before the first eval
+        val = f"val {vals.iloc[-1]:.3f}" if len(vals) else f"val {MISSING:5s}"  # before 1st eval
         print(f"step {mon.step:5d}/{args.steps}  loss {row['loss/train']:.3f}  "
               f"{val}  lr {row['lr']:.2e}  grad {row['grad_norm/global']:.2f}  "
               f"{row.get('throughput/tokens_per_s', math.nan):,.0f} tok/s", flush=True)
-    mon.wait()
-    df = mon.df
-    first = df["loss/train"].iloc[:20].mean()
-    final = df["loss/train"].iloc[-20:].mean()
-    print(f"done: {mon.state} at step {mon.step}; train loss {first:.3f} -> {final:.3f}")
-    samples = open_run(run_dir).samples
-    if not samples.empty:
-        print(f"sample at step {samples.step.iloc[-1]}: {samples.text.iloc[-1]!r}")
-    print(f"run folder: {run_dir}  (nbwatch.open_run({str(run_dir)!r}))")
-    report = mon.export_html(run_dir / "report.html")
-    print(f"snapshot: {report}  ({report.stat().st_size / 2**20:.1f} MB, opens offline)")
-    return 0
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -65,13 +98,30 @@ def _export(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.run_dir)
     if not is_run_dir(run_dir):
-        print(f"{run_dir} holds no nbwatch run; `nbwatch ls` lists the runs under ./runs")
-        return 1
-    out = Path(args.output) if args.output else run_dir / "report.html"
+        raise UserError(f"{run_dir} holds no nbwatch run; `nbwatch ls` lists the runs under "
+                        "./runs")
+    out = _output(run_dir, args.output)
     t0 = time.perf_counter()
     out = export_html(run_dir, out, environment=not args.no_environment)
     print(f"{out}  ({out.stat().st_size / 2**20:.1f} MB in {time.perf_counter() - t0:.1f} s)")
     return 0
+
+
+def _output(run_dir: Path, output: str | None) -> Path:
+    """`-o`: a file, or a folder (one that exists, or any path ending in a separator, which
+    is created) to write `<run folder name>.html` in; RUN_DIR/report.html by default."""
+    if not output:
+        return run_dir / "report.html"
+    seps = tuple(s for s in (os.sep, os.altsep, "/") if s)
+    out = Path(output)
+    if output.endswith(seps) or out.is_dir():
+        if out.exists() and not out.is_dir():
+            raise UserError(f"-o {output}: {out} is a file, not a folder; drop the trailing "
+                            f"{output[-1]} to replace it, or name a folder")
+        if out.absolute().resolve() == run_dir.absolute().resolve():
+            return out / "report.html"
+        return out / f"{run_dir.absolute().resolve().name or 'run'}.html"
+    return out
 
 
 def _parse_where(items: list[str]) -> dict[str, Any]:
@@ -79,6 +129,7 @@ def _parse_where(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
+            # SystemExit: one line on stderr, status 1; `%nbwatch ls` prints it in the cell
             raise SystemExit(f"--where takes KEY=VALUE (e.g. --where lr=3e-4), got {item!r}")
         try:
             where[key] = json.loads(raw)
@@ -97,26 +148,32 @@ def _plain(v: Any) -> Any:
 
 
 def _fmt(v: Any, spec: str) -> str:
+    """`v` formatted by `spec` ('9.4f'); a missing value as MISSING in the same width."""
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return "-"
+        width = "".join(c for c in spec.split(".")[0] if c.isdigit())
+        return format(MISSING, f">{width}") if width else MISSING
     return format(v, spec)
+
+
+def _first_line(e: BaseException | str, limit: int = 200) -> str:
+    lines = str(e).strip().splitlines()
+    line = lines[0] if lines else type(e).__name__
+    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def _ls(args: argparse.Namespace) -> int:
     import warnings
 
     from .compare import LS_COLUMNS, list_runs
+    from .liveness import STALE_AFTER
 
     where = _parse_where(args.where)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            runs = list_runs(args.root, where, args.sort,
-                             args.keys.split(",") if args.keys else None, args.max_keys,
-                             args.stale_after)
-    except FileNotFoundError as e:
-        print(e)
-        return 1
+    stale_after = STALE_AFTER if args.stale_after is None else args.stale_after
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runs = list_runs(args.root, where, args.sort,
+                         args.keys.split(",") if args.keys else None, args.max_keys,
+                         stale_after)
     for w in caught:
         print(w.message, file=sys.stderr)
     if runs.empty:
@@ -131,42 +188,114 @@ def _ls(args: argparse.Namespace) -> int:
         steps = f"{r['steps']}/{r['max_steps']}" if r["max_steps"] else str(r["steps"])
         cfg = "  ".join(f"{k}={r[k]!r}" if isinstance(r[k], str) else f"{k}={r[k]}"
                         for k in keys if r[k] is not None)
+        why = f"  ({_first_line(r['error'], 120)})" if r.get("error") else ""
         print(f"{r['run']:{width}s}  {r['state']:9s} {steps:>13s} {_fmt(r['best_val'], '9.4f')} "
               f"{_fmt(r['best_val_step'], '7d')} {_fmt(r['last_train'], '10.4f')} "
-              f"{duration(r['wall_s']):>6s}  {cfg}")
+              f"{duration(r['wall_s']):>6s}  {cfg}{why}".rstrip())
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nbwatch", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="train a tiny GPT on Python's own source, monitored")
-    d.add_argument("--steps", type=int, default=1000)
-    d.add_argument("--eval-every", type=int, default=100)
-    d.add_argument("--run-dir", default=None)
-    d.add_argument("--print-every", type=float, default=5.0)
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            v = None
+        if v is None or not v > 0 or (kind is float and not math.isfinite(v)):
+            what = "a positive integer" if kind is int else "a positive number of seconds"
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return v
+    parse.__name__ = kind.__name__  # argparse names the type in its message
+    return parse
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nbwatch")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        from . import __version__
+
+        return __version__
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (with where to look) rather than two."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="nbwatch", description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"nbwatch {_version()}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,ls,export}")
+    d = sub.add_parser("demo", help="train a tiny GPT on Python's own source, monitored",
+                       description="Train a small GPT on the characters of Python's own "
+                       "standard library, monitored: progress lines here, the run folder "
+                       "and an HTML snapshot at the end.")
+    d.add_argument("--steps", type=_positive(int), default=1000, metavar="N",
+                   help="optimizer steps to train (default: %(default)s)")
+    d.add_argument("--eval-every", type=_positive(int), default=100, metavar="N",
+                   help="steps between evaluations: val loss, a text sample, attention "
+                   "maps (default: %(default)s)")
+    d.add_argument("--run-dir", default=None, metavar="DIR",
+                   help="the run folder to create (default: runs/demo-YYYYMMDD-HHMMSS)")
+    d.add_argument("--print-every", type=_positive(float), default=5.0, metavar="SECONDS",
+                   help="seconds between progress lines (default: %(default)s)")
     d.set_defaults(fn=_demo)
     ls = sub.add_parser("ls", help="list the runs under a folder: state, steps, best val "
                         "loss, config")
-    ls.add_argument("root", nargs="?", default="runs")
+    ls.add_argument("root", nargs="?", default="runs",
+                    help="the folder searched for runs (default: %(default)s)")
     ls.add_argument("--where", action="append", default=[], metavar="KEY=VALUE",
                     help="keep runs whose config has KEY equal to VALUE (JSON or a string)")
-    ls.add_argument("--sort", choices=("name", "best", "steps"), default="name")
+    ls.add_argument("--sort", choices=("name", "best", "steps"), default="name",
+                    help="order: run name, best val loss, or most steps first "
+                    "(default: %(default)s)")
     ls.add_argument("--keys", default=None,
                     help="comma-separated config keys to show (default: those that differ)")
-    ls.add_argument("--max-keys", type=int, default=6)
-    ls.add_argument("--stale-after", type=float, default=STALE_AFTER,
-                    help="call a 'running' run stale after this many seconds without a write")
+    ls.add_argument("--max-keys", type=_positive(int), default=6, metavar="N",
+                    help="show at most N config keys (default: %(default)s)")
+    ls.add_argument("--stale-after", type=_positive(float), default=None, metavar="SECONDS",
+                    help="call a 'running' run stale after this many seconds without a write"
+                    " (default: 30)")
     ls.set_defaults(fn=_ls)
     ex = sub.add_parser("export", help="write a run as one self-contained HTML file")
-    ex.add_argument("run_dir")
-    ex.add_argument("-o", "--output", default=None,
-                    help="the HTML file to write (default: RUN_DIR/report.html)")
+    ex.add_argument("run_dir", help="the run folder")
+    ex.add_argument("-o", "--output", default=None, metavar="PATH",
+                    help="the HTML file to write; a folder (an existing one, or a path ending"
+                    " in /, created) gets RUN.html, RUN being the run folder's name "
+                    "(default: RUN_DIR/report.html)")
     ex.add_argument("--no-environment", action="store_true",
                     help="leave out host, pid, working directory, command line and versions")
     ex.set_defaults(fn=_export)
-    args = parser.parse_args(argv)
-    return args.fn(args)
+    return p
+
+
+# What a user can fix: the message says what and how. Anything else is a bug: a traceback.
+USER_ERRORS = (UserError, ValueError, OSError, RuntimeError, sqlite3.Error)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print(f"nbwatch {args.cmd}: interrupted", file=sys.stderr)
+        return 130
+    except USER_ERRORS as e:
+        if os.environ.get("NBWATCH_TRACEBACK"):
+            raise
+        msg = _first_line(e, 1000)
+        if isinstance(e, sqlite3.Error):  # past the store's own checks: a damaged file
+            where = Path(getattr(args, "run_dir", None) or "a run") / "nbwatch.db"
+            msg = (f"{where} cannot be read ({msg}): the file is damaged; its run's "
+                   "checkpoints/ folder, if any, still holds the weights")
+        print(f"nbwatch {args.cmd}: {msg}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from .liveness import STALE_AFTER, run_state
 from .store import RunReader, is_run_dir
 
 Where = Mapping[str, Any] | Callable[[dict[str, Any]], bool] | None
+DEFAULT_METRICS = ("loss/train", "loss/val")  # compare()'s, less those no run recorded
 SKIP_DIRS = {"checkpoints", ".ipynb_checkpoints", "__pycache__", ".git"}
 
 
@@ -74,21 +75,29 @@ def matches(config: Mapping[str, Any], where: Where) -> bool:
 
 def summarize(reader: RunReader, stale_after: float = STALE_AFTER) -> dict[str, Any]:
     """One row of figures about a run: state, steps, best val loss and its step, last train
-    loss, wall time. Reads a few rows, not the run's history."""
+    loss, wall time, and for a failed run its error (the first line of the message).
+    Reads a few rows, not the run's history."""
     meta = reader.meta()
     best = reader.best("loss/val")
     last = reader.last_value("loss/train")
     first_wall, last_wall = reader.wall_range()
     start = meta.get("started", first_wall)
+    state = run_state(reader.run_dir, meta, reader, stale_after)
+    error = None
+    if state == "failed":
+        last_error = reader.last_error()
+        lines = str(last_error[0]).strip().splitlines() if last_error else []
+        error = lines[0] if lines else "failed without an error message"
     return {
         "name": str(meta.get("name", reader.run_dir.name)),
-        "state": run_state(reader.run_dir, meta, reader, stale_after),
+        "state": state,
         "steps": reader.last_step(),
         "max_steps": meta.get("max_steps"),
         "best_val": best[1] if best else math.nan,
         "best_val_step": best[0] if best else None,
         "last_train": last if last is not None else math.nan,
         "wall_s": (last_wall - float(start)) if last_wall is not None and start else math.nan,
+        "error": error,
     }
 
 
@@ -111,7 +120,8 @@ def config_diff(configs: Mapping[str, Mapping[str, Any]]) -> pd.DataFrame:
 
 
 class Comparison:
-    """Runs overlaid: `.runs`, `.df`, `.config_diff`, `.summary`, `.figure()`.
+    """Runs overlaid: `.runs`, `.metrics`, `.df`, `.config_diff`, `.summary`, `.figure()`;
+    `.note` says why `compare()` chose fewer metrics than its default (None if it did not).
 
     `.df` is long: one row per (run, step, metric) with `wall` (seconds since the run
     started) beside `step`; `.wide(metric)` aligns runs column by column on `x`.
@@ -123,6 +133,8 @@ class Comparison:
         self.labels = list(labels)
         self.metrics = list(metrics)
         self.x = x
+        self.note: str | None = None  # why compare() chose fewer metrics, e.g. no loss/val
+        self._unrecorded: list[str] = []  # the default metrics no run recorded
         self._readers = [RunReader(d) for d in dirs]
         self._df: pd.DataFrame | None = None
 
@@ -221,8 +233,10 @@ class Comparison:
 
         if _in_notebook():  # JupyterLab draws it offline (jupyterlab-plotly's renderer);
             display(self.figure())  # in a terminal plotly would open a browser instead
+            if self.note:
+                print(self.note)
         else:
-            print(repr(self))
+            print(repr(self))  # the note included
         display(self.summary)
         diff = self.config_diff
         if not diff.empty:
@@ -233,11 +247,14 @@ class Comparison:
             r.close()
 
     def __repr__(self) -> str:
-        return f"<nbwatch.Comparison of {len(self.labels)} runs: {', '.join(self.labels)}>"
+        on = f" on {', '.join(self.metrics)}"
+        if self._unrecorded:
+            on += f" (no run recorded {', '.join(self._unrecorded)})"
+        return f"<nbwatch.Comparison of {len(self.labels)} runs{on}: {', '.join(self.labels)}>"
 
 
 LS_COLUMNS = ["run", "state", "steps", "max_steps", "best_val", "best_val_step",
-              "last_train", "wall_s"]
+              "last_train", "wall_s", "error"]
 _ORDER = {"name": lambda r: r["run"],
           "best": lambda r: (math.isnan(r["best_val"]), r["best_val"]),
           "steps": lambda r: -r["steps"]}
@@ -247,7 +264,8 @@ def list_runs(root: str | os.PathLike = "runs", where: Where = None, sort: str =
               keys: Sequence[str] | None = None, max_keys: int = 4,
               stale_after: float = STALE_AFTER) -> pd.DataFrame:
     """The runs under `root`, one row each: run (its folder under root), state, steps,
-    max_steps, best_val, best_val_step, last_train, wall_s, then config columns: `keys`,
+    max_steps, best_val, best_val_step, last_train, wall_s, error (the first line of a
+    failed run's error, else None), then config columns: `keys`,
     else those that differ between runs (all of them for one run), at most `max_keys`.
     What `nbwatch ls` and `%nbwatch ls` print. A damaged run is skipped with a warning."""
     root = Path(root)
@@ -293,14 +311,16 @@ def _labels(dirs: Sequence[Path], root: Path | None) -> list[str]:
 def compare(
     runs: str | os.PathLike | Iterable[str | os.PathLike],
     where: Where = None,
-    metrics: Sequence[str] = ("loss/train", "loss/val"),
+    metrics: str | Sequence[str] | None = None,
     x: str = "step",
 ) -> Comparison:
     """Overlay several runs: a root folder (every run under it) or a list of run folders.
 
     `where` keeps the runs whose config matches: {"lr": 3e-4} (equality; dotted keys reach
     nested config; a value may be a predicate) or a predicate on the whole config dict.
-    `x` is "step" or "wall" (seconds since each run started).
+    `metrics` are the scalars overlaid; by default loss/train and loss/val, or loss/train
+    alone when no compared run recorded loss/val (no `val_fn`), which `.note` and the
+    comparison's repr say. `x` is "step" or "wall" (seconds since each run started).
 
     >>> cmp = nbwatch.compare("runs", where={"batch_size": 32}, metrics=["loss/val"])
     >>> cmp.summary.sort_values("best_val")
@@ -311,7 +331,7 @@ def compare(
         raise ValueError(f"x must be 'step' or 'wall', got {x!r}")
     if isinstance(metrics, str):
         metrics = [metrics]
-    if not metrics:
+    if metrics is not None and not metrics:
         raise ValueError("metrics is empty; name at least one scalar, e.g. 'loss/train'")
     root: Path | None = None
     if isinstance(runs, (str, os.PathLike)):
@@ -342,14 +362,22 @@ def compare(
             seen = "; values seen: " + ", ".join(f"{k} in {{{', '.join(v)}}}"
                                                   for k, v in vals.items())
         raise ValueError(f"none of the {len(dirs)} runs matches where={where!r}{seen}")
-    cmp = Comparison(kept, _labels(kept, root), metrics, x)
+    cmp = Comparison(kept, _labels(kept, root), metrics or DEFAULT_METRICS, x)
     known = set()
     for r in cmp._readers:
         known.update(r.keys())
+    if metrics is None:
+        cmp.metrics = [m for m in DEFAULT_METRICS if m in known] or list(DEFAULT_METRICS)
+        missing = [m for m in DEFAULT_METRICS if m not in known]
+        if missing and len(missing) < len(DEFAULT_METRICS):
+            cmp._unrecorded = missing
+            cmp.note = (f"no compared run recorded {', '.join(missing)}: comparing "
+                        f"{', '.join(cmp.metrics)} only (pass metrics=[...] to choose)")
+        metrics = cmp.metrics
     unknown = [m for m in metrics if m not in known]
     if unknown:
         cmp.close()
         shown = ", ".join(sorted(known)[:12])
         raise ValueError(f"no compared run recorded {', '.join(map(repr, unknown))}; "
-                         f"known scalars include: {shown}")
+                         f"known scalars include: {shown}; pass metrics=[...] to choose")
     return cmp

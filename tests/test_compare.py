@@ -31,7 +31,7 @@ def make_runs(root: Path, lrs=LRS, steps: int = STEPS) -> list[Path]:
     return dirs
 
 
-def _one_run(root: Path, lr: float, batches: list, steps: int) -> Path:
+def _one_run(root: Path, lr: float, batches: list, steps: int, val: bool = True) -> Path:
     torch.manual_seed(0)
     model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -42,8 +42,8 @@ def _one_run(root: Path, lr: float, batches: list, steps: int) -> Path:
     d = root / f"lr{lr:g}"
     mon = nbwatch.Monitor(model, opt, run_dir=d, name=f"lr={lr:g}",
                           config={"lr": lr, "batch": 4, "model": {"d": 32, "layers": 2}})
-    mon.start(tiny_step, batches, max_steps=steps, val_fn=val_fn, eval_every=8,
-              hist_every=8, display=False).wait()
+    mon.start(tiny_step, batches, max_steps=steps, val_fn=val_fn if val else None,
+              eval_every=8 if val else None, hist_every=8, display=False).wait()
     return d
 
 
@@ -146,9 +146,10 @@ def test_list_runs_is_the_frame_ls_prints(runs):
     from nbwatch.compare import list_runs
 
     df = list_runs(runs, sort="best")
-    assert list(df.columns[:8]) == ["run", "state", "steps", "max_steps", "best_val",
-                                    "best_val_step", "last_train", "wall_s"]
-    assert list(df.columns[8:]) == ["lr"]  # the config key that differs
+    assert list(df.columns[:9]) == ["run", "state", "steps", "max_steps", "best_val",
+                                    "best_val_step", "last_train", "wall_s", "error"]
+    assert list(df.columns[9:]) == ["lr"]  # the config key that differs
+    assert df["error"].isna().all()  # none failed
     assert df["best_val"].is_monotonic_increasing and set(df["state"]) == {"finished"}
     assert list(list_runs(runs, where={"lr": 0.001})["run"]) == ["lr0.001"]
     with pytest.raises(FileNotFoundError, match="is not a folder"):
@@ -158,3 +159,21 @@ def test_list_runs_is_the_frame_ls_prints(runs):
 def test_ls_on_an_empty_folder(tmp_path, capsys):
     assert main(["ls", str(tmp_path)]) == 0
     assert "no nbwatch runs under" in capsys.readouterr().out
+
+
+def test_default_metrics_without_val_fn(runs, tmp_path):
+    """Runs without a val_fn have no loss/val: the default compares loss/train, and says so."""
+    batches = make_batches(4)
+    plain = [_one_run(tmp_path, lr, batches, steps=4, val=False) for lr in (1e-3, 3e-3)]
+    cmp = nbwatch.compare(plain)
+    assert cmp.metrics == ["loss/train"]
+    assert "no compared run recorded loss/val" in cmp.note and "loss/train" in cmp.note
+    assert "on loss/train (no run recorded loss/val)" in repr(cmp)
+    assert set(cmp.df.metric) == {"loss/train"} and len(cmp.figure().data) == 2
+    assert cmp.summary["best_val"].isna().all()
+    # one run with val is enough for both default metrics, and no note
+    mixed = nbwatch.compare([plain[0], runs / "lr0.001"])
+    assert mixed.metrics == ["loss/train", "loss/val"] and mixed.note is None
+    assert nbwatch.compare(plain, metrics="loss/train").note is None  # chosen, not defaulted
+    with pytest.raises(ValueError, match="no compared run recorded 'loss/val'"):
+        nbwatch.compare(plain, metrics=["loss/train", "loss/val"])  # asked for: an error

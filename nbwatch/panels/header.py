@@ -27,7 +27,10 @@ def build(
         eta = max(int(max_steps) - step, 0) / rate
     started = meta.get("started")
     end = now if state in LIVE_STATES or not walls else walls[-1][1]
-    return {
+    out: dict[str, Any] = {}
+    if state == "stopped" and meta.get("stopped_by"):  # a kernel shut down, the process ended
+        out["message"] = f"stopped: {meta['stopped_by']}"
+    return out | {
         "name": str(meta.get("name", "")),
         "state": state,
         "step": int(step),

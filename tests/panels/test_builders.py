@@ -20,6 +20,14 @@ def test_header_progress_eta_and_failure():
     h = header.build({**meta, "state": "failed"}, 20, walls, {}, now=1100.0, error=err)
     assert h["failed"] and h["eta_s"] is None and "boom" in h["traceback"]
     assert h["elapsed_s"] == 15.0  # an ended run's clock stops at its last step
+    assert "message" not in h
+
+
+def test_header_says_why_a_run_stopped_when_its_process_went_away():
+    meta = {"name": "r", "state": "stopped", "stopped_by": "kernel shut down at step 212"}
+    assert header.build(meta, 212, [], {}, now=0.0)["message"] == (
+        "stopped: kernel shut down at step 212")
+    assert "message" not in header.build({**meta, "state": "running"}, 212, [], {}, now=0.0)
 
 
 def test_loss_traces_gap_and_markers():

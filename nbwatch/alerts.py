@@ -14,22 +14,41 @@ Defaults follow the seeds and are all overridable with one dict passed to the Mo
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from .health import rules as health_rules
 from .records import Event
-from .rules import ACTIONS, PHASES, Rule, Window  # noqa: F401  (their home; re-exported)
+from .rules import (  # noqa: F401  (their home; re-exported)
+    ACTION_SETTINGS,
+    ACTIONS,
+    COMMON,
+    FRACTION,
+    PHASES,
+    POSITIVE,
+    Rule,
+    Setting,
+    Window,
+    count,
+    number,
+    window,
+)
 
 
 # -- the checks (pure: window + params → message or None) ---------------------------------
-def _nonfinite(w: Window, p: dict) -> str | None:
+def _nonfinite(w: Window, p: dict, skips: bool = True) -> str | None:
     bad = [k for k in p["keys"]
            if k in w.latest and not math.isfinite(w.latest[k])]
     if bad:
-        if p.get("skips", True):
+        if w.extra.get("after_step"):  # the loop reported it after its optimizer step
+            return (f"non-finite {' and '.join(bad)} reported after the optimizer step "
+                    "(mon.log): the gradients were finite, so the step was applied; check "
+                    "how the loop computes the figure")
+        if skips:
             return f"non-finite {' and '.join(bad)} at this step: step skipped, weights untouched"
         return (f"non-finite {' and '.join(bad)} at this step: the step was APPLIED (skip_step "
                 "is not among this rule's actions), so the weights may now be non-finite")
@@ -226,104 +245,146 @@ def _base_rules() -> list[Rule]:
         Rule("nonfinite", "critical", "grads", _nonfinite,
              {"keys": ("loss/train", "grad_norm/global")},
              ("skip_step", "pause", "checkpoint"), 1,
-             "non-finite loss or gradients: skip the step, pause, checkpoint the last good state"),
+             "non-finite loss or gradients: skip the step, pause, checkpoint the last good state",
+             schema={"keys": Setting("names")}),
         Rule("grad_explosion", "critical", "grads", _grad_explosion,
              {"absolute": 1e5, "factor": 10.0, "window": 200, "min_history": 20, "max_norm": 1.0},
-             ("clip",), 50, "global grad norm > 1e5 or > 10× its rolling median: clip at 1.0"),
+             ("clip",), 50, "global grad norm > 1e5 or > 10× its rolling median: clip at 1.0",
+             schema={"absolute": number(0, open_lo=True, inf=True), "factor": number(1),
+                     "window": window(not_below="min_history"), "min_history": count(1),
+                     "max_norm": POSITIVE}),
         Rule("val_spike", "critical", "eval", _val_spike, {"factor": 2.0, "lr_factor": 0.5},
-             ("checkpoint", "cut_lr"), 1, "val loss > 2× the best: checkpoint and cut LR ×0.5"),
+             ("checkpoint", "cut_lr"), 1, "val loss > 2× the best: checkpoint and cut LR ×0.5",
+             schema={"factor": number(1), **ACTION_SETTINGS["cut_lr"]}),
         Rule("nonfinite_val", "critical", "eval", _nonfinite_val, {}, (), 1,
              "a non-finite val loss or val figure: never best, always said"),
         Rule("loss_spike", "warning", "step", _loss_spike,
              {"window": 200, "z": 6.0, "min_history": 50, "batches_before": 4}, (), 10,
              "train loss > 6 robust SDs (1.4826 × MAD) above its rolling median over 200 "
-             "steps; the event names the batches of the spike and the 4 steps before"),
+             "steps; the event names the batches of the spike and the 4 steps before",
+             schema={"window": window(not_below="min_history"), "z": POSITIVE,
+                     "min_history": count(1), "batches_before": count(0, 63)}),
         Rule("vanishing_gradients", "warning", "step", _vanishing,
              {"global_below": 1e-7, "layer_ratio": 1e-3, "persist": 20}, (), 5,
-             "global grad norm < 1e-7, or a layer 1000× below the median layer", every=10),
+             "global grad norm < 1e-7, or a layer 1000× below the median layer", every=10,
+             schema={"global_below": POSITIVE, "layer_ratio": FRACTION,
+                     "persist": window()}),
         Rule("throughput_drop", "warning", "step", _throughput_drop,
              {"drop": 0.5, "window": 200, "min_history": 50, "persist": 10}, (), 5,
-             "throughput below half its rolling median for 10 steps", every=10),
+             "throughput below half its rolling median for 10 steps", every=10,
+             schema={"drop": FRACTION, "window": window(not_below="min_history"),
+                     "min_history": count(1), "persist": window()}),
         Rule("data_bottleneck", "warning", "step", _data_bottleneck,
              {"share": 0.3, "p90_s": 0.1, "window": 50}, (), 20,
-             "data wait > 30% of step time, or its p90 > 0.1 s", every=10),
+             "data wait > 30% of step time, or its p90 > 0.1 s", every=10,
+             schema={"share": number(0, 1, open_lo=True), "p90_s": POSITIVE,
+                     "window": window()}),
         Rule("padding", "warning", "step", _padding, {"ratio": 0.5, "window": 50}, (), 20,
-             "more than half the tokens are padding", every=10),
+             "more than half the tokens are padding", every=10,
+             schema={"ratio": number(0, 1, open_hi=True), "window": window()}),
         Rule("attention_collapse", "warning", "attention", _attention_collapse,
              {"max_weight": 0.99, "rows": 0.5, "skip_rows": 4}, (), 2,
-             "most rows of a head put > 0.99 of their weight on one token"),
+             "most rows of a head put > 0.99 of their weight on one token",
+             schema={"max_weight": number(0, 1, open_lo=True),
+                     "rows": number(0, 1, open_hi=True), "skip_rows": count(0)}),
         Rule("weight_collapse", "warning", "hist", _weight_collapse,
              {"factor": 10.0, "min_start_std": 1e-6}, (), 2,
-             "a layer's weight std fell 10× from its start"),
+             "a layer's weight std fell 10× from its start",
+             schema={"factor": number(1), "min_start_std": number(0)}),
         Rule("plateau", "warning", "step", _plateau,
              {"window": 1000, "min_change": 0.005}, (), 10,
-             "train loss flat (no significant trend, < 0.5% change) over 1000 steps", every=100),
+             "train loss flat (no significant trend, < 0.5% change) over 1000 steps", every=100,
+             schema={"window": window(3), "min_change": POSITIVE}),
         Rule("val_periodic", "warning", "eval", _val_periodic,
              {"min_evals": 12, "corr": 0.8}, (), 10**9,
-             "val loss oscillates with a period that the val batches' lengths explain"),
+             "val loss oscillates with a period that the val batches' lengths explain",
+             schema={"min_evals": count(4), "corr": number(0, 1, open_lo=True)}),
         Rule("straggler", "warning", "ranks", _straggler, {"slower": 0.2}, (), 3,
-             "one DDP rank's median step time > 20% above the others'"),
+             "one DDP rank's median step time > 20% above the others'",
+             schema={"slower": POSITIVE}),
         Rule("lr_change", "info", "step", _lr_change, {"factor": 2.0}, (), 1,
              "the LR moved 2× from the last reported value, and neither the scheduler nor a "
-             "control moved it"),
+             "control moved it", schema={"factor": number(1, open_lo=True)}),
     ]
 
 
-def configure(rules: list[Rule], overrides: dict[str, Any] | None) -> list[Rule]:
-    """Apply `{rule: False | {param: value, "actions": [...], "severity": ...}}`."""
+def configure(rules: list[Rule], overrides: Mapping[str, Any] | None) -> list[Rule]:
+    """Apply `{rule: False | {setting: value, "actions": [...], "severity": ...}}`; every
+    setting is checked against its rule's schema here, so a bad one fails `Monitor(...)`,
+    not the run when the rule fires."""
     return [_truthful(r) for r in _override(rules, overrides)]
 
 
 def _truthful(r: Rule) -> Rule:
     """A rule whose message says what its actions do (nonfinite: skipped or applied)."""
     if r.name == "nonfinite":
-        return replace(r, params={**r.params, "skips": "skip_step" in r.actions})
+        return replace(r, check=partial(_nonfinite, skips="skip_step" in r.actions))
     return r
 
 
-def _override(rules: list[Rule], overrides: dict[str, Any] | None) -> list[Rule]:
+_HOW = ("alerts={rule: False | {setting: value}}, e.g. alerts={'grad_explosion': "
+        "{'factor': 20}, 'plateau': False}")
+
+
+def _override(rules: list[Rule], overrides: Mapping[str, Any] | None) -> list[Rule]:
+    if overrides is None:
+        return rules
+    if not isinstance(overrides, Mapping):
+        raise TypeError(f"alerts must be a dict or None, got {overrides!r} (a "
+                        f"{type(overrides).__name__}); pass {_HOW}")
     if not overrides:
         return rules
     by_name = {r.name: r for r in rules}
-    unknown = set(overrides) - set(by_name)
+    unknown = [k for k in overrides if k not in by_name]
     if unknown:
-        raise KeyError(f"unknown alert rule(s) {sorted(unknown)}; known: {sorted(by_name)}")
+        raise KeyError(f"unknown alert rule(s) {', '.join(map(repr, unknown))}; known: "
+                       f"{', '.join(by_name)}")
     out = []
     for r in rules:
         o = overrides.get(r.name, {})
         if o is False:
             continue
-        if o is True or not o:
+        if o is True or o is None or (isinstance(o, Mapping) and not o):
             out.append(r)
             continue
-        if not isinstance(o, dict):
-            raise TypeError(f"alerts[{r.name!r}] must be False or a dict of overrides, got {o!r}")
+        if not isinstance(o, Mapping):
+            raise TypeError(f"alerts[{r.name!r}] must be False (off), True (as is) or a dict "
+                            f"of settings, got {o!r}; e.g. alerts={{{r.name!r}: "
+                            f"{{'actions': ['pause']}}}}")
         o = dict(o)
         kw: dict[str, Any] = {}
         if "actions" in o:
             acts = o.pop("actions")
-            acts = (acts,) if isinstance(acts, str) else tuple(acts or ())
+            acts = (acts,) if isinstance(acts, str) else acts
+            if acts is None:
+                acts = ()
+            if not isinstance(acts, (list, tuple)):
+                raise TypeError(f"alerts[{r.name!r}]['actions'] must be a list of actions "
+                                f"from {ACTIONS}, got {acts!r}; e.g. ['pause', 'checkpoint']")
             bad = [a for a in acts if a not in ACTIONS]
             if bad:
-                raise ValueError(f"alerts[{r.name!r}]: unknown action(s) {bad}; known: {ACTIONS}")
-            kw["actions"] = tuple(a for a in acts if a != "none")
+                raise ValueError(f"alerts[{r.name!r}]: unknown action(s) {bad}; known: "
+                                 f"{', '.join(ACTIONS)}; e.g. alerts={{{r.name!r}: "
+                                 "{'actions': ['pause', 'checkpoint']}}")
+            kw["actions"] = tuple(dict.fromkeys(a for a in acts if a != "none"))
             late = [a for a in kw["actions"] if a in ("skip_step", "clip") and r.phase != "grads"]
             if late:
                 raise ValueError(
                     f"alerts[{r.name!r}]: {late} act on the step being taken, but {r.name} "
                     "is checked after it; use pause, checkpoint or cut_lr")
-        for key in ("severity", "clear_steps", "every"):
+        for key in COMMON:
             if key in o:
                 kw[key] = o.pop(key)
-        # the rewind action's own settings, on any rule that rewinds
-        known = set(r.params) | ({"rewind_steps", "rewind_skip"}
-                                 if "rewind" in kw.get("actions", r.actions) else set())
-        bad = set(o) - known
+        actions = kw.get("actions", r.actions)
+        known = r.settings(actions)
+        bad = [k for k in o if k not in known]
         if bad:
-            raise KeyError(f"alerts[{r.name!r}]: unknown setting(s) {sorted(bad)}; "
-                           f"settings: {sorted(r.params)}, actions, severity, clear_steps, "
-                           "every (and rewind_steps, rewind_skip with the rewind action)")
-        out.append(replace(r, params={**r.params, **o}, **kw))
+            extra = "; ".join(f"{', '.join(s)} with the {a} action"
+                              for a, s in ACTION_SETTINGS.items() if a not in actions)
+            raise KeyError(f"alerts[{r.name!r}]: unknown setting(s) {', '.join(map(repr, bad))}; "
+                           f"settings: {', '.join(sorted(known))}, actions, "
+                           f"{', '.join(COMMON)} (and {extra})")
+        out.append(replace(r, params={**r.params, **o}, **kw))  # Rule checks each value
     return out
 
 
@@ -349,7 +410,12 @@ class AlertEngine:
     def __init__(self, rules: list[Rule], window: int = 1000):
         self.rules = rules
         self._by_phase = {ph: [r for r in rules if r.phase == ph] for ph in PHASES}
-        self.window = Window(window)
+        # as long as the longest look-back a rule was given (at most rules.MAX_HISTORY)
+        self.window = Window(max([window, *(r.history for r in rules)]))
+        # "grads" rules that read named figures (nonfinite: the loss): a loop of the user's
+        # own reports its loss after the optimizer step, so these see it at "step"
+        self._late = [r for r in self._by_phase["grads"] if "keys" in r.params]
+        self._grads_saw: tuple[int, frozenset[str]] | None = None
         self._active: dict[str, bool] = {}
         self._clear: dict[str, int] = {}
         self._lr_reported: float | None = None
@@ -364,6 +430,12 @@ class AlertEngine:
     def observe(self, phase: str, step: int, values: dict[str, Any] | None = None,
                 **extra: Any) -> list[Alert]:
         w = self.window
+        fired: list[Alert] = []
+        if phase == "grads" and self._late:
+            self._grads_saw = (step, frozenset(k for r in self._late for k in r.params["keys"]
+                                               if values and k in values))
+        elif phase == "step" and values and self._late:
+            fired += self._after_step(step, values)
         if values and phase != "grads":  # "step" brings the same figures, complete
             w.add(values)
         elif values:
@@ -381,7 +453,6 @@ class AlertEngine:
             w.extra = {"weight_std": {n: (self._weight_start[n], s) for n, s in stds.items()}}
         elif extra:
             w.extra = extra
-        fired = []
         for rule in self._by_phase[phase]:
             if step % rule.every:
                 continue
@@ -402,6 +473,36 @@ class AlertEngine:
             if rule.name == "lr_change":
                 self._lr_reported = w.latest.get("lr")
             fired.append(Alert(rule, step, msg, data))
+        return fired
+
+
+    def _after_step(self, step: int, values: dict[str, Any]) -> list[Alert]:
+        """The "grads" rules that read a figure the step's "grads" observation lacked and
+        its "step" one has (a loss reported by `mon.log` after the optimizer step): they
+        fire now (the step is applied: it cannot be skipped any more); their quiet checks
+        do not count towards re-arming, which their "grads" observations do."""
+        saw = self._grads_saw
+        if saw is None or saw[0] != step:
+            return []
+        fired = []
+        w = self.window
+        latest, extra = w.latest, w.extra
+        w.latest, w.extra = values, {"after_step": True}
+        try:
+            for rule in self._late:
+                keys = rule.params["keys"]
+                if (self._active.get(rule.name) or step % rule.every
+                        or not any(k in values and k not in saw[1] for k in keys)):
+                    continue
+                msg = rule.check(w, rule.params)
+                data: dict[str, Any] = {}
+                if isinstance(msg, tuple):
+                    msg, data = msg
+                if msg is not None:
+                    self._active[rule.name], self._clear[rule.name] = True, 0
+                    fired.append(Alert(rule, step, msg, data))
+        finally:
+            w.latest, w.extra = latest, extra
         return fired
 
 

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from .rules import Rule, Window
+from .rules import FRACTION, POSITIVE, Rule, Window, number
 
 ENTROPY = "attn/entropy/"      # + module: mean over heads; + module/head: one head
 MAX_LOGIT = "attn/max_logit/"  # + module: max over heads; + module/head: one head
@@ -94,10 +94,13 @@ def rules() -> list[Rule]:
     return [
         Rule("attention_entropy_collapse", "warning", "eval", _entropy_collapse,
              {"fraction": 0.2, "min_early": 0.5}, (), 1,
-             "a head's attention entropy fell below 20% of its value at the first probe"),
+             "a head's attention entropy fell below 20% of its value at the first probe",
+             schema={"fraction": FRACTION, "min_early": number(0)}),
         Rule("attention_logit_growth", "warning", "eval", _logit_growth,
              {"threshold": 50.0}, (), 1,
-             "a module's largest pre-softmax attention logit is above 50 and rising"),
+             "a module's largest pre-softmax attention logit is above 50 and rising",
+             schema={"threshold": POSITIVE}),
         Rule("output_logit_drift", "warning", "eval", _output_drift, {"nats": 10.0}, (), 1,
-             "the LM head's mean log-partition moved 10 nats from the first probe"),
+             "the LM head's mean log-partition moved 10 nats from the first probe",
+             schema={"nats": POSITIVE}),
     ]

@@ -5,6 +5,7 @@ scheduler that a Monitor is given, the run folder, step counts, probe samples an
 from __future__ import annotations
 
 import json
+import math
 import numbers
 import os
 import time
@@ -16,13 +17,13 @@ import torch
 from torch import nn
 
 from .probes.attention import take_samples
-from .probes.data import batch_figures
+from .probes.data import batch_figures, check_mask
 from .store import is_run_dir
 
 
 def check_monitor(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                   config: dict[str, Any] | None, keep_last: int,
-                  system_interval: float) -> None:
+                  system_interval: float, on_alert: Any = None) -> None:
     """Refuse what cannot work, before anything opens, with the fix in the message."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -56,20 +57,52 @@ def check_monitor(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler:
                 f"scheduler {type(scheduler).__name__} has no state_dict(): checkpoints "
                 "will not hold its state, and a resumed run restarts its schedule; give "
                 "it state_dict()/load_state_dict() to resume it", stacklevel=4)
-    if config is not None and not isinstance(config, dict):
+    check_config(config)
+    typed = isinstance(system_interval, numbers.Real) and not isinstance(system_interval, bool)
+    if not typed or not math.isfinite(system_interval) or system_interval < 0.1:
+        raise (ValueError if typed else TypeError)(
+            f"system_interval must be at least 0.1 s (a number of seconds: the CPU/GPU "
+            f"sampler's period), got {system_interval!r}; e.g. system_interval=1.0 (it cannot "
+            "be turned off)")
+    typed = isinstance(keep_last, numbers.Integral) and not isinstance(keep_last, bool)
+    if not typed or keep_last < 1:
+        raise (ValueError if typed else TypeError)(
+            f"keep_last must be an int ≥ 1 (how many periodic checkpoints to keep; the best "
+            f"is kept apart), got {keep_last!r}; e.g. keep_last=3")
+    if on_alert is not None and not callable(on_alert):
+        raise TypeError(
+            f"on_alert must be a function called with each alert event, or None, got "
+            f"{on_alert!r}; e.g. on_alert=lambda ev: print(ev.message) (alerts are in "
+            "mon.events and the dashboard without one)")
+    check_covers(model, optimizer)
+
+
+CONFIG_DEPTH = 64  # nesting levels a config may have (a deeper one is refused, not truncated)
+
+
+def check_config(config: Any) -> None:
+    """A dict that can be stored as JSON (what cannot be is stored as its str()), nested at
+    most CONFIG_DEPTH levels (the store, the config table and comparisons walk it)."""
+    if config is None:
+        return
+    if not isinstance(config, dict):
         raise TypeError(f"config must be a dict, got {type(config).__name__}")
-    try:  # stored as JSON (what cannot be is stored as its str())
+    level, depth, seen = [config], 0, {id(config)}
+    while level:  # breadth first, no recursion: a 5,000-deep dict is refused, not a crash
+        depth += 1
+        if depth > CONFIG_DEPTH:
+            raise ValueError(
+                f"config is nested more than {CONFIG_DEPTH} levels deep; "
+                "flatten it (e.g. {'optim.lr': 1e-3} instead of {'optim': {'lr': 1e-3}}) or "
+                "pass only the settings worth keeping with the run")
+        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c)
+                 if isinstance(v, (dict, list, tuple)) and id(v) not in seen]
+        seen.update(id(v) for v in level)  # a config that holds itself: json says so below
+    try:
         json.dumps(config, default=str)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, RecursionError) as e:
         raise ValueError(f"config cannot be stored as JSON ({e}); pass a dict of plain "
                          "values (numbers, strings, lists, dicts)") from e
-    if not system_interval or system_interval < 0.1:
-        raise ValueError(
-            f"system_interval must be at least 0.1 s (the CPU/GPU sampler's period), got "
-            f"{system_interval!r}; it cannot be turned off")
-    check_covers(model, optimizer)
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
 
 
 _ALLOWED_FOREIGN = {".ipynb_checkpoints", ".DS_Store", "torchrun.log"}  # launch() writes the log
@@ -170,11 +203,13 @@ def probe_samples(batch: Any, n: int) -> Any:
     return take_samples(batch, n)
 
 
-def log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any]
-                 ) -> tuple[dict[str, float], list[str], list[torch.Tensor], Any]:
+def log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any],
+                first: bool = False) -> tuple[dict[str, float], list[str], list[torch.Tensor], Any]:
     """Check what `log()` was given: host figures, device figures with their names
     (copied to the host with the next gradient norms: one sync a step), and the
-    sequence lengths of the mask."""
+    sequence lengths of the mask. On the `first` step a GPU mask is checked for 0/1 values
+    (one sync, once); later steps count its bad entries with the other figures
+    (`probes.data.BAD`), and a CPU mask is checked at every step (no sync)."""
     host: dict[str, float] = {}
     names: list[str] = []
     parts: list[torch.Tensor] = []
@@ -190,12 +225,17 @@ def log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any]
             raise ValueError(
                 f"mon.log(): mask has shape {tuple(mask.shape)}; pass the batch's [batch, "
                 "seq_len] 0/1 attention mask (1 for real tokens, 0 for padding)")
+        if first:
+            check_mask(mask, "mon.log()")
         mnames, mparts, padded, lengths = batch_figures([mask])
         names += mnames
         parts += mparts
         host["_padded"] = padded
         return host, names, parts, lengths
     return host, names, parts, None
+
+
+_REAL = "pass a real number or a one-element real tensor"
 
 
 def add_figure(host: dict[str, float], names: list[str], parts: list[torch.Tensor],
@@ -205,13 +245,46 @@ def add_figure(host: dict[str, float], names: list[str], parts: list[torch.Tenso
             raise ValueError(
                 f"mon.log(): {what} has shape {tuple(v.shape)}, not one value: reduce it "
                 "first (e.g. loss.mean(), or a masked mean over real tokens)")
+        if v.is_complex():
+            raise TypeError(f"mon.log(): {what} is a complex tensor ({v.dtype}); {_REAL} "
+                            "(e.g. its .real or .abs())")
         names.append(name)
         v = v.detach()
         parts.append(v if v.dim() == 0 else v.reshape(()))
     elif isinstance(v, numbers.Real) and not isinstance(v, bool):
         host[name] = float(v)
     else:
-        raise TypeError(f"mon.log(): {what} is a {type(v).__name__}; pass a number or a "
-                        "one-element tensor")
+        raise TypeError(f"mon.log(): {what} is a {type(v).__name__} ({_short(v)}); {_REAL}")
 
 
+def check_val(val: Any) -> Any:
+    """`log(val=...)`: the val loss (a real number or one-element tensor) or a dict of val
+    figures named by str ('loss' is the val loss); returned with numbers as floats."""
+    if val is None:
+        return None
+    how = ("pass the val loss (a real number or a one-element real tensor) or a dict of val "
+           "figures, e.g. mon.log(loss=loss, val={'loss': 2.31, 'accuracy': 0.41})")
+    items = val.items() if isinstance(val, dict) else [(None, val)]
+    if isinstance(val, dict) and not val:
+        raise ValueError(f"mon.log(): val is an empty dict; {how}")
+    for k, v in items:
+        what = "val" if k is None else f"val[{k!r}]"
+        if k is not None and not isinstance(k, str):
+            raise TypeError(f"mon.log(): val's key {k!r} is a {type(k).__name__}; name each "
+                            f"val figure by a str; {how}")
+        if isinstance(v, torch.Tensor):
+            if v.numel() != 1:
+                raise ValueError(f"mon.log(): {what} has shape {tuple(v.shape)}, not one "
+                                 f"value: reduce it first (e.g. .mean()); {how}")
+            if v.is_complex():
+                raise TypeError(f"mon.log(): {what} is a complex tensor ({v.dtype}); {how}")
+        elif not isinstance(v, numbers.Real) or isinstance(v, bool):
+            raise TypeError(f"mon.log(): {what} is a {type(v).__name__} ({_short(v)}); {how}")
+    if isinstance(val, dict):
+        return {k: v if isinstance(v, torch.Tensor) else float(v) for k, v in val.items()}
+    return val if isinstance(val, torch.Tensor) else float(val)
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."

@@ -103,6 +103,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
     ):
         check_monitor(model, optimizer, scheduler, config, keep_last, system_interval, on_alert)
         check_every(max_steps=max_steps, checkpoint_every=checkpoint_every)
+        self.rules = configure(default_rules(), alerts)  # validates the overrides now
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.scaler = scheduler, scaler
         # absolute now: a later os.chdir must not send the run (or mon.df) elsewhere
@@ -113,7 +114,6 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         self.name = name or self.run_dir.name
         self.config = dict(config or {})
         self.system_interval = system_interval
-        self.rules = configure(default_rules(), alerts)  # validates the overrides now
         self.on_alert = on_alert
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep_last)
         self.control = ctl.ControlState()

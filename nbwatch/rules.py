@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,15 +14,154 @@ from typing import Any
 
 import numpy as np
 
+from .records import SEVERITIES
+
 ACTIONS = ("none", "checkpoint", "pause", "cut_lr", "clip", "skip_step", "rewind")
 # "grads": after the gradient probes, before the optimizer step (the rule can still skip or
 # clip this step); "step": the step's complete figures, timings included.
 PHASES = ("grads", "step", "eval", "hist", "attention", "ranks")
 
 
+# The longest look-back a rule may ask for: the alert engine keeps this many recent values
+# of every figure (hundreds of per-layer series), so a longer one would cost memory.
+MAX_HISTORY = 5000
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What one setting of a rule accepts; `check` returns the value, normalised, or raises
+    an error naming the rule, the setting and the allowed values.
+
+    kind "number": a real number in [lo, hi] (`open_lo`/`open_hi`: the bound excluded;
+    `inf`: +inf allowed, "no limit"); "count": an int in [lo, hi], at least the setting
+    `not_below` names (`history`: a look-back over the recorded steps, which sizes the
+    alert engine's window); "names": figure names (one str or a list of them);
+    "choice": one of `choices`."""
+
+    kind: str
+    lo: float | None = None
+    hi: float | None = None
+    open_lo: bool = False
+    open_hi: bool = False
+    inf: bool = False
+    not_below: str | None = None
+    history: bool = False
+    choices: tuple[str, ...] = ()
+    eg: Any = None  # a value to show in the error's "e.g." (else one from the range)
+
+    def allowed(self) -> str:
+        if self.kind == "choice":
+            return f"one of {', '.join(map(repr, self.choices))}"
+        if self.kind == "names":
+            return "a list of figure names (str)"
+        what = "an int" if self.kind == "count" else "a number"
+        lo, hi = self.lo, self.hi
+        if lo is not None and hi is not None:
+            rng = (f" in {'(' if self.open_lo else '['}{lo:g}, {hi:g}"
+                   f"{')' if self.open_hi else ']'}")
+        elif lo is not None:
+            rng = f" {'>' if self.open_lo else '≥'} {lo:g}"
+        elif hi is not None:
+            rng = f" {'<' if self.open_hi else '≤'} {hi:g}"
+        else:
+            rng = ""
+        return what + rng + (" (or float('inf'): no limit)" if self.inf else "")
+
+    def example(self) -> Any:
+        """A value this setting accepts (for the error's "e.g.")."""
+        if self.eg is not None:
+            return self.eg
+        if self.kind == "names":
+            return ["loss/train"]
+        if self.kind == "choice":
+            return self.choices[-1]
+        if self.kind == "count":
+            return 100 if self.history else max(int(self.lo or 0), 1)
+        lo, hi = self.lo, self.hi
+        if lo is not None and hi is not None:
+            return (lo + hi) / 2
+        if lo is not None:
+            return float(lo) if not self.open_lo else (2.0 * lo if lo > 0 else 1.0)
+        return 1.0
+
+    def check(self, rule: str, key: str, v: Any, eg: Any = None) -> Any:
+        given, eg = v, eg if eg is not None else self.example()
+
+        def refuse(err: type[Exception], why: str = "") -> Exception:
+            got = f"{given!r}" + (f" (a {type(given).__name__})" if err is TypeError else "")
+            return err(f"alerts[{rule!r}][{key!r}] must be {self.allowed()}{why}, got {got}; "
+                       f"e.g. alerts={{{rule!r}: {{{key!r}: {eg!r}}}}}")
+
+        if self.kind == "choice":
+            if not isinstance(v, str):
+                raise refuse(TypeError)
+            if v not in self.choices:
+                raise refuse(ValueError)
+            return v
+        if self.kind == "names":
+            names = (v,) if isinstance(v, str) else v
+            if not isinstance(names, (list, tuple)) or not all(
+                    isinstance(n, str) and n for n in names):
+                raise refuse(TypeError)
+            if not names:
+                raise refuse(ValueError, f" (at least one; to turn the rule off: "
+                             f"alerts={{{rule!r}: False}})")
+            return tuple(names)
+        if self.kind == "count":
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise refuse(TypeError)
+            v = int(v)
+        else:
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise refuse(TypeError)
+            v = float(v)
+            if math.isnan(v) or (math.isinf(v) and not (self.inf and v > 0)):
+                raise refuse(ValueError)
+        lo, hi = self.lo, self.hi
+        if (lo is not None and (v < lo or (self.open_lo and v == lo))) or (
+                hi is not None and (v > hi or (self.open_hi and v == hi))):
+            raise refuse(ValueError)
+        return v
+
+
+def number(lo: float | None = None, hi: float | None = None, *, open_lo: bool = False,
+           open_hi: bool = False, inf: bool = False, eg: float | None = None) -> Setting:
+    return Setting("number", lo, hi, open_lo, open_hi, inf, eg=eg)
+
+
+def count(lo: int = 1, hi: int | None = None, *, not_below: str | None = None,
+          history: bool = False, eg: int | None = None) -> Setting:
+    return Setting("count", lo, hi, not_below=not_below, history=history, eg=eg)
+
+
+def window(lo: int = 1, *, not_below: str | None = None) -> Setting:
+    """A look-back over recorded steps (at most MAX_HISTORY)."""
+    return count(lo, MAX_HISTORY, not_below=not_below, history=True)
+
+
+POSITIVE = number(0, open_lo=True)
+FRACTION = number(0, 1, open_lo=True, open_hi=True)  # strictly between 0 and 1
+# A rule's own fields, settable for every rule
+COMMON: dict[str, Setting] = {
+    "severity": Setting("choice", choices=SEVERITIES),
+    "clear_steps": count(1),
+    "every": count(1),
+}
+# Settings of an action, accepted on any rule that has the action
+ACTION_SETTINGS: dict[str, dict[str, Setting]] = {
+    "cut_lr": {"lr_factor": number(0, 1, open_lo=True, eg=0.5)},  # a cut, never a raise
+    "clip": {"max_norm": number(0, open_lo=True, eg=1.0)},
+    "rewind": {"rewind_steps": count(1, eg=100), "rewind_skip": count(0, eg=200)},
+}
+
+
 @dataclass(frozen=True)
 class Rule:
-    """One alert rule: `check(window, params)` → None when quiet, else a message."""
+    """One alert rule: `check(window, params)` → None when quiet, else a message.
+
+    `schema` declares what each of `params` accepts (a `Setting`); every rule declares
+    each of its params, so one function (`Rule.__post_init__`) checks them all, and the
+    settings of the rule's actions (`ACTION_SETTINGS`) and its own fields (`COMMON`)."""
 
     name: str
     severity: str
@@ -33,10 +173,52 @@ class Rule:
     clear_steps: int = 1  # quiet observations before the rule re-arms
     doc: str = ""
     every: int = 1  # observe every n-th step only (rules that look back over a window)
+    schema: dict[str, Setting] = field(default_factory=dict)
+    # the params the rule was defined with (kept through `replace`): the errors' examples
+    defaults: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.defaults is None:
+            object.__setattr__(self, "defaults", dict(self.params))
         if self.phase not in PHASES:
             raise ValueError(f"rule {self.name!r}: phase must be one of {PHASES}")
+        for key, setting in COMMON.items():
+            setting.check(self.name, key, getattr(self, key))
+        known = self.settings()
+        undeclared = set(self.params) - set(known)
+        if undeclared:
+            raise KeyError(f"alerts[{self.name!r}]: unknown setting(s) {sorted(undeclared)}; "
+                           f"settings: {sorted(known)}")
+        p = {k: known[k].check(self.name, k, v, _shown(self.defaults.get(k)))
+             for k, v in self.params.items()}
+        for k, v in p.items():
+            floor = known[k].not_below
+            if floor in p and v < p[floor]:
+                raise ValueError(
+                    f"alerts[{self.name!r}][{k!r}] ({v}) is below its {floor!r} ({p[floor]}), "
+                    f"the steps the rule needs before it can fire, so it never would; raise "
+                    f"{k!r} or lower {floor!r}, e.g. alerts={{{self.name!r}: {{{k!r}: {v}, "
+                    f"{floor!r}: {v}}}}}")
+        object.__setattr__(self, "params", p)
+
+    def settings(self, actions: tuple[str, ...] | None = None) -> dict[str, Setting]:
+        """What `params` may hold: the rule's own settings and those of its actions (or of
+        `actions`)."""
+        out = dict(self.schema)
+        for a in self.actions if actions is None else actions:
+            for k, s in ACTION_SETTINGS.get(a, {}).items():
+                out.setdefault(k, s)
+        return out
+
+    @property
+    def history(self) -> int:
+        """How many recent values of a figure the check may read."""
+        return sum(v for k, v in self.params.items()
+                   if k in self.schema and self.schema[k].history) + 1
+
+
+def _shown(default: Any) -> Any:
+    return list(default) if isinstance(default, tuple) else default
 
 
 class Window:

@@ -4,11 +4,44 @@ from __future__ import annotations
 
 import torch
 
+# The figure that counts a GPU mask's entries other than 0 and 1, copied with the step's
+# other figures (no sync of its own); `bad_mask` reads it on the host.
+BAD = "_mask_bad"
+MASK_FIGURES = ("tokens/real", "data/seq_len_mean", "data/seq_len_max", "_padded")
+_HOW = ("pass a 0/1 (or bool) attention mask, 1 for a real token and 0 for padding "
+        "(e.g. batch['attention_mask'], or input_ids != pad_id)")
 
-def mask_stats(mask: torch.Tensor) -> dict[str, torch.Tensor]:
+
+def check_mask(mask: torch.Tensor, who: str) -> None:
+    """Refuse a mask that holds other values than 0 and 1 (a bool mask needs no look). On a
+    GPU this waits for it (one host sync): the loops call it on the first step only, and
+    on CPU masks, where it costs no sync."""
+    if mask.is_complex():
+        raise TypeError(f"{who}: the mask is a complex tensor ({mask.dtype}); {_HOW}")
+    if mask.dtype == torch.bool:
+        return
+    m = mask.detach()
+    if m.numel() == 0:
+        return
+    lo, hi = torch.aminmax(m)  # one pass: an int mask in [0, 1] is 0/1
+    ok = bool(lo >= 0) and bool(hi <= 1)
+    if ok and m.is_floating_point():
+        ok = not bool(torch.frac(m).count_nonzero())  # 0.5 (in [0, 1], not 0 or 1)
+    if not ok:
+        bad = (m != 0) & (m != 1)
+        seen = torch.unique(m[bad]).tolist()
+        shown = ", ".join(f"{v:g}" for v in seen[:5]) + (" …" if len(seen) > 5 else "")
+        raise ValueError(
+            f"{who}: the mask holds {shown} besides 0 and 1, so the padding ratio and "
+            f"tokens/s would be wrong; {_HOW}")
+
+
+def mask_stats(mask: torch.Tensor, count_bad: bool = False) -> dict[str, torch.Tensor]:
     """Figures of a [batch, T] (or [T]) 0/1 mask, as 0-dim tensors on the mask's device.
 
-    No host sync here: the runner copies every step's figures in one go.
+    No host sync here: the runner copies every step's figures in one go. `count_bad`
+    (a GPU mask, not bool: see `batch_figures`) adds `BAD`, the count of its entries other
+    than 0 and 1.
     """
     m = mask.detach()
     if m.dim() == 1:
@@ -16,29 +49,56 @@ def mask_stats(mask: torch.Tensor) -> dict[str, torch.Tensor]:
     m = m.reshape(m.shape[0], -1).float()
     lengths = m.sum(dim=1)
     tokens = lengths.sum()
-    return {
+    out = {
         "lengths": lengths,
         "tokens": tokens,
         "data/padding_ratio": 1.0 - tokens / max(m.numel(), 1),
         "data/seq_len_mean": lengths.mean(),
         "data/seq_len_max": lengths.max(),
     }
+    if count_bad:
+        out[BAD] = (m * (m - 1.0)).count_nonzero().float()  # 0 exactly where m is 0 or 1
+    return out
 
 
 def batch_figures(masks: list[torch.Tensor]
                   ) -> tuple[list[str], list[torch.Tensor], float, torch.Tensor]:
     """Figures of one optimizer step's masks (one per micro-batch): names, 0-dim device
-    tensors (real tokens, mean and max sequence length), the padded token count and the
-    sequence lengths (for the length histogram). No host sync."""
-    figs = [mask_stats(m) for m in masks]
+    tensors (real tokens, mean and max sequence length; for a GPU mask not bool, `BAD`),
+    the padded token count and the sequence lengths (for the length histogram). No host
+    sync: a CPU mask is checked here (`check_mask`), a GPU one by its `BAD` figure."""
+    for m in masks:
+        if m.device.type == "cpu" or m.is_complex():
+            check_mask(m, "the batch's mask")
+    figs = [mask_stats(m, count_bad=m.device.type != "cpu" and m.dtype != torch.bool)
+            for m in masks]
     names = ["tokens/real", "data/seq_len_mean", "data/seq_len_max"]
+    bad = [f[BAD] for f in figs if BAD in f]
     if len(figs) == 1:
         f = figs[0]
-        return names, [f["tokens"], f["data/seq_len_mean"], f["data/seq_len_max"]], \
-            float(masks[0].numel()), f["lengths"]
+        parts = [f["tokens"], f["data/seq_len_mean"], f["data/seq_len_max"]]
+        if bad:
+            names.append(BAD)
+            parts.append(bad[0])
+        return names, parts, float(masks[0].numel()), f["lengths"]
     tokens = torch.stack([f["tokens"] for f in figs]).sum()
     mean = torch.stack([f["data/seq_len_mean"] for f in figs]).mean()
     mx = torch.stack([f["data/seq_len_max"] for f in figs]).max()
     parts = [tokens, mean, mx]
+    if bad:
+        names.append(BAD)
+        parts.append(torch.stack([b.to(tokens.device) for b in bad]).sum())
     lengths = torch.cat([f["lengths"] for f in figs])
     return names, parts, float(sum(m.numel() for m in masks)), lengths
+
+
+def bad_mask(values: dict[str, float]) -> str | None:
+    """On the host: if the step's GPU mask held other values than 0 and 1, drop the
+    figures drawn from it from `values` and return what to say; None for a good mask."""
+    n = values.pop(BAD, 0.0)
+    if not n:
+        return None
+    for k in MASK_FIGURES:
+        values.pop(k, None)
+    return (f"the step's mask holds {n:.0f} entries other than 0 and 1: its padding ratio, "
+            f"sequence lengths and tokens/s are left out of the record; {_HOW}")

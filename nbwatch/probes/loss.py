@@ -99,6 +99,9 @@ def parse_step_output(out: object) -> StepOutput:
         loss = out
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"step_fn's loss is a {type(loss).__name__}, not a tensor; {hint}")
+    if loss.is_complex():
+        raise TypeError(f"step_fn's loss is a complex tensor ({loss.dtype}); return a real "
+                        "loss (e.g. its .real or .abs())")
     if loss.numel() != 1:
         raise ValueError(
             f"step_fn's loss has shape {tuple(loss.shape)}, not a scalar: reduce it "

@@ -19,8 +19,9 @@ from .. import controls as ctl
 from ..alerts import weight_std
 from ..distributed import rank_figures
 from ..probes import weights as wprobe
+from ..probes.data import bad_mask
 from ..probes.throughput import timing_figures
-from ..records import Histogram, Scalars
+from ..records import Event, Histogram, Scalars
 from .optimizer_step import to_host
 from .spec import SMOOTHING
 
@@ -100,6 +101,10 @@ class StepEnd:
     def _complete(self, step: int, values: dict[str, float], alerts: list,
                   overflow: bool = False) -> None:
         """The step's figures are all on the host: derived figures, "step" rules, record."""
+        bad = bad_mask(values)  # a GPU mask of other values than 0/1: its figures dropped
+        if bad is not None and not self._mask_said:
+            self._mask_said = True
+            self._emit(Event(step, "probe", "warning", bad))
         tokens = values.get("tokens/real")
         if tokens is not None:
             padded = values.pop("_padded", None)

@@ -84,6 +84,7 @@ class StepRecorder(OptimizerStep, LrFactor, StepEnd, Steering, EvalCheckpoint, B
         self._store_poll = 0.0
         self._command_id = 0  # the newest store command taken
         self._reduction_saved = False
+        self._mask_said = False  # a bad GPU mask was said (once a run)
         self._ckpt_step: int | None = None
         self._taking: _Taking | None = None  # set by the pre-hook, consumed at the step's end
         self._stepped = False  # the optimizer stepped since the last end of step

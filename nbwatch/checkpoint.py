@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import random
 import re
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,12 +17,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from .store.recover import temp_path
+
 FORMAT = "nbwatch-checkpoint"
 _STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, corrupt or not nbwatch's."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint that could not be written (a full disk, a read-only folder). Its partial
+    file is gone; the first line of the message says why ("disk full: ..." for a full disk)."""
 
 
 @dataclass(frozen=True)
@@ -64,15 +74,71 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_save(obj: Any, path: Path) -> int:
-    """torch.save to a temp file, fsync, rename: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _chain(e: BaseException | None):
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _write_failed(e: BaseException, tmp: Path, path: Path) -> str:
+    """Why writing `path` failed, cause first; measured before its partial file `tmp` is
+    removed (torch reports a full disk as `enforce fail ... unexpected pos`, no errno)."""
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    cause = f"{type(e).__name__}: {first}"
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = None
+    try:
+        partial = tmp.stat().st_size
+    except OSError:
+        partial = 0
+    full = any(getattr(x, "errno", None) in (errno.ENOSPC, errno.EDQUOT) for x in _chain(e))
+    if not full and free is not None and free < (1 << 20):  # the partial file filled it
+        full = True
+    if not full:
+        return (f"checkpoint {path} could not be written ({cause}); its partial file was "
+                "removed and the checkpoints before it are kept")
+    others = [p.stat().st_size for p in path.parent.glob("step_*.pt") if p != path]
+    need = (f"about {max(others) / 2**20:.1f} MiB" if others
+            else f"more than the {partial / 2**20:.1f} MiB written")
+    left = (f"{((free or 0) + partial) / 2**20:.1f} MiB are free" if free is not None
+            else "it is full")
+    return (f"disk full: checkpoint {path} could not be written ({cause}); its partial file"
+            f" was removed ({left} on that disk now, a checkpoint needs {need}). Free space"
+            " there (or keep fewer checkpoints with keep_last=), then resume the run with"
+            " resume=True from its newest checkpoint; the checkpoints before it are kept")
+
+
+def _write_atomically(path: Path, write: Any) -> None:
+    """`write(tmp)` then rename onto `path`; on any failure the temp file is removed (a full
+    disk keeps no half-written file eating the space) and CheckpointWriteError says why."""
+    tmp = temp_path(path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        why = _write_failed(e, tmp, path) if isinstance(e, Exception) else ""
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if why:
+            raise CheckpointWriteError(why) from e
+        raise
     _fsync_dir(path.parent)
+
+
+def atomic_save(obj: Any, path: Path) -> int:
+    """torch.save to a temp file, fsync, rename: a reader never sees half a file, and a
+    failed write leaves none (CheckpointWriteError, "disk full: ..." for a full disk)."""
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    _write_atomically(path, write)
     return path.stat().st_size
 
 
@@ -116,17 +182,17 @@ class Checkpointer:
         size = atomic_save({"format": FORMAT, "step": step, "val_loss": val_loss, **state}, path)
         best = val_loss is not None and (self.best_val is None or val_loss < self.best_val)
         if best:
-            self.best_val = val_loss
-            tmp = self.dir / f".best.pt.tmp-{os.getpid()}"
-            tmp.unlink(missing_ok=True)
-            try:
-                os.link(path, tmp)
-            except OSError:  # no hard links on this filesystem
-                import shutil
+            def link(tmp: Path) -> None:
+                tmp.unlink(missing_ok=True)
+                try:
+                    os.link(path, tmp)
+                except OSError:  # no hard links on this filesystem
+                    shutil.copyfile(path, tmp)
 
-                shutil.copyfile(path, tmp)
-            os.replace(tmp, self.dir / "best.pt")
-            (self.dir / "best.json").write_text(json.dumps({"step": step, "val_loss": val_loss}))
+            _write_atomically(self.dir / "best.pt", link)
+            _write_atomically(self.dir / "best.json", lambda tmp: tmp.write_text(
+                json.dumps({"step": step, "val_loss": val_loss})))
+            self.best_val = val_loss
         for _, old in self.steps()[: -self.keep_last]:
             old.unlink(missing_ok=True)
         return Saved(path, time.perf_counter() - t0, size, best)

@@ -341,9 +341,14 @@ def test_a_dead_writer_is_noticed_at_once_and_the_folder_unlocked(tmp_path):
     with pytest.raises(StoreFailed):
         store.flush(timeout=30)
     assert time.monotonic() - t0 < 5  # not after the whole timeout
-    with pytest.raises(StoreFailed):
-        store.close()
+    store.close()  # flush() raised the error: close() stops the writer, raises it not again
     assert not writer_alive(tmp_path / "run")  # a new writer may take the folder
+    again = RunStore(tmp_path / "run")
+    again.put(Histogram(2, "h", np.array(["a", "b"]), np.array([1])))
+    until(lambda: again.error is not None, 10, "the writer to fail")
+    with pytest.raises(StoreFailed):  # nobody was told yet: close() says it
+        again.close()
+    assert not writer_alive(tmp_path / "run")
     RunStore(tmp_path / "run").close()
 
 

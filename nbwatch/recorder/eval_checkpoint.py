@@ -3,6 +3,7 @@ checkpoints: nbwatch's own (rotation and "best" in `Checkpointer`) or a framewor
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -94,8 +95,17 @@ class EvalCheckpoint:
             return
         if self.spec.trial or (self.dist is not None and self.dist.rank != 0):
             return
+        try:
+            saved = self.ckpt.save(self.state_dict(), self.step, self._last_val)
+        except Exception as e:  # recorded here; the run then fails with it (a full disk)
+            first = (str(e).strip().splitlines() or [""])[0]
+            with contextlib.suppress(Exception):  # a dead store: the error matters more
+                self._emit(Event(self.step, "checkpoint", "critical",
+                                 f"{reason} checkpoint at step {self.step} failed: {first}",
+                                 {"reason": reason, "failed": True,
+                                  "error": f"{type(e).__name__}: {first}"}))
+            raise
         self._ckpt_step = self.step
-        saved = self.ckpt.save(self.state_dict(), self.step, self._last_val)
         self._last_val = None  # "best" compares checkpoints taken right after an eval
         msg = (f"{reason} checkpoint at step {self.step}: {saved.path.name}, "
                f"{saved.bytes / 2**20:.1f} MiB in {saved.seconds:.2f} s"

@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 from . import schema
+from .recover import fold
 from .tables import ScalarTables
 
 
@@ -64,7 +65,8 @@ def migrate_v1(path: Path) -> None:
         con.close()
         raise
     con.execute("VACUUM")
-    con.execute("PRAGMA journal_mode=DELETE")  # the run folder stays one file
+    if con.execute("PRAGMA journal_mode").fetchone()[0] == "wal":
+        fold(con)  # the run folder stays one file, without a hot journal at any instant
     con.close()
     warnings.warn(
         f"{path.parent} was written by nbwatch 0.1.0 (store schema 1); it has been migrated in"

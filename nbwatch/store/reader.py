@@ -16,6 +16,7 @@ import pandas as pd
 from .. import blocks
 from ..blocks import Layout
 from ..records import Command
+from .recover import hot_journal, leftovers, recover, unreadable
 from .schema import DB_NAME, SCHEMA_VERSION, StoreFailed, _connect, _failure, _version
 
 
@@ -36,6 +37,9 @@ class RunReader:
             )
         self._local = threading.local()
         self._layouts: dict[int, Layout] = {}
+        # what a writer killed mid-write left (a hot journal, an unfolded WAL): put right
+        # with one read-write open when no writer holds the folder
+        self._recovered = recover(self.run_dir) if leftovers(self.path) else None
         self._migrate_if_old()
 
     def _migrate_if_old(self) -> None:
@@ -43,6 +47,9 @@ class RunReader:
         try:
             version = _version(con)
         except sqlite3.DatabaseError as e:
+            if hot_journal(self.path):
+                raise StoreFailed(unreadable(self.path, getattr(self, "_recovered", None))
+                                  ) from e
             raise RuntimeError(
                 f"{self.path} is not a readable nbwatch store ({e}): the file is damaged or"
                 " is not an nbwatch database. Its checkpoints/ folder, if any, still holds"

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import sqlite3
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..records import Command, Scalars
+from ..records import Command, Event, Scalars
 from .lock import RunInUse, _in_use, _lock_dir, unlock
 from .reader import RunReader
+from .recover import fold, hot_journal, recover, sweep_temp_files, unreadable
 from .rows import WRITE, Meta, Taken, Truncate
 from .schema import (
     _SCHEMA,
@@ -26,6 +30,11 @@ from .schema import (
 from .tables import ScalarTables
 
 log = logging.getLogger("nbwatch.store")
+
+
+class _Damaged(Exception):
+    """Another program changed the store's files under the writer (the message says how)."""
+
 
 class RunStore(RunReader):
     """The writable store of one run: records go through `put()` to one writer thread.
@@ -48,6 +57,9 @@ class RunStore(RunReader):
         else:
             raise RunInUse(_in_use(self.run_dir))
         self._lock = lock
+        opened = time.time()
+        for folder in (self.run_dir, self.run_dir / "checkpoints"):  # what a killed write left
+            sweep_temp_files(folder, before=opened)
         try:
             self._open_writer(flush_interval, max_pending)
         except BaseException:
@@ -62,6 +74,10 @@ class RunStore(RunReader):
         self._local = threading.local()
         self._layouts = {}
         if self.path.is_file():
+            if hot_journal(self.path):  # a writer killed mid-write: roll it back first
+                why = recover(self.run_dir, locked=True)
+                if why is not None:
+                    raise StoreFailed(unreadable(self.path, why))
             self._migrate_if_old()
         con = _connect(self.path, readonly=False)
         con.executescript(_SCHEMA)
@@ -70,6 +86,7 @@ class RunStore(RunReader):
         )
         con.commit()
         self._wcon = con
+        self._files = self._identity()  # what another program must not change under us
         self._tables = ScalarTables(con)
         self._buf: list[Any] = []
         self._pending = 0  # scalars in _buf
@@ -79,6 +96,7 @@ class RunStore(RunReader):
         self._queued = 0
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        self._told = False  # the error was raised to a caller: close() does not repeat it
         self.flush_interval = flush_interval
         self._thread = threading.Thread(target=self._loop, name="nbwatch-store", daemon=True)
         self._thread.start()
@@ -88,7 +106,7 @@ class RunStore(RunReader):
         """Queue a record (Scalars, Histogram, Attention, Event, Sample) for the next commit;
         blocks while the writer is `max_pending` scalars behind."""
         if self.error is not None:
-            raise StoreFailed(str(self.error)) from self.error.__cause__
+            self._raise_error()
         if isinstance(record, Scalars):
             n = len(record.values)
         elif type(record) in WRITE or type(record) is Truncate:
@@ -102,7 +120,7 @@ class RunStore(RunReader):
                        and self.error is None):
                     self._cond.wait(1.0)
                 if self.error is not None:
-                    raise StoreFailed(str(self.error)) from self.error.__cause__
+                    self._raise_error()
             self._buf.append(record)
             self._pending += n
             if self._pending >= self.max_pending // 2:
@@ -131,14 +149,19 @@ class RunStore(RunReader):
                 lambda: (self._written >= target or self.error is not None
                          or not self._thread.is_alive()), timeout)
         if self.error is not None:
-            raise StoreFailed(str(self.error)) from self.error.__cause__
+            self._raise_error()
         if not ok:
             raise TimeoutError(f"the run store at {self.path} did not commit within {timeout}s")
 
+    def _raise_error(self) -> None:
+        self._told = True
+        raise StoreFailed(str(self.error)) from self.error.__cause__
+
     def close(self) -> None:
-        """Commit what is queued, fold the WAL into `nbwatch.db` and remove it."""
+        """Commit what is queued, fold the WAL into `nbwatch.db` and remove it. A writer that
+        failed raises its error here, unless `put()` or `flush()` raised it already."""
         try:
-            if self._thread.is_alive():
+            if self._thread.is_alive() and not self._told:
                 self.flush(timeout=60)
         finally:  # a dead writer too: stop it, and never keep the folder locked
             self._stop.set()
@@ -147,6 +170,149 @@ class RunStore(RunReader):
             self._thread.join(timeout=60)
             if not self._thread.is_alive():
                 self._unlock()
+        if self.error is not None and not self._told:
+            self._raise_error()
+
+    # -- the files under the writer -----------------------------------------------------
+    def _identity(self) -> tuple[tuple[int, int, int] | None, tuple[int, int] | None]:
+        """(device, inode, size) of `nbwatch.db` and (device, inode) of its WAL; None for
+        one that does not exist. Two stat calls, made once per flush of the writer."""
+        try:
+            st = os.stat(self.path)
+            db = (st.st_dev, st.st_ino, st.st_size)
+        except FileNotFoundError:
+            db = None
+        try:
+            st = os.stat(self.path.with_name(self.path.name + "-wal"))
+            wal = (st.st_dev, st.st_ino)
+        except FileNotFoundError:
+            wal = None
+        return db, wal
+
+    def _damage(self) -> tuple[str, str] | None:
+        """(kind, what happened) when another program deleted, replaced or truncated the
+        store or deleted its WAL since the writer opened it (and since its last check)."""
+        if not self.run_dir.exists():
+            return None  # the folder itself: `_failure` says so
+        (db, wal), (was, was_wal) = self._identity(), self._files
+        if db is None:
+            return "deleted", f"the run store {self.path} was deleted while the run wrote to it"
+        if was is not None and db[:2] != was[:2]:
+            return "replaced", (f"the run store {self.path} was replaced by another file while the"
+                          f" run wrote to it (inode {was[1]} became {db[1]}: another program,"
+                          " a copy or a sync wrote over it)")
+        if was is not None and db[2] < was[2]:
+            return "truncated", (f"the run store {self.path} was truncated from {was[2]} to {db[2]}"
+                          " bytes by another program while the run wrote to it")
+        if was_wal is not None and wal != was_wal:
+            return "wal", (f"the run store's write-ahead log {self.path.name}-wal in "
+                           f"{self.run_dir} was deleted while the run wrote to it")
+        return None
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
+        """A read of this run's own store: any SQLite error is a `StoreFailed` that names
+        the file and what to do (this writer made the schema, so none is expected)."""
+        try:
+            return super().query(sql, params)
+        except sqlite3.Error as e:
+            if self.error is None and self._damage() is not None:
+                with contextlib.suppress(Exception):  # the writer's check: it rebuilds a
+                    self.flush(timeout=30)             # deleted WAL, or saves the records
+                if self.error is None and self._damage() is None:
+                    return super().query(sql, params)
+            if self.error is not None:
+                self._raise_error()
+            damage = self._damage()
+            raise StoreFailed(f"{damage[1]}; later records are lost. {self._saved_where()}"
+                              if damage is not None else _failure(e, self.path)) from e
+
+    def _saved_where(self) -> str:
+        folder = self.run_dir / "checkpoints"
+        if not any(folder.glob("step_*.pt")):
+            return "No checkpoint was written yet: start the run again in a new run_dir"
+        return (f"The checkpoints in {folder} still hold the weights: resume from them"
+                " (resume=True), into a new run_dir if this one is damaged")
+
+    def _watch(self) -> None:
+        """Once per flush: stop at once, saying what happened, when another program changed
+        the store's files; a deleted WAL is rebuilt from the writer's own open copy."""
+        damage = self._damage()
+        if damage is None:
+            self._files = self._identity()
+            return
+        kind, what = damage
+        if kind == "wal":
+            try:
+                self._rebuild_wal()
+            except sqlite3.Error as e:
+                log.warning("rebuilding the WAL of %s failed: %s", self.path, e)
+            else:
+                self._files = self._identity()
+                self._write([Event(self._last_step(), "alert", "warning",
+                                   f"store: {what}; nbwatch wrote every record back from"
+                                   " its open copy and started a new one: nothing was lost",
+                                   {"rule": "store"})])
+                log.warning("%s; rebuilt from the writer's open copy, nothing lost", what)
+                return
+        if kind == "deleted":
+            time.sleep(0.05)
+            if not self.run_dir.exists():  # the whole folder, on its way out (rmtree): the
+                return                     # next read says so (`_failure`)
+            self._drop_own_wal()
+            raise _Damaged(f"{what}; later records are lost")
+        saved = self._rescue(what)
+        if kind == "replaced":
+            self._drop_own_wal()
+        raise _Damaged(f"{what}. {saved}")
+
+    def _rebuild_wal(self) -> None:
+        """The writer still holds the deleted WAL open: checkpoint it into `nbwatch.db`,
+        leave WAL mode (removing what a reader made in its place) and start a new one."""
+        con = self._wcon
+        if not fold(con):
+            raise sqlite3.OperationalError("a reader held the database open")
+        con.execute("PRAGMA journal_mode=WAL")
+
+    def _drop_own_wal(self) -> None:
+        """Once `nbwatch.db` is another file (or none), this writer's WAL beside it would be
+        applied to that file by its next reader: remove it (and its index), if still ours."""
+        wal = self.path.with_name(self.path.name + "-wal")
+        try:
+            st = os.stat(wal)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) == self._files[1]:
+            for p in (wal, self.path.with_name(self.path.name + "-shm")):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+
+    def _last_step(self) -> int:
+        row = self._wcon.execute("SELECT MAX(last) FROM walls").fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
+
+    def _rescue(self, what: str) -> str:
+        """The writer's own connection still reads the run it wrote (the old file and its
+        WAL): record the failure there and copy it all into a new run folder beside."""
+        con = self._wcon
+        try:
+            step = self._last_step()
+            dest = self.run_dir / f"recovered-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+            with con:
+                WRITE[Event](con, Event(step, "error", "critical", what, {}))
+                WRITE[Meta](con, Meta("state", json.dumps("failed")))
+            dest.mkdir()
+            con.execute("VACUUM INTO ?", (str(dest / DB_NAME),))
+            out = sqlite3.connect(dest / DB_NAME)
+            try:
+                if out.execute("PRAGMA journal_mode").fetchone()[0] == "wal":
+                    fold(out)
+            finally:
+                out.close()
+        except (sqlite3.Error, OSError) as e:
+            return (f"Its records could not be saved elsewhere ({type(e).__name__}: {e}). "
+                    + self._saved_where())
+        return (f"This run's records (steps up to {step}) were saved to {dest}: open them with"
+                f" nbwatch.open_run({str(dest)!r}). " + self._saved_where())
 
     # -- writer thread ------------------------------------------------------------------
     def _loop(self) -> None:
@@ -164,6 +330,7 @@ class RunStore(RunReader):
                     self._cond.notify_all()  # a put() waiting on back-pressure goes on
                 if batch:
                     self._write(batch)
+                self._watch()
                 with self._cond:
                     self._written = max(self._written, target)
                     self._cond.notify_all()
@@ -175,9 +342,13 @@ class RunStore(RunReader):
                 self._wcon.executescript("PRAGMA incremental_vacuum;")  # runs to the end
             self._fold_wal()
         except BaseException as e:  # never die silently: flush() and put() re-raise it
-            self.error = StoreFailed(_failure(e, self.path))
+            self.error = StoreFailed(str(e) if isinstance(e, _Damaged)
+                                     else _failure(e, self.path))
             self.error.__cause__ = e
-            log.exception("nbwatch store writer failed; records after this point are lost")
+            if isinstance(e, _Damaged):  # what happened is the message: no traceback
+                log.error("nbwatch store writer stopped: %s", e)
+            else:
+                log.exception("nbwatch store writer failed; records after this point are lost")
             with self._cond:
                 self._cond.notify_all()
         finally:
@@ -185,17 +356,12 @@ class RunStore(RunReader):
 
     def _fold_wal(self) -> None:
         """Checkpoint the WAL into the database file and leave WAL mode, so the run folder's
-        `nbwatch.db` alone holds every record. A reader of another process that holds the
-        file open at this moment keeps the (emptied) WAL until the next writer."""
-        con = self._wcon
-        for _ in range(20):
-            try:
-                con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-                if con.execute("PRAGMA journal_mode=DELETE").fetchone()[0] == "delete":
-                    return
-            except sqlite3.OperationalError:
-                pass
-            time.sleep(0.05)
+        `nbwatch.db` alone holds every record; through journal mode OFF, so that a kill at
+        any instant leaves a readable WAL or the finished file, never a hot journal
+        (`recover.fold`). A reader of another process that holds the file open at this
+        moment keeps the (emptied) WAL until the next open that can write folds it."""
+        if fold(self._wcon):
+            return
         log.warning("%s: a reader held the database open; its WAL is emptied but kept",
                     self.path)
 

@@ -1,0 +1,190 @@
+"""What a killed writer can leave in a run folder, and putting it right at the next open.
+
+- A checkpoint's temp file (`.step_00000005.pt.tmp-PID`): swept at the next writer open
+  when its PID is gone or it is older than that open.
+- A WAL (`nbwatch.db-wal`, `-shm`) not folded into `nbwatch.db` (a kill before the close
+  finished): readable as it is; folded at the next open that can write.
+- A hot rollback journal (`nbwatch.db-journal`: a kill during a migration's VACUUM, or
+  while an older nbwatch left WAL mode at close with `journal_mode=DELETE`): no read-only
+  connection can read the database until one read-write open rolls the journal back,
+  with every committed record. A reader does that open itself when no writer holds the
+  folder; where it cannot write, its error names the one command that does:
+  `python -m nbwatch.store.recover DIR`.
+
+The close itself leaves WAL mode through `journal_mode=OFF` (`fold`), which writes the
+header in one page write and no journal, so a kill at any instant of a close leaves either
+a readable WAL or the one finished file, never a hot journal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import sqlite3
+import sys
+import time
+from pathlib import Path
+
+from .lock import _lock_dir, unlock, writer_alive
+from .schema import DB_NAME
+
+log = logging.getLogger("nbwatch.store")
+
+_TEMP = re.compile(r"^\..+\.tmp-(\d+)$")
+
+
+def temp_path(path: Path) -> Path:
+    """Where a file of nbwatch's is written before its rename (`.NAME.tmp-PID`)."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0  # someone else's live process (or a pid that cannot be asked)
+    return True
+
+
+def sweep_temp_files(directory: Path, before: float) -> list[Path]:
+    """Remove the temp files (`.NAME.tmp-PID`) in `directory` that a killed or failed write
+    left: those whose process is gone, and any older than `before` (the writer's open: no
+    live writer of this folder has one in flight then). Returns what was removed."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        m = _TEMP.match(entry.name)
+        if m is None:
+            continue
+        try:
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            stale = entry.stat(follow_symlinks=False).st_mtime < before
+            if stale or not _pid_alive(int(m.group(1))):
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+        except OSError:
+            continue
+    if removed:
+        names = ", ".join(p.name for p in removed[:4]) + (" …" if len(removed) > 4 else "")
+        log.info("%s: removed %d temp file(s) a killed or failed write left: %s",
+                 directory, len(removed), names)
+    return removed
+
+
+def journal_of(db: Path) -> Path:
+    return db.with_name(db.name + "-journal")
+
+
+def hot_journal(db: Path) -> bool:
+    """A rollback journal that a killed writer left (an empty one is not hot)."""
+    try:
+        return journal_of(db).stat().st_size > 0
+    except OSError:
+        return False
+
+
+def leftovers(db: Path) -> list[Path]:
+    """The files besides `nbwatch.db` that a writer killed mid-write can leave."""
+    return [p for p in (db.with_name(db.name + s) for s in ("-journal", "-wal", "-shm"))
+            if p.exists()]
+
+
+def fold(con: sqlite3.Connection, tries: int = 20) -> bool:
+    """Checkpoint the WAL into the database file and leave WAL mode without a hot journal
+    at any instant: WAL → OFF writes the header in one page write (no journal), then
+    OFF → DELETE writes nothing. False when another connection kept it from folding."""
+    for _ in range(tries):
+        try:
+            con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            if con.execute("PRAGMA journal_mode=OFF").fetchone()[0] == "off":
+                con.execute("PRAGMA journal_mode=DELETE")
+                return True
+        except sqlite3.OperationalError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
+def recover(run_dir: str | Path, *, locked: bool = False) -> str | None:
+    """Roll back a hot journal and fold a leftover WAL with one read-write open, so the run
+    folder is one readable file again. Only when no writer holds the folder (`locked`: the
+    caller is that writer). Returns None when done (or nothing to do), else why not."""
+    run_dir = Path(run_dir)
+    db = run_dir / DB_NAME
+    if not leftovers(db):
+        return None
+    fd = None
+    if not locked:
+        if writer_alive(run_dir):
+            return "a live writer holds the run folder"
+        for _ in range(10):  # a reader's probe holds a shared lock for a moment
+            try:
+                fd = _lock_dir(run_dir, exclusive=True)
+            except OSError as e:
+                return f"the folder cannot be locked: {e}"
+            if fd is not None:
+                break
+            time.sleep(0.02)
+        else:
+            return "a live writer holds the run folder"
+    try:
+        con = sqlite3.connect(db, timeout=5, isolation_level=None, check_same_thread=False)
+        try:
+            con.execute("SELECT count(*) FROM sqlite_master").fetchone()  # rolls it back
+            if hot_journal(db):
+                return "the journal could not be rolled back here"
+            if con.execute("PRAGMA journal_mode").fetchone()[0] == "wal" and not fold(con, 3):
+                log.info("%s: another reader holds the database open; its WAL stays", db)
+        finally:
+            con.close()
+    except sqlite3.Error as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        if fd is not None:
+            unlock(fd)
+    return None
+
+
+def unreadable(db: Path, why: str | None) -> str:
+    """What to tell a reader that meets a hot journal it could not roll back."""
+    journal = journal_of(db)
+    return (f"{db} cannot be read as it is: {journal.name} beside it is a rollback journal "
+            "that a writer killed mid-write left behind, and only a read-write open rolls it"
+            f" back (every committed record is kept){f' — not possible here: {why}' if why else ''}"
+            f". Run once: python -m nbwatch.store.recover {str(db.parent)!r} where the folder"
+            f" can be written, or copy the whole folder ({journal.name} included) somewhere"
+            " writable and open the copy")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m nbwatch.store.recover RUN_DIR", file=sys.stderr)
+        return 2
+    run_dir = Path(argv[0])
+    db = run_dir / DB_NAME
+    if not db.is_file():
+        print(f"{run_dir} holds no {DB_NAME}", file=sys.stderr)
+        return 1
+    why = recover(run_dir)
+    if why is not None:
+        print(f"{db}: not recovered: {why}", file=sys.stderr)
+        return 1
+    with contextlib.suppress(OSError):
+        left = [p.name for p in leftovers(db)]
+        if left:
+            print(f"{db}: readable; {', '.join(left)} stay while another process holds it open")
+            return 0
+    print(f"{db}: recovered; the run folder is one file again")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

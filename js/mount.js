@@ -91,7 +91,7 @@ export function mount(root, ctx, { live }) {
     if (full) force = true;
     if (panels.header) {
       head.update(panels.header);
-      if (ctl) ctl.setState(panels.header.state);
+      if (ctl) ctl.setState(panels.header.state, panels.header.ended);
       root.dataset.step = String(panels.header.step);
       root.dataset.state = panels.header.state;
     }

@@ -23,7 +23,7 @@ _LAZY = {
     "open_run": ".run",
     "attach": ".attach",
     "compare": ".compare",
-    "launch": ".distributed",
+    "launch": ".torchrun",
     "export_html": ".export",
     "to_tensorboard": ".tensorboard",
     "masked_cross_entropy": ".probes.loss",
@@ -37,13 +37,13 @@ __all__ = ["Monitor", "Run", "open_run", "attach", "compare", "export_html", "to
 if TYPE_CHECKING:  # for type checkers and IDEs: the names as if imported eagerly
     from .attach import attach
     from .compare import compare
-    from .distributed import launch
     from .export import export_html
     from .monitor import Monitor
     from .probes.loss import masked_cross_entropy
     from .recorder import StopTraining
     from .run import Run, open_run
     from .tensorboard import to_tensorboard
+    from .torchrun import launch
 
 
 def __getattr__(name: str) -> Any:

@@ -11,6 +11,7 @@ whose writer is gone, or that nothing has touched for `stale_after` seconds, is 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sqlite3
@@ -193,15 +194,15 @@ class Attached(ctl.Controls):
         return self
 
     # -- controls (a row in the store's commands table) ---------------------------------
-    def _send(self, kind: str, value: float | None = None) -> int:
-        state = self.state
-        if state not in LIVE:
+    def _submit(self, command: Command) -> None:
+        state, kind = self.state, command.kind.value
+        if state not in LIVE or state == "stopping":
             why = {"waiting": "has not started yet (no store in the folder)",
                    "stale": "is stale (its writer stopped writing)"}.get(state, f"is {state}")
-            raise RuntimeError(
-                f"cannot {kind}: the run in {self.run_dir} {why}; a command sent now would "
-                "wait in the store and be applied if the run were ever resumed")
-        return send_command(self.run_dir, Command(kind, value, self.source))
+            raise RuntimeError(f"cannot {kind}: the run in {self.run_dir} {why}")
+        command = dataclasses.replace(command, source=self.source if command.source == "api"
+                                      else f"{self.source}:{command.source}")
+        send_command(self.run_dir, command)
 
     # -- display ------------------------------------------------------------------------
     def show(self) -> Any:

@@ -175,6 +175,22 @@ class Checkpointer:
         s = self.steps()
         return s[-1][1] if s else None
 
+    def set_aside(self, after: int, folder: str) -> list[Path]:
+        """Move the checkpoints of steps after `after` into `folder` (under this one), where
+        `steps()` and `latest()` no longer see them: a rewind's abandoned branch, kept for
+        whoever wants it, never what `resume=True` continues."""
+        gone = [p for s, p in self.steps() if s > after]
+        if not gone:
+            return []
+        into = self.dir / folder
+        into.mkdir(parents=True, exist_ok=True)
+        moved = []
+        for p in gone:
+            os.replace(p, into / p.name)
+            moved.append(into / p.name)
+        _fsync_dir(self.dir)
+        return moved
+
     def save(self, state: dict[str, Any], step: int, val_loss: float | None = None) -> Saved:
         self.dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()

@@ -1,7 +1,8 @@
 """The one narrow channel back: control commands, and LR arithmetic that survives a scheduler.
 
-Buttons, `Monitor.pause()` etc. and other processes (through the store) put `Command`s
-here; the runner drains them between steps and records each as an event.
+Buttons, `Monitor.pause()` etc. and other processes (through the store) send `Command`s
+made by `make_command` (one table of what each kind takes); the recorder applies them
+between steps and records each one's outcome as an event naming its id.
 """
 
 from __future__ import annotations
@@ -9,14 +10,17 @@ from __future__ import annotations
 import queue
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .records import Command
+from .records import Command, CommandKind
 
-KINDS = ("pause", "resume", "stop", "checkpoint", "clip", "scale_lr", "rewind", "skip")
+KINDS = tuple(k.value for k in CommandKind)
+MAX_SKIP = 100_000  # batches one skip may throw away: past it, a typo, not a remedy
+MAX_REWIND = 10**9  # steps one rewind may go back
 
 
 @dataclass
@@ -39,8 +43,8 @@ class CommandQueue:
         self._q: queue.SimpleQueue[Command] = queue.SimpleQueue()
 
     def put(self, command: Command) -> None:
-        if command.kind not in KINDS:
-            raise ValueError(f"unknown command {command.kind!r}; known: {', '.join(KINDS)}")
+        if not isinstance(command, Command):
+            raise TypeError(f"not a Command: {command!r}; make one with make_command()")
         self._q.put(command)
 
     def drain(self) -> list[Command]:
@@ -60,57 +64,129 @@ class CommandQueue:
             return None
 
 
-class Controls:
-    """The control surface shared by `Monitor` and `Attached` (what the buttons call).
+def _no_args() -> dict[str, Any]:
+    return {}
 
-    Subclasses implement `_send(kind, value)`: a queue in this process, or a row in the
+
+def _clip(max_norm: float | None = None) -> dict[str, Any]:
+    return {"max_norm": check_clip(max_norm)}
+
+
+def _scale_lr(factor: float = 0.5) -> dict[str, Any]:
+    return {"factor": check_factor(factor)}
+
+
+def _rewind(steps: int = 100, skip: int = 200) -> dict[str, Any]:
+    return {"steps": check_count("steps", steps, 1, MAX_REWIND),
+            "skip": check_count("skip", skip, 0, MAX_SKIP)}
+
+
+def _skip(batches: int) -> dict[str, Any]:
+    return {"batches": check_count("batches", batches, 1, MAX_SKIP)}
+
+
+# The one table of what each command takes: the API, the widget and attach all build their
+# commands through it, and the recorder's dispatch table (recorder/steering.py) applies them.
+PAYLOADS: dict[CommandKind, Callable[..., dict[str, Any]]] = {
+    CommandKind.PAUSE: _no_args, CommandKind.RESUME: _no_args, CommandKind.STOP: _no_args,
+    CommandKind.CHECKPOINT: _no_args, CommandKind.CLIP: _clip,
+    CommandKind.SCALE_LR: _scale_lr, CommandKind.REWIND: _rewind, CommandKind.SKIP: _skip,
+}
+
+
+def make_command(kind: str | CommandKind, source: str = "api", **args: Any) -> Command:
+    """A checked command: `make_command("rewind", steps=10, skip=0)`. Bad arguments raise
+    here, in the caller's thread, naming the argument and what it takes."""
+    try:
+        k = CommandKind(kind)
+    except ValueError:
+        raise ValueError(f"unknown command {kind!r}; known: {', '.join(KINDS)}") from None
+    try:
+        payload = PAYLOADS[k](**args)
+    except TypeError as e:
+        raise TypeError(f"{k.value}: {e}") from None
+    return Command(k, payload, source)
+
+
+class Controls:
+    """The control surface shared by `Monitor`, the framework handles and `Attached` (what
+    the buttons call). Each method returns the command's id: its one outcome event
+    (`events`, kind "action" when applied, "command" when refused or expired) names it.
+
+    Subclasses implement `_submit(command)`: a queue in this process, or a row in the
     store for a run written by another.
     """
 
-    def _send(self, kind: str, value: float | None = None) -> object:
+    def _submit(self, command: Command) -> None:
         raise NotImplementedError
 
-    def pause(self) -> None:
+    def send(self, kind: str | CommandKind, source: str = "api", **args: Any) -> str:
+        """Send a command by name (`send("rewind", steps=10, skip=0)`): the one way in for
+        the methods below, the dashboard's buttons and `attach`. Returns its id."""
+        command = make_command(kind, source, **args)
+        self._submit(command)
+        return command.id
+
+    def pause(self) -> str:
         """Pause after the current step (the training thread waits; the kernel stays free)."""
-        self._send("pause")
+        return self.send("pause")
 
-    def resume(self) -> None:
-        self._send("resume")
+    def resume(self) -> str:
+        return self.send("resume")
 
-    def stop(self) -> None:
+    def stop(self) -> str:
         """Stop after the current step, with a final checkpoint."""
-        self._send("stop")
+        return self.send("stop")
 
-    def checkpoint(self) -> None:
+    def checkpoint(self) -> str:
         """Write a checkpoint after the current step."""
-        self._send("checkpoint")
+        return self.send("checkpoint")
 
-    def set_clip(self, max_norm: float | None) -> None:
+    def set_clip(self, max_norm: float | None) -> str:
         """Clip the global gradient norm to `max_norm` from the next step (None: no clipping)."""
-        self._send("clip", check_clip(max_norm))
+        return self.send("clip", max_norm=max_norm)
 
-    def scale_lr(self, factor: float) -> None:
+    def scale_lr(self, factor: float) -> str:
         """Multiply the LR by `factor` from the next step; the scheduler does not undo it."""
-        self._send("scale_lr", check_factor(factor))
+        return self.send("scale_lr", factor=factor)
 
-    def rewind(self, steps: int = 100, skip: int = 200) -> None:
+    def rewind(self, steps: int = 100, skip: int = 200) -> str:
         """PaLM's remedy for a loss spike: reload the newest checkpoint at least `steps`
         steps back (model, optimizer, scheduler, RNG) and go on from there, on the data that
         comes `skip` batches after the current one; the batches since the checkpoint and
         those `skip` are not trained on. The rewound-over steps stay in the history as a
-        branch (`rewind/<n>/loss/train`). Needs nbwatch to run the loop (`start()`)."""
-        steps, skip = check_count("steps", steps, 1), check_count("skip", skip, 0)
-        self._send("rewind", float(steps))
-        self._send("skip", float(skip))  # also 0: it closes the rewind's answer
+        branch (`rewind/<n>/loss/train`). One command: refused, it changes nothing (the
+        skip included). In a loop of your own, `log()` returns the checkpoint's step and
+        `mon.rewound`/`mon.skip_batches` say what to do."""
+        return self.send("rewind", steps=steps, skip=skip)
 
-    def skip(self, batches: int) -> None:
-        """Skip the next `batches` batches of the data stream (`start()` only)."""
-        self._send("skip", float(check_count("batches", batches, 1)))
+    def skip(self, batches: int) -> str:
+        """Skip the next `batches` batches of the data stream (at most `MAX_SKIP`); in a loop
+        of your own, the next `log()` sets `mon.skip_batches` for the loop to do it."""
+        return self.send("skip", batches=batches)
 
 
-def check_count(name: str, v: int, least: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < least:
-        raise ValueError(f"{name} must be an int ≥ {least}, got {v!r}")
+def refuse_early(command: Command, state: str, running: bool,
+                 framework: str | None = None) -> None:
+    """What a handle in this process refuses at the call, before the command is queued:
+    a run not running, one already stopping, a rewind or skip under a framework."""
+    kind = command.kind.value
+    if not running:
+        raise RuntimeError(f"cannot {kind}: the run is {state}, not running")
+    if state == "stopping":
+        raise RuntimeError(f"cannot {kind}: the run is stopping (its final checkpoint is "
+                           "being written)")
+    if command.kind in (CommandKind.REWIND, CommandKind.SKIP) and framework:
+        raise RuntimeError(
+            f"cannot {kind}: {framework} runs this loop and keeps its own step count; "
+            "resume it from a checkpoint instead (nbwatch.checkpoint.load)")
+
+
+def check_count(name: str, v: int, least: int, most: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < least or (
+            most is not None and v > most):
+        bound = f"an int ≥ {least}" + (f" and ≤ {most:,}" if most is not None else "")
+        raise ValueError(f"{name} must be {bound}, got {v!r}")
     return v
 
 

@@ -11,9 +11,6 @@ so pause, stop, clip, LR factor and checkpoint never split the replicas.
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -63,8 +60,7 @@ class Dist:
         """All ranks' rows, and rank 0's commands (every rank calls this at the same step)."""
         import torch.distributed as dist
 
-        payload = (rows, [(c.kind, c.value, c.source) for c in commands] if self.rank == 0
-                   else [])
+        payload = (rows, [c.to_wire() for c in commands] if self.rank == 0 else [])
         out: list[Any] = [None] * self.world
         try:
             dist.all_gather_object(out, payload, group=self.group)
@@ -73,7 +69,7 @@ class Dist:
                 f"rank {self.rank} of {self.world}: another rank stopped answering nbwatch's "
                 f"exchange ({str(e).splitlines()[0][:200]}); a rank died or hangs"
             ) from e
-        cmds = [Command(k, v, s) for k, v, s in out[0][1]]
+        cmds = [Command.from_wire(*c) for c in out[0][1]]
         return [o[0] for o in out], cmds
 
 
@@ -124,19 +120,6 @@ def merge_ranks(per_rank: list[list[tuple[int, dict[str, float]]]]) -> list[Scal
     return out
 
 
-def straggler(step_times: dict[int, float], slower: float = 0.2) -> tuple[int, float] | None:
-    """(rank, how much slower) when one rank's median step time exceeds the others' median
-    by more than `slower` (0.2 = 20%)."""
-    if len(step_times) < 2:
-        return None
-    r = max(step_times, key=step_times.get)
-    others = [t for k, t in step_times.items() if k != r]
-    base = float(np.median(others))
-    if base > 0 and step_times[r] > (1 + slower) * base:
-        return r, step_times[r] / base - 1
-    return None
-
-
 class NullStore:
     """The store of ranks other than 0: the same interface, nothing written."""
 
@@ -163,36 +146,3 @@ class NullStore:
 
     def close(self) -> None:
         pass
-
-
-def launch(script: str | Path, nproc: int = 2, run_dir: str | Path | None = None,
-           args: list[str] | tuple[str, ...] = (), log: str | Path | None = None,
-           display: bool | None = None) -> Any:
-    """Start `torchrun --nproc_per_node=nproc script args…` and attach to its run.
-
-    The job's `nbwatch.Monitor(run_dir=None)` writes into `run_dir` (passed through the
-    `NBWATCH_RUN_DIR` environment variable). Returns the attached run; its `.process` is
-    the torchrun process, whose output goes to `log` (default `run_dir/torchrun.log`).
-
-    >>> job = nbwatch.launch("train.py", nproc=2, run_dir="runs/ddp")
-    >>> job.pause(); job.resume(); job.process.wait()
-    """
-    import time
-
-    from .attach import attach
-
-    script = Path(script)
-    if not script.is_file():
-        raise FileNotFoundError(f"no training script at {script}")
-    run_dir = Path(run_dir) if run_dir is not None else Path("runs") / time.strftime(
-        "%Y%m%d-%H%M%S")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log_path = Path(log) if log is not None else run_dir / "torchrun.log"
-    env = {**os.environ, "NBWATCH_RUN_DIR": str(run_dir)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", str(script), *map(str, args)]
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    job = attach(run_dir, display=display)
-    job.process = proc
-    return job

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import controls as ctl
+from .lifecycle import LIVE, RunState
 from .records import Command, Event
 from .run import Readout, Run, started_run
 from .runner import run_in_thread
@@ -26,9 +27,6 @@ from .store import RunStore, is_run_dir
 
 if TYPE_CHECKING:
     from .monitor import Monitor
-
-_LIVE = ("starting", "running", "paused")
-
 
 class FitRun(ctl.Controls, Readout):
     """A framework's fit running in a background thread, watched by nbwatch.
@@ -103,25 +101,25 @@ class FitRun(ctl.Controls, Readout):
         self._ended_unopened(None, f"{why} before the first step")
 
     # -- controls -----------------------------------------------------------------------
-    def _send(self, kind: str, value: float | None = None, source: str = "api") -> None:
-        if not self.running:
-            raise RuntimeError(f"cannot {kind}: the run is {self.state}, not running")
-        if kind == "stop" and self.monitor is not None:
-            self.monitor._stop_asked = True
-        self._commands.put(Command(kind, value, source))
+    def _submit(self, command: Command) -> None:
+        if self.monitor is not None:  # the fit has begun: the Monitor's rules, its queue
+            self.monitor._submit(command)
+            return
+        ctl.refuse_early(command, self.state, self.running)  # a rewind: refused when taken
+        self._commands.put(command)
 
     # -- what the caller reads ----------------------------------------------------------
     @property
-    def state(self) -> str:
-        if self.monitor is not None and self.monitor.state != "created":
+    def state(self) -> RunState:
+        if self.monitor is not None and self.monitor.state != RunState.CREATED:
             return self.monitor.state
-        if self._done.is_set():
-            return "failed" if self._error is not None else "finished"
-        return "starting"
+        if self._done.is_set():  # ended before its first step opened the run
+            return RunState.FAILED if self._error is not None else RunState.STOPPED
+        return RunState.STARTING
 
     @property
     def running(self) -> bool:
-        return self.state in _LIVE and not self._done.is_set()
+        return self.state in LIVE and not self._done.is_set()
 
     @property
     def step(self) -> int:

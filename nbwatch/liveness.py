@@ -17,13 +17,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .lifecycle import ENDED, LIVE
 from .store import DB_NAME, RunReader, writer_alive
+
+__all__ = ["ENDED", "LIVE", "STALE_AFTER", "RunFailed", "last_write", "run_state"]
 
 # s without a write before a live-looking run counts as gone. On this host the writer lock
 # answers at once; the time matters for a writer on another host (a shared file system).
 STALE_AFTER = 30.0
-LIVE = ("starting", "running", "paused")
-ENDED = ("finished", "stopped", "failed")
 
 
 class RunFailed(RuntimeError):
@@ -49,25 +50,30 @@ def last_write(run_dir: Path, reader: RunReader | None = None) -> float | None:
     return max(times) if times else None
 
 
-def _writer_gone(run_dir: Path, meta: dict[str, Any]) -> bool:
-    """True when the run's writer is gone: nothing holds the run folder's writer lock (exact
-    on this host: the OS drops the lock of a killed process). A writer on another host, or
-    one that has not written its pid yet, is judged by its writes alone."""
+def _writer_alive(run_dir: Path, meta: dict[str, Any]) -> bool | None:
+    """Whether the run's writer is alive, from the run folder's writer lock (exact on this
+    host: the OS drops the lock of a killed process); None where the lock cannot tell: a
+    writer on another host, or one that has not written its pid yet."""
     if "pid" not in meta or meta.get("host") != socket.gethostname():
-        return False  # no writer has said who it is yet, or it runs elsewhere
-    return not writer_alive(run_dir)
+        return None
+    return writer_alive(run_dir)
 
 
 def run_state(run_dir: Path, meta: dict[str, Any], reader: RunReader | None,
               stale_after: float) -> str:
     """The run's state from its meta, or 'stale' where meta says live (starting, running,
-    paused) but nothing was written for `stale_after` seconds or the writer is gone."""
+    paused, stopping) but the writer is gone: its lock is free (on this host), or, where the
+    lock cannot tell (another host), nothing was written for `stale_after` seconds. A writer
+    that holds its lock is alive however long it is silent (paused, a long eval)."""
     state = str(meta.get("state", "starting"))
     if state in LIVE:
+        alive = _writer_alive(run_dir, meta)
+        if alive is not None:
+            return state if alive else "stale"
         try:
             t = last_write(run_dir, reader)
         except sqlite3.OperationalError:  # the writer is creating the schema right now
             t = last_write(run_dir)
-        if (t is not None and time.time() - t > stale_after) or _writer_gone(run_dir, meta):
+        if t is not None and time.time() - t > stale_after:
             return "stale"
     return state

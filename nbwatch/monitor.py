@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from torch import nn
 from . import controls as ctl
 from .alerts import configure, default_rules
 from .checkpoint import Checkpointer
+from .controls import refuse_early
 from .inputs import (
     check_every,
     check_monitor,
@@ -34,18 +36,19 @@ from .inputs import (
     probe_samples,
     rank,
 )
+from .lifecycle import LIVE, RunState
 from .notebook import in_notebook
 from .opening import RunOpening
 from .optimizer_hooks import OptimizerHooks
+from .options import Options
 from .probes.system import SystemSampler
-from .recorder import Progress, Rewound, RunSpec, StepRecorder, StopTraining
-from .records import Command
+from .recorder import Progress, Rewound, StepRecorder, StopTraining
+from .records import Command, CommandKind
 from .run import Readout, Run, started_run
 from .runner import Runner
 from .store import RunStore, check_no_writer
 
 log = logging.getLogger("nbwatch")
-_LIVE = ("starting", "running", "paused")
 
 
 class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
@@ -137,15 +140,15 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         self._loop_thread: threading.Thread | None = None  # where an own loop's log() runs
         self._framework: str | None = None  # an adapter's loop ("hf", "lightning")
         self.rewound: Rewound | None = None  # set by log() after a rewind (own loop)
-        self._loop_options = {
-            "max_steps": max_steps, "probe_fn": probe_fn, "probe_tokens": probe_tokens,
-            "attention_samples": attention_samples, "attention_tokens": attention_tokens,
-            "hist_every": hist_every, "checkpoint_every": checkpoint_every,
-            "log_every": log_every, "probe_batch": probe_samples(probe_batch,
-                                                                  attention_samples),
-        }
-        self._dist_options = (rank_every, dist_timeout)
-        self._display = display
+        self.skip_batches = 0  # set by log(): batches the own loop is asked to skip now
+        # one home for the run's options: start() overrides them one by one
+        self.options = Options(
+            max_steps=max_steps, hist_every=hist_every, checkpoint_every=checkpoint_every,
+            log_every=log_every, clip=self._clip_asked,
+            probe_batch=probe_samples(probe_batch, attention_samples), probe_fn=probe_fn,
+            probe_tokens=probe_tokens, attention_samples=attention_samples,
+            attention_tokens=attention_tokens, rank_every=rank_every,
+            dist_timeout=dist_timeout, display=display)
         self._hook_optimizer()
         if resume:
             if self.rank == 0:
@@ -165,17 +168,17 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         *,
         accumulate: int = 1,
         clip: float | None = None,
-        hist_every: int = 50,
+        hist_every: int | None = None,
         checkpoint_every: int | None = None,
         probe_batch: Any = None,
         probe_fn: Callable[[nn.Module, Any], Any] | None = None,
         dry_run: bool = True,
         probe_tokens: list[list[str]] | None = None,
-        attention_samples: int = 2,
-        attention_tokens: int = 64,
-        log_every: int = 50,
-        rank_every: int = 10,
-        dist_timeout: float = 60.0,
+        attention_samples: int | None = None,
+        attention_tokens: int | None = None,
+        log_every: int | None = None,
+        rank_every: int | None = None,
+        dist_timeout: float | None = None,
         display: bool | None = None,
     ) -> Monitor:
         """Start training in a background thread and return at once.
@@ -192,27 +195,34 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         global gradient norm from step 1 (as `set_clip` would; it is recorded in the run's
         config). Under torchrun the ranks exchange figures and commands every `rank_every`
         steps; a rank silent for `dist_timeout` s ends the run.
+
+        The options shared with `Monitor(...)` (`hist_every`, `checkpoint_every`, `clip`,
+        the probe's, `log_every`, `rank_every`, `dist_timeout`, `display`): given here,
+        they override the Monitor's for this run; left out, the Monitor's hold.
         """
         self._check_can_open(resume)
+        opts = self.options.merged(
+            clip=None if clip is None else ctl.check_clip(clip), hist_every=hist_every,
+            checkpoint_every=checkpoint_every, probe_fn=probe_fn, probe_tokens=probe_tokens,
+            attention_samples=attention_samples, attention_tokens=attention_tokens,
+            log_every=log_every, rank_every=rank_every, dist_timeout=dist_timeout,
+            display=display)
+        if probe_batch is not None:
+            opts = replace(opts, probe_batch=probe_samples(probe_batch, opts.attention_samples))
         if clip is not None:
-            self._clip_asked = ctl.check_clip(clip)
+            self._clip_asked = opts.clip
         eval_every = check_start(step_fn, train_data, max_steps, val_fn, eval_every,
-                                 checkpoint_every, accumulate)
-        spec = RunSpec(
-            step_fn, train_data, max_steps, val_fn=val_fn, eval_every=eval_every,
-            sample_fn=sample_fn, accumulate=accumulate, hist_every=hist_every,
-            checkpoint_every=checkpoint_every,
-            probe_batch=probe_samples(probe_batch, attention_samples),
-            probe_fn=probe_fn or self._loop_options.get("probe_fn"), dry_run=dry_run,
-            probe_tokens=probe_tokens, attention_samples=attention_samples,
-            attention_tokens=attention_tokens, log_every=log_every,
-        )
-        rec = self._open("start", spec, resume, (rank_every, dist_timeout),
+                                 opts.checkpoint_every, accumulate)
+        spec = replace(
+            opts.spec(), step_fn=step_fn, train_data=train_data, max_steps=max_steps,
+            val_fn=val_fn, eval_every=eval_every, sample_fn=sample_fn, accumulate=accumulate,
+            dry_run=dry_run)
+        rec = self._open("start", spec, resume, opts,
                          {"eval_every": eval_every, "accumulate": accumulate,
-                          "hist_every": hist_every})
+                          "hist_every": opts.hist_every})
         self.model.train()
         self._in_thread(Runner(spec, rec).run)
-        return self._after_open(display)
+        return self._after_open(opts.display)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Monitor:
         """Run `fn(*args, **kwargs)`, a training loop of your own that calls `log()` once
@@ -225,10 +235,10 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         if not callable(fn):
             raise TypeError(f"run() takes your training loop as a function, got {fn!r}")
         self._check_can_open(resume=self._resumed_step is not None)
-        spec = RunSpec(**self._loop_options)
-        rec = self._open("run", spec, False, self._dist_options, {})
+        rec = self._open("run", self.options.spec(), False, self.options, {})
+        rec.can_rewind = True  # the loop and its step count are the user's, not a framework's
         self._in_thread(lambda: rec.guarded(lambda: fn(*args, **kwargs)))
-        return self._after_open(self._display)
+        return self._after_open(self.options.display)
 
     def log(self, loss: Any = None, *, mask: torch.Tensor | None = None, val: Any = None,
             **scalars: Any) -> int:
@@ -262,6 +272,11 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
                     "optimizer.step(), pass it as nbwatch.Monitor(..., scaler=scaler)")
             raise RuntimeError(f"mon.log(): this run is {self.state} at step {self.step}; "
                                "create a new Monitor (resume=True to continue it)")
+        if rec.ended:  # a loop that caught StopTraining and went on: nothing more is recorded
+            if self.state == RunState.STOPPED:
+                raise StopTraining(f"run {self.name!r} was stopped at step {rec.step}; "
+                                   "log() records nothing more (end the loop)")
+            raise RuntimeError(f"mon.log(): this run is {self.state} at step {rec.step}")
         if not rec.stepped and (self.scaler is None or not rec.overflowed()):
             amp = "" if self.scaler is not None else (
                 "; with a GradScaler (whose overflow skips optimizer.step()), pass it as "
@@ -286,10 +301,12 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
                 self._end_loop(None)  # closed now, not at exit: a new run can start
             raise StopTraining(f"run {self.name!r} stopped at step {step}, final checkpoint "
                                "written (mon.run() and `with mon:` end the loop cleanly)")
-        self.rewound = None
+        # what a rewind or a skip asks of the loop: said once, at this log(), never merged
+        # into a later one
+        self.rewound, self.skip_batches, rec.skip_batches = None, rec.skip_batches, 0
         if rec.rewound_to is not None:  # the weights are a checkpoint's: tell the loop
-            self.rewound = Rewound(rec.rewound_to, rec.skip_batches)
-            rec.rewound_to, rec.skip_batches, step = None, 0, rec.rewound_to
+            self.rewound = Rewound(rec.rewound_to, self.skip_batches)
+            rec.rewound_to, step = None, rec.rewound_to
         return step
 
     @property
@@ -338,25 +355,20 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         return self
 
     # -- controls (applied by the recorder between steps) ----------------------------------
-    def set_clip(self, max_norm: float | None) -> None:
+    def set_clip(self, max_norm: float | None) -> str | None:
         """Clip the global gradient norm to `max_norm` from the next step (None: no
-        clipping). Before the run starts, it applies from step 1."""
+        clipping). Before the run starts, it applies from step 1 (and returns None)."""
         if not self.running and self._mode is None:
             self._clip_asked = ctl.check_clip(max_norm)
             self.control.clip = self._clip_asked
-            return
-        super().set_clip(max_norm)
+            return None
+        return super().set_clip(max_norm)
 
-    def _send(self, kind: str, value: float | None = None, source: str = "api") -> None:
-        if not self.running:
-            raise RuntimeError(f"cannot {kind}: the run is {self.state}, not running")
-        if kind in ("rewind", "skip") and self._framework:
-            raise RuntimeError(
-                f"cannot {kind}: {self._framework} runs this loop and keeps its own step "
-                "count; resume it from a checkpoint instead (nbwatch.checkpoint.load)")
-        if kind == "stop":
+    def _submit(self, command: Command) -> None:
+        refuse_early(command, self.state, self.running, self._framework)
+        if command.kind == CommandKind.STOP:
             self._stop_asked = True
-        self._commands.put(Command(kind, value, source))
+        self._commands.put(command)
 
     # -- what the caller reads ----------------------------------------------------------
     @property
@@ -365,14 +377,15 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         return self._progress.step
 
     @property
-    def state(self) -> str:
-        """'created', 'running', 'paused', 'stopped', 'finished' or 'failed'."""
+    def state(self) -> RunState:
+        """A `RunState` (compares equal to its name): 'created', 'starting', 'running',
+        'paused', 'stopping', 'stopped', 'finished' or 'failed'."""
         return self._progress.state
 
     @property
     def running(self) -> bool:
         """The run is open and neither ended nor failed (paused counts as running)."""
-        return self._recorder is not None and self._progress.state in _LIVE
+        return self._recorder is not None and self._progress.state in LIVE
 
     @property
     def error(self) -> BaseException | None:

@@ -26,6 +26,7 @@ from .distributed import Dist, NullStore
 from .environment import environment
 from .logs import open_run_log
 from .notebook import in_notebook, remember
+from .options import Options
 from .probes.system import SystemSampler, close_nvml, gpu_names, open_nvml
 from .recorder import SAME_ON_EVERY_RANK, Progress, RunSpec, StepRecorder, StopTraining
 from .records import Event, Scalars
@@ -65,22 +66,23 @@ class RunOpening:
                    framework: str | None = None) -> StepRecorder:
         """A loop of the user's own, in the foreground: opened at its first optimizer step
         (or by a framework adapter, at the framework's step `start_step`)."""
-        rec = self._open("loop", RunSpec(**self._loop_options), False, self._dist_options,
+        rec = self._open("loop", self.options.spec(), False, self.options,
                          {"framework": framework} if framework else {}, start_step)
-        rec._can_rewind = framework is None  # a framework keeps its own step count
+        rec.can_rewind = framework is None  # a framework keeps its own step count
         self._framework = framework
         self._loop_thread = threading.current_thread()  # a framework's fit thread, maybe
         rec.begin()
         self._exc_at_open = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
         atexit.register(self._at_exit)
-        self._after_open(self._display)
+        self._after_open(self.options.display)
         return rec
 
-    def _open(self, mode: str, spec: RunSpec, resume: bool, dist_options: tuple[int, float],
+    def _open(self, mode: str, spec: RunSpec, resume: bool, opts: Options,
               run_meta: dict[str, Any], start_step: int | None = None) -> StepRecorder:
         """Open a run: the store, the recorder, the run log and the system sampler.
         `start_step`: where a framework that restored its own checkpoint stands."""
-        dist = Dist.detect(*dist_options)  # collective: every rank opens its run
+        dist = Dist.detect(opts.rank_every, opts.dist_timeout)  # collective: every rank's
+        run_meta = {**run_meta, "options": opts.record()}  # the options in force
         if start_step is None:
             start_step = self._start_step(resume)
         if self._clip_asked is not None:  # from step 1, and over a resumed checkpoint's
@@ -151,17 +153,18 @@ class RunOpening:
         shut down is sent SIGTERM after 2.5 s (jupyter_client's shutdown_wait_time / 2), so
         the stop checkpoint and the store's close get what is left of `exit_budget()`."""
         kernel = in_notebook()
-        why = f"{'kernel shut down' if kernel else 'the program exited'} at step {self.step}"
+        what = "the kernel shut down" if kernel else "the program exited"
+        why = f"{what.removeprefix('the ')} at step {self.step}"
         self._record_ending(why)
         with contextlib.suppress(RuntimeError):  # it ended a moment ago
-            self._send("stop", source="exit")
+            self.send("stop", source="exit")
         deadline = time.monotonic() + exit_budget()
         ended.wait(max(0.0, deadline - time.monotonic()))
         for t in threads:
             if t is not None:
                 t.join(max(0.0, deadline - time.monotonic()))
         done = ended.is_set()
-        print(f"nbwatch: {why} while run {self.name!r} was training; it was stopped at step "
+        print(f"nbwatch: {what} while run {self.name!r} was training; it was stopped at step "
               f"{self.step} ({self.state}), "
               f"{'with a checkpoint' if done else 'before its stop checkpoint was written'}, "
               f"in {self.run_dir}. "
@@ -269,7 +272,7 @@ class RunOpening:
             if rec.ended:  # stopped at log(), or failed already
                 pass
             elif exc is None or isinstance(exc, StopTraining) or clean_exit:
-                rec.apply_commands(block=False)  # a stop the loop saw before log() took it
+                rec.take_final_stop()  # a stop the loop saw before log() took it
                 rec.finish("stopped" if rec.stopping else "finished")
             elif isinstance(exc, KeyboardInterrupt):
                 rec.finish("stopped")  # the user's Ctrl-C: a stop, not a crash
@@ -305,7 +308,7 @@ class RunOpening:
 
         def on_sigterm(signum: int, frame: Any) -> None:
             if self.running and self._progress.error is None:
-                self._progress.state = "failed"
+                self._progress.move("failed")
                 with contextlib.suppress(Exception):
                     store.put(Event(self.step, "error", "critical",
                                     f"[rank 0] terminated by SIGTERM at step {self.step}: "

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -66,10 +68,56 @@ class Sample:
     wall: float = field(default_factory=time.time)
 
 
+class CommandKind(str, Enum):
+    """What a command asks; its arguments are in `Command.payload`."""
+
+    PAUSE = "pause"            # {}
+    RESUME = "resume"          # {}
+    STOP = "stop"              # {}
+    CHECKPOINT = "checkpoint"  # {}
+    CLIP = "clip"              # {"max_norm": float | None}
+    SCALE_LR = "scale_lr"      # {"factor": float}
+    REWIND = "rewind"          # {"steps": int, "skip": int}
+    SKIP = "skip"              # {"batches": int}
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+OUTCOMES = ("applied", "refused", "expired")  # each command ends with exactly one
+
+
+def new_command_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
 @dataclass(frozen=True)
 class Command:
-    """A control request (pause, resume, stop, checkpoint, clip, scale_lr), run between steps."""
+    """A control request, applied between steps by the recorder's one dispatch table; its
+    one outcome event (applied, refused or expired) carries `id` in its data."""
 
-    kind: str
-    value: float | None = None
+    kind: CommandKind
+    payload: dict[str, Any] = field(default_factory=dict)
     source: str = "api"
+    id: str = field(default_factory=new_command_id)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "payload", dict(self.payload or {}))
+        try:
+            object.__setattr__(self, "kind", CommandKind(self.kind))
+        except ValueError:
+            known = ", ".join(k.value for k in CommandKind)
+            raise ValueError(f"unknown command {self.kind!r}; known: {known}") from None
+
+    def to_wire(self) -> tuple[str, dict[str, Any], str, str]:
+        """Plain values, for another process (a torchrun exchange, the store's row)."""
+        return self.kind.value, dict(self.payload), self.source, self.id
+
+    @classmethod
+    def from_wire(cls, kind: str, payload: dict[str, Any], source: str, cid: str) -> Command:
+        return cls(CommandKind(kind), dict(payload), source, cid)

@@ -124,7 +124,10 @@ class Run:
         """One row per step (index `step`), one column per scalar: the live line (the steps
         a rewind went back over are in `branches`)."""
         df = self.reader.df()
-        return df[[c for c in df.columns if not c.startswith("rewind/")]]
+        live = df[[c for c in df.columns if not c.startswith("rewind/")]]
+        if len(live.columns) < len(df.columns):  # the rows a branch alone holds are not live
+            live = live.dropna(how="all")
+        return live
 
     @property
     def branches(self) -> pd.DataFrame:

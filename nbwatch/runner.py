@@ -27,13 +27,15 @@ from .recorder import SAME_ON_EVERY_RANK, Progress, RunSpec, StepRecorder
 
 __all__ = ["SAME_ON_EVERY_RANK", "Progress", "RunSpec", "Runner", "run_in_thread"]
 
+SKIP_BITE = 64  # batches skipped between two looks at the commands
+
 
 class Runner:
     """Runs `spec.step_fn` over `spec.train_data` for `spec.max_steps` optimizer steps."""
 
     def __init__(self, spec: RunSpec, recorder: StepRecorder):
         self.spec, self.rec = spec, recorder
-        recorder._mode_runs_loop = recorder._can_rewind = True  # the data and steps are ours
+        recorder.runs_loop = recorder.can_rewind = True  # the data and steps are ours
         self._data: Iterator | None = None
         self._epoch = 0
         self._batches = 0  # taken from train_data so far
@@ -53,6 +55,9 @@ class Runner:
             rec.apply_commands()
             if rec.stopping:
                 return
+            if rec.skip_batches:  # a skip or a rewind's, a bite at a time: stop and pause
+                self._skip(SKIP_BITE)  # are heard between bites
+                continue
             self._train_step()
             if spec.eval_every and rec.step % spec.eval_every == 0:
                 rec.evaluate()
@@ -69,7 +74,7 @@ class Runner:
         restored after, so training goes exactly as without it."""
         spec, rec = self.spec, self.rec
         if spec.eval_every and spec.probe_batch is None and spec.attention_samples > 0:
-            self._pending = self._next_batch()  # step 1's batch: the default probe samples
+            self._pending = self._take()  # step 1's batch: the default probe samples
             spec.probe_batch = clone_samples(self._pending, spec.attention_samples)
         saved = rng_state()
         try:
@@ -91,11 +96,11 @@ class Runner:
         finally:
             set_rng_state(saved)
 
-    def _next_batch(self) -> Any:
-        while self.rec.skip_batches > 0:  # a skip or a rewind's: never trained on
+    def _skip(self, most: int) -> None:
+        """Throw away up to `most` of the batches a skip asked for: never trained on."""
+        for _ in range(min(most, self.rec.skip_batches)):
             self.rec.skip_batches -= 1
             self._take()
-        return self._take()
 
     def _take(self) -> Any:
         if self._pending is not None:
@@ -148,7 +153,7 @@ class Runner:
         m = _Micro()
         for _ in range(spec.accumulate):
             td = time.perf_counter()
-            batch = self._next_batch()
+            batch = self._take()
             m.data_s += time.perf_counter() - td
             rec.note_batch(batch, *self._pos)
             m.samples += _batch_size(batch)

@@ -19,6 +19,7 @@ from typing import Any
 import anywidget
 import traitlets
 
+from .lifecycle import is_ended
 from .notebook import enable_colab_widgets, remember
 from .panels import Feed
 from .panels.wire import pack
@@ -140,7 +141,7 @@ class Dashboard(anywidget.AnyWidget):
         state, message = self._status
         out = dict(header)
         if state is not None:
-            out["state"] = state
+            out["state"], out["ended"] = state, is_ended(state)
         if message is not None:
             out["message"] = message
         self._status_sent = self._status
@@ -213,28 +214,13 @@ class Dashboard(anywidget.AnyWidget):
                 self.send({"type": "refused", "to": view, "kind": content.get("kind"),
                            "message": str(e)})
 
-    def command(self, kind: str, value: Any = None) -> None:
-        """Apply a button: exactly the Monitor's control method of the same name."""
+    def command(self, kind: str, value: Any = None) -> str:
+        """Apply a button: the handle's `send`, as its control method of the same name would
+        (one table of what each command takes: nbwatch.controls.PAYLOADS). Returns its id."""
         mon = self._monitor
         if mon is None:
             raise RuntimeError("this dashboard is read-only: it shows a run from its folder")
-        if kind == "pause":
-            mon.pause()
-        elif kind == "resume":
-            mon.resume()
-        elif kind == "stop":
-            mon.stop()
-        elif kind == "checkpoint":
-            mon.checkpoint()
-        elif kind == "clip":
-            mon.set_clip(None if value is None else float(value))
-        elif kind == "scale_lr":
-            mon.scale_lr(float(value if value is not None else 0.5))
-        elif kind == "rewind":
-            steps, skip = value if isinstance(value, (list, tuple)) else (100, 200)
-            mon.rewind(int(steps), int(skip))
-        else:
-            raise ValueError(f"unknown command {kind!r}")
+        return mon.send(kind, "dashboard", **button_args(kind, value))
 
     # -- lifecycle ----------------------------------------------------------------------
     @property
@@ -251,3 +237,16 @@ class Dashboard(anywidget.AnyWidget):
     def close(self) -> None:
         self.stop()
         super().close()
+
+
+def button_args(kind: str, value: Any) -> dict[str, Any]:
+    """A button's one `value` as the command's arguments."""
+    if kind == "clip":
+        return {"max_norm": None if value is None else float(value)}
+    if kind == "scale_lr":
+        return {"factor": float(value if value is not None else 0.5)}
+    if kind == "rewind" and isinstance(value, (list, tuple)) and len(value) == 2:
+        return {"steps": int(value[0]), "skip": int(value[1])}
+    if kind == "skip" and value is not None:
+        return {"batches": int(value)}
+    return {}

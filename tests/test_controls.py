@@ -2,8 +2,14 @@ import pytest
 import torch
 
 import nbwatch
-from nbwatch.controls import CommandQueue, check_clip, check_factor, lrs, scale_lrs
-from nbwatch.records import Command
+from nbwatch.controls import (
+    CommandQueue,
+    check_clip,
+    check_factor,
+    lrs,
+    make_command,
+    scale_lrs,
+)
 
 
 def make(kind, model=None):
@@ -52,11 +58,17 @@ def test_plain_param_group_scaling_is_undone_by_a_scheduler():
 
 def test_queue_and_value_checks():
     q = CommandQueue()
-    q.put(Command("pause"))
-    q.put(Command("scale_lr", 0.5))
+    q.put(make_command("pause"))
+    q.put(make_command("scale_lr", factor=0.5))
     assert [c.kind for c in q.drain()] == ["pause", "scale_lr"] and q.drain() == []
     with pytest.raises(ValueError, match="unknown command 'explode'"):
-        q.put(Command("explode"))
+        make_command("explode")
+    with pytest.raises(TypeError, match="rewind: .*'step'"):
+        make_command("rewind", step=10)  # a misspelt argument names itself
+    for bad in (10**9, -1, 2.5):
+        with pytest.raises(ValueError, match="batches must be an int ≥ 1 and ≤ 100,000"):
+            make_command("skip", batches=bad)
+    assert make_command("rewind", steps=5, skip=0).payload == {"steps": 5, "skip": 0}
     assert check_clip(None) is None and check_clip(1) == 1.0
     for bad in (0, -1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="positive finite"):

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import nbwatch
-from nbwatch.distributed import merge_ranks, straggler
+from nbwatch.distributed import merge_ranks
+from nbwatch.signals import straggler
 from tests.conftest import until
 
 ROOT = Path(__file__).resolve().parent.parent

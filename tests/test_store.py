@@ -76,10 +76,11 @@ def test_truncate_after_drops_later_steps(store):
 
 
 def test_commands_from_another_writer_are_seen_once(store):
-    store.add_command(Command("pause", None, "attach"))
+    sent = Command("rewind", {"steps": 10, "skip": 0}, "attach")
+    store.add_command(sent)
     store.flush()
     pending = store.pending_commands()
-    assert [c.kind for _, c in pending] == ["pause"]
+    assert [c for _, _, c in pending] == [sent]  # kind, payload, source and id come back
     store.mark_taken(pending[0][0])
     store.flush()
     assert store.pending_commands() == []
@@ -139,9 +140,9 @@ def test_reader_on_a_folder_without_a_run_says_so(tmp_path):
 
 
 def test_a_command_is_not_handed_out_twice_before_taken_commits(store):
-    store.add_command(Command("scale_lr", 0.5, "attach"))
+    store.add_command(Command("scale_lr", {"factor": 0.5}, "attach"))
     store.flush()
-    (cid, cmd), = store.pending_commands()
+    (cid, _, cmd), = store.pending_commands()
     store.mark_taken(cid)  # queued, not committed yet
     assert store.pending_commands(after_id=cid) == []
 

@@ -78,22 +78,22 @@ export function create(root, ctx) {
 
   return {
     box: bar,
-    setState(s) {
+    setState(s, ended) {  // `ended`: the kernel's word, from nbwatch.lifecycle
       state = s;
       pause.textContent = s === "paused" ? "Resume" : "Pause";
-      const ended = ["finished", "stopped", "failed"].includes(s);
-      for (const b of all) b.disabled = ended;
+      for (const b of all) b.disabled = !!ended;
       bar.dataset.state = s;
     },
-    // Acknowledgements: the newest action or checkpoint event the runner recorded, not a
+    // Acknowledgements: the newest command outcome the runner recorded (an action or a
+    // checkpoint applied, a command refused or expired, read from the event's data), not a
     // periodic checkpoint (nobody asked for it: it would hide the ack of a click).
     events(items) {
       for (const it of items) {
-        const asked = it.kind === "action"
+        const asked = it.kind === "action" || it.kind === "command"
           || (it.kind === "checkpoint" && it.reason !== "periodic");
         if (asked && it.wall >= seen) {
           seen = it.wall;
-          ack.textContent = `✓ ${it.message}`;
+          ack.textContent = `${it.kind === "command" ? "✗" : "✓"} ${it.message}`;
           delete ack.dataset.pending;
         }
       }

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ..lifecycle import is_ended
 from ..store import RunReader
 from . import (
     alerts,
@@ -33,7 +34,6 @@ from .tail import Delta, Tail
 PANELS = ("header", "loss", "ranks", "grads", "weights", "attention", "health", "system",
           "data", "metrics", "alerts", "samples")
 MAX_EVENTS = 500
-ENDED = ("finished", "stopped", "failed")
 
 
 class Feed:
@@ -68,7 +68,7 @@ class Feed:
     @property
     def ended(self) -> bool:
         """The run is over and everything it wrote has been read."""
-        return self.meta.get("state") in ENDED and not self.more
+        return is_ended(str(self.meta.get("state"))) and not self.more
 
     def update(self, now: float | None = None) -> dict[str, Any] | None:
         d = self.tail.poll()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-FEED_KINDS = ("alert", "action", "checkpoint", "error", "probe")
+FEED_KINDS = ("alert", "action", "command", "checkpoint", "error", "probe")
 MAX_ITEMS = 200
 
 
@@ -14,6 +14,8 @@ def build(events: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     items = [{"step": int(e["step"]), "kind": str(e["kind"]), "severity": str(e["severity"]),
               "message": str(e["message"]), "wall": float(e.get("wall", 0.0)),
               **({"reason": str((e.get("data") or {}).get("reason"))}
-                 if e["kind"] == "checkpoint" else {})}
+                 if e["kind"] == "checkpoint" else {}),
+              **({"outcome": str((e.get("data") or {}).get("outcome"))}  # refused, expired
+                 if e["kind"] == "command" else {})}
              for e in events if e["kind"] in FEED_KINDS]
     return {"items": items[::-1][:MAX_ITEMS]} if items else {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-LIVE_STATES = ("starting", "running", "paused")
+from ..lifecycle import is_ended, is_live
 
 
 def build(
@@ -26,13 +26,14 @@ def build(
     if max_steps and rate and state in ("running", "starting"):
         eta = max(int(max_steps) - step, 0) / rate
     started = meta.get("started")
-    end = now if state in LIVE_STATES or not walls else walls[-1][1]
+    end = now if is_live(state) or not walls else walls[-1][1]
     out: dict[str, Any] = {}
     if state == "stopped" and meta.get("stopped_by"):  # a kernel shut down, the process ended
         out["message"] = f"stopped: {meta['stopped_by']}"
     return out | {
         "name": str(meta.get("name", "")),
         "state": state,
+        "ended": is_ended(state),  # the page keeps no list of states of its own
         "step": int(step),
         "max_steps": int(max_steps) if max_steps else None,
         "progress": min(step / int(max_steps), 1.0) if max_steps else None,

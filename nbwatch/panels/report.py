@@ -53,6 +53,7 @@ def checkpoints_table(events: Iterable[Mapping[str, Any]], total: int,
             f"{secs:.2f}" if isinstance(secs, (int, float)) else None,
             "best" if d.get("best") else "",
             str(d.get("reason", "")),
+            "failed" if d.get("failed") else
             None if kept is None else ("yes" if name in kept else "rotated out"),
         ])
     return {"rows": rows, "total": int(total)}

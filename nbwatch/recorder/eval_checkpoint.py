@@ -86,15 +86,17 @@ class EvalCheckpoint:
         self.flush_deferred()
         self.store.flush(timeout=60)
 
-    def _checkpoint(self, reason: str) -> None:
+    def _checkpoint(self, reason: str, announce: bool = True) -> Event | None:
+        """Write a checkpoint; returns its event (recorded here unless `announce` is False:
+        a command's outcome records it), or None where nbwatch wrote none itself."""
         if reason in ("final", "stop") and self._ckpt_step == self.step:
-            return  # the periodic checkpoint of this very step is the final one
+            return None  # the periodic checkpoint of this very step is the final one
         self.commit()
         if self.save_fn is not None:  # the framework saves (on every rank, its own way)
             self.save_fn(reason)
-            return
+            return None
         if self.spec.trial or (self.dist is not None and self.dist.rank != 0):
-            return
+            return None
         try:
             saved = self.ckpt.save(self.state_dict(), self.step, self._last_val)
         except Exception as e:  # recorded here; the run then fails with it (a full disk)
@@ -110,9 +112,12 @@ class EvalCheckpoint:
         msg = (f"{reason} checkpoint at step {self.step}: {saved.path.name}, "
                f"{saved.bytes / 2**20:.1f} MiB in {saved.seconds:.2f} s"
                + (" (best)" if saved.best else ""))
-        self._emit(Event(self.step, "checkpoint", "info", msg, {
+        ev = Event(self.step, "checkpoint", "info", msg, {
             "path": str(saved.path), "seconds": saved.seconds, "bytes": saved.bytes,
-            "best": saved.best, "reason": reason}))
+            "best": saved.best, "reason": reason})
+        if announce:
+            self._emit(ev)
+        return ev
 
 
 def plain(model: nn.Module) -> nn.Module:

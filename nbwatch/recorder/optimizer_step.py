@@ -67,6 +67,8 @@ class OptimizerStep:
         clip this step, and a weights snapshot on histogram steps. Called by the
         optimizer's pre-hook (`explicit=False`), or by a framework adapter at the moment
         its framework has the gradients but has not clipped them yet."""
+        if self.ended:  # a loop that goes on after its stop: nothing more is measured
+            return
         if self._stepped:
             raise RuntimeError(
                 "optimizer.step() ran twice without mon.log() in between: call "

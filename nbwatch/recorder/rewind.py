@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..checkpoint import CheckpointError, load, restore_into
-from ..records import Event, Scalars
+from ..records import Command, Scalars
 from ..store import RunReader
+from .steering import Applied, Outcome, Refused
 
 BRANCH_KEYS = ("loss/train", "loss/val")  # kept per rewind as rewind/<n>/<key>
 
@@ -21,35 +22,31 @@ class Rewound(NamedTuple):
 
 
 class Rewind:
-    """Part of `StepRecorder` (its state is set in `StepRecorder.__init__`)."""
+    """Part of `StepRecorder`: its state (`skip_batches`, `rewinds`, `can_rewind`,
+    `runs_loop`, `rewound_to`) is set in `StepRecorder.__init__`."""
 
-    skip_batches = 0  # the runner discards this many batches before the next step's
-    rewinds = 0       # rewinds so far: the branch number of the next
-    _mode_runs_loop = False  # set by the Runner: start()'s loop, whose data stream is ours
-    _can_rewind = False  # start()'s loop, or a loop of the user's own (not a framework's)
-    rewound_to: int | None = None  # the step a rewind went back to, until the loop is told
-    _rewound: str | None = None  # what the rewind just applied did, for its skip's event
-
-    def _rewind(self, steps: int, source: str) -> None:
+    def _do_rewind(self, cmd: Command) -> Outcome:
+        """One command: go back `steps` and skip `skip` batches, or refuse and change
+        nothing (the skip included)."""
+        steps, skip = int(cmd.payload["steps"]), int(cmd.payload["skip"])
         now = self.step
         target = now - steps
-        found = [(s, p) for s, p in self.ckpt.steps() if s <= target]
-        if not self._can_rewind:
-            return self._refuse("rewind", "a framework runs this loop and keeps its own step "
-                                "count: resume it from a checkpoint instead")
+        if not self.can_rewind:
+            return Refused("a framework runs this loop and keeps its own step count: resume "
+                           "it from a checkpoint instead")
         if self.dist is not None:
-            return self._refuse("rewind", "not under torchrun yet: every rank would have to "
-                                "reload at the same step; resume from a checkpoint instead")
+            return Refused("not under torchrun yet: every rank would have to reload at the "
+                           "same step; resume from a checkpoint instead")
+        found = [(s, p) for s, p in self.ckpt.steps() if s <= target]
         if not found:
             have = ", ".join(str(s) for s, _ in self.ckpt.steps()) or "none"
-            return self._refuse("rewind", f"no checkpoint at or before step {target} "
-                                f"(checkpoints at steps: {have}); keep more with keep_last= "
-                                "or checkpoint_every=")
+            return Refused(f"no checkpoint at or before step {target} (checkpoints at steps: "
+                           f"{have}); keep more with keep_last= or checkpoint_every=")
         to, path = found[-1]
         try:
             ckpt = load(path)
         except (OSError, CheckpointError) as e:
-            return self._refuse("rewind", f"the checkpoint of step {to} cannot be read: {e}")
+            return Refused(f"the checkpoint of step {to} cannot be read: {e}")
         self.flush_deferred()
         self.store.flush()
         reader = RunReader(self.store.run_dir)
@@ -64,32 +61,28 @@ class Rewind:
         restore_into(ckpt, self.model, self.opt, self.sched, self.scaler, self.control,
                      self.ckpt.dir)
         self.rewinds += 1
+        # the abandoned branch's checkpoints are no candidates for resume=True any more
+        aside = self.ckpt.set_aside(to, f"rewind/{self.rewinds}")
         self.store.truncate_after(to)
         for key, (steps_, values) in gone.items():
             for s, v in zip(steps_.tolist(), values.tolist()):
                 self.store.put(Scalars(int(s), {f"rewind/{self.rewinds}/{key}": v}))
         self.step = self.progress.step = self.rewound_to = to
-        self._rewound = msg = (f"rewound from step {now} to the checkpoint of step {to} "
-                               f"(branch {self.rewinds} keeps steps {to + 1}–{now})")
-        self._emit(Event(now, "action", "warning", msg,
-                         {"command": "rewind", "value": steps, "from": now, "to": to,
-                          "branch": self.rewinds, "source": source}))
+        self.skip_batches += skip
+        then = (f", skipping the next {skip} batches of the data stream" if skip and
+                self.runs_loop else f", the loop is asked to skip {skip} batches "
+                "(mon.skip_batches)" if skip else "")
+        return Applied(f"rewound from step {now} to the checkpoint of step {to} (branch "
+                       f"{self.rewinds} keeps steps {to + 1}–{now}){then}", severity="warning",
+                       data={"from": now, "to": to, "branch": self.rewinds,
+                             "set_aside": [p.name for p in aside]})
 
-    def _skip(self, batches: int, source: str) -> None:
-        if not self._can_rewind:
-            return self._refuse("skip", "a framework runs this loop: skip batches in its "
-                                "data loader")
+    def _do_skip(self, cmd: Command) -> Outcome:
+        batches = int(cmd.payload["batches"])
+        if not self.can_rewind:
+            return Refused("a framework runs this loop: skip batches in its data loader")
         self.skip_batches += batches
-        if not batches:  # a rewind without a skip: its own event said it all
-            self._rewound = None
-            return None
-        msg = (f"skipping the next {batches} batches of the data stream" if self._mode_runs_loop
-               else f"the loop is asked to skip its next {batches} batches (mon.rewound)")
-        if self._rewound:  # the second half of one rewind: one answer to one click
-            msg, self._rewound = f"{self._rewound}, {msg}", None
-        self._emit(Event(self.step, "action", "info", msg,
-                         {"command": "skip", "value": batches, "source": source}))
-
-    def _refuse(self, kind: str, why: str) -> None:
-        self._emit(Event(self.step, "action", "warning", f"{kind} refused: {why}",
-                         {"command": kind, "refused": True}))
+        return Applied(f"skipping the next {batches} batches of the data stream"
+                       if self.runs_loop else
+                       f"the loop is asked to skip its next {batches} batches "
+                       "(mon.skip_batches)")

@@ -10,6 +10,8 @@ from typing import Any
 
 from torch import nn
 
+from ..lifecycle import RunState, transition
+
 # Rules whose inputs are identical on every DDP rank (the synchronised gradients): each
 # rank reaches the same decision at the same step without asking the others.
 SAME_ON_EVERY_RANK = ("nonfinite", "grad_explosion")
@@ -58,7 +60,7 @@ class Progress:
     """State shared with the caller's thread: read freely, written only by the recorder."""
 
     step: int = 0
-    state: str = "created"
+    state: RunState = RunState.CREATED  # moved only by `move()`
     error: BaseException | None = None
     traceback: str | None = None
     # the train loss smoothed as the dashboard draws it (debiased EMA, weight 0.9): loss/gap
@@ -66,6 +68,11 @@ class Progress:
     train_ema_n: int = 0
     # set when a failure is fully recorded (error, state, emergency checkpoint)
     failure_recorded: threading.Event = field(default_factory=threading.Event)
+
+    def move(self, target: RunState | str) -> RunState:
+        """Move the run to `target` (`IllegalTransition` where the lifecycle forbids it)."""
+        self.state = transition(self.state, target)
+        return self.state
 
     def train_smooth(self) -> float | None:
         """The smoothed train loss at this step: the curve's value where val is drawn."""

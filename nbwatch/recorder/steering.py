@@ -6,13 +6,51 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from .. import controls as ctl
+from ..controls import make_command
 from ..distributed import merge_ranks
-from ..records import Command, Event
+from ..records import Command, CommandKind, Event
 from .spec import SAME_ON_EVERY_RANK
+
+
+@dataclass(frozen=True)
+class Applied:
+    """The command changed the run: `message` says how (an "action" event, or the event of
+    what it made: a checkpoint)."""
+
+    message: str
+    kind: str = "action"
+    severity: str = "info"
+    data: dict[str, Any] = field(default_factory=dict)
+    event_data: dict[str, Any] = field(default_factory=dict)
+    word = "applied"
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The command changed nothing: `reason` says why."""
+
+    reason: str
+    data: dict[str, Any] = field(default_factory=dict)
+    word = "refused"
+
+
+@dataclass(frozen=True)
+class Expired:
+    """The run ended (or had not begun) before the command was taken."""
+
+    reason: str
+    data: dict[str, Any] = field(default_factory=dict)
+    word = "expired"
+
+
+Outcome = Applied | Refused | Expired
 
 
 class Steering:
@@ -23,16 +61,42 @@ class Steering:
         self.apply_commands()
         return self.stopping
 
-    def _poll_commands(self) -> list[Command]:
+    def _poll_commands(self, force: bool = False) -> list[Command]:
         cmds = self.commands.drain()
         now = time.monotonic()
-        if now - self._store_poll > 0.25:  # other processes write commands into the store
+        if force or now - self._store_poll > 0.25:  # other processes write into the store
             self._store_poll = now
-            for cid, cmd in self.store.pending_commands(self._command_id):
-                self.store.mark_taken(cid)
-                self._command_id = cid
-                cmds.append(cmd)
+            for rid, wall, cmd in self.store.pending_commands(self._command_id):
+                self.store.mark_taken(rid)
+                self._command_id = rid
+                if isinstance(cmd, str):  # unreadable: said, never guessed at
+                    self._emit(Event(self.step, "command", "warning", f"refused: {cmd}",
+                                     {"outcome": "refused", "reason": cmd, "row": rid}))
+                elif wall < self._opened_wall:  # sent to an earlier run: never replayed
+                    self._outcome(cmd, Expired(f"sent before this run opened (row {rid})"))
+                else:
+                    cmds.append(cmd)
         return cmds
+
+    def take_final_stop(self) -> None:
+        """The loop is over: a stop sent in its last moments still says how it ended (the
+        loop may have seen `stopping` and returned); everything else expires."""
+        if self.dist is not None:
+            return  # the ranks' last meeting carries it (finish → _sync_ranks)
+        cmds = self._poll_commands(force=True)
+        for cmd in cmds:
+            if cmd.kind is CommandKind.STOP:
+                self._apply(cmd)
+        for cmd in cmds:
+            if cmd.kind is not CommandKind.STOP:
+                self._outcome(cmd, Expired(f"the run ended at step {self.step} before "
+                                           "taking it"))
+
+    def expire_pending(self) -> None:
+        """The run ends: every command not taken yet is expired, here and in the store, so
+        that a resume never applies what was asked of this run."""
+        for cmd in self._poll_commands(force=True):
+            self._outcome(cmd, Expired(f"the run ended at step {self.step} before taking it"))
 
     def apply_commands(self, block: bool = True) -> None:
         """Apply queued commands; while paused (and `block`), wait here for more."""
@@ -88,44 +152,76 @@ class Steering:
                                                rank_step_times=recent))
 
     def _apply(self, cmd: Command) -> None:
-        c, step = self.control, self.step
-        if cmd.kind == "pause" and not c.paused:
-            c.paused = True
-            self._set_state("paused")
-            msg = f"paused at step {step}"
-        elif cmd.kind == "resume" and c.paused:
-            c.paused = False
-            self._set_state("running")
-            msg = f"resumed at step {step}"
-        elif cmd.kind == "stop":
-            self.stopping = True
-            msg = f"stop requested at step {step}"
-        elif cmd.kind == "checkpoint":
-            self._checkpoint("manual")
-            return
-        elif cmd.kind == "clip":
-            c.clip = cmd.value
-            msg = f"gradient clipping at {cmd.value:g}" if cmd.value else "gradient clipping off"
-        elif cmd.kind == "scale_lr":
-            before = ctl.lrs(self.opt)[0] * (c.lr_factor if c.lr_raw else 1.0)
-            if not c.lr_raw and self._scheduler_pending():
-                # the loop steps its scheduler after log(): let it step the plain schedule
-                ctl.scale_lrs(self.opt, 1.0 / c.lr_factor)
-                c.lr_raw = True
-            if not c.lr_raw:  # else the factor goes on when the scheduler has stepped
-                ctl.scale_lrs(self.opt, cmd.value)
-            c.lr_factor *= cmd.value
-            self.engine.explain_lr()
-            msg = (f"LR scaled ×{cmd.value:g} (factor now {c.lr_factor:g}): "
-                   f"{before:.3g} → {before * cmd.value:.3g}")
-        elif cmd.kind == "rewind":
-            return self._rewind(int(cmd.value or 100), cmd.source)
-        elif cmd.kind == "skip":
-            return self._skip(int(cmd.value or 0), cmd.source)
-        else:  # pause while paused, resume while running: nothing to acknowledge
-            return
-        self._emit(Event(step, "action", "info", msg,
-                         {"command": cmd.kind, "value": cmd.value, "source": cmd.source}))
+        """Apply one command through the dispatch table; record its one outcome."""
+        step = self.step  # where it was taken (a rewind moves the step)
+        if self.stopping and cmd.kind is not CommandKind.STOP:
+            outcome: Outcome = Refused(f"the run is stopping at step {self.step}")
+        else:
+            outcome = DISPATCH[cmd.kind](self, cmd)
+        self._outcome(cmd, outcome, step)
+
+    def _outcome(self, cmd: Command, outcome: Outcome, step: int | None = None) -> None:
+        step = self.step if step is None else step
+        data = {"command": cmd.kind.value, "id": cmd.id, "outcome": outcome.word,
+                "source": cmd.source, **cmd.payload, **outcome.data}
+        value = next(iter(cmd.payload.values()), None)  # the one number a button sends
+        if value is not None:
+            data.setdefault("value", value)
+        if isinstance(outcome, Applied):
+            if outcome.kind != "action":  # a checkpoint: its own event is the outcome
+                data = {**data, **outcome.event_data}
+            self._emit(Event(step, outcome.kind, outcome.severity, outcome.message, data))
+        else:
+            self._emit(Event(step, "command", "warning" if isinstance(
+                outcome, Refused) else "info", f"{cmd.kind.value} {outcome.word}: "
+                f"{outcome.reason}", {**data, "reason": outcome.reason}))
+
+    # -- the dispatch table's handlers: each changes the run, or refuses and changes nothing
+    def _do_pause(self, cmd: Command) -> Outcome:
+        if self.control.paused:
+            return Refused(f"the run is paused already (at step {self.step})")
+        self.control.paused = True
+        self._set_state("paused")
+        return Applied(f"paused at step {self.step}")
+
+    def _do_resume(self, cmd: Command) -> Outcome:
+        if not self.control.paused:
+            return Refused(f"the run is not paused (step {self.step})")
+        self.control.paused = False
+        self._set_state("running")
+        return Applied(f"resumed at step {self.step}")
+
+    def _do_stop(self, cmd: Command) -> Outcome:
+        if self.stopping:
+            return Refused(f"a stop was taken already (step {self.step})")
+        self.stopping = True
+        self._set_state("stopping")
+        return Applied(f"stop requested at step {self.step}")
+
+    def _do_checkpoint(self, cmd: Command) -> Outcome:
+        ev = self._checkpoint("manual", announce=False)
+        if ev is None:  # the framework saves its own way, or a trial writes nothing
+            return Applied(f"manual checkpoint at step {self.step} asked of the framework")
+        return Applied(ev.message, kind="checkpoint", event_data=ev.data)
+
+    def _do_clip(self, cmd: Command) -> Outcome:
+        v = cmd.payload["max_norm"]
+        self.control.clip = v
+        return Applied(f"gradient clipping at {v:g}" if v else "gradient clipping off")
+
+    def _do_scale_lr(self, cmd: Command) -> Outcome:
+        c, f = self.control, float(cmd.payload["factor"])
+        before = ctl.lrs(self.opt)[0] * (c.lr_factor if c.lr_raw else 1.0)
+        if not c.lr_raw and self._scheduler_pending():
+            # the loop steps its scheduler after log(): let it step the plain schedule
+            ctl.scale_lrs(self.opt, 1.0 / c.lr_factor)
+            c.lr_raw = True
+        if not c.lr_raw:  # else the factor goes on when the scheduler has stepped
+            ctl.scale_lrs(self.opt, f)
+        c.lr_factor *= f
+        self.engine.explain_lr()
+        return Applied(f"LR scaled ×{f:g} (factor now {c.lr_factor:g}): "
+                       f"{before:.3g} → {before * f:.3g}")
 
     def _raise_alerts(self, alerts: list) -> None:
         """Record each alert, then carry out its actions (skip and clip are done already)."""
@@ -145,20 +241,20 @@ class Steering:
                 # decided on rank 0 alone: applied by every rank at the next exchange
                 for act in acts:
                     if act in ("pause", "checkpoint"):
-                        self.commands.put(Command(act, None, f"alert:{a.rule.name}"))
+                        self.commands.put(make_command(act, f"alert:{a.rule.name}"))
                     elif act == "cut_lr":
                         f = float(a.rule.params.get("lr_factor", 0.5))
-                        self.commands.put(Command("scale_lr", f, f"alert:{a.rule.name}"))
+                        self.commands.put(make_command("scale_lr", f"alert:{a.rule.name}",
+                                                       factor=f))
                 continue
+            src = f"alert:{a.rule.name}"
             if "cut_lr" in acts:
                 f = float(a.rule.params.get("lr_factor", 0.5))
-                self._apply(Command("scale_lr", f, f"alert:{a.rule.name}"))
+                self._apply(make_command("scale_lr", src, factor=f))
             if "rewind" in acts:  # at the next step boundary, as a click would
-                src = f"alert:{a.rule.name}"
-                self.commands.put(Command("rewind", float(a.rule.params.get(
-                    "rewind_steps", 100)), src))
-                self.commands.put(Command("skip", float(a.rule.params.get(
-                    "rewind_skip", 200)), src))
+                self.commands.put(make_command(
+                    "rewind", src, steps=int(a.rule.params.get("rewind_steps", 100)),
+                    skip=int(a.rule.params.get("rewind_skip", 200))))
             if "clip" in acts and self.control.clip is not None:
                 self._emit(Event(self.step, "action", "info",
                                  f"gradient clipping at {self.control.clip:g} "
@@ -167,5 +263,19 @@ class Steering:
                                   "source": f"alert:{a.rule.name}"}))
             if "checkpoint" in acts:
                 self._checkpoint(f"emergency ({a.rule.name})")
-            if "pause" in acts:
-                self._apply(Command("pause", None, f"alert:{a.rule.name}"))
+            if "pause" in acts and not self.control.paused:
+                self._apply(make_command("pause", src))
+
+
+# The one dispatch table: every command kind, from every source (the API, the dashboard,
+# attach through the store, an alert's action), is applied by its handler here.
+DISPATCH: dict[CommandKind, Callable[[Any, Command], Outcome]] = {
+    CommandKind.PAUSE: Steering._do_pause,
+    CommandKind.RESUME: Steering._do_resume,
+    CommandKind.STOP: Steering._do_stop,
+    CommandKind.CHECKPOINT: Steering._do_checkpoint,
+    CommandKind.CLIP: Steering._do_clip,
+    CommandKind.SCALE_LR: Steering._do_scale_lr,
+    CommandKind.REWIND: lambda rec, cmd: rec._do_rewind(cmd),  # recorder/rewind.py
+    CommandKind.SKIP: lambda rec, cmd: rec._do_skip(cmd),
+}

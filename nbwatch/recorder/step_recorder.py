@@ -83,6 +83,13 @@ class StepRecorder(OptimizerStep, LrFactor, StepEnd, Steering, EvalCheckpoint, B
         self._batch: dict[str, Any] | None = None  # the identity of the step being taken
         self._store_poll = 0.0
         self._command_id = 0  # the newest store command taken
+        self._opened_wall = time.time()  # store commands older than this: an earlier run's
+        # rewind and skip (rewind.py): who can, and what the loop must still be told
+        self.can_rewind = False  # set by who opens the run: its step count is nbwatch's
+        self.runs_loop = False  # start()'s runner: the data stream is nbwatch's to skip
+        self.skip_batches = 0  # batches to skip before the next step (the loop's, or ours)
+        self.rewinds = 0  # rewinds so far: the branch number of the next
+        self.rewound_to: int | None = None  # the step a rewind went back to, until told
         self._reduction_saved = False
         self._mask_said = False  # a bad GPU mask was said (once a run)
         self._ckpt_step: int | None = None
@@ -116,7 +123,7 @@ class StepRecorder(OptimizerStep, LrFactor, StepEnd, Steering, EvalCheckpoint, B
         try:
             self.begin()
             body()
-            self.apply_commands(block=False)  # a stop the loop saw before log() took it
+            self.take_final_stop()  # a stop the loop saw before log() took it
             self.finish("stopped" if self.stopping else "finished")
         except StopTraining:
             self.finish("stopped")
@@ -136,6 +143,7 @@ class StepRecorder(OptimizerStep, LrFactor, StepEnd, Steering, EvalCheckpoint, B
         if self.dist is not None:
             self._sync_ranks(final=True)
         self._checkpoint("stop" if outcome == "stopped" else "final")
+        self.expire_pending()
         self._set_state(outcome)
         self.ended = True
 
@@ -144,7 +152,14 @@ class StepRecorder(OptimizerStep, LrFactor, StepEnd, Steering, EvalCheckpoint, B
         p = self.progress
         p.error = e
         p.traceback = "".join(traceback.format_exception(e))
-        p.state = "failed"  # first: recording it below may itself fail (a dead store)
+        if self.ended:  # the loop raised after its run had ended: said, the state kept
+            with contextlib.suppress(Exception):
+                self._emit(Event(self.step, "error", "critical", f"after the run had "
+                                 f"{p.state}: {type(e).__name__}: {e}",
+                                 {"traceback": p.traceback}), logging.ERROR)
+            p.failure_recorded.set()
+            return
+        p.move("failed")  # first: recording it below may itself fail (a dead store)
         self.ended = True
         msg = f"{type(e).__name__}: {e}"
         if self.dist is not None:
@@ -158,7 +173,8 @@ class StepRecorder(OptimizerStep, LrFactor, StepEnd, Steering, EvalCheckpoint, B
                        lambda: self._emit(Event(self.step, "error", "critical", msg,
                                                 {"traceback": p.traceback}), logging.ERROR),
                        lambda: self._set_state("failed"),
-                       lambda: self._checkpoint("emergency")):
+                       lambda: self._checkpoint("emergency"),
+                       self.expire_pending):
             try:
                 record()
             except BaseException as ce:  # noqa: BLE001 - the original error matters more
@@ -168,7 +184,7 @@ class StepRecorder(OptimizerStep, LrFactor, StepEnd, Steering, EvalCheckpoint, B
         p.failure_recorded.set()
 
     def _set_state(self, state: str) -> None:
-        self.progress.state = state
+        state = self.progress.move(state).value
         self.store.set_meta("state", state)
         self.store.set_meta("step", self.step)
         if state != "running" or self.step:

@@ -37,7 +37,9 @@ def migrate_v1(path: Path) -> None:
             if statement.strip():
                 con.execute(statement)
         for t in kept:
-            con.execute(f"INSERT INTO {t} SELECT * FROM {t}_v1")
+            cols = ", ".join(schema.COMMAND_COLUMNS) if t == "commands" else "*"
+            into = f"{t} ({cols})" if t == "commands" else t
+            con.execute(f"INSERT INTO {into} SELECT {cols} FROM {t}_v1")
             con.execute(f"DROP TABLE {t}_v1")
         tables = ScalarTables(con)
         names = dict(con.execute("SELECT id, name FROM keys"))

@@ -401,12 +401,23 @@ class RunReader:
         event_wall, beat = rows[0] if rows else (None, None)
         return step_wall, event_wall, float(json.loads(beat)) if beat is not None else None
 
-    def pending_commands(self, after_id: int = 0) -> list[tuple[int, Command]]:
-        """Commands not yet taken (with an id above `after_id`: `taken` is committed late)."""
-        rows = self.query(
-            "SELECT id, kind, value, source FROM commands WHERE taken = 0 AND id > ? ORDER BY id",
-            (after_id,),
-        )
-        return [(r[0], Command(r[1], r[2], r[3])) for r in rows]
+    def pending_commands(self, after_id: int = 0) -> list[tuple[int, float, Command | str]]:
+        """Commands not yet taken (with an id above `after_id`: `taken` is committed late):
+        (row id, wall, command), or the reason in place of a command that cannot be read
+        (a kind this version does not know, or a row of an older nbwatch)."""
+        try:
+            rows = self.query("SELECT id, wall, kind, source, payload, cid FROM commands"
+                              " WHERE taken = 0 AND id > ? ORDER BY id", (after_id,))
+        except sqlite3.OperationalError:  # a store of an older nbwatch: no payload column
+            return []
+        out: list[tuple[int, float, Command | str]] = []
+        for rid, wall, kind, source, payload, cid in rows:
+            try:
+                cmd: Command | str = Command.from_wire(kind, json.loads(payload or "{}"),
+                                                       source, cid or f"row{rid}")
+            except (ValueError, TypeError) as e:
+                cmd = f"command row {rid} ({kind!r}) cannot be read: {e}"
+            out.append((rid, float(wall), cmd))
+        return out
 
 

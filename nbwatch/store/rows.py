@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..records import Attention, Command, Event, Histogram, Sample
+from .schema import command_row
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,7 @@ def _sample(con: sqlite3.Connection, r: Sample) -> None:
 
 
 def _command(con: sqlite3.Connection, r: Command) -> None:
-    con.execute("INSERT INTO commands (wall, kind, value, source) VALUES (?, ?, ?, ?)",
-                (time.time(), r.kind, r.value, r.source))
+    con.execute(*command_row(r))
 
 
 def _meta(con: sqlite3.Connection, r: Meta) -> None:

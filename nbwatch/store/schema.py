@@ -50,8 +50,18 @@ CREATE TABLE IF NOT EXISTS samples (
     text TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS commands (
     id INTEGER PRIMARY KEY AUTOINCREMENT, wall REAL NOT NULL, kind TEXT NOT NULL, value REAL,
-    source TEXT NOT NULL, taken INTEGER NOT NULL DEFAULT 0);
+    source TEXT NOT NULL, taken INTEGER NOT NULL DEFAULT 0, payload TEXT, cid TEXT);
 """
+COMMAND_COLUMNS = ("id", "wall", "kind", "value", "source", "taken")  # before payload, cid
+
+
+def add_command_columns(con: sqlite3.Connection) -> None:
+    """A store made before commands had a payload and an id gains the two columns (they
+    are added at the end: older readers and writers of the table go on working)."""
+    have = {r[1] for r in con.execute("PRAGMA table_info(commands)")}
+    for col in ("payload", "cid"):
+        if col not in have:
+            con.execute(f"ALTER TABLE commands ADD COLUMN {col} TEXT")
 
 
 def is_run_dir(path: str | Path) -> bool:
@@ -122,13 +132,20 @@ def _file_size_limit() -> int | None:
 
 def send_command(run_dir: Path, command: Command) -> int:
     """Write a control command into a run folder written by another process (attach); the
-    writer's recorder takes it between two steps. Returns its id."""
+    writer's recorder takes it between two steps. Returns its row id."""
     con = sqlite3.connect(Path(run_dir) / DB_NAME, timeout=10)
     try:
         with con:
-            cur = con.execute(
-                "INSERT INTO commands (wall, kind, value, source) VALUES (?, ?, ?, ?)",
-                (time.time(), command.kind, command.value, command.source))
+            add_command_columns(con)  # a writer of an older nbwatch made the table
+            cur = con.execute(*command_row(command))
         return int(cur.lastrowid)
     finally:
         con.close()
+
+
+def command_row(command: Command) -> tuple[str, tuple]:
+    """The INSERT of one command (the writer's and attach's, the same)."""
+    kind, payload, source, cid = command.to_wire()
+    return ("INSERT INTO commands (wall, kind, value, source, payload, cid)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (time.time(), kind, None, source, json.dumps(payload), cid))

@@ -26,6 +26,7 @@ from .schema import (
     StoreFailed,
     _connect,
     _failure,
+    add_command_columns,
 )
 from .tables import ScalarTables
 
@@ -81,6 +82,7 @@ class RunStore(RunReader):
             self._migrate_if_old()
         con = _connect(self.path, readonly=False)
         con.executescript(_SCHEMA)
+        add_command_columns(con)
         con.execute(
             "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (json.dumps(SCHEMA_VERSION),)
         )

@@ -1,0 +1,304 @@
+"""The training signals: each built-in rule's check (pure: a window of recent figures and
+the rule's settings in, a message or None out) and the default rule set. The engine that
+turns them into alerts is in `alerts.py`; the Transformer-health rules are in `health.py`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .health import rules as health_rules
+from .rules import (
+    ACTION_SETTINGS,
+    FRACTION,
+    POSITIVE,
+    Rule,
+    Setting,
+    Window,
+    count,
+    number,
+    window,
+)
+
+
+# -- the checks (pure: window + params → message or None) ---------------------------------
+def _nonfinite(w: Window, p: dict, skips: bool = True) -> str | None:
+    bad = [k for k in p["keys"]
+           if k in w.latest and not math.isfinite(w.latest[k])]
+    if bad:
+        if w.extra.get("after_step"):  # the loop reported it after its optimizer step
+            return (f"non-finite {' and '.join(bad)} reported after the optimizer step "
+                    "(mon.log): the gradients were finite, so the step was applied; check "
+                    "how the loop computes the figure")
+        if skips:
+            return f"non-finite {' and '.join(bad)} at this step: step skipped, weights untouched"
+        return (f"non-finite {' and '.join(bad)} at this step: the step was APPLIED (skip_step "
+                "is not among this rule's actions), so the weights may now be non-finite")
+    return None
+
+
+def _grad_explosion(w: Window, p: dict) -> str | None:
+    g = w.latest.get("grad_norm/global")
+    if g is None or not math.isfinite(g):
+        return None
+    if g > p["absolute"]:
+        return f"gradient norm {g:.3g} above {p['absolute']:.0e}"
+    med, n = w.median("grad_norm/global", p["window"])  # earlier steps: not this one
+    if n >= p["min_history"] and med > 0 and g > p["factor"] * med:
+        return f"gradient norm {g:.3g} is {g / med:.0f}× its rolling median {med:.3g}"
+    return None
+
+
+def _loss_spike(w: Window, p: dict) -> tuple[str, dict[str, Any]] | None:
+    loss = w.latest.get("loss/train")
+    if loss is None or not math.isfinite(loss):  # non-finite: the nonfinite rule's
+        return None
+    med, mad, n = w.mad("loss/train", p["window"])  # cached: recomputed every 10 steps
+    if n < p["min_history"] or loss <= med:
+        return None
+    # the floor: a loss flat to the last digit has a MAD of ~0, and its noise is no spike
+    scale = 1.4826 * max(mad, 1e-3 * abs(med), 1e-12)
+    z = (loss - med) / scale
+    if z <= p["z"]:
+        return None
+    return (f"train loss {loss:.4g} spiked: z = {z:.1f} against its rolling median "
+            f"{med:.4g} (MAD {mad:.3g}, last {n} steps)",
+            {"loss": loss, "median": med, "mad": mad, "z": z})
+
+
+def _vanishing(w: Window, p: dict) -> str | None:
+    g = w.arr("grad_norm/global", p["persist"])
+    if len(g) >= p["persist"] and np.all(g < p["global_below"]):
+        return f"global gradient norm below {p['global_below']:.0e} for {p['persist']} steps"
+    layers = [k for k in w.latest if k.startswith("grad_norm/")
+              and k not in ("grad_norm/global", "grad_norm/clipped")]
+    if len(layers) < 3:
+        return None
+    recent = np.stack([w.arr(k, p["persist"]) for k in layers])  # [layers, steps]
+    if recent.shape[1] < p["persist"]:
+        return None
+    med = np.median(recent, axis=0)
+    ratio = recent / np.maximum(med, 1e-30)
+    low = np.all(ratio < p["layer_ratio"], axis=1)
+    if low.any():
+        names = [layers[i].removeprefix("grad_norm/") for i in np.flatnonzero(low)][:3]
+        return (f"gradients of {', '.join(names)} are over {1 / p['layer_ratio']:.0f}× below "
+                f"the median layer's for {p['persist']} steps")
+    return None
+
+
+def _throughput_drop(w: Window, p: dict) -> str | None:
+    key = next((k for k in ("throughput/tokens_per_s", "throughput/samples_per_s")
+                if k in w.latest), None)
+    if key is None:
+        return None
+    a = w.arr(key, p["window"] + p["persist"])
+    if len(a) < p["min_history"] + p["persist"]:
+        return None
+    base = float(np.median(a[-p["window"] - p["persist"]:-p["persist"]]))
+    recent = a[-p["persist"]:]
+    if base > 0 and np.all(recent < (1 - p["drop"]) * base):
+        return (f"throughput fell to {np.median(recent):,.0f} {key.split('/')[1]} "
+                f"from a median of {base:,.0f} ({1 - np.median(recent) / base:.0%} drop)")
+    return None
+
+
+def _data_bottleneck(w: Window, p: dict) -> str | None:
+    data, step = w.arr("time/data", p["window"]), w.arr("time/step", p["window"])
+    if len(data) < p["window"]:
+        return None
+    share = data.sum() / max(step.sum(), 1e-12)
+    p90 = float(np.percentile(data, 90))
+    if share > p["share"]:
+        return f"the step waits on the data loader {share:.0%} of the time"
+    if p90 > p["p90_s"]:
+        return f"data wait p90 is {p90 * 1e3:.0f} ms a step"
+    return None
+
+
+def _padding(w: Window, p: dict) -> str | None:
+    a = w.arr("data/padding_ratio", p["window"])
+    if len(a) >= p["window"] and a.mean() > p["ratio"]:
+        return (f"{a.mean():.0%} of the tokens in recent batches are padding: bucket "
+                "sequences by length or pack them")
+    return None
+
+
+def _plateau(w: Window, p: dict) -> str | None:
+    a = w.arr("loss/train", p["window"])
+    a = a[np.isfinite(a)]
+    if len(a) < p["window"]:
+        return None
+    x = np.arange(len(a), dtype=np.float64)
+    slope, intercept = np.polyfit(x, a, 1)
+    resid = a - (slope * x + intercept)
+    se = resid.std(ddof=2) / math.sqrt(((x - x.mean()) ** 2).sum())
+    change = slope * len(a) / max(abs(a.mean()), 1e-12)
+    if slope > -2 * se and abs(change) < p["min_change"]:
+        return (f"train loss has not improved over the last {len(a)} steps "
+                f"(mean {a.mean():.4g}, trend {change:+.2%})")
+    return None
+
+
+def _val_spike(w: Window, p: dict) -> str | None:
+    v = w.latest.get("loss/val")
+    vals = w.arr("loss/val")[:-1]
+    vals = vals[np.isfinite(vals)]
+    if v is None or not math.isfinite(v) or not len(vals):  # non-finite: nonfinite_val
+        return None
+    best = float(vals.min())
+    if best > 0 and v > p["factor"] * best:
+        return f"val loss {v:.4g} is over {p['factor']:g}× the best so far ({best:.4g})"
+    return None
+
+
+def _nonfinite_val(w: Window, p: dict) -> str | None:
+    bad = [k for k, v in w.latest.items()
+           if (k == "loss/val" or k.startswith("val/")) and not math.isfinite(v)]
+    if bad:
+        return (f"non-finite {' and '.join(bad)} at this eval: never kept as the best "
+                "checkpoint; check val_fn and the weights (a NaN loss here often means NaN "
+                "weights)")
+    return None
+
+
+def _lr_change(w: Window, p: dict) -> str | None:
+    lr = w.latest.get("lr")
+    ref = w.extra.get("lr_reported")
+    if lr is None or ref is None or lr <= 0 or ref <= 0:
+        return None
+    if max(lr / ref, ref / lr) >= p["factor"]:
+        return (f"LR changed {ref:.3g} → {lr:.3g}, not by the scheduler or a control (set in "
+                f"the loop? pass the scheduler to Monitor to have its changes expected)")
+    return None
+
+
+def _weight_collapse(w: Window, p: dict) -> str | None:
+    stds: dict[str, tuple[float, float]] = w.extra.get("weight_std", {})
+    fallen = [(n, s0, s) for n, (s0, s) in stds.items()
+              if s0 > p["min_start_std"] and s < s0 / p["factor"]]
+    if fallen:
+        n, s0, s = fallen[0]
+        more = f" (and {len(fallen) - 1} more layers)" if len(fallen) > 1 else ""
+        return f"weights of {n} collapsed: std {s:.3g}, from {s0:.3g} at the start{more}"
+    return None
+
+
+def _attention_collapse(w: Window, p: dict) -> str | None:
+    maps: dict[str, np.ndarray] = w.extra.get("attention", {})
+    for module, a in maps.items():  # a: [heads, T, S]
+        rows = a[:, p["skip_rows"]:, :]
+        if rows.shape[1] < 4:
+            continue
+        frac = (rows.max(axis=-1) > p["max_weight"]).mean(axis=-1)  # per head
+        heads = np.flatnonzero(frac > p["rows"])
+        if len(heads):
+            return (f"attention of {module} head {int(heads[0])} collapsed: "
+                    f"{frac[heads[0]]:.0%} of its rows put > {p['max_weight']} on one token")
+    return None
+
+
+def straggler(step_times: dict[int, float], slower: float = 0.2) -> tuple[int, float] | None:
+    """(rank, how much slower) when one rank's median step time exceeds the others' median
+    by more than `slower` (0.2 = 20%). The ranks' step times come in as data (the
+    recorder's exchange), so the rule needs nothing of torch.distributed."""
+    if len(step_times) < 2:
+        return None
+    r = max(step_times, key=lambda k: step_times[k])
+    others = [t for k, t in step_times.items() if k != r]
+    base = float(np.median(others))
+    if base > 0 and step_times[r] > (1 + slower) * base:
+        return r, step_times[r] / base - 1
+    return None
+
+
+def _straggler(w: Window, p: dict) -> str | None:
+    found = straggler(w.extra.get("rank_step_times", {}), p["slower"])
+    if found:
+        r, by = found
+        return (f"rank {r} is {by:.0%} slower than the others (median time in data and "
+                "forward, outside gradient sync)")
+    return None
+
+
+def _val_periodic(w: Window, p: dict) -> str | None:
+    from .diagnostics import val_periodicity
+
+    finding = val_periodicity(w.arr("loss/val"), w.arr("val/seq_len_mean"),
+                              min_evals=p["min_evals"], corr=p["corr"])
+    return finding.message if finding and finding.cause else None
+
+
+def default_rules() -> list[Rule]:
+    """The built-in rules, thresholds from the seeds (documented in the README)."""
+    return [*_base_rules(), *health_rules()]
+
+
+def _base_rules() -> list[Rule]:
+    return [
+        Rule("nonfinite", "critical", "grads", _nonfinite,
+             {"keys": ("loss/train", "grad_norm/global")},
+             ("skip_step", "pause", "checkpoint"), 1,
+             "non-finite loss or gradients: skip the step, pause, checkpoint the last good state",
+             schema={"keys": Setting("names")}),
+        Rule("grad_explosion", "critical", "grads", _grad_explosion,
+             {"absolute": 1e5, "factor": 10.0, "window": 200, "min_history": 20, "max_norm": 1.0},
+             ("clip",), 50, "global grad norm > 1e5 or > 10× its rolling median: clip at 1.0",
+             schema={"absolute": number(0, open_lo=True, inf=True), "factor": number(1),
+                     "window": window(not_below="min_history"), "min_history": count(1),
+                     "max_norm": POSITIVE}),
+        Rule("val_spike", "critical", "eval", _val_spike, {"factor": 2.0, "lr_factor": 0.5},
+             ("checkpoint", "cut_lr"), 1, "val loss > 2× the best: checkpoint and cut LR ×0.5",
+             schema={"factor": number(1), **ACTION_SETTINGS["cut_lr"]}),
+        Rule("nonfinite_val", "critical", "eval", _nonfinite_val, {}, (), 1,
+             "a non-finite val loss or val figure: never best, always said"),
+        Rule("loss_spike", "warning", "step", _loss_spike,
+             {"window": 200, "z": 6.0, "min_history": 50, "batches_before": 4}, (), 10,
+             "train loss > 6 robust SDs (1.4826 × MAD) above its rolling median over 200 "
+             "steps; the event names the batches of the spike and the 4 steps before",
+             schema={"window": window(not_below="min_history"), "z": POSITIVE,
+                     "min_history": count(1), "batches_before": count(0, 63)}),
+        Rule("vanishing_gradients", "warning", "step", _vanishing,
+             {"global_below": 1e-7, "layer_ratio": 1e-3, "persist": 20}, (), 5,
+             "global grad norm < 1e-7, or a layer 1000× below the median layer", every=10,
+             schema={"global_below": POSITIVE, "layer_ratio": FRACTION,
+                     "persist": window()}),
+        Rule("throughput_drop", "warning", "step", _throughput_drop,
+             {"drop": 0.5, "window": 200, "min_history": 50, "persist": 10}, (), 5,
+             "throughput below half its rolling median for 10 steps", every=10,
+             schema={"drop": FRACTION, "window": window(not_below="min_history"),
+                     "min_history": count(1), "persist": window()}),
+        Rule("data_bottleneck", "warning", "step", _data_bottleneck,
+             {"share": 0.3, "p90_s": 0.1, "window": 50}, (), 20,
+             "data wait > 30% of step time, or its p90 > 0.1 s", every=10,
+             schema={"share": number(0, 1, open_lo=True), "p90_s": POSITIVE,
+                     "window": window()}),
+        Rule("padding", "warning", "step", _padding, {"ratio": 0.5, "window": 50}, (), 20,
+             "more than half the tokens are padding", every=10,
+             schema={"ratio": number(0, 1, open_hi=True), "window": window()}),
+        Rule("attention_collapse", "warning", "attention", _attention_collapse,
+             {"max_weight": 0.99, "rows": 0.5, "skip_rows": 4}, (), 2,
+             "most rows of a head put > 0.99 of their weight on one token",
+             schema={"max_weight": number(0, 1, open_lo=True),
+                     "rows": number(0, 1, open_hi=True), "skip_rows": count(0)}),
+        Rule("weight_collapse", "warning", "hist", _weight_collapse,
+             {"factor": 10.0, "min_start_std": 1e-6}, (), 2,
+             "a layer's weight std fell 10× from its start",
+             schema={"factor": number(1), "min_start_std": number(0)}),
+        Rule("plateau", "warning", "step", _plateau,
+             {"window": 1000, "min_change": 0.005}, (), 10,
+             "train loss flat (no significant trend, < 0.5% change) over 1000 steps", every=100,
+             schema={"window": window(3), "min_change": POSITIVE}),
+        Rule("val_periodic", "warning", "eval", _val_periodic,
+             {"min_evals": 12, "corr": 0.8}, (), 10**9,
+             "val loss oscillates with a period that the val batches' lengths explain",
+             schema={"min_evals": count(4), "corr": number(0, 1, open_lo=True)}),
+        Rule("straggler", "warning", "ranks", _straggler, {"slower": 0.2}, (), 3,
+             "one DDP rank's median step time > 20% above the others'",
+             schema={"slower": POSITIVE}),
+        Rule("lr_change", "info", "step", _lr_change, {"factor": 2.0}, (), 1,
+             "the LR moved 2× from the last reported value, and neither the scheduler nor a "
+             "control moved it", schema={"factor": number(1, open_lo=True)}),
+    ]

@@ -163,7 +163,11 @@ class FitRun(ctl.Controls, Readout):
 
 class Adapter:
     """What a framework's callback keeps: where the run goes, the Monitor it opens when
-    the fit begins, the handle of `start()`, and the step's micro-batch losses and masks."""
+    the fit begins, the handle of `start()`, and the step's micro-batch losses and masks.
+
+    One fit at a time: a callback records the fit of the thread that began it, refuses a
+    second one while that fit runs (another Trainer given the same callback, a second
+    `start()`), and forgets all of a fit that ended before it records the next one."""
 
     def __init__(self, run_dir: str | os.PathLike | None = None,
                  config: dict[str, Any] | None = None, **monitor_kwargs: Any):
@@ -178,9 +182,109 @@ class Adapter:
         self._commands = ctl.CommandQueue()  # shared with the handle, then the Monitor
         self._losses: list[Any] = []
         self._masks: list[Any] = []
+        self._fitting = False  # a fit is taken: from start()'s launch, or the fit's begin
+        self._owner: threading.Thread | None = None  # … in this thread (None: not begun)
+        self._fit_trainer: Any = None  # … of this Trainer
+        self._taking = threading.Lock()
 
     def _rec(self) -> Any:
-        return self.monitor._recorder if self.monitor is not None else None
+        """The recorder of the fit this callback records, in that fit's thread only: a
+        Trainer that shares the callback must not write into another fit's run."""
+        if self.monitor is None or threading.current_thread() is not self._owner:
+            return None
+        return self.monitor._recorder
+
+    # -- one fit at a time --------------------------------------------------------------
+    def _fit_running(self) -> bool:
+        """A fit this callback records is under way, in a thread other than the caller's
+        (a fit taken in the caller's thread that is still marked taken ended unseen)."""
+        if not self._fitting:
+            return False
+        owner = self._owner
+        if owner is None:
+            return True  # start() launched it; its thread has not begun the fit yet
+        return owner is not threading.current_thread() and owner.is_alive()
+
+    def _busy(self, api: str, trainer: Any) -> str:
+        """The one-line refusal of a second fit while this callback's fit runs."""
+        mon = self.monitor
+        where = (f"recorded into {self.run_dir} (step {mon.step if mon is not None else 0})")
+        if trainer is not None and trainer is self._fit_trainer:
+            return (f"{api}: this Trainer's fit is already running, {where}: wait() for it "
+                    "or stop() it first (through the handle start() returned)")
+        return (f"{api}: this NbwatchCallback already records a fit running in another "
+                f"Trainer, {where}: give each Trainer its own NbwatchCallback(run_dir=...), "
+                "or wait for that fit to end first")
+
+    def _settle(self, api: str, trainer: Any) -> None:
+        """Refuse a new fit while this callback's runs; else close what a fit that ended
+        unseen left open (under `_taking`: a fit is taken only under it, so what is closed
+        here is never a live fit's)."""
+        if self._fit_running():
+            raise RuntimeError(self._busy(api, trainer))
+        self._close_unseen()
+
+    def _take(self, api: str, thread: threading.Thread | None, trainer: Any) -> None:
+        """Take the fit beginning now: refuse it while another runs; close what a fit that
+        ended unseen left open; forget everything of the last fit."""
+        with self._taking:
+            self._settle(api, trainer)
+            self._forget()
+            self._fitting, self._owner, self._fit_trainer = True, thread, trainer
+
+    def _forget(self) -> None:
+        """What one fit kept, gone before the next: its Monitor, handle, commands (a stop
+        sent as it ended must not stop the next), micro-batches. Subclasses add theirs."""
+        self.monitor = self.handle = None
+        self._commands = ctl.CommandQueue()
+        self._losses, self._masks = [], []
+
+    def _close_unseen(self) -> None:
+        """The last fit ended without telling us (an exception the framework passes to no
+        callback, past the adapter's guards): close its run as failed, which gives back
+        its store, its sampler and the folder's writer lock. No emergency checkpoint: the
+        model and optimizer may be the next fit's by now."""
+        mon = self.monitor
+        if mon is None or mon._closed.is_set():
+            return
+        rec = mon._recorder
+        if rec is not None:
+            rec.save_fn = _no_checkpoint
+        mon._end_loop(RuntimeError(
+            "the fit ended without telling nbwatch (an exception its framework passes to no "
+            "callback); its run was closed when the callback began its next fit"))
+
+    def _begin(self, api: str, trainer: Any, resuming: bool, how: str) -> None:
+        """The framework's fit begins in this thread (its train-begin event): take it,
+        unless start() took it at its launch; refuse a new run over a recorded one."""
+        me = threading.current_thread()
+        if self.handle is not None and self._fitting and self._owner is me:
+            self._close_unseen()  # the framework began again inside start()'s fit
+            self._losses, self._masks = [], []
+            self._check_fresh(resuming, how)
+            return
+        with self._taking:  # refused before anything is taken; the last fit closed
+            self._settle(api, trainer)
+        self._check_fresh(resuming, how)
+        self._take(api, me, trainer)
+
+    def _check_fresh(self, resuming: bool, how: str) -> None:
+        """A fit from step 0 must not write over the run a folder holds (the Monitor would
+        refuse it too, naming its own way to resume, not the framework's)."""
+        from .inputs import rank
+
+        if resuming or rank() != 0:
+            return
+        try:
+            run = started_run(self.run_dir.absolute())
+            held = run.step if run is not None else 0
+        except Exception:  # noqa: BLE001 - a damaged folder: the Monitor's open says so
+            return
+        if held:
+            raise FileExistsError(
+                f"run_dir {self.run_dir} already holds a run at step {held}: record this fit "
+                f"into a new run_dir, or continue that run from a checkpoint of the "
+                f"framework ({how})")
 
     def _adopt(self, mon: Monitor) -> None:
         """The Monitor of the fit now begun takes the commands queued so far."""
@@ -214,24 +318,82 @@ class Adapter:
                         reduction=reduction)
         return rec.boundary()
 
-    def _end(self, error: BaseException | None) -> None:
-        """The fit returned (or raised): end the run as finished, stopped or failed."""
-        if self.monitor is not None:
-            self.monitor._end_loop(error)
+    def _ends_here(self) -> bool:
+        """The framework's end event ends the run here: a fit of the callback alone (no
+        start() handle), in its own thread (not another Trainer's sharing the callback)."""
+        return (self.handle is None and self._fitting
+                and self._owner is threading.current_thread())
 
-    def _launch(self, fit: Callable[[], Any], display: bool | None) -> FitRun:
-        """Run `fit` in a background thread; return its handle (and show the dashboard)."""
+    def _end(self, error: BaseException | None) -> None:
+        """The fit returned (or raised): end the run as finished, stopped or failed, and
+        give back all it took."""
+        try:
+            if self.monitor is not None:
+                self.monitor._end_loop(error)
+        finally:
+            self._fitting, self._owner = False, None
+
+    def _prepare(self, api: str, trainer: Any, resuming: bool, how: str) -> None:
+        """start()'s checks, all before anything is taken: no fit of this callback running,
+        a folder it may write, no run there it would write over, no other writer."""
         from .inputs import check_run_dir
+        from .store import check_no_writer
+
+        with self._taking:
+            self._settle(api, trainer)  # its own stale writer lock must not refuse it
+        check_run_dir(self.run_dir)
+        self._check_fresh(resuming, how)
+        check_no_writer(self.run_dir)
+
+    def _launch(self, api: str, trainer: Any, fit: Callable[[], Any],
+                display: bool | None) -> FitRun:
+        """Run `fit` in a background thread; return its handle (and show the dashboard)."""
         from .notebook import in_notebook as _in_notebook
 
-        check_run_dir(self.run_dir)
+        self._take(api, None, trainer)
+
+        def owned() -> Any:
+            self._owner = threading.current_thread()  # before the fit's begin event
+            return fit()
+
         handle = self.handle = FitRun(self.run_dir, self.name, self._commands)
-        handle._start(fit, self._end)
+        try:
+            handle._start(owned, self._end)
+        except BaseException:
+            self._fitting, self.handle = False, None
+            raise
         if display is None:
             display = _in_notebook()
         if display:
             handle.show()
         return handle
+
+
+def callback_of(found: list[Any], make: Callable[[], Any], *, api: str, detach: str,
+                run_dir: str | os.PathLike | None, config: dict[str, Any] | None,
+                monitor: dict[str, Any] | None) -> tuple[Any, bool]:
+    """The callback start() records the fit with: the Trainer's own (refused where it
+    would ignore this call's run_dir, config or monitor), else a new one (True: to add,
+    for this fit only)."""
+    if len(found) > 1:
+        raise ValueError(f"{api}: this Trainer has {len(found)} NbwatchCallbacks, which "
+                         f"would record one fit {len(found)} times; keep one ({detach})")
+    if not found:
+        return make(), True
+    cb = found[0]
+    ignored = [name for name, v in (("config", config), ("monitor", monitor)) if v]
+    if run_dir is not None and Path(run_dir).absolute() != cb.run_dir.absolute():
+        ignored.insert(0, f"run_dir={str(run_dir)!r}")
+    if ignored and not cb._fit_running():  # a running fit: its own refusal says more
+        raise ValueError(
+            f"{api}: this Trainer already has an NbwatchCallback recording into "
+            f"{cb.run_dir}, which would ignore the {' and '.join(ignored)} given here: "
+            f"give them to that callback, or remove it first ({detach})")
+    return cb, False
+
+
+def _no_checkpoint(reason: str) -> None:
+    """A save_fn that saves nothing."""
 
 
 def _write_folder(run_dir: Path, meta: dict[str, Any], event: Event | None = None) -> None:

@@ -15,25 +15,28 @@ from __future__ import annotations
 import math
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 try:
     from transformers import Trainer, TrainerCallback
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError:  # pragma: no cover - depends on the environment
     raise ImportError(
         "nbwatch.hf needs the transformers package: pip install 'nbwatch[hf]'") from None
 
 import torch
 
-from .fit import Adapter, FitRun, unwrap
+from .fit import Adapter, FitRun, callback_of, unwrap
 from .monitor import Monitor
 from .probes.attention import take_samples
 
 __all__ = ["NbwatchCallback", "start"]
 SUPPORTED = "transformers 4.46 – 5.x (tested with 5.24)"
 _NOT_METRICS = ("runtime", "samples_per_second", "steps_per_second", "epoch")
+_RESUME = "trainer.train(resume_from_checkpoint=...)"
+_GUARDED = ("get_batch_samples", "evaluate")  # public: where a fit's data and eval fail
 
 
 class NbwatchCallback(Adapter, TrainerCallback):
@@ -42,6 +45,10 @@ class NbwatchCallback(Adapter, TrainerCallback):
     Keyword arguments are the Monitor's: `config` (stored beside the TrainingArguments),
     `name`, `alerts`, `on_alert`, `probe_batch` (default: the first samples of the first
     eval batch), `attention_samples`, `hist_every`, `rank_every`, `dist_timeout`.
+
+    One fit at a time: while its fit runs, another Trainer given the same callback is
+    refused at its `train()`; once that fit ended, the callback may record the next one
+    (into the same run_dir: a continuation, `train(resume_from_checkpoint=...)`).
     """
 
     def __init__(self, run_dir: str | os.PathLike | None = None,
@@ -49,15 +56,14 @@ class NbwatchCallback(Adapter, TrainerCallback):
         super().__init__(run_dir, config, **monitor_kwargs)
         self.trainer: Trainer | None = None
         self._save_reason: str | None = None
-        self._wrapped: list[str] = []
+        self._wrapped: tuple[Trainer, list[str]] | None = None
 
     # -- the Trainer's events -----------------------------------------------------------
-    def on_init_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.trainer = self.trainer or _find_trainer()
-
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
                        optimizer: Any = None, lr_scheduler: Any = None, **kw: Any) -> None:
-        trainer = self.trainer = self.trainer or _find_trainer()
+        trainer = calling_trainer() or (self._fit_trainer if self.handle is not None else None)
+        self._begin("nbwatch.hf", trainer, bool(state.global_step), _RESUME)
+        self.trainer = trainer
         opt = unwrap(optimizer, "optimizer")
         sched = unwrap(lr_scheduler, "scheduler")
         if not callable(getattr(sched, "step", None)) or isinstance(
@@ -111,7 +117,7 @@ class NbwatchCallback(Adapter, TrainerCallback):
         rec.note_checkpoint(reason, path, best=state.best_model_checkpoint == str(path))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if self.handle is None:  # a script: the callback alone ends the run
+        if self._ends_here():  # a script: the callback alone ends the run
             self._end(None)
 
     # -- nbwatch's side -----------------------------------------------------------------
@@ -122,18 +128,20 @@ class NbwatchCallback(Adapter, TrainerCallback):
         rec = self._rec()
         if reason == "emergency" and self.trainer is not None and rec is not None:
             try:  # the fit raised: the Trainer will not reach its own save
-                self.trainer._save_checkpoint(self.trainer.model, trial=None)
-                path = Path(self.trainer.args.output_dir) / \
-                    f"checkpoint-{self.trainer.state.global_step}"
-                rec.note_checkpoint(reason, path)
+                rec.note_checkpoint(reason, save_checkpoint_now(self.trainer))
             except Exception as e:  # noqa: BLE001 - the original failure matters more
                 rec.log.warning("emergency checkpoint failed: %s", e)
             return
         self._save_reason = reason  # on_step_end sets control.should_save
 
     def _wrap(self, trainer: Trainer) -> None:
-        """See each micro-batch's loss and mask, and measure before the Trainer clips."""
-        step, clip = trainer.training_step, trainer._clip_grad_norm
+        """See each micro-batch's loss and mask, and measure before the Trainer clips.
+
+        The Trainer passes no exception to its callbacks: its public methods that a fit
+        runs through (data, forward and backward, eval) are guarded here, so that one that
+        raises ends the callback's own run at once, as failed, and its store, sampler and
+        writer lock do not outlive the fit (start()'s thread sees the exception itself)."""
+        step = trainer.training_step
 
         def training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             rec = self._rec()
@@ -147,21 +155,47 @@ class NbwatchCallback(Adapter, TrainerCallback):
                 self._masks.append(inputs["attention_mask"])
             return loss
 
-        def clip_grad_norm(model: Any) -> Any:
+        def before_clip() -> None:
             rec = self._rec()
             if rec is not None:
                 rec.pre_step()  # pre-clip norms, and the skip / clip rules of nbwatch
-            return clip(model)
 
         trainer.training_step = training_step
-        trainer._clip_grad_norm = clip_grad_norm
-        self._wrapped = ["training_step", "_clip_grad_norm"]
+        wrap_clip_grad_norm(trainer, before_clip)
+        names = ["training_step", "_clip_grad_norm"]
+        for name in (*names, *_GUARDED):
+            fn = getattr(trainer, name, None)
+            if callable(fn):
+                setattr(trainer, name, self._guarded(fn))
+        self._wrapped = (trainer, [*names, *_GUARDED])
+
+    def _guarded(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except BaseException as e:
+                self._raised(e)
+                raise
+        return guarded
+
+    def _raised(self, error: BaseException) -> None:
+        if self._ends_here():
+            self._end(error)
 
     def _unwrap(self) -> None:
-        if self.trainer is not None:
-            for name in self._wrapped:
-                self.trainer.__dict__.pop(name, None)
-        self._wrapped = []
+        if self._wrapped is not None:
+            trainer, names = self._wrapped
+            for name in names:
+                trainer.__dict__.pop(name, None)
+        self._wrapped = None
+
+    def _forget(self) -> None:
+        super()._forget()
+        self.trainer, self._save_reason = None, None
+
+    def _close_unseen(self) -> None:
+        self._unwrap()
+        super()._close_unseen()
 
     def _end(self, error: BaseException | None) -> None:
         self._unwrap()
@@ -174,15 +208,25 @@ def start(trainer: Trainer, run_dir: str | os.PathLike | None = None, *,
     """Run `trainer.train(**train_kwargs)` in a background thread, recorded into `run_dir`;
     return at once (in a notebook, the dashboard shows). `monitor`: keyword arguments of
     the callback (alerts, probe_batch, …). Returns a handle with the Monitor's controls."""
+    api = "nbwatch.hf.start"
     if not isinstance(trainer, Trainer):
-        raise TypeError(f"nbwatch.hf.start takes a transformers.Trainer, got "
-                        f"{type(trainer).__name__}")
-    cbs = [c for c in trainer.callback_handler.callbacks if isinstance(c, NbwatchCallback)]
-    cb = cbs[0] if cbs else NbwatchCallback(run_dir, config, **(monitor or {}))
-    if not cbs:
+        raise TypeError(f"{api} takes a transformers.Trainer, got {type(trainer).__name__}")
+    found = [c for c in trainer.callback_handler.callbacks if isinstance(c, NbwatchCallback)]
+    cb, new = callback_of(found, lambda: NbwatchCallback(run_dir, config, **(monitor or {})),
+                          api=api, detach="trainer.remove_callback(cb)", run_dir=run_dir,
+                          config=config, monitor=monitor)
+    cb._prepare(api, trainer, bool(train_kwargs.get("resume_from_checkpoint")), _RESUME)
+    if new:
         trainer.add_callback(cb)
-    cb.trainer = trainer
-    return cb._launch(lambda: trainer.train(**train_kwargs), display)
+
+    def fit() -> Any:
+        try:
+            return trainer.train(**train_kwargs)
+        finally:
+            if new:  # start()'s callback records this fit only
+                trainer.remove_callback(cb)
+
+    return cb._launch(api, trainer, fit, display)
 
 
 def eval_figures(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -206,8 +250,7 @@ def probe_forward(model: Any, batch: Any) -> Any:
     """The attention probe's pass of a Hugging Face model: `model(**batch)`; eager
     attention returns its weights only when asked (`output_attentions=True`), SDPA's are
     recomputed from q and k by the probe itself."""
-    config = getattr(model, "config", None)
-    eager = getattr(config, "_attn_implementation", None) == "eager"
+    eager = attention_implementation(model) == "eager"
     if isinstance(batch, Mapping):
         return model(**batch, output_attentions=True) if eager else model(**batch)
     return model(batch)
@@ -222,8 +265,15 @@ def _probe_batch(loader: Any, model: Any, n: int) -> Any:
     return batch
 
 
-def _find_trainer() -> Trainer | None:
-    """The Trainer calling this callback (callbacks get no reference to it)."""
+# -- what we take from transformers beyond its callbacks --------------------------------
+# The one place nbwatch reaches into the Trainer past its public callbacks and methods.
+# tests/test_adapters.py checks each of these against the installed transformers, so that
+# a release that changes one fails there by name.
+
+def calling_trainer() -> Trainer | None:
+    """The Trainer whose method calls us now, e.g. a callback's event (callbacks get no
+    reference to it): the innermost `self` on the stack that is a Trainer. Takes
+    `sys._getframe`."""
     f = sys._getframe(1)
     while f is not None:
         obj = f.f_locals.get("self")
@@ -231,3 +281,32 @@ def _find_trainer() -> Trainer | None:
             return obj
         f = f.f_back
     return None
+
+
+def wrap_clip_grad_norm(trainer: Trainer, before: Callable[[], None]) -> None:
+    """Call `before()` each time `trainer` is about to clip its gradients: after the
+    optimizer step's backward, before the clipping and the step itself (the Trainer has no
+    callback there). Takes `Trainer._clip_grad_norm(model)`, replaced on this instance
+    only (deleting the instance attribute restores it)."""
+    clip = trainer._clip_grad_norm
+
+    def clip_grad_norm(model: Any) -> Any:
+        before()
+        return clip(model)
+
+    trainer._clip_grad_norm = clip_grad_norm
+
+
+def save_checkpoint_now(trainer: Trainer) -> Path:
+    """Write the Trainer's own checkpoint of its current step now, outside its save
+    strategy (the fit raised, so the Trainer will not reach its save); returns its folder,
+    which `train(resume_from_checkpoint=...)` takes. Takes `Trainer._save_checkpoint(model,
+    trial)`."""
+    trainer._save_checkpoint(trainer.model, trial=None)
+    return Path(trainer.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+
+
+def attention_implementation(model: Any) -> str | None:
+    """'eager', 'sdpa', … of a Hugging Face model (eager alone returns its attention
+    weights when asked). Takes `PretrainedConfig._attn_implementation`."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)

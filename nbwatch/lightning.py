@@ -20,6 +20,7 @@ from typing import Any
 
 try:
     import lightning.pytorch as pl
+    from lightning.pytorch.trainer.states import TrainerStatus
 except ImportError:  # pragma: no cover - depends on the environment
     raise ImportError(
         "nbwatch.lightning needs the lightning package: pip install 'nbwatch[lightning]'"
@@ -27,22 +28,28 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 import torch
 
-from .fit import Adapter, FitRun
+from .fit import Adapter, FitRun, callback_of
 from .monitor import Monitor
 from .probes.attention import take_samples
 
 __all__ = ["NbwatchCallback", "start"]
 SUPPORTED = "lightning 2.2 – 2.x (tested with 2.6)"
 _MASK_KEYS = ("attention_mask", "mask")
+_RESUME = "trainer.fit(..., ckpt_path=...)"
 
 
 class NbwatchCallback(Adapter, pl.Callback):
     """Records every optimizer step of a Lightning fit into `run_dir`, and takes the
     controls. Keyword arguments are the Monitor's (`name`, `alerts`, `probe_batch`,
-    `probe_fn`, `hist_every`, `rank_every`, …)."""
+    `probe_fn`, `hist_every`, `rank_every`, …).
+
+    One fit at a time: while its fit runs, another Trainer given the same callback is
+    refused at its `fit()`; once that fit ended, the callback may record the next one
+    (into the same run_dir: a continuation, `fit(..., ckpt_path=...)`)."""
 
     # -- Lightning's events -------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._begin("nbwatch.lightning", trainer, bool(trainer.global_step), _RESUME)
         if not trainer.optimizers:
             raise RuntimeError("nbwatch.lightning: the module configured no optimizer")
         if len(trainer.optimizers) > 1:
@@ -122,12 +129,12 @@ class NbwatchCallback(Adapter, pl.Callback):
         rec.evaluate(val)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        if self.handle is None:  # a script: the callback alone ends the run
+        if self._ends_here():  # a script: the callback alone ends the run
             self._end(None)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException
                      ) -> None:
-        if self.handle is None:
+        if self._ends_here():  # not a refused fit of another Trainer sharing the callback
             self._end(exception)
 
     # -- nbwatch's side -----------------------------------------------------------------
@@ -152,14 +159,31 @@ def start(trainer: pl.Trainer, module: pl.LightningModule, *args: Any,
           **fit_kwargs: Any) -> FitRun:
     """Run `trainer.fit(module, *args, **fit_kwargs)` in a background thread, recorded
     into `run_dir`; return at once (in a notebook, the dashboard shows)."""
+    api = "nbwatch.lightning.start"
     if not isinstance(trainer, pl.Trainer):
-        raise TypeError(f"nbwatch.lightning.start takes a lightning Trainer, got "
-                        f"{type(trainer).__name__}")
-    cbs = [c for c in trainer.callbacks if isinstance(c, NbwatchCallback)]
-    cb = cbs[0] if cbs else NbwatchCallback(run_dir, config, **(monitor or {}))
-    if not cbs:
+        raise TypeError(f"{api} takes a lightning Trainer, got {type(trainer).__name__}")
+    found = [c for c in trainer.callbacks if isinstance(c, NbwatchCallback)]
+    cb, new = callback_of(found, lambda: NbwatchCallback(run_dir, config, **(monitor or {})),
+                          api=api, detach="trainer.callbacks.remove(cb)", run_dir=run_dir,
+                          config=config, monitor=monitor)
+    if cb._fit_running():
+        raise RuntimeError(cb._busy(api, trainer))
+    if fit_running(trainer):
+        raise RuntimeError(f"{api}: this Trainer is already fitting, without nbwatch (a "
+                           "fit() in another thread): wait for it to end first")
+    ckpt = fit_kwargs.get("ckpt_path", args[3] if len(args) > 3 else None)
+    cb._prepare(api, trainer, ckpt is not None, _RESUME)
+    if new:
         trainer.callbacks.append(cb)
-    return cb._launch(lambda: trainer.fit(module, *args, **fit_kwargs), display)
+
+    def fit() -> None:
+        try:
+            trainer.fit(module, *args, **fit_kwargs)
+        finally:
+            if new and cb in trainer.callbacks:  # start()'s callback records this fit only
+                trainer.callbacks.remove(cb)
+
+    return cb._launch(api, trainer, fit, display)
 
 
 def val_figures(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -188,3 +212,15 @@ def _probe_batch(trainer: pl.Trainer, module: Any, n: int) -> Any:
     batch = take_samples(next(iter(loaders)), n)
     return module.transfer_batch_to_device(batch, module.device, 0) if hasattr(
         module, "transfer_batch_to_device") else batch
+
+
+# -- what we take from Lightning beyond its callbacks -----------------------------------
+# Nothing private: the Trainer's public properties (optimizers, lr_scheduler_configs,
+# gradient_clip_val, checkpoint_callback, save_checkpoint, should_stop, callback_metrics,
+# val_dataloaders) and the one below. tests/test_adapters.py checks it against the
+# installed Lightning, so that a release that changes it fails there by name.
+
+def fit_running(trainer: pl.Trainer) -> bool:
+    """A fit (or validate, test, predict) of `trainer` runs now, in some thread. Takes
+    `Trainer.state.status` and `TrainerStatus.RUNNING`."""
+    return trainer.state.status == TrainerStatus.RUNNING

@@ -59,10 +59,7 @@ class Runner:
                 self._skip(SKIP_BITE)  # are heard between bites
                 continue
             self._train_step()
-            if spec.eval_every and rec.step % spec.eval_every == 0:
-                rec.evaluate()
-            elif spec.checkpoint_every and rec.step % spec.checkpoint_every == 0:
-                rec.checkpoint("periodic")
+            rec.step_done(eval_due=bool(spec.eval_every) and rec.step % spec.eval_every == 0)
         evaluated = spec.eval_every and rec.step % spec.eval_every == 0
         if spec.val_fn is not None and not evaluated:
             rec.evaluate()

@@ -46,6 +46,15 @@ class EvalCheckpoint:
             self.checkpoint("periodic")
         self._t_boundary = time.perf_counter()
 
+    def step_done(self, eval_due: bool = False, val: Any = None) -> None:
+        """The one policy after a step, in every loop: an eval when one is due (`eval_due`:
+        start()'s eval_every; `val`: a loop's logged figures), which checkpoints as
+        `evaluate` says; else the periodic checkpoint every `checkpoint_every` steps."""
+        if eval_due or val is not None:
+            self.evaluate(val)
+        elif self.spec.checkpoint_every and self.step % self.spec.checkpoint_every == 0:
+            self.checkpoint("periodic")
+
     def probe_failed(self, message: str) -> None:
         """The attention probe cannot work on this model: said once, then off."""
         self.spec.attention_samples = 0

@@ -151,11 +151,7 @@ class StepEnd:
             self.keep_seq_lens(lengths)
         self.save_reduction(reduction)
         step = self.end_step(host, names, parts, samples=samples)
-        every = self.spec.checkpoint_every
-        if val is not None:
-            self.evaluate(val)
-        elif every and step % every == 0:
-            self.checkpoint("periodic")
+        self.step_done(val=val)
         return step
 
     def flush_deferred(self) -> None:

@@ -193,7 +193,7 @@ class AlertEngine:
                         self._active[rule.name] = False
                 continue
             self._clear[rule.name] = 0
-            if self._active.get(rule.name) and rule.name != "lr_change":
+            if self._active.get(rule.name) and not rule.repeats:
                 continue
             self._active[rule.name] = True
             if rule.name == "lr_change":

@@ -28,7 +28,7 @@ from .logs import open_run_log
 from .notebook import in_notebook, remember
 from .options import Options
 from .probes.system import SystemSampler, close_nvml, gpu_names, open_nvml
-from .recorder import SAME_ON_EVERY_RANK, Progress, RunSpec, StepRecorder, StopTraining
+from .recorder import Progress, RunSpec, StepRecorder, StopTraining
 from .records import Event, Scalars
 from .run import Run
 from .runner import run_in_thread
@@ -88,11 +88,12 @@ class RunOpening:
         if self._clip_asked is not None:  # from step 1, and over a resumed checkpoint's
             self.control.clip, self._clip_asked = self._clip_asked, None  # once
         rules = self.rules
-        if dist is not None:  # decisions that need no exchange must see the same inputs
+        if dist is not None:  # decisions that need no exchange must see the same inputs: the
+            # synchronised gradients, not a rank's own loss
             rules = [replace(r, params={**r.params, "keys": ("grad_norm/global",)})
-                     if r.name == "nonfinite" else r for r in rules]
+                     if r.same_on_every_rank and "keys" in r.params else r for r in rules]
             if dist.rank != 0:
-                rules = [r for r in rules if r.name in SAME_ON_EVERY_RANK]
+                rules = [r for r in rules if r.same_on_every_rank]
         self._progress = Progress(step=start_step, state="starting")
         self._progress_start = start_step
         self._stop_asked = False

@@ -173,6 +173,11 @@ class Rule:
     clear_steps: int = 1  # quiet observations before the rule re-arms
     doc: str = ""
     every: int = 1  # observe every n-th step only (rules that look back over a window)
+    # behaviour flags, read by the engine and the recorder instead of rule names:
+    # its inputs are the same on every DDP rank (the synchronised gradients), so each rank
+    # decides alone at the same step; the others are decided on rank 0 and exchanged
+    same_on_every_rank: bool = False
+    repeats: bool = False  # fires at each occurrence, with no episode to wait out
     schema: dict[str, Setting] = field(default_factory=dict)
     # the params the rule was defined with (kept through `replace`): the errors' examples
     defaults: dict[str, Any] | None = field(default=None, repr=False, compare=False)

@@ -23,9 +23,9 @@ from .evaluation import evaluate
 from .probes.attention import clone_samples
 from .probes.data import batch_figures
 from .probes.loss import check_not_copying, parse_step_output
-from .recorder import SAME_ON_EVERY_RANK, Progress, RunSpec, StepRecorder
+from .recorder import Progress, RunSpec, StepRecorder
 
-__all__ = ["SAME_ON_EVERY_RANK", "Progress", "RunSpec", "Runner", "run_in_thread"]
+__all__ = ["Progress", "RunSpec", "Runner", "run_in_thread"]
 
 SKIP_BITE = 64  # batches skipped between two looks at the commands
 

@@ -242,13 +242,13 @@ def _base_rules() -> list[Rule]:
              {"keys": ("loss/train", "grad_norm/global")},
              ("skip_step", "pause", "checkpoint"), 1,
              "non-finite loss or gradients: skip the step, pause, checkpoint the last good state",
-             schema={"keys": Setting("names")}),
+             schema={"keys": Setting("names")}, same_on_every_rank=True),
         Rule("grad_explosion", "critical", "grads", _grad_explosion,
              {"absolute": 1e5, "factor": 10.0, "window": 200, "min_history": 20, "max_norm": 1.0},
              ("clip",), 50, "global grad norm > 1e5 or > 10× its rolling median: clip at 1.0",
              schema={"absolute": number(0, open_lo=True, inf=True), "factor": number(1),
                      "window": window(not_below="min_history"), "min_history": count(1),
-                     "max_norm": POSITIVE}),
+                     "max_norm": POSITIVE}, same_on_every_rank=True),
         Rule("val_spike", "critical", "eval", _val_spike, {"factor": 2.0, "lr_factor": 0.5},
              ("checkpoint", "cut_lr"), 1, "val loss > 2× the best: checkpoint and cut LR ×0.5",
              schema={"factor": number(1), **ACTION_SETTINGS["cut_lr"]}),
@@ -300,5 +300,5 @@ def _base_rules() -> list[Rule]:
              schema={"slower": POSITIVE}),
         Rule("lr_change", "info", "step", _lr_change, {"factor": 2.0}, (), 1,
              "the LR moved 2× from the last reported value, and neither the scheduler nor a "
-             "control moved it", schema={"factor": number(1, open_lo=True)}),
+             "control moved it", schema={"factor": number(1, open_lo=True)}, repeats=True),
     ]

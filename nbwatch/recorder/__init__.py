@@ -24,8 +24,8 @@ eval_checkpoint.py, batches.py (which batch), rewind.py (rewind, skip).
 
 from .eval_checkpoint import plain
 from .rewind import Rewound
-from .spec import SAME_ON_EVERY_RANK, Progress, RunSpec, StopTraining
+from .spec import Progress, RunSpec, StopTraining
 from .step_recorder import StepRecorder
 
-__all__ = ["SAME_ON_EVERY_RANK", "Progress", "Rewound", "RunSpec", "StepRecorder",
+__all__ = ["Progress", "Rewound", "RunSpec", "StepRecorder",
            "StopTraining", "plain"]

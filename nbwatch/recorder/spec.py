@@ -12,10 +12,6 @@ from torch import nn
 
 from ..lifecycle import RunState, transition
 
-# Rules whose inputs are identical on every DDP rank (the synchronised gradients): each
-# rank reaches the same decision at the same step without asking the others.
-SAME_ON_EVERY_RANK = ("nonfinite", "grad_explosion")
-
 
 class StopTraining(BaseException):  # noqa: N818 - reads as what it does, like SystemExit
     """Raised by `Monitor.log()` once the run was stopped: it ends a loop that ignores

@@ -16,7 +16,6 @@ from .. import controls as ctl
 from ..controls import make_command
 from ..distributed import merge_ranks
 from ..records import Command, CommandKind, Event
-from .spec import SAME_ON_EVERY_RANK
 
 
 @dataclass(frozen=True)
@@ -237,7 +236,7 @@ class Steering:
                     self.log.exception("on_alert callback failed for %s", a.rule.name)
         for a in alerts:
             acts = a.rule.actions
-            if self.dist is not None and a.rule.name not in SAME_ON_EVERY_RANK:
+            if self.dist is not None and not a.rule.same_on_every_rank:
                 # decided on rank 0 alone: applied by every rank at the next exchange
                 for act in acts:
                     if act in ("pause", "checkpoint"):

@@ -293,10 +293,12 @@ class Adapter:
         if self.handle is not None:
             self.handle.monitor = mon
 
-    def _record_step(self, host: dict[str, float], reduction: str) -> bool:
+    def _record_step(self, host: dict[str, float], reduction: str,
+                     samples: int | None = None) -> bool:
         """Record the optimizer step just taken from its micro-batches' losses (each
-        already divided by the accumulation count, so summed) and masks; apply the
-        commands (pause blocks here). True once the fit should stop."""
+        already divided by the accumulation count, so summed) and masks (or `samples`,
+        its sample count, for samples/s where it has no mask); apply the commands (pause
+        blocks here). True once the fit should stop."""
         import torch
 
         from .probes.data import batch_figures
@@ -305,7 +307,7 @@ class Adapter:
         losses, masks, self._losses, self._masks = self._losses, self._masks, [], []
         names: list[str] = []
         parts: list[Any] = []
-        lengths = samples = None
+        lengths = None
         if losses:
             names.append("loss/train")
             parts.append(torch.stack([x.float().reshape(()) for x in losses]).sum())

@@ -5,9 +5,11 @@
 
 Built on the step recorder of `Monitor.log()`: the gradient figures are taken at the
 Trainer's own step (before its clipping), and the controls act through the Trainer's own
-mechanisms: stop sets `control.should_training_stop`, checkpoint sets
-`control.should_save` (a `checkpoint-N` folder that `train(resume_from_checkpoint=...)`
-takes), pause blocks between optimizer steps, clip and cut LR act from the next step.
+mechanisms: stop sets `control.should_training_stop`, checkpoint runs the Trainer's own
+save of a `checkpoint-N` folder at the step it is taken, paused or not (written while the
+pause holds; `train(resume_from_checkpoint=...)` takes it), pause blocks between
+optimizer steps, clip and cut LR act from the next step (and the Trainer's own logged
+`learning_rate` reads the LR the optimizer uses, cut included).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,7 @@ import torch
 from .fit import Adapter, FitRun, callback_of, unwrap
 from .monitor import Monitor
 from .probes.attention import take_samples
+from .probes.throughput import batch_samples
 
 __all__ = ["NbwatchCallback", "start"]
 SUPPORTED = "transformers 4.46 – 5.x (tested with 5.24)"
@@ -57,6 +61,10 @@ class NbwatchCallback(Adapter, TrainerCallback):
         self.trainer: Trainer | None = None
         self._save_reason: str | None = None
         self._wrapped: tuple[Trainer, list[str]] | None = None
+        self._samples: list[int] = []  # the step's micro-batches' sample counts
+        self._at_boundary = False  # in on_step_end, where the commands are applied
+        self._saved_step: int | None = None  # the step nbwatch last saved the Trainer's way
+        self._save_t0: float | None = None  # when that save began (its time, in on_save)
 
     # -- the Trainer's events -----------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
@@ -89,11 +97,23 @@ class NbwatchCallback(Adapter, TrainerCallback):
         if self._rec() is None:
             return
         host = {"epoch": float(state.epoch)} if state.epoch is not None else {}
-        if self._record_step(host, "the Trainer's loss, mean over accumulation micro-batches"):
+        samples, self._samples = (sum(self._samples) or None), []
+        self._at_boundary = True  # the commands are applied (and pause blocks) in here
+        try:
+            stop = self._record_step(
+                host, "the Trainer's loss, mean over accumulation micro-batches", samples)
+        finally:
+            self._at_boundary = False
+        if stop:
             control.should_training_stop = True  # stopped between two optimizer steps
             self._save_reason = "stop"
+        if self._saved_step == state.global_step:  # nbwatch saved this step already
+            self._save_reason = None  # (a stop's checkpoint is that one)
+            if not control.should_evaluate:  # else the Trainer's save follows its eval
+                control.should_save = False
         if self._save_reason is not None:
             control.should_save = True
+        self._agree_lr()
         if control.should_save:  # the Trainer saves next: the store must not lag behind it
             self._rec().commit()
 
@@ -114,7 +134,9 @@ class NbwatchCallback(Adapter, TrainerCallback):
             return
         path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         reason, self._save_reason = self._save_reason or "periodic (Trainer)", None
-        rec.note_checkpoint(reason, path, best=state.best_model_checkpoint == str(path))
+        t0, self._save_t0 = self._save_t0, None
+        took = time.perf_counter() - t0 if t0 is not None else None
+        rec.note_checkpoint(reason, path, took, best=state.best_model_checkpoint == str(path))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self._ends_here():  # a script: the callback alone ends the run
@@ -132,7 +154,41 @@ class NbwatchCallback(Adapter, TrainerCallback):
             except Exception as e:  # noqa: BLE001 - the original failure matters more
                 rec.log.warning("emergency checkpoint failed: %s", e)
             return
+        if self._at_boundary and self.trainer is not None and rec is not None:
+            self._save_now(reason)  # now: a paused fit goes no further until Resume
+            return
         self._save_reason = reason  # on_step_end sets control.should_save
+
+    def _save_now(self, reason: str) -> None:
+        """Write the Trainer's checkpoint of the step just taken, now, between two
+        optimizer steps (where the Trainer itself saves), and tell every callback as the
+        Trainer does (`on_save`: ours records the checkpoint event). Under a pause it is
+        on disk, resumable with `train(resume_from_checkpoint=...)`, while the fit waits."""
+        trainer, rec = self.trainer, self._rec()
+        step = trainer.state.global_step
+        if self._saved_step == step:
+            rec.log.info("the checkpoint of step %d is written already", step)
+            return
+        self._agree_lr()  # an LR cut taken with it: the scheduler's state says so too
+        self._save_reason, self._save_t0 = reason, time.perf_counter()
+        try:
+            save_checkpoint_now(trainer, announce=True)
+        except BaseException as e:
+            self._save_reason = self._save_t0 = None
+            self._raised(e)  # the fit fails with it (a full disk), its run too
+            raise
+        self._saved_step = step
+
+    def _agree_lr(self) -> None:
+        """After an LR cut, the scheduler's last LR (what the Trainer logs as
+        `learning_rate`, and so what W&B or TensorBoard record beside nbwatch) reads the
+        LR the optimizer uses next, factor included, not the bare schedule."""
+        rec = self._rec()
+        if rec is None or rec.sched is None or rec.control.lr_factor == 1.0:
+            return
+        c = rec.control
+        raw = c.lr_factor if c.lr_raw else 1.0  # off now: put on before the next step
+        set_last_lr(rec.sched, [g["lr"] * raw for g in rec.opt.param_groups])
 
     def _wrap(self, trainer: Trainer) -> None:
         """See each micro-batch's loss and mask, and measure before the Trainer clips.
@@ -150,9 +206,12 @@ class NbwatchCallback(Adapter, TrainerCallback):
             loss = step(model, inputs, *args, **kwargs)
             if isinstance(loss, torch.Tensor):
                 self._losses.append(loss.detach())
-            if isinstance(inputs, Mapping) and isinstance(inputs.get("attention_mask"),
-                                                          torch.Tensor):
-                self._masks.append(inputs["attention_mask"])
+            mask = batch_mask(inputs)
+            if mask is not None:
+                self._masks.append(mask)
+            n = batch_samples(inputs)  # samples/s for any model: pixel_values, input_values
+            if n:
+                self._samples.append(n)
             return loss
 
         def before_clip() -> None:
@@ -192,6 +251,8 @@ class NbwatchCallback(Adapter, TrainerCallback):
     def _forget(self) -> None:
         super()._forget()
         self.trainer, self._save_reason = None, None
+        self._samples, self._saved_step, self._save_t0 = [], None, None
+        self._at_boundary = False
 
     def _close_unseen(self) -> None:
         self._unwrap()
@@ -256,6 +317,21 @@ def probe_forward(model: Any, batch: Any) -> Any:
     return model(batch)
 
 
+def batch_mask(inputs: Any) -> torch.Tensor | None:
+    """The batch's real tokens: its `attention_mask`; a 2-D `input_ids` without one has
+    every token real (as the Trainer counts `num_input_tokens_seen`). None for a batch of
+    no tokens (a vision or audio model: samples/s only)."""
+    if not isinstance(inputs, Mapping):
+        return None
+    mask = inputs.get("attention_mask")
+    if isinstance(mask, torch.Tensor):
+        return mask
+    ids = inputs.get("input_ids")
+    if isinstance(ids, torch.Tensor) and ids.ndim == 2 and not ids.is_floating_point():
+        return torch.ones_like(ids, dtype=torch.bool)
+    return None
+
+
 def _probe_batch(loader: Any, model: Any, n: int) -> Any:
     """The first `n` samples of the first eval batch, on the model's device."""
     batch = take_samples(next(iter(loader)), n)
@@ -297,13 +373,29 @@ def wrap_clip_grad_norm(trainer: Trainer, before: Callable[[], None]) -> None:
     trainer._clip_grad_norm = clip_grad_norm
 
 
-def save_checkpoint_now(trainer: Trainer) -> Path:
+def save_checkpoint_now(trainer: Trainer, announce: bool = False) -> Path:
     """Write the Trainer's own checkpoint of its current step now, outside its save
-    strategy (the fit raised, so the Trainer will not reach its save); returns its folder,
-    which `train(resume_from_checkpoint=...)` takes. Takes `Trainer._save_checkpoint(model,
-    trial)`."""
+    strategy (a Checkpoint click, maybe under a pause; the fit raised, so the Trainer will
+    not reach its save); returns its folder, which `train(resume_from_checkpoint=...)`
+    takes. `announce`: then tell the callbacks, as the Trainer does after its own save
+    (`trainer.control = trainer.callback_handler.on_save(...)`). Takes
+    `Trainer._save_checkpoint(model, trial)`."""
     trainer._save_checkpoint(trainer.model, trial=None)
+    if announce:
+        trainer.control = trainer.callback_handler.on_save(trainer.args, trainer.state,
+                                                           trainer.control)
     return Path(trainer.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+
+
+def set_last_lr(scheduler: Any, lrs: list[Any]) -> None:
+    """Make `scheduler.get_last_lr()` read `lrs`. The Trainer logs it as `learning_rate`
+    (read after the optimizer step, before `scheduler.step()`: the LR that step used), so
+    set to the optimizer's LRs after a cut it logs the cut LR; `scheduler.step()` sets it
+    anew from the optimizer, and the schedule itself (`base_lrs`, `last_epoch`) is
+    untouched. Takes torch's `LRScheduler._last_lr` (what `get_last_lr()` returns); a
+    scheduler without one is left as it is."""
+    if isinstance(getattr(scheduler, "_last_lr", None), list):
+        scheduler._last_lr = list(lrs)
 
 
 def attention_implementation(model: Any) -> str | None:

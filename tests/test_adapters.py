@@ -313,6 +313,50 @@ def test_transformers_frames_and_attention_implementation(tmp_path):
             "implementation reads it to ask eager attention for its weights")
 
 
+def test_transformers_logs_the_schedulers_last_lr_which_nbwatch_sets_after_a_cut(
+        tmp_path):
+    nh, th = hf()
+    from transformers import TrainerCallback
+
+    from nbwatch.fit import unwrap
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 1.0 / (n + 1))
+    nh.set_last_lr(sched, [0.25])
+    assert sched.get_last_lr() == [0.25], (
+        f"torch {torch.__version__}: LRScheduler.get_last_lr() no longer returns "
+        "_last_lr, which nbwatch.hf.set_last_lr sets after an LR cut")
+    opt.step()
+    sched.step()
+    assert sched.get_last_lr() == [0.5] and sched.base_lrs == [1.0], (
+        "LRScheduler.step() no longer sets _last_lr anew from the schedule")
+
+    class Cut(TrainerCallback):  # what nbwatch.hf does at the end of a step after a cut
+        def on_step_end(self, args, state, control, lr_scheduler=None, **kw):
+            if state.global_step == 1:
+                nh.set_last_lr(unwrap(lr_scheduler, "scheduler"), [0.125])
+
+    saves = []
+
+    class Saves(TrainerCallback):
+        def on_save(self, args, state, control, **kw):
+            saves.append(state.global_step)
+
+    trainer = th.make_trainer(tmp_path / "out", max_steps=2, eval_steps=10_000)
+    trainer.add_callback(Cut())
+    trainer.add_callback(Saves())
+    trainer.train()
+    assert th.trainer_log(trainer, "learning_rate")[2] == 0.125, (
+        f"transformers {sys.modules['transformers'].__version__}: the Trainer no longer "
+        "logs lr_scheduler.get_last_lr() (read after the optimizer step, before "
+        "scheduler.step()) as the step's learning_rate; nbwatch.hf.set_last_lr relies on it")
+    path = nh.save_checkpoint_now(trainer, announce=True)
+    assert (path / "trainer_state.json").is_file() and saves == [2], (
+        "trainer.callback_handler.on_save(args, state, control) no longer tells the "
+        "callbacks of a save: nbwatch.hf.save_checkpoint_now(announce=True) calls it")
+
+
 # -- what the adapters take from Lightning beyond its callbacks --------------------------
 def test_lightning_trainer_state_says_a_fit_runs(tmp_path):
     nl, tl = pl()

@@ -123,12 +123,14 @@ def test_pause_cut_lr_checkpoint_stop_through_the_trainer(tmp_path):
     run.wait()
     assert run.state == "stopped" and trainer.state.global_step == run.step < 10_000
     df = run.df
-    theirs = trainer_log(trainer, "learning_rate")  # the schedule, which the cut is not in
-    cut = run.events.query("kind == 'action' and message.str.startswith('LR scaled')").step
-    after = [s for s in theirs if s > int(cut.iloc[0])]
-    assert after and all(df.loc[s, "lr"] == pytest.approx(0.5 * theirs[s]) for s in after)
+    theirs = trainer_log(trainer, "learning_rate")  # the Trainer's own: the cut LR it used
+    cut = int(run.events.query(
+        "kind == 'action' and message.str.startswith('LR scaled')").step.iloc[0])
+    after = [s for s in theirs if s > cut]
+    assert after and all(df.loc[s, "lr"] == pytest.approx(theirs[s]) for s in after)
+    assert df.loc[cut + 1, "lr"] == pytest.approx(0.5 * df.loc[cut, "lr"], rel=1e-3)
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(
-        0.5 * trainer.lr_scheduler.get_last_lr()[0])
+        trainer.lr_scheduler.get_last_lr()[0])
     last = run.events.query("kind == 'checkpoint'").iloc[-1]
     assert last.data["reason"] == "stop" and last.step == run.step
     # the framework's checkpoint resumes the framework's way, and the history goes on

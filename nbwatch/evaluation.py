@@ -6,8 +6,9 @@ runner records them, feeds the alert rules and checkpoints.
 
 from __future__ import annotations
 
+import inspect
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from . import health
-from .probes.activations import capture_block_rms, logit_figures, output_logits
+from .probes.activations import capture_block_rms, capture_outputs, logit_figures
 from .probes.attention import capture_attention
 from .records import Attention
 
@@ -29,6 +30,9 @@ class EvalResult:
     attention: list[Attention] = field(default_factory=list)
     sample: str | None = None
     probe_error: str | None = None  # the default probe forward did not fit the model
+    # {figures: why} the probe pass could not take on this model ("logits"), with the line
+    # to add; the probe stays on, and the recorder says each once a run
+    probe_notes: dict[str, str] = field(default_factory=dict)
 
     def first_maps(self) -> dict[str, np.ndarray]:
         """{module: [heads, T, S]} of the first probe sample (what the rules look at)."""
@@ -53,27 +57,116 @@ def val_figures(v: Any) -> dict[str, float]:
 @contextmanager
 def _eager_weights_returned(model: nn.Module) -> Iterator[None]:
     """Hugging Face eager attention returns its weights only when asked: ask, for the
-    probe pass (`config.output_attentions`), then restore."""
-    config = getattr(model, "config", None)
-    eager = getattr(config, "_attn_implementation", None) == "eager"
-    was = getattr(config, "output_attentions", None)
-    if eager:
+    probe pass (`config.output_attentions` of every eager model in the tree: a Lightning
+    module's inner `self.model` too), then restore."""
+    configs = {}
+    for mod in model.modules():
+        config = getattr(mod, "config", None)
+        if getattr(config, "_attn_implementation", None) == "eager":
+            configs.setdefault(id(config), (config, getattr(config, "output_attentions", None)))
+    for config, _ in configs.values():
         config.output_attentions = True
     try:
         yield
     finally:
-        if eager:
+        for config, was in configs.values():
             config.output_attentions = was
 
 
-def probe_forward(model: nn.Module, batch: Any) -> Any:
-    """The probe pass of a loop nbwatch does not run: `model(**batch)` for a dict,
-    `model(x)` for a tensor, `model(batch[0])` for a tuple or list."""
-    if isinstance(batch, dict):
-        return model(**batch)
+def batch_call(module: nn.Module, batch: Any) -> tuple[tuple, dict[str, Any]]:
+    """The arguments a guessed probe forward gives `module` for `batch`: a dict's entries
+    that its forward names (`input_ids`, `attention_mask`, `labels`, ...), all of them when
+    it names none but takes `**kwargs`, else the dict's `input_ids` (or its first tensor)
+    as the one positional argument; `x` for a tensor; `batch[0]` for a tuple or list."""
+    if isinstance(batch, Mapping):
+        try:
+            params = inspect.signature(module.forward).parameters.values()
+        except (TypeError, ValueError):  # no signature to read: pass everything
+            return (), dict(batch)
+        named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        picked = {k: v for k, v in batch.items() if k in named}
+        if picked:
+            return (), picked
+        if any(p.kind == p.VAR_KEYWORD for p in params):
+            return (), dict(batch)
+        first = batch.get("input_ids")
+        if first is None:
+            first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
+        return ((first,) if first is not None else ()), {}
     if isinstance(batch, (list, tuple)):
-        return model(batch[0])
-    return model(batch)
+        return (batch[0],), {}
+    return (batch,), {}
+
+
+def describe_call(name: str, batch: Any, module: nn.Module) -> str:
+    """`batch_call(module, batch)` as the line a user would write: `model(**batch)`,
+    `module.model(input_ids=batch["input_ids"], ...)`, `model(batch[0])`."""
+    args, kwargs = batch_call(module, batch)
+    if isinstance(batch, Mapping):
+        if kwargs and len(kwargs) == len(batch):
+            return f"{name}(**batch)"
+        if kwargs:
+            return f"{name}(" + ", ".join(f'{k}=batch["{k}"]' for k in kwargs) + ")"
+        key = next((k for k, v in batch.items() if v is args[0]), None) if args else None
+        return f'{name}(batch["{key}"])' if key is not None else f"{name}()"
+    return f"{name}(batch[0])" if isinstance(batch, (list, tuple)) else f"{name}(batch)"
+
+
+def probe_forward(model: nn.Module, batch: Any) -> Any:
+    """The probe pass of a loop nbwatch does not run: `model(**batch)` for a dict (the
+    entries its forward names), `model(x)` for a tensor, `model(batch[0])` for a tuple or
+    list (`batch_call`)."""
+    args, kwargs = batch_call(model, batch)
+    return model(*args, **kwargs)
+
+
+@dataclass
+class GuessedForward:
+    """A probe forward nbwatch chose (not the user's `probe_fn`): should it fail, the probe
+    is turned off with the exact line to add, and training goes on.
+
+    `what`: the call, as the user would write it (`module.model(**batch)`); `fix`: how this
+    entry point takes a probe_fn, with `{fn}` where the function goes
+    (`NbwatchCallback(probe_fn={fn})`)."""
+
+    fn: Callable[[nn.Module, Any], Any]
+    what: str
+    fix: str
+    arg: str = "model"  # what the user calls the probed module in a lambda
+
+    def __call__(self, model: nn.Module, batch: Any) -> Any:
+        return self.fn(model, batch)
+
+    def fix_with(self, body: str) -> str:
+        return self.fix.format(fn=f"lambda {self.arg}, batch: {body}")
+
+
+def _guess(spec: Any, model: nn.Module) -> GuessedForward | None:
+    """The forward nbwatch chose for the probe (a loop of the user's own, an adapter's
+    choice); None when it is the user's probe_fn or step_fn."""
+    if isinstance(spec.probe_fn, GuessedForward):
+        return spec.probe_fn
+    if spec.probe_fn is None and spec.step_fn is None:
+        return GuessedForward(probe_forward, describe_call("model", spec.probe_batch, model),
+                              "pass nbwatch.Monitor(..., probe_fn={fn})")
+    return None
+
+
+def _no_logits(spec: Any, guess: GuessedForward | None, model: nn.Module) -> str:
+    """The probe event of a pass that found no output logits: why, and the line to add."""
+    msg = ("the probe pass found no output logits (not in what its forward returned, nor in "
+           "the model's output, nor at an output layer: get_output_embeddings(), lm_head or "
+           "a Linear onto the vocabulary), so logits/z_mean, logits/max_abs and the "
+           "output_logit_drift rule are off for this run: ")
+    call = guess.what if guess is not None else "model(**batch)"
+    hf = any(callable(getattr(m, "get_output_embeddings", None)) for m in model.modules())
+    body = f"{call}.logits" if hf else f"<the logits of {call}>"
+    if guess is not None:
+        return msg + guess.fix_with(body)
+    if spec.probe_fn is not None:
+        return msg + f"return them from probe_fn (probe_fn=lambda model, batch: {body})"
+    return msg + ('return them from step_fn (return {"loss": out.loss, "logits": out.logits}) '
+                  f"or pass start(..., probe_fn=lambda model, batch: {body})")
 
 
 def evaluate(model: nn.Module, spec: Any, step: int, train_loss: float | None,
@@ -97,30 +190,34 @@ def evaluate(model: nn.Module, spec: Any, step: int, train_loss: float | None,
         if "loss/val" in out.values and train_loss is not None:
             out.values["loss/gap"] = out.values["loss/val"] - train_loss
         if spec.probe_batch is not None and spec.attention_samples > 0:
-            forward = spec.probe_fn or spec.step_fn
             # torch.compile: probe the module it wraps, so Dynamo never traces the hooks
             target = getattr(model, "_orig_mod", model)
+            guess = _guess(spec, target)
+            forward = guess or spec.probe_fn or spec.step_fn
             returned = None
             with capture_attention(target, spec.attention_samples,
                                    spec.attention_tokens) as maps, torch.no_grad(), \
                     _eager_weights_returned(target), \
-                    capture_block_rms(target, spec.attention_samples) as rms:
-                if forward is not None:
+                    capture_block_rms(target, spec.attention_samples) as rms, \
+                    capture_outputs(target) as outputs:
+                if guess is None:
                     returned = forward(target, spec.probe_batch)
                 else:
                     try:
-                        returned = probe_forward(target, spec.probe_batch)
+                        returned = forward(target, spec.probe_batch)
                     except Exception as e:  # a guess at the model's signature: say so
                         out.probe_error = (
-                            f"the attention probe's forward failed ({type(e).__name__}: "
-                            f"{str(e)[:200]}); pass probe_fn=lambda model, batch: ... to "
-                            "nbwatch.Monitor to say how the model takes probe_batch")
+                            f"the attention probe's forward {guess.what} failed "
+                            f"({type(e).__name__}: {str(e)[:200]}); say how the model takes "
+                            "the probe batch: " + guess.fix_with("..."))
             if not maps and out.probe_error is None:
                 out.probe_error = (
                     "the attention probe saw no attention weights (no "
                     "F.scaled_dot_product_attention, nn.MultiheadAttention or attention "
                     "module returning its weights ran); attention maps are off for this run")
-            logits = output_logits(returned)
+            logits, _ = outputs.logits(returned)
+            if logits is None and out.probe_error is None:
+                out.probe_notes["logits"] = _no_logits(spec, guess, target)
             out.values.update(health.figures(
                 maps.entropy, maps.max_logit, rms,
                 logit_figures(logits) if logits is not None else {}))

@@ -13,6 +13,7 @@ pre-hook. Stop sets `trainer.should_stop`; checkpoint is `trainer.save_checkpoin
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,6 +29,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 import torch
 
+from .evaluation import GuessedForward, batch_call, describe_call
 from .fit import Adapter, FitRun, callback_of
 from .monitor import Monitor
 from .probes.attention import take_samples
@@ -124,8 +126,15 @@ class NbwatchCallback(Adapter, pl.Callback):
         val = val_figures(trainer.callback_metrics)
         if not val:
             return
-        if rec.spec.probe_batch is None and rec.spec.attention_samples > 0:
-            rec.spec.probe_batch = _probe_batch(trainer, pl_module, rec.spec.attention_samples)
+        spec = rec.spec
+        if spec.probe_batch is None and spec.attention_samples > 0:
+            spec.probe_batch = _probe_batch(trainer, pl_module, spec.attention_samples)
+        if spec.probe_fn is None and spec.probe_batch is not None and spec.attention_samples:
+            found = probe_forward(pl_module, spec.probe_batch)
+            if isinstance(found, str):
+                rec.probe_failed(found)
+            else:
+                spec.probe_fn = found
         rec.evaluate(val)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
@@ -201,6 +210,61 @@ def val_figures(metrics: Mapping[str, Any]) -> dict[str, float]:
         except (TypeError, ValueError):
             continue
     return out
+
+
+_PROBE_FIX = ('NbwatchCallback(probe_fn={fn}), or nbwatch.lightning.start(..., '
+              'monitor={{"probe_fn": {fn}}})')
+# the attribute names users give the model a LightningModule wraps, in order of preference
+_INNER = ("model", "net", "backbone", "transformer", "network", "encoder", "lm", "module")
+
+
+def probe_forward(module: Any, batch: Any) -> GuessedForward | str:
+    """How the probe pass calls a LightningModule without a `probe_fn`: its own forward, or,
+    where it has none (its `training_step` calls `self.model(...)`), the inner model's;
+    with the batch's entries that forward names (`batch_call`). A str, the exact line to
+    add, where no forward can be found."""
+    if type(module).forward is not pl.LightningModule.forward:
+        return GuessedForward(_call(None), describe_call("module", batch, module), _PROBE_FIX,
+                              "module")
+    name, kids = inner_model(module)
+    if name is not None:
+        return GuessedForward(_call(name), describe_call(f"module.{name}", batch,
+                                                         getattr(module, name)),
+                              _PROBE_FIX, "module")
+    example = f"module.{kids[0]}" if kids else "module.<your model>"
+    arg = ('batch["input_ids"]' if isinstance(batch, Mapping) and "input_ids" in batch
+           else "batch[0]" if isinstance(batch, (list, tuple)) else "batch")
+    has = (f"several inner models ({', '.join(kids)})" if kids
+           else "no inner model with parameters and a forward")
+    return (f"the attention probe found no forward to call: {type(module).__name__} has no "
+            f"forward() and {has}; attention maps and the health figures are off for this "
+            "run. Say how the probe batch goes through the model: "
+            + _PROBE_FIX.format(fn=f"lambda module, batch: {example}({arg})"))
+
+
+def inner_model(module: Any) -> tuple[str | None, list[str]]:
+    """(the attribute name of the model a forward-less LightningModule wraps, or None; the
+    candidates): its one Hugging Face `PreTrainedModel` child, else its one child with
+    parameters and a forward, else the first of those named model, net, backbone, ..."""
+    kids = [(n, c) for n, c in module.named_children()
+            if type(c).forward is not torch.nn.Module.forward
+            and next(c.parameters(), None) is not None]
+    names = [n for n, _ in kids]
+    hf = getattr(sys.modules.get("transformers"), "PreTrainedModel", None)
+    pre = [n for n, c in kids if hf is not None and isinstance(c, hf)]
+    if len(pre) == 1:
+        return pre[0], names
+    if len(kids) == 1:
+        return names[0], names
+    return next((n for n in _INNER if n in names), None), names
+
+
+def _call(name: str | None) -> Any:
+    def forward(module: Any, batch: Any) -> Any:
+        inner = module if name is None else getattr(module, name)
+        args, kwargs = batch_call(inner, batch)
+        return inner(*args, **kwargs)
+    return forward
 
 
 def _probe_batch(trainer: pl.Trainer, module: Any, n: int) -> Any:

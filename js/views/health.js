@@ -1,8 +1,18 @@
 // Health: the probe pass's Transformer-health figures over steps: attention entropy and
 // largest attention logit per module, the residual stream's RMS per block, and the output
-// log-partition with the largest |logit|. Hidden until a probe has run.
+// log-partition with the largest |logit|. Hidden until a probe has run. Where the probe
+// could not take a figure on this model, its words (why, the line to add) stand in the
+// figure's place, never empty axes.
 import { Series, apply } from "../downsample.js";
 import { baseLayout, CONFIG, el, escTemplate, esc, layerColor, panel } from "../plot.js";
+
+// What stands in a figure's place when the probe pass did not take it on this model.
+const NONE = {
+  entropy: "attention entropy: no attention weights on this model's probe pass",
+  max_logit: "largest attention logit: not measured on this model's probe pass (its attention returned weights, not logits)",
+  rms: "residual stream RMS: no repeated blocks on this model (an nn.ModuleList of one block class)",
+  out: "output logits: none on the probe pass (its probe event, in the alerts, says why and what to pass)",
+};
 
 const PARTS = {
   entropy: "attention entropy (nats), mean over heads",
@@ -13,13 +23,22 @@ const PARTS = {
 export function create(root, ctx) {
   const p = panel(root, "health", "Health");
   p.box.hidden = true;
-  const plots = {};
+  const why = el("div", "nbw-small nbw-health-why");
+  why.hidden = true;
+  why.style.padding = "4px 12px";
+  p.body.appendChild(why);
+  const plots = {}, notes = {};
   for (const k of [...Object.keys(PARTS), "out"]) {
     plots[k] = el("div", `nbw-plot nbw-half nbw-health-${k}`);
+    notes[k] = el("div", `nbw-half nbw-small nbw-health-none nbw-health-none-${k}`);
+    notes[k].hidden = true;
+    notes[k].style.padding = "24px 12px 0";
     p.body.appendChild(plots[k]);
+    p.body.appendChild(notes[k]);
   }
   const series = { entropy: {}, max_logit: {}, rms: {} };
   const z = new Series(), maxAbs = new Series();
+  let said = {}; // {"logits" | "probe": message}: the probe events' words
   let dirty = false;
 
   function lines(part) {
@@ -34,7 +53,8 @@ export function create(root, ctx) {
   return {
     box: p.box,
     update(d, full) {
-      if (full) { for (const part of Object.keys(series)) series[part] = {}; z.set([], []); maxAbs.set([], []); }
+      if (full) { for (const part of Object.keys(series)) series[part] = {}; z.set([], []); maxAbs.set([], []); said = {}; }
+      if (d.notes) { said = { ...said, ...d.notes }; dirty = true; }
       for (const part of Object.keys(series)) {
         for (const [name, tr] of Object.entries(d[part] || {})) {
           const s = series[part][name] || (series[part][name] = new Series());
@@ -48,16 +68,28 @@ export function create(root, ctx) {
     draw(Plotly, t) {
       if (!dirty) return;
       dirty = false;
-      const any = Object.values(series).some((s) => Object.keys(s).length) || z.x.length;
-      p.box.hidden = !any;
-      if (!any) return;
+      const has = {};
+      for (const part of Object.keys(series)) has[part] = Object.keys(series[part]).length > 0;
+      has.out = z.x.length > 0 || maxAbs.x.length > 0;
+      const any = Object.values(has).some(Boolean);
+      p.box.hidden = !any && !Object.keys(said).length;
+      if (p.box.hidden) return;
+      why.textContent = said.probe || "";
+      why.hidden = !said.probe;
+      for (const k of Object.keys(plots)) {
+        plots[k].hidden = !has[k];
+        notes[k].hidden = has[k] || !any; // the probe off altogether: its one line says why
+        notes[k].textContent = (k === "out" && said.logits) || NONE[k];
+      }
       const m = { l: 52, r: 8, t: 24, b: 32 };
       for (const [part, title] of Object.entries(PARTS)) {
+        if (!has[part]) continue;
         Plotly.react(plots[part], lines(part), baseLayout(t, {
           margin: m, title: { text: title, font: { size: 11 } },
           yaxis: { gridcolor: t.grid, type: part === "max_logit" ? "log" : "linear", exponentformat: "e" },
         }), CONFIG);
       }
+      if (!has.out) return;
       Plotly.react(plots.out, [
         { name: "log Z (mean)", x: z.x, y: z.y, type: "scatter", mode: "lines+markers", marker: { size: 4 },
           line: { color: "#1f5fa8" }, hovertemplate: "step %{x}<br>log Z %{y:.4g}<extra></extra>" },

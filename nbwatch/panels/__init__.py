@@ -164,7 +164,7 @@ class Feed:
             "grads": grads.build(series, self.latest, events, heat),
             "weights": weights.build(columns, series),
             "attention": attention.build(att, self.latest),
-            "health": health.build(series),
+            "health": health.build(series, events),
             "system": system.build(self.latest),
             "data": data.build(series, seq_len),
             "metrics": metrics.build(series, full),

@@ -1,18 +1,21 @@
 """Health: the probe pass's Transformer-health figures over steps: attention entropy and
 largest attention logit per module, the residual stream's RMS per block, and the output
-log-partition with the largest |logit|."""
+log-partition with the largest |logit|; and, where the probe could not take a figure on
+this model, its `probe` event's words (why, and the line to add) in that figure's place."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..health import ENTROPY, MAX_LOGIT, RMS, per_head
 from ._common import Series, trace
 
 
-def build(series: Series) -> dict[str, Any]:
+def build(series: Series, events: Iterable[Mapping[str, Any]] = ()) -> dict[str, Any]:
     """{"entropy" | "max_logit" | "rms": {name: {x, y}}, "z", "max_abs": {x, y}}, per module
-    (not per head: the attention panel's overview shows heads)."""
+    (not per head: the attention panel's overview shows heads); "notes": {"logits" |
+    "probe": message} of the probe events among `events` ("probe": the probe is off)."""
     out: dict[str, Any] = {}
     for part, prefix in (("entropy", ENTROPY), ("max_logit", MAX_LOGIT), ("rms", RMS)):
         got = {k[len(prefix):]: trace(series, k) for k in series
@@ -22,4 +25,8 @@ def build(series: Series) -> dict[str, Any]:
     for part, key in (("z", "logits/z_mean"), ("max_abs", "logits/max_abs")):
         if (t := trace(series, key)) is not None:
             out[part] = t
+    notes = {str((e.get("data") or {}).get("missing") or "probe"): str(e["message"])
+             for e in events if e.get("kind") == "probe"}
+    if notes:
+        out["notes"] = notes
     return out

@@ -3,11 +3,16 @@
 Blocks are the entries of every `nn.ModuleList` of two or more modules of one class
 (`transformer.h.3`, `model.layers.11`, `encoder.layer.0`): forward hooks, installed only
 for the pass, read each block's output (a tensor, or the first tensor of a tuple).
+
+The output logits come from what the probe's forward returned, else from what the model
+itself returned (a forward hook on it: a `step_fn` that returns only the loss still runs
+the model), else from the output layer's output (`get_output_embeddings()` of a Hugging
+Face model, else the last `nn.Linear` onto the vocabulary, the largest `nn.Embedding`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -46,18 +51,91 @@ def capture_block_rms(model: nn.Module, samples: int = 2) -> Iterator[dict[str, 
             h.remove()
 
 
+def _is_logits(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 2 \
+        and x.shape[-1] > 1
+
+
 def output_logits(out: Any) -> torch.Tensor | None:
-    """The logits a forward returned: `.logits` (Hugging Face), `out["logits"]`, or the
-    output itself when it is a float tensor [..., vocab] (not a scalar loss)."""
+    """The logits a forward returned: `.logits` (Hugging Face), `out["logits"]`, the output
+    itself when it is a float tensor [..., vocab] (not a scalar loss), or the first such
+    tensor of a tuple (`logits, loss = model(idx, targets)`)."""
     x = getattr(out, "logits", None)
-    if x is None and isinstance(out, dict):
+    if x is None and isinstance(out, Mapping):
         x = out.get("logits")
     if x is None and isinstance(out, torch.Tensor):
         x = out
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 2 \
-            and x.shape[-1] > 1:
-        return x
-    return None
+    if x is None and isinstance(out, (tuple, list)):
+        x = next((t for t in out if _is_logits(t)), None)
+    return x if _is_logits(x) else None
+
+
+def output_layer(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """(path, module) of the layer that makes the output logits: the outermost Hugging Face
+    model's `get_output_embeddings()`, else the last `nn.Linear` whose outputs are the
+    vocabulary (the `out_features` of the largest `nn.Embedding`); None when neither."""
+    paths = {id(m): n for n, m in model.named_modules()}
+    for _, mod in model.named_modules():
+        get = getattr(mod, "get_output_embeddings", None)
+        if callable(get):
+            try:
+                head = get()
+            except Exception:  # a model that declares it but does not implement it
+                head = None
+            if isinstance(head, nn.Module) and id(head) in paths:
+                return paths[id(head)], head
+    vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)),
+                default=0)
+    heads = [(n, m) for n, m in model.named_modules()
+             if isinstance(m, nn.Linear) and vocab > 1 and m.out_features == vocab]
+    return heads[-1] if heads else None
+
+
+class Outputs:
+    """What the model and its output layer returned on the probe pass (first call each)."""
+
+    def __init__(self) -> None:
+        self.model: Any = None
+        self.head: Any = None
+        self.head_path: str | None = None
+
+    def logits(self, returned: Any) -> tuple[torch.Tensor | None, str | None]:
+        """(logits, where they came from): the probe forward's `returned` value first,
+        then the model's own output, then the output layer's."""
+        for x, where in ((returned, "the probe forward's result"),
+                         (self.model, "the model's output"),
+                         (self.head, f"the output layer {self.head_path}")):
+            got = output_logits(x)
+            if got is not None:
+                return got, where
+        return None, None
+
+
+@contextmanager
+def capture_outputs(model: nn.Module) -> Iterator[Outputs]:
+    """Within the block, what `model` and its output layer (`output_layer`) return, for the
+    logits a probe forward that returns only a loss does not hand back."""
+    got = Outputs()
+    found = output_layer(model)
+    handles = []
+
+    def on_model(mod: nn.Module, args: Any, out: Any) -> None:
+        if got.model is None:
+            got.model = out
+
+    def on_head(mod: nn.Module, args: Any, out: Any) -> None:
+        if got.head is None:
+            got.head = out
+
+    handles.append(model.register_forward_hook(on_model))
+    if found is not None:
+        got.head_path = found[0] or "(the model)"
+        handles.append(found[1].register_forward_hook(on_head))
+    try:
+        yield got
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def logit_figures(logits: torch.Tensor) -> dict[str, float]:

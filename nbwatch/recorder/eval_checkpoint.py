@@ -31,6 +31,8 @@ class EvalCheckpoint:
             self._last_val = v if math.isfinite(v) else None  # NaN is never "best"
         if result.probe_error is not None:
             self.probe_failed(result.probe_error)
+        for missing, why in result.probe_notes.items():
+            self.probe_note(missing, why)
         for a in result.attention:
             self.store.put(a)
         if result.sample is not None:
@@ -59,6 +61,14 @@ class EvalCheckpoint:
         """The attention probe cannot work on this model: said once, then off."""
         self.spec.attention_samples = 0
         self._emit(Event(self.step, "probe", "warning", message))
+
+    def probe_note(self, missing: str, message: str) -> None:
+        """Figures the probe pass cannot take on this model (`missing`: "logits"), the probe
+        staying on: said once a run, as a `probe` event the Health panel shows."""
+        said = self.__dict__.setdefault("_probe_said", set())  # set here: one method's state
+        if missing not in said:
+            said.add(missing)
+            self._emit(Event(self.step, "probe", "info", message, {"missing": missing}))
 
     def note_checkpoint(self, reason: str, path: str | Path, seconds: float | None = None,
                         best: bool = False) -> None:

@@ -241,15 +241,17 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         return self._after_open(self.options.display)
 
     def log(self, loss: Any = None, *, mask: torch.Tensor | None = None, val: Any = None,
-            **scalars: Any) -> int:
+            batch: Any = None, **scalars: Any) -> int:
         """Record the optimizer step just taken; the step boundary of a loop of your own.
 
         Call it once per optimizer step, after `optimizer.step()` (and `scheduler.step()`).
         `loss`: the step's loss (a scalar tensor or float); `mask`: the batch's
         [batch, seq_len] 0/1 attention mask (padding ratio, sequence lengths, tokens/s);
         `val`: at an eval step, the val loss or a dict of val figures (`loss` →
-        `loss/val`, others `val/<name>`); further keywords: scalars recorded as
-        `train/<name>`. Gradient figures were taken at the optimizer's step already.
+        `loss/val`, others `val/<name>`); `batch`: the step's batch, whose identity
+        (`epoch=`, `index=`, else a count of the batches given; a CRC-32 of its CPU token
+        ids) `run.spikes` names; further keywords: scalars recorded as `train/<name>`.
+        Gradient figures were taken at the optimizer's step already.
         Queued commands are applied here: pause blocks here until resumed, and a stop
         raises `nbwatch.StopTraining` (after a final checkpoint) to end the loop.
         Returns the step number recorded, or after a rewind the checkpoint's step the
@@ -289,6 +291,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
                 f"mon.log() twice for one optimizer step (step {rec.step}): call it once per "
                 "optimizer step, after optimizer.step(); with gradient accumulation, after "
                 "the step that follows the last micro-batch" + amp)
+        rec.note_logged_batch(batch, scalars)  # takes epoch=/index= given with a batch
         host, names, parts, lengths = log_figures(loss, mask, scalars,
                                                   first=rec.step == self._progress_start)
         val = check_val(val)

@@ -238,6 +238,7 @@ class Window:
         self.adds = 0
         self._medians: dict[tuple[str, int], tuple[int, float, int]] = {}
         self._mads: dict[tuple[str, int], tuple[int, float, float, int]] = {}
+        self._detrended: dict[tuple[str, int], tuple[int, float, int]] = {}
 
     def add(self, values: dict[str, Any]) -> None:
         self.latest = values
@@ -278,6 +279,41 @@ class Window:
             out = (self.adds, math.nan, math.nan, 0)
         self._mads[(key, last)] = out
         return out[1], out[2], out[3]
+
+    def detrended_mad(self, key: str, last: int, recent: int = 10, refresh: int = 10
+                      ) -> tuple[float, float, int]:
+        """(level, MAD, count) of the finite values among the `last` of `key` before the
+        newest one, for a baseline that follows a trend: `level` is the median of the
+        `recent` values before the newest (computed at every call, O(recent)), so it follows
+        a falling loss where the median of a long window lags it; MAD is the median absolute
+        deviation of the `last` values around their robust trend line (Tukey's resistant
+        line: through the medians of the first and the last third), so the descent itself
+        is not counted as noise. The MAD is recomputed every `refresh` additions, and every
+        count/20 while the history is shorter (a noise level that changes early in training
+        is followed; about 20 values' work a call at any length)."""
+        cached = self._detrended.get((key, last))
+        if cached is None or self.adds - cached[0] >= max(1, min(refresh, cached[2] // 20)):
+            y = self.arr(key, last + 1)[:-1]
+            ok = np.isfinite(y)
+            every = bool(ok.all())
+            x = np.arange(len(y), dtype=np.float64) if every else np.flatnonzero(ok) * 1.0
+            y = y if every else y[ok]
+            n, slope = len(y), 0.0
+            if n >= 3:
+                t = n // 3  # the x medians of the thirds: their middles, when no value is out
+                xl, xr = ((t - 1) / 2, n - 1 - (t - 1) / 2) if every else (
+                    _median(x[:t]), _median(x[-t:]))
+                slope = (_median(y[-t:]) - _median(y[:t])) / (xr - xl)
+            r = y - slope * x
+            cached = (self.adds, _median(np.abs(r - _median(r))) if n else math.nan, n)
+            self._detrended[(key, last)] = cached
+        # the level: a few values, so plain Python (a numpy call costs more than the work)
+        s = self.series.get(key)
+        tail = sorted(v for v in itertools.islice(reversed(s), 1, recent + 1)
+                      if math.isfinite(v)) if s else []
+        h = len(tail) // 2
+        level = (tail[h] if len(tail) % 2 else (tail[h - 1] + tail[h]) / 2) if tail else math.nan
+        return level, cached[1], cached[2]
 
     def arr(self, key: str, last: int | None = None) -> np.ndarray:
         """The series (or its `last` values), oldest first; O(last), not O(window)."""

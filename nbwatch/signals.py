@@ -51,21 +51,46 @@ def _grad_explosion(w: Window, p: dict) -> str | None:
     return None
 
 
+def _above_level(w: Window, key: str, p: dict) -> tuple[float, float, float, float, int] | None:
+    """(value, z, level, scale, steps): how far the newest `key` stands above its level
+    (the median of the `recent` steps before it) in robust SDs: 1.4826 × the MAD of the
+    `window` steps before it around their trend line (`Window.detrended_mad`: a falling
+    loss's descent is no noise), floored at 0.1% of the level so that a flat series'
+    last-digit noise is no spike. None at or below the level, or before `min_history`."""
+    v = w.latest.get(key)
+    if v is None or not math.isfinite(v):  # non-finite: the nonfinite rule's
+        return None
+    level, mad, n = w.detrended_mad(key, p["window"], p["recent"])  # MAD: every 10 steps
+    if n < p["min_history"] or not v > level:
+        return None
+    scale = 1.4826 * max(mad, 1e-3 * abs(level), 1e-12)
+    return v, (v - level) / scale, level, scale, n
+
+
 def _loss_spike(w: Window, p: dict) -> tuple[str, dict[str, Any]] | None:
-    loss = w.latest.get("loss/train")
-    if loss is None or not math.isfinite(loss):  # non-finite: the nonfinite rule's
+    found = _above_level(w, "loss/train", p)
+    if found is None or found[1] <= p["z"]:
         return None
-    med, mad, n = w.mad("loss/train", p["window"])  # cached: recomputed every 10 steps
-    if n < p["min_history"] or loss <= med:
+    loss, z, level, scale, n = found
+    return (f"train loss {loss:.4g} spiked: z = {z:.1f} above the median {level:.4g} of the "
+            f"last {p['recent']} steps (robust SD {scale:.3g} around the trend of the last "
+            f"{n})",
+            {"loss": loss, "median": level, "mad": scale / 1.4826, "z": z})
+
+
+def _grad_norm_spike(w: Window, p: dict) -> tuple[str, dict[str, Any]] | None:
+    found = _above_level(w, "grad_norm/global", p)
+    if found is None or found[1] <= p["z"] or not found[2] > 0:
         return None
-    # the floor: a loss flat to the last digit has a MAD of ~0, and its noise is no spike
-    scale = 1.4826 * max(mad, 1e-3 * abs(med), 1e-12)
-    z = (loss - med) / scale
-    if z <= p["z"]:
+    g, z, level, scale, n = found
+    if g <= p["factor"] * level:
         return None
-    return (f"train loss {loss:.4g} spiked: z = {z:.1f} against its rolling median "
-            f"{med:.4g} (MAD {mad:.3g}, last {n} steps)",
-            {"loss": loss, "median": med, "mad": mad, "z": z})
+    return (f"gradient norm {g:.3g} spiked: {g / level:.1f}× the median {level:.3g} of the "
+            f"last {p['recent']} steps, z = {z:.1f} (robust SD {scale:.3g} around the trend of "
+            f"the last {n}); "
+            "gradient spikes often come before loss spikes: watch the loss, consider a lower "
+            "LR or clipping",
+            {"grad_norm": g, "median": level, "mad": scale / 1.4826, "z": z})
 
 
 def _vanishing(w: Window, p: dict) -> str | None:
@@ -231,6 +256,12 @@ def _val_periodic(w: Window, p: dict) -> str | None:
     return finding.message if finding and finding.cause else None
 
 
+# loss_spike and grad_norm_spike: the level from the `recent` steps before, the noise from
+# the `window` steps before (around their trend line)
+_SPIKE_SCHEMA = {"window": window(not_below="min_history"), "recent": window(), "z": POSITIVE,
+                 "min_history": count(1), "batches_before": count(0, 63)}
+
+
 def default_rules() -> list[Rule]:
     """The built-in rules, thresholds from the seeds (documented in the README)."""
     return [*_base_rules(), *health_rules()]
@@ -255,11 +286,19 @@ def _base_rules() -> list[Rule]:
         Rule("nonfinite_val", "critical", "eval", _nonfinite_val, {}, (), 1,
              "a non-finite val loss or val figure: never best, always said"),
         Rule("loss_spike", "warning", "step", _loss_spike,
-             {"window": 200, "z": 6.0, "min_history": 50, "batches_before": 4}, (), 10,
-             "train loss > 6 robust SDs (1.4826 × MAD) above its rolling median over 200 "
-             "steps; the event names the batches of the spike and the 4 steps before",
-             schema={"window": window(not_below="min_history"), "z": POSITIVE,
-                     "min_history": count(1), "batches_before": count(0, 63)}),
+             {"window": 200, "recent": 10, "z": 6.0, "min_history": 50, "batches_before": 4},
+             (), 10,
+             "train loss > 6 robust SDs above the median of the 10 steps before (1.4826 × the "
+             "MAD around the trend line of the 200 steps before); the event names the batches "
+             "of the spike and the 4 steps before",
+             schema=_SPIKE_SCHEMA),
+        Rule("grad_norm_spike", "warning", "step", _grad_norm_spike,
+             {"window": 200, "recent": 10, "z": 6.0, "factor": 4.0, "min_history": 50,
+              "batches_before": 4}, (), 10,
+             "global grad norm (before clipping) > 6 robust SDs above the median of the 10 steps "
+             "before (as loss_spike measures) and > 4× that median; the event names the "
+             "batches of the spike and the 4 steps before",
+             schema={**_SPIKE_SCHEMA, "factor": number(1)}),
         Rule("vanishing_gradients", "warning", "step", _vanishing,
              {"global_below": 1e-7, "layer_ratio": 1e-3, "persist": 20}, (), 5,
              "global grad norm < 1e-7, or a layer 1000× below the median layer", every=10,

@@ -4,7 +4,9 @@ steps around it.
 
 An identity is `{"step": s}` plus what the loop offers cheaply: `epoch` and `index` (the
 batch's position in its epoch) where nbwatch iterates the data (`Monitor.start()`) or the
-framework says (Lightning), and `hash`, the CRC-32 (hex) of the batch's token ids where
+framework says (Lightning) or a loop of the user's passes them to `mon.log(batch=...,
+epoch=..., index=...)` (else `index` counts the batches given to `log()`, from 0 in each
+epoch given), and `hash`, the CRC-32 (hex) of the batch's token ids where
 they are a CPU integer tensor (`batch["input_ids"]`, the batch itself, or its first
 element). Device tensors are never hashed: that would cost a device→host copy a step.
 With gradient accumulation, `micro` counts the micro-batches, `epoch`/`index` are the
@@ -13,6 +15,7 @@ first one's, and `hash` is the CRC-32 of all of them in order.
 
 from __future__ import annotations
 
+import numbers
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -51,6 +54,37 @@ def content_hash(batch: Any) -> str | None:
 
 class BatchIds:
     """Part of `StepRecorder` (its state, `batches` and `_batch`, is set in its __init__)."""
+
+    _logged: tuple[int | None, int] | None = None  # log(batch=): (epoch, next own index)
+
+    def note_logged_batch(self, batch: Any, scalars: dict[str, Any]) -> None:
+        """`mon.log(batch=..., epoch=..., index=...)`: the identity of the step's batch, as
+        `start()` records it; `epoch` and `index` are taken out of `scalars` (with a batch
+        they say where it is, not figures). Without `index`, an own count of the batches
+        given to `log()` (from 0, and again from 0 when `epoch` changes). A later `log()`
+        for the same step (after one that raised) replaces it."""
+        if batch is None:
+            return
+        epoch, index = scalars.pop("epoch", None), scalars.pop("index", None)
+        for name, v in (("epoch", epoch), ("index", index)):
+            if v is None:
+                continue
+            how = (f"mon.log(): {name}={v!r}; with batch=, {name} says where the batch is (an "
+                   "int ≥ 0), e.g. mon.log(loss=loss, batch=batch, epoch=epoch, index=i)")
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise TypeError(how)
+            if v < 0:
+                raise ValueError(how)
+        if isinstance(batch, (numbers.Number, str)):
+            raise TypeError(f"mon.log(): batch={batch!r} is a {type(batch).__name__}; pass the "
+                            "batch itself (its token ids are hashed) and its position as "
+                            "index=, e.g. mon.log(loss=loss, batch=batch, index=i)")
+        last = self._logged
+        if index is None:
+            index = last[1] if last is not None and last[0] == epoch else 0
+        self._logged = (epoch, int(index) + 1)
+        self._batch = None  # one batch a log(): never added to a failed log()'s
+        self.note_batch(batch, epoch, index)
 
     def note_batch(self, batch: Any, epoch: int | None = None, index: int | None = None
                    ) -> None:

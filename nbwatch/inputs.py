@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .optimizer_hooks import hooked_optimizer, inner_scheduler
 from .probes.attention import take_samples
 from .probes.data import batch_figures, check_mask
 from .store import is_run_dir
@@ -37,17 +38,21 @@ def check_monitor(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler:
             "unfreeze some (p.requires_grad_(True)) before creating the Monitor"
         )
     if scheduler is not None:
-        built_on = getattr(scheduler, "optimizer", optimizer)
-        while built_on is not optimizer and hasattr(built_on, "optimizer"):
+        # accelerate's wrappers: AcceleratedScheduler(.scheduler) on AcceleratedOptimizer
+        # (.optimizer); either may be given wrapped or not
+        hooked, inner = hooked_optimizer(optimizer), inner_scheduler(scheduler)
+        built_on = getattr(inner, "optimizer", optimizer)
+        while built_on is not optimizer and built_on is not hooked and hasattr(
+                built_on, "optimizer"):
             built_on = built_on.optimizer  # a framework's wrapper (accelerate, Lightning)
-        if built_on is not optimizer:
+        if built_on is not optimizer and built_on is not hooked:
             raise ValueError(
                 "the scheduler was built on another optimizer than the one passed to the "
                 "Monitor; build it on this optimizer: Scheduler(optimizer, ...)"
             )
         if not callable(getattr(scheduler, "step", None)):
             raise TypeError("scheduler must have a step() method (a torch LR scheduler)")
-        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        if isinstance(inner, torch.optim.lr_scheduler.ReduceLROnPlateau):
             raise TypeError(
                 "ReduceLROnPlateau needs a metric at each step; call scheduler.step(val) "
                 "in your val_fn and pass scheduler=None to the Monitor"

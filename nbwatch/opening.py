@@ -248,6 +248,7 @@ class RunOpening:
         if self._global_hook is not None:
             self._global_hook.remove()
             self._global_hook = None
+        self._end_clip_watch()  # torch's clipping is torch's again (optimizer_hooks.py)
         try:
             if sampler is not None:
                 sampler.stop()

@@ -1,24 +1,78 @@
 """A Monitor's hooks on its optimizer: the pre- and post-hooks that hand each optimizer
 step to the recorder (gradient figures are taken at the optimizer's own step, so a loop
-of the user's needs no change), one Monitor per optimizer, and the check that no second
-optimizer steps the monitored model's parameters."""
+of the user's needs no change), one Monitor per optimizer, the check that no second
+optimizer steps the monitored model's parameters, and the watch on a loop's own clipping.
+
+Framework wrappers that only look like optimizers (accelerate's `AcceleratedOptimizer`
+subclasses `torch.optim.Optimizer` but never runs its `__init__`, so it has no hooks)
+are looked through: the hooks go on the optimizer they wrap, whose `step()` runs once per
+real update (not on accumulation micro-batches), and the scheduler behind accelerate's
+`AcceleratedScheduler` is the one nbwatch reads and checkpoints.
+
+A loop that clips its gradients itself (`torch.nn.utils.clip_grad_norm_` before
+`optimizer.step()`, `accelerator.clip_grad_norm_`) hands the optimizer's pre-hook
+clipped gradients. While a Monitor may record such a loop, torch's clipping is watched:
+`torch.nn.utils.clip_grad._clip_grads_with_norm_` (what `clip_grad_norm_` and
+`clip_grad_norm` scale with, looked up at each call, so however the user imported them)
+and its public name `torch.nn.utils.clip_grads_with_norm_` are wrapped to note each
+call's norm and limit, from which the recorder recovers the norms before the clip (one
+factor scales every gradient a call covers). The wrap calls torch's own function, does
+nothing for parameters no Monitor watches, and is undone when the last such Monitor's run
+closes (or its hooks go to another Monitor).
+"""
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 # The Monitor whose hooks are on each optimizer: one at a time (a cell run twice makes a
 # second Monitor on the same optimizer; the first one's hooks must go).
 _OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def hooked_optimizer(optimizer: Any) -> Any:
+    """The optimizer that takes the hooks: `optimizer`, or the one a wrapper that never ran
+    `Optimizer.__init__` holds as `.optimizer` (accelerate's AcceleratedOptimizer)."""
+    for _ in range(4):
+        inner = getattr(optimizer, "optimizer", None)
+        if hasattr(optimizer, "_optimizer_step_pre_hooks") or not isinstance(
+                inner, torch.optim.Optimizer) or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
+
+
+def inner_scheduler(scheduler: Any) -> Any:
+    """The LR scheduler behind a framework's wrapper (accelerate's AcceleratedScheduler
+    keeps it as `.scheduler`, and steps it only on real updates)."""
+    for _ in range(4):
+        inner = getattr(scheduler, "scheduler", None)
+        if scheduler is None or isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) \
+                or inner is None or inner is scheduler or not callable(
+                    getattr(inner, "step", None)):
+            break
+        scheduler = inner
+    return scheduler
+
+
 class OptimizerHooks:
     """Part of `Monitor`: `_hook_optimizer()` runs in its `__init__`."""
 
     def _hook_optimizer(self) -> None:
-        """Put this Monitor's hooks on its optimizer, taking it from an ended Monitor."""
+        """Put this Monitor's hooks on its optimizer, taking it from an ended Monitor; look
+        through a framework's wrappers of the optimizer and scheduler (and take the
+        GradScaler accelerate's wrapper steps with, if none was given)."""
+        given = self.optimizer
+        self.optimizer = hooked_optimizer(given)
+        self.scheduler = inner_scheduler(self.scheduler)
+        if self.optimizer is not given and self.scaler is None:
+            self.scaler = getattr(given, "scaler", None)  # accelerate's fp16 GradScaler
         model, optimizer = self.model, self.optimizer
         self._param_ids = {id(p) for p in model.parameters()}
         self._foreign_ok: weakref.WeakSet = weakref.WeakSet()
@@ -34,6 +88,10 @@ class OptimizerHooks:
         self._hooks = [optimizer.register_step_pre_hook(self._pre_hook),
                        optimizer.register_step_post_hook(self._post_hook)]
         self._global_hook: Any = None  # the check on other optimizers, while a run is open
+        self._clips: list[ClipCall] = []  # the loop's own clips since the last step
+        self._clips_partial = False  # … and one before a later backward of the same step
+        self._clip_marks: tuple = ()  # the gradients as the last of those clips left them
+        _watch_clips(self)
 
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._inside_step = threading.get_ident()
@@ -43,7 +101,8 @@ class OptimizerHooks:
                 return  # this Monitor's run has ended: later steps are not recorded
             rec = self._open_loop()
         if rec.hook_measures:
-            rec.pre_step(explicit=False)
+            clips, note = self._take_clips()
+            rec.pre_step(explicit=False, clips=clips, clip_note=note)
 
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._inside_step = None
@@ -54,6 +113,7 @@ class OptimizerHooks:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        _unwatch_clips(self)
 
     def _foreign_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Global pre-hook while a run is open: refuse a second optimizer on the model."""
@@ -70,3 +130,182 @@ class OptimizerHooks:
             )
         self._foreign_ok.add(optimizer)
 
+    # -- the loop's own clipping --------------------------------------------------------
+    def _watches_clips(self) -> bool:
+        """A clip of this model's gradients is the loop's own: no framework adapter (which
+        measures before its framework clips) and not nbwatch's runner (which clips itself),
+        and a run that is open, or opens at the loop's first optimizer step."""
+        if self._framework is not None or self._mode == "start":
+            return False
+        if self._mode is None:
+            return True
+        rec = self._recorder
+        return rec is not None and not rec.ended
+
+    def _saw_clip(self, params: list, max_norm: float, total: torch.Tensor) -> None:
+        """A clip of this model's gradients just scaled them by min(1, max_norm / (total +
+        1e-6)) (torch's rule): note it for the next optimizer step."""
+        step = self.step
+        if self._clips:
+            if self._clips[0].step != step:
+                self._clips = []  # an earlier step's (that optimizer step was skipped)
+            elif not _unchanged(self._clip_marks) or len(self._clips) >= _MAX_CLIPS:
+                # the gradients changed since the last clip of this step: a backward (a clip
+                # on each accumulation micro-batch); what that clip cut cannot be recovered
+                self._clips, self._clips_partial = [], True
+        self._clips.append(ClipCall(step, tuple(map(id, params)), float(max_norm), total))
+        self._clip_marks = _marks(params)
+
+    def _take_clips(self) -> tuple[list[ClipCall], str | None]:
+        """The clips of the optimizer step now taken, and what makes them unusable, if
+        anything: "partial" (one ran before a later backward of the step: the norms are
+        those before the step's last clip), "changed" (the gradients changed after the
+        last clip: none can be recovered)."""
+        clips, partial = self._clips, self._clips_partial
+        if not clips and not partial:
+            return clips, None
+        self._clips, self._clips_partial = [], False
+        if clips and clips[0].step != self.step:
+            clips = []  # an earlier step's, whose optimizer step was skipped
+        if clips and not _unchanged(self._clip_marks):
+            return [], "changed"
+        return clips, "partial" if partial else None
+
+    def _end_clip_watch(self) -> None:
+        """The run closed: its loop's clips are no longer this Monitor's to note."""
+        _unwatch_clips(self)
+
+
+@dataclass(frozen=True)
+class ClipCall:
+    """One clip of the loop's own: which parameters (their ids, in the call's order), its
+    limit, and the norm it scaled by (a device tensor, copied with the step's figures)."""
+
+    step: int  # the Monitor's step when it clipped (the optimizer step after it is step+1)
+    ids: tuple[int, ...]
+    max_norm: float
+    total: torch.Tensor
+
+
+def _marks(params: list) -> tuple:
+    """Weak references to two of the clipped gradients (the first and the last there
+    are), with their versions: a backward or any in-place change after the clip moves
+    them."""
+    first = next(p.grad for p in params if p.grad is not None)
+    last = next(p.grad for p in reversed(params) if p.grad is not None)
+    return tuple((weakref.ref(g), g._version) for g in ((first,) if last is first
+                                                        else (first, last)))
+
+
+def _unchanged(marks: tuple) -> bool:
+    for ref, version in marks:
+        g = ref()
+        if g is None or g._version != version:
+            return False
+    return True
+
+
+# -- the wrap of torch's clipping (see the module's docstring) ----------------------------
+_WATCHERS: weakref.WeakSet = weakref.WeakSet()  # Monitors whose loop's clips are noted
+_WRAPPED: list[tuple[Any, str, Any, Any]] = []  # (module, name, torch's, ours) while wrapped
+_LOCK = threading.Lock()
+_MAX_CLIPS = 64  # clips noted for one optimizer step (a loop that clips and never steps)
+
+
+def _observe(params: list, max_norm: Any, total: Any) -> None:
+    """After a clip: hand it to the Monitor watching these parameters, if any."""
+    if not _WATCHERS:
+        _unwatch_clips(None)  # the Monitors that watched were collected: torch's are back
+        return
+    if not params or not isinstance(total, torch.Tensor) or hasattr(total, "full_tensor"):
+        return  # a DTensor's norm (FSDP2) is not copied with the step's figures
+    first = next((p for p in params if p.grad is not None), None)
+    if first is None:
+        return
+    for mon in list(_WATCHERS):
+        if id(first) in mon._param_ids:
+            if mon._watches_clips():
+                mon._saw_clip(params, max_norm, total)
+            elif mon._mode is not None and mon._mode != "start" and mon._framework is None:
+                _unwatch_clips(mon)  # its run ended
+            return
+
+
+def _params(parameters: Any) -> list:
+    if isinstance(parameters, torch.Tensor):
+        return [parameters]
+    return list(parameters)  # a generator is consumed once, here
+
+
+def _wrap_with_norm(torch_fn: Any) -> Any:
+    @functools.wraps(torch_fn)
+    def clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: torch.Tensor,
+                              foreach: bool | None = None) -> None:
+        params = _params(parameters)
+        torch_fn(params, max_norm, total_norm, foreach)
+        _observe(params, max_norm, total_norm)
+
+    clip_grads_with_norm_.__nbwatch_wraps__ = torch_fn
+    return clip_grads_with_norm_
+
+
+def _wrap_clip_norm(torch_fn: Any) -> Any:
+    """For a torch whose clip_grad_norm_ scales the gradients itself (before 2.6)."""
+    @functools.wraps(torch_fn)
+    def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
+        params = _params(parameters)
+        total = torch_fn(params, max_norm, *args, **kwargs)
+        _observe(params, max_norm, total)
+        return total
+
+    clip_grad_norm_.__nbwatch_wraps__ = torch_fn
+    return clip_grad_norm_
+
+
+def _targets() -> list[tuple[Any, str, Any]]:
+    """(module, name, wrapper factory) of the functions to wrap in this torch."""
+    import torch.nn.utils as nn_utils
+    import torch.nn.utils.clip_grad as clip_grad
+
+    inner = getattr(clip_grad, "_clip_grads_with_norm_", None)
+    code = getattr(getattr(clip_grad.clip_grad_norm_, "__wrapped__", None), "__code__", None)
+    if inner is not None and code is not None and "_clip_grads_with_norm_" in code.co_names:
+        out = [(clip_grad, "_clip_grads_with_norm_", _wrap_with_norm)]
+        if getattr(nn_utils, "clip_grads_with_norm_", None) is inner:
+            out.append((nn_utils, "clip_grads_with_norm_", _wrap_with_norm))
+        return out
+    return [(clip_grad, "clip_grad_norm_", _wrap_clip_norm),
+            (nn_utils, "clip_grad_norm_", _wrap_clip_norm)]
+
+
+def _watch_clips(mon: Any) -> None:
+    with _LOCK:
+        _WATCHERS.add(mon)
+        if _WRAPPED:
+            return
+        made: dict[int, Any] = {}  # one wrapper per torch function, whatever its names
+        for module, name, factory in _targets():
+            fn = getattr(module, name)
+            ours = made.setdefault(id(fn), factory(fn))
+            _WRAPPED.append((module, name, fn, ours))
+            setattr(module, name, ours)
+
+
+def _unwatch_clips(mon: Any | None) -> None:
+    """This Monitor's loop clips no more; the last one gone, torch's functions are back
+    (a name someone else wrapped after us is left to them)."""
+    with _LOCK:
+        if mon is not None:
+            _WATCHERS.discard(mon)
+            mon._clips, mon._clips_partial, mon._clip_marks = [], False, ()
+        if _WATCHERS or not _WRAPPED:
+            return
+        for module, name, fn, ours in _WRAPPED:
+            if getattr(module, name, None) is ours:
+                setattr(module, name, fn)
+        _WRAPPED.clear()
+
+
+def clips_watched() -> bool:
+    """Whether torch's clipping is wrapped now (while a Monitor may record a loop's own)."""
+    return bool(_WRAPPED)

@@ -103,3 +103,10 @@ def clip_(grads: list[torch.Tensor], total: float, max_norm: float) -> float:
         for gs in by_device.values():
             torch._foreach_mul_(gs, coef)
     return total * coef
+
+
+def clip_factor(max_norm: float, total: float) -> float:
+    """The factor `torch.nn.utils.clip_grad_norm_` (and `clip_grads_with_norm_`) scales
+    every gradient it covers by, given the norm it computed: min(1, max_norm / (total +
+    1e-6)). One factor for all, so a norm after the clip divided by it is the norm before."""
+    return min(1.0, max_norm / (total + 1e-6))

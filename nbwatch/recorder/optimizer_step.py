@@ -6,6 +6,13 @@ before the update and update ratios after it.
                                  rules (skip, clip) · clip · weights snapshot
                       (update)
                       post-hook  update ratios · LR factor off for the scheduler
+
+A loop that clipped the gradients itself before `optimizer.step()` (`clip_grad_norm_`,
+`accelerator.clip_grad_norm_`; see optimizer_hooks.py) hands the pre-hook clipped ones:
+the norms before that clip are recovered from the factor it scaled by, min(1, max_norm /
+(total + 1e-6)), from the norm it computed (copied with the step's other figures, in the
+same one host copy): `grad_norm/global` and `grad_norm/<layer>` before the loop's clip,
+`grad_norm/clipped` after it (and after nbwatch's own clip, if any).
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ import torch
 
 from .. import controls as ctl
 from ..probes import weights as wprobe
-from ..probes.grads import clip_, layer_norms, param_grad_norms
+from ..probes.grads import clip_, clip_factor, layer_norms, param_grad_norms
+from ..records import Event
 
 
 @dataclass
@@ -38,6 +46,9 @@ class _Taking:
 
 class OptimizerStep:
     """Part of `StepRecorder` (its state is set in `StepRecorder.__init__`)."""
+
+    _clip_said = False  # the loop's own clipping was said (once a run)
+    _clip_notes: frozenset[str] = frozenset()  # why norms before it could not be known
 
     @property
     def skipping(self) -> bool:
@@ -62,11 +73,15 @@ class OptimizerStep:
         host together with its gradient norms."""
         self._staged = (names, parts)
 
-    def pre_step(self, explicit: bool = True) -> None:
+    def pre_step(self, explicit: bool = True, clips: list | None = None,
+                 clip_note: str | None = None) -> None:
         """The step's gradient figures, one host copy, the rules that can still skip or
         clip this step, and a weights snapshot on histogram steps. Called by the
         optimizer's pre-hook (`explicit=False`), or by a framework adapter at the moment
-        its framework has the gradients but has not clipped them yet."""
+        its framework has the gradients but has not clipped them yet. `clips`: the
+        loop's own clips of this step (`optimizer_hooks.ClipCall`), whose factors are
+        divided out; `clip_note`: why those of this step cannot all be ("partial",
+        "changed")."""
         if self.ended:  # a loop that goes on after its stop: nothing more is measured
             return
         if self._stepped:
@@ -81,32 +96,41 @@ class OptimizerStep:
         step = self.step + 1
         lrs = ctl.lrs(self.opt)  # the LR this step uses
         norms, layer_of, grads = param_grad_norms(self.layers)
-        values, host_norms = self._copy_to_host(norms)
+        clips = clips or []
+        values, host_norms = self._copy_to_host(norms, [c.total for c in clips])
+        totals = [values.pop(f"_clip{i}") for i in range(len(clips))]
         unscale = 1.0 / values.pop("_grad_scale", 1.0)
         if values.pop("_found_inf", 0.0):  # the fused optimizer skips this step itself
             values.update({"lr": lrs[0], "amp/overflow": 1.0})
             self._taking = _Taking(step, values, [], True, None, t0, time.perf_counter(),
                                    explicit=explicit)
             return
-        total, per_layer = layer_norms([n * unscale for n in host_norms], layer_of,
-                                       len(self.layers))
+        host = [n * unscale for n in host_norms]
+        if clips or clip_note:
+            total, per_layer, current = self._before_clips(step, host, layer_of, clips,
+                                                           totals, clip_note)
+        else:
+            total, per_layer = layer_norms(host, layer_of, len(self.layers))
+            current = total
         values.update(zip(self._grad_names, [total, *per_layer]))
         values["lr"] = lrs[0]
         for i, lr in enumerate(lrs[1:], start=1):
             values[f"lr/group{i}"] = lr
 
         alerts, skip = self._decide(step, values)
-        self._clip_or_skip(grads, values, skip)
+        self._clip_or_skip(grads, values, skip, current)
         hist = self.spec.hist_every > 0 and not skip and (
             step % self.spec.hist_every == 0 or self.step == self._start_step)
         before = wprobe.snapshot(self.layers) if hist else None
         self._taking = _Taking(step, values, alerts, skip, before, t0, time.perf_counter(),
                                explicit=explicit)
 
-    def _copy_to_host(self, norms: list[torch.Tensor]) -> tuple[dict[str, float], list[float]]:
+    def _copy_to_host(self, norms: list[torch.Tensor], clip_totals: list[torch.Tensor] = ()
+                      ) -> tuple[dict[str, float], list[float]]:
         """The step's one device→host copy: the previous step's deferred figures (recorded
-        here), the runner's staged loss, a fused optimizer's AMP flags and the gradient
-        norms. Returns this step's named figures and the norms, still scaled."""
+        here), the runner's staged loss, the norms the loop's own clips computed
+        (`_clip<i>`), a fused optimizer's AMP flags and the gradient norms. Returns this
+        step's named figures and the norms, still scaled."""
         dev = self.layers.params[0].device
         names: list[str] = []
         parts: list[torch.Tensor] = []
@@ -118,6 +142,9 @@ class OptimizerStep:
             names += self._staged[0]
             parts += self._staged[1]
             self._staged = None
+        for i, t in enumerate(clip_totals):
+            names.append(f"_clip{i}")
+            parts.append(t.detach() if t.dim() == 0 else t.detach().reshape(()))
         # A GradScaler calls a fused optimizer's step even on an overflow, with `found_inf`
         # set, and (unless unscale_ ran) with still-scaled gradients and their scale
         scale = getattr(self.opt, "grad_scale", None)
@@ -154,9 +181,10 @@ class OptimizerStep:
         return alerts, skip
 
     def _clip_or_skip(self, grads: list[torch.Tensor], values: dict[str, float],
-                      skip: bool) -> None:
-        """Clip the gradients (and note the framework's own clipping), or drop them."""
-        g, clip = values["grad_norm/global"], self.control.clip
+                      skip: bool, g: float) -> None:
+        """Clip the gradients, whose norm is `g` now (after the loop's own clip, if any),
+        and note the framework's own clipping; or drop them."""
+        clip = self.control.clip
         applied = clip and not skip and math.isfinite(g)
         after = clip_(grads, g, clip) if applied else g
         if self.framework_clip and not skip and math.isfinite(after):
@@ -169,6 +197,90 @@ class OptimizerStep:
                 for p in group["params"]:
                     p.grad = None
             values["skipped"] = 1.0
+
+    def _before_clips(self, step: int, host: list[float], layer_of: tuple[int, ...],
+                      clips: list, totals: list[float], note: str | None
+                      ) -> tuple[float, list[float], float]:
+        """(global, per-layer norms before the loop's own clips of this step, the global
+        norm the gradients have now) from the per-parameter norms measured now (after the
+        clips) and each clip's factor. Where they cannot be known, says so in an event
+        (once a run) and gives the norms measured now, or NaN for a layer."""
+        n_layers = len(self.layers)
+        current = math.sqrt(math.fsum(n * n for n in host))
+        if not self._clip_said and clips:
+            self._clip_said = True
+            limits = sorted({c.max_norm for c in clips})
+            self._emit(Event(step, "probe", "info",
+                             f"the loop clips its gradients itself (max_norm "
+                             f"{', '.join(f'{m:g}' for m in limits)}): grad_norm/global and "
+                             "grad_norm/<layer> are the norms before that clip (its scale "
+                             "factor divided out), grad_norm/clipped the norm after it",
+                             {"max_norm": limits}))
+        if note is not None:
+            self._say_clip(step, note)
+        if not clips:  # "changed": the norms the optimizer gets, said above
+            total, per_layer = layer_norms(host, layer_of, n_layers)
+            return total, per_layer, current
+        scale_all = 1.0
+        per_param: list[float] | None = None
+        for c, t in zip(clips, totals):
+            if not math.isfinite(t):  # a non-finite norm scaled the gradients by 0 or NaN
+                return t, [math.nan] * n_layers, current
+            f = clip_factor(c.max_norm, t)
+            if not f > 0.0:  # max_norm 0: every gradient zeroed, nothing to recover from
+                self._say_clip(step, "zeroed")
+                total, per_layer = layer_norms(host, layer_of, n_layers)
+                return total, per_layer, current
+            covered = self._clip_cover(c.ids)
+            if covered is None:
+                scale_all *= f
+                continue
+            if per_param is None:
+                per_param = [1.0] * len(self.layers.params)
+            for i in covered:
+                per_param[i] *= f
+        if per_param is None:
+            before = [n / scale_all for n in host]
+        else:
+            present = [i for i, p in enumerate(self.layers.params) if p.grad is not None]
+            before = [n / (scale_all * per_param[i]) for n, i in zip(host, present)]
+        total, per_layer = layer_norms(before, layer_of, n_layers)
+        return total, per_layer, current
+
+    def _clip_cover(self, ids: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The monitored parameters a clip covered (indices into `layers.params`), None
+        for all of them; kept per parameter list (a loop passes the same one each step)."""
+        cache = self.__dict__.setdefault("_clip_covers", {})
+        if ids not in cache:
+            if len(cache) > 16:
+                cache.clear()
+            held = set(ids)
+            covered = tuple(i for i, p in enumerate(self.layers.params) if id(p) in held)
+            cache[ids] = None if len(covered) == len(self.layers.params) else covered
+        return cache[ids]
+
+    def _say_clip(self, step: int, note: str) -> None:
+        """Why this step's norms before the loop's own clip are not what they would be
+        without it: said once a run for each reason."""
+        if note in self._clip_notes:
+            return
+        self._clip_notes = self._clip_notes | {note}
+        message = {
+            "partial": "the loop clipped the gradients before a later backward of the same "
+                       "optimizer step (a clip on each accumulation micro-batch?): what that "
+                       "clip cut cannot be recovered, so grad_norm/global is the norm before "
+                       "the step's last clip; clip once per optimizer step, after its last "
+                       "backward (with accelerate: under `if accelerator.sync_gradients:`)",
+            "changed": "the gradients changed after the loop's clip_grad_norm_ and before "
+                       "optimizer.step() (a backward, or a GradScaler's unscale, after the "
+                       "clip): the norms before that clip cannot be known, so grad_norm/"
+                       "global is the norm the optimizer got, after the clip; unscale, then "
+                       "clip, then step",
+            "zeroed": "the loop clipped the gradients with max_norm 0, which zeroes them: "
+                      "the norms before that clip cannot be known, so the gradient norms "
+                      "recorded are those after it",
+        }[note]
+        self._emit(Event(step, "probe", "warning", message, {"clip": note}))
 
     def post_step(self) -> None:
         """Optimizer post-hook: update ratios, and the LR factor off for the scheduler."""

@@ -22,7 +22,7 @@ export const PANELS = { loss, ranks, grads, weights, attention, health, system, 
 // such panel per frame, and not in a frame already busy), and a panel scrolled out of view
 // at most every few seconds.
 // The loss, gauges and feeds follow every refresh. A full state draws everything at once.
-const EVERY_MS = { ranks: 1000, grads: 1000, weights: 1000, health: 1000, data: 1000, metrics: 1000 };
+const EVERY_MS = { ranks: 1000, grads: 1000, weights: 1000, health: 1000, data: 1000, metrics: 1000, system: 1000 };
 const OFFSCREEN_MS = 3000;
 const BUSY_MS = 12; // a frame that spent this much already leaves trend panels to the next
 

@@ -29,7 +29,7 @@ from .notebook import in_notebook, remember
 from .options import Options
 from .probes.system import SystemSampler, close_nvml, gpu_names, open_nvml
 from .recorder import Progress, RunSpec, StepRecorder, StopTraining
-from .records import Event, Scalars
+from .records import Event, SystemSample
 from .run import Run
 from .runner import run_in_thread
 from .store import RunStore, check_no_writer, is_run_dir
@@ -357,5 +357,5 @@ class RunOpening:
                             self.control, self.checkpointer.dir)
 
     def _record_system(self, figures: dict[str, float]) -> None:
-        if self._store is not None:
-            self._store.put(Scalars(self._progress.step, figures))
+        if self._store is not None:  # on its own wall-clock timeline: a long step keeps all
+            self._store.put(SystemSample(figures, self._progress.step))

@@ -23,6 +23,17 @@ class Scalars:
 
 
 @dataclass(frozen=True)
+class SystemSample:
+    """One reading of the system sampler (`system/...` figures) on the run's wall-clock
+    timeline, with `step`, the steps completed when it was taken: many samples may share a
+    step (a long compile or eval step), none replaces another."""
+
+    values: dict[str, float]
+    step: int
+    wall: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
 class Histogram:
     """One histogram of one series at one step: `len(edges) == len(counts) + 1`."""
 

@@ -28,6 +28,14 @@ class Readout:
         run = self._run()
         return run.df if run is not None else pd.DataFrame(index=pd.Index([], name="step"))
 
+    def system(self, keys: list[str] | None = None, start: float | None = None,
+               stop: float | None = None) -> pd.DataFrame:
+        """Every system sample so far, on its wall-clock timeline (see `Run.system`)."""
+        run = self._run()
+        if run is None:
+            return pd.DataFrame(columns=["step"], index=pd.Index([], name="wall"))
+        return run.system(keys, start, stop)
+
     @property
     def events(self) -> pd.DataFrame:
         """Alerts, actions, checkpoints and state changes: step, kind, severity, message."""
@@ -144,6 +152,19 @@ class Run:
         >>> run.scalars(["loss/train", "loss/val"], start=90_000)
         """
         return self.reader.scalars(keys, start, stop)
+
+    def system(self, keys: list[str] | None = None, start: float | None = None,
+               stop: float | None = None) -> pd.DataFrame:
+        """Every system sample (GPU/CPU/RAM figures, one per `system_interval`), oldest
+        first, with a wall time in [start, stop) (epoch seconds): index `wall`, column
+        `step` (the steps completed when it was taken: a long step holds many samples),
+        then one column per `system/...` key. `df`'s `system/...` columns hold, per step,
+        the newest of these taken at that step.
+
+        >>> s = run.system(["system/gpu0/util"])
+        >>> s.index = pd.to_datetime(s.index, unit="s")   # clock times
+        """
+        return self.reader.system(keys, start, stop)
 
     @property
     def events(self) -> pd.DataFrame:

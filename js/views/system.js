@@ -1,6 +1,8 @@
 // System: a gauge per GPU (util, memory used/total, temperature, power); CPU and RAM
-// when there is no GPU.
-import { el, fmt, panel } from "../plot.js";
+// when there is no GPU. Below them the sampler's readings against wall time (a long step
+// holds many samples): utilisation (%) with the step reached, and memory in use (GB).
+import { Series, apply } from "../downsample.js";
+import { baseLayout, CONFIG, el, fmt, panel } from "../plot.js";
 
 function gauge(label, value, max, text) {
   const row = el("div", "nbw-gauge");
@@ -15,13 +17,62 @@ function gauge(label, value, max, text) {
   return row;
 }
 
+// Which chart a key goes to, its label and colour (a GPU's hue follows its index).
+const GPU_HUES = [210, 30, 120, 280, 0, 170, 60, 320];
+function describe(key) {
+  if (key === "system/cpu/util") return { chart: "util", label: "CPU", color: "#1f5fa8" };
+  if (key === "system/ram/used_gb") return { chart: "mem", label: "RAM used", color: "#1f5fa8" };
+  if (key === "system/proc/rss_gb") return { chart: "mem", label: "process RSS", color: "#17becf", dash: "dot" };
+  const m = /^system\/gpu(\d+)\/(util|mem_used_gb|max_allocated_gb)$/.exec(key);
+  if (!m) return null;
+  const hue = GPU_HUES[Number(m[1]) % GPU_HUES.length];
+  if (m[2] === "util") return { chart: "util", label: `GPU ${m[1]}`, color: `hsl(${hue}, 75%, 45%)` };
+  if (m[2] === "mem_used_gb") return { chart: "mem", label: `GPU ${m[1]} memory`, color: `hsl(${hue}, 75%, 45%)` };
+  return { chart: "mem", label: `GPU ${m[1]} peak allocated`, color: `hsl(${hue}, 75%, 45%)`, dash: "dash" };
+}
+
+// Seconds, minutes or hours, from the span the charts cover.
+function unitFor(seconds) {
+  if (seconds < 600) return { div: 1, name: "s" };
+  if (seconds < 36000) return { div: 60, name: "min" };
+  return { div: 3600, name: "h" };
+}
+
 export function create(root) {
   const p = panel(root, "system", "System");
   const body = el("div", "nbw-gauges");
-  p.body.appendChild(body);
+  const util = el("div", "nbw-plot nbw-half nbw-system-util");
+  const mem = el("div", "nbw-plot nbw-half nbw-system-mem");
+  util.hidden = mem.hidden = true;
+  p.body.append(body, util, mem);
+  let series = {}; // key → Series of (ticks since t0, value); "step" too
+  let tick = 0.01; // s per x unit: the kernel says (`tick`)
+  let dirty = false;
+
+  function lines(chart, scale, unit) {
+    const out = [];
+    for (const [key, s] of Object.entries(series)) {
+      const d = describe(key);
+      if (!d || d.chart !== chart || !s.x.length) continue;
+      const suffix = chart === "util" ? " %" : " GB";
+      out.push({
+        name: d.label, x: s.x.map((v) => v * scale), y: s.y, type: "scatter", mode: "lines",
+        line: { color: d.color, width: 1.5, dash: d.dash || "solid" },
+        hovertemplate: `${d.label}<br>t %{x:.4g} ${unit}<br>%{y:.3g}${suffix}<extra></extra>`,
+      });
+    }
+    return out;
+  }
+
   return {
     box: p.box,
-    update(d) {
+    series: () => series,
+    update(d, full) {
+      if (full) series = {};
+      if (d.tick) tick = d.tick;
+      for (const [key, tr] of Object.entries(d.series || {})) {
+        dirty = apply(series[key] || (series[key] = new Series()), tr, full) || dirty;
+      }
       if (!d || (!d.gpus && d.cpu_util === undefined)) return;
       const rows = [];
       for (const g of d.gpus || []) {
@@ -38,6 +89,39 @@ export function create(root) {
       }
       body.replaceChildren(...rows);
     },
-    draw() {},
+    restyle() { dirty = true; },
+    draw(Plotly, t) {
+      if (!dirty) return;
+      dirty = false;
+      let last = 0;
+      for (const s of Object.values(series)) if (s.x.length) last = Math.max(last, s.x[s.x.length - 1]);
+      const unit = unitFor(last * tick);
+      const scale = tick / unit.div;
+      const m = { l: 48, r: 40, t: 28, b: 40 };
+      const legend = { orientation: "h", x: 1, xanchor: "right", y: 1, yanchor: "bottom", font: { size: 10 } };
+      const xaxis = { title: { text: `time since the first sample (${unit.name})` }, gridcolor: t.grid, zerolinecolor: t.grid };
+      const u = lines("util", scale, unit.name), g = lines("mem", scale, unit.name);
+      util.hidden = !u.length;
+      mem.hidden = !g.length;
+      const steps = series.step;
+      if (!util.hidden) {
+        if (steps && steps.x.length) u.push({
+          name: "step", x: steps.x.map((v) => v * scale), y: steps.y, yaxis: "y2", type: "scatter",
+          mode: "lines", line: { color: t.muted, width: 1, dash: "dot", shape: "hv" },
+          hovertemplate: `t %{x:.4g} ${unit.name}<br>step %{y}<extra></extra>`,
+        });
+        Plotly.react(util, u, baseLayout(t, {
+          margin: m, showlegend: true, legend,
+          title: { text: "utilisation (%), step reached", font: { size: 11 }, x: 0, xanchor: "left" }, xaxis,
+          yaxis: { range: [0, 105], gridcolor: t.grid, zerolinecolor: t.grid },
+          yaxis2: { overlaying: "y", side: "right", showgrid: false, rangemode: "tozero", tickformat: "d" },
+        }), CONFIG);
+      }
+      if (!mem.hidden) Plotly.react(mem, g, baseLayout(t, {
+        margin: m, showlegend: true, legend,
+        title: { text: "memory in use (GB)", font: { size: 11 }, x: 0, xanchor: "left" }, xaxis,
+        yaxis: { rangemode: "tozero", gridcolor: t.grid, zerolinecolor: t.grid },
+      }), CONFIG);
+    },
   };
 }

@@ -48,6 +48,9 @@ class Feed:
         self.max_points = max_points
         self.series: dict[str, Downsampler] = {}
         self.latest: dict[str, tuple[int, float]] = {}
+        # The system timeline, by ticks since its first sample (`system.ticks`), and "step".
+        self.system: dict[str, Downsampler] = {}
+        self.system_t0: float | None = None
         # The newest points of each `rank{r}/...` key, raw: the ranks panel's medians.
         self.recent: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.events: list[dict[str, Any]] = []
@@ -117,19 +120,42 @@ class Feed:
             self.attention = d.attention
         if d.meta is not None:
             self.meta = d.meta
+        new_system = self._fold_system(d)
         walls = self.walls = self.tail.recent_walls()
         self.step = walls[-1][0] if walls else int(self.meta.get("step", 0) or 0)
         seq = self.seq_len if any(h[1] == "data/seq_len" for h in d.histograms) else None
         recent = self.recent if any(map(ranks.is_rank_key, d.scalars)) else None
         out = self._build(new, d.events, new_cols, seq, d.attention, d.samples, walls, now,
-                          recent, full=False, heat=self._grad_heat(new))
+                          recent, full=False, heat=self._grad_heat(new), system_new=new_system)
         return {k: v for k, v in out.items() if v}
 
     def full(self, now: float | None = None) -> dict[str, Any]:
         series = {k: (ds.steps, ds.values) for k, ds in self.series.items()}
+        held = {k: (ds.steps, ds.values) for k, ds in self.system.items()}
         return self._build(series, self.events, self.columns, self.seq_len, self.attention,
                            self.samples, self.walls, time.time() if now is None else now,
-                           self.recent, full=True, heat=self._grad_heat(None))
+                           self.recent, full=True, heat=self._grad_heat(None),
+                           system_new=held)
+
+    def _fold_system(self, d: Delta) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Fold the new system samples into the timeline mirror; their points reduced on
+        its grid (what the browser folds in), by key, and "step"."""
+        got = dict(d.system)
+        if d.system_steps is not None:
+            got["step"] = d.system_steps
+            if self.system_t0 is None:
+                self.system_t0 = float(d.system_steps[0][0])
+        if not got or self.system_t0 is None:
+            return {}
+        new = {}
+        for key, (w, v) in got.items():
+            x = system.ticks(w, self.system_t0)
+            ds = self.system.get(key) or self.system.setdefault(key, Downsampler(self.max_points))
+            ds.extend(x, v)
+            new[key] = reduce(x, v, ds.width)
+            if key != "step":
+                self.latest[key] = (int(d.system_steps[1][-1]), float(v[-1]))
+        return new
 
     def _grad_heat(self, new: dict[str, tuple[np.ndarray, np.ndarray]] | None
                    ) -> dict[str, Any] | None:
@@ -156,7 +182,9 @@ class Feed:
             self.error)
 
     def _build(self, series, events, columns, seq_len, att, new_samples, walls, now, recent,
-               full: bool, heat: dict[str, Any] | None = None) -> dict[str, Any]:
+               full: bool, heat: dict[str, Any] | None = None,
+               system_new: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
+               ) -> dict[str, Any]:
         return {
             "header": self.header(now),
             "loss": loss.build(series, events),
@@ -165,7 +193,7 @@ class Feed:
             "weights": weights.build(columns, series),
             "attention": attention.build(att, self.latest),
             "health": health.build(series, events),
-            "system": system.build(self.latest),
+            "system": system.build(self.latest, system_new, self.system_t0),
             "data": data.build(series, seq_len),
             "metrics": metrics.build(series, full),
             "alerts": alerts.build(events),

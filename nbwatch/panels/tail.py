@@ -28,11 +28,15 @@ class Delta:
     attention: dict[str, Any] | None = None  # the newest probe step, whole, when it changed
     samples: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] | None = None  # when it changed
+    # the system timeline: {key: (walls f8 epoch s, values f4)} and (walls, steps) of the
+    # samples, each in wall order
+    system: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    system_steps: tuple[np.ndarray, np.ndarray] | None = None
     more: bool = False  # a chunk cap was hit: poll again at once
 
     def empty(self) -> bool:
         return not (self.scalars or self.events or self.histograms or self.samples
-                    or self.attention is not None or self.meta is not None)
+                    or self.attention is not None or self.meta is not None or self.system)
 
 
 class Tail:
@@ -45,7 +49,9 @@ class Tail:
         self.blocks = blocks
         self.max_bytes = max_bytes  # of scalar blocks a poll reads: a late view's memory
         self._delivered: dict[int, int] = {}  # layout → highest step handed out
+        self._delivered_wall: dict[int, float] = {}  # system layout → newest wall handed out
         self.scalar_id = self.event_id = self.hist_id = self.attn_id = self.sample_id = 0
+        self.system_id = 0
         self._meta_raw: list[tuple] | None = None
 
     def poll(self) -> Delta:
@@ -57,8 +63,9 @@ class Tail:
 
     def _poll(self) -> Delta:
         d = Delta()
-        scalar_id, event_id, hist_id, attn_id, sample_id = (
-            self.scalar_id, self.event_id, self.hist_id, self.attn_id, self.sample_id)
+        scalar_id, event_id, hist_id, attn_id, sample_id, system_id = (
+            self.scalar_id, self.event_id, self.hist_id, self.attn_id, self.sample_id,
+            self.system_id)
         rows: list[tuple] = []
         held = 0
         while len(rows) < self.blocks and held < self.max_bytes:
@@ -74,6 +81,11 @@ class Tail:
             d.scalars = self._group(rows, self.scalar_id)
             scalar_id = rows[-1][0]
         r = self.reader
+        system = r._system_rows(after_id=system_id, limit=self.blocks)
+        if system:
+            d.more = d.more or len(system) == self.blocks
+            d.system, d.system_steps = self._system(system, system_id)
+            system_id = system[-1][0]
         events = r.events_since(event_id)
         if events:
             event_id = events[-1]["id"]
@@ -97,7 +109,42 @@ class Tail:
             d.meta = {k: json.loads(v) for k, v in meta}
         self.scalar_id, self.event_id, self.hist_id, self.attn_id, self.sample_id = (
             scalar_id, event_id, hist_id, attn_id, sample_id)
+        self.system_id = system_id
         return d
+
+    def _system(self, rows: list[tuple], cursor: int
+                ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]],
+                           tuple[np.ndarray, np.ndarray] | None]:
+        """System timeline rows → ({key: (walls, values f4)}, (walls, steps)), in wall order.
+        A row merged from rows this Tail has partly read brings only the newer samples."""
+        acc: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        all_w: list[np.ndarray] = []
+        all_s: list[np.ndarray] = []
+        for row in rows:
+            lay, w, s, v = self.reader.decode_system(row)
+            if row[5] is not None and row[5] <= cursor:
+                new = w > self._delivered_wall.get(lay.id, -np.inf)
+                w, s, v = w[new], s[new], v[new]
+            if not len(w):
+                continue
+            self._delivered_wall[lay.id] = max(self._delivered_wall.get(lay.id, -np.inf),
+                                               float(w.max()))
+            all_w.append(w)
+            all_s.append(s)
+            for j, key in enumerate(lay.keys):
+                a = acc.get(key) or acc.setdefault(key, ([], []))
+                a[0].append(w)
+                a[1].append(v[:, j].astype(np.float32))
+        out = {}
+        for k, (ws, vs) in acc.items():
+            w, v = np.concatenate(ws), np.concatenate(vs)
+            order = np.argsort(w, kind="stable")
+            out[k] = (w[order], v[order])
+        if not all_w:
+            return out, None
+        w, s = np.concatenate(all_w), np.concatenate(all_s)
+        order = np.argsort(w, kind="stable")
+        return out, (w[order], s[order])
 
     def _attention(self, step: int) -> dict[str, Any]:
         """Every probe sample of one step: {step, samples: [{tokens, maps: {module: [H,T,S]}}]}."""

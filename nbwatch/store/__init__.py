@@ -4,7 +4,9 @@ One writer thread per run (`RunStore`) batches records into a transaction at lea
 `flush_interval` seconds, so a `kill -9` loses at most that much; any number of readers
 (`RunReader`, this process or another) see every committed transaction while the run
 writes. Scalars are stored as blocks (`nbwatch/blocks.py`): one row holds one key family's
-values for the steps of one commit. Row ids are never reused (AUTOINCREMENT), so a
+values for the steps of one commit. The system sampler's readings are kept apart, on their
+own wall-clock timeline (`system_samples`: wall, step and figures of every sample), so a
+long step keeps all of them. Row ids are never reused (AUTOINCREMENT), so a
 follower's `id > cursor` reads every row written after a resume's truncate. When the
 writer closes, the WAL is folded into `nbwatch.db` and removed: a finished run is that one
 file. Every SQL statement of nbwatch lives in this package; the schema in `schema.py`.

@@ -34,6 +34,16 @@ CREATE TABLE IF NOT EXISTS walls (
     id INTEGER PRIMARY KEY AUTOINCREMENT, first INTEGER NOT NULL, last INTEGER NOT NULL,
     steps BLOB, walls BLOB NOT NULL);
 CREATE INDEX IF NOT EXISTS walls_last ON walls (last);
+-- the system sampler's readings on their own wall-clock timeline: one row per layout and
+-- commit, `first`/`last` the wall times it spans, walls (f8), steps (i8) and values of
+-- each sample. Schema 2 gained it: the first writer that opens an older folder adds it
+-- (no semicolon in these comments: the migration splits this script on them)
+CREATE TABLE IF NOT EXISTS system_samples (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, layout INTEGER NOT NULL, first REAL NOT NULL,
+    last REAL NOT NULL, first_step INTEGER NOT NULL, last_step INTEGER NOT NULL,
+    walls BLOB NOT NULL, steps BLOB NOT NULL, "values" BLOB NOT NULL,
+    merged_from INTEGER);
+CREATE INDEX IF NOT EXISTS system_samples_last ON system_samples (last);
 CREATE TABLE IF NOT EXISTS histograms (
     id INTEGER PRIMARY KEY AUTOINCREMENT, step INTEGER NOT NULL, name TEXT NOT NULL,
     edges BLOB NOT NULL, counts BLOB NOT NULL);

@@ -91,6 +91,65 @@ class ScalarTables:
                                 s[order], w[order, None], "f8")])
         groups.clear()
 
+    def write_system(self, groups: dict[tuple[str, ...], tuple[list, list, list]]) -> None:
+        """Runs of SystemSample, grouped by key names, as (walls, steps, values): one row
+        of `system_samples` per layout, samples in wall order. Never keyed by step alone:
+        samples that share a step (a long step) are all kept."""
+        rows = []
+        for names, (walls, steps, values) in groups.items():
+            parts, _ = self.plan(names)
+            w = np.array(walls, dtype=np.float64)
+            order = np.argsort(w, kind="stable")
+            w = w[order]
+            s = np.array(steps, dtype=np.int64)[order]
+            v = np.array(values, dtype=np.float64).reshape(len(w), len(names))[order]
+            for p in parts:
+                sub = v if len(p.columns) == len(names) else v[:, p.columns]
+                rows += [(p.layout, *r) for r in system_rows(w, s, sub, p.dtype)]
+        self.con.executemany(
+            "INSERT INTO system_samples (layout, first, last, first_step, last_step, walls,"
+            ' steps, "values") VALUES (?, ?, ?, ?, ?, ?, ?, ?)', rows)
+        groups.clear()
+
+    def compact_system(self) -> int:
+        """`compact()` for the system timeline: a layout's small rows merged in id order,
+        the merged row keeping the highest id and noting the lowest (`merged_from`)."""
+        con = self.con
+        removed = 0
+        by_layout: dict[int, list[tuple[int, int]]] = {}
+        for bid, lid, nbytes in con.execute(
+                "SELECT id, layout, length(walls) FROM system_samples ORDER BY id"):
+            by_layout.setdefault(lid, []).append((bid, nbytes // 8))
+        for lid, held_rows in by_layout.items():
+            lay = self.layout(lid)
+            dtype, width = lay.dtype, len(lay.keys)
+            groups: list[list[int]] = [[]]
+            held = 0
+            for bid, n in held_rows:
+                if held + n > blocks.MAX_BLOCK_VALUES // width and groups[-1]:
+                    groups.append([])
+                    held = 0
+                groups[-1].append(bid)
+                held += n
+            for ids in groups:
+                if len(ids) < 2:
+                    continue
+                marks = ",".join("?" * len(ids))
+                rows = con.execute(f'SELECT walls, steps, "values", merged_from FROM'
+                                   f" system_samples WHERE id IN ({marks}) ORDER BY id",
+                                   ids).fetchall()
+                got = [decode_system(w, st, v, dtype, width) for w, st, v, _ in rows]
+                w, s, v = (np.concatenate([g[i] for g in got]) for i in range(3))
+                lowest = min([ids[0]] + [r[3] for r in rows if r[3] is not None])
+                con.execute(f"DELETE FROM system_samples WHERE id IN ({marks})", ids)
+                con.execute("INSERT INTO system_samples (id, layout, first, last, first_step,"
+                            ' last_step, walls, steps, "values", merged_from)'
+                            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            (ids[-1], lid, *system_rows(w, s, v, dtype, split=False)[0],
+                             lowest))
+                removed += len(ids) - 1
+        return removed
+
     def compact(self) -> int:
         """Merge each layout's small blocks (a live run commits a few steps at a time) into
         blocks of up to MAX_BLOCK_VALUES values, and the same for walls, so a finished run
@@ -182,3 +241,26 @@ class ScalarTables:
         return Layout(lid, tuple(names[k] for k in json.loads(ids)), dtype)
 
 
+
+
+def system_rows(walls: np.ndarray, steps: np.ndarray, values: np.ndarray, dtype: str,
+                split: bool = True) -> list[tuple[float, float, int, int, bytes, bytes, bytes]]:
+    """Rows (first, last, first_step, last_step, walls, steps, values) of the system
+    timeline for samples in wall order; at most MAX_BLOCK_VALUES values a row (`split`)."""
+    n, k = values.shape
+    per = max(blocks.MAX_BLOCK_VALUES // max(k, 1), 64) if split else max(n, 1)
+    out = []
+    for lo in range(0, n, per):
+        w, s = walls[lo:lo + per], steps[lo:lo + per]
+        out.append((float(w[0]), float(w[-1]), int(s.min()), int(s.max()),
+                    np.ascontiguousarray(w, dtype=np.float64).tobytes(),
+                    np.ascontiguousarray(s, dtype=np.int64).tobytes(),
+                    np.ascontiguousarray(values[lo:lo + per], dtype=dtype).tobytes()))
+    return out
+
+
+def decode_system(walls: bytes, steps: bytes, values: bytes, dtype: str, width: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One row of the system timeline → (walls f8 [n], steps i8 [n], values [n, width])."""
+    return (np.frombuffer(walls, dtype=np.float64), np.frombuffer(steps, dtype=np.int64),
+            np.frombuffer(values, dtype=dtype).reshape(-1, width))

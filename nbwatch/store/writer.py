@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..records import Command, Event, Scalars
+from ..records import Command, Event, Scalars, SystemSample
 from .lock import RunInUse, _in_use, _lock_dir, unlock
 from .reader import RunReader
 from .recover import fold, hot_journal, recover, sweep_temp_files, unreadable
@@ -105,11 +105,11 @@ class RunStore(RunReader):
 
     # -- writer API (any thread) --------------------------------------------------------
     def put(self, record: Any) -> None:
-        """Queue a record (Scalars, Histogram, Attention, Event, Sample) for the next commit;
-        blocks while the writer is `max_pending` scalars behind."""
+        """Queue a record (Scalars, SystemSample, Histogram, Attention, Event, Sample) for the
+        next commit; blocks while the writer is `max_pending` scalars behind."""
         if self.error is not None:
             self._raise_error()
-        if isinstance(record, Scalars):
+        if isinstance(record, (Scalars, SystemSample)):
             n = len(record.values)
         elif type(record) in WRITE or type(record) is Truncate:
             n = 1
@@ -339,7 +339,7 @@ class RunStore(RunReader):
                 if self._stop.is_set():
                     break
             with self._wcon:
-                removed = self._tables.compact()
+                removed = self._tables.compact() + self._tables.compact_system()
             if removed:
                 self._wcon.executescript("PRAGMA incremental_vacuum;")  # runs to the end
             self._fold_wal()
@@ -370,8 +370,17 @@ class RunStore(RunReader):
     def _write(self, batch: list[Any]) -> None:
         con = self._wcon
         groups: dict[tuple[str, ...], tuple[list, list, list]] = {}
+        samples: dict[tuple[str, ...], tuple[list, list, list]] = {}
         with con:  # one transaction
             for r in batch:
+                if type(r) is SystemSample:  # the wall-clock timeline: a truncate keeps it
+                    g = samples.get(names := tuple(r.values))
+                    if g is None:
+                        g = samples[names] = ([], [], [])
+                    g[0].append(r.wall)
+                    g[1].append(r.step)
+                    g[2].append(list(r.values.values()))
+                    continue
                 if isinstance(r, Scalars):
                     names = tuple(r.values)
                     g = groups.get(names)
@@ -389,3 +398,5 @@ class RunStore(RunReader):
                 WRITE[type(r)](con, r)
             if groups:
                 self._tables.write(groups)
+            if samples:
+                self._tables.write_system(samples)

@@ -114,6 +114,52 @@ def test_system_gpus_or_cpu():
     assert cpu["gpus"] == [] and cpu["cpu_util"] == 50.0 and cpu["ram_total_gb"] == 8.0
 
 
+def test_system_timeline_is_drawn_against_wall_time():
+    """Samples that share a step (one long step) are points at their own times."""
+    t0 = 1000.0
+    ticks = system.ticks(t0 + np.arange(16) * 0.2, t0)
+    assert ticks.tolist() == list(range(0, 320, 20))  # hundredths of a second since t0
+    timeline = {"system/cpu/util": s(ticks, np.linspace(0, 100, 16)),
+                "system/ram/total_gb": s(ticks, np.full(16, 8.0)),
+                "step": s(ticks, np.full(16, 2.0))}
+    d = system.build({"system/cpu/util": (2, 100.0)}, timeline, t0)
+    assert d["t0"] == t0 and d["tick"] == system.TICK and d["cpu_util"] == 100.0
+    assert set(d["series"]) == {"system/cpu/util", "step"}  # a total is a gauge, not a line
+    cpu = d["series"]["system/cpu/util"]
+    np.testing.assert_allclose(cpu["x"] * d["tick"], np.arange(16) * 0.2, atol=1e-6)
+    np.testing.assert_allclose(cpu["y"], np.linspace(0, 100, 16), rtol=1e-6)
+    assert set(d["series"]["step"]["y"]) == {2.0}
+    assert "series" not in system.build({"system/cpu/util": (2, 1.0)}, {}, t0)
+
+
+def test_feed_sends_the_system_timeline_new_points_then_all(tmp_path):
+    from nbwatch.panels import Feed
+    from nbwatch.records import Scalars, SystemSample
+    from nbwatch.store import RunReader, RunStore
+
+    store = RunStore(tmp_path / "run")
+    t0 = 5000.0
+    store.put(Scalars(1, {"loss/train": 1.0}, wall=t0))
+    for i in range(16):  # 3 s of samples at 0.2 s, all while the run stood at step 1
+        store.put(SystemSample({"system/cpu/util": float(i), "system/ram/used_gb": 2.0}, 1,
+                               wall=t0 + 0.5 + 0.2 * i))
+    store.flush()
+    feed = Feed(RunReader(tmp_path / "run"))
+    first = feed.update(now=t0 + 4)["system"]
+    assert first["t0"] == t0 + 0.5 and first["cpu_util"] == 15.0
+    x = first["series"]["system/cpu/util"]["x"]
+    assert len(x) == 16 and (np.diff(x) == 20).all()  # 16 samples, 0.2 s apart, none merged
+    for i in range(16, 20):  # a later refresh sends only what is new
+        store.put(SystemSample({"system/cpu/util": float(i), "system/ram/used_gb": 2.0}, 2,
+                               wall=t0 + 0.5 + 0.2 * i))
+    store.close()
+    new = feed.update(now=t0 + 5)["system"]["series"]
+    assert new["system/cpu/util"]["x"].tolist() == [320, 340, 360, 380]
+    assert new["step"]["y"].tolist() == [2.0] * 4
+    full = feed.full(now=t0 + 5)["system"]["series"]
+    assert full["system/cpu/util"]["y"].tolist() == [float(i) for i in range(20)]
+
+
 def test_data_series_and_seq_len():
     d = data.build({"data/padding_ratio": s([1, 2], [0.25, 0.5]), "time/data": s([1], [0.01])},
                    (50, np.array([0.0, 8, 16]), np.array([3, 5])))

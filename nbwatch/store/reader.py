@@ -15,14 +15,16 @@ import pandas as pd
 
 from .. import blocks
 from ..blocks import Layout
-from ..records import Command
+from .record_reads import RecordReads
 from .recover import hot_journal, leftovers, recover, unreadable
 from .schema import DB_NAME, SCHEMA_VERSION, StoreFailed, _connect, _failure, _version
 from .tables import decode_system
 
 
-class RunReader:
+class RunReader(RecordReads):
     """Read-only view of a run folder; safe to use while another process writes it.
+    Scalars, walls and the system timeline here; events, samples, histograms, attention
+    and commands in `RecordReads` (record_reads.py).
 
     A connection lives only for one call (or one `with reader.session():`), so no reader
     keeps the database open after its writer has finished with it.
@@ -405,142 +407,3 @@ class RunReader:
         steps, walls = np.concatenate(s), np.concatenate(w)
         uniq, first = np.unique(steps, return_index=True)
         return uniq, walls[first]
-
-    # -- the other record kinds ---------------------------------------------------------
-    def events(self, after_id: int = 0) -> pd.DataFrame:
-        rows = self.query(
-            "SELECT id, step, wall, kind, severity, message, data FROM events WHERE id > ?"
-            " ORDER BY id",
-            (after_id,),
-        )
-        df = pd.DataFrame(
-            rows, columns=["id", "step", "wall", "kind", "severity", "message", "data"]
-        )
-        df["data"] = [json.loads(d) for d in df["data"]]
-        return df
-
-    def samples(self) -> pd.DataFrame:
-        rows = self.query("SELECT step, wall, text FROM samples ORDER BY id")
-        return pd.DataFrame(rows, columns=["step", "wall", "text"])
-
-    def histogram_names(self) -> list[str]:
-        return [r[0] for r in self.query("SELECT DISTINCT name FROM histograms ORDER BY id")]
-
-    def histograms(self, name: str) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
-        """(steps, bin_edges per step, counts [steps, bins]) of one histogram series."""
-        rows = self.query(
-            "SELECT step, edges, counts FROM histograms WHERE name = ? ORDER BY step", (name,)
-        )
-        if not rows:
-            known = ", ".join(self.histogram_names()[:8]) or "none recorded yet"
-            raise KeyError(f"no histogram series {name!r} in this run (known: {known})")
-        steps = np.array([r[0] for r in rows], dtype=np.int64)
-        edges = [np.frombuffer(r[1], dtype=np.float64) for r in rows]
-        counts = np.stack([np.frombuffer(r[2], dtype=np.int64) for r in rows])
-        return steps, edges, counts
-
-    def attention_steps(self) -> list[int]:
-        return [r[0] for r in self.query("SELECT DISTINCT step FROM attention ORDER BY step")]
-
-    def attention(self, step: int | None = None, sample: int = 0) -> dict[str, np.ndarray]:
-        """{module path: weights [heads, T, S]} at the newest (or given) probe step."""
-        if step is None:
-            steps = self.attention_steps()
-            if not steps:
-                return {}
-            step = steps[-1]
-        rows = self.query(
-            "SELECT module, shape, weights FROM attention WHERE step = ? AND sample = ?"
-            " ORDER BY id",
-            (step, sample),
-        )
-        return {
-            m: np.frombuffer(w, dtype=np.float16).reshape(json.loads(s)).astype(np.float32)
-            for m, s, w in rows
-        }
-
-    def attention_tokens(self, step: int, sample: int = 0) -> list[str] | None:
-        rows = self.query(
-            "SELECT tokens FROM attention WHERE step = ? AND sample = ? LIMIT 1", (step, sample)
-        )
-        return json.loads(rows[0][0]) if rows and rows[0][0] else None
-
-    # -- what a follower reads since its cursors (panels/tail.py) ------------------------
-    def events_since(self, after_id: int) -> list[dict[str, Any]]:
-        """Events with an id above `after_id`, oldest first, each a dict with its id."""
-        rows = self.query("SELECT id, step, wall, kind, severity, message, data FROM events"
-                          " WHERE id > ? ORDER BY id", (after_id,))
-        return [{"id": r[0], "step": r[1], "wall": r[2], "kind": r[3], "severity": r[4],
-                 "message": r[5], "data": json.loads(r[6])} for r in rows]
-
-    def histograms_since(self, after_id: int, limit: int
-                         ) -> list[tuple[int, int, str, np.ndarray, np.ndarray]]:
-        """(id, step, name, edges, counts) of at most `limit` histograms past `after_id`."""
-        rows = self.query("SELECT id, step, name, edges, counts FROM histograms WHERE id > ?"
-                          " ORDER BY id LIMIT ?", (after_id, limit))
-        return [(r[0], r[1], r[2], np.frombuffer(r[3], dtype=np.float64),
-                 np.frombuffer(r[4], dtype=np.int64)) for r in rows]
-
-    def attention_since(self, after_id: int) -> tuple[int, int] | None:
-        """(newest id, newest step) of attention maps past `after_id`, or None."""
-        rows = self.query("SELECT MAX(id), MAX(step) FROM attention WHERE id > ?", (after_id,))
-        return (int(rows[0][0]), int(rows[0][1])) if rows and rows[0][0] is not None else None
-
-    def attention_samples(self, step: int) -> int:
-        """How many probe samples the attention maps of `step` hold."""
-        n = self.query("SELECT MAX(sample) FROM attention WHERE step = ?", (step,))[0][0]
-        return int(n) + 1 if n is not None else 0
-
-    def samples_since(self, after_id: int) -> list[tuple[int, int, str]]:
-        """(id, step, text) of the samples past `after_id`."""
-        return [tuple(r) for r in self.query(
-            "SELECT id, step, text FROM samples WHERE id > ? ORDER BY id", (after_id,))]
-
-    def meta_rows(self) -> list[tuple[str, str]]:
-        """Meta as stored (key, JSON text), by key: cheap to compare between polls."""
-        return [tuple(r) for r in self.query("SELECT key, value FROM meta ORDER BY key")]
-
-    def events_of(self, kinds: Sequence[str], limit: int) -> tuple[list[dict[str, Any]], int]:
-        """The newest `limit` events of `kinds` (newest first), and how many there are."""
-        marks = ",".join("?" * len(kinds))
-        total = self.query(f"SELECT COUNT(*) FROM events WHERE kind IN ({marks})", kinds)[0][0]
-        rows = self.query(f"SELECT step, kind, severity, message, data FROM events WHERE kind"
-                          f" IN ({marks}) ORDER BY id DESC LIMIT ?", (*kinds, limit))
-        return [{"step": r[0], "kind": r[1], "severity": r[2], "message": r[3],
-                 "data": json.loads(r[4])} for r in rows], int(total)
-
-    def last_error(self) -> tuple[str, dict[str, Any]] | None:
-        """(message, data) of the newest `error` event."""
-        rows = self.query("SELECT message, data FROM events WHERE kind = 'error'"
-                          " ORDER BY id DESC LIMIT 1")
-        return (rows[0][0], json.loads(rows[0][1])) if rows else None
-
-    def last_signs_of_life(self) -> tuple[float | None, float | None, float | None]:
-        """Wall times of the newest step, the newest event and the sampler's heartbeat."""
-        with self.session():
-            step_wall = self.last_wall()
-            rows = self.query("SELECT (SELECT MAX(wall) FROM events),"
-                              " (SELECT value FROM meta WHERE key = 'heartbeat')")
-        event_wall, beat = rows[0] if rows else (None, None)
-        return step_wall, event_wall, float(json.loads(beat)) if beat is not None else None
-
-    def pending_commands(self, after_id: int = 0) -> list[tuple[int, float, Command | str]]:
-        """Commands not yet taken (with an id above `after_id`: `taken` is committed late):
-        (row id, wall, command), or the reason in place of a command that cannot be read
-        (a kind this version does not know, or a row of an older nbwatch)."""
-        try:
-            rows = self.query("SELECT id, wall, kind, source, payload, cid FROM commands"
-                              " WHERE taken = 0 AND id > ? ORDER BY id", (after_id,))
-        except sqlite3.OperationalError:  # a store of an older nbwatch: no payload column
-            return []
-        out: list[tuple[int, float, Command | str]] = []
-        for rid, wall, kind, source, payload, cid in rows:
-            try:
-                cmd: Command | str = Command.from_wire(kind, json.loads(payload or "{}"),
-                                                       source, cid or f"row{rid}")
-            except (ValueError, TypeError) as e:
-                cmd = f"command row {rid} ({kind!r}) cannot be read: {e}"
-            out.append((rid, float(wall), cmd))
-        return out
-
-

@@ -33,7 +33,7 @@ import torch
 
 # The Monitor whose hooks are on each optimizer: one at a time (a cell run twice makes a
 # second Monitor on the same optimizer; the first one's hooks must go).
-_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer → ref(Monitor)
 
 
 def hooked_optimizer(optimizer: Any) -> Any:
@@ -76,14 +76,16 @@ class OptimizerHooks:
         model, optimizer = self.model, self.optimizer
         self._param_ids = {id(p) for p in model.parameters()}
         self._foreign_ok: weakref.WeakSet = weakref.WeakSet()
-        previous = _OWNERS.get(optimizer)
+        ref = _OWNERS.get(optimizer)
+        previous = ref() if ref is not None else None
         if previous is not None and previous is not self:
             if previous.running:
                 raise RuntimeError(
                     f"this optimizer is watched by a running Monitor ({previous.name!r}, "
                     f"{previous.state} at step {previous.step}); stop() and wait() it first")
             previous._remove_hooks()
-        _OWNERS[optimizer] = self
+        _OWNERS[optimizer] = weakref.ref(self)  # never strong: the Monitor holds the
+        # optimizer, so a strong value would keep both (and the model) alive for ever
         self._inside_step: int | None = None  # the thread inside optimizer.step, if any
         self._hooks = [optimizer.register_step_pre_hook(self._pre_hook),
                        optimizer.register_step_post_hook(self._post_hook)]

@@ -417,3 +417,24 @@ def test_a_model_without_attention_says_so_once(tmp_path):
               display=False).wait()
     probes = mon.events.query("kind == 'probe'")
     assert len(probes) == 1 and "no attention weights" in probes.message.iloc[0]
+
+
+def test_a_monitor_let_go_frees_its_model_and_optimizer(tmp_path):
+    """A notebook makes many Monitors (a cell run again): one no longer referenced, used or
+    not, must not keep its model, optimizer and their memory alive."""
+    import gc
+    import weakref
+
+    from nbwatch.demo import TinyGPT
+
+    refs = []
+    for run in ("unused", "ran"):
+        model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / run)
+        if run == "ran":
+            mon.start(tiny_step, make_batches(4), max_steps=3, display=False).wait()
+        refs += [weakref.ref(model), weakref.ref(opt), weakref.ref(mon)]
+        del model, opt, mon
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)

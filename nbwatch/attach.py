@@ -194,7 +194,7 @@ class Attached(ctl.Controls):
         return self
 
     # -- controls (a row in the store's commands table) ---------------------------------
-    def _submit(self, command: Command) -> None:
+    def submit(self, command: Command) -> None:
         state, kind = self.state, command.kind.value
         if state not in LIVE or state == "stopping":
             why = {"waiting": "has not started yet (no store in the folder)",

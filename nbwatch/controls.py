@@ -113,18 +113,19 @@ class Controls:
     the buttons call). Each method returns the command's id: its one outcome event
     (`events`, kind "action" when applied, "command" when refused or expired) names it.
 
-    Subclasses implement `_submit(command)`: a queue in this process, or a row in the
+    Subclasses implement `submit(command)`: a queue in this process, or a row in the
     store for a run written by another.
     """
 
-    def _submit(self, command: Command) -> None:
+    def submit(self, command: Command) -> None:
+        """Send a `Command` made with `make_command`: checked here, applied by the run."""
         raise NotImplementedError
 
     def send(self, kind: str | CommandKind, source: str = "api", **args: Any) -> str:
         """Send a command by name (`send("rewind", steps=10, skip=0)`): the one way in for
         the methods below, the dashboard's buttons and `attach`. Returns its id."""
         command = make_command(kind, source, **args)
-        self._submit(command)
+        self.submit(command)
         return command.id
 
     def pause(self) -> str:

@@ -26,6 +26,7 @@ from .runner import run_in_thread
 from .store import RunStore, is_run_dir
 
 if TYPE_CHECKING:
+    from .external import ExternalLoop
     from .monitor import Monitor
 
 class FitRun(ctl.Controls, Readout):
@@ -101,9 +102,9 @@ class FitRun(ctl.Controls, Readout):
         self._ended_unopened(None, f"{why} before the first step")
 
     # -- controls -----------------------------------------------------------------------
-    def _submit(self, command: Command) -> None:
+    def submit(self, command: Command) -> None:
         if self.monitor is not None:  # the fit has begun: the Monitor's rules, its queue
-            self.monitor._submit(command)
+            self.monitor.submit(command)
             return
         ctl.refuse_early(command, self.state, self.running)  # a rewind: refused when taken
         self._commands.put(command)
@@ -140,7 +141,7 @@ class FitRun(ctl.Controls, Readout):
         if self._thread is not None:
             self._thread.join()
         if self.monitor is not None:
-            self.monitor._closed.wait()
+            self.monitor.wait_closed()
         if self._error is not None:
             raise self._error
         return self
@@ -178,6 +179,7 @@ class Adapter:
         self.monitor_kwargs = monitor_kwargs
         self.name = monitor_kwargs.get("name") or self.run_dir.name
         self.monitor: Monitor | None = None
+        self.loop: ExternalLoop | None = None  # the fit's run, once its first step opened it
         self.handle: FitRun | None = None
         self._commands = ctl.CommandQueue()  # shared with the handle, then the Monitor
         self._losses: list[Any] = []
@@ -187,12 +189,12 @@ class Adapter:
         self._fit_trainer: Any = None  # … of this Trainer
         self._taking = threading.Lock()
 
-    def _rec(self) -> Any:
-        """The recorder of the fit this callback records, in that fit's thread only: a
-        Trainer that shares the callback must not write into another fit's run."""
-        if self.monitor is None or threading.current_thread() is not self._owner:
+    def _rec(self) -> ExternalLoop | None:
+        """The run of the fit this callback records, in that fit's thread only: a Trainer
+        that shares the callback must not write into another fit's run."""
+        if self.loop is None or threading.current_thread() is not self._owner:
             return None
-        return self.monitor._recorder
+        return self.loop
 
     # -- one fit at a time --------------------------------------------------------------
     def _fit_running(self) -> bool:
@@ -235,7 +237,7 @@ class Adapter:
     def _forget(self) -> None:
         """What one fit kept, gone before the next: its Monitor, handle, commands (a stop
         sent as it ended must not stop the next), micro-batches. Subclasses add theirs."""
-        self.monitor = self.handle = None
+        self.monitor = self.handle = self.loop = None
         self._commands = ctl.CommandQueue()
         self._losses, self._masks = [], []
 
@@ -244,15 +246,12 @@ class Adapter:
         callback, past the adapter's guards): close its run as failed, which gives back
         its store, its sampler and the folder's writer lock. No emergency checkpoint: the
         model and optimizer may be the next fit's by now."""
-        mon = self.monitor
-        if mon is None or mon._closed.is_set():
+        mon, loop = self.monitor, self.loop
+        if mon is None or mon.closed or loop is None:
             return
-        rec = mon._recorder
-        if rec is not None:
-            rec.save_fn = _no_checkpoint
-        mon._end_loop(RuntimeError(
-            "the fit ended without telling nbwatch (an exception its framework passes to no "
-            "callback); its run was closed when the callback began its next fit"))
+        loop.abandon("the fit ended without telling nbwatch (an exception its framework "
+                     "passes to no callback); its run was closed when the callback began "
+                     "its next fit")
 
     def _begin(self, api: str, trainer: Any, resuming: bool, how: str) -> None:
         """The framework's fit begins in this thread (its train-begin event): take it,
@@ -286,12 +285,18 @@ class Adapter:
                 f"into a new run_dir, or continue that run from a checkpoint of the "
                 f"framework ({how})")
 
-    def _adopt(self, mon: Monitor) -> None:
-        """The Monitor of the fit now begun takes the commands queued so far."""
+    def _open(self, mon: Monitor, framework: str, start_step: int | None, *,
+              save: Callable[[str], None], clip: float | None = None,
+              measure_in_hook: bool = True) -> ExternalLoop:
+        """Open the run of the fit now begun; its Monitor takes the commands queued so
+        far (the handle's queue), then the handle reads it."""
         self.monitor = mon
-        mon._commands = self._commands
+        loop = self.loop = mon.open_external(framework, start_step, save=save, clip=clip,
+                                             measure_in_hook=measure_in_hook,
+                                             commands=self._commands)
         if self.handle is not None:
             self.handle.monitor = mon
+        return loop
 
     def _record_step(self, host: dict[str, float], reduction: str,
                      samples: int | None = None) -> bool:
@@ -304,6 +309,7 @@ class Adapter:
         from .probes.data import batch_figures
 
         rec = self._rec()
+        assert rec is not None  # the adapters call it in the fit's thread, once it opened
         losses, masks, self._losses, self._masks = self._losses, self._masks, [], []
         names: list[str] = []
         parts: list[Any] = []
@@ -316,9 +322,8 @@ class Adapter:
             names += mnames
             parts += mparts
             samples = sum(int(m.shape[0]) for m in masks)
-        rec.record_step(host, names, parts, lengths=lengths, samples=samples,
-                        reduction=reduction)
-        return rec.boundary()
+        return rec.record_step(host, names, parts, lengths=lengths, samples=samples,
+                               reduction=reduction)
 
     def _ends_here(self) -> bool:
         """The framework's end event ends the run here: a fit of the callback alone (no
@@ -330,8 +335,8 @@ class Adapter:
         """The fit returned (or raised): end the run as finished, stopped or failed, and
         give back all it took."""
         try:
-            if self.monitor is not None:
-                self.monitor._end_loop(error)
+            if self.loop is not None:
+                self.loop.end(error)
         finally:
             self._fitting, self._owner = False, None
 
@@ -392,10 +397,6 @@ def callback_of(found: list[Any], make: Callable[[], Any], *, api: str, detach: 
             f"{cb.run_dir}, which would ignore the {' and '.join(ignored)} given here: "
             f"give them to that callback, or remove it first ({detach})")
     return cb, False
-
-
-def _no_checkpoint(reason: str) -> None:
-    """A save_fn that saves nothing."""
 
 
 def _write_folder(run_dir: Path, meta: dict[str, Any], event: Event | None = None) -> None:

@@ -82,14 +82,12 @@ class NbwatchCallback(Adapter, TrainerCallback):
         config = {"trainer": args.to_sanitized_dict(), **self.config}
         mon = Monitor(model, opt, sched, self.run_dir, config, scaler=scaler,
                       max_steps=state.max_steps or None, **kwargs)
-        self._adopt(mon)
-        rec = mon._open_loop(start_step=state.global_step or None, framework="hf")
-        rec.save_fn = self._save
-        rec.framework_clip = args.max_grad_norm or None
+        loop = self._open(mon, "hf", state.global_step or None, save=self._save,
+                          clip=args.max_grad_norm or None)
         if trainer is not None:
             self._wrap(trainer)
         else:
-            mon._recorder.log.warning(
+            loop.log.warning(
                 "nbwatch could not find the Trainer: gradient norms are read after its "
                 "clipping and the emergency checkpoint is off; use nbwatch.hf.start(trainer)")
 
@@ -114,8 +112,9 @@ class NbwatchCallback(Adapter, TrainerCallback):
         if self._save_reason is not None:
             control.should_save = True
         self._agree_lr()
-        if control.should_save:  # the Trainer saves next: the store must not lag behind it
-            self._rec().commit()
+        rec = self._rec()
+        if control.should_save and rec is not None:  # the Trainer saves next: the store
+            rec.commit()  # must not lag behind it
 
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: Any = None,
                     eval_dataloader: Any = None, model: Any = None, **kw: Any) -> None:
@@ -184,11 +183,9 @@ class NbwatchCallback(Adapter, TrainerCallback):
         `learning_rate`, and so what W&B or TensorBoard record beside nbwatch) reads the
         LR the optimizer uses next, factor included, not the bare schedule."""
         rec = self._rec()
-        if rec is None or rec.sched is None or rec.control.lr_factor == 1.0:
-            return
-        c = rec.control
-        raw = c.lr_factor if c.lr_raw else 1.0  # off now: put on before the next step
-        set_last_lr(rec.sched, [g["lr"] * raw for g in rec.opt.param_groups])
+        lrs = rec.next_lrs() if rec is not None else None
+        if rec is not None and lrs is not None:
+            set_last_lr(rec.scheduler, lrs)
 
     def _wrap(self, trainer: Trainer) -> None:
         """See each micro-batch's loss and mask, and measure before the Trainer clips.
@@ -217,7 +214,7 @@ class NbwatchCallback(Adapter, TrainerCallback):
         def before_clip() -> None:
             rec = self._rec()
             if rec is not None:
-                rec.pre_step()  # pre-clip norms, and the skip / clip rules of nbwatch
+                rec.measure()  # pre-clip norms, and the skip / clip rules of nbwatch
 
         trainer.training_step = training_step
         wrap_clip_grad_norm(trainer, before_clip)

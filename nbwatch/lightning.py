@@ -73,12 +73,12 @@ class NbwatchCallback(Adapter, pl.Callback):
         kwargs = {"display": False, **self.monitor_kwargs}
         mon = Monitor(pl_module, opt, sched, self.run_dir, config, max_steps=max_steps,
                       **kwargs)
-        self._adopt(mon)
-        rec = mon._open_loop(start_step=trainer.global_step or None, framework="lightning")
-        rec.hook_measures = False  # the closure's backward runs inside optimizer.step
-        rec.save_fn = lambda reason: self._save(trainer, reason)
-        if trainer.gradient_clip_algorithm in (None, "norm"):
-            rec.framework_clip = trainer.gradient_clip_val or None
+        clip = (trainer.gradient_clip_val or None
+                if trainer.gradient_clip_algorithm in (None, "norm") else None)
+        # measure_in_hook=False: the closure's backward runs inside optimizer.step
+        self._open(mon, "lightning", trainer.global_step or None,
+                   save=lambda reason: self._save(trainer, reason), clip=clip,
+                   measure_in_hook=False)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:
@@ -95,7 +95,7 @@ class NbwatchCallback(Adapter, pl.Callback):
                                  optimizer: Any) -> None:
         rec = self._rec()
         if rec is not None:
-            rec.pre_step()  # after backward, before Lightning's gradient clipping
+            rec.measure()  # after backward, before Lightning's gradient clipping
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: Any,
                            checkpoint: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ from . import controls as ctl
 from .alerts import configure, default_rules
 from .checkpoint import Checkpointer
 from .controls import refuse_early
+from .external import ExternalLoop
 from .inputs import (
     check_every,
     check_monitor,
@@ -367,11 +368,38 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
             return None
         return super().set_clip(max_norm)
 
-    def _submit(self, command: Command) -> None:
+    def submit(self, command: Command) -> None:
+        """Queue `command` for the next step boundary (refused now if it cannot apply)."""
         refuse_early(command, self.state, self.running, self._framework)
         if command.kind == CommandKind.STOP:
             self._stop_asked = True
         self._commands.put(command)
+
+    # -- a loop nbwatch does not run (nbwatch/external.py) ---------------------------------
+    def open_external(self, framework: str, start_step: int | None = None, *,
+                      save: Callable[[str], None] | None = None, clip: float | None = None,
+                      measure_in_hook: bool = True,
+                      commands: ctl.CommandQueue | None = None) -> ExternalLoop:
+        """Open the run of a fit `framework` runs, at its step `start_step` (a resumed
+        fit's). `save(reason)` writes a checkpoint the framework's way (None: nbwatch's
+        own); `clip`: the framework's own clipping, after nbwatch's; `measure_in_hook`:
+        False where the optimizer's pre-hook comes before the gradients are complete (the
+        adapter calls `measure()`); `commands`: the queue a handle filled before the fit
+        began."""
+        if commands is not None:
+            self._commands = commands
+        rec = self._open_loop(start_step, framework)
+        rec.save_fn, rec.framework_clip, rec.hook_measures = save, clip, measure_in_hook
+        return ExternalLoop(self, rec)
+
+    @property
+    def closed(self) -> bool:
+        """No run is open: the store, the sampler and the folder's writer lock are given back."""
+        return self._closed.is_set()
+
+    def wait_closed(self, timeout: float | None = None) -> bool:
+        """Block until the run's store and sampler are closed; False on a timeout."""
+        return self._closed.wait(timeout)
 
     # -- what the caller reads ----------------------------------------------------------
     @property

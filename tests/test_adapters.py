@@ -375,3 +375,59 @@ def test_lightning_trainer_state_says_a_fit_runs(tmp_path):
     assert seen == [True] and not nl.fit_running(trainer), (
         "Trainer.state.status no longer reads TrainerStatus.RUNNING during a fit: "
         "nbwatch.lightning.fit_running relies on it")
+
+
+# -- the interface the adapters use: no private attribute of nbwatch's Monitor or recorder
+
+
+def _privates_of_the_core() -> set[str]:
+    """The private attribute names of a Monitor with an open run and of its recorder."""
+    import ast as _ast
+
+    from nbwatch.demo import TinyGPT
+
+    model = TinyGPT(vocab=16, d=8, layers=1, heads=1, ctx=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = nbwatch.Monitor(model, opt, run_dir=_tmp_run_dir(), display=False)
+    x = torch.randint(0, 16, (2, 4))
+    model(x).float().mean().backward()
+    opt.step()
+    mon.log(loss=torch.tensor(1.0))
+    names = set(vars(mon)) | set(vars(mon._recorder))
+    for cls in (*type(mon).__mro__, *type(mon._recorder).__mro__):
+        names |= set(vars(cls))
+        src = inspect.getsource(cls) if cls.__module__.startswith("nbwatch") else ""
+        for node in _ast.walk(_ast.parse(src)) if src else ():  # attributes set in methods
+            if isinstance(node, _ast.Attribute) and isinstance(node.ctx, _ast.Store):
+                names.add(node.attr)
+    mon.close()
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _tmp_run_dir():
+    import tempfile
+    from pathlib import Path
+
+    return Path(tempfile.mkdtemp()) / "run"
+
+
+def test_adapters_use_no_private_attribute_of_the_monitor_or_the_recorder():
+    """The HF and Lightning adapters drive a fit through `Monitor.open_external` and its
+    `ExternalLoop` alone: a private of the core read from the outside (`mon._recorder`,
+    `rec._taking`) would break silently when the core changes."""
+    import ast as _ast
+    from pathlib import Path
+
+    core = _privates_of_the_core()
+    pkg = Path(nbwatch.__file__).parent
+    found = []
+    for name in ("fit.py", "hf.py", "lightning.py"):
+        tree = _ast.parse((pkg / name).read_text())
+        for node in _ast.walk(tree):
+            if (isinstance(node, _ast.Attribute) and node.attr in core
+                    # the adapter's own (an Adapter keeps its own `_commands`)
+                    and not (isinstance(node.value, _ast.Name)
+                             and node.value.id in ("self", "cb"))):
+                found.append(f"{name}:{node.lineno} .{node.attr}")
+    assert len(core) > 40  # the scan sees the core's privates
+    assert not found, f"adapters reach into the core: {found}"

@@ -1,0 +1,127 @@
+"""The interface for a loop nbwatch does not run (a framework's fit): the HF and Lightning
+adapters use it and nothing else of nbwatch's insides.
+
+    loop = mon.open_external("hf", start_step, save=..., clip=..., commands=queue)
+    per micro-batch    loop.note_batch(batch)
+    gradients ready    loop.measure()           (where the optimizer's own hook is too early)
+    optimizer stepped  stop = loop.record_step(host, names, parts, ...)
+    eval               loop.evaluate(figures)
+    checkpoint         loop.commit() before the framework writes, loop.note_checkpoint(...)
+    fit returned       loop.end(error)
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .recorder import RunSpec
+
+if TYPE_CHECKING:
+    from .monitor import Monitor
+    from .recorder import StepRecorder
+
+
+class ExternalLoop:
+    """One framework fit, as its adapter records and steers it. Opened by
+    `Monitor.open_external`; every method is a moment of the framework's step."""
+
+    def __init__(self, monitor: Monitor, recorder: StepRecorder):
+        self._monitor, self._rec = monitor, recorder
+
+    # -- the step -----------------------------------------------------------------------
+    def note_batch(self, batch: Any, epoch: int | None = None, index: int | None = None
+                   ) -> None:
+        """The step being taken uses `batch` (once per micro-batch)."""
+        self._rec.note_batch(batch, epoch, index)
+
+    def measure(self) -> None:
+        """The gradients are complete and not clipped yet: measure them, and let nbwatch's
+        skip and clip rules act on them (the optimizer's own hook would see them later)."""
+        self._rec.pre_step()
+
+    @property
+    def stepped(self) -> bool:
+        """The optimizer stepped since the last `record_step` (False while accumulating)."""
+        return self._rec.stepped
+
+    def record_step(self, host: dict[str, float], names: list[str],
+                    parts: list[torch.Tensor], *, lengths: torch.Tensor | None = None,
+                    samples: int | None = None, reduction: str | None = None) -> bool:
+        """Record the optimizer step just taken (host figures, and device `parts` named
+        `names`), then apply the commands (a pause blocks here). True once the fit should
+        stop."""
+        self._rec.record_step(host, names, parts, lengths=lengths, samples=samples,
+                              reduction=reduction)
+        return self._rec.boundary()
+
+    @property
+    def ended(self) -> bool:
+        return self._rec.ended
+
+    # -- evals ---------------------------------------------------------------------------
+    @property
+    def spec(self) -> RunSpec:
+        """What the evals measure; an adapter fills `probe_batch` and `probe_fn` where the
+        framework holds them."""
+        return self._rec.spec
+
+    def evaluate(self, figures: dict[str, float] | None) -> None:
+        """The framework evaluated: its figures, the attention probe, the sample."""
+        self._rec.evaluate(figures)
+
+    def probe_failed(self, message: str) -> None:
+        """The attention probe cannot work on this model: said once, then off."""
+        self._rec.probe_failed(message)
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def commit(self) -> None:
+        """Everything recorded so far on disk: call before the framework writes a
+        checkpoint, which must never be newer than the run's history."""
+        self._rec.commit()
+
+    def note_checkpoint(self, reason: str, path: str | Path, seconds: float | None = None,
+                        best: bool = False) -> None:
+        """Record a checkpoint the framework wrote."""
+        self._rec.note_checkpoint(reason, path, seconds, best)
+
+    # -- the LR factor ---------------------------------------------------------------------
+    @property
+    def scheduler(self) -> Any:
+        return self._rec.sched
+
+    def next_lrs(self) -> list[float] | None:
+        """The LRs the optimizer uses at the next step, an LR cut included, where one is in
+        force (None: the schedule's own LRs are the truth)."""
+        rec = self._rec
+        c = rec.control
+        if rec.sched is None or c.lr_factor == 1.0:
+            return None
+        raw = c.lr_factor if c.lr_raw else 1.0  # off now: put back on before the next step
+        return [g["lr"] * raw for g in rec.opt.param_groups]
+
+    # -- the end ---------------------------------------------------------------------------
+    @property
+    def log(self) -> logging.Logger:
+        """The run's log (its lines go to the run folder's log file)."""
+        return self._rec.log
+
+    def end(self, error: BaseException | None = None) -> None:
+        """The fit returned (`None`: finished, or stopped if a stop was taken) or raised:
+        record how it ended, with the final or the emergency checkpoint, and give back the
+        store, the sampler and the folder's writer lock."""
+        self._monitor._end_loop(error)
+
+    def abandon(self, why: str) -> None:
+        """The fit ended without telling its adapter: close the run as failed with `why`,
+        without a checkpoint (the model may be another fit's by now)."""
+        self._rec.save_fn = _no_checkpoint
+        self._monitor._end_loop(RuntimeError(why))
+
+
+def _no_checkpoint(reason: str) -> None:
+    """A save that saves nothing."""
+

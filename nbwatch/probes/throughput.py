@@ -1,25 +1,32 @@
-"""Step-time split and throughput from timings measured by the runner."""
+"""Step-time split and throughput: what each loop's step records as time/* and throughput/*."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 
-def timing_figures(
-    step_s: float, data_s: float, tokens: float | None, samples: int | None
-) -> dict[str, float]:
-    """`time/step` (whole step), `time/data` (waiting for the loader), `time/compute` and rates."""
-    out = {
-        "time/step": step_s,
-        "time/data": data_s,
-        "time/compute": max(step_s - data_s, 0.0),
-    }
-    if step_s > 0:
-        if tokens is not None:
-            out["throughput/tokens_per_s"] = tokens / step_s
-        if samples is not None:
-            out["throughput/samples_per_s"] = samples / step_s
+def timing_figures(step_s: float, data_s: float | None = None) -> dict[str, float]:
+    """`time/step` (the whole step, boundary to boundary) and, where nbwatch iterates the
+    data, `time/data` (waiting for the loader) and `time/compute` (the rest)."""
+    out = {"time/step": step_s}
+    if data_s is not None:
+        out["time/data"] = data_s
+        out["time/compute"] = max(step_s - data_s, 0.0)
     return out
+
+
+def add_rates(values: dict[str, float], samples: int | None) -> None:
+    """The step's throughput, the one place it is computed for every loop: samples/s from
+    its sample count, tokens/s from `tokens/real` (real tokens, padding excluded), both
+    over `time/step`."""
+    step_s = values.get("time/step")
+    if not step_s or step_s <= 0:
+        return
+    if samples:
+        values["throughput/samples_per_s"] = samples / step_s
+    tokens = values.get("tokens/real")
+    if tokens is not None:
+        values["throughput/tokens_per_s"] = tokens / step_s
 
 
 def batch_samples(batch: object) -> int | None:

@@ -20,7 +20,7 @@ from ..alerts import weight_std
 from ..distributed import rank_figures
 from ..probes import weights as wprobe
 from ..probes.data import bad_mask
-from ..probes.throughput import timing_figures
+from ..probes.throughput import add_rates, timing_figures
 from ..records import Event, Histogram, Scalars
 from .optimizer_step import to_host
 from .spec import SMOOTHING
@@ -67,13 +67,10 @@ class StepEnd:
             alerts = t.alerts
             values["time/probes"] = t.t_probe - t.t_pre
             values["time/optimizer"] = t.t_post - t.t_probe
-        step_s = t_end - self._t_boundary
-        if data_s is None:  # a loop of the user's: nbwatch does not see its data wait
-            values["time/step"] = step_s
-            if samples and step_s > 0:
-                values["throughput/samples_per_s"] = samples / step_s
-        else:
-            values.update(timing_figures(step_s, data_s, None, samples))
+        # data_s None: a loop of the user's, whose data wait nbwatch does not see
+        values.update(timing_figures(t_end - self._t_boundary, data_s))
+        if samples:
+            values["_samples"] = float(samples)  # its rate: with tokens/s, once on the host
         if extra_times:
             values.update(extra_times)
         self.step = step
@@ -106,12 +103,11 @@ class StepEnd:
             self._mask_said = True
             self._emit(Event(step, "probe", "warning", bad))
         tokens = values.get("tokens/real")
-        if tokens is not None:
-            padded = values.pop("_padded", None)
-            if padded:
-                values["data/padding_ratio"] = 1.0 - tokens / padded
-            if values.get("time/step"):
-                values["throughput/tokens_per_s"] = tokens / values["time/step"]
+        padded = values.pop("_padded", None)
+        if tokens is not None and padded:
+            values["data/padding_ratio"] = 1.0 - tokens / padded
+        samples = values.pop("_samples", None)
+        add_rates(values, int(samples) if samples else None)
         loss = values.get("loss/train")
         if overflow and loss is not None and not math.isfinite(loss):
             alerts = alerts + self.engine.observe("grads", step, values)  # a real NaN

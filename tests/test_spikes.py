@@ -201,7 +201,7 @@ def test_batch_identity_hash_accumulation_and_ring(tmp_path):
 
     mon.start(step_fn, batches, max_steps=40, accumulate=2, display=False)
     mon.wait()
-    ring = list(recorders[-1].batches)
+    ring = list(recorders[-1].batch_ids.ring)
     assert len(ring) == min(40, RING) and ring[-1]["step"] == 40
     first, second = ring[0], ring[1]  # steps 1 and 2: batches 0-1, 2-3
     both = zlib.crc32(batches[1].numpy(), zlib.crc32(batches[0].numpy()))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numbers
 import zlib
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,9 +54,12 @@ def content_hash(batch: Any) -> str | None:
 
 
 class BatchIds:
-    """Part of `StepRecorder` (its state, `batches` and `_batch`, is set in its __init__)."""
+    """The batch identities of the last `RING` steps, and that of the step being taken."""
 
-    _logged: tuple[int | None, int] | None = None  # log(batch=): (epoch, next own index)
+    def __init__(self, ring: int = RING):
+        self.ring: deque[dict[str, Any]] = deque(maxlen=ring)  # oldest first
+        self._batch: dict[str, Any] | None = None  # the step being taken
+        self._logged: tuple[int | None, int] | None = None  # log(batch=): (epoch, next index)
 
     def note_logged_batch(self, batch: Any, scalars: dict[str, Any]) -> None:
         """`mon.log(batch=..., epoch=..., index=...)`: the identity of the step's batch, as
@@ -108,10 +112,11 @@ class BatchIds:
             else:  # crc32(b, crc32(a)) == crc32(a + b): the hash of the step's ids in order
                 cur["hash"] = f"{zlib.crc32(a, int(cur['hash'], 16)):08x}"
 
-    def _ring_batch(self, step: int) -> None:
+    def end_step(self, step: int) -> None:
+        """The step `step` is taken: its batch's identity goes into the ring."""
         b, self._batch = self._batch, None
-        self.batches.append({"step": step, **b} if b else {"step": step})
+        self.ring.append({"step": step, **b} if b else {"step": step})
 
-    def batches_around(self, step: int, before: int) -> list[dict[str, Any]]:
+    def around(self, step: int, before: int) -> list[dict[str, Any]]:
         """The identities of steps `step - before` … `step` still in the ring, oldest first."""
-        return [dict(b) for b in self.batches if step - before <= b["step"] <= step]
+        return [dict(b) for b in self.ring if step - before <= b["step"] <= step]

@@ -65,9 +65,8 @@ class EvalCheckpoint:
     def probe_note(self, missing: str, message: str) -> None:
         """Figures the probe pass cannot take on this model (`missing`: "logits"), the probe
         staying on: said once a run, as a `probe` event the Health panel shows."""
-        said = self.__dict__.setdefault("_probe_said", set())  # set here: one method's state
-        if missing not in said:
-            said.add(missing)
+        if missing not in self._probe_said:
+            self._probe_said.add(missing)
             self._emit(Event(self.step, "probe", "info", message, {"missing": missing}))
 
     def note_checkpoint(self, reason: str, path: str | Path, seconds: float | None = None,

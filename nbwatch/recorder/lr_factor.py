@@ -8,26 +8,41 @@ state_dict stay untouched.
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+
 from .. import controls as ctl
 
 
 class LrFactor:
-    """Part of `StepRecorder` (its state is set in `StepRecorder.__init__`)."""
+    """The factor of `control` on the optimizer's LRs, around the scheduler's steps."""
 
-    def _lr_off(self) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any,
+                 control: ctl.ControlState):
+        self.opt, self.sched, self.control = optimizer, scheduler, control
+        self._sched_count: int | None = None  # the scheduler's step count at the post-hook
+        self._sched_at_end: int | None = None  # … and at the last end of step
+
+    def off(self) -> None:
+        """The optimizer stepped: take the factor off, so the scheduler steps the plain
+        schedule."""
+        self._sched_count = ctl.steps_taken(self.sched) if self.sched is not None else None
         c = self.control
         if self.sched is not None and c.lr_factor != 1.0 and not c.lr_raw:
             ctl.scale_lrs(self.opt, 1.0 / c.lr_factor)
             c.lr_raw = True
 
-    def _scheduler_pending(self) -> bool:
+    def scheduler_pending(self) -> bool:
         """The optimizer stepped but the scheduler has not yet (it steps after log())."""
         if self.sched is None or self._sched_count is None:
             return False
         n = ctl.steps_taken(self.sched)
         return n is not None and n == self._sched_count
 
-    def _lr_on(self, only_if_scheduled: bool = False) -> None:
+    def on(self, only_if_scheduled: bool = False) -> None:
+        """Put the factor back on (at the next step's start, or once the scheduler has
+        stepped where `only_if_scheduled`)."""
         c = self.control
         if not c.lr_raw:
             return
@@ -38,7 +53,19 @@ class LrFactor:
         ctl.scale_lrs(self.opt, c.lr_factor)
         c.lr_raw = False
 
-    def _repair_lr_after_overflow(self) -> bool:
+    def end_step(self) -> None:
+        """The step's end: the scheduler's count, to tell whether it stepped by the next."""
+        if self.sched is not None:
+            self._sched_at_end = ctl.steps_taken(self.sched)
+
+    def scheduler_moved(self) -> bool:
+        """The scheduler stepped since the last end of step (or cannot tell: no counter)."""
+        if self.sched is None:
+            return False
+        n = ctl.steps_taken(self.sched)
+        return n is None or n != self._sched_at_end
+
+    def repair_after_overflow(self) -> bool:
         """No optimizer step, so no post-hook took the LR factor off before the loop's
         `scheduler.step()`: a closed-form schedule then dropped it; put it back. Returns
         whether the LR now reads what the next step will use."""

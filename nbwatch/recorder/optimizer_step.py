@@ -7,12 +7,9 @@ before the update and update ratios after it.
                       (update)
                       post-hook  update ratios · LR factor off for the scheduler
 
-A loop that clipped the gradients itself before `optimizer.step()` (`clip_grad_norm_`,
-`accelerator.clip_grad_norm_`; see optimizer_hooks.py) hands the pre-hook clipped ones:
-the norms before that clip are recovered from the factor it scaled by, min(1, max_norm /
-(total + 1e-6)), from the norm it computed (copied with the step's other figures, in the
-same one host copy): `grad_norm/global` and `grad_norm/<layer>` before the loop's clip,
-`grad_norm/clipped` after it (and after nbwatch's own clip, if any).
+A loop that clipped the gradients itself before `optimizer.step()` hands the pre-hook
+clipped ones: `grad_norm/global` and `grad_norm/<layer>` are the norms before that clip
+(own_clips.py), `grad_norm/clipped` the norm after it (and after nbwatch's own clip).
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ import torch
 
 from .. import controls as ctl
 from ..probes import weights as wprobe
-from ..probes.grads import clip_, clip_factor, layer_norms, param_grad_norms
-from ..records import Event
+from ..probes.grads import clip_, layer_norms, param_grad_norms
 
 
 @dataclass
@@ -46,9 +42,6 @@ class _Taking:
 
 class OptimizerStep:
     """Part of `StepRecorder` (its state is set in `StepRecorder.__init__`)."""
-
-    _clip_said = False  # the loop's own clipping was said (once a run)
-    _clip_notes: frozenset[str] = frozenset()  # why norms before it could not be known
 
     @property
     def skipping(self) -> bool:
@@ -92,7 +85,7 @@ class OptimizerStep:
         if not explicit and self._taking is not None and self._taking.explicit:
             return  # the adapter measured this step already, before its framework clipped
         t0 = time.perf_counter()
-        self._lr_on()
+        self.lr.on()
         step = self.step + 1
         lrs = ctl.lrs(self.opt)  # the LR this step uses
         norms, layer_of, grads = param_grad_norms(self.layers)
@@ -107,8 +100,8 @@ class OptimizerStep:
             return
         host = [n * unscale for n in host_norms]
         if clips or clip_note:
-            total, per_layer, current = self._before_clips(step, host, layer_of, clips,
-                                                           totals, clip_note)
+            total, per_layer, current = self.own_clips.before(step, host, layer_of, clips,
+                                                             totals, clip_note)
         else:
             total, per_layer = layer_norms(host, layer_of, len(self.layers))
             current = total
@@ -198,90 +191,6 @@ class OptimizerStep:
                     p.grad = None
             values["skipped"] = 1.0
 
-    def _before_clips(self, step: int, host: list[float], layer_of: tuple[int, ...],
-                      clips: list, totals: list[float], note: str | None
-                      ) -> tuple[float, list[float], float]:
-        """(global, per-layer norms before the loop's own clips of this step, the global
-        norm the gradients have now) from the per-parameter norms measured now (after the
-        clips) and each clip's factor. Where they cannot be known, says so in an event
-        (once a run) and gives the norms measured now, or NaN for a layer."""
-        n_layers = len(self.layers)
-        current = math.sqrt(math.fsum(n * n for n in host))
-        if not self._clip_said and clips:
-            self._clip_said = True
-            limits = sorted({c.max_norm for c in clips})
-            self._emit(Event(step, "probe", "info",
-                             f"the loop clips its gradients itself (max_norm "
-                             f"{', '.join(f'{m:g}' for m in limits)}): grad_norm/global and "
-                             "grad_norm/<layer> are the norms before that clip (its scale "
-                             "factor divided out), grad_norm/clipped the norm after it",
-                             {"max_norm": limits}))
-        if note is not None:
-            self._say_clip(step, note)
-        if not clips:  # "changed": the norms the optimizer gets, said above
-            total, per_layer = layer_norms(host, layer_of, n_layers)
-            return total, per_layer, current
-        scale_all = 1.0
-        per_param: list[float] | None = None
-        for c, t in zip(clips, totals):
-            if not math.isfinite(t):  # a non-finite norm scaled the gradients by 0 or NaN
-                return t, [math.nan] * n_layers, current
-            f = clip_factor(c.max_norm, t)
-            if not f > 0.0:  # max_norm 0: every gradient zeroed, nothing to recover from
-                self._say_clip(step, "zeroed")
-                total, per_layer = layer_norms(host, layer_of, n_layers)
-                return total, per_layer, current
-            covered = self._clip_cover(c.ids)
-            if covered is None:
-                scale_all *= f
-                continue
-            if per_param is None:
-                per_param = [1.0] * len(self.layers.params)
-            for i in covered:
-                per_param[i] *= f
-        if per_param is None:
-            before = [n / scale_all for n in host]
-        else:
-            present = [i for i, p in enumerate(self.layers.params) if p.grad is not None]
-            before = [n / (scale_all * per_param[i]) for n, i in zip(host, present)]
-        total, per_layer = layer_norms(before, layer_of, n_layers)
-        return total, per_layer, current
-
-    def _clip_cover(self, ids: tuple[int, ...]) -> tuple[int, ...] | None:
-        """The monitored parameters a clip covered (indices into `layers.params`), None
-        for all of them; kept per parameter list (a loop passes the same one each step)."""
-        cache = self.__dict__.setdefault("_clip_covers", {})
-        if ids not in cache:
-            if len(cache) > 16:
-                cache.clear()
-            held = set(ids)
-            covered = tuple(i for i, p in enumerate(self.layers.params) if id(p) in held)
-            cache[ids] = None if len(covered) == len(self.layers.params) else covered
-        return cache[ids]
-
-    def _say_clip(self, step: int, note: str) -> None:
-        """Why this step's norms before the loop's own clip are not what they would be
-        without it: said once a run for each reason."""
-        if note in self._clip_notes:
-            return
-        self._clip_notes = self._clip_notes | {note}
-        message = {
-            "partial": "the loop clipped the gradients before a later backward of the same "
-                       "optimizer step (a clip on each accumulation micro-batch?): what that "
-                       "clip cut cannot be recovered, so grad_norm/global is the norm before "
-                       "the step's last clip; clip once per optimizer step, after its last "
-                       "backward (with accelerate: under `if accelerator.sync_gradients:`)",
-            "changed": "the gradients changed after the loop's clip_grad_norm_ and before "
-                       "optimizer.step() (a backward, or a GradScaler's unscale, after the "
-                       "clip): the norms before that clip cannot be known, so grad_norm/"
-                       "global is the norm the optimizer got, after the clip; unscale, then "
-                       "clip, then step",
-            "zeroed": "the loop clipped the gradients with max_norm 0, which zeroes them: "
-                      "the norms before that clip cannot be known, so the gradient norms "
-                      "recorded are those after it",
-        }[note]
-        self._emit(Event(step, "probe", "warning", message, {"clip": note}))
-
     def post_step(self) -> None:
         """Optimizer post-hook: update ratios, and the LR factor off for the scheduler."""
         t = self._taking
@@ -291,8 +200,7 @@ class OptimizerStep:
             ratios = wprobe.update_ratios(self.layers, t.before).tolist()
             t.values.update({f"update_ratio/{n}": r for n, r in zip(self.layers.names, ratios)})
             t.before = []  # a histogram step: taken at its end
-        self._sched_count = ctl.steps_taken(self.sched) if self.sched is not None else None
-        self._lr_off()
+        self.lr.off()
         t.t_post = time.perf_counter()
         self._stepped = True
 

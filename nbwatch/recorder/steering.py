@@ -211,7 +211,7 @@ class Steering:
     def _do_scale_lr(self, cmd: Command) -> Outcome:
         c, f = self.control, float(cmd.payload["factor"])
         before = ctl.lrs(self.opt)[0] * (c.lr_factor if c.lr_raw else 1.0)
-        if not c.lr_raw and self._scheduler_pending():
+        if not c.lr_raw and self.lr.scheduler_pending():
             # the loop steps its scheduler after log(): let it step the plain schedule
             ctl.scale_lrs(self.opt, 1.0 / c.lr_factor)
             c.lr_raw = True
@@ -227,7 +227,7 @@ class Steering:
         for a in alerts:
             before = a.rule.params.get("batches_before")
             if before is not None:  # which batches: the step's and those just before it
-                a.data["batches"] = self.batches_around(a.step, int(before))
+                a.data["batches"] = self.batch_ids.around(a.step, int(before))
             self._emit(a.event)
             if self.on_alert is not None:
                 try:

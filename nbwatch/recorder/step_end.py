@@ -51,12 +51,12 @@ class StepEnd:
         t_end = time.perf_counter()
         t = self._taking
         self._taking, self._stepped = None, False
-        self._lr_on(only_if_scheduled=True)
+        self.lr.on(only_if_scheduled=True)
         step = self.step + 1
         if t is None:  # a GradScaler found inf/NaN gradients and skipped the optimizer
             self.flush_deferred()  # steps are recorded in order
             values = {**values, "amp/overflow": 1.0}
-            if self._repair_lr_after_overflow():
+            if self.lr.repair_after_overflow():
                 values["lr"] = ctl.lrs(self.opt)[0]
             alerts: list = []
             if self._staged is not None:  # the runner's loss, never copied: copy it now
@@ -75,7 +75,7 @@ class StepEnd:
             values.update(extra_times)
         self.step = step
         self.progress.step = step
-        self._ring_batch(step)
+        self.batch_ids.end_step(step)
         if parts:
             on_gpu = parts[0].device.type == "cuda" and t is not None
             if on_gpu and self.dist is None:
@@ -90,8 +90,7 @@ class StepEnd:
         if self.scaler is not None and isinstance(getattr(self.scaler, "_scale", None),
                                                   torch.Tensor):
             self._scale_ref = self.scaler._scale.clone()  # no sync: compared on overflow only
-        if self.sched is not None:
-            self._sched_at_end = ctl.steps_taken(self.sched)
+        self.lr.end_step()
         self._t_boundary = time.perf_counter()
         return step
 
@@ -113,10 +112,8 @@ class StepEnd:
             alerts = alerts + self.engine.observe("grads", step, values)  # a real NaN
         elif overflow:
             values.pop("grad_norm/global", None)
-        if self.sched is not None:
-            n = ctl.steps_taken(self.sched)  # None: a scheduler without a counter
-            if n is None or n != self._sched_at_end:
-                self.engine.explain_lr()
+        if self.lr.scheduler_moved():
+            self.engine.explain_lr()
         alerts = alerts + self.engine.observe("step", step, values)
         if self.dist is not None:
             self._rank_rows.append((step, {**rank_figures(values), "time/sync": self._sync_s}))

@@ -24,10 +24,11 @@ from ..distributed import Dist, lost_peer
 from ..probes.grads import Layers
 from ..records import Event
 from ..store import RunStore
-from .batches import RING, BatchIds
+from .batches import BatchIds
 from .eval_checkpoint import EvalCheckpoint
 from .lr_factor import LrFactor
 from .optimizer_step import OptimizerStep, _Taking
+from .own_clips import OwnClips
 from .rewind import Rewind
 from .spec import Progress, RunSpec, StopTraining
 from .steering import Steering
@@ -37,8 +38,7 @@ log = logging.getLogger("nbwatch.recorder")
 _RUN_IDS = itertools.count(1)  # each run's logger is its own, whatever its folder's name
 
 
-class StepRecorder(OptimizerStep, LrFactor, StepEnd, Steering, EvalCheckpoint, BatchIds,
-                   Rewind):
+class StepRecorder(OptimizerStep, StepEnd, Steering, EvalCheckpoint, Rewind):
     """Measures and records each optimizer step of one run, and steers it between steps."""
 
     def __init__(
@@ -79,8 +79,7 @@ class StepRecorder(OptimizerStep, LrFactor, StepEnd, Steering, EvalCheckpoint, B
         self._rank_step_times: dict[int, deque[float]] = {}
         self._last_val: float | None = None
         self._seq_lens: list[torch.Tensor] = []
-        self.batches: deque[dict[str, Any]] = deque(maxlen=RING)  # the last steps' batches
-        self._batch: dict[str, Any] | None = None  # the identity of the step being taken
+        self.batch_ids = BatchIds()  # which batch each of the last steps took
         self._store_poll = 0.0
         self._command_id = 0  # the newest store command taken
         self._opened_wall = time.time()  # store commands older than this: an earlier run's
@@ -92,13 +91,14 @@ class StepRecorder(OptimizerStep, LrFactor, StepEnd, Steering, EvalCheckpoint, B
         self.rewound_to: int | None = None  # the step a rewind went back to, until told
         self._reduction_saved = False
         self._mask_said = False  # a bad GPU mask was said (once a run)
+        self._probe_said: set[str] = set()  # figures the probe cannot take, said
         self._ckpt_step: int | None = None
         self._taking: _Taking | None = None  # set by the pre-hook, consumed at the step's end
         self._stepped = False  # the optimizer stepped since the last end of step
         self._staged: tuple[list[str], list[torch.Tensor]] | None = None  # the runner's loss
         self._deferred: _Deferred | None = None
-        self._sched_count: Any = None  # the scheduler's step count at the last post-hook
-        self._sched_at_end: Any = None  # … and at the last end of step
+        self.lr = LrFactor(optimizer, scheduler, control)  # an LR cut around the scheduler
+        self.own_clips = OwnClips(self.layers, self._emit)  # norms before the loop's clips
         self._scale_ref: torch.Tensor | None = None  # the GradScaler's scale at that end
         self._t_boundary = time.perf_counter()
         # Set by framework adapters: False when the optimizer's pre-hook comes too early to
@@ -110,6 +110,16 @@ class StepRecorder(OptimizerStep, LrFactor, StepEnd, Steering, EvalCheckpoint, B
         # Set by framework adapters: the framework's own clipping (Trainer max_grad_norm,
         # Lightning gradient_clip_val), after nbwatch's; `grad_norm/clipped` shows both.
         self.framework_clip: float | None = None
+
+    # -- which batch (batches.py) ---------------------------------------------------------
+    def note_batch(self, batch: Any, epoch: int | None = None, index: int | None = None
+                   ) -> None:
+        """The step being taken uses `batch` (once per micro-batch, before its end)."""
+        self.batch_ids.note_batch(batch, epoch, index)
+
+    def note_logged_batch(self, batch: Any, scalars: dict[str, Any]) -> None:
+        """`mon.log(batch=..., epoch=..., index=...)`: see `BatchIds.note_logged_batch`."""
+        self.batch_ids.note_logged_batch(batch, scalars)
 
     # -- lifecycle ----------------------------------------------------------------------
     def begin(self) -> None:

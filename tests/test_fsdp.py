@@ -179,14 +179,15 @@ def test_two_nodes_on_localhost_one_store_and_a_stop_on_every_rank(tmp_path):
     """Two simulated nodes (`--nnodes=2 --node_rank=0|1`, 1 process each: 4 processes are
     too slow on this 2-core machine), started side by side: global rank 0 alone writes the
     store, with figures of both ranks; a stop from an attached process ends both nodes at
-    the same step."""
+    the same step. The loop clips with clip_grad_norm_ itself: the norms before its clip
+    are recorded, as without FSDP."""
     run_dir = tmp_path / "nodes"
     port = free_port()
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={n}",
          "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
          str(SCRIPT), str(run_dir), "100000"],
-        cwd=ROOT, env=env(LOOP="own", STEP_SLEEP=0.1), stdout=subprocess.PIPE,
+        cwd=ROOT, env=env(LOOP="own", STEP_SLEEP=0.1, LOOP_CLIP=0.3), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
     job = nbwatch.attach(run_dir, display=False)
     try:
@@ -205,7 +206,11 @@ def test_two_nodes_on_localhost_one_store_and_a_stop_on_every_rank(tmp_path):
     assert [r["end"] for r in refs(run_dir)] == [run.step, run.step]
     for r in (0, 1):
         assert run.df[f"rank{r}/loss"].notna().all()
-    check_norms(run_dir)
+    # the loop clips at 0.3 itself: the norms recorded are those before its clip
+    _, steps = check_norms(run_dir)
+    assert all(s["global"] > 0.3 and s["after_clip"] == pytest.approx(0.3, rel=1e-4)
+               for s in steps)
+    assert run.events.message.str.contains("the loop clips its gradients itself").any()
 
 
 def test_fsdp1_is_refused_with_the_fsdp2_alternative(tmp_path):

@@ -4,8 +4,11 @@
 
 Env: LOOP=start (nbwatch's loop, the default) or own (the script's loop with `mon.log()`);
 MODEL=tiny (nbwatch.demo.TinyGPT) or gpt2 (a tiny GPT2LMHeadModel, eager attention);
-CLIP: nbwatch's clip (max_norm); RESUME=1: `Monitor(..., resume=True)` (own loop);
-EVAL_EVERY (default 4); STEP_SLEEP (seconds per step); REF: the reference files' name.
+CLIP: nbwatch's clip (max_norm); LOOP_CLIP: the own loop's clip_grad_norm_ before
+optimizer.step() (then the reference is taken before that clip); RESUME=1:
+`Monitor(..., resume=True)` (own loop); EVAL_EVERY (default 4); STEP_SLEEP (seconds per
+step); REF: the reference files' name; KILL_RANK / KILL_AT: that rank kills itself
+(SIGKILL) at that step; RAISE_AT: every rank raises there.
 
 Each rank writes RUN_DIR/{REF}_rank{r}.json: at each optimizer step, torch's own figures
 on the sharded model before nbwatch sees the gradients (`clip_grad_norm_(...)
@@ -82,16 +85,23 @@ def main() -> None:
     refs: list[dict] = []
     taken = {"step": 0}
 
-    def before(optimizer, args, kwargs):  # torch's figures, before nbwatch's hook
+    def measure(max_norm: float) -> None:
+        """The full gradients' norms per layer, then torch's clip_grad_norm_ (its norm)."""
         sq: dict[str, float] = {}
         for p in params:
             if p.grad is not None:
                 g = p.grad.full_tensor()  # gathered: the full gradient
                 sq[owner[id(p)]] = sq.get(owner[id(p)], 0.0) + float(g.double().square().sum())
-        total = torch.nn.utils.clip_grad_norm_(params, max_norm=math.inf)  # scales by 1
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
         taken["step"] += 1
         refs.append({"step": taken["step"], "global": float(total.full_tensor()),
                      "layers": {k: math.sqrt(v) for k, v in sq.items()}})
+
+    loop_clip = float(os.environ["LOOP_CLIP"]) if os.environ.get("LOOP_CLIP") else None
+
+    def before(optimizer, args, kwargs):  # torch's figures, before nbwatch's hook
+        if loop_clip is None:
+            measure(math.inf)  # scales by 1
 
     def after(optimizer, args, kwargs):  # after nbwatch's clip
         total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
@@ -134,6 +144,8 @@ def main() -> None:
                     loss = nbwatch.masked_cross_entropy(out["logits"], out["labels"],
                                                         out["mask"])
                     loss.backward()
+                    if loop_clip is not None:  # the loop clips itself, as users do
+                        measure(loop_clip)
                     opt.step()
                     sched.step()
                     opt.zero_grad()

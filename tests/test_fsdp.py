@@ -228,3 +228,49 @@ def test_fsdp1_is_refused_with_the_fsdp2_alternative(tmp_path):
         assert not (tmp_path / "fsdp1").exists()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_failure_on_every_rank_writes_an_emergency_checkpoint_that_resumes(tmp_path):
+    """An error on every rank at one step: every rank writes its shards of the emergency
+    checkpoint; `resume=True` (here from a loop of the script's own) loads those weights."""
+    run_dir = tmp_path / "fail"
+    proc = torchrun(run_dir, 50, LOOP="start", RAISE_AT=6, EVAL_EVERY=100)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    run = nbwatch.open_run(run_dir)
+    assert run.state == "failed" and run.step == 5, out[-3000:]
+    ev = run.events
+    assert "failed on purpose" in ev[ev.kind == "error"].message.iloc[0]
+    ck = ev[(ev.kind == "checkpoint") & ev.message.str.startswith("emergency")]
+    assert len(ck) == 1 and ck.step.iloc[0] == 5, ev.message.tolist()
+    assert (run_dir / "checkpoints" / "step_00000005.dcp" / ".metadata").is_file()
+
+    finish(torchrun(run_dir, 7, LOOP="own", RESUME=1, REF="resumed"))
+    before = torch.load(run_dir / "ref_full_end.pt")
+    after = torch.load(run_dir / "resumed_full_start.pt")
+    assert before["step"] == after["step"] == 5
+    for k, v in before["state"].items():
+        assert torch.equal(v, after["state"][k]), f"{k} differs after the resume's load"
+    run = nbwatch.open_run(run_dir)
+    assert run.state == "finished" and run.df.index.tolist() == list(range(1, 8))
+
+
+def test_a_killed_rank_ends_the_other_with_a_clear_error(tmp_path):
+    """Rank 1 dies (SIGKILL) mid-run: rank 0, waiting in a sharded forward's all-gather or
+    in nbwatch's exchange, ends too and the run reads failed, saying why; no emergency
+    checkpoint can be written without every rank's shards, and the event says so."""
+    run_dir = tmp_path / "killed"
+    t0 = time.monotonic()
+    proc = torchrun(run_dir, 10_000, LOOP="start", KILL_RANK=1, KILL_AT=6, EVAL_EVERY=100)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 120
+    run = nbwatch.open_run(run_dir)
+    assert run.state == "failed" and 4 <= run.step <= 6, out[-3000:]
+    err = run.events.query("kind == 'error'").message.iloc[0]
+    # whichever reaches rank 0 first: gloo's closed connection, or torchrun's SIGTERM
+    assert err.startswith(("[rank 0/2] lost contact with another rank",
+                           "[rank 0] terminated by SIGTERM")), err
+    ck = run.events[run.events.message.str.startswith("emergency checkpoint")]
+    if len(ck):  # rank 0 had the time to try: the shards of rank 1 are gone
+        assert "needs every rank" in ck.message.iloc[0], ck.message.iloc[0]
+    assert not list((run_dir / "checkpoints").glob("step_*.pt"))

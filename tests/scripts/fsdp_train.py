@@ -21,6 +21,7 @@ after a resume's load) and {REF}_full_end.pt (at the end).
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -114,7 +115,17 @@ def main() -> None:
     data = batches(rank)
     val_batch = batches(99, 1)[0]
 
+    kill_rank, kill_at = int(os.environ.get("KILL_RANK", "-1")), int(os.environ.get("KILL_AT", "0"))
+    raise_at = int(os.environ.get("RAISE_AT", "0"))
+    calls = {"n": 0}
+
     def step_fn(model, batch):
+        if model.training:  # a training step (not the probe's or val_fn's forward)
+            calls["n"] += 1
+            if rank == kill_rank and calls["n"] == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if calls["n"] == raise_at:
+                raise RuntimeError(f"the step function failed on purpose at call {raise_at}")
         time.sleep(sleep)
         return {"logits": logits_of(model, batch["input_ids"]), "labels": batch["labels"],
                 "mask": batch["mask"]}

@@ -117,16 +117,27 @@ def test_fsdp2_start_full_norms_clip_histograms_attention(tmp_path):
 
 
 def test_fsdp2_own_loop_stop_at_one_step_then_resume_with_the_same_weights(tmp_path):
-    """The script's own loop with `mon.log()`: a stop from an attached process ends both
-    ranks at the same step with a checkpoint of their shards; `resume=True` loads the same
-    full weights and continues with no hole in the steps."""
+    """The script's own loop with `mon.log()`: Cut LR, Clip, Pause and Stop from an attached
+    process act on both ranks at one step (a stop while paused ends both loops with a
+    checkpoint of their shards); `resume=True` loads the same full weights and continues
+    with no hole in the steps."""
     run_dir = tmp_path / "own"
     proc = torchrun(run_dir, 100_000, LOOP="own", STEP_SLEEP=0.15)
     job = nbwatch.attach(run_dir, display=False)
+    acts = lambda: (job.events.kind == "action").sum()  # noqa: E731
     try:
         job.wait_started(90)
-        until(lambda: job.step >= 6, timeout=90, what="step 6")
-        job.stop()
+        until(lambda: job.step >= 3, timeout=90, what="step 3")
+        job.scale_lr(0.5)
+        until(lambda: acts() >= 1, timeout=60, what="scale_lr acknowledged")
+        job.set_clip(0.2)
+        until(lambda: acts() >= 2, timeout=60, what="set_clip acknowledged")
+        job.pause()
+        until(lambda: job.state == "paused", timeout=60, what="paused")
+        held = job.step
+        time.sleep(1.0)
+        assert job.step == held  # both ranks wait: a sharded forward would hang otherwise
+        job.stop()  # while paused: both ranks leave their loop at the same log()
         finish(proc)
     finally:
         proc.kill()
@@ -137,7 +148,16 @@ def test_fsdp2_own_loop_stop_at_one_step_then_resume_with_the_same_weights(tmp_p
     ends = [r["end"] for r in refs(run_dir)]
     assert ends == [held, held]  # both ranks left their loop at the same log()
     assert held % 2 == 0  # at an exchange step (rank_every=2)
-    check_norms(run_dir)
+    df, steps = check_norms(run_dir)
+    ev = run.events
+    scaled, clipped = (ev[ev.message.str.startswith(m)].step.iloc[0]
+                       for m in ("LR scaled", "gradient clipping at 0.2"))
+    assert scaled % 2 == 0 and clipped % 2 == 0  # applied at an exchange, on both ranks
+    assert df["rank0/lr"].tolist() == df["rank1/lr"].tolist()
+    assert df.loc[scaled + 1, "lr"] / df.loc[scaled, "lr"] == pytest.approx(0.5 * 0.99)
+    for s in steps:  # torch's full norm after nbwatch's clip: clipped on every rank's shard
+        want = min(s["global"], 0.2) if s["step"] > clipped else s["global"]
+        assert s["after_clip"] == pytest.approx(want, rel=1e-4), s["step"]
     assert (run_dir / "checkpoints" / f"step_{held:08d}.dcp" / ".metadata").is_file()
     assert (run.df["loss/val"].dropna().index % 4 == 0).all()
     assert run.attention(step=4)

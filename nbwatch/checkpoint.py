@@ -146,6 +146,8 @@ class Checkpointer:
     """Writes `step_XXXXXXXX.pt` files into `directory`, keeps the newest `keep_last`,
     and keeps the one with the best val loss as `best.pt` (a hard link, or a copy)."""
 
+    every_rank = False  # rank 0 alone saves (sharded_checkpoint.py's: every rank)
+
     def __init__(self, directory: str | Path, keep_last: int = 3):
         if keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, got {keep_last}")
@@ -219,11 +221,16 @@ def restore_into(ckpt: dict[str, Any], model: Any, optimizer: Any, scheduler: An
     """Load a checkpoint's model, optimizer, scheduler, scaler, RNG and control state
     (resume, rewind); returns its step. A model that does not fit gets a clear error."""
     try:
-        state = ckpt["model"]
-        if any(k.startswith("_orig_mod.") for k in state):  # saved before compiled = plain
-            state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
-        getattr(model, "_orig_mod", model).load_state_dict(state)
-        optimizer.load_state_dict(ckpt["optimizer"])
+        if ckpt.get("sharded"):  # FSDP2: the shards, read by every rank (sharding.py)
+            from .sharding import load_sharded
+
+            load_sharded(where / ckpt["sharded"], model, optimizer)
+        else:
+            state = ckpt["model"]
+            if any(k.startswith("_orig_mod.") for k in state):  # saved before compiled
+                state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
+            getattr(model, "_orig_mod", model).load_state_dict(state)
+            optimizer.load_state_dict(ckpt["optimizer"])
         if (scheduler is not None and ckpt.get("scheduler") is not None
                 and hasattr(scheduler, "load_state_dict")):
             scheduler.load_state_dict(ckpt["scheduler"])

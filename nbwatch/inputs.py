@@ -19,6 +19,7 @@ from torch import nn
 from .optimizer_hooks import hooked_optimizer, inner_scheduler
 from .probes.attention import take_samples
 from .probes.data import batch_figures, check_mask
+from .sharding import refuse_unsupported
 from .store import is_run_dir
 
 
@@ -26,6 +27,7 @@ def check_monitor(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler:
                   config: dict[str, Any] | None, keep_last: int,
                   system_interval: float, on_alert: Any = None) -> None:
     """Refuse what cannot work, before anything opens, with the fix in the message."""
+    refuse_unsupported(model, optimizer)  # FSDP1, DeepSpeed
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):

@@ -23,7 +23,6 @@ from torch import nn
 
 from . import controls as ctl
 from .alerts import configure, default_rules
-from .checkpoint import Checkpointer
 from .controls import refuse_early
 from .external import ExternalLoop
 from .inputs import (
@@ -47,6 +46,7 @@ from .recorder import Progress, Rewound, StepRecorder, StopTraining
 from .records import Command, CommandKind
 from .run import Readout, Run, started_run
 from .runner import Runner
+from .sharded_checkpoint import make_checkpointer
 from .store import RunStore, check_no_writer
 
 log = logging.getLogger("nbwatch")
@@ -119,7 +119,8 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         self.config = dict(config or {})
         self.system_interval = system_interval
         self.on_alert = on_alert
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep_last)
+        self.checkpointer = make_checkpointer(self.run_dir / "checkpoints", keep_last, model,
+                                              optimizer)  # FSDP2: sharded, by every rank
         self.control = ctl.ControlState()
         self._clip_asked = ctl.check_clip(clip)  # wins over a resumed checkpoint's
         self._commands = ctl.CommandQueue()

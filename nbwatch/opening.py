@@ -82,6 +82,8 @@ class RunOpening:
         """Open a run: the store, the recorder, the run log and the system sampler.
         `start_step`: where a framework that restored its own checkpoint stands."""
         dist = Dist.detect(opts.rank_every, opts.dist_timeout)  # collective: every rank's
+        if dist is not None and self.checkpointer.every_rank:  # FSDP2's shards: its timeout
+            self.checkpointer.group = dist.group
         run_meta = {**run_meta, "options": opts.record()}  # the options in force
         if start_step is None:
             start_step = self._start_step(resume)

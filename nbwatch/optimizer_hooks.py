@@ -219,8 +219,10 @@ def _observe(params: list, max_norm: Any, total: Any) -> None:
     if not _WATCHERS:
         _unwatch_clips(None)  # the Monitors that watched were collected: torch's are back
         return
-    if not params or not isinstance(total, torch.Tensor) or hasattr(total, "full_tensor"):
-        return  # a DTensor's norm (FSDP2) is not copied with the step's figures
+    if not params or not isinstance(total, torch.Tensor):
+        return
+    if hasattr(total, "full_tensor"):  # FSDP2: the full gradients' norm (every rank clips)
+        total = total.full_tensor()
     first = next((p for p in params if p.grad is not None), None)
     if first is None:
         return

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ class Layers:
     names: tuple[str, ...]
     params: tuple[nn.Parameter, ...]
     layer_of: tuple[int, ...]  # params[i] belongs to names[layer_of[i]]
+    shards: Any = None  # FSDP2: how the parameters are sharded (probes/sharded.py)
 
     @classmethod
     def of(cls, model: nn.Module) -> Layers:
@@ -36,7 +38,9 @@ class Layers:
                 names.append(owner)
             params.append(p)
             layer_of.append(index[owner])
-        return cls(tuple(names), tuple(params), tuple(layer_of))
+        from .sharded import shards_of
+
+        return cls(tuple(names), tuple(params), tuple(layer_of), shards_of(tuple(params)))
 
     def __len__(self) -> int:
         return len(self.names)
@@ -73,6 +77,10 @@ def param_grad_norms(layers: Layers) -> tuple[list[torch.Tensor], tuple[int, ...
     them into layers there (`layer_norms`): fewer device ops than an on-device scatter,
     which matters when the step itself is short.
     """
+    if layers.shards is not None:  # FSDP2: norms of the full gradients, one all_reduce
+        from .sharded import grad_norms
+
+        return grad_norms(layers)
     present = [(p.grad, li) for p, li in zip(layers.params, layers.layer_of) if p.grad is not None]
     if not present:
         return [], (), []

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import torch
 
+from . import sharded
 from .grads import Layers, _gather, layer_sum_sq
 
 
 def snapshot(layers: Layers) -> list[torch.Tensor]:
     """Copies of the weights before an optimizer step (for the update ratio)."""
+    if layers.shards is not None:  # FSDP2: this rank's shards (probes/sharded.py)
+        return sharded.snapshot(layers)
     return [p.detach().clone() for p in layers.params]
 
 
 def update_ratios(layers: Layers, before: list[torch.Tensor]) -> torch.Tensor:
     """‖W_after − W_before‖ / ‖W_after‖ per layer, [L] on device. Consumes `before`."""
+    if layers.shards is not None:
+        return sharded.update_ratios(layers, before)
     after = [p.detach() for p in layers.params]
     dev = after[0].device
     index = layers.index(dev)
@@ -34,6 +39,12 @@ def histogram(x: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor]:
     """
     x = x.detach().reshape(-1).float()
     lo, hi = torch.aminmax(x)
+    return binned(x, lo, hi, bins)
+
+
+def binned(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bins: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`histogram` of the flat float `x` over the range [lo, hi] (0-dim tensors) given."""
     same = hi <= lo
     lo = torch.where(same, lo - 0.5, lo)
     hi = torch.where(same, hi + 0.5, hi)
@@ -51,6 +62,8 @@ def histogram(x: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def layer_histograms(layers: Layers, bins: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """Histogram of each layer's weights: (edges [L, bins+1], counts [L, bins]) on device."""
+    if layers.shards is not None:  # FSDP2: of the full weights, from the shards
+        return sharded.layer_histograms(layers, bins, binned)
     groups: list[list[torch.Tensor]] = [[] for _ in layers.names]
     for p, li in zip(layers.params, layers.layer_of):
         groups[li].append(p.detach().reshape(-1))

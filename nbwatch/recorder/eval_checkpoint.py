@@ -113,7 +113,8 @@ class EvalCheckpoint:
         if self.save_fn is not None:  # the framework saves (on every rank, its own way)
             self.save_fn(reason)
             return None
-        if self.spec.trial or (self.dist is not None and self.dist.rank != 0):
+        if self.spec.trial or (self.dist is not None and self.dist.rank != 0
+                               and not self.ckpt.every_rank):  # FSDP2: every rank saves
             return None
         try:
             saved = self.ckpt.save(self.state_dict(), self.step, self._last_val)

@@ -35,8 +35,8 @@ class Rewind:
             return Refused("a framework runs this loop and keeps its own step count: resume "
                            "it from a checkpoint instead")
         if self.dist is not None:
-            return Refused("not under torchrun yet: every rank would have to reload at the "
-                           "same step; resume from a checkpoint instead")
+            return Refused("not under torchrun (DDP or FSDP) yet: every rank would have to "
+                           "reload at the same step; resume from a checkpoint instead")
         found = [(s, p) for s, p in self.ckpt.steps() if s <= target]
         if not found:
             have = ", ".join(str(s) for s, _ in self.ckpt.steps()) or "none"

@@ -1,0 +1,76 @@
+"""Sharded models: FSDP2 (`fully_shard`) is monitored; FSDP1 and DeepSpeed are refused.
+
+FSDP2's figures are those of the full parameters (probes/sharded.py); its checkpoints are
+`torch.distributed.checkpoint` shards (sharded_checkpoint.py), loaded here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Parameters that are DTensors: a model sharded by FSDP2 (`fully_shard`)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def refuse_unsupported(model: Any, optimizer: Any) -> None:
+    """FSDP1 and DeepSpeed engines: refused before anything opens, with what works."""
+    if any(type(x).__module__.split(".")[0] == "deepspeed" for x in (model, optimizer)):
+        raise TypeError(
+            f"nbwatch does not monitor DeepSpeed engines ({type(model).__name__}): the engine "
+            "runs backward, clipping and the optimizer step itself and partitions the "
+            "gradients (ZeRO), so nbwatch can neither measure nor steer them; train with "
+            "PyTorch FSDP2 (torch.distributed.fsdp.fully_shard) or DDP and pass the model "
+            "and the torch optimizer to nbwatch.Monitor")
+    if not isinstance(model, nn.Module):
+        return
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # a torch built without torch.distributed
+        return
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise TypeError(
+            "FSDP1 (FullyShardedDataParallel) is not supported: its flat parameters hide the "
+            "layers; shard with FSDP2 instead, which nbwatch monitors: "
+            "torch.distributed.fsdp.fully_shard(block) for each block, then fully_shard(model)")
+
+
+@contextlib.contextmanager
+def _no_step_hooks(optimizer: Any):
+    """The optimizer's own step hooks off: DCP makes an empty optimizer's state with one
+    step at LR 0 (`_init_optim_state`), which must not reach nbwatch's hooks as a step."""
+    pre, post = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
+    optimizer._optimizer_step_pre_hooks = OrderedDict()
+    optimizer._optimizer_step_post_hooks = OrderedDict()
+    try:
+        yield
+    finally:
+        optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = pre, post
+
+
+def load_sharded(folder: Path, model: nn.Module, optimizer: Any) -> None:
+    """Load a DCP checkpoint's model and optimizer shards into `model` and `optimizer`
+    (collective: every rank at once). A missing folder raises FileNotFoundError."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"the shards of this checkpoint ({folder}) are missing: every rank must see the "
+            "run's checkpoint folder (on several nodes, a shared filesystem)")
+    with _no_step_hooks(optimizer):
+        msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])

@@ -105,6 +105,13 @@ class RunReader(RecordReads):
     def meta(self) -> dict[str, Any]:
         return {k: json.loads(v) for k, v in self.query("SELECT key, value FROM meta")}
 
+    def store_mode(self) -> str:
+        """How the folder's newest writer wrote it: "local" (WAL, one host) or "network"
+        (rollback journal and a heartbeat file: a shared filesystem); see `mode.py`.
+        Folders of an nbwatch before the two modes are "local"."""
+        row = self.query("SELECT value FROM meta WHERE key = 'store_mode'")
+        return str(json.loads(row[0][0])) if row else "local"
+
     def last_step(self) -> int:
         row = self.query("SELECT MAX(last) FROM walls")
         return int(row[0][0]) if row and row[0][0] is not None else 0

@@ -84,6 +84,11 @@ def header_versions(db: Path) -> tuple[int, int]:
     return head[18], head[19]
 
 
+def store_files(run: Path) -> list[str]:
+    """The store's files in a run folder (the database, its journals, the heartbeat)."""
+    return sorted(p.name for p in run.iterdir() if p.name.startswith("nbwatch."))
+
+
 def steps_recorded(reader: RunReader) -> list[int]:
     got = [blocks.decode(first, steps, values, reader.layout(lid))[0]
            for _, lid, first, steps, values, _ in reader._blocks(["loss/train"], None, None)]
@@ -166,7 +171,7 @@ def test_a_writer_on_another_host_is_alive_while_it_beats_and_dead_after(tmp_pat
     finally:
         store.close()
     assert read_heartbeat(run) is None  # a closed writer leaves the one file
-    assert sorted(p.name for p in run.iterdir()) == ["nbwatch.db"]
+    assert store_files(run) == ["nbwatch.db"]
 
 
 # -- a run written and followed, in both modes ---------------------------------------------
@@ -214,7 +219,7 @@ def test_a_subprocess_run_is_followed_live_in_both_modes(tmp_path, mode):
         assert len(att.df) == att.step and att.df["loss/train"].notna().all()
         assert RunReader(run).walls().index.tolist() == list(range(1, att.step + 1))
         assert ls_state(tmp_path, "run") == "stopped"
-        left = sorted(p.name for p in run.iterdir() if p.name != "checkpoints")
+        left = store_files(run)
         assert left == ["nbwatch.db"], left  # a finished run is one file in both modes
     finally:
         proc.kill()
@@ -274,8 +279,7 @@ def test_network_mode_kill_9_reads_as_crashed_and_resume_leaves_no_hole(tmp_path
     assert reader.walls().index.tolist() == list(range(1, end + 1))
     assert reader.df()["loss/train"].notna().all()
     assert att.state == "finished" and att.step == end
-    left = sorted(p.name for p in run.iterdir() if p.name != "checkpoints")
-    assert left == ["nbwatch.db"], left
+    assert store_files(run) == ["nbwatch.db"]
     att.close()
 
 

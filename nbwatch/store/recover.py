@@ -77,10 +77,17 @@ def journal_of(db: Path) -> Path:
     return db.with_name(db.name + "-journal")
 
 
+_JOURNAL_MAGIC = bytes.fromhex("d9d505f920a163d7")
+
+
 def hot_journal(db: Path) -> bool:
-    """A rollback journal that a killed writer left (an empty one is not hot)."""
+    """A rollback journal that a killed writer left, as SQLite tells one: its header holds
+    the journal's magic number. An empty one is not hot, nor one whose header is still zero
+    (under synchronous=FULL a commit writes the magic only once the journal is synced,
+    before it changes the database file: a kill before that changed nothing)."""
     try:
-        return journal_of(db).stat().st_size > 0
+        with open(journal_of(db), "rb") as f:
+            return f.read(8) == _JOURNAL_MAGIC
     except OSError:
         return False
 

@@ -85,18 +85,29 @@ class RunReader(RecordReads):
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
         try:
-            con = getattr(self._local, "con", None)
-            if con is not None:
-                return con.execute(sql, params).fetchall()
-            con = _connect(self.path, readonly=True)
-            try:
-                return con.execute(sql, params).fetchall()
-            finally:
-                con.close()
+            return self._query(sql, params)
         except sqlite3.OperationalError as e:
             if not self.path.exists():
                 raise StoreFailed(_failure(e, self.path)) from e
+            # a writer killed mid-commit since this reader opened (network mode: its
+            # rollback journal is hot): put right with one read-write open, read again
+            if (getattr(e, "sqlite_errorname", "") == "SQLITE_READONLY_ROLLBACK"
+                    and hot_journal(self.path)):
+                why = recover(self.run_dir)
+                if why is not None:
+                    raise StoreFailed(unreadable(self.path, why)) from e
+                return self._query(sql, params)
             raise
+
+    def _query(self, sql: str, params: Sequence[Any]) -> list[tuple]:
+        con = getattr(self._local, "con", None)
+        if con is not None:
+            return con.execute(sql, params).fetchall()
+        con = _connect(self.path, readonly=True)
+        try:
+            return con.execute(sql, params).fetchall()
+        finally:
+            con.close()
 
     def close(self) -> None:
         """Nothing to release (connections live for one call); kept for callers."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..records import Command, Event, Scalars, SystemSample
 from .lock import Heartbeat, RunInUse, _in_use, _lock_dir, unlock
-from .mode import NETWORK, choose
+from .mode import NETWORK, choose, probe
 from .reader import RunReader
 from .recover import fold, hot_journal, recover, sweep_temp_files, unreadable
 from .rows import WRITE, Meta, Taken, Truncate
@@ -101,8 +101,18 @@ class RunStore(RunReader):
                 if why is not None:
                     raise StoreFailed(unreadable(self.path, why))
             self._migrate_if_old()
-        con = _connect(self.path, readonly=False, network=self.mode == NETWORK)
-        con.executescript(_SCHEMA)
+        try:
+            con = _connect(self.path, readonly=False, network=self.mode == NETWORK)
+            con.executescript(_SCHEMA)
+        except sqlite3.OperationalError as e:
+            failed = probe(self.run_dir)
+            if failed is None:
+                raise
+            raise StoreFailed(
+                f"the run store {self.path} cannot be opened: {failed}, and SQLite locks its"
+                f" file with them ({e}). Mount the filesystem with locking (Lustre: -o flock;"
+                " NFS: without nolock), or give run_dir on a local disk (and copy the folder"
+                " to the shared one once the run ends)") from e
         add_command_columns(con)
         con.execute(
             "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (json.dumps(SCHEMA_VERSION),)

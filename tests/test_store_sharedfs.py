@@ -174,6 +174,32 @@ def test_a_writer_on_another_host_is_alive_while_it_beats_and_dead_after(tmp_pat
     assert store_files(run) == ["nbwatch.db"]
 
 
+def test_one_writer_at_a_time_across_the_two_modes(tmp_path):
+    """A folder seen as local from one host and network from another (or forced) still
+    has one writer: each mode's writer respects the other's claim."""
+    run = tmp_path / "run"
+    net = RunStore(run, mode="network")
+    try:
+        with pytest.raises(RunInUse, match=f"pid {os.getpid()} on host"):
+            RunStore(run, mode="local")
+    finally:
+        net.close()
+    local = RunStore(run, mode="local")
+    try:
+        with pytest.raises(RunInUse, match="being written by another nbwatch run"):
+            RunStore(run, mode="network")
+    finally:
+        local.close()
+    beat_file(run, "node-17", age=DEAD_AFTER + 1)  # a network-mode writer that died
+    local = RunStore(run, mode="local")  # takes over, and removes the dead heartbeat
+    try:
+        assert read_heartbeat(run) is None and writer_alive(run)  # by the flock again
+        assert RunReader(run).store_mode() == "local"
+    finally:
+        local.close()
+    assert not writer_alive(run)
+
+
 # -- a run written and followed, in both modes ---------------------------------------------
 @pytest.mark.parametrize("mode", ["local", "network"])
 def test_a_subprocess_run_is_followed_live_in_both_modes(tmp_path, mode):

@@ -210,6 +210,11 @@ def writer_alive(run_dir: str | Path) -> bool:
     info = read_heartbeat(run_dir)
     if info is not None:
         return heartbeat_alive(info)
+    return flock_held(run_dir)
+
+
+def flock_held(run_dir: Path) -> bool:
+    """True while a local-mode writer holds the folder's flock."""
     try:
         fd = _lock_dir(run_dir, exclusive=False)
     except OSError:  # no flock here (Lustre without -o flock): no local-mode writer either
@@ -219,6 +224,20 @@ def writer_alive(run_dir: str | Path) -> bool:
     if fd >= 0:
         os.close(fd)
     return False
+
+
+def drop_dead_heartbeat(run_dir: Path) -> None:
+    """For a local-mode writer that holds the flock: raise RunInUse while a network-mode
+    writer's heartbeat is alive; remove a dead one's, so that readers go by the flock."""
+    info = read_heartbeat(run_dir)
+    if info is None:
+        return
+    if heartbeat_alive(info):
+        raise RunInUse(_in_use(run_dir, _describe(info)))
+    with contextlib.suppress(FileNotFoundError):
+        dead = run_dir / f".{HEARTBEAT_NAME}.dead-{uuid.uuid4().hex}"
+        os.rename(run_dir / HEARTBEAT_NAME, dead)
+        dead.unlink()
 
 
 def _writer_named(run_dir: Path) -> str:

@@ -14,7 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from ..records import Command, Event, Scalars, SystemSample
-from .lock import Heartbeat, RunInUse, _in_use, _lock_dir, unlock
+from .lock import (
+    Heartbeat,
+    RunInUse,
+    _in_use,
+    _lock_dir,
+    _writer_named,
+    drop_dead_heartbeat,
+    flock_held,
+    unlock,
+)
 from .mode import NETWORK, choose, probe
 from .reader import RunReader
 from .recover import fold, hot_journal, recover, sweep_temp_files, unreadable
@@ -59,7 +68,9 @@ class RunStore(RunReader):
         self._heartbeat: Heartbeat | None = None
         lock = -1
         if self.mode == NETWORK:  # no flock: it may be missing, other hosts do not see it
-            for _ in range(20):  # a reader's recovery (or a closing writer) for a moment
+            if flock_held(self.run_dir):  # a local-mode writer of another process
+                raise RunInUse(_in_use(self.run_dir, _writer_named(self.run_dir)))
+            for _ in range(20):  # a closing writer's heartbeat, for a moment
                 try:
                     self._heartbeat = Heartbeat(self.run_dir)
                     break
@@ -75,6 +86,11 @@ class RunStore(RunReader):
                 time.sleep(0.05)
             else:
                 raise RunInUse(_in_use(self.run_dir))
+            try:
+                drop_dead_heartbeat(self.run_dir)  # a network-mode writer's, before this one
+            except RunInUse:
+                unlock(lock)
+                raise
         self._lock = lock
         opened = time.time()
         for folder in (self.run_dir, self.run_dir / "checkpoints"):  # what a killed write left

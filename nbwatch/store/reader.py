@@ -94,6 +94,8 @@ class RunReader(RecordReads):
             if (getattr(e, "sqlite_errorname", "") == "SQLITE_READONLY_ROLLBACK"
                     and hot_journal(self.path)):
                 why = recover(self.run_dir)
+                if why == "a live writer holds the run folder":
+                    raise  # it is committing right now: the next read goes through
                 if why is not None:
                     raise StoreFailed(unreadable(self.path, why)) from e
                 return self._query(sql, params)

@@ -1,7 +1,10 @@
 """Is a run alive? One answer for `Run`, `attach`, `ls`, `compare` and the dashboard.
 
-Liveness is read from the store, not from a heartbeat thread: the run folder's writer lock
-(exact on this host: the OS drops the lock of a killed process), else the newest of the
+Liveness is read from the store: the run folder's writer lock (exact on this host: the OS
+drops the lock of a killed process), or in network mode (a shared filesystem, see
+`store/mode.py`) the writer's heartbeat file, which readers on any host see (dead after
+`store.lock.DEAD_AFTER` s without a beat, at once on the writer's host when its pid is
+gone); else the newest of the
 last step's wall time, the last event's, a `heartbeat` in meta and the modification time of
 the database and its WAL (the writer's system sampler commits a row every second, even
 while paused). A run whose meta says live but whose writer is gone, or that nothing has
@@ -19,6 +22,7 @@ from typing import Any
 
 from .lifecycle import ENDED, LIVE
 from .store import DB_NAME, RunReader, writer_alive
+from .store.lock import heartbeat_alive, read_heartbeat
 
 __all__ = ["ENDED", "LIVE", "STALE_AFTER", "RunFailed", "last_write", "run_state"]
 
@@ -51,9 +55,15 @@ def last_write(run_dir: Path, reader: RunReader | None = None) -> float | None:
 
 
 def _writer_alive(run_dir: Path, meta: dict[str, Any]) -> bool | None:
-    """Whether the run's writer is alive, from the run folder's writer lock (exact on this
-    host: the OS drops the lock of a killed process); None where the lock cannot tell: a
-    writer on another host, or one that has not written its pid yet."""
+    """Whether the run's writer is alive, from its heartbeat file (network mode, any host)
+    or the run folder's writer lock (exact on this host: the OS drops the lock of a killed
+    process); None where neither can tell: a local-mode writer on another host, or one
+    that has not written its pid yet."""
+    beat = read_heartbeat(run_dir)
+    if beat is not None:
+        return heartbeat_alive(beat)
+    if meta.get("store_mode") == "network" and "pid" in meta:
+        return False  # its writer removes the heartbeat only when it closes
     if "pid" not in meta or meta.get("host") != socket.gethostname():
         return None
     return writer_alive(run_dir)

@@ -9,7 +9,10 @@ own wall-clock timeline (`system_samples`: wall, step and figures of every sampl
 long step keeps all of them. Row ids are never reused (AUTOINCREMENT), so a
 follower's `id > cursor` reads every row written after a resume's truncate. When the
 writer closes, the WAL is folded into `nbwatch.db` and removed: a finished run is that one
-file. Every SQL statement of nbwatch lives in this package; the schema in `schema.py`.
+file. On a shared filesystem (NFS, Lustre, GPFS: `mode.py`) the store is in network mode
+instead: a rollback journal rather than WAL, and a heartbeat file (`lock.Heartbeat`)
+rather than the folder's flock; `meta["store_mode"]` says which. Every SQL statement of
+nbwatch lives in this package; the schema in `schema.py`.
 """
 
 from .lock import RunInUse, check_no_writer, writer_alive

@@ -1,13 +1,22 @@
-"""One writer per run folder: an flock on the folder, released by the OS when the writer's
-process dies, so readers can tell a live writer from a killed one exactly."""
+"""One writer per run folder. On a local disk: an flock on the folder, released by the OS
+when the writer's process dies, so readers can tell a live writer from a killed one
+exactly. In network mode (`mode.py`: NFS, Lustre, GPFS, where flock may be missing and is
+not seen from other hosts): a heartbeat file, `nbwatch.writer`, that the writer claims
+with `O_EXCL` and rewrites every `BEAT_EVERY` seconds (pid, host, wall time); a reader
+counts it dead after `DEAD_AFTER` seconds without a beat, or at once when its pid is gone
+on this host. The writer removes it when it closes; a killed writer leaves it, stale."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import socket
+import threading
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 from .schema import DB_NAME, _connect
 
@@ -59,18 +68,176 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_drop_in_child)
 
 
+HEARTBEAT_NAME = "nbwatch.writer"
+BEAT_EVERY = 1.0  # s between two beats of a network-mode writer
+DEAD_AFTER = 10 * BEAT_EVERY  # s without a beat before a reader counts the writer gone
+_BEAT_SIZE = 512  # the file is rewritten in place, padded to this size: one small write
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0  # someone else's live process (or a pid that cannot be asked)
+    return True
+
+
+def read_heartbeat(run_dir: Path) -> dict[str, Any] | None:
+    """The heartbeat of `run_dir`'s network-mode writer: its fields, plus `mtime` (the file's)
+    and `torn: True` where the text cannot be read (a claim being written); None when there
+    is no heartbeat file. Opened, read and closed: on NFS an open sees the newest write."""
+    path = Path(run_dir) / HEARTBEAT_NAME
+    try:
+        with open(path, "rb") as f:
+            text = f.read(4 * _BEAT_SIZE)
+            mtime = os.fstat(f.fileno()).st_mtime
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        info = json.loads(text.decode())
+        if not isinstance(info, dict):
+            raise ValueError
+    except ValueError:
+        info = {"torn": True}
+    info["mtime"] = mtime
+    return info
+
+
+def heartbeat_alive(info: dict[str, Any], now: float | None = None) -> bool:
+    """Whether the writer of a heartbeat (`read_heartbeat`) is alive: it beat within its
+    dead time (`dead_after`, DEAD_AFTER by default), and, on this host, its pid lives. By
+    the writer's clock: hosts of a cluster must agree within seconds (NTP)."""
+    now = time.time() if now is None else now
+    if info.get("closed"):
+        return False
+    dead_after = float(info.get("dead_after", DEAD_AFTER))
+    wall = info.get("wall") if isinstance(info.get("wall"), (int, float)) else info["mtime"]
+    if now - float(wall) > dead_after:
+        return False
+    pid = info.get("pid")
+    return not (info.get("host") == socket.gethostname() and isinstance(pid, int)
+                and not _pid_alive(pid))
+
+
+def _describe(info: dict[str, Any]) -> str:
+    age = time.time() - float(info.get("wall", info["mtime"]))
+    return (f"pid {info.get('pid', '?')} on host {info.get('host', '?')}, last heartbeat "
+            f"{age:.1f} s ago")
+
+
+class Heartbeat:
+    """A network-mode writer's claim on its run folder: the `nbwatch.writer` file, taken
+    with `O_EXCL` (a stale one, of a dead writer, is renamed away first: one taker wins),
+    rewritten in place every `every` seconds by a thread, removed by `release()`."""
+
+    def __init__(self, run_dir: Path, every: float = BEAT_EVERY,
+                 dead_after: float | None = None):
+        self.path = Path(run_dir) / HEARTBEAT_NAME
+        self.every = float(every)
+        self.dead_after = float(dead_after if dead_after is not None else 10 * every)
+        self.token = uuid.uuid4().hex
+        self.started = time.time()
+        self.fd = self._claim()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="nbwatch-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+
+    def _claim(self) -> int:
+        for _ in range(50):
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                info = read_heartbeat(self.path.parent)
+                if info is None:
+                    continue  # removed meanwhile: try again
+                if info.get("torn") and time.time() - info["mtime"] < DEAD_AFTER:
+                    time.sleep(0.02)  # another writer's claim, being written right now
+                    continue
+                if heartbeat_alive(info):
+                    raise RunInUse(_in_use(self.path.parent, _describe(info))) from None
+                with contextlib.suppress(FileNotFoundError):  # one taker wins the rename
+                    dead = self.path.with_name(f".{HEARTBEAT_NAME}.dead-{self.token}")
+                    os.rename(self.path, dead)
+                    dead.unlink()
+                continue
+            try:
+                self._write(fd)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
+                raise
+            return fd
+        raise RunInUse(_in_use(self.path.parent, "another writer claiming it at this moment"))
+
+    def _write(self, fd: int) -> None:
+        data = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                           "wall": time.time(), "every": self.every,
+                           "dead_after": self.dead_after, "started": self.started,
+                           "token": self.token}).encode()
+        os.pwrite(fd, data.ljust(_BEAT_SIZE), 0)
+        os.fsync(fd)  # to the file server now, not at the client's leisure
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                self._write(self.fd)
+            except OSError:  # a full disk or a gone folder: the store's writer says so
+                continue
+
+    def release(self) -> None:
+        """Stop beating and remove the file, if it is still this writer's."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        info = read_heartbeat(self.path.parent)
+        if info is not None and info.get("token") == self.token:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
 def writer_alive(run_dir: str | Path) -> bool:
-    """True while a live writer holds `run_dir` (exact on this host: the OS drops the lock of
-    a killed process)."""
+    """True while a live writer holds `run_dir`: from its heartbeat file in network mode,
+    else from the folder's flock (exact on this host: the OS drops the lock of a killed
+    process)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return False
-    fd = _lock_dir(run_dir, exclusive=False)
+    info = read_heartbeat(run_dir)
+    if info is not None:
+        return heartbeat_alive(info)
+    return flock_held(run_dir)
+
+
+def flock_held(run_dir: Path) -> bool:
+    """True while a local-mode writer holds the folder's flock."""
+    try:
+        fd = _lock_dir(run_dir, exclusive=False)
+    except OSError:  # no flock here (Lustre without -o flock): no local-mode writer either
+        return False
     if fd is None:
         return True
     if fd >= 0:
         os.close(fd)
     return False
+
+
+def drop_dead_heartbeat(run_dir: Path) -> None:
+    """For a local-mode writer that holds the flock: raise RunInUse while a network-mode
+    writer's heartbeat is alive; remove a dead one's, so that readers go by the flock."""
+    info = read_heartbeat(run_dir)
+    if info is None:
+        return
+    if heartbeat_alive(info):
+        raise RunInUse(_in_use(run_dir, _describe(info)))
+    with contextlib.suppress(FileNotFoundError):
+        dead = run_dir / f".{HEARTBEAT_NAME}.dead-{uuid.uuid4().hex}"
+        os.rename(run_dir / HEARTBEAT_NAME, dead)
+        dead.unlink()
 
 
 def _writer_named(run_dir: Path) -> str:
@@ -96,8 +263,11 @@ def check_no_writer(run_dir: str | Path) -> None:
         raise RunInUse(_in_use(Path(run_dir)))
 
 
-def _in_use(run_dir: Path) -> str:
-    return (f"{run_dir} is being written by another nbwatch run ({_writer_named(run_dir)}): a "
+def _in_use(run_dir: Path, who: str | None = None) -> str:
+    if who is None:
+        info = read_heartbeat(run_dir)
+        who = _describe(info) if info is not None else _writer_named(run_dir)
+    return (f"{run_dir} is being written by another nbwatch run ({who}): a "
             "run folder has one writer at a time. Follow it with nbwatch.attach(run_dir), stop"
             " it first, or choose another run_dir")
 

@@ -85,18 +85,31 @@ class RunReader(RecordReads):
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
         try:
-            con = getattr(self._local, "con", None)
-            if con is not None:
-                return con.execute(sql, params).fetchall()
-            con = _connect(self.path, readonly=True)
-            try:
-                return con.execute(sql, params).fetchall()
-            finally:
-                con.close()
+            return self._query(sql, params)
         except sqlite3.OperationalError as e:
             if not self.path.exists():
                 raise StoreFailed(_failure(e, self.path)) from e
+            # a writer killed mid-commit since this reader opened (network mode: its
+            # rollback journal is hot): put right with one read-write open, read again
+            if (getattr(e, "sqlite_errorname", "") == "SQLITE_READONLY_ROLLBACK"
+                    and hot_journal(self.path)):
+                why = recover(self.run_dir)
+                if why == "a live writer holds the run folder":
+                    raise  # it is committing right now: the next read goes through
+                if why is not None:
+                    raise StoreFailed(unreadable(self.path, why)) from e
+                return self._query(sql, params)
             raise
+
+    def _query(self, sql: str, params: Sequence[Any]) -> list[tuple]:
+        con = getattr(self._local, "con", None)
+        if con is not None:
+            return con.execute(sql, params).fetchall()
+        con = _connect(self.path, readonly=True)
+        try:
+            return con.execute(sql, params).fetchall()
+        finally:
+            con.close()
 
     def close(self) -> None:
         """Nothing to release (connections live for one call); kept for callers."""
@@ -104,6 +117,13 @@ class RunReader(RecordReads):
     # -- metadata -----------------------------------------------------------------------
     def meta(self) -> dict[str, Any]:
         return {k: json.loads(v) for k, v in self.query("SELECT key, value FROM meta")}
+
+    def store_mode(self) -> str:
+        """How the folder's newest writer wrote it: "local" (WAL, one host) or "network"
+        (rollback journal and a heartbeat file: a shared filesystem); see `mode.py`.
+        Folders of an nbwatch before the two modes are "local"."""
+        row = self.query("SELECT value FROM meta WHERE key = 'store_mode'")
+        return str(json.loads(row[0][0])) if row else "local"
 
     def last_step(self) -> int:
         row = self.query("SELECT MAX(last) FROM walls")

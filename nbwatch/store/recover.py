@@ -10,6 +10,10 @@
   with every committed record. A reader does that open itself when no writer holds the
   folder; where it cannot write, its error names the one command that does:
   `python -m nbwatch.store.recover DIR`.
+- In network mode (`mode.py`) the rollback journal is the store's own journal: it exists
+  while each commit runs, and a writer killed then leaves it hot. A reader that finds it
+  with the writer's heartbeat dead (`lock.heartbeat_alive`) rolls it back the same way,
+  and so does the next writer's open (a resume).
 
 The close itself leaves WAL mode through `journal_mode=OFF` (`fold`), which writes the
 header in one page write and no journal, so a kill at any instant of a close leaves either
@@ -27,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from .lock import _lock_dir, unlock, writer_alive
+from .lock import _lock_dir, _pid_alive, read_heartbeat, unlock, writer_alive
 from .schema import DB_NAME
 
 log = logging.getLogger("nbwatch.store")
@@ -38,16 +42,6 @@ _TEMP = re.compile(r"^\..+\.tmp-(\d+)$")
 def temp_path(path: Path) -> Path:
     """Where a file of nbwatch's is written before its rename (`.NAME.tmp-PID`)."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return pid > 0  # someone else's live process (or a pid that cannot be asked)
-    return True
 
 
 def sweep_temp_files(directory: Path, before: float) -> list[Path]:
@@ -83,10 +77,17 @@ def journal_of(db: Path) -> Path:
     return db.with_name(db.name + "-journal")
 
 
+_JOURNAL_MAGIC = bytes.fromhex("d9d505f920a163d7")
+
+
 def hot_journal(db: Path) -> bool:
-    """A rollback journal that a killed writer left (an empty one is not hot)."""
+    """A rollback journal that a killed writer left, as SQLite tells one: its header holds
+    the journal's magic number. An empty one is not hot, nor one whose header is still zero
+    (under synchronous=FULL a commit writes the magic only once the journal is synced,
+    before it changes the database file: a kill before that changed nothing)."""
     try:
-        return journal_of(db).stat().st_size > 0
+        with open(journal_of(db), "rb") as f:
+            return f.read(8) == _JOURNAL_MAGIC
     except OSError:
         return False
 
@@ -125,16 +126,19 @@ def recover(run_dir: str | Path, *, locked: bool = False) -> str | None:
     if not locked:
         if writer_alive(run_dir):
             return "a live writer holds the run folder"
-        for _ in range(10):  # a reader's probe holds a shared lock for a moment
-            try:
-                fd = _lock_dir(run_dir, exclusive=True)
-            except OSError as e:
-                return f"the folder cannot be locked: {e}"
-            if fd is not None:
-                break
-            time.sleep(0.02)
-        else:
-            return "a live writer holds the run folder"
+        # a network-mode folder: its dead writer's heartbeat said so, and no flock is taken
+        # there (it may be missing); SQLite's own locks order the rollback with a new writer
+        if read_heartbeat(run_dir) is None:
+            for _ in range(10):  # a reader's probe holds a shared lock for a moment
+                try:
+                    fd = _lock_dir(run_dir, exclusive=True)
+                except OSError as e:
+                    return f"the folder cannot be locked: {e}"
+                if fd is not None:
+                    break
+                time.sleep(0.02)
+            else:
+                return "a live writer holds the run folder"
     try:
         con = sqlite3.connect(db, timeout=5, isolation_level=None, check_same_thread=False)
         try:

@@ -79,7 +79,9 @@ def is_run_dir(path: str | Path) -> bool:
     return (Path(path) / DB_NAME).is_file()
 
 
-def _connect(path: Path, readonly: bool) -> sqlite3.Connection:
+def _connect(path: Path, readonly: bool, network: bool = False) -> sqlite3.Connection:
+    """A connection to a run's store; a writer's (`readonly=False`) in WAL mode, or with
+    `network` (a shared filesystem, `mode.py`) with a rollback journal and full syncs."""
     if readonly:
         uri = f"file:{quote(str(path.resolve()))}?mode=ro"  # `#` and `?` are legal in paths
         return sqlite3.connect(uri, uri=True, timeout=10, check_same_thread=False)
@@ -87,6 +89,15 @@ def _connect(path: Path, readonly: bool) -> sqlite3.Connection:
     # a new file only, before WAL writes its header: lets a closing writer give the pages
     # that compaction freed back to the disk
     con.execute("PRAGMA auto_vacuum=INCREMENTAL")
+    if network:  # no shared memory across hosts: the journal exists only while a commit runs
+        mode = con.execute("PRAGMA journal_mode=DELETE").fetchone()[0]
+        if mode != "delete":
+            con.close()
+            raise sqlite3.OperationalError(
+                f"{path} could not leave {mode} mode for a rollback journal (another process"
+                " holds it open in WAL mode)")
+        con.execute("PRAGMA synchronous=FULL")  # each commit on the file server
+        return con
     con.execute("PRAGMA journal_mode=WAL")
     con.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes
     return con

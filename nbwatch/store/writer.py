@@ -14,7 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from ..records import Command, Event, Scalars, SystemSample
-from .lock import RunInUse, _in_use, _lock_dir, unlock
+from .lock import (
+    Heartbeat,
+    RunInUse,
+    _in_use,
+    _lock_dir,
+    _writer_named,
+    drop_dead_heartbeat,
+    flock_held,
+    unlock,
+)
+from .mode import NETWORK, choose, probe
 from .reader import RunReader
 from .recover import fold, hot_journal, recover, sweep_temp_files, unreadable
 from .rows import WRITE, Meta, Taken, Truncate
@@ -43,20 +53,44 @@ class RunStore(RunReader):
     `put()` returns at once while fewer than `max_pending` scalars wait for the writer;
     past that it blocks the producer (the training thread) until the writer catches up,
     so memory stays bounded and nothing is dropped.
+
+    `mode` ("local", "network", "auto"; None: `NBWATCH_STORE_MODE`, else auto) picks the
+    journal (`mode.py`): WAL and an flock on a local disk; on a shared filesystem a rollback
+    journal and a heartbeat file. `self.mode` and the meta's `store_mode` say which.
     """
 
     def __init__(self, run_dir: str | Path, flush_interval: float = 0.2,
-                 max_pending: int = MAX_PENDING):
+                 max_pending: int = MAX_PENDING, mode: str | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / DB_NAME
-        for _ in range(20):  # a reader's probe holds a shared lock for a moment
-            lock = _lock_dir(self.run_dir, exclusive=True)
-            if lock is not None:
-                break
-            time.sleep(0.05)
+        self.mode, self.mode_why = choose(self.run_dir, mode)
+        self._heartbeat: Heartbeat | None = None
+        lock = -1
+        if self.mode == NETWORK:  # no flock: it may be missing, other hosts do not see it
+            if flock_held(self.run_dir):  # a local-mode writer of another process
+                raise RunInUse(_in_use(self.run_dir, _writer_named(self.run_dir)))
+            for _ in range(20):  # a closing writer's heartbeat, for a moment
+                try:
+                    self._heartbeat = Heartbeat(self.run_dir)
+                    break
+                except RunInUse:
+                    time.sleep(0.05)
+            else:
+                self._heartbeat = Heartbeat(self.run_dir)  # raises RunInUse, naming it
         else:
-            raise RunInUse(_in_use(self.run_dir))
+            for _ in range(20):  # a reader's probe holds a shared lock for a moment
+                lock = _lock_dir(self.run_dir, exclusive=True)
+                if lock is not None:
+                    break
+                time.sleep(0.05)
+            else:
+                raise RunInUse(_in_use(self.run_dir))
+            try:
+                drop_dead_heartbeat(self.run_dir)  # a network-mode writer's, before this one
+            except RunInUse:
+                unlock(lock)
+                raise
         self._lock = lock
         opened = time.time()
         for folder in (self.run_dir, self.run_dir / "checkpoints"):  # what a killed write left
@@ -70,6 +104,9 @@ class RunStore(RunReader):
     def _unlock(self) -> None:
         unlock(self._lock)
         self._lock = -1
+        if self._heartbeat is not None:
+            self._heartbeat.release()
+            self._heartbeat = None
 
     def _open_writer(self, flush_interval: float, max_pending: int) -> None:
         self._local = threading.local()
@@ -80,12 +117,25 @@ class RunStore(RunReader):
                 if why is not None:
                     raise StoreFailed(unreadable(self.path, why))
             self._migrate_if_old()
-        con = _connect(self.path, readonly=False)
-        con.executescript(_SCHEMA)
+        try:
+            con = _connect(self.path, readonly=False, network=self.mode == NETWORK)
+            con.executescript(_SCHEMA)
+        except sqlite3.OperationalError as e:
+            failed = probe(self.run_dir)
+            if failed is None:
+                raise
+            raise StoreFailed(
+                f"the run store {self.path} cannot be opened: {failed}, and SQLite locks its"
+                f" file with them ({e}). Mount the filesystem with locking (Lustre: -o flock;"
+                " NFS: without nolock), or give run_dir on a local disk (and copy the folder"
+                " to the shared one once the run ends)") from e
         add_command_columns(con)
         con.execute(
             "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (json.dumps(SCHEMA_VERSION),)
         )
+        con.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                        [("store_mode", json.dumps(self.mode)),
+                         ("store_mode_why", json.dumps(self.mode_why))])
         con.commit()
         self._wcon = con
         self._files = self._identity()  # what another program must not change under us
@@ -361,8 +411,9 @@ class RunStore(RunReader):
         `nbwatch.db` alone holds every record; through journal mode OFF, so that a kill at
         any instant leaves a readable WAL or the finished file, never a hot journal
         (`recover.fold`). A reader of another process that holds the file open at this
-        moment keeps the (emptied) WAL until the next open that can write folds it."""
-        if fold(self._wcon):
+        moment keeps the (emptied) WAL until the next open that can write folds it. In
+        network mode there is no WAL: the file is complete after every commit."""
+        if self.mode == NETWORK or fold(self._wcon):
             return
         log.warning("%s: a reader held the database open; its WAL is emptied but kept",
                     self.path)

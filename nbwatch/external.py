@@ -13,6 +13,7 @@ adapters use it and nothing else of nbwatch's insides.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,6 @@ import torch
 from .recorder import RunSpec
 
 if TYPE_CHECKING:
-    from .monitor import Monitor
     from .recorder import StepRecorder
 
 
@@ -29,8 +29,9 @@ class ExternalLoop:
     """One framework fit, as its adapter records and steers it. Opened by
     `Monitor.open_external`; every method is a moment of the framework's step."""
 
-    def __init__(self, monitor: Monitor, recorder: StepRecorder):
-        self._monitor, self._rec = monitor, recorder
+    def __init__(self, recorder: StepRecorder,
+                 end: Callable[[BaseException | None], None]):
+        self._rec, self._end = recorder, end  # end: the Monitor's, which closes the run
 
     # -- the step -----------------------------------------------------------------------
     def note_batch(self, batch: Any, epoch: int | None = None, index: int | None = None
@@ -113,13 +114,13 @@ class ExternalLoop:
         """The fit returned (`None`: finished, or stopped if a stop was taken) or raised:
         record how it ended, with the final or the emergency checkpoint, and give back the
         store, the sampler and the folder's writer lock."""
-        self._monitor._end_loop(error)
+        self._end(error)
 
     def abandon(self, why: str) -> None:
         """The fit ended without telling its adapter: close the run as failed with `why`,
         without a checkpoint (the model may be another fit's by now)."""
         self._rec.save_fn = _no_checkpoint
-        self._monitor._end_loop(RuntimeError(why))
+        self._end(RuntimeError(why))
 
 
 def _no_checkpoint(reason: str) -> None:

@@ -391,7 +391,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
             self._commands = commands
         rec = self._open_loop(start_step, framework)
         rec.save_fn, rec.framework_clip, rec.hook_measures = save, clip, measure_in_hook
-        return ExternalLoop(self, rec)
+        return ExternalLoop(rec, self._end_loop)
 
     @property
     def closed(self) -> bool:

@@ -220,6 +220,12 @@ class Attached(ctl.Controls):
         if self._run is not None:
             self._run.reader.close()
 
+    def __enter__(self) -> Attached:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __repr__(self) -> str:
         return f"<nbwatch.Attached {self.name!r} in {self.run_dir}: {self.message}>"
 

@@ -46,6 +46,19 @@ class Dist:
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         return cls(dist.get_rank(), dist.get_world_size(), every, group, dist.get_backend())
 
+    def all_agree(self, ok: bool, what: str) -> bool:
+        """Whether `ok` holds on every rank (each rank calls this at the same moment)."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        except RuntimeError as e:
+            raise RankLost(f"rank {self.rank} of {self.world}: another rank stopped answering "
+                           f"while {what} ({str(e).splitlines()[0][:200]})") from e
+        return bool(flag.item())
+
     def close(self) -> None:
         """Destroy nbwatch's own group (a live gloo group aborts the process at exit)."""
         import torch.distributed as dist

@@ -73,6 +73,44 @@ def test_two_ranks_one_store_rank_figures_and_controls_on_every_rank(tmp_path):
     assert len(strag) == 1 and "rank 1" in strag.message.iloc[0]
 
 
+def mine(events, cid):
+    """The data of the events naming command `cid`."""
+    return [d for d in events.data if isinstance(d, dict) and d.get("id") == cid]
+
+
+def test_rewind_under_torchrun_reloads_the_same_checkpoint_on_every_rank(tmp_path):
+    """A rewind from an attached process: rank 0 picks the checkpoint, every rank reloads it
+    at the same step, the replicas stay identical, the rewound-over steps are a branch."""
+    run_dir = tmp_path / "ddp"
+    proc = torchrun(run_dir, 90, CKPT_EVERY="10", STEP_SLEEP="0.02")
+    try:
+        until(lambda: nbwatch.open_run(run_dir).step >= 36 if (run_dir / "nbwatch.db").exists()
+              else False, timeout=90, what="step 36", poll=0.2)
+        with nbwatch.attach(run_dir) as job:
+            cid = job.rewind(steps=5, skip=3)
+            until(lambda: mine(job.events, cid), timeout=60, what="its outcome", poll=0.2)
+        assert proc.wait(timeout=120) == 0, proc.stdout.read()[-3000:]
+    finally:
+        proc.kill()
+    run = nbwatch.open_run(run_dir)
+    ev = run.events
+    done = mine(ev, cid)
+    assert len(done) == 1 and done[0]["outcome"] == "applied", done
+    frm, to = int(done[0]["from"]), int(done[0]["to"])
+    assert frm % 5 == 0 and to == (frm - 5) // 10 * 10  # at an exchange; the checkpoint ≤ target
+    msg = ev[ev.data.map(lambda d: isinstance(d, dict) and d.get("id") == cid)].message.iloc[0]
+    assert "on all 2 ranks" in msg
+    assert run.state == "finished" and run.step == 90
+    df = run.df
+    assert df["loss/train"].loc[1:90].notna().all()  # no hole: the branch replaced, not lost
+    branch = run.branches["rewind/1/loss/train"].dropna()
+    assert branch.index.tolist() == list(range(to + 1, frm + 1))
+    aside = run_dir / "checkpoints" / "rewind" / "1"  # the abandoned branch's, if it had any
+    assert sorted(p.name for p in aside.glob("*.pt")) == sorted(done[0]["set_aside"])
+    p0, p1 = (torch.load(run_dir / f"params_rank{r}.pt") for r in (0, 1))
+    assert p0["step"] == p1["step"] == 90 and torch.equal(p0["params"], p1["params"])
+
+
 def test_a_killed_rank_stops_the_other_and_the_store_stays_readable(tmp_path):
     run_dir = tmp_path / "ddp"
     t0 = time.monotonic()

@@ -121,7 +121,8 @@ class Steering:
         assert d is not None
         self.flush_deferred()
         while True:
-            cmds = self._poll_commands() if d.rank == 0 else []
+            # a rewind's checkpoint is chosen by rank 0, for every rank to reload the same
+            cmds = [self.resolve_rewind(c) for c in self._poll_commands()] if d.rank == 0 else []
             t0 = time.perf_counter()
             rows, cmds = d.exchange(self._rank_rows, cmds)
             self._sync_s = time.perf_counter() - t0

@@ -4,9 +4,9 @@
     torchrun --nproc_per_node=2 tests/scripts/ddp_train.py RUN_DIR [MAX_STEPS]
 
 Env: STEP_SLEEP (seconds per step, default 0.01); KILL_RANK / KILL_AT (a rank that kills
-itself with SIGKILL at that step); LOOP=own: the script's own loop with `mon.log()` in the
-foreground instead of `mon.start()`. At the end each rank writes a checksum of its
-parameters to RUN_DIR/params_rank{r}.pt.
+itself with SIGKILL at that step); CKPT_EVERY (a periodic checkpoint); LOOP=own: the
+script's own loop with `mon.log()` in the foreground instead of `mon.start()`. At the end
+each rank writes a checksum of its parameters to RUN_DIR/params_rank{r}.pt.
 """
 
 import os
@@ -72,8 +72,9 @@ def main() -> None:
         else:
             mon = nbwatch.Monitor(model, opt, sched, run_dir=run_dir,
                                   config={"script": "ddp_train"})
+            every = int(os.environ.get("CKPT_EVERY", "0")) or None
             mon.start(step_fn, batches(rank), max_steps=max_steps, rank_every=5,
-                      dist_timeout=20, display=False)
+                      dist_timeout=20, display=False, checkpoint_every=every)
             mon.wait()
     finally:
         flat = torch.cat([p.detach().flatten() for p in model.parameters()])

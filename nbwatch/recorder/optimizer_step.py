@@ -102,6 +102,9 @@ class OptimizerStep:
         if clips or clip_note:
             total, per_layer, current = self.own_clips.before(step, host, layer_of, clips,
                                                              totals, clip_note)
+            said, self.own_clips.said[:] = list(self.own_clips.said), []
+            for ev in said:
+                self._emit(ev)
         else:
             total, per_layer = layer_norms(host, layer_of, len(self.layers))
             current = total

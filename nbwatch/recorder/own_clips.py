@@ -8,7 +8,6 @@ computed (copied with the step's other figures, in the step's one host copy).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 from ..probes.grads import Layers, clip_factor, layer_norms
 from ..records import Event
@@ -18,8 +17,10 @@ class OwnClips:
     """Recovers the norms before the loop's own clips of each step; says once a run what
     it clips and, once for each reason, where the norms before it cannot be known."""
 
-    def __init__(self, layers: Layers, emit: Callable[[Event], None]):
-        self.layers, self.emit = layers, emit
+    def __init__(self, layers: Layers):
+        self.layers = layers
+        self.said: list[Event] = []  # events for the run, taken by the recorder after a call
+        self.emit = self.said.append
         self._said = False  # the loop's own clipping was said
         self._notes: set[str] = set()  # why norms before it could not be known, said
         self._covers: dict[tuple[int, ...], tuple[int, ...] | None] = {}

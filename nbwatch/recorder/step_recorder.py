@@ -98,7 +98,7 @@ class StepRecorder(OptimizerStep, StepEnd, Steering, EvalCheckpoint, Rewind):
         self._staged: tuple[list[str], list[torch.Tensor]] | None = None  # the runner's loss
         self._deferred: _Deferred | None = None
         self.lr = LrFactor(optimizer, scheduler, control)  # an LR cut around the scheduler
-        self.own_clips = OwnClips(self.layers, self._emit)  # norms before the loop's clips
+        self.own_clips = OwnClips(self.layers)  # norms before the loop's own clips
         self._scale_ref: torch.Tensor | None = None  # the GradScaler's scale at that end
         self._t_boundary = time.perf_counter()
         # Set by framework adapters: False when the optimizer's pre-hook comes too early to

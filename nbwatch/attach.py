@@ -15,6 +15,7 @@ import dataclasses
 import os
 import socket
 import sqlite3
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +47,8 @@ class Attached(ctl.Controls):
     >>> att.message
     'paused at step 421 of 2000; last write 0.4 s ago'
     """
+
+    process: subprocess.Popen[bytes]  # the launched job, on a run `nbwatch.torchrun` started
 
     def __init__(self, run_dir: str | os.PathLike, stale_after: float = STALE_AFTER):
         if not stale_after > 0:

@@ -12,7 +12,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -42,7 +42,8 @@ class Saved:
 
 def rng_state() -> dict[str, Any]:
     """Every RNG a training loop draws from, in types `torch.load(weights_only=True)` accepts."""
-    np_state = np.random.get_state()
+    # legacy (the default): MT19937's tuple; numpy's stub types the bare call as the dict
+    np_state = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),

@@ -85,8 +85,9 @@ def _follow(mon: Any, args: argparse.Namespace) -> None:
             continue
         last = mon.step
         row = df.iloc[-20:].mean(numeric_only=True)
-        vals = df["loss/val"].dropna() if "loss/val" in df else ()
-        val = f"val {vals.iloc[-1]:.3f}" if len(vals) else f"val {MISSING:5s}"  # before 1st eval
+        vals = df["loss/val"].dropna() if "loss/val" in df else None
+        val = (f"val {vals.iloc[-1]:.3f}" if vals is not None and len(vals)
+               else f"val {MISSING:5s}")  # before the first eval
         print(f"step {mon.step:5d}/{args.steps}  loss {row['loss/train']:.3f}  "
               f"{val}  lr {row['lr']:.2e}  grad {row['grad_norm/global']:.2f}  "
               f"{row.get('throughput/tokens_per_s', math.nan):,.0f} tok/s", flush=True)

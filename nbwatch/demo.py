@@ -199,7 +199,7 @@ class Demo:
             count += n
         return total / max(count, 1.0)
 
-    def sample_fn(self, model: nn.Module) -> str:
+    def sample_fn(self, model: TinyGPT) -> str:
         return model.generate("def ", 60)
 
     def start_kwargs(self) -> dict[str, Any]:

@@ -108,7 +108,7 @@ def step_time_breakdown(df: pd.DataFrame, last: int = 200) -> Finding | None:
     total = recent["time/step"].sum()
     shares = {c: float(recent[c].sum() / total) for c in cols}
     shares["other"] = max(0.0, 1.0 - sum(shares.values()))
-    top = max(shares, key=shares.get)
+    top = max(shares, key=shares.__getitem__)
     what = _PARTS.get(top, "bookkeeping outside the measured parts")
     return Finding("step_time", f"{shares[top]:.0%} of a step goes to {what}"
                    f" ({recent['time/step'].median() * 1e3:.1f} ms median step)",

@@ -127,8 +127,9 @@ def merge_ranks(per_rank: list[list[tuple[int, dict[str, float]]]]) -> list[Scal
             d["loss/train"] = float(np.mean(ls))
             for key in ("tokens/real", "throughput/tokens_per_s"):  # the job's, not one rank's
                 parts = [d.get(f"rank{r}/{key}") for r in range(len(per_rank))]
-                if all(v is not None for v in parts):
-                    d[key] = float(sum(parts))
+                present = [v for v in parts if v is not None]
+                if len(present) == len(parts):
+                    d[key] = float(sum(present))
         out.append(Scalars(step, d))
     return out
 

@@ -59,7 +59,7 @@ def _eager_weights_returned(model: nn.Module) -> Iterator[None]:
     """Hugging Face eager attention returns its weights only when asked: ask, for the
     probe pass (`config.output_attentions` of every eager model in the tree: a Lightning
     module's inner `self.model` too), then restore."""
-    configs = {}
+    configs: dict[int, tuple[Any, Any]] = {}
     for mod in model.modules():
         config = getattr(mod, "config", None)
         if getattr(config, "_attn_implementation", None) == "eager":

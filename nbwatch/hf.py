@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 try:
@@ -164,6 +165,7 @@ class NbwatchCallback(Adapter, TrainerCallback):
         Trainer does (`on_save`: ours records the checkpoint event). Under a pause it is
         on disk, resumable with `train(resume_from_checkpoint=...)`, while the fit waits."""
         trainer, rec = self.trainer, self._rec()
+        assert trainer is not None and rec is not None  # the caller checked both
         step = trainer.state.global_step
         if self._saved_step == step:
             rec.log.info("the checkpoint of step %d is written already", step)
@@ -216,7 +218,7 @@ class NbwatchCallback(Adapter, TrainerCallback):
             if rec is not None:
                 rec.measure()  # pre-clip norms, and the skip / clip rules of nbwatch
 
-        trainer.training_step = training_step
+        trainer.training_step = training_step  # type: ignore[method-assign]  # this instance's
         wrap_clip_grad_norm(trainer, before_clip)
         names = ["training_step", "_clip_grad_norm"]
         for name in (*names, *_GUARDED):
@@ -347,7 +349,7 @@ def calling_trainer() -> Trainer | None:
     """The Trainer whose method calls us now, e.g. a callback's event (callbacks get no
     reference to it): the innermost `self` on the stack that is a Trainer. Takes
     `sys._getframe`."""
-    f = sys._getframe(1)
+    f: FrameType | None = sys._getframe(1)
     while f is not None:
         obj = f.f_locals.get("self")
         if isinstance(obj, Trainer):
@@ -367,7 +369,7 @@ def wrap_clip_grad_norm(trainer: Trainer, before: Callable[[], None]) -> None:
         before()
         return clip(model)
 
-    trainer._clip_grad_norm = clip_grad_norm
+    trainer._clip_grad_norm = clip_grad_norm  # type: ignore[method-assign]  # this instance's
 
 
 def save_checkpoint_now(trainer: Trainer, announce: bool = False) -> Path:
@@ -377,11 +379,13 @@ def save_checkpoint_now(trainer: Trainer, announce: bool = False) -> Path:
     takes. `announce`: then tell the callbacks, as the Trainer does after its own save
     (`trainer.control = trainer.callback_handler.on_save(...)`). Takes
     `Trainer._save_checkpoint(model, trial)`."""
-    trainer._save_checkpoint(trainer.model, trial=None)
+    model, output_dir = trainer.model, trainer.args.output_dir
+    assert model is not None and output_dir is not None  # a Trainer that fits has both
+    trainer._save_checkpoint(model, trial=None)
     if announce:
         trainer.control = trainer.callback_handler.on_save(trainer.args, trainer.state,
                                                            trainer.control)
-    return Path(trainer.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+    return Path(output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
 
 
 def set_last_lr(scheduler: Any, lrs: list[Any]) -> None:

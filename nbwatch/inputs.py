@@ -94,7 +94,8 @@ def check_config(config: Any) -> None:
         return
     if not isinstance(config, dict):
         raise TypeError(f"config must be a dict, got {type(config).__name__}")
-    level, depth, seen = [config], 0, {id(config)}
+    level: list[dict | list | tuple] = [config]
+    depth, seen = 0, {id(config)}
     while level:  # breadth first, no recursion: a 5,000-deep dict is refused, not a crash
         depth += 1
         if depth > CONFIG_DEPTH:

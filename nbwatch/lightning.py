@@ -171,7 +171,10 @@ def start(trainer: pl.Trainer, module: pl.LightningModule, *args: Any,
     api = "nbwatch.lightning.start"
     if not isinstance(trainer, pl.Trainer):
         raise TypeError(f"{api} takes a lightning Trainer, got {type(trainer).__name__}")
-    found = [c for c in trainer.callbacks if isinstance(c, NbwatchCallback)]
+    # ignore[attr-defined]: lightning sets `Trainer.callbacks` from its CallbackConnector
+    # and declares no such attribute on the Trainer
+    found = [c for c in trainer.callbacks  # type: ignore[attr-defined]
+             if isinstance(c, NbwatchCallback)]
     cb, new = callback_of(found, lambda: NbwatchCallback(run_dir, config, **(monitor or {})),
                           api=api, detach="trainer.callbacks.remove(cb)", run_dir=run_dir,
                           config=config, monitor=monitor)
@@ -183,14 +186,15 @@ def start(trainer: pl.Trainer, module: pl.LightningModule, *args: Any,
     ckpt = fit_kwargs.get("ckpt_path", args[3] if len(args) > 3 else None)
     cb._prepare(api, trainer, ckpt is not None, _RESUME)
     if new:
-        trainer.callbacks.append(cb)
+        trainer.callbacks.append(cb)  # type: ignore[attr-defined]
 
     def fit() -> None:
         try:
             trainer.fit(module, *args, **fit_kwargs)
         finally:
-            if new and cb in trainer.callbacks:  # start()'s callback records this fit only
-                trainer.callbacks.remove(cb)
+            # start()'s callback records this fit only
+            if new and cb in trainer.callbacks:  # type: ignore[attr-defined]
+                trainer.callbacks.remove(cb)  # type: ignore[attr-defined]
 
     return cb._launch(api, trainer, fit, display)
 

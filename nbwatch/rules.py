@@ -183,8 +183,10 @@ class Rule:
     defaults: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.defaults is None:
-            object.__setattr__(self, "defaults", dict(self.params))
+        defaults = self.defaults
+        if defaults is None:
+            defaults = dict(self.params)
+            object.__setattr__(self, "defaults", defaults)
         if self.phase not in PHASES:
             raise ValueError(f"rule {self.name!r}: phase must be one of {PHASES}")
         for key, setting in COMMON.items():
@@ -194,7 +196,7 @@ class Rule:
         if undeclared:
             raise KeyError(f"alerts[{self.name!r}]: unknown setting(s) {sorted(undeclared)}; "
                            f"settings: {sorted(known)}")
-        p = {k: known[k].check(self.name, k, v, _shown(self.defaults.get(k)))
+        p = {k: known[k].check(self.name, k, v, _shown(defaults.get(k)))
              for k, v in self.params.items()}
         for k, v in p.items():
             floor = known[k].not_below

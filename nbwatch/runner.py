@@ -103,13 +103,15 @@ class Runner:
         if self._pending is not None:
             batch, self._pending = self._pending, None
             return batch
+        train_data = self.spec.train_data
+        assert train_data is not None  # start() and preflight always give it (check_start)
         if self._data is None:
-            self._data = iter(self.spec.train_data)
+            self._data = iter(train_data)
         try:
             batch = next(self._data)
         except StopIteration:
             self._epoch, self._index = self._epoch + 1, 0
-            self._data = iter(self.spec.train_data)
+            self._data = iter(train_data)
             try:
                 batch = next(self._data)
             except StopIteration:
@@ -147,6 +149,8 @@ class Runner:
         """`step_fn` and backward on `accumulate` batches; the gradients add up."""
         spec, rec = self.spec, self.rec
         model, scaler = rec.model, rec.scaler
+        step_fn = spec.step_fn
+        assert step_fn is not None  # start() and preflight always give it (check_start)
         m = _Micro()
         for _ in range(spec.accumulate):
             td = time.perf_counter()
@@ -157,7 +161,7 @@ class Runner:
             if spec.probe_batch is None and spec.eval_every and spec.attention_samples > 0:
                 spec.probe_batch = clone_samples(batch, spec.attention_samples)
             tf = time.perf_counter()
-            raw = spec.step_fn(model, batch)
+            raw = step_fn(model, batch)
             if not self._checked:  # a wrong objective is refused at the first step
                 check_not_copying(batch, raw)
                 self._checked = True
@@ -180,7 +184,9 @@ class Runner:
         host figures and the padded token count."""
         rec, accumulate = self.rec, self.spec.accumulate
         rec.save_reduction(m.reduction)
-        mean = m.loss_sum / accumulate if accumulate > 1 else m.loss_sum
+        loss_sum = m.loss_sum
+        assert loss_sum is not None  # set by each of the accumulate (≥ 1) micro-batches
+        mean = loss_sum / accumulate if accumulate > 1 else loss_sum
         names, parts = ["loss/train"], [mean]
         figures: dict[str, float] = {}
         for k, vs in m.extras.items():  # the step_fn's own scalars, mean over micro-batches

@@ -141,11 +141,12 @@ class Feed:
         """Fold the new system samples into the timeline mirror; their points reduced on
         its grid (what the browser folds in), by key, and "step"."""
         got = dict(d.system)
-        if d.system_steps is not None:
-            got["step"] = d.system_steps
+        steps = d.system_steps  # None only where there are no new samples (Tail._system)
+        if steps is not None:
+            got["step"] = steps
             if self.system_t0 is None:
-                self.system_t0 = float(d.system_steps[0][0])
-        if not got or self.system_t0 is None:
+                self.system_t0 = float(steps[0][0])
+        if not got or steps is None or self.system_t0 is None:
             return {}
         new = {}
         for key, (w, v) in got.items():
@@ -154,7 +155,7 @@ class Feed:
             ds.extend(x, v)
             new[key] = reduce(x, v, ds.width)
             if key != "step":
-                self.latest[key] = (int(d.system_steps[1][-1]), float(v[-1]))
+                self.latest[key] = (int(steps[1][-1]), float(v[-1]))
         return new
 
     def _grad_heat(self, new: dict[str, tuple[np.ndarray, np.ndarray]] | None

@@ -42,7 +42,7 @@ def build(att: Mapping[str, Any] | None,
                         "peak": peak})
     if not samples:
         return {}
-    out = {"step": int(att["step"]), "modules": modules,
+    out: dict[str, Any] = {"step": int(att["step"]), "modules": modules,
            "heads": int(samples[0]["maps"].shape[1]), "samples": samples}
     logit = np.full((len(modules), out["heads"]), np.nan, dtype=np.float32)
     for i, m in enumerate(modules):

@@ -130,6 +130,6 @@ def build(series: Series, recent: Series | None, events: Iterable[Mapping[str, A
     return out
 
 
-def _rule_of(event: dict[str, Any]) -> str:
+def _rule_of(event: Mapping[str, Any]) -> str:
     """An alert's rule for a run recorded before alerts carried it: its message's prefix."""
     return str(event.get("message", "")).split(":", 1)[0]

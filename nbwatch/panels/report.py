@@ -63,7 +63,8 @@ def summary(meta: Mapping[str, Any], step: int, best_val: tuple[int, float] | No
             tokens: float | None, wall_s: float | None) -> list[list[str]]:
     """[[label, value]]: state, steps, best val loss and its step, tokens seen, wall time,
     model and optimizer."""
-    run = meta.get("run") if isinstance(meta.get("run"), Mapping) else {}
+    raw_run = meta.get("run")
+    run: Mapping[str, Any] = raw_run if isinstance(raw_run, Mapping) else {}
     max_steps = meta.get("max_steps")
     rows = [
         ["state", str(meta.get("state", "unknown"))],

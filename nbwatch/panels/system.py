@@ -42,8 +42,9 @@ def build(latest: Mapping[str, tuple[int, float]], timeline: Series | None = Non
         "ram_used_gb": val("system/ram/used_gb"),
         "ram_total_gb": val("system/ram/total_gb"),
     }
-    series = {k: t for k in (timeline or {}) if (k == "step" or CHARTED.match(k))
-              and (t := trace(timeline, k)) is not None and len(t["x"])}
+    held: Series = timeline or {}
+    series = {k: t for k in held if (k == "step" or CHARTED.match(k))
+              and (t := trace(held, k)) is not None and len(t["x"])}
     if series and t0 is not None:
         out |= {"t0": float(t0), "tick": TICK, "series": series}
     elif not (out["gpus"] or out["cpu_util"] is not None or out["ram_used_gb"]):

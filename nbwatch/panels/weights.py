@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -12,9 +12,10 @@ from .downsample import bucket_width
 
 MAX_COLUMNS = 200
 Column = tuple[int, np.ndarray, np.ndarray]  # (step, edges [b+1], counts [b])
+C = TypeVar("C", bound=tuple[Any, ...])  # a Column, or anything else led by its step
 
 
-def thin(columns: list[Column], max_columns: int = MAX_COLUMNS) -> list[Column]:
+def thin(columns: list[C], max_columns: int = MAX_COLUMNS) -> list[C]:
     """At most `max_columns` histograms spread evenly over the run: the first of each bucket
     of `w` steps and the newest, `w` a power of two chosen from the newest step alone (the
     downsampler's grid). Buckets only merge as the run grows, so thinning as columns arrive
@@ -22,7 +23,7 @@ def thin(columns: list[Column], max_columns: int = MAX_COLUMNS) -> list[Column]:
     if len(columns) <= max_columns:
         return columns
     w = bucket_width(int(columns[-1][0]), 2 * (max_columns - 1))  # ≤ max_columns - 1 buckets
-    out: list[Column] = []
+    out: list[C] = []
     prev = None
     for c in columns[:-1]:
         if (b := int(c[0]) // w) != prev:

@@ -18,7 +18,7 @@ def pack(obj: Any, buffers: list[memoryview]) -> Any:
             obj = obj.astype(np.float32, copy=False)
         elif obj.dtype.kind in "iu" and obj.dtype != np.uint8:
             obj = obj.astype(np.int32, copy=False)
-        buffers.append(memoryview(np.ascontiguousarray(obj)).cast("B"))
+        buffers.append(np.ascontiguousarray(obj).data.cast("B"))  # .data: memoryview(a)
         return {"$buf": len(buffers) - 1, "dtype": _DTYPES[obj.dtype], "shape": list(obj.shape)}
     if isinstance(obj, dict):
         return {str(k): pack(v, buffers) for k, v in obj.items()}

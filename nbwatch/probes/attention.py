@@ -124,7 +124,7 @@ def mha_scores(mod: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tenso
     return scores
 
 
-class Captured(dict):
+class Captured(dict[str, torch.Tensor]):
     """{module path: weights [samples, heads, T, S]} (cropped), and per head of each module
     its attention entropy and largest pre-softmax logit on the probe samples, uncropped
     (`entropy`, `max_logit`: {module path: [heads]})."""
@@ -185,7 +185,7 @@ def _mha_fastpath_off() -> Iterator[None]:
 @contextmanager
 def capture_attention(
     model: nn.Module, samples: int = 2, max_tokens: int = 64
-) -> Iterator[dict[str, torch.Tensor]]:
+) -> Iterator[Captured]:
     """Within the block, record attention maps of every attention module that runs.
 
     Yields a `Captured` dict filled on exit's way in: {module path: weights [samples, heads,
@@ -222,7 +222,7 @@ def capture_attention(
         if stack:
             stack.pop()
 
-    def mha_pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def mha_pre(mod: nn.MultiheadAttention, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         scores = mha_scores(mod, *args[:2], **{k: v for k, v in kwargs.items()
                                                  if k in ("attn_mask", "key_padding_mask",
                                                           "is_causal")})
@@ -245,7 +245,7 @@ def capture_attention(
         scores = sdpa_scores(
             a["query"][:samples],
             a["key"][:samples],
-            a.get("attn_mask")[:samples]
+            a["attn_mask"][:samples]
             if isinstance(a.get("attn_mask"), torch.Tensor) and a["attn_mask"].dim() == 4
             else a.get("attn_mask"),
             bool(a.get("is_causal", False)),

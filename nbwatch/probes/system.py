@@ -172,4 +172,4 @@ class SystemSampler:
             with contextlib.suppress(Exception):  # the store may have failed: it said so
                 self._emit()
         close_nvml(self._nvml)
-        self._nvml = self._handles = None
+        self._nvml, self._handles = None, []  # NVML closed: no handles left

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -30,7 +31,7 @@ class RunReader(RecordReads):
     keeps the database open after its writer has finished with it.
     """
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | os.PathLike[str]):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / DB_NAME
         if not self.path.is_file():

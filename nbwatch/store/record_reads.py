@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -15,9 +16,16 @@ from ..records import Command
 
 
 class RecordReads:
-    """Part of `RunReader`: every method reads through `query` alone."""
+    """Part of `RunReader`: every method reads through `query` alone (`session` and
+    `last_wall` are RunReader's too)."""
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
+        raise NotImplementedError
+
+    def session(self) -> AbstractContextManager[None]:
+        raise NotImplementedError
+
+    def last_wall(self) -> float | None:
         raise NotImplementedError
 
     # -- the other record kinds ---------------------------------------------------------

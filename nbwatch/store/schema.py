@@ -151,6 +151,15 @@ def _file_size_limit() -> int | None:
 
 
 
+def inserted_id(cur: sqlite3.Cursor) -> int:
+    """The id of the row the INSERT just run on `cur` added (sqlite3 leaves `lastrowid`
+    None only where no row was inserted)."""
+    rid = cur.lastrowid
+    if rid is None:
+        raise sqlite3.InterfaceError("the statement inserted no row")
+    return rid
+
+
 def send_command(run_dir: Path, command: Command) -> int:
     """Write a control command into a run folder written by another process (attach); the
     writer's recorder takes it between two steps. Returns its row id."""
@@ -159,7 +168,7 @@ def send_command(run_dir: Path, command: Command) -> int:
         with con:
             add_command_columns(con)  # a writer of an older nbwatch made the table
             cur = con.execute(*command_row(command))
-        return int(cur.lastrowid)
+        return inserted_id(cur)
     finally:
         con.close()
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import blocks
 from ..blocks import Layout, Part
+from .schema import inserted_id
 
 
 class ScalarTables:
@@ -27,7 +28,7 @@ class ScalarTables:
         kid = self.key_ids.get(name)
         if kid is None:
             cur = self.con.execute("INSERT INTO keys (name) VALUES (?)", (name,))
-            kid = self.key_ids[name] = int(cur.lastrowid)
+            kid = self.key_ids[name] = inserted_id(cur)
         return kid
 
     def plan(self, names: tuple[str, ...]) -> tuple[list[Part], bool]:
@@ -44,7 +45,7 @@ class ScalarTables:
                     cur = self.con.execute(
                         "INSERT INTO layouts (family, dtype, keys) VALUES (?, ?, ?)",
                         (fam, dtype, json.dumps(ids)))
-                    lid = self.layout_ids[(fam, ids)] = int(cur.lastrowid)
+                    lid = self.layout_ids[(fam, ids)] = inserted_id(cur)
                 parts.append(Part(lid, np.array(cols, dtype=np.int64), dtype))
             trained = any(not blocks.is_system(blocks.family(k)) for k in names)
             plan = self.plans[names] = (parts, trained)
@@ -159,9 +160,10 @@ class ScalarTables:
         Returns the number of blocks removed."""
         con = self.con
         removed = 0
-        tables = [("blocks", '"values"', lid, len(keys), dtype)
-                  for (_, keys), lid in self.layout_ids.items()
-                  for dtype in [self.layout(lid).dtype]]
+        tables: list[tuple[str, str, int | None, int, str]] = [
+            ("blocks", '"values"', lid, len(keys), dtype)
+            for (_, keys), lid in self.layout_ids.items()
+            for dtype in [self.layout(lid).dtype]]
         tables.append(("walls", "walls", None, 1, "f8"))
         for table, col, lid, width, dtype in tables:
             where, params = ("layout = ?", (lid,)) if lid is not None else ("1", ())

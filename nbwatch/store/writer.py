@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ..records import Command, Event, Scalars, SystemSample
 from .lock import (
@@ -205,9 +205,11 @@ class RunStore(RunReader):
         if not ok:
             raise TimeoutError(f"the run store at {self.path} did not commit within {timeout}s")
 
-    def _raise_error(self) -> None:
+    def _raise_error(self) -> NoReturn:
+        """Raise the writer's error (called where `self.error` is set)."""
         self._told = True
-        raise StoreFailed(str(self.error)) from self.error.__cause__
+        error = self.error
+        raise StoreFailed(str(error)) from (error.__cause__ if error is not None else None)
 
     def close(self) -> None:
         """Commit what is queued, fold the WAL into `nbwatch.db` and remove it. A writer that

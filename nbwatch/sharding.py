@@ -70,7 +70,5 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: Any) -> None:
             "run's checkpoint folder (on several nodes, a shared filesystem)")
     with _no_step_hooks(optimizer):
         msd, osd = get_state_dict(model, optimizer)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=str(folder))
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(folder))  # in place
+    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)

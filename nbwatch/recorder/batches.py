@@ -30,6 +30,7 @@ RING = 64
 def hashable_ids(batch: Any) -> np.ndarray | None:
     """The batch's token ids as a contiguous host array, or None where there are none on
     the CPU (floats, device tensors, no tensor)."""
+    t: Any
     if isinstance(batch, torch.Tensor):
         t = batch
     elif isinstance(batch, Mapping):
@@ -50,7 +51,7 @@ def hashable_ids(batch: Any) -> np.ndarray | None:
 def content_hash(batch: Any) -> str | None:
     """CRC-32 (8 hex digits) of the batch's CPU token ids, or None (see `hashable_ids`)."""
     a = hashable_ids(batch)
-    return None if a is None else f"{zlib.crc32(a):08x}"
+    return None if a is None else f"{zlib.crc32(a.data):08x}"
 
 
 class BatchIds:
@@ -103,14 +104,14 @@ class BatchIds:
             if index is not None:
                 cur["index"] = int(index)
             if a is not None:
-                cur["hash"] = f"{zlib.crc32(a):08x}"
+                cur["hash"] = f"{zlib.crc32(a.data):08x}"
             return
         cur["micro"] = cur.get("micro", 1) + 1
         if "hash" in cur:
             if a is None:
                 del cur["hash"]
             else:  # crc32(b, crc32(a)) == crc32(a + b): the hash of the step's ids in order
-                cur["hash"] = f"{zlib.crc32(a, int(cur['hash'], 16)):08x}"
+                cur["hash"] = f"{zlib.crc32(a.data, int(cur['hash'], 16)):08x}"
 
     def end_step(self, step: int) -> None:
         """The step `step` is taken: its batch's identity goes into the ring."""

@@ -113,7 +113,9 @@ def heartbeat_alive(info: dict[str, Any], now: float | None = None) -> bool:
     if info.get("closed"):
         return False
     dead_after = float(info.get("dead_after", DEAD_AFTER))
-    wall = info.get("wall") if isinstance(info.get("wall"), (int, float)) else info["mtime"]
+    wall = info.get("wall")
+    if not isinstance(wall, (int, float)):
+        wall = info["mtime"]
     if now - float(wall) > dead_after:
         return False
     pid = info.get("pid")

@@ -66,7 +66,7 @@ class RunStore(RunReader):
         self.path = self.run_dir / DB_NAME
         self.mode, self.mode_why = choose(self.run_dir, mode)
         self._heartbeat: Heartbeat | None = None
-        lock = -1
+        lock: int | None = -1  # -1: no flock (network mode)
         if self.mode == NETWORK:  # no flock: it may be missing, other hosts do not see it
             if flock_held(self.run_dir):  # a local-mode writer of another process
                 raise RunInUse(_in_use(self.run_dir, _writer_named(self.run_dir)))
@@ -86,12 +86,13 @@ class RunStore(RunReader):
                 time.sleep(0.05)
             else:
                 raise RunInUse(_in_use(self.run_dir))
+            assert lock is not None  # the loop breaks only with a lock taken
             try:
                 drop_dead_heartbeat(self.run_dir)  # a network-mode writer's, before this one
             except RunInUse:
                 unlock(lock)
                 raise
-        self._lock = lock
+        self._lock: int = -1 if lock is None else lock
         opened = time.time()
         for folder in (self.run_dir, self.run_dir / "checkpoints"):  # what a killed write left
             sweep_temp_files(folder, before=opened)

@@ -238,7 +238,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
             raise TypeError(f"run() takes your training loop as a function, got {fn!r}")
         self._check_can_open(resume=self._resumed_step is not None)
         rec = self._open("run", self.options.spec(), False, self.options, {})
-        rec.can_rewind = True  # the loop and its step count are the user's, not a framework's
+        rec.rewind_state.can_rewind = True  # the loop and its steps are the user's
         self._in_thread(lambda: rec.guarded(lambda: fn(*args, **kwargs)))
         return self._after_open(self.options.display)
 
@@ -308,10 +308,11 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
                                "written (mon.run() and `with mon:` end the loop cleanly)")
         # what a rewind or a skip asks of the loop: said once, at this log(), never merged
         # into a later one
-        self.rewound, self.skip_batches, rec.skip_batches = None, rec.skip_batches, 0
-        if rec.rewound_to is not None:  # the weights are a checkpoint's: tell the loop
-            self.rewound = Rewound(rec.rewound_to, self.skip_batches)
-            rec.rewound_to, step = None, rec.rewound_to
+        rw = rec.rewind_state
+        self.rewound, self.skip_batches, rw.skip_batches = None, rw.skip_batches, 0
+        if rw.rewound_to is not None:  # the weights are a checkpoint's: tell the loop
+            self.rewound = Rewound(rw.rewound_to, self.skip_batches)
+            rw.rewound_to, step = None, rw.rewound_to
         return step
 
     @property

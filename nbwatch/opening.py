@@ -68,7 +68,7 @@ class RunOpening:
         (or by a framework adapter, at the framework's step `start_step`)."""
         rec = self._open("loop", self.options.spec(), False, self.options,
                          {"framework": framework} if framework else {}, start_step)
-        rec.can_rewind = framework is None  # a framework keeps its own step count
+        rec.rewind_state.can_rewind = framework is None  # a framework keeps its own step count
         self._framework = framework
         self._loop_thread = threading.current_thread()  # a framework's fit thread, maybe
         rec.begin()

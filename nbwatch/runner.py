@@ -35,7 +35,8 @@ class Runner:
 
     def __init__(self, spec: RunSpec, recorder: StepRecorder):
         self.spec, self.rec = spec, recorder
-        recorder.runs_loop = recorder.can_rewind = True  # the data and steps are ours
+        rw = recorder.rewind_state
+        rw.runs_loop = rw.can_rewind = True  # the data and the steps are ours
         self._data: Iterator | None = None
         self._epoch = 0
         self._batches = 0  # taken from train_data so far
@@ -55,8 +56,8 @@ class Runner:
             rec.apply_commands()
             if rec.stopping:
                 return
-            if rec.skip_batches:  # a skip or a rewind's, a bite at a time: stop and pause
-                self._skip(SKIP_BITE)  # are heard between bites
+            if rec.rewind_state.skip_batches:  # a skip or a rewind's, a bite at a time:
+                self._skip(SKIP_BITE)  # stop and pause are heard between bites
                 continue
             self._train_step()
             rec.step_done(eval_due=bool(spec.eval_every) and rec.step % spec.eval_every == 0)
@@ -95,8 +96,9 @@ class Runner:
 
     def _skip(self, most: int) -> None:
         """Throw away up to `most` of the batches a skip asked for: never trained on."""
-        for _ in range(min(most, self.rec.skip_batches)):
-            self.rec.skip_batches -= 1
+        rw = self.rec.rewind_state
+        for _ in range(min(most, rw.skip_batches)):
+            rw.skip_batches -= 1
             self._take()
 
     def _take(self) -> Any:

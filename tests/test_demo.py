@@ -37,15 +37,15 @@ def test_demo_loss_falls(tmp_path):
 
 def test_cli_demo_and_ls(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "nbwatch.cli", "demo", "--steps", "30", "--eval-every", "15",
+        [sys.executable, "-m", "nbwatch.cli", "demo", "--steps", "10", "--eval-every", "5",
          "--run-dir", str(tmp_path / "runs" / "demo"), "--print-every", "1"],
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    assert "done: finished at step 30" in out.stdout
+    assert "done: finished at step 10" in out.stdout
     # Progress lines say "val –" until the first eval, never "val nan".
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("step ")]
     assert lines and not any("nan" in ln for ln in lines), out.stdout
     ls = subprocess.run([sys.executable, "-m", "nbwatch.cli", "ls", str(tmp_path / "runs")],
                         capture_output=True, text=True, timeout=60)
-    assert re.search(r"^demo\s+finished\s+30/30\s", ls.stdout, re.M), ls.stdout
+    assert re.search(r"^demo\s+finished\s+10/10\s", ls.stdout, re.M), ls.stdout

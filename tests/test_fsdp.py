@@ -195,6 +195,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_fsdp2_rewind_reloads_every_ranks_shards_at_one_step(tmp_path):
+    """A rewind of a sharded model: every rank reloads its shards of the checkpoint rank 0
+    picked, at one exchange step (a rank that did not would hang the collective load); the
+    rewound-over steps are a branch, the live history has no hole, and the norms recorded
+    after the reload are still torch's."""
+    run_dir = tmp_path / "rw"
+    finish(torchrun(run_dir, 16, LOOP="start", CKPT_EVERY=4, REWIND_AT=9, STEP_SLEEP=0.05,
+                    EVAL_EVERY=100))
+    run = nbwatch.open_run(run_dir)
+    ev = run.events
+    done = ev[(ev.kind == "action") & ev.message.str.startswith("rewound")]
+    assert len(done) == 1 and "on all 2 ranks" in done.message.iloc[0], ev.message.tolist()
+    frm, to = done.data.iloc[0]["from"], done.data.iloc[0]["to"]
+    assert frm >= 9 and frm % 2 == 0 and to == (frm - 3) // 4 * 4  # rank_every=2, every 4
+    assert run.state == "finished" and run.step == 16
+    assert run.df["loss/train"].loc[1:16].notna().all()
+    assert run.branches["rewind/1/loss/train"].dropna().index.tolist() == list(
+        range(to + 1, frm + 1))
+    df = run.df
+    for r in refs(run_dir):
+        last = {s["step"]: s for s in r["steps"]}  # the live branch's, after the reload
+        assert sorted(last) == list(range(1, 17))
+        for step, s in last.items():
+            assert df.loc[step, "grad_norm/global"] == pytest.approx(s["global"], rel=1e-5)
+
+
 def test_two_nodes_on_localhost_one_store_and_a_stop_on_every_rank(tmp_path):
     """Two simulated nodes (`--nnodes=2 --node_rank=0|1`, 1 process each: 4 processes are
     too slow on this 2-core machine), started side by side: global rank 0 alone writes the

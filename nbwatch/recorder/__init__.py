@@ -18,8 +18,8 @@ the same moment, after backward (and a GradScaler's unscale) and before the upda
 
 Its parts: spec.py (RunSpec, Progress, StopTraining), step_recorder.py (the recorder and
 its lifecycle), optimizer_step.py (the hooks: measure, clip decision), lr_factor.py,
-step_end.py (the record), steering.py (commands, ranks, alert actions),
-eval_checkpoint.py, batches.py (which batch), rewind.py (rewind, skip).
+own_clips.py, step_end.py (the record), steering.py (commands, ranks, alert actions),
+outcomes.py, eval_checkpoint.py, batches.py (which batch), rewind.py (rewind, skip).
 """
 
 from .eval_checkpoint import plain

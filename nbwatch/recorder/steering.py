@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -16,40 +15,8 @@ from .. import controls as ctl
 from ..controls import make_command
 from ..distributed import merge_ranks
 from ..records import Command, CommandKind, Event
-
-
-@dataclass(frozen=True)
-class Applied:
-    """The command changed the run: `message` says how (an "action" event, or the event of
-    what it made: a checkpoint)."""
-
-    message: str
-    kind: str = "action"
-    severity: str = "info"
-    data: dict[str, Any] = field(default_factory=dict)
-    event_data: dict[str, Any] = field(default_factory=dict)
-    word = "applied"
-
-
-@dataclass(frozen=True)
-class Refused:
-    """The command changed nothing: `reason` says why."""
-
-    reason: str
-    data: dict[str, Any] = field(default_factory=dict)
-    word = "refused"
-
-
-@dataclass(frozen=True)
-class Expired:
-    """The run ended (or had not begun) before the command was taken."""
-
-    reason: str
-    data: dict[str, Any] = field(default_factory=dict)
-    word = "expired"
-
-
-Outcome = Applied | Refused | Expired
+from .outcomes import Applied, Expired, Outcome, Refused
+from .rewind import do_rewind, do_skip, resolve_rewind
 
 
 class Steering:
@@ -122,7 +89,7 @@ class Steering:
         self.flush_deferred()
         while True:
             # a rewind's checkpoint is chosen by rank 0, for every rank to reload the same
-            cmds = [self.resolve_rewind(c) for c in self._poll_commands()] if d.rank == 0 else []
+            cmds = [resolve_rewind(self, c) for c in self._poll_commands()] if d.rank == 0 else []
             t0 = time.perf_counter()
             rows, cmds = d.exchange(self._rank_rows, cmds)
             self._sync_s = time.perf_counter() - t0
@@ -276,6 +243,6 @@ DISPATCH: dict[CommandKind, Callable[[Any, Command], Outcome]] = {
     CommandKind.CHECKPOINT: Steering._do_checkpoint,
     CommandKind.CLIP: Steering._do_clip,
     CommandKind.SCALE_LR: Steering._do_scale_lr,
-    CommandKind.REWIND: lambda rec, cmd: rec._do_rewind(cmd),  # recorder/rewind.py
-    CommandKind.SKIP: lambda rec, cmd: rec._do_skip(cmd),
+    CommandKind.REWIND: do_rewind,  # recorder/rewind.py
+    CommandKind.SKIP: do_skip,
 }

@@ -1,7 +1,8 @@
 """`StepRecorder`: one run's recorder, and its lifecycle (begin, a guarded loop, finish,
 fail). What it does at each moment of a step lives in its parts: `OptimizerStep` (the
-optimizer's hooks), `LrFactor`, `StepEnd` (the record), `Steering` (commands, ranks,
-alert actions), `EvalCheckpoint`, `BatchIds` (which batch each step took) and `Rewind`."""
+optimizer's hooks), `StepEnd` (the record), `Steering` (commands, ranks,
+alert actions), `EvalCheckpoint`; objects of their own: `BatchIds` (which batch each step
+took), `LrFactor`, `OwnClips` and `RewindState` (with rewind.py's functions)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from .eval_checkpoint import EvalCheckpoint
 from .lr_factor import LrFactor
 from .optimizer_step import OptimizerStep, _Taking
 from .own_clips import OwnClips
-from .rewind import Rewind
+from .rewind import RewindState
 from .spec import Progress, RunSpec, StopTraining
 from .steering import Steering
 from .step_end import StepEnd, _Deferred
@@ -38,7 +39,7 @@ log = logging.getLogger("nbwatch.recorder")
 _RUN_IDS = itertools.count(1)  # each run's logger is its own, whatever its folder's name
 
 
-class StepRecorder(OptimizerStep, StepEnd, Steering, EvalCheckpoint, Rewind):
+class StepRecorder(OptimizerStep, StepEnd, Steering, EvalCheckpoint):
     """Measures and records each optimizer step of one run, and steers it between steps."""
 
     def __init__(
@@ -83,12 +84,7 @@ class StepRecorder(OptimizerStep, StepEnd, Steering, EvalCheckpoint, Rewind):
         self._store_poll = 0.0
         self._command_id = 0  # the newest store command taken
         self._opened_wall = time.time()  # store commands older than this: an earlier run's
-        # rewind and skip (rewind.py): who can, and what the loop must still be told
-        self.can_rewind = False  # set by who opens the run: its step count is nbwatch's
-        self.runs_loop = False  # start()'s runner: the data stream is nbwatch's to skip
-        self.skip_batches = 0  # batches to skip before the next step (the loop's, or ours)
-        self.rewinds = 0  # rewinds so far: the branch number of the next
-        self.rewound_to: int | None = None  # the step a rewind went back to, until told
+        self.rewind_state = RewindState()  # rewind.py: who may, what the loop must be told
         self._reduction_saved = False
         self._mask_said = False  # a bad GPU mask was said (once a run)
         self._probe_said: set[str] = set()  # figures the probe cannot take, said

@@ -8,7 +8,8 @@ CLIP: nbwatch's clip (max_norm); LOOP_CLIP: the own loop's clip_grad_norm_ befor
 optimizer.step() (then the reference is taken before that clip); RESUME=1:
 `Monitor(..., resume=True)` (own loop); EVAL_EVERY (default 4); STEP_SLEEP (seconds per
 step); REF: the reference files' name; KILL_RANK / KILL_AT: that rank kills itself
-(SIGKILL) at that step; RAISE_AT: every rank raises there.
+(SIGKILL) at that step; RAISE_AT: every rank raises there; CKPT_EVERY: a periodic
+checkpoint; REWIND_AT: (start()) rank 0 asks `mon.rewind(steps=3, skip=0)` at that step.
 
 Each rank writes RUN_DIR/{REF}_rank{r}.json: at each optimizer step, torch's own figures
 on the sharded model before nbwatch sees the gradients (`clip_grad_norm_(...)
@@ -84,7 +85,7 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.99**s)
     ref_name = os.environ.get("REF", "ref")
     refs: list[dict] = []
-    taken = {"step": 0}
+    taken: dict = {}
 
     def measure(max_norm: float) -> None:
         """The full gradients' norms per layer, then torch's clip_grad_norm_ (its norm)."""
@@ -94,7 +95,7 @@ def main() -> None:
                 g = p.grad.full_tensor()  # gathered: the full gradient
                 sq[owner[id(p)]] = sq.get(owner[id(p)], 0.0) + float(g.double().square().sum())
         total = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
-        taken["step"] += 1
+        taken["step"] = taken["mon"].step + 1  # nbwatch's count: it follows a rewind
         refs.append({"step": taken["step"], "global": float(total.full_tensor()),
                      "layers": {k: math.sqrt(v) for k, v in sq.items()}})
 
@@ -139,10 +140,11 @@ def main() -> None:
                           dist_timeout=30, hist_every=3,
                           resume=own and os.environ.get("RESUME") == "1",
                           probe_batch=val_batch if own else None,
-                          checkpoint_every=4 if own else None,
+                          checkpoint_every=int(os.environ.get("CKPT_EVERY", "0")) or (
+                              4 if own else None),
                           config={"script": "fsdp_train"})
     opt.register_step_pre_hook(after)  # behind nbwatch's hook: after its clip
-    taken["step"] = mon.step
+    taken["mon"] = mon
     start = full_state(model)
     if rank == 0:
         torch.save({"step": mon.step, "state": start},
@@ -165,6 +167,11 @@ def main() -> None:
         else:
             mon.start(step_fn, data, max_steps=max_steps, val_fn=val_fn,
                       eval_every=eval_every, rank_every=2, dist_timeout=30, display=False)
+            rewind_at = int(os.environ.get("REWIND_AT", "0"))
+            if rewind_at and rank == 0:  # as a click would: rank 0's commands go to all
+                while mon.step < rewind_at and mon.running:
+                    time.sleep(0.005)
+                mon.rewind(steps=3, skip=0)
             mon.wait()
     finally:
         with open(os.path.join(run_dir, f"{ref_name}_rank{rank}.json"), "w") as f:

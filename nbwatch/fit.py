@@ -149,15 +149,6 @@ class FitRun(ctl.Controls, Readout):
     def _run(self) -> Run | None:
         return started_run(self.run_dir)
 
-    def show(self) -> Any:
-        from IPython.display import display
-
-        from .widget import Dashboard
-
-        dash = Dashboard.for_monitor(self)  # type: ignore[arg-type]
-        display(dash)
-        return dash
-
     def __repr__(self) -> str:
         return f"<nbwatch.FitRun {self.name!r} {self.state} at step {self.step} in {self.run_dir}>"
 

@@ -434,12 +434,6 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
                 self._store.flush()
         return started_run(self.run_dir)
 
-    def diagnose(self) -> list:
-        """Findings that explain the run so far (val periodicity, step-time bottleneck…)."""
-        from .diagnostics import diagnose
-
-        return diagnose(self.df)
-
     def preflight(self, step_fn: Callable[[nn.Module, Any], Any], data: Iterable,
                   steps: int = 200, **start_kw: Any) -> Any:
         """Run a short trial on this model and restore it; returns checks with `.ok`."""
@@ -448,16 +442,6 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         if self.running:
             raise RuntimeError("preflight() while the run is training; call it before start()")
         return preflight(self, step_fn, data, steps, **start_kw)
-
-    def show(self) -> Any:
-        """Display the live dashboard of this run in the notebook."""
-        from IPython.display import display
-
-        from .widget import Dashboard
-
-        dash = Dashboard.for_monitor(self)
-        display(dash)
-        return dash
 
     def __repr__(self) -> str:
         return f"<nbwatch.Monitor {self.name!r} {self.state} at step {self.step} in {self.run_dir}>"

@@ -14,8 +14,9 @@ from .store import DB_NAME, RunReader
 
 
 class Readout:
-    """`df`, `events` and `export_html` of a run still being written (a Monitor, a fit's
-    handle): subclasses give `run_dir` and `_run()`, the Run so far or None."""
+    """`df`, `events`, `export_html`, `diagnose()` and `show()` of a run still being written
+    (a Monitor, a fit's handle): subclasses give `run_dir` and `_run()`, the Run so far or
+    None."""
 
     run_dir: Path
 
@@ -64,6 +65,22 @@ class Readout:
 
         self._run()  # commits what is queued
         return export_html(self.run_dir, path, environment=environment)
+
+    def diagnose(self) -> list:
+        """Findings that explain the run so far (val periodicity, step-time bottleneck…)."""
+        from .diagnostics import diagnose
+
+        return diagnose(self.df)
+
+    def show(self) -> Any:
+        """Display the live dashboard of this run, with its controls, in the notebook."""
+        from IPython.display import display
+
+        from .widget import Dashboard
+
+        dash = Dashboard.for_monitor(self)
+        display(dash)
+        return dash
 
 
 class RunNotStarted(RuntimeError):

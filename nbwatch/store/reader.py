@@ -149,6 +149,17 @@ class RunReader(RecordReads):
                 self._layouts[i] = Layout(i, tuple(names[k] for k in json.loads(ids)), dtype)
 
     # -- scalars ------------------------------------------------------------------------
+    def _layout_filter(self, keys: Iterable[str] | None, params: list[Any]) -> str:
+        """The SQL condition on `layout` for rows that hold any of `keys` (none: all), its
+        parameters appended to `params`."""
+        if keys is None:
+            return ""
+        self._load_layouts()
+        wanted = set(keys)
+        ids = [i for i, lay in self._layouts.items() if wanted.intersection(lay.keys)]
+        params += ids
+        return f" AND layout IN ({','.join('?' * len(ids))})"
+
     def _blocks(self, keys: list[str] | None, start: int | None, stop: int | None,
                 after_id: int = 0, limit: int | None = None) -> list[tuple]:
         """Block rows (id, layout, first, steps, values, merged_from) that hold any of
@@ -156,12 +167,7 @@ class RunReader(RecordReads):
         sql = ('SELECT id, layout, first, steps, "values", merged_from FROM blocks'
                " WHERE id > ?")
         params: list[Any] = [after_id]
-        if keys is not None:
-            self._load_layouts()
-            wanted = set(keys)
-            ids = [i for i, lay in self._layouts.items() if wanted.intersection(lay.keys)]
-            sql += f" AND layout IN ({','.join('?' * len(ids))})"
-            params += ids
+        sql += self._layout_filter(keys, params)
         if start is not None:
             sql += " AND last >= ?"
             params.append(int(start))
@@ -251,12 +257,7 @@ class RunReader(RecordReads):
             sql = ('SELECT id, layout, walls, steps, "values", merged_from FROM system_samples'
                    " WHERE id > ?")
             params: list[Any] = [after_id]
-            if keys is not None:
-                self._load_layouts()
-                wanted = set(keys)
-                ids = [i for i, lay in self._layouts.items() if wanted.intersection(lay.keys)]
-                sql += f" AND layout IN ({','.join('?' * len(ids))})"
-                params += ids
+            sql += self._layout_filter(keys, params)
             for cond, value in ((" AND last_step >= ?", start), (" AND first_step < ?", stop),
                                 (" AND last >= ?", wall_start), (" AND first < ?", wall_stop)):
                 if value is not None:

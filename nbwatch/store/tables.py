@@ -12,6 +12,26 @@ from ..blocks import Layout, Part
 from .schema import inserted_id
 
 
+def merge_groups(rows: list[tuple[int, int]], width: int, big: int | None = None
+                 ) -> list[list[int]]:
+    """The ids of consecutive rows (id, steps held) to merge into one, each group of up to
+    MAX_BLOCK_VALUES values; a row of more than `big` values stays as it is."""
+    groups: list[list[int]] = [[]]
+    held = 0
+    for bid, n in rows:
+        if big is not None and n * width > big:  # big enough: left as it is
+            if groups[-1]:
+                groups.append([])
+            held = 0
+            continue
+        if held + n > blocks.MAX_BLOCK_VALUES // width and groups[-1]:
+            groups.append([])
+            held = 0
+        groups[-1].append(bid)
+        held += n
+    return [g for g in groups if len(g) > 1]
+
+
 class ScalarTables:
     """Writes scalars as blocks (and their steps' walls) on one connection, inside the
     caller's transaction: the store's writer thread and the schema-1 migration use it."""
@@ -124,17 +144,7 @@ class ScalarTables:
         for lid, held_rows in by_layout.items():
             lay = self.layout(lid)
             dtype, width = lay.dtype, len(lay.keys)
-            groups: list[list[int]] = [[]]
-            held = 0
-            for bid, n in held_rows:
-                if held + n > blocks.MAX_BLOCK_VALUES // width and groups[-1]:
-                    groups.append([])
-                    held = 0
-                groups[-1].append(bid)
-                held += n
-            for ids in groups:
-                if len(ids) < 2:
-                    continue
+            for ids in merge_groups(held_rows, width):
                 marks = ",".join("?" * len(ids))
                 rows = con.execute(f'SELECT walls, steps, "values", merged_from FROM'
                                    f" system_samples WHERE id IN ({marks}) ORDER BY id",
@@ -168,24 +178,9 @@ class ScalarTables:
         for table, col, lid, width, dtype in tables:
             where, params = ("layout = ?", (lid,)) if lid is not None else ("1", ())
             size = np.dtype(dtype).itemsize * width
-            groups: list[list[int]] = [[]]
-            held = 0
-            for bid, nbytes in con.execute(
-                    f"SELECT id, length({col}) FROM {table} WHERE {where} ORDER BY id", params):
-                n = nbytes // size
-                if n * width > blocks.MAX_BLOCK_VALUES // 16:  # big enough: left as it is
-                    if groups[-1]:
-                        groups.append([])
-                    held = 0
-                    continue
-                if held + n > blocks.MAX_BLOCK_VALUES // width and groups[-1]:
-                    groups.append([])
-                    held = 0
-                groups[-1].append(bid)
-                held += n
-            for ids in groups:
-                if len(ids) < 2:
-                    continue
+            held_rows = [(bid, nbytes // size) for bid, nbytes in con.execute(
+                f"SELECT id, length({col}) FROM {table} WHERE {where} ORDER BY id", params)]
+            for ids in merge_groups(held_rows, width, big=blocks.MAX_BLOCK_VALUES // 16):
                 marks = ",".join("?" * len(ids))
                 rows = con.execute(f"SELECT first, steps, {col} FROM {table} WHERE id IN"
                                    f" ({marks}) ORDER BY id", ids).fetchall()

@@ -6,137 +6,170 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from torch import nn
 
 from ..checkpoint import rng_state
 from ..evaluation import EvalResult, evaluate
 from ..records import Event, Sample, Scalars
+from .spec import Progress, RunSpec
 
 
-class EvalCheckpoint:
-    """Part of `StepRecorder` (its state is set in `StepRecorder.__init__`)."""
+@dataclass
+class EvalState:
+    """What the evals and checkpoints of a run remember between steps."""
 
-    def evaluate(self, val: Any = None) -> None:
-        """The eval of this step: `val` as given (own loop) or `val_fn`, the attention
-        probe, `sample_fn`; recorded, fed to the rules, checkpointed."""
-        self.flush_deferred()  # loss/gap needs this step's train loss
-        step = self.step
-        result: EvalResult = evaluate(self.model, self.spec, step,
-                                      self.progress.train_smooth(), val)
-        if "loss/val" in result.values:
-            v = result.values["loss/val"]
-            self._last_val = v if math.isfinite(v) else None  # NaN is never "best"
-        if result.probe_error is not None:
-            self.probe_failed(result.probe_error)
-        for missing, why in result.probe_notes.items():
-            self.probe_note(missing, why)
-        for a in result.attention:
-            self.store.put(a)
-        if result.sample is not None:
-            self.store.put(Sample(step, result.sample))
-        if result.values:
-            self.store.put(Scalars(step, result.values))
-            self._raise_alerts(self.engine.observe("eval", step, result.values))
-        if result.attention:
-            self._raise_alerts(self.engine.observe("attention", step,
-                                                   attention=result.first_maps()))
-        every = self.spec.checkpoint_every or self.spec.eval_every
-        if not every or step % every == 0:
-            self.checkpoint("periodic")
-        self._t_boundary = time.perf_counter()
+    last_val: float | None = None  # the newest finite val loss, until a checkpoint takes it
+    ckpt_step: int | None = None  # the step of the newest checkpoint
+    probe_said: set[str] = field(default_factory=set)  # figures the probe cannot take, said
 
-    def step_done(self, eval_due: bool = False, val: Any = None) -> None:
-        """The one policy after a step, in every loop: an eval when one is due (`eval_due`:
-        start()'s eval_every; `val`: a loop's logged figures), which checkpoints as
-        `evaluate` says; else the periodic checkpoint every `checkpoint_every` steps."""
-        if eval_due or val is not None:
-            self.evaluate(val)
-        elif self.spec.checkpoint_every and self.step % self.spec.checkpoint_every == 0:
-            self.checkpoint("periodic")
 
-    def probe_failed(self, message: str) -> None:
-        """The attention probe cannot work on this model: said once, then off."""
-        self.spec.attention_samples = 0
-        self._emit(Event(self.step, "probe", "warning", message))
+class Evaluating(Protocol):
+    """What an eval and a checkpoint read and write of their run (a `StepRecorder`)."""
 
-    def probe_note(self, missing: str, message: str) -> None:
-        """Figures the probe pass cannot take on this model (`missing`: "logits"), the probe
-        staying on: said once a run, as a `probe` event the Health panel shows."""
-        if missing not in self._probe_said:
-            self._probe_said.add(missing)
-            self._emit(Event(self.step, "probe", "info", message, {"missing": missing}))
+    step: int
+    spec: RunSpec
+    model: nn.Module
+    opt: Any
+    sched: Any
+    scaler: Any
+    control: Any  # ControlState
+    store: Any  # RunStore, or NullStore on ranks > 0
+    ckpt: Any  # Checkpointer
+    dist: Any  # Dist | None
+    engine: Any  # AlertEngine
+    progress: Progress
+    evals: EvalState
+    save_fn: Callable[[str], None] | None
+    _t_boundary: float
 
-    def note_checkpoint(self, reason: str, path: str | Path, seconds: float | None = None,
-                        best: bool = False) -> None:
-        """Record a checkpoint the framework wrote (a folder or a file)."""
-        path = Path(path)
-        size = _dir_bytes(path) if path.exists() else 0
-        self._ckpt_step = self.step
-        took = f" in {seconds:.2f} s" if seconds is not None else ""
-        self._emit(Event(self.step, "checkpoint", "info",
-                         f"{reason} checkpoint at step {self.step}: {path.name}, "
-                         f"{size / 2**20:.1f} MiB{took}" + (" (best)" if best else ""),
-                         {"path": str(path), "seconds": seconds, "bytes": size, "best": best,
-                          "reason": reason}))
+    def flush_deferred(self) -> None: ...
+    def _emit(self, ev: Event, level: int | None = None) -> None: ...
+    def _raise_alerts(self, alerts: list) -> None: ...
 
-    def state_dict(self) -> dict[str, Any]:
-        sched_state = getattr(self.sched, "state_dict", None)
-        return {
-            "model": plain(self.model).state_dict(),
-            "optimizer": self.opt.state_dict(),
-            "scheduler": sched_state() if callable(sched_state) else None,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "rng": rng_state(),
-            "controls": self.control.to_dict(),
-        }
 
-    def checkpoint(self, reason: str) -> None:
-        self.flush_deferred()
-        self._checkpoint(reason)
-        self._t_boundary = time.perf_counter()
+def run_eval(rec: Evaluating, val: Any = None) -> None:
+    """The eval of this step: `val` as given (own loop) or `val_fn`, the attention
+    probe, `sample_fn`; recorded, fed to the rules, checkpointed."""
+    rec.flush_deferred()  # loss/gap needs this step's train loss
+    step = rec.step
+    result: EvalResult = evaluate(rec.model, rec.spec, step,
+                                  rec.progress.train_smooth(), val)
+    if "loss/val" in result.values:
+        v = result.values["loss/val"]
+        rec.evals.last_val = v if math.isfinite(v) else None  # NaN is never "best"
+    if result.probe_error is not None:
+        probe_failed(rec, result.probe_error)
+    for missing, why in result.probe_notes.items():
+        probe_note(rec, missing, why)
+    for a in result.attention:
+        rec.store.put(a)
+    if result.sample is not None:
+        rec.store.put(Sample(step, result.sample))
+    if result.values:
+        rec.store.put(Scalars(step, result.values))
+        rec._raise_alerts(rec.engine.observe("eval", step, result.values))
+    if result.attention:
+        rec._raise_alerts(rec.engine.observe("attention", step,
+                                               attention=result.first_maps()))
+    every = rec.spec.checkpoint_every or rec.spec.eval_every
+    if not every or step % every == 0:
+        checkpoint(rec, "periodic")
+    rec._t_boundary = time.perf_counter()
 
-    def commit(self) -> None:
-        """Put every record up to this step on disk. A checkpoint counts only after this:
-        one newer than the store would leave a hole in a resumed run's history."""
-        self.flush_deferred()
-        self.store.flush(timeout=60)
+def step_done(rec: Evaluating, eval_due: bool = False, val: Any = None) -> None:
+    """The one policy after a step, in every loop: an eval when one is due (`eval_due`:
+    start()'s eval_every; `val`: a loop's logged figures), which checkpoints as
+    `evaluate` says; else the periodic checkpoint every `checkpoint_every` steps."""
+    if eval_due or val is not None:
+        run_eval(rec, val)
+    elif rec.spec.checkpoint_every and rec.step % rec.spec.checkpoint_every == 0:
+        checkpoint(rec, "periodic")
 
-    def _checkpoint(self, reason: str, announce: bool = True) -> Event | None:
-        """Write a checkpoint; returns its event (recorded here unless `announce` is False:
-        a command's outcome records it), or None where nbwatch wrote none itself."""
-        if reason in ("final", "stop") and self._ckpt_step == self.step:
-            return None  # the periodic checkpoint of this very step is the final one
-        self.commit()
-        if self.save_fn is not None:  # the framework saves (on every rank, its own way)
-            self.save_fn(reason)
-            return None
-        if self.spec.trial or (self.dist is not None and self.dist.rank != 0
-                               and not self.ckpt.every_rank):  # FSDP2: every rank saves
-            return None
-        try:
-            saved = self.ckpt.save(self.state_dict(), self.step, self._last_val)
-        except Exception as e:  # recorded here; the run then fails with it (a full disk)
-            first = (str(e).strip().splitlines() or [""])[0]
-            with contextlib.suppress(Exception):  # a dead store: the error matters more
-                self._emit(Event(self.step, "checkpoint", "critical",
-                                 f"{reason} checkpoint at step {self.step} failed: {first}",
-                                 {"reason": reason, "failed": True,
-                                  "error": f"{type(e).__name__}: {first}"}))
-            raise
-        self._ckpt_step = self.step
-        self._last_val = None  # "best" compares checkpoints taken right after an eval
-        msg = (f"{reason} checkpoint at step {self.step}: {saved.path.name}, "
-               f"{saved.bytes / 2**20:.1f} MiB in {saved.seconds:.2f} s"
-               + (" (best)" if saved.best else ""))
-        ev = Event(self.step, "checkpoint", "info", msg, {
-            "path": str(saved.path), "seconds": saved.seconds, "bytes": saved.bytes,
-            "best": saved.best, "reason": reason})
-        if announce:
-            self._emit(ev)
-        return ev
+def probe_failed(rec: Evaluating, message: str) -> None:
+    """The attention probe cannot work on this model: said once, then off."""
+    rec.spec.attention_samples = 0
+    rec._emit(Event(rec.step, "probe", "warning", message))
+
+def probe_note(rec: Evaluating, missing: str, message: str) -> None:
+    """Figures the probe pass cannot take on this model (`missing`: "logits"), the probe
+    staying on: said once a run, as a `probe` event the Health panel shows."""
+    if missing not in rec.evals.probe_said:
+        rec.evals.probe_said.add(missing)
+        rec._emit(Event(rec.step, "probe", "info", message, {"missing": missing}))
+
+def note_checkpoint(rec: Evaluating, reason: str, path: str | Path, seconds: float | None = None,
+                    best: bool = False) -> None:
+    """Record a checkpoint the framework wrote (a folder or a file)."""
+    path = Path(path)
+    size = _dir_bytes(path) if path.exists() else 0
+    rec.evals.ckpt_step = rec.step
+    took = f" in {seconds:.2f} s" if seconds is not None else ""
+    rec._emit(Event(rec.step, "checkpoint", "info",
+                     f"{reason} checkpoint at step {rec.step}: {path.name}, "
+                     f"{size / 2**20:.1f} MiB{took}" + (" (best)" if best else ""),
+                     {"path": str(path), "seconds": seconds, "bytes": size, "best": best,
+                      "reason": reason}))
+
+def state_dict(rec: Evaluating) -> dict[str, Any]:
+    sched_state = getattr(rec.sched, "state_dict", None)
+    return {
+        "model": plain(rec.model).state_dict(),
+        "optimizer": rec.opt.state_dict(),
+        "scheduler": sched_state() if callable(sched_state) else None,
+        "scaler": rec.scaler.state_dict() if rec.scaler is not None else None,
+        "rng": rng_state(),
+        "controls": rec.control.to_dict(),
+    }
+
+def checkpoint(rec: Evaluating, reason: str) -> None:
+    rec.flush_deferred()
+    write_checkpoint(rec, reason)
+    rec._t_boundary = time.perf_counter()
+
+def commit(rec: Evaluating) -> None:
+    """Put every record up to this step on disk. A checkpoint counts only after this:
+    one newer than the store would leave a hole in a resumed run's history."""
+    rec.flush_deferred()
+    rec.store.flush(timeout=60)
+
+def write_checkpoint(rec: Evaluating, reason: str, announce: bool = True) -> Event | None:
+    """Write a checkpoint; returns its event (recorded here unless `announce` is False:
+    a command's outcome records it), or None where nbwatch wrote none itrec."""
+    if reason in ("final", "stop") and rec.evals.ckpt_step == rec.step:
+        return None  # the periodic checkpoint of this very step is the final one
+    commit(rec)
+    if rec.save_fn is not None:  # the framework saves (on every rank, its own way)
+        rec.save_fn(reason)
+        return None
+    if rec.spec.trial or (rec.dist is not None and rec.dist.rank != 0
+                           and not rec.ckpt.every_rank):  # FSDP2: every rank saves
+        return None
+    try:
+        saved = rec.ckpt.save(state_dict(rec), rec.step, rec.evals.last_val)
+    except Exception as e:  # recorded here; the run then fails with it (a full disk)
+        first = (str(e).strip().splitlines() or [""])[0]
+        with contextlib.suppress(Exception):  # a dead store: the error matters more
+            rec._emit(Event(rec.step, "checkpoint", "critical",
+                             f"{reason} checkpoint at step {rec.step} failed: {first}",
+                             {"reason": reason, "failed": True,
+                              "error": f"{type(e).__name__}: {first}"}))
+        raise
+    rec.evals.ckpt_step = rec.step
+    rec.evals.last_val = None  # "best" compares checkpoints taken right after an eval
+    msg = (f"{reason} checkpoint at step {rec.step}: {saved.path.name}, "
+           f"{saved.bytes / 2**20:.1f} MiB in {saved.seconds:.2f} s"
+           + (" (best)" if saved.best else ""))
+    ev = Event(rec.step, "checkpoint", "info", msg, {
+        "path": str(saved.path), "seconds": saved.seconds, "bytes": saved.bytes,
+        "best": saved.best, "reason": reason})
+    if announce:
+        rec._emit(ev)
+    return ev
 
 
 def plain(model: nn.Module) -> nn.Module:

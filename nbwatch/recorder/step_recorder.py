@@ -1,8 +1,9 @@
 """`StepRecorder`: one run's recorder, and its lifecycle (begin, a guarded loop, finish,
-fail). What it does at each moment of a step lives in its parts: `OptimizerStep` (the
-optimizer's hooks), `StepEnd` (the record), `Steering` (commands, ranks,
-alert actions), `EvalCheckpoint`; objects of their own: `BatchIds` (which batch each step
-took), `LrFactor`, `OwnClips` and `RewindState` (with rewind.py's functions)."""
+fail). What it does at each moment of a step lives in its parts: the mixins `OptimizerStep`
+(the optimizer's hooks), `StepEnd` (the record) and `Steering` (commands, ranks, alert
+actions); objects of their own: `BatchIds` (which batch each step took), `LrFactor`,
+`OwnClips`, `RewindState` and `EvalState` (with the functions of rewind.py and
+eval_checkpoint.py, over the protocols they declare)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,8 +27,9 @@ from ..distributed import Dist, lost_peer
 from ..probes.grads import Layers
 from ..records import Event
 from ..store import RunStore
+from . import eval_checkpoint as ec
 from .batches import BatchIds
-from .eval_checkpoint import EvalCheckpoint
+from .eval_checkpoint import EvalState
 from .lr_factor import LrFactor
 from .optimizer_step import OptimizerStep, _Taking
 from .own_clips import OwnClips
@@ -39,7 +42,7 @@ log = logging.getLogger("nbwatch.recorder")
 _RUN_IDS = itertools.count(1)  # each run's logger is its own, whatever its folder's name
 
 
-class StepRecorder(OptimizerStep, StepEnd, Steering, EvalCheckpoint):
+class StepRecorder(OptimizerStep, StepEnd, Steering):
     """Measures and records each optimizer step of one run, and steers it between steps."""
 
     def __init__(
@@ -78,7 +81,6 @@ class StepRecorder(OptimizerStep, StepEnd, Steering, EvalCheckpoint):
         self._rank_rows: list[tuple[int, dict[str, float]]] = []
         self._sync_s = 0.0
         self._rank_step_times: dict[int, deque[float]] = {}
-        self._last_val: float | None = None
         self._seq_lens: list[torch.Tensor] = []
         self.batch_ids = BatchIds()  # which batch each of the last steps took
         self._store_poll = 0.0
@@ -87,8 +89,7 @@ class StepRecorder(OptimizerStep, StepEnd, Steering, EvalCheckpoint):
         self.rewind_state = RewindState()  # rewind.py: who may, what the loop must be told
         self._reduction_saved = False
         self._mask_said = False  # a bad GPU mask was said (once a run)
-        self._probe_said: set[str] = set()  # figures the probe cannot take, said
-        self._ckpt_step: int | None = None
+        self.evals = EvalState()  # eval_checkpoint.py: the last val loss, checkpoint
         self._taking: _Taking | None = None  # set by the pre-hook, consumed at the step's end
         self._stepped = False  # the optimizer stepped since the last end of step
         self._staged: tuple[list[str], list[torch.Tensor]] | None = None  # the runner's loss
@@ -116,6 +117,41 @@ class StepRecorder(OptimizerStep, StepEnd, Steering, EvalCheckpoint):
     def note_logged_batch(self, batch: Any, scalars: dict[str, Any]) -> None:
         """`mon.log(batch=..., epoch=..., index=...)`: see `BatchIds.note_logged_batch`."""
         self.batch_ids.note_logged_batch(batch, scalars)
+
+    # -- evals and checkpoints (eval_checkpoint.py) --------------------------------------
+    def evaluate(self, val: Any = None) -> None:
+        """The eval of this step: `val` as given (own loop) or `val_fn`, the attention
+        probe, `sample_fn`; recorded, fed to the rules, checkpointed."""
+        ec.run_eval(self, val)
+
+    def step_done(self, eval_due: bool = False, val: Any = None) -> None:
+        """The one policy after a step, in every loop: see `eval_checkpoint.step_done`."""
+        ec.step_done(self, eval_due, val)
+
+    def probe_failed(self, message: str) -> None:
+        """The attention probe cannot work on this model: said once, then off."""
+        ec.probe_failed(self, message)
+
+    def probe_note(self, missing: str, message: str) -> None:
+        ec.probe_note(self, missing, message)
+
+    def note_checkpoint(self, reason: str, path: str | Path, seconds: float | None = None,
+                        best: bool = False) -> None:
+        """Record a checkpoint the framework wrote (a folder or a file)."""
+        ec.note_checkpoint(self, reason, path, seconds, best)
+
+    def state_dict(self) -> dict[str, Any]:
+        return ec.state_dict(self)
+
+    def checkpoint(self, reason: str) -> None:
+        ec.checkpoint(self, reason)
+
+    def commit(self) -> None:
+        """Every record up to this step on disk (before any checkpoint is written)."""
+        ec.commit(self)
+
+    def _checkpoint(self, reason: str, announce: bool = True) -> Event | None:
+        return ec.write_checkpoint(self, reason, announce)
 
     # -- lifecycle ----------------------------------------------------------------------
     def begin(self) -> None:

@@ -143,7 +143,7 @@ class Controls:
         """Write a checkpoint after the current step."""
         return self.send("checkpoint")
 
-    def set_clip(self, max_norm: float | None) -> str:
+    def set_clip(self, max_norm: float | None) -> str | None:
         """Clip the global gradient norm to `max_norm` from the next step (None: no clipping)."""
         return self.send("clip", max_norm=max_norm)
 

@@ -312,7 +312,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         self.rewound, self.skip_batches, rw.skip_batches = None, rw.skip_batches, 0
         if rw.rewound_to is not None:  # the weights are a checkpoint's: tell the loop
             self.rewound = Rewound(rw.rewound_to, self.skip_batches)
-            rw.rewound_to, step = None, rw.rewound_to
+            step, rw.rewound_to = rw.rewound_to, None
         return step
 
     @property

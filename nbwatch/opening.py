@@ -1,6 +1,7 @@
 """How a Monitor's run opens and closes: the store (and its writer lock), the step
 recorder, a resume's restore, the run log, the system sampler, torchrun's SIGTERM and the
-interpreter's exit. A mixin of `Monitor`: the state it reads and sets is the Monitor's."""
+interpreter's exit. A part of `Monitor`: the state it reads and sets is declared in
+monitor_state.py."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from .alerts import AlertEngine
 from .checkpoint import load, restore_into
 from .distributed import Dist, NullStore
 from .environment import environment
+from .lifecycle import RunState
 from .logs import open_run_log
+from .monitor_state import MonitorState
 from .notebook import in_notebook, remember
 from .options import Options
 from .probes.system import SystemSampler, close_nvml, gpu_names, open_nvml
@@ -43,7 +46,7 @@ def exit_budget() -> float:
     return 2.0 if in_notebook() else 300.0
 
 
-class RunOpening:
+class RunOpening(MonitorState):
     """Opening and closing one run of a Monitor (see `Monitor` for the attributes)."""
 
     def _check_can_open(self, resume: bool) -> None:
@@ -96,10 +99,11 @@ class RunOpening:
                      if r.same_on_every_rank and "keys" in r.params else r for r in rules]
             if dist.rank != 0:
                 rules = [r for r in rules if r.same_on_every_rank]
-        self._progress = Progress(step=start_step, state="starting")
+        self._progress = Progress(step=start_step, state=RunState.STARTING)
         self._progress_start = start_step
         self._stop_asked = False
         self._closed.clear()
+        store: RunStore | NullStore
         try:
             if dist is not None and dist.rank != 0:
                 store = self._store = NullStore(self.run_dir)
@@ -122,7 +126,7 @@ class RunOpening:
                 self._record_sigterm(store)
         except BaseException:  # nothing opened may outlive a start that failed
             self._close_run()
-            self._mode, self._progress = None, Progress(step=start_step, state="created")
+            self._mode, self._progress = None, Progress(step=start_step, state=RunState.CREATED)
             raise
         return rec
 
@@ -303,7 +307,7 @@ class RunOpening:
         with contextlib.suppress(Exception):
             self._end_loop(exc)
 
-    def _record_sigterm(self, store: RunStore) -> None:
+    def _record_sigterm(self, store: RunStore | NullStore) -> None:
         """torchrun ends the survivors with SIGTERM when a rank dies, sometimes before the
         lost connection reaches the training thread: record the failure, then die as asked."""
         if threading.current_thread() is not threading.main_thread():

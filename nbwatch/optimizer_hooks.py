@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from .monitor_state import MonitorState
+
 # The Monitor whose hooks are on each optimizer: one at a time (a cell run twice makes a
 # second Monitor on the same optimizer; the first one's hooks must go).
 _OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer → ref(Monitor)
@@ -61,7 +63,7 @@ def inner_scheduler(scheduler: Any) -> Any:
     return scheduler
 
 
-class OptimizerHooks:
+class OptimizerHooks(MonitorState):
     """Part of `Monitor`: `_hook_optimizer()` runs in its `__init__`."""
 
     def _hook_optimizer(self) -> None:
@@ -249,7 +251,7 @@ def _wrap_with_norm(torch_fn: Any) -> Any:
         torch_fn(params, max_norm, total_norm, foreach)
         _observe(params, max_norm, total_norm)
 
-    clip_grads_with_norm_.__nbwatch_wraps__ = torch_fn
+    clip_grads_with_norm_.__nbwatch_wraps__ = torch_fn  # type: ignore[attr-defined]
     return clip_grads_with_norm_
 
 
@@ -262,7 +264,7 @@ def _wrap_clip_norm(torch_fn: Any) -> Any:
         _observe(params, max_norm, total)
         return total
 
-    clip_grad_norm_.__nbwatch_wraps__ = torch_fn
+    clip_grad_norm_.__nbwatch_wraps__ = torch_fn  # type: ignore[attr-defined]
     return clip_grad_norm_
 
 
@@ -285,6 +287,7 @@ def _targets() -> list[tuple[Any, str, Any]]:
 def _watch_clips(mon: Any) -> None:
     with _LOCK:
         _WATCHERS.add(mon)
+        weakref.finalize(mon, _collected)  # a Monitor dropped unused: it watches no more
         if _WRAPPED:
             return
         made: dict[int, Any] = {}  # one wrapper per torch function, whatever its names
@@ -302,12 +305,21 @@ def _unwatch_clips(mon: Any | None) -> None:
         if mon is not None:
             _WATCHERS.discard(mon)
             mon._clips, mon._clips_partial, mon._clip_marks = [], False, ()
-        if _WATCHERS or not _WRAPPED:
-            return
+        if next(iter(_WATCHERS), None) is not None or not _WRAPPED:  # a live one (a
+            return  # collected Monitor's reference may not have left the set yet)
         for module, name, fn, ours in _WRAPPED:
             if getattr(module, name, None) is ours:
                 setattr(module, name, fn)
         _WRAPPED.clear()
+
+
+def _collected() -> None:
+    """A watching Monitor was garbage-collected: the last one gone, torch's functions are
+    back. Never waits for the lock (the collector may run while this thread holds it; the
+    next clip then finds no watcher and undoes the wrap)."""
+    if _LOCK.acquire(blocking=False):
+        _LOCK.release()
+        _unwatch_clips(None)
 
 
 def clips_watched() -> bool:

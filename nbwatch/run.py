@@ -151,7 +151,9 @@ class Run:
         df = self.reader.df()
         live = df[[c for c in df.columns if not c.startswith("rewind/")]]
         if len(live.columns) < len(df.columns):  # the rows a branch alone holds are not live
-            live = live.dropna(how="all")
+            # (nor those where only the sampler read the system while the branch ran)
+            trained = [c for c in live.columns if not c.startswith("system/")]
+            live = live[live[trained].notna().any(axis=1)]
         return live
 
     @property

@@ -52,6 +52,8 @@ class Runner:
         spec, rec = self.spec, self.rec
         if spec.dry_run and not spec.trial:
             self._dry_run()
+        assert spec.max_steps is not None, "start() gives the runner its step count"
+        every = spec.eval_every or 0
         while rec.step < spec.max_steps:
             rec.apply_commands()
             if rec.stopping:
@@ -60,8 +62,8 @@ class Runner:
                 self._skip(SKIP_BITE)  # stop and pause are heard between bites
                 continue
             self._train_step()
-            rec.step_done(eval_due=bool(spec.eval_every) and rec.step % spec.eval_every == 0)
-        evaluated = spec.eval_every and rec.step % spec.eval_every == 0
+            rec.step_done(eval_due=bool(every) and rec.step % every == 0)
+        evaluated = every and rec.step % every == 0
         if spec.val_fn is not None and not evaluated:
             rec.evaluate()
 

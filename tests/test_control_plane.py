@@ -231,7 +231,8 @@ def test_a_huge_skip_is_refused_and_a_stop_during_a_long_skip_is_taken_at_once(t
 def test_resume_after_a_rewind_continues_the_live_branch(tmp_path):
     demo = tiny(1000)
     mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "r",
-                          checkpoint_every=10, keep_last=10)
+                          checkpoint_every=10, keep_last=10,
+                          system_interval=0.1)  # the sampler reads during the branch too
     calls = {"n": 0}
 
     def step(model, batch):

@@ -369,7 +369,7 @@ def test_grad_scaler_overflow_is_routine_not_an_alert(tmp_path):
 def test_a_store_that_stops_writing_fails_the_run_loudly(tiny, tmp_path):
     mon = monitor(tiny, tmp_path)
     mon.start(slow_step, tiny[2], max_steps=10_000, display=False)
-    until(lambda: mon.step >= 3)
+    until(lambda: mon.step >= 4)  # step 4 counted: step 3's record was put before it
     mon._store.flush()
     with pytest.raises(TypeError, match="cannot store a object"):
         mon._store.put(object())  # refused at once, not lost with a whole batch

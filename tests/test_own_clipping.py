@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import gc
 import math
+import subprocess
+import sys
+import textwrap
 import warnings
 from collections import defaultdict
 
@@ -265,3 +268,26 @@ def test_unscale_then_clip_under_a_grad_scaler(tmp_path):
     mon.wait()
     check_before_clip(mon.df, before, returned)
     assert not (mon.events.severity == "warning").any()
+
+
+def test_torch_clipping_is_torchs_again_once_an_unused_monitor_is_collected(tmp_path):
+    """A Monitor made and dropped without a run (a notebook cell run again) watched torch's
+    clipping: once the collector takes it, torch's functions are torch's own again."""
+    script = textwrap.dedent(f"""
+        import gc, torch, nbwatch
+        from torch.nn.utils import clip_grad
+        torch_fn = clip_grad._clip_grads_with_norm_
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        mon = nbwatch.Monitor(model, opt, run_dir={str(tmp_path / "r")!r}, display=False)
+        assert clip_grad._clip_grads_with_norm_ is not torch_fn  # watched
+        held = [mon, model, opt]
+        held.append(held)  # in a reference cycle, as a notebook's namespace makes them
+        del mon, model, opt, held
+        gc.collect()
+        print(clip_grad._clip_grads_with_norm_ is torch_fn)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True"]

@@ -17,6 +17,7 @@ from ..checkpoint import rng_state
 from ..evaluation import EvalResult, evaluate
 from ..records import Event, Sample, Scalars
 from .spec import Progress, RunSpec
+from .state import InFlight
 
 
 @dataclass
@@ -45,7 +46,7 @@ class Evaluating(Protocol):
     progress: Progress
     evals: EvalState
     save_fn: Callable[[str], None] | None
-    _t_boundary: float
+    flight: InFlight
 
     def flush_deferred(self) -> None: ...
     def _emit(self, ev: Event, level: int | None = None) -> None: ...
@@ -79,7 +80,7 @@ def run_eval(rec: Evaluating, val: Any = None) -> None:
     every = rec.spec.checkpoint_every or rec.spec.eval_every
     if not every or step % every == 0:
         checkpoint(rec, "periodic")
-    rec._t_boundary = time.perf_counter()
+    rec.flight.t_boundary = time.perf_counter()
 
 def step_done(rec: Evaluating, eval_due: bool = False, val: Any = None) -> None:
     """The one policy after a step, in every loop: an eval when one is due (`eval_due`:
@@ -129,7 +130,7 @@ def state_dict(rec: Evaluating) -> dict[str, Any]:
 def checkpoint(rec: Evaluating, reason: str) -> None:
     rec.flush_deferred()
     write_checkpoint(rec, reason)
-    rec._t_boundary = time.perf_counter()
+    rec.flight.t_boundary = time.perf_counter()
 
 def commit(rec: Evaluating) -> None:
     """Put every record up to this step on disk. A checkpoint counts only after this:

@@ -4,10 +4,11 @@ rank 0's commands to all, and the actions of alerts."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -15,234 +16,272 @@ from .. import controls as ctl
 from ..controls import make_command
 from ..distributed import merge_ranks
 from ..records import Command, CommandKind, Event
+from .lr_factor import LrFactor
 from .outcomes import Applied, Expired, Outcome, Refused
-from .rewind import do_rewind, do_skip, resolve_rewind
+from .rewind import Rewinding, do_rewind, do_skip, resolve_rewind
+from .spec import RunSpec
+from .state import Inbox, RankMeeting
 
 
-class Steering:
-    """Part of `StepRecorder` (its state is set in `StepRecorder.__init__`)."""
+class Steered(Rewinding, Protocol):
+    """What steering reads and moves of the run it steers (a `StepRecorder`); a command
+    may rewind it."""
 
-    def boundary(self) -> bool:
-        """Apply queued commands (pause blocks here); True once the run should stop."""
-        self.apply_commands()
-        return self.stopping
+    start_step: int
+    stopping: bool
+    spec: RunSpec
+    engine: Any  # AlertEngine
+    commands: ctl.CommandQueue
+    control: ctl.ControlState
+    lr: LrFactor
+    batch_ids: Any  # BatchIds
+    inbox: Inbox
+    ranks: RankMeeting
+    on_alert: Callable[[Event], Any] | None
+    log: logging.Logger
 
-    def _poll_commands(self, force: bool = False) -> list[Command]:
-        cmds = self.commands.drain()
-        now = time.monotonic()
-        if force or now - self._store_poll > 0.25:  # other processes write into the store
-            self._store_poll = now
-            for rid, wall, cmd in self.store.pending_commands(self._command_id):
-                self.store.mark_taken(rid)
-                self._command_id = rid
-                if isinstance(cmd, str):  # unreadable: said, never guessed at
-                    self._emit(Event(self.step, "command", "warning", f"refused: {cmd}",
-                                     {"outcome": "refused", "reason": cmd, "row": rid}))
-                elif wall < self._opened_wall:  # sent to an earlier run: never replayed
-                    self._outcome(cmd, Expired(f"sent before this run opened (row {rid})"))
-                else:
-                    cmds.append(cmd)
-        return cmds
+    def _emit(self, ev: Event, level: int | None = None) -> None: ...
+    def _set_state(self, state: str) -> None: ...
+    def _checkpoint(self, reason: str, announce: bool = True) -> Event | None: ...
 
-    def take_final_stop(self) -> None:
-        """The loop is over: a stop sent in its last moments still says how it ended (the
-        loop may have seen `stopping` and returned); everything else expires."""
-        if self.dist is not None:
-            return  # the ranks' last meeting carries it (finish → _sync_ranks)
-        cmds = self._poll_commands(force=True)
-        for cmd in cmds:
-            if cmd.kind is CommandKind.STOP:
-                self._apply(cmd)
-        for cmd in cmds:
-            if cmd.kind is not CommandKind.STOP:
-                self._outcome(cmd, Expired(f"the run ended at step {self.step} before "
-                                           "taking it"))
 
-    def expire_pending(self) -> None:
-        """The run ends: every command not taken yet is expired, here and in the store, so
-        that a resume never applies what was asked of this run."""
-        for cmd in self._poll_commands(force=True):
-            self._outcome(cmd, Expired(f"the run ended at step {self.step} before taking it"))
+def poll_commands(rec: Steered, force: bool = False) -> list[Command]:
+    """Commands queued in this process, and (every 0.25 s, or when `force`) those other
+    processes wrote into the store; each taken once."""
+    cmds = rec.commands.drain()
+    now = time.monotonic()
+    box = rec.inbox
+    if force or now - box.last_poll > 0.25:  # other processes write into the store
+        box.last_poll = now
+        for rid, wall, cmd in rec.store.pending_commands(box.last_id):
+            rec.store.mark_taken(rid)
+            box.last_id = rid
+            if isinstance(cmd, str):  # unreadable: said, never guessed at
+                rec._emit(Event(rec.step, "command", "warning", f"refused: {cmd}",
+                                {"outcome": "refused", "reason": cmd, "row": rid}))
+            elif wall < box.opened_wall:  # sent to an earlier run: never replayed
+                record_outcome(rec, cmd, Expired(f"sent before this run opened (row {rid})"))
+            else:
+                cmds.append(cmd)
+    return cmds
 
-    def apply_commands(self, block: bool = True) -> None:
-        """Apply queued commands; while paused (and `block`), wait here for more."""
-        if self.dist is not None:
-            d = self.dist
-            if self.control.paused or (self.step > self._start_step and self.step % d.every == 0):
-                self._sync_ranks()
+
+def take_final_stop(rec: Steered) -> None:
+    """The loop is over: a stop sent in its last moments still says how it ended (the
+    loop may have seen `stopping` and returned); everything else expires."""
+    if rec.dist is not None:
+        return  # the ranks' last meeting carries it (finish → sync_ranks)
+    cmds = poll_commands(rec, force=True)
+    for cmd in cmds:
+        if cmd.kind is CommandKind.STOP:
+            apply(rec, cmd)
+    for cmd in cmds:
+        if cmd.kind is not CommandKind.STOP:
+            record_outcome(rec, cmd, Expired(f"the run ended at step {rec.step} before "
+                                             "taking it"))
+
+
+def expire_pending(rec: Steered) -> None:
+    """The run ends: every command not taken yet is expired, here and in the store, so
+    that a resume never applies what was asked of this run."""
+    for cmd in poll_commands(rec, force=True):
+        record_outcome(rec, cmd, Expired(f"the run ended at step {rec.step} before "
+                                         "taking it"))
+
+
+def apply_commands(rec: Steered, block: bool = True) -> None:
+    """Apply queued commands; while paused (and `block`), wait here for more."""
+    c = rec.control
+    if rec.dist is not None:
+        d = rec.dist
+        if c.paused or (rec.step > rec.start_step and rec.step % d.every == 0):
+            sync_ranks(rec)
+        return
+    for cmd in poll_commands(rec):
+        apply(rec, cmd)
+    if c.paused and block and not rec.stopping and not rec.spec.trial:
+        rec.flush_deferred()  # the page shows the step it is paused at
+        rec.store.flush()
+    while c.paused and block and not rec.stopping and not rec.spec.trial:
+        got = rec.commands.get(timeout=0.1)
+        for one in ([got] if got else []) + poll_commands(rec):
+            apply(rec, one)
+
+
+def sync_ranks(rec: Steered, final: bool = False) -> None:
+    """Meet the other ranks: figures to rank 0, rank 0's commands to all, applied here at
+    this same step on every rank; while paused, meet again every 0.1 s."""
+    d = rec.dist
+    assert d is not None
+    rec.flush_deferred()
+    rk = rec.ranks
+    while True:
+        # a rewind's checkpoint is chosen by rank 0, for every rank to reload the same
+        cmds = [resolve_rewind(rec, c) for c in poll_commands(rec)] if d.rank == 0 else []
+        t0 = time.perf_counter()
+        rows, cmds = d.exchange(rk.rows, cmds)
+        rk.sync_s = time.perf_counter() - t0
+        rk.rows = []
+        if d.rank == 0:
+            record_ranks(rec, rows)
+        for c in cmds:
+            apply(rec, c)
+        if final or not rec.control.paused or rec.stopping:
             return
-        for cmd in self._poll_commands():
-            self._apply(cmd)
-        if self.control.paused and block and not self.stopping and not self.spec.trial:
-            self.flush_deferred()  # the page shows the step it is paused at
-            self.store.flush()
-        while self.control.paused and block and not self.stopping and not self.spec.trial:
-            cmd = self.commands.get(timeout=0.1)
-            for c in ([cmd] if cmd else []) + self._poll_commands():
-                self._apply(c)
+        if d.rank == 0:
+            time.sleep(0.1)  # the others wait in the next exchange
 
-    def _sync_ranks(self, final: bool = False) -> None:
-        """Meet the other ranks: figures to rank 0, rank 0's commands to all, applied here
-        at this same step on every rank; while paused, meet again every 0.1 s."""
-        d = self.dist
-        assert d is not None
-        self.flush_deferred()
-        while True:
-            # a rewind's checkpoint is chosen by rank 0, for every rank to reload the same
-            cmds = [resolve_rewind(self, c) for c in self._poll_commands()] if d.rank == 0 else []
-            t0 = time.perf_counter()
-            rows, cmds = d.exchange(self._rank_rows, cmds)
-            self._sync_s = time.perf_counter() - t0
-            self._rank_rows = []
-            if d.rank == 0:
-                self._record_ranks(rows)
-            for c in cmds:
-                self._apply(c)
-            if final or not self.control.paused or self.stopping:
-                return
-            if d.rank == 0:
-                time.sleep(0.1)  # the others wait in the next exchange
 
-    def _record_ranks(self, rows: list) -> None:
-        for sc in merge_ranks(rows):
-            self.store.put(sc)
-            for r in range(self.dist.world):
-                # busy time outside collectives: a fast rank's step also holds its wait
-                # for the slow one (inside backward), so step time alone hides a straggler
-                fwd = sc.values.get(f"rank{r}/time/forward")
-                data = sc.values.get(f"rank{r}/time/data", 0.0)
-                if fwd is not None:
-                    self._rank_step_times.setdefault(r, deque(maxlen=50)).append(fwd + data)
-        recent = {r: float(np.median(ts)) for r, ts in self._rank_step_times.items()
-                  if len(ts) >= 20}
-        self._raise_alerts(self.engine.observe("ranks", self.step, None,
-                                               rank_step_times=recent))
+def record_ranks(rec: Steered, rows: list) -> None:
+    """Rank 0: every rank's figures of the steps since the last exchange, and the
+    straggler rule on their recent step times."""
+    times = rec.ranks.step_times
+    for sc in merge_ranks(rows):
+        rec.store.put(sc)
+        for r in range(rec.dist.world):
+            # busy time outside collectives: a fast rank's step also holds its wait for
+            # the slow one (inside backward), so step time alone hides a straggler
+            fwd = sc.values.get(f"rank{r}/time/forward")
+            data = sc.values.get(f"rank{r}/time/data", 0.0)
+            if fwd is not None:
+                times.setdefault(r, deque(maxlen=50)).append(fwd + data)
+    recent = {r: float(np.median(ts)) for r, ts in times.items() if len(ts) >= 20}
+    raise_alerts(rec, rec.engine.observe("ranks", rec.step, None, rank_step_times=recent))
 
-    def _apply(self, cmd: Command) -> None:
-        """Apply one command through the dispatch table; record its one outcome."""
-        step = self.step  # where it was taken (a rewind moves the step)
-        if self.stopping and cmd.kind is not CommandKind.STOP:
-            outcome: Outcome = Refused(f"the run is stopping at step {self.step}")
-        else:
-            outcome = DISPATCH[cmd.kind](self, cmd)
-        self._outcome(cmd, outcome, step)
 
-    def _outcome(self, cmd: Command, outcome: Outcome, step: int | None = None) -> None:
-        step = self.step if step is None else step
-        data = {"command": cmd.kind.value, "id": cmd.id, "outcome": outcome.word,
-                "source": cmd.source, **cmd.payload, **outcome.data}
-        value = next(iter(cmd.payload.values()), None)  # the one number a button sends
-        if value is not None:
-            data.setdefault("value", value)
-        if isinstance(outcome, Applied):
-            if outcome.kind != "action":  # a checkpoint: its own event is the outcome
-                data = {**data, **outcome.event_data}
-            self._emit(Event(step, outcome.kind, outcome.severity, outcome.message, data))
-        else:
-            self._emit(Event(step, "command", "warning" if isinstance(
-                outcome, Refused) else "info", f"{cmd.kind.value} {outcome.word}: "
-                f"{outcome.reason}", {**data, "reason": outcome.reason}))
+def apply(rec: Steered, cmd: Command) -> None:
+    """Apply one command through the dispatch table; record its one outcome."""
+    step = rec.step  # where it was taken (a rewind moves the step)
+    if rec.stopping and cmd.kind is not CommandKind.STOP:
+        outcome: Outcome = Refused(f"the run is stopping at step {rec.step}")
+    else:
+        outcome = DISPATCH[cmd.kind](rec, cmd)
+    record_outcome(rec, cmd, outcome, step)
 
-    # -- the dispatch table's handlers: each changes the run, or refuses and changes nothing
-    def _do_pause(self, cmd: Command) -> Outcome:
-        if self.control.paused:
-            return Refused(f"the run is paused already (at step {self.step})")
-        self.control.paused = True
-        self._set_state("paused")
-        return Applied(f"paused at step {self.step}")
 
-    def _do_resume(self, cmd: Command) -> Outcome:
-        if not self.control.paused:
-            return Refused(f"the run is not paused (step {self.step})")
-        self.control.paused = False
-        self._set_state("running")
-        return Applied(f"resumed at step {self.step}")
+def record_outcome(rec: Steered, cmd: Command, outcome: Outcome,
+                   step: int | None = None) -> None:
+    """The command's one outcome event, naming its id: applied, refused or expired."""
+    step = rec.step if step is None else step
+    data = {"command": cmd.kind.value, "id": cmd.id, "outcome": outcome.word,
+            "source": cmd.source, **cmd.payload, **outcome.data}
+    value = next(iter(cmd.payload.values()), None)  # the one number a button sends
+    if value is not None:
+        data.setdefault("value", value)
+    if isinstance(outcome, Applied):
+        if outcome.kind != "action":  # a checkpoint: its own event is the outcome
+            data = {**data, **outcome.event_data}
+        rec._emit(Event(step, outcome.kind, outcome.severity, outcome.message, data))
+    else:
+        rec._emit(Event(step, "command", "warning" if isinstance(outcome, Refused)
+                        else "info", f"{cmd.kind.value} {outcome.word}: {outcome.reason}",
+                        {**data, "reason": outcome.reason}))
 
-    def _do_stop(self, cmd: Command) -> Outcome:
-        if self.stopping:
-            return Refused(f"a stop was taken already (step {self.step})")
-        self.stopping = True
-        self._set_state("stopping")
-        return Applied(f"stop requested at step {self.step}")
 
-    def _do_checkpoint(self, cmd: Command) -> Outcome:
-        ev = self._checkpoint("manual", announce=False)
-        if ev is None:  # the framework saves its own way, or a trial writes nothing
-            return Applied(f"manual checkpoint at step {self.step} asked of the framework")
-        return Applied(ev.message, kind="checkpoint", event_data=ev.data)
+# -- the dispatch table's handlers: each changes the run, or refuses and changes nothing --
+def do_pause(rec: Steered, cmd: Command) -> Outcome:
+    if rec.control.paused:
+        return Refused(f"the run is paused already (at step {rec.step})")
+    rec.control.paused = True
+    rec._set_state("paused")
+    return Applied(f"paused at step {rec.step}")
 
-    def _do_clip(self, cmd: Command) -> Outcome:
-        v = cmd.payload["max_norm"]
-        self.control.clip = v
-        return Applied(f"gradient clipping at {v:g}" if v else "gradient clipping off")
 
-    def _do_scale_lr(self, cmd: Command) -> Outcome:
-        c, f = self.control, float(cmd.payload["factor"])
-        before = ctl.lrs(self.opt)[0] * (c.lr_factor if c.lr_raw else 1.0)
-        if not c.lr_raw and self.lr.scheduler_pending():
-            # the loop steps its scheduler after log(): let it step the plain schedule
-            ctl.scale_lrs(self.opt, 1.0 / c.lr_factor)
-            c.lr_raw = True
-        if not c.lr_raw:  # else the factor goes on when the scheduler has stepped
-            ctl.scale_lrs(self.opt, f)
-        c.lr_factor *= f
-        self.engine.explain_lr()
-        return Applied(f"LR scaled ×{f:g} (factor now {c.lr_factor:g}): "
-                       f"{before:.3g} → {before * f:.3g}")
+def do_resume(rec: Steered, cmd: Command) -> Outcome:
+    if not rec.control.paused:
+        return Refused(f"the run is not paused (step {rec.step})")
+    rec.control.paused = False
+    rec._set_state("running")
+    return Applied(f"resumed at step {rec.step}")
 
-    def _raise_alerts(self, alerts: list) -> None:
-        """Record each alert, then carry out its actions (skip and clip are done already)."""
-        for a in alerts:
-            before = a.rule.params.get("batches_before")
-            if before is not None:  # which batches: the step's and those just before it
-                a.data["batches"] = self.batch_ids.around(a.step, int(before))
-            self._emit(a.event)
-            if self.on_alert is not None:
-                try:
-                    self.on_alert(a.event)
-                except Exception:  # a user's callback must not kill the run
-                    self.log.exception("on_alert callback failed for %s", a.rule.name)
-        for a in alerts:
-            acts = a.rule.actions
-            if self.dist is not None and not a.rule.same_on_every_rank:
-                # decided on rank 0 alone: applied by every rank at the next exchange
-                for act in acts:
-                    if act in ("pause", "checkpoint"):
-                        self.commands.put(make_command(act, f"alert:{a.rule.name}"))
-                    elif act == "cut_lr":
-                        f = float(a.rule.params.get("lr_factor", 0.5))
-                        self.commands.put(make_command("scale_lr", f"alert:{a.rule.name}",
-                                                       factor=f))
-                continue
-            src = f"alert:{a.rule.name}"
-            if "cut_lr" in acts:
-                f = float(a.rule.params.get("lr_factor", 0.5))
-                self._apply(make_command("scale_lr", src, factor=f))
-            if "rewind" in acts:  # at the next step boundary, as a click would
-                self.commands.put(make_command(
-                    "rewind", src, steps=int(a.rule.params.get("rewind_steps", 100)),
-                    skip=int(a.rule.params.get("rewind_skip", 200))))
-            if "clip" in acts and self.control.clip is not None:
-                self._emit(Event(self.step, "action", "info",
-                                 f"gradient clipping at {self.control.clip:g} "
-                                 f"(alert {a.rule.name})",
-                                 {"command": "clip", "value": self.control.clip,
-                                  "source": f"alert:{a.rule.name}"}))
-            if "checkpoint" in acts:
-                self._checkpoint(f"emergency ({a.rule.name})")
-            if "pause" in acts and not self.control.paused:
-                self._apply(make_command("pause", src))
+
+def do_stop(rec: Steered, cmd: Command) -> Outcome:
+    if rec.stopping:
+        return Refused(f"a stop was taken already (step {rec.step})")
+    rec.stopping = True
+    rec._set_state("stopping")
+    return Applied(f"stop requested at step {rec.step}")
+
+
+def do_checkpoint(rec: Steered, cmd: Command) -> Outcome:
+    ev = rec._checkpoint("manual", announce=False)
+    if ev is None:  # the framework saves its own way, or a trial writes nothing
+        return Applied(f"manual checkpoint at step {rec.step} asked of the framework")
+    return Applied(ev.message, kind="checkpoint", event_data=ev.data)
+
+
+def do_clip(rec: Steered, cmd: Command) -> Outcome:
+    v = cmd.payload["max_norm"]
+    rec.control.clip = v
+    return Applied(f"gradient clipping at {v:g}" if v else "gradient clipping off")
+
+
+def do_scale_lr(rec: Steered, cmd: Command) -> Outcome:
+    c, f = rec.control, float(cmd.payload["factor"])
+    before = ctl.lrs(rec.opt)[0] * (c.lr_factor if c.lr_raw else 1.0)
+    if not c.lr_raw and rec.lr.scheduler_pending():
+        # the loop steps its scheduler after log(): let it step the plain schedule
+        ctl.scale_lrs(rec.opt, 1.0 / c.lr_factor)
+        c.lr_raw = True
+    if not c.lr_raw:  # else the factor goes on when the scheduler has stepped
+        ctl.scale_lrs(rec.opt, f)
+    c.lr_factor *= f
+    rec.engine.explain_lr()
+    return Applied(f"LR scaled ×{f:g} (factor now {c.lr_factor:g}): "
+                   f"{before:.3g} → {before * f:.3g}")
+
+
+def raise_alerts(rec: Steered, alerts: list) -> None:
+    """Record each alert, then carry out its actions (skip and clip are done already)."""
+    for a in alerts:
+        before = a.rule.params.get("batches_before")
+        if before is not None:  # which batches: the step's and those just before it
+            a.data["batches"] = rec.batch_ids.around(a.step, int(before))
+        rec._emit(a.event)
+        if rec.on_alert is not None:
+            try:
+                rec.on_alert(a.event)
+            except Exception:  # a user's callback must not kill the run
+                rec.log.exception("on_alert callback failed for %s", a.rule.name)
+    for a in alerts:
+        acts = a.rule.actions
+        src = f"alert:{a.rule.name}"
+        if rec.dist is not None and not a.rule.same_on_every_rank:
+            # decided on rank 0 alone: applied by every rank at the next exchange
+            for act in acts:
+                if act in ("pause", "checkpoint"):
+                    rec.commands.put(make_command(act, src))
+                elif act == "cut_lr":
+                    f = float(a.rule.params.get("lr_factor", 0.5))
+                    rec.commands.put(make_command("scale_lr", src, factor=f))
+            continue
+        if "cut_lr" in acts:
+            f = float(a.rule.params.get("lr_factor", 0.5))
+            apply(rec, make_command("scale_lr", src, factor=f))
+        if "rewind" in acts:  # at the next step boundary, as a click would
+            rec.commands.put(make_command(
+                "rewind", src, steps=int(a.rule.params.get("rewind_steps", 100)),
+                skip=int(a.rule.params.get("rewind_skip", 200))))
+        if "clip" in acts and rec.control.clip is not None:
+            rec._emit(Event(rec.step, "action", "info",
+                            f"gradient clipping at {rec.control.clip:g} (alert "
+                            f"{a.rule.name})", {"command": "clip", "value": rec.control.clip,
+                                                "source": src}))
+        if "checkpoint" in acts:
+            rec._checkpoint(f"emergency ({a.rule.name})")
+        if "pause" in acts and not rec.control.paused:
+            apply(rec, make_command("pause", src))
 
 
 # The one dispatch table: every command kind, from every source (the API, the dashboard,
 # attach through the store, an alert's action), is applied by its handler here.
 DISPATCH: dict[CommandKind, Callable[[Any, Command], Outcome]] = {
-    CommandKind.PAUSE: Steering._do_pause,
-    CommandKind.RESUME: Steering._do_resume,
-    CommandKind.STOP: Steering._do_stop,
-    CommandKind.CHECKPOINT: Steering._do_checkpoint,
-    CommandKind.CLIP: Steering._do_clip,
-    CommandKind.SCALE_LR: Steering._do_scale_lr,
+    CommandKind.PAUSE: do_pause,
+    CommandKind.RESUME: do_resume,
+    CommandKind.STOP: do_stop,
+    CommandKind.CHECKPOINT: do_checkpoint,
+    CommandKind.CLIP: do_clip,
+    CommandKind.SCALE_LR: do_scale_lr,
     CommandKind.REWIND: do_rewind,  # recorder/rewind.py
     CommandKind.SKIP: do_skip,
 }

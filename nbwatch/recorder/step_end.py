@@ -8,10 +8,10 @@ on a GPU the step's device figures wait to be copied with the next step's gradie
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -20,161 +20,189 @@ from ..alerts import weight_std
 from ..distributed import rank_figures
 from ..probes import weights as wprobe
 from ..probes.data import bad_mask
+from ..probes.grads import Layers
 from ..probes.throughput import add_rates, timing_figures
 from ..records import Event, Histogram, Scalars
+from .batches import BatchIds
+from .lr_factor import LrFactor
 from .optimizer_step import to_host
-from .spec import SMOOTHING
+from .spec import SMOOTHING, Progress, RunSpec
+from .state import Deferred, InFlight, RankMeeting
 
 _FROM_ALL_RANKS = ("loss/train", "tokens/real", "throughput/tokens_per_s")
 
 
-@dataclass
-class _Deferred:
-    """Device figures of a step, copied to the host with the next gradient copy."""
+class Recording(Protocol):
+    """What the record of a step reads and moves of its run (a `StepRecorder`)."""
 
     step: int
-    names: list[str]
-    parts: list[torch.Tensor]
-    values: dict[str, float]  # host figures of that step, completed by the copy
+    spec: RunSpec
+    opt: Any  # torch.optim.Optimizer
+    scaler: Any
+    layers: Layers
+    engine: Any  # AlertEngine
+    store: Any  # RunStore, or NullStore on ranks > 0
+    dist: Any  # Dist | None
+    progress: Progress
+    lr: LrFactor
+    batch_ids: BatchIds
+    flight: InFlight
+    ranks: RankMeeting
+    log: logging.Logger
+
+    def _emit(self, ev: Event, level: int | None = None) -> None: ...
+    def _raise_alerts(self, alerts: list) -> None: ...
+    def step_done(self, eval_due: bool = False, val: Any = None) -> None: ...
+
+
+def end_step(rec: Recording, values: dict[str, float], names: list[str] | None = None,
+             parts: list[torch.Tensor] | None = None, *, data_s: float | None = None,
+             samples: int | None = None, extra_times: dict[str, float] | None = None
+             ) -> int:
+    """Close the optimizer step just taken: its record (host `values`, plus device
+    `parts` named `names`), timings, histograms. Returns the step number."""
+    t_end = time.perf_counter()
+    fl = rec.flight
+    t = fl.taking
+    fl.taking, fl.stepped = None, False
+    rec.lr.on(only_if_scheduled=True)
+    step = rec.step + 1
     alerts: list
-
-
-class StepEnd:
-    """Part of `StepRecorder` (its state is set in `StepRecorder.__init__`)."""
-
-    def end_step(self, values: dict[str, float], names: list[str] | None = None,
-                 parts: list[torch.Tensor] | None = None, *, data_s: float | None = None,
-                 samples: int | None = None, extra_times: dict[str, float] | None = None
-                 ) -> int:
-        """Close the optimizer step just taken: its record (host `values`, plus device
-        `parts` named `names`), timings, histograms. Returns the step number."""
-        t_end = time.perf_counter()
-        t = self._taking
-        self._taking, self._stepped = None, False
-        self.lr.on(only_if_scheduled=True)
-        step = self.step + 1
-        if t is None:  # a GradScaler found inf/NaN gradients and skipped the optimizer
-            self.flush_deferred()  # steps are recorded in order
-            values = {**values, "amp/overflow": 1.0}
-            if self.lr.repair_after_overflow():
-                values["lr"] = ctl.lrs(self.opt)[0]
-            alerts: list = []
-            if self._staged is not None:  # the runner's loss, never copied: copy it now
-                names, parts = self._staged[0] + (names or []), self._staged[1] + (parts or [])
-                self._staged = None
+    if t is None:  # a GradScaler found inf/NaN gradients and skipped the optimizer
+        flush_deferred(rec)  # steps are recorded in order
+        values = {**values, "amp/overflow": 1.0}
+        if rec.lr.repair_after_overflow():
+            values["lr"] = ctl.lrs(rec.opt)[0]
+        alerts = []
+        if fl.staged is not None:  # the runner's loss, never copied: copy it now
+            names, parts = fl.staged[0] + (names or []), fl.staged[1] + (parts or [])
+            fl.staged = None
+    else:
+        values = {**t.values, **values}
+        alerts = t.alerts
+        values["time/probes"] = t.t_probe - t.t_pre
+        values["time/optimizer"] = t.t_post - t.t_probe
+    # data_s None: a loop of the user's, whose data wait nbwatch does not see
+    values.update(timing_figures(t_end - fl.t_boundary, data_s))
+    if samples:
+        values["_samples"] = float(samples)  # its rate: with tokens/s, once on the host
+    if extra_times:
+        values.update(extra_times)
+    rec.step = step
+    rec.progress.step = step
+    rec.batch_ids.end_step(step)
+    if parts:
+        on_gpu = parts[0].device.type == "cuda" and t is not None
+        if on_gpu and rec.dist is None:
+            fl.deferred = Deferred(step, list(names or ()), list(parts), values, alerts)
         else:
-            values = {**t.values, **values}
-            alerts = t.alerts
-            values["time/probes"] = t.t_probe - t.t_pre
-            values["time/optimizer"] = t.t_post - t.t_probe
-        # data_s None: a loop of the user's, whose data wait nbwatch does not see
-        values.update(timing_figures(t_end - self._t_boundary, data_s))
-        if samples:
-            values["_samples"] = float(samples)  # its rate: with tokens/s, once on the host
-        if extra_times:
-            values.update(extra_times)
-        self.step = step
-        self.progress.step = step
-        self.batch_ids.end_step(step)
-        if parts:
-            on_gpu = parts[0].device.type == "cuda" and t is not None
-            if on_gpu and self.dist is None:
-                self._deferred = _Deferred(step, list(names), list(parts), values, alerts)
-            else:
-                values.update(zip(names, to_host(parts)))
-                self._complete(step, values, alerts, t is None)
-        else:
-            self._complete(step, values, alerts, t is None)
-        if t is not None and t.before is not None:
-            self._histograms(step)
-        if self.scaler is not None and isinstance(getattr(self.scaler, "_scale", None),
-                                                  torch.Tensor):
-            self._scale_ref = self.scaler._scale.clone()  # no sync: compared on overflow only
-        self.lr.end_step()
-        self._t_boundary = time.perf_counter()
-        return step
+            values.update(zip(names or (), to_host(parts)))
+            complete(rec, step, values, alerts, t is None)
+    else:
+        complete(rec, step, values, alerts, t is None)
+    if t is not None and t.before is not None:
+        histograms(rec, step)
+    scale = getattr(rec.scaler, "_scale", None) if rec.scaler is not None else None
+    if isinstance(scale, torch.Tensor):
+        fl.scale_ref = scale.clone()  # no sync: compared on overflow only
+    rec.lr.end_step()
+    fl.t_boundary = time.perf_counter()
+    return step
 
-    def _complete(self, step: int, values: dict[str, float], alerts: list,
-                  overflow: bool = False) -> None:
-        """The step's figures are all on the host: derived figures, "step" rules, record."""
-        bad = bad_mask(values)  # a GPU mask of other values than 0/1: its figures dropped
-        if bad is not None and not self._mask_said:
-            self._mask_said = True
-            self._emit(Event(step, "probe", "warning", bad))
-        tokens = values.get("tokens/real")
-        padded = values.pop("_padded", None)
-        if tokens is not None and padded:
-            values["data/padding_ratio"] = 1.0 - tokens / padded
-        samples = values.pop("_samples", None)
-        add_rates(values, int(samples) if samples else None)
-        loss = values.get("loss/train")
-        if overflow and loss is not None and not math.isfinite(loss):
-            alerts = alerts + self.engine.observe("grads", step, values)  # a real NaN
-        elif overflow:
-            values.pop("grad_norm/global", None)
-        if self.lr.scheduler_moved():
-            self.engine.explain_lr()
-        alerts = alerts + self.engine.observe("step", step, values)
-        if self.dist is not None:
-            self._rank_rows.append((step, {**rank_figures(values), "time/sync": self._sync_s}))
-            self._sync_s = 0.0
-            # run-level loss, tokens and throughput come from all ranks, at the next exchange
-            stored = {k: v for k, v in values.items() if k not in _FROM_ALL_RANKS}
-        else:
-            stored = values
-        self.store.put(Scalars(step, stored))
-        if loss is not None and math.isfinite(loss):
-            p = self.progress
-            p.train_ema = SMOOTHING * p.train_ema + (1 - SMOOTHING) * loss
-            p.train_ema_n += 1
-        self._raise_alerts(alerts)
-        every = self.spec.log_every
-        if every and step % every == 0:
-            self.log.info("step", extra={"step": step, "data": {
-                k: values[k] for k in ("loss/train", "grad_norm/global", "lr", "time/step")
-                if k in values}})
 
-    def record_step(self, host: dict[str, float], names: list[str],
-                    parts: list[torch.Tensor], *, lengths: torch.Tensor | None = None,
-                    samples: int | None = None, val: Any = None,
-                    reduction: str | None = None) -> int:
-        """The end of an optimizer step in a loop nbwatch does not run (`Monitor.log`, the
-        framework adapters): its record, its eval if `val`, a periodic checkpoint."""
-        if lengths is not None:
-            self.keep_seq_lens(lengths)
-        self.save_reduction(reduction)
-        step = self.end_step(host, names, parts, samples=samples)
-        self.step_done(val=val)
-        return step
+def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
+             overflow: bool = False) -> None:
+    """The step's figures are all on the host: derived figures, "step" rules, record."""
+    fl = rec.flight
+    bad = bad_mask(values)  # a GPU mask of other values than 0/1: its figures dropped
+    if bad is not None and not fl.mask_said:
+        fl.mask_said = True
+        rec._emit(Event(step, "probe", "warning", bad))
+    tokens = values.get("tokens/real")
+    padded = values.pop("_padded", None)
+    if tokens is not None and padded:
+        values["data/padding_ratio"] = 1.0 - tokens / padded
+    samples = values.pop("_samples", None)
+    add_rates(values, int(samples) if samples else None)
+    loss = values.get("loss/train")
+    if overflow and loss is not None and not math.isfinite(loss):
+        alerts = alerts + rec.engine.observe("grads", step, values)  # a real NaN
+    elif overflow:
+        values.pop("grad_norm/global", None)
+    if rec.lr.scheduler_moved():
+        rec.engine.explain_lr()
+    alerts = alerts + rec.engine.observe("step", step, values)
+    if rec.dist is not None:
+        rk = rec.ranks
+        rk.rows.append((step, {**rank_figures(values), "time/sync": rk.sync_s}))
+        rk.sync_s = 0.0
+        # run-level loss, tokens and throughput come from all ranks, at the next exchange
+        stored = {k: v for k, v in values.items() if k not in _FROM_ALL_RANKS}
+    else:
+        stored = values
+    rec.store.put(Scalars(step, stored))
+    if loss is not None and math.isfinite(loss):
+        p = rec.progress
+        p.train_ema = SMOOTHING * p.train_ema + (1 - SMOOTHING) * loss
+        p.train_ema_n += 1
+    rec._raise_alerts(alerts)
+    every = rec.spec.log_every
+    if every and step % every == 0:
+        rec.log.info("step", extra={"step": step, "data": {
+            k: values[k] for k in ("loss/train", "grad_norm/global", "lr", "time/step")
+            if k in values}})
 
-    def flush_deferred(self) -> None:
-        """Copy and record a step whose device figures wait for the next gradient copy."""
-        d, self._deferred = self._deferred, None
-        if d is not None:
-            d.values.update(zip(d.names, to_host(d.parts)))
-            self._complete(d.step, d.values, d.alerts)
 
-    def save_reduction(self, reduction: str | None) -> None:
-        if not self._reduction_saved and reduction:
-            self.store.set_meta("loss_reduction", reduction)
-            self._reduction_saved = True
+def record_step(rec: Recording, host: dict[str, float], names: list[str],
+                parts: list[torch.Tensor], *, lengths: torch.Tensor | None = None,
+                samples: int | None = None, val: Any = None,
+                reduction: str | None = None) -> int:
+    """The end of an optimizer step in a loop nbwatch does not run (`Monitor.log`, the
+    framework adapters): its record, its eval if `val`, a periodic checkpoint."""
+    if lengths is not None:
+        keep_seq_lens(rec, lengths)
+    save_reduction(rec, reduction)
+    step = end_step(rec, host, names, parts, samples=samples)
+    rec.step_done(val=val)
+    return step
 
-    def keep_seq_lens(self, lengths: torch.Tensor) -> None:
-        if self.spec.hist_every > 0:
-            self._seq_lens.append(lengths)
 
-    def _histograms(self, step: int) -> None:
-        edges, counts = wprobe.layer_histograms(self.layers, self.spec.hist_bins)
-        edges, counts = edges.cpu().double().numpy(), counts.cpu().numpy()
-        for i, name in enumerate(self.layers.names):
-            self.store.put(Histogram(step, f"weight/{name}", edges[i], counts[i]))
-        stds = {n: weight_std(edges[i], counts[i]) for i, n in enumerate(self.layers.names)}
-        self._raise_alerts(self.engine.observe("hist", step, weight_std=stds))
-        if self._seq_lens:
-            lens = torch.cat([t.float().cpu() for t in self._seq_lens])
-            self._seq_lens.clear()
-            hi = max(float(lens.max()), 1.0)
-            e, c = wprobe.histogram(torch.cat([lens, lens.new_tensor([0.0, hi])]), 32)
-            c[0] -= 1  # the two range anchors are not data: pin the range at [0, max]
-            c[-1] -= 1
-            self.store.put(Histogram(step, "data/seq_len", e.double().numpy(), c.numpy()))
+def flush_deferred(rec: Recording) -> None:
+    """Copy and record a step whose device figures wait for the next gradient copy."""
+    d, rec.flight.deferred = rec.flight.deferred, None
+    if d is not None:
+        d.values.update(zip(d.names, to_host(d.parts)))
+        complete(rec, d.step, d.values, d.alerts)
+
+
+def save_reduction(rec: Recording, reduction: str | None) -> None:
+    """The loss's reduction (mean, sum, token-mean), in the run's meta once."""
+    if not rec.flight.reduction_saved and reduction:
+        rec.store.set_meta("loss_reduction", reduction)
+        rec.flight.reduction_saved = True
+
+
+def keep_seq_lens(rec: Recording, lengths: torch.Tensor) -> None:
+    """A batch's sequence lengths, for the next histogram step's `data/seq_len`."""
+    if rec.spec.hist_every > 0:
+        rec.flight.seq_lens.append(lengths)
+
+
+def histograms(rec: Recording, step: int) -> None:
+    """Weight histograms per layer (and the "hist" rules on them), and the sequence
+    lengths seen since the last histogram step."""
+    edges, counts = wprobe.layer_histograms(rec.layers, rec.spec.hist_bins)
+    e_np, c_np = edges.cpu().double().numpy(), counts.cpu().numpy()
+    for i, name in enumerate(rec.layers.names):
+        rec.store.put(Histogram(step, f"weight/{name}", e_np[i], c_np[i]))
+    stds = {n: weight_std(e_np[i], c_np[i]) for i, n in enumerate(rec.layers.names)}
+    rec._raise_alerts(rec.engine.observe("hist", step, weight_std=stds))
+    seq = rec.flight.seq_lens
+    if seq:
+        lens = torch.cat([t.float().cpu() for t in seq])
+        seq.clear()
+        hi = max(float(lens.max()), 1.0)
+        e, c = wprobe.histogram(torch.cat([lens, lens.new_tensor([0.0, hi])]), 32)
+        c[0] -= 1  # the two range anchors are not data: pin the range at [0, max]
+        c[-1] -= 1
+        rec.store.put(Histogram(step, "data/seq_len", e.double().numpy(), c.numpy()))

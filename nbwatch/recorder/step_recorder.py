@@ -1,9 +1,16 @@
 """`StepRecorder`: one run's recorder, and its lifecycle (begin, a guarded loop, finish,
-fail). What it does at each moment of a step lives in its parts: the mixins `OptimizerStep`
-(the optimizer's hooks), `StepEnd` (the record) and `Steering` (commands, ranks, alert
-actions); objects of their own: `BatchIds` (which batch each step took), `LrFactor`,
-`OwnClips`, `RewindState` and `EvalState` (with the functions of rewind.py and
-eval_checkpoint.py, over the protocols they declare)."""
+fail). What it does at each moment of a step lives in its parts, each a module of
+functions over the protocol it declares (what it reads and moves of the run, checked by
+mypy against this class), with its state in an object it owns:
+
+    optimizer_step.py  the optimizer's hooks: measure, clip decision   Measuring · InFlight
+    step_end.py        the step's record, histograms                    Recording · InFlight
+    steering.py        commands, the ranks' meeting, alert actions      Steered · Inbox,
+                                                                        RankMeeting
+    rewind.py          rewind and skip                                  Rewinding · RewindState
+    eval_checkpoint.py evals and checkpoints                            Evaluating · EvalState
+    batches.py, lr_factor.py, own_clips.py: objects of their own (BatchIds, LrFactor,
+    OwnClips). The methods below are the recorder's interface for its loops."""
 
 from __future__ import annotations
 
@@ -12,7 +19,6 @@ import itertools
 import logging
 import time
 import traceback
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,26 +29,27 @@ from torch import nn
 from .. import controls as ctl
 from ..alerts import AlertEngine, default_rules
 from ..checkpoint import Checkpointer
-from ..distributed import Dist, lost_peer
+from ..distributed import Dist, NullStore, lost_peer
 from ..probes.grads import Layers
 from ..records import Event
 from ..store import RunStore
 from . import eval_checkpoint as ec
+from . import optimizer_step as ost
+from . import steering as st
+from . import step_end as se
 from .batches import BatchIds
 from .eval_checkpoint import EvalState
 from .lr_factor import LrFactor
-from .optimizer_step import OptimizerStep, _Taking
 from .own_clips import OwnClips
 from .rewind import RewindState
 from .spec import Progress, RunSpec, StopTraining
-from .steering import Steering
-from .step_end import StepEnd, _Deferred
+from .state import Inbox, InFlight, RankMeeting
 
 log = logging.getLogger("nbwatch.recorder")
 _RUN_IDS = itertools.count(1)  # each run's logger is its own, whatever its folder's name
 
 
-class StepRecorder(OptimizerStep, StepEnd, Steering):
+class StepRecorder:
     """Measures and records each optimizer step of one run, and steers it between steps."""
 
     def __init__(
@@ -52,7 +59,7 @@ class StepRecorder(OptimizerStep, StepEnd, Steering):
         optimizer: torch.optim.Optimizer,
         scheduler: Any,
         scaler: Any,
-        store: RunStore,
+        store: RunStore | NullStore,
         checkpointer: Checkpointer,
         commands: ctl.CommandQueue,
         control: ctl.ControlState,
@@ -70,34 +77,22 @@ class StepRecorder(OptimizerStep, StepEnd, Steering):
         self.engine = engine if engine is not None else AlertEngine(default_rules())
         self.on_alert = on_alert
         self.dist = dist
-        self.step = self._start_step = start_step
+        self.step = self.start_step = start_step
         self.layers = Layers.of(model)
-        self._grad_names = ["grad_norm/global"] + [f"grad_norm/{n}" for n in self.layers.names]
+        self.grad_names = ["grad_norm/global"] + [f"grad_norm/{n}" for n in self.layers.names]
         self.stopping = False
         self.ended = False
         self.log = logging.getLogger(f"nbwatch.run.{store.run_dir.name}.{next(_RUN_IDS)}")
-        self._skip_nonfinite = any(r.name == "nonfinite" and "skip_step" in r.actions
-                                   for r in self.engine.rules)
-        self._rank_rows: list[tuple[int, dict[str, float]]] = []
-        self._sync_s = 0.0
-        self._rank_step_times: dict[int, deque[float]] = {}
-        self._seq_lens: list[torch.Tensor] = []
+        self.skip_nonfinite = any(r.name == "nonfinite" and "skip_step" in r.actions
+                                  for r in self.engine.rules)
+        self.flight = InFlight()  # a step between its optimizer hooks and its record
+        self.ranks = RankMeeting()  # under torchrun: what the next exchange carries
+        self.inbox = Inbox()  # which store commands were taken
         self.batch_ids = BatchIds()  # which batch each of the last steps took
-        self._store_poll = 0.0
-        self._command_id = 0  # the newest store command taken
-        self._opened_wall = time.time()  # store commands older than this: an earlier run's
         self.rewind_state = RewindState()  # rewind.py: who may, what the loop must be told
-        self._reduction_saved = False
-        self._mask_said = False  # a bad GPU mask was said (once a run)
         self.evals = EvalState()  # eval_checkpoint.py: the last val loss, checkpoint
-        self._taking: _Taking | None = None  # set by the pre-hook, consumed at the step's end
-        self._stepped = False  # the optimizer stepped since the last end of step
-        self._staged: tuple[list[str], list[torch.Tensor]] | None = None  # the runner's loss
-        self._deferred: _Deferred | None = None
         self.lr = LrFactor(optimizer, scheduler, control)  # an LR cut around the scheduler
         self.own_clips = OwnClips(self.layers)  # norms before the loop's own clips
-        self._scale_ref: torch.Tensor | None = None  # the GradScaler's scale at that end
-        self._t_boundary = time.perf_counter()
         # Set by framework adapters: False when the optimizer's pre-hook comes too early to
         # see the gradients (Lightning's closure runs backward inside optimizer.step), and
         # the adapter calls `pre_step()` itself at the framework's own moment.
@@ -107,6 +102,84 @@ class StepRecorder(OptimizerStep, StepEnd, Steering):
         # Set by framework adapters: the framework's own clipping (Trainer max_grad_norm,
         # Lightning gradient_clip_val), after nbwatch's; `grad_norm/clipped` shows both.
         self.framework_clip: float | None = None
+
+    # -- the optimizer's hooks (optimizer_step.py) ----------------------------------------
+    @property
+    def skipping(self) -> bool:
+        """The optimizer step just taken was skipped (non-finite figures)."""
+        return self.flight.taking is not None and self.flight.taking.skip
+
+    @property
+    def stepped(self) -> bool:
+        """The optimizer stepped since the last end of step."""
+        return self.flight.stepped
+
+    def overflowed(self) -> bool:
+        """Whether the GradScaler skipped the optimizer: see `optimizer_step.overflowed`."""
+        return ost.overflowed(self)
+
+    def stage(self, names: list[str], parts: list[torch.Tensor]) -> None:
+        """Device figures of the step about to be taken (the runner's loss), copied to the
+        host together with its gradient norms."""
+        self.flight.staged = (names, parts)
+
+    def pre_step(self, explicit: bool = True, clips: list | None = None,
+                 clip_note: str | None = None) -> None:
+        """The step's gradient figures and decisions: see `optimizer_step.pre_step`."""
+        ost.pre_step(self, explicit, clips, clip_note)
+
+    def post_step(self) -> None:
+        """Optimizer post-hook: update ratios, and the LR factor off for the scheduler."""
+        ost.post_step(self)
+
+    # -- the step's record (step_end.py) -------------------------------------------------
+    def end_step(self, values: dict[str, float], names: list[str] | None = None,
+                 parts: list[torch.Tensor] | None = None, *, data_s: float | None = None,
+                 samples: int | None = None, extra_times: dict[str, float] | None = None
+                 ) -> int:
+        """Close the optimizer step just taken: see `step_end.end_step`."""
+        return se.end_step(self, values, names, parts, data_s=data_s, samples=samples,
+                           extra_times=extra_times)
+
+    def record_step(self, host: dict[str, float], names: list[str],
+                    parts: list[torch.Tensor], *, lengths: torch.Tensor | None = None,
+                    samples: int | None = None, val: Any = None,
+                    reduction: str | None = None) -> int:
+        """The end of a step in a loop nbwatch does not run: see `step_end.record_step`."""
+        return se.record_step(self, host, names, parts, lengths=lengths, samples=samples,
+                              val=val, reduction=reduction)
+
+    def complete(self, step: int, values: dict[str, float], alerts: list,
+                 overflow: bool = False) -> None:
+        se.complete(self, step, values, alerts, overflow)
+
+    def flush_deferred(self) -> None:
+        """Copy and record a step whose device figures wait for the next gradient copy."""
+        se.flush_deferred(self)
+
+    def save_reduction(self, reduction: str | None) -> None:
+        se.save_reduction(self, reduction)
+
+    def keep_seq_lens(self, lengths: torch.Tensor) -> None:
+        se.keep_seq_lens(self, lengths)
+
+    # -- steering (steering.py) ----------------------------------------------------------
+    def boundary(self) -> bool:
+        """Apply queued commands (pause blocks here); True once the run should stop."""
+        st.apply_commands(self)
+        return self.stopping
+
+    def apply_commands(self, block: bool = True) -> None:
+        st.apply_commands(self, block)
+
+    def take_final_stop(self) -> None:
+        st.take_final_stop(self)
+
+    def expire_pending(self) -> None:
+        st.expire_pending(self)
+
+    def _raise_alerts(self, alerts: list) -> None:
+        st.raise_alerts(self, alerts)
 
     # -- which batch (batches.py) ---------------------------------------------------------
     def note_batch(self, batch: Any, epoch: int | None = None, index: int | None = None
@@ -156,7 +229,7 @@ class StepRecorder(OptimizerStep, StepEnd, Steering):
     # -- lifecycle ----------------------------------------------------------------------
     def begin(self) -> None:
         self._set_state("running")
-        self._t_boundary = time.perf_counter()
+        self.flight.t_boundary = time.perf_counter()
 
     def guarded(self, body: Callable[[], Any]) -> None:
         """Run `body` (the training loop) as this run: a clean return ends it finished (or
@@ -183,7 +256,7 @@ class StepRecorder(OptimizerStep, StepEnd, Steering):
             return
         self.flush_deferred()
         if self.dist is not None:
-            self._sync_ranks(final=True)
+            st.sync_ranks(self, final=True)
         self._checkpoint("stop" if outcome == "stopped" else "final")
         self.expire_pending()
         self._set_state(outcome)

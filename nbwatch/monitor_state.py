@@ -1,0 +1,88 @@
+"""The state of a `Monitor` that its parts share, declared once with its types: what
+`Monitor.__init__` sets, what opening a run sets (opening.py), and the optimizer's hooks
+(optimizer_hooks.py). mypy checks every part against these declarations."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from . import controls as ctl
+from .distributed import NullStore
+from .lifecycle import RunState
+from .options import Options
+from .probes.system import SystemSampler
+from .recorder import Progress, Rewound, StepRecorder
+from .records import CommandKind
+from .rules import Rule
+from .store import RunStore
+
+
+class MonitorState:
+    """Declarations only (no behaviour): the attributes of a `Monitor`."""
+
+    # given to Monitor(...), checked there
+    model: nn.Module
+    optimizer: torch.optim.Optimizer  # the one that takes the hooks (wrappers looked through)
+    scheduler: Any
+    scaler: Any
+    run_dir: Path
+    rank: int
+    name: str
+    config: dict[str, Any]
+    system_interval: float
+    on_alert: Callable[[Any], Any] | None
+    checkpointer: Any  # Checkpointer, or ShardedCheckpointer under FSDP2
+    control: ctl.ControlState
+    rules: list[Rule]
+    options: Options  # the run's options: start() overrides them one by one
+    rewound: Rewound | None  # set by log() after a rewind (own loop)
+    skip_batches: int  # set by log(): batches the own loop is asked to skip now
+    _clip_asked: float | None  # clip= given: wins over a resumed checkpoint's
+    _commands: ctl.CommandQueue
+    _resumed_step: int | None  # restored when the Monitor was created
+    # one run of it, while open (opening.py)
+    _mode: str | None  # "start" | "run" | "loop" once a run was opened
+    _progress: Progress
+    _progress_start: int
+    _store: RunStore | NullStore | None
+    _recorder: StepRecorder | None
+    _sampler: SystemSampler | None
+    _log_handler: logging.Handler | None
+    _thread: threading.Thread | None
+    _done: threading.Event | None  # set when the training thread ends
+    _closed: threading.Event  # set when the run's store and sampler are closed
+    _finalizer: threading.Thread | None
+    _stop_asked: bool
+    _exc_at_open: BaseException | None
+    _loop_thread: threading.Thread | None  # where an own loop's log() runs
+    _framework: str | None  # an adapter's loop ("hf", "lightning")
+    # the optimizer's hooks (optimizer_hooks.py)
+    _param_ids: set[int]
+    _hooks: list[Any]  # torch's RemovableHandles
+    _global_hook: Any  # the check on other optimizers, while a run is open
+    _inside_step: int | None  # the thread inside optimizer.step, if any
+    _clips: list[Any]  # ClipCall: the loop's own clips since the last step
+    _clips_partial: bool
+    _clip_marks: tuple
+
+    if TYPE_CHECKING:  # provided by Monitor and its other parts
+        @property
+        def step(self) -> int: ...
+        @property
+        def state(self) -> RunState: ...
+        @property
+        def running(self) -> bool: ...
+        def send(self, kind: str | CommandKind, source: str = "api", **args: Any) -> str: ...
+        def show(self) -> Any: ...
+        def _open_loop(self, start_step: int | None = None,
+                       framework: str | None = None) -> StepRecorder: ...
+        def _foreign_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None: ...
+        def _end_clip_watch(self) -> None: ...
+        def _at_exit(self) -> None: ...

@@ -1,0 +1,72 @@
+"""What the recorder's parts carry between the moments of a step, each in one object that
+its part owns: the step in flight between the optimizer's hooks and its record
+(`InFlight`), the ranks' meeting (`RankMeeting`) and the command inbox (`Inbox`)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Taking:
+    """The optimizer step being taken: what its pre-hook measured and decided."""
+
+    step: int
+    values: dict[str, float]
+    alerts: list
+    skip: bool
+    before: list | None  # weights snapshot on histogram steps
+    t_pre: float
+    t_probe: float
+    t_post: float = 0.0
+    explicit: bool = False  # measured by a framework adapter, not the optimizer's hook
+
+
+@dataclass
+class Deferred:
+    """Device figures of a step, copied to the host with the next gradient copy."""
+
+    step: int
+    names: list[str]
+    parts: list[torch.Tensor]
+    values: dict[str, float]  # host figures of that step, completed by the copy
+    alerts: list
+
+
+@dataclass
+class InFlight:
+    """A step between its optimizer hooks (optimizer_step.py) and its record
+    (step_end.py)."""
+
+    taking: Taking | None = None  # set by the pre-hook, consumed at the step's end
+    stepped: bool = False  # the optimizer stepped since the last end of step
+    staged: tuple[list[str], list[torch.Tensor]] | None = None  # the runner's loss
+    deferred: Deferred | None = None  # a GPU step's figures, copied with the next
+    scale_ref: torch.Tensor | None = None  # the GradScaler's scale at the last end
+    t_boundary: float = field(default_factory=time.perf_counter)  # the step's clock
+    seq_lens: list[torch.Tensor] = field(default_factory=list)  # until the histogram
+    reduction_saved: bool = False
+    mask_said: bool = False  # a bad GPU mask was said (once a run)
+
+
+@dataclass
+class RankMeeting:
+    """Under torchrun: what each rank brings to the next exchange, and rank 0's view of
+    the ranks' step times (for the straggler rule)."""
+
+    rows: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    sync_s: float = 0.0  # the last exchange's duration, recorded with the next step
+    step_times: dict[int, deque[float]] = field(default_factory=dict)
+
+
+@dataclass
+class Inbox:
+    """Which commands from the store this run has taken."""
+
+    last_poll: float = 0.0  # monotonic time of the last read of the store
+    last_id: int = 0  # the newest store command taken
+    opened_wall: float = field(default_factory=time.time)  # older commands: an earlier run's

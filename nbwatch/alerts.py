@@ -14,7 +14,7 @@ Defaults follow the seeds and are all overridable with one dict passed to the Mo
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -32,6 +32,7 @@ from .rules import (  # noqa: F401  (their home; re-exported)
     Window,
 )
 from .signals import _nonfinite, default_rules, straggler  # noqa: F401  (re-exported)
+from .spike_score import SCORE, SpikeScore
 
 
 def configure(rules: list[Rule], overrides: Mapping[str, Any] | None) -> list[Rule]:
@@ -131,10 +132,19 @@ class Alert:
 
 
 class AlertEngine:
-    """Feeds observations to the rules of each phase; fires once per episode."""
+    """Feeds observations to the rules of each phase; fires once per episode.
 
-    def __init__(self, rules: list[Rule], window: int = 1000):
+    At each "step" observation it first adds the figures derived from the step's complete
+    figures to them (so they are recorded with the step): `derive`'s (MFU, say), then the
+    spike score (`spike_score.py`), which the rules that detect spikes (`Rule.spike_of`)
+    feed and whose count their alerts carry."""
+
+    def __init__(self, rules: list[Rule], window: int = 1000,
+                 derive: Sequence[Callable[[dict[str, Any]], None]] = ()):
         self.rules = rules
+        self.derive = list(derive)
+        self.spike_score = SpikeScore()
+        self._spiked_at: int | None = None  # a "grads" spike rule fired at this step
         self._by_phase = {ph: [r for r in rules if r.phase == ph] for ph in PHASES}
         # as long as the longest look-back a rule was given (at most rules.MAX_HISTORY)
         self.window = Window(max([window, *(r.history for r in rules)]))
@@ -162,6 +172,12 @@ class AlertEngine:
                                                if values and k in values))
         elif phase == "step" and values and self._late:
             fired += self._after_step(step, values)
+        if phase == "step" and values is not None:
+            for derive in self.derive:
+                derive(values)
+            values.update(self.spike_score.observe(values))
+            if self._spiked_at == step:
+                values[SCORE] = self.spike_score.mark()
         if values and phase != "grads":  # "step" brings the same figures, complete
             w.add(values)
         elif values:
@@ -198,8 +214,25 @@ class AlertEngine:
             self._active[rule.name] = True
             if rule.name == "lr_change":
                 self._lr_reported = w.latest.get("lr")
+            if rule.spike_of is not None:
+                msg, data = self._spike(rule, phase, step, msg, data, values)
             fired.append(Alert(rule, step, msg, data))
         return fired
+
+    def _spike(self, rule: Rule, phase: str, step: int, msg: str, data: dict[str, Any],
+               values: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+        """A spike rule fired: the step counts in the spike score, which the alert says."""
+        if phase != "step":  # the step's score is taken at its "step" observation
+            self._spiked_at = step
+            return msg, data
+        score = self.spike_score.mark()
+        if values is not None:
+            values[SCORE] = score
+        sigma = self.spike_score.sigmas.get(rule.spike_of or "")
+        data = {**data, "spike_score": score,
+                **({"sigma": sigma} if sigma is not None else {})}
+        return (f"{msg}; spike score {score:g} (steps that spiked among the last "
+                f"{self.spike_score.flags.maxlen:,})"), data
 
 
     def _after_step(self, step: int, values: dict[str, Any]) -> list[Alert]:

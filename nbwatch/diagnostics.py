@@ -5,6 +5,7 @@
   which long batches recur).
 - `lr_loss_correlation`: rolling correlation of LR and train loss.
 - `step_time_breakdown`: where a step's time goes, and which part is the bottleneck.
+- each loss spike's post-mortem (`postmortem.py`) as a short timeline.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .postmortem import timeline
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -22,6 +25,19 @@ class Finding:
     message: str
     cause: bool = False  # True when the finding names a cause, not only a symptom
     details: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class Findings(list):
+    """The findings of `diagnose()`: a list, shown (and printed) as their messages."""
+
+    def __str__(self) -> str:
+        return "\n".join(map(str, self)) if self else "nothing to report"
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
 
 
 def _detrend(y: np.ndarray) -> np.ndarray:
@@ -115,9 +131,10 @@ def step_time_breakdown(df: pd.DataFrame, last: int = 200) -> Finding | None:
                    cause=top == "time/data", details={"shares": shares, "bottleneck": top})
 
 
-def diagnose(df: pd.DataFrame) -> list[Finding]:
-    """Every diagnostic that has something to say about a run's frame."""
-    out = []
+def diagnose(df: pd.DataFrame, spikes: pd.DataFrame | None = None) -> Findings:
+    """Every diagnostic that has something to say about a run's frame, and a timeline of
+    each loss spike of `spikes` (`run.spikes`)."""
+    out = Findings()
     if "loss/val" in df:
         val = df["loss/val"].dropna()
         lens = df["val/seq_len_mean"].reindex(val.index) if "val/seq_len_mean" in df else None
@@ -131,4 +148,7 @@ def diagnose(df: pd.DataFrame) -> list[Finding]:
     if len(corr):
         out.append(Finding("lr_loss", f"rolling LR/loss correlation now {corr.iloc[-1]:+.2f}",
                            details={"corr": float(corr.iloc[-1])}))
+    if spikes is not None:
+        for row in spikes.to_dict("records"):
+            out.append(Finding("loss_spike", timeline(row), details=row))
     return out

@@ -32,6 +32,7 @@ from .panels import report as rpt
 from .panels.downsample import MAX_POINTS
 from .panels.weights import thin
 from .panels.wire import pack
+from .postmortem import from_reader as spikes_from
 from .store import DB_NAME, RunReader
 
 _STATIC = Path(__file__).parent / "static"
@@ -141,6 +142,7 @@ def _report(reader: RunReader, meta: Mapping[str, Any], step: int) -> dict[str, 
         "summary": rpt.summary(meta, step, (best_val[1], best_val[0]) if best_val else None,
                                None if tokens is None else float(tokens), wall_s),
         "events": rpt.events_table(alerts, n_alerts),
+        "spikes": rpt.spikes_table(spikes_from(reader)),
         "checkpoints": rpt.checkpoints_table(ckpts, n_ckpts, kept),
         "config": rpt.key_values(meta.get("config")),
         "environment": rpt.key_values(meta.get("environment")),

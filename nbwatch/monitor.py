@@ -40,7 +40,7 @@ from .lifecycle import LIVE, RunState
 from .notebook import in_notebook
 from .opening import RunOpening
 from .optimizer_hooks import OptimizerHooks
-from .options import Options
+from .options import Options, check_peak_flops
 from .probes.system import SystemSampler
 from .recorder import Progress, Rewound, StepRecorder, StopTraining
 from .records import Command, CommandKind
@@ -74,6 +74,8 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
     its own): `resume=True` loads the newest checkpoint of `run_dir` now (`mon.step` says
     where the loop stands); `probe_batch` (+ `probe_fn(model, batch)`) gives the attention
     probe its fixed samples, run at each `log(val=...)`; `checkpoint_every` steps.
+    `peak_flops`: the device's peak FLOP/s for MFU (`throughput/mfu`), where its name is
+    not in `probes.throughput.PEAK_FLOPS` (dense bf16 of the common GPUs).
     """
 
     def __init__(
@@ -104,6 +106,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         rank_every: int = 10,
         dist_timeout: float = 60.0,
         display: bool | None = None,
+        peak_flops: float | None = None,
     ):
         check_monitor(model, optimizer, scheduler, config, keep_last, system_interval, on_alert)
         check_every(max_steps=max_steps, checkpoint_every=checkpoint_every)
@@ -150,7 +153,8 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
             probe_batch=probe_samples(probe_batch, attention_samples), probe_fn=probe_fn,
             probe_tokens=probe_tokens, attention_samples=attention_samples,
             attention_tokens=attention_tokens, rank_every=rank_every,
-            dist_timeout=dist_timeout, display=display)
+            dist_timeout=dist_timeout, display=display,
+            peak_flops=check_peak_flops(peak_flops))
         self._hook_optimizer()
         if resume:
             if self.rank == 0:

@@ -31,6 +31,7 @@ from .monitor_state import MonitorState
 from .notebook import in_notebook, remember
 from .options import Options
 from .probes.system import SystemSampler, close_nvml, gpu_names, open_nvml
+from .probes.throughput import Mfu, peak_flops
 from .recorder import Progress, RunSpec, StepRecorder, StopTraining
 from .records import Event, SystemSample
 from .run import Run
@@ -93,6 +94,10 @@ class RunOpening(MonitorState):
         if self._clip_asked is not None:  # from step 1, and over a resumed checkpoint's
             self.control.clip, self._clip_asked = self._clip_asked, None  # once
         rules = self.rules
+        mfu = self._mfu(opts)
+        run_meta = {**run_meta, "flops": {"n_params": mfu.n, "layers": mfu.layers,
+                                          "d_model": mfu.d, "ctx": mfu.ctx,
+                                          "peak_flops": mfu.peak}}
         if dist is not None:  # decisions that need no exchange must see the same inputs: the
             # synchronised gradients, not a rank's own loss
             rules = [replace(r, params={**r.params, "keys": ("grad_norm/global",)})
@@ -114,7 +119,7 @@ class RunOpening(MonitorState):
             rec = StepRecorder(
                 spec, self.model, self.optimizer, self.scheduler, self.scaler, store,
                 self.checkpointer, self._commands, self.control, self._progress, start_step,
-                AlertEngine(rules), self.on_alert, dist,
+                AlertEngine(rules, derive=[mfu]), self.on_alert, dist,
             )
             self._recorder, self._mode = rec, mode
             self._global_hook = register_optimizer_step_pre_hook(self._foreign_hook)
@@ -129,6 +134,17 @@ class RunOpening(MonitorState):
             self._mode, self._progress = None, Progress(step=start_step, state=RunState.CREATED)
             raise
         return rec
+
+    def _mfu(self, opts: Options) -> Mfu:
+        """MFU's figures for this model: the peak given, else the GPU's by its name (None on
+        a CPU or an unknown GPU: TFLOP/s alone)."""
+        peak = opts.peak_flops
+        dev = next((p.device for p in self.model.parameters()), None)
+        if peak is None and dev is not None and dev.type == "cuda":
+            import torch
+
+            peak = peak_flops(torch.cuda.get_device_name(dev))
+        return Mfu.of(self.model, peak)
 
     def _in_thread(self, target: Callable[[], Any]) -> None:
         release_caller_pool()

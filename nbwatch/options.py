@@ -13,6 +13,17 @@ from torch import nn
 from .recorder.spec import RunSpec
 
 
+def check_peak_flops(peak: float | None) -> float | None:
+    """`Monitor(peak_flops=...)`: the device's peak FLOP/s (e.g. 989e12), or None."""
+    if peak is None:
+        return None
+    if isinstance(peak, bool) or not isinstance(peak, (int, float)) or not (
+            0 < peak < float("inf")):
+        raise ValueError(f"peak_flops must be the device's peak FLOP/s, a positive number "
+                         f"such as 989e12 (an H100 SXM at bf16), or None; got {peak!r}")
+    return float(peak)
+
+
 @dataclass(frozen=True)
 class Options:
     """What a run records and how often; every loop (start(), run(), a loop of your own,
@@ -31,6 +42,7 @@ class Options:
     rank_every: int = 10  # torchrun: the ranks meet every N steps
     dist_timeout: float = 60.0  # torchrun: a rank silent this long ends the run
     display: bool | None = None  # the dashboard in the cell (None: in a notebook)
+    peak_flops: float | None = None  # the device's peak FLOP/s for MFU (None: by its name)
 
     def merged(self, **given: Any) -> Options:
         """These options with those given overridden; None means "not given"."""

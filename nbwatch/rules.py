@@ -178,6 +178,8 @@ class Rule:
     # decides alone at the same step; the others are decided on rank 0 and exchanged
     same_on_every_rank: bool = False
     repeats: bool = False  # fires at each occurrence, with no episode to wait out
+    # the figure whose spikes the rule detects: a step it fires on counts in the spike score
+    spike_of: str | None = None
     schema: dict[str, Setting] = field(default_factory=dict)
     # the params the rule was defined with (kept through `replace`): the errors' examples
     defaults: dict[str, Any] | None = field(default=None, repr=False, compare=False)

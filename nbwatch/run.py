@@ -10,6 +10,8 @@ import numpy as np
 import pandas as pd
 
 from .liveness import STALE_AFTER, run_state
+from .postmortem import SPIKE_COLUMNS, spikes_of  # noqa: F401  (their home; re-exported)
+from .postmortem import from_reader as _spikes
 from .store import DB_NAME, RunReader
 
 
@@ -47,8 +49,7 @@ class Readout:
 
     @property
     def spikes(self) -> pd.DataFrame:
-        """One row per `loss_spike` alert: step, loss, median, z, and batches (the
-        identities of the spike step's batch and those just before it)."""
+        """One row per `loss_spike` alert, with its post-mortem (see `Run.spikes`)."""
         run = self._run()
         return run.spikes if run is not None else pd.DataFrame(columns=SPIKE_COLUMNS)
 
@@ -67,10 +68,14 @@ class Readout:
         return export_html(self.run_dir, path, environment=environment)
 
     def diagnose(self) -> list:
-        """Findings that explain the run so far (val periodicity, step-time bottleneck…)."""
+        """Findings that explain the run so far (val periodicity, step-time bottleneck…),
+        and each loss spike's post-mortem as a short timeline; shown as text.
+
+        >>> print(mon.diagnose())
+        """
         from .diagnostics import diagnose
 
-        return diagnose(self.df)
+        return diagnose(self.df, self.spikes)
 
     def show(self) -> Any:
         """Display the live dashboard of this run, with its controls, in the notebook."""
@@ -196,14 +201,27 @@ class Run:
         """One row per `loss_spike` alert: step, loss, the rolling median and the robust z
         it was judged against, and batches: the identities (`{"step", "epoch", "index",
         "hash"}`, as far as known) of the batches of the spike step and the steps before.
+        Then its post-mortem, from the recorded series of the steps before it
+        (`nbwatch.postmortem`): `first` (the signals that moved first) and `lead` (how many
+        steps before), `first_layers` (the layers whose gradient norm rose earliest above 3×
+        its rolling median, within the 20 steps before), `grad_z`, `grad_rose`,
+        `loss_rose`, `lr` and `lr_change`, `alerts_before` (the rules that fired before it,
+        and when).
 
         >>> run.spikes.batches.iloc[0][-1]   # the spike step's batch
+        >>> run.spikes[["step", "first", "lead"]]
         """
-        return spikes_of(self.events)
+        return _spikes(self.reader)
 
     @property
     def samples(self) -> pd.DataFrame:
         return self.reader.samples()
+
+    def diagnose(self) -> list:
+        """As `Monitor.diagnose()`: findings, and each loss spike's post-mortem timeline."""
+        from .diagnostics import diagnose
+
+        return diagnose(self.df, self.spikes)
 
     def histograms(self, name: str) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
         """(steps, bin_edges per step, counts [steps, bins]) of one histogram series."""
@@ -232,18 +250,6 @@ class Run:
 
     def __repr__(self) -> str:
         return f"<nbwatch.Run {self.name!r} {self.state} at step {self.step} in {self.run_dir}>"
-
-
-SPIKE_COLUMNS = ["step", "loss", "median", "z", "batches"]
-
-
-def spikes_of(events: pd.DataFrame) -> pd.DataFrame:
-    """The loss-spike alerts among `events` (a run's events table), one row each."""
-    rows = [{"step": int(step), **{k: data.get(k) for k in ("loss", "median", "z")},
-             "batches": data.get("batches", [])}
-            for step, kind, data in zip(events["step"], events["kind"], events["data"])
-            if kind == "alert" and isinstance(data, dict) and data.get("rule") == "loss_spike"]
-    return pd.DataFrame(rows, columns=SPIKE_COLUMNS)
 
 
 def open_run(run_dir: str | Path) -> Run:

@@ -279,7 +279,8 @@ def _base_rules() -> list[Rule]:
              ("clip",), 50, "global grad norm > 1e5 or > 10× its rolling median: clip at 1.0",
              schema={"absolute": number(0, open_lo=True, inf=True), "factor": number(1),
                      "window": window(not_below="min_history"), "min_history": count(1),
-                     "max_norm": POSITIVE}, same_on_every_rank=True),
+                     "max_norm": POSITIVE}, same_on_every_rank=True,
+             spike_of="grad_norm/global"),
         Rule("val_spike", "critical", "eval", _val_spike, {"factor": 2.0, "lr_factor": 0.5},
              ("checkpoint", "cut_lr"), 1, "val loss > 2× the best: checkpoint and cut LR ×0.5",
              schema={"factor": number(1), **ACTION_SETTINGS["cut_lr"]}),
@@ -291,14 +292,14 @@ def _base_rules() -> list[Rule]:
              "train loss > 6 robust SDs above the median of the 10 steps before (1.4826 × the "
              "MAD around the trend line of the 200 steps before); the event names the batches "
              "of the spike and the 4 steps before",
-             schema=_SPIKE_SCHEMA),
+             schema=_SPIKE_SCHEMA, spike_of="loss/train"),
         Rule("grad_norm_spike", "warning", "step", _grad_norm_spike,
              {"window": 200, "recent": 10, "z": 6.0, "factor": 4.0, "min_history": 50,
               "batches_before": 4}, (), 10,
              "global grad norm (before clipping) > 6 robust SDs above the median of the 10 steps "
              "before (as loss_spike measures) and > 4× that median; the event names the "
              "batches of the spike and the 4 steps before",
-             schema={**_SPIKE_SCHEMA, "factor": number(1)}),
+             schema={**_SPIKE_SCHEMA, "factor": number(1)}, spike_of="grad_norm/global"),
         Rule("vanishing_gradients", "warning", "step", _vanishing,
              {"global_below": 1e-7, "layer_ratio": 1e-3, "persist": 20}, (), 5,
              "global grad norm < 1e-7, or a layer 1000× below the median layer", every=10,

@@ -63,7 +63,7 @@ def test_one_bad_batch_fires_loss_spike_at_its_step_and_spikes_name_it(tmp_path)
     assert spikes_alerts.severity.iloc[0] == "warning"
 
     spikes = nbwatch.open_run(tmp_path / "r").spikes
-    assert list(spikes.columns) == ["step", "loss", "median", "z", "batches"]
+    assert list(spikes.columns)[:5] == ["step", "loss", "median", "z", "batches"]
     assert spikes.step.tolist() == [step]
     row = spikes.iloc[0]
     assert row.loss == mon.df.loc[step, "loss/train"] and row.z > 6
@@ -75,6 +75,8 @@ def test_one_bad_batch_fires_loss_spike_at_its_step_and_spikes_name_it(tmp_path)
                 for s in range(step - 4, step + 1)]
     assert row.batches == expected
     assert mon.spikes.equals(spikes)  # the Monitor reads the same table
+    score = mon.df["spike/score"]  # the spike score, a series: the spike step counts
+    assert score[step] == score[step - 1] + 1 and score.notna().all()
 
 
 def spike_steps(mon, rule="loss_spike"):

@@ -1,4 +1,5 @@
-// Header: run name, state, step/max with a progress bar and ETA, tokens/s, elapsed.
+// Header: run name, state, step/max with a progress bar and ETA, tokens/s (with the
+// achieved TFLOP/s and MFU where the run records them), the spike score, elapsed.
 // A failed run turns red and shows its traceback (as text). `message` (from a followed
 // run: "stale: the writer has written nothing for…") is shown under the top line.
 import { duration, el, fmt } from "../plot.js";
@@ -11,7 +12,10 @@ export function create(root) {
   const state = el("span", "nbw-state");
   const step = el("span", "nbw-step");
   const stats = el("span", "nbw-stats");
-  top.append(name, state, step, stats);
+  const spikes = el("span", "nbw-spikes");
+  spikes.title = "spike score: steps among the last 10,000 whose train loss or global " +
+    "gradient norm stood > 6 SD above the mean of the 128 before (OLMo-core's definition)";
+  top.append(name, state, step, stats, spikes);
   const bar = el("div", "nbw-progress");
   const fill = el("div", "nbw-progress-fill");
   bar.appendChild(fill);
@@ -38,9 +42,14 @@ export function create(root) {
       const parts = [];
       if (d.eta_s !== null && d.eta_s !== undefined) parts.push(`ETA ${duration(d.eta_s)}`);
       if (d.tokens_per_s) parts.push(`${Math.round(d.tokens_per_s).toLocaleString()} tok/s`);
+      if (d.mfu !== null && d.mfu !== undefined) parts.push(`MFU ${fmt(100 * d.mfu, 3)}%`);
+      if (d.tflops) parts.push(`${fmt(d.tflops, 3)} TFLOP/s`);
       if (d.steps_per_s) parts.push(`${fmt(d.steps_per_s, 3)} steps/s`);
       parts.push(`elapsed ${duration(d.elapsed_s)}`);
       stats.textContent = parts.join(" · ");
+      const score = d.spike_score;
+      spikes.textContent = score === null || score === undefined ? "" : `spikes ${score}`;
+      spikes.dataset.spikes = score ? "yes" : "no";
       message.textContent = d.message || "";
       box.classList.toggle("nbw-failed", !!d.failed);
       error.style.display = d.failed ? "" : "none";

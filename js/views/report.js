@@ -33,7 +33,8 @@ function section(root, name, title, columns, rows, total) {
   return p.box;
 }
 
-// `report`: {summary: [[k, v]], events: {rows, total}, checkpoints: {rows, total},
+// `report`: {summary: [[k, v]], events: {rows, total}, spikes: {rows, total} (each loss
+// spike's post-mortem), checkpoints: {rows, total},
 // config: [[k, v]], environment: [[k, v]]}. The summary goes under `after`, tables at the end.
 export function create(root, report, after) {
   const summary = el("section", "nbw-summary");
@@ -48,6 +49,8 @@ export function create(root, report, after) {
   root.appendChild(grid);
   const ev = report.events || { rows: [], total: 0 };
   section(grid, "events", "Alerts & actions (table)", ["step", "kind", "severity", "message"], ev.rows, ev.total);
+  const sp = report.spikes || { rows: [], total: 0 };
+  section(grid, "spikes", "Loss spikes: what moved first", ["step", "loss", "z", "moved first", "lead (steps)", "timeline"], sp.rows, sp.total);
   const ck = report.checkpoints || { rows: [], total: 0 };
   section(grid, "checkpoints", "Checkpoints", ["step", "file", "size", "seconds", "best", "reason", "kept"], ck.rows, ck.total);
   section(grid, "config", "Config", ["key", "value"], report.config || []);

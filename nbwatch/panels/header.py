@@ -1,4 +1,5 @@
-"""Header: run name, state, step/max with progress and ETA, tokens/s, elapsed; red on failure."""
+"""Header: run name, state, step/max with progress and ETA, tokens/s with the achieved
+TFLOP/s and MFU, the spike score, elapsed; red on failure."""
 
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ def build(
         "eta_s": eta,
         "elapsed_s": max(end - float(started), 0.0) if started else None,
         "tokens_per_s": latest.get("throughput/tokens_per_s"),
+        "tflops": latest.get("throughput/tflops"),
+        "mfu": latest.get("throughput/mfu"),
+        # steps that spiked among the last 10,000 (spike_score.py: OLMo-core's definition)
+        "spike_score": latest.get("spike/score"),
         "failed": state == "failed" or error is not None,
         "error": str(error["message"]) if error else None,
         "traceback": str(error.get("data", {}).get("traceback", "")) if error else None,

@@ -1,5 +1,6 @@
 """The export's extra sections (records in → plain lists out): a summary, the alerts and
-actions table, the checkpoints table, config and environment as key/value rows."""
+actions table, the loss spikes' post-mortems, the checkpoints table, config and environment
+as key/value rows."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import PurePath
 from typing import Any
 
 from .._flat import flatten
+from ..postmortem import timeline
 from ..text import duration
 
 MAX_ROWS = 1000
@@ -81,3 +83,15 @@ def summary(meta: Mapping[str, Any], step: int, best_val: tuple[int, float] | No
         rows.append(["optimizer", str(run["optimizer"]) + (
             f" + {run['scheduler']}" if run.get("scheduler") else "")])
     return [[k, _text(v, 300)] for k, v in rows]
+
+
+def spikes_table(spikes: Any, max_rows: int = MAX_ROWS) -> dict[str, Any]:
+    """`run.spikes` → {rows: [step, loss, z, moved first, lead, timeline], total}."""
+    rows = []
+    for r in spikes.to_dict("records")[:max_rows]:
+        lead = r.get("lead")
+        rows.append([int(r["step"]), f"{r['loss']:.4g}", f"{r['z']:.1f}",
+                     ", ".join(r.get("first") or []) or None,
+                     None if lead is None or lead != lead else int(lead),
+                     _text(timeline(r))])
+    return {"rows": rows, "total": len(spikes)}

@@ -48,3 +48,119 @@ def batch_samples(batch: object) -> int | None:
         if isinstance(x, torch.Tensor) and x.ndim:
             return int(x.shape[0])
     return None
+
+
+# -- model FLOPs utilisation ---------------------------------------------------------------
+# Dense bf16 tensor-core peaks (datasheets, no sparsity), by a part of the NVML / CUDA device
+# name; the first entry whose parts are all in the name wins (the specific before the
+# general: "H100 PCIe" before "H100"). Monitor(peak_flops=...) overrides.
+PEAK_FLOPS: tuple[tuple[tuple[str, ...], float], ...] = (
+    (("h200", "nvl"), 836e12), (("h200",), 989e12),
+    (("h100", "nvl"), 835e12), (("h100", "pcie"), 756e12), (("h100",), 989e12),
+    (("a100",), 312e12), (("a800",), 312e12),
+    (("l40s",), 362e12), (("l4",), 121e12), (("a10g",), 70e12), (("a10",), 125e12),
+    (("a6000",), 155e12), (("a40",), 150e12), (("a30",), 165e12),
+    (("rtx 4090",), 165e12), (("rtx 3090",), 71e12), (("t4",), 65e12), (("v100",), 125e12),
+)
+
+
+def peak_flops(device_name: str) -> float | None:
+    """The dense bf16 peak (FLOP/s) of a GPU by its name ("NVIDIA H100 80GB HBM3"), or None
+    for a device the table does not know."""
+    name = device_name.lower()
+    for parts, flops in PEAK_FLOPS:
+        if all(p in name for p in parts):
+            return flops
+    return None
+
+
+def flops_per_token(n_params: int, layers: int, seq_len: float, d_model: int) -> float:
+    """Training FLOPs per token (forward and backward) of a decoder-only Transformer, as
+    the PaLM paper counts them (Chowdhery et al. 2022, appendix B): 6·N for the weight
+    matmuls plus 12·L·T·d for attention's (QKᵀ and AV over T positions, d = heads × head
+    width). Rematerialisation is not counted: a model FLOPs figure, not hardware FLOPs."""
+    return 6.0 * n_params + 12.0 * layers * seq_len * d_model
+
+
+def add_mfu(values: dict[str, float], per_token: float, peak: float | None) -> None:
+    """`throughput/tflops` (model TFLOP/s achieved: tokens/s × `per_token`) and, against
+    `peak` FLOP/s, `throughput/mfu` (a fraction)."""
+    rate = values.get("throughput/tokens_per_s")
+    if rate is None or per_token <= 0:
+        return
+    achieved = rate * per_token
+    values["throughput/tflops"] = achieved / 1e12
+    if peak:
+        values["throughput/mfu"] = achieved / peak
+
+
+def model_shape(model: object) -> tuple[int, int, int, int | None]:
+    """(N, layers, d_model, context) of a Transformer, for `flops_per_token`. N counts the
+    parameters a token's matmuls use: every parameter once (tied ones once), less the
+    embedding tables that are only looked up (a position table; an input table not tied
+    to the output layer). A Hugging Face config gives layers, width and context; other
+    models: the attention modules (outermost), the first embedding's width and a `ctx`
+    attribute. layers or d_model 0 where they cannot be told: 6·N alone."""
+    from torch import nn
+
+    assert isinstance(model, nn.Module)
+    params = {id(p): p.numel() for p in model.parameters()}
+    looked_up = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    in_matmul = {id(m.weight) for m in model.modules()
+                 if not isinstance(m, nn.Embedding) and getattr(m, "weight", None) is not None}
+    n = sum(v for k, v in params.items() if k not in looked_up - in_matmul)
+    cfg = getattr(model, "config", None)
+
+    def read(*names: str) -> int | None:
+        for name in names:
+            v = getattr(cfg, name, None)
+            if isinstance(v, int):
+                return v
+        return None
+
+    layers = read("num_hidden_layers", "n_layer", "num_layers")
+    d = read("hidden_size", "n_embd", "d_model")
+    ctx = read("max_position_embeddings", "n_positions", "n_ctx")
+    if layers is None:
+        seen: list[str] = []
+        for path, m in model.named_modules():
+            attn = isinstance(m, nn.MultiheadAttention) or type(m).__name__.endswith(
+                ("Attention", "SelfAttention"))
+            if attn and path and not any(path.startswith(p + ".") for p in seen):
+                seen.append(path)
+        layers = len(seen)
+    if d is None:
+        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+        mha = next((m for m in model.modules() if isinstance(m, nn.MultiheadAttention)), None)
+        d = emb.embedding_dim if emb is not None else mha.embed_dim if mha is not None else 0
+    own_ctx: object = getattr(model, "ctx", None)
+    if ctx is None and isinstance(own_ctx, int):
+        ctx = own_ctx
+    return n, layers, d, ctx
+
+
+class Mfu:
+    """Adds `throughput/tflops` and `throughput/mfu` to a step's figures (an alert engine's
+    `derive`). The attention term's T is the step's padded sequence length where the step
+    says it (tokens/s ÷ samples/s ÷ the real share), else the model's context. tokens/s
+    counts real tokens only, so padding lowers MFU, as it wastes the device."""
+
+    def __init__(self, n_params: int, layers: int, d_model: int, ctx: int | None,
+                 peak: float | None):
+        self.n, self.layers, self.d, self.ctx, self.peak = n_params, layers, d_model, ctx, peak
+
+    @classmethod
+    def of(cls, model: object, peak: float | None) -> Mfu:
+        return cls(*model_shape(model), peak)
+
+    def seq_len(self, values: dict[str, float]) -> float:
+        tokens, samples = values.get("throughput/tokens_per_s"), values.get(
+            "throughput/samples_per_s")
+        if tokens and samples:
+            return tokens / samples / max(1.0 - values.get("data/padding_ratio", 0.0), 1e-6)
+        return float(self.ctx or 0)
+
+    def __call__(self, values: dict[str, float]) -> None:
+        if "throughput/tokens_per_s" in values:
+            add_mfu(values, flops_per_token(self.n, self.layers, self.seq_len(values),
+                                            self.d), self.peak)

@@ -16,6 +16,10 @@ def test_header_progress_eta_and_failure():
     assert h["name"] == "exp<1>" and h["progress"] == 0.2 and h["steps_per_s"] == 2.0
     assert h["eta_s"] == 40.0 and h["elapsed_s"] == 20.0 and h["tokens_per_s"] == 5000.0
     assert not h["failed"]
+    assert h["spike_score"] is None and h["mfu"] is None  # not recorded: not shown
+    h = header.build(meta, 20, walls, {"spike/score": 2.0, "throughput/mfu": 0.41,
+                                       "throughput/tflops": 405.0}, now=1020.0)
+    assert (h["spike_score"], h["mfu"], h["tflops"]) == (2.0, 0.41, 405.0)
     err = {"message": "RuntimeError: boom", "data": {"traceback": "Traceback...\nboom"}}
     h = header.build({**meta, "state": "failed"}, 20, walls, {}, now=1100.0, error=err)
     assert h["failed"] and h["eta_s"] is None and "boom" in h["traceback"]

@@ -1,0 +1,238 @@
+"""A post-mortem of each loss spike: what moved first, and how long before. Pure functions
+over the recorded series and events, so a reopened run (or an export) says what the live
+one would.
+
+For a `loss_spike` alert at step S, over the steps [S - 20, S] (`LOOKBACK`):
+
+- a layer's gradient norm *rose* at the first step where it stood above k × (default 3)
+  the median of its `BASELINE` (50) steps before, and 3 robust SDs above it in log space
+  (1.4826 × the MAD of the log norms: a LayerNorm's gradient norm swings 4× from batch to
+  batch in a healthy run, and is no news at 4×); `first_layers` are the layers that rose
+  earliest (at most 3; ties: the larger ratio first). `grad_rose` is the same for the
+  global gradient norm; `loss_rose` the first step where the loss stood 3 robust SDs
+  (1.4826 × MAD) above the median of its 50 steps before;
+- `grad_z`: the global gradient norm at S, in SDs above the mean of the 128 steps before
+  (the spike score's measure, `spike_score.py`);
+- `lr` at S and `lr_change`: the LR's last move up to S, a step where it moved by more
+  than 1% from the step before (a cut), or a run of such steps in one direction (a
+  warm-up, a ramp): {step (its first), steps, from, to};
+- `alerts_before`: every other rule that fired in the 500 steps up to S, the newest
+  time of each, and how many steps before S;
+- `first`: the signals (a layer's `grad_norm/<layer>`, `grad_norm/global`, `loss/train`, a
+  rule's name) that moved at the earliest of those steps, and `lead`, S minus that step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .spike_score import WINDOW
+
+LOOKBACK = 20
+BASELINE = 50
+K = 3.0
+LOG_Z = 3.0
+LOSS_Z = 3.0
+LR_MOVE = 0.01
+ALERT_LOOKBACK = 500
+MAX_LAYERS = 3
+SPIKE_RULE = "loss_spike"
+_NOT_LAYERS = ("grad_norm/global", "grad_norm/clipped")
+
+SPIKE_COLUMNS = ["step", "loss", "median", "z", "batches", "first", "lead", "first_layers",
+                 "grad_z", "grad_rose", "loss_rose", "lr", "lr_change", "alerts_before"]
+
+# a frame of the recorded scalars: (keys, start, stop) → rows start <= step < stop
+Scalars = Callable[[list[str], int, int], pd.DataFrame]
+
+
+def layer_keys(keys: Iterable[str]) -> list[str]:
+    """The per-layer gradient-norm series among `keys`."""
+    return [k for k in keys if k.startswith("grad_norm/") and k not in _NOT_LAYERS]
+
+
+def _ratio_rise(s: pd.Series, spike: int, lookback: int, baseline: int, k: float
+                ) -> tuple[int, float] | None:
+    """(step, ratio): the first step in [spike - lookback, spike] where `s` stood above
+    k × the median of its `baseline` steps before, and `LOG_Z` robust SDs above it in log
+    space (its own noise)."""
+    s = s.where(s > 0)
+    low = max(5, baseline // 5)
+    log = np.log(s)
+    log_med = log.rolling(baseline, min_periods=low).median().shift(1)
+    log_mad = (log - log_med).abs().rolling(baseline, min_periods=low).median().shift(1)
+    ratio = np.exp(log - log_med)  # s over the median of the steps before
+    z = (log - log_med) / (1.4826 * np.maximum(log_mad, 1e-6))
+    near = (s.index >= spike - lookback) & (s.index <= spike)
+    hit = ratio[near & (ratio > k) & (z > LOG_Z) & np.isfinite(ratio)]
+    return (int(hit.index[0]), float(hit.iloc[0])) if len(hit) else None
+
+
+def _z_rise(s: pd.Series, spike: int, lookback: int, baseline: int, z: float) -> int | None:
+    """The first step in [spike - lookback, spike] where `s` stood `z` robust SDs above the
+    median of its `baseline` steps before."""
+    roll = s.rolling(baseline, min_periods=max(5, baseline // 5))
+    med = roll.median().shift(1)
+    mad = (s - med).abs().rolling(baseline, min_periods=max(5, baseline // 5)).median()
+    scale = 1.4826 * np.maximum(mad.shift(1), 1e-3 * med.abs())
+    zs = ((s - med) / scale)[(s.index >= spike - lookback) & (s.index <= spike)]
+    hit = zs[zs > z]
+    return int(hit.index[0]) if len(hit) else None
+
+
+def grad_z(g: pd.Series, spike: int, window: int = WINDOW) -> float | None:
+    """The global gradient norm at `spike` in SDs above the mean of the `window` steps
+    before (fewer early in a run: at least 10)."""
+    before = g[g.index < spike].dropna().tail(window)
+    if spike not in g.index or len(before) < 10 or not math.isfinite(g[spike]):
+        return None
+    std = float(before.std(ddof=0))
+    return None if std < 1e-10 else (float(g[spike]) - float(before.mean())) / std
+
+
+def lr_change(lr: pd.Series, spike: int, move: float = LR_MOVE) -> dict[str, Any] | None:
+    """The LR's last move at or before `spike`: the last step where it moved by more than
+    `move` from the step before, with the steps just before it that moved the same way
+    (a ramp, a warm-up): {step (the first of them), steps, from, to}."""
+    s = lr[lr.index <= spike].dropna()
+    if len(s) < 2:
+        return None
+    v = s.to_numpy()
+    d = np.diff(v)
+    moved = np.abs(d) > move * np.abs(v[:-1])
+    if not moved.any():
+        return None
+    last = int(np.flatnonzero(moved)[-1])
+    first = last
+    while first > 0 and moved[first - 1] and np.sign(d[first - 1]) == np.sign(d[last]):
+        first -= 1
+    return {"step": int(s.index[first + 1]), "steps": last - first + 1,
+            "from": float(v[first]), "to": float(v[last + 1])}
+
+
+def postmortem(frame: pd.DataFrame, events: pd.DataFrame, spike: int,
+               lookback: int = LOOKBACK, baseline: int = BASELINE, k: float = K
+               ) -> dict[str, Any]:
+    """The post-mortem of the loss spike at step `spike`: `frame` holds the recorded
+    scalars of the steps before it (index: step; at least `baseline + lookback` of them,
+    and the 128 for `grad_z`), `events` the run's events table."""
+    out: dict[str, Any] = {"first": [], "lead": None, "first_layers": [], "grad_z": None,
+                           "grad_rose": None, "loss_rose": None, "lr": None, "lr_change": None,
+                           "alerts_before": []}
+    moved: list[tuple[int, str]] = []
+    rises = []
+    for key in layer_keys(frame.columns):
+        r = _ratio_rise(frame[key], spike, lookback, baseline, k)
+        if r is not None:
+            rises.append((r[0], -r[1], key.removeprefix("grad_norm/")))
+    rises.sort()
+    out["first_layers"] = [{"layer": n, "step": s, "ratio": -r}
+                           for s, r, n in rises[:MAX_LAYERS]]
+    moved += [(s, f"grad_norm/{n}") for s, _, n in rises]
+    if "grad_norm/global" in frame:
+        g = frame["grad_norm/global"]
+        out["grad_z"] = grad_z(g, spike)
+        r = _ratio_rise(g, spike, lookback, baseline, k)
+        if r is not None:
+            out["grad_rose"] = r[0]
+            moved.append((r[0], "grad_norm/global"))
+    if "loss/train" in frame:
+        out["loss_rose"] = _z_rise(frame["loss/train"], spike, lookback, baseline, LOSS_Z)
+        if out["loss_rose"] is not None:
+            moved.append((out["loss_rose"], "loss/train"))
+    if "lr" in frame:
+        lr = frame["lr"]
+        out["lr"] = float(lr[spike]) if spike in lr.index and pd.notna(lr[spike]) else None
+        out["lr_change"] = lr_change(lr, spike)
+    newest: dict[str, int] = {}
+    for step, kind, data in zip(events["step"], events["kind"], events["data"]):
+        rule = data.get("rule") if isinstance(data, dict) else None
+        if (kind == "alert" and rule and rule != SPIKE_RULE
+                and spike - ALERT_LOOKBACK <= step <= spike):
+            newest[rule] = max(newest.get(rule, -1), int(step))
+    out["alerts_before"] = sorted(({"rule": r, "step": s, "lead": spike - s}
+                                   for r, s in newest.items()), key=lambda a: a["step"])
+    moved += [(a["step"], a["rule"]) for a in out["alerts_before"]
+              if a["step"] >= spike - lookback]
+    if moved:
+        first = min(s for s, _ in moved)
+        out["first"] = list(dict.fromkeys(n for s, n in sorted(moved) if s == first))
+        out["lead"] = spike - first
+    return out
+
+
+def spikes_of(events: pd.DataFrame, scalars: Scalars | None = None,
+              keys: Iterable[str] = ()) -> pd.DataFrame:
+    """One row per `loss_spike` alert among `events`, with its post-mortem when `scalars`
+    reads the recorded series (`keys`: the names recorded; only the window before each
+    spike is read)."""
+    keys = list(keys)
+    wanted = [k for k in ("loss/train", "grad_norm/global", "lr") if k in keys] + layer_keys(
+        keys)
+    rows = []
+    for step, kind, data in zip(events["step"], events["kind"], events["data"]):
+        if not (kind == "alert" and isinstance(data, dict) and data.get("rule") == SPIKE_RULE):
+            continue
+        row: dict[str, Any] = {"step": int(step),
+                               **{k: data.get(k) for k in ("loss", "median", "z")},
+                               "batches": data.get("batches", [])}
+        if scalars is not None and wanted:
+            start = int(step) - max(BASELINE + LOOKBACK, WINDOW) - 1
+            row.update(postmortem(scalars(wanted, start, int(step) + 1), events, int(step)))
+        rows.append(row)
+    return pd.DataFrame(rows, columns=SPIKE_COLUMNS)
+
+
+def timeline(row: Any) -> str:
+    """A spike's post-mortem as a few lines, oldest first (what `diagnose()` prints)."""
+    get: Callable[[str], Any] = row.get if isinstance(row, dict) else row.__getitem__
+    spike = int(get("step"))
+    lines: list[tuple[int, str]] = []
+    change = get("lr_change")
+    if isinstance(change, dict):
+        over = f" over {change['steps']} steps" if change.get("steps", 1) > 1 else ""
+        lines.append((change["step"], f"LR {change['from']:.3g} → {change['to']:.3g}{over}"))
+    for a in get("alerts_before") or []:
+        lines.append((a["step"], f"{a['rule']} fired"))
+    for f in get("first_layers") or []:
+        lines.append((f["step"], f"grad norm of {f['layer']} {f['ratio']:.1f}× its median"))
+    for key, what in (("grad_rose", f"global grad norm > {K:g}× its median"),
+                      ("loss_rose", f"loss {LOSS_Z:g} robust SD above its median")):
+        at = get(key)
+        if at is not None and not (isinstance(at, float) and math.isnan(at)):
+            lines.append((int(at), what))
+    z = get("z")
+    gz = get("grad_z")
+    lines.append((spike, f"LOSS SPIKE {get('loss'):.4g} (median {get('median'):.4g}, z = "
+                         f"{z:.1f})" + ("" if gz is None or (isinstance(gz, float) and
+                                                              math.isnan(gz))
+                                        else f"; grad norm {gz:.1f} SD above its mean")))
+    lead, first = get("lead"), get("first") or []
+    head = f"loss spike at step {spike}"
+    if first and lead is not None and int(lead) == 0:
+        head += (f": nothing moved before it ({len(first)} signals at the spike step itself: "
+                 "look at its batch)")
+    elif first and lead is not None:
+        more = f" and {len(first) - 3} more" if len(first) > 3 else ""
+        head += f": {', '.join(first[:3])}{more} moved first, {int(lead)} steps before"
+    lr = get("lr")
+    if lr is not None and not (isinstance(lr, float) and math.isnan(lr)):
+        head += f"; LR {lr:.3g}"
+    batches = get("batches") or []
+    if batches:
+        b = batches[-1]
+        head += "; batch " + ", ".join(f"{k} {v}" for k, v in b.items() if k != "step")
+    body = [f"  {s - spike:+5d}  step {s}: {what}" for s, what in sorted(lines, key=lambda t: t[0])
+            if s >= spike - ALERT_LOOKBACK]
+    return "\n".join([head, *body])
+
+
+def from_reader(reader: Any) -> pd.DataFrame:
+    """`spikes_of` over a `RunReader`'s events and recorded series."""
+    events = reader.events()
+    return spikes_of(events, lambda k, a, b: reader.scalars(k, a, b), reader.keys())

@@ -1,0 +1,115 @@
+"""Each loss spike's post-mortem, read from the run store (a reopened run): seeded unstable
+runs of the demo's TinyGPT made here, each read for what moved first and how long before
+the loss spike; a healthy fresh run stays quiet; the pure functions on series built by
+hand."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pandas as pd
+import torch
+
+import nbwatch
+from nbwatch.demo import VOCAB, make_demo
+from nbwatch.postmortem import lr_change, postmortem, timeline
+
+QUIET = {r: {"actions": []} for r in ("nonfinite", "grad_explosion", "val_spike")}
+BAD = 120  # the corrupt batch's step
+
+
+def train(tmp_path, demo, sched, data, steps):
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, sched, run_dir=tmp_path / "r",
+                          alerts=QUIET)
+    mon.start(demo.step_fn, data, max_steps=steps, display=False).wait()
+    assert mon.state == "finished"
+    return mon, nbwatch.open_run(tmp_path / "r")
+
+
+def poisoned(demo, at=BAD):
+    """The demo's batches; the one of step `at` with random labels (a bad shard)."""
+    gen = torch.Generator().manual_seed(1)
+    for i, b in enumerate(itertools.cycle(demo.train)):
+        if i == at - 1:
+            b = {**b, "labels": torch.randint(0, VOCAB, b["labels"].shape, generator=gen)}
+        yield b
+
+
+def test_a_corrupt_batch_moves_everything_at_its_own_step_and_nothing_before(tmp_path):
+    """What tells a bad batch from an unstable model: no signal moved in the 20 steps before;
+    at the spike step the loss, the global gradient norm and the layers' all jump; the
+    post-mortem names that step's batch."""
+    demo = make_demo(d=64, layers=2, heads=2, ctx=64, max_steps=400)
+    mon, run = train(tmp_path, demo, demo.scheduler, poisoned(demo), BAD + 5)
+    spikes = run.spikes
+    assert spikes.step.tolist() == [BAD]
+    row = spikes.iloc[0]
+    assert row.lead == 0 and {"loss/train", "grad_norm/global"} <= set(row["first"])
+    assert row.grad_rose == row.loss_rose == BAD and row.grad_z > 3
+    assert row.first_layers and all(f["step"] == BAD and f["ratio"] > 3
+                                    for f in row.first_layers)
+    assert row.batches[-1]["index"] == BAD - 1  # the corrupt one
+    assert row.lr_change["step"] < 60 and row.lr_change["to"] > row.lr_change["from"]
+    assert [a["rule"] for a in row.alerts_before] == ["grad_norm_spike"]  # the same step
+    assert row.alerts_before[0]["lead"] == 0
+    text = str(mon.diagnose())
+    assert f"loss spike at step {BAD}: nothing moved before it" in text
+    assert mon.spikes.equals(spikes)
+    print(timeline(row))
+
+
+def test_an_lr_ramp_shows_its_ramp_and_a_rise_before_the_spike(tmp_path):
+    """The LR ×1.05 a step from 3e-3, no warm-up: the post-mortem names the ramp as the
+    LR's last move (from its first step, over the whole run), and something moved before
+    the loss spike fired, unlike a bad batch."""
+    demo = make_demo(d=64, layers=2, heads=2, ctx=64, lr=3e-3, warmup=1, max_steps=200)
+    sched = torch.optim.lr_scheduler.LambdaLR(demo.optimizer, lambda s: 1.05 ** s)
+    _, run = train(tmp_path, demo, sched, demo.train, 125)
+    spikes = run.spikes
+    assert len(spikes), run.events[run.events.kind == "alert"].message.tolist()
+    row = spikes.iloc[0]
+    ramp = row.lr_change
+    assert ramp["step"] <= 3 and ramp["steps"] >= row.step - 5 and ramp["to"] > 20 * ramp["from"]
+    assert row.lead >= 1, timeline(row)
+    rose = [s for s in (row.grad_rose, row.loss_rose) if s is not None and s == s]
+    assert min(rose + [f["step"] for f in row.first_layers]) == row.step - row.lead
+    print(timeline(row))
+
+
+def test_a_healthy_fresh_run_has_no_spike_and_a_zero_score(tmp_path):
+    demo = make_demo(d=64, layers=2, heads=2, ctx=64, max_steps=400)
+    mon, run = train(tmp_path, demo, demo.scheduler, demo.train, BAD + 5)
+    assert run.spikes.empty and (run.df["spike/score"] == 0).all()
+    assert "loss spike" not in str(mon.diagnose())
+
+
+def series(values, start=1):
+    return pd.Series(values, index=pd.RangeIndex(start, start + len(values)), dtype=float)
+
+
+def test_the_layer_that_rose_first_and_the_lr_cut_from_series_by_hand():
+    """A layer whose gradient norm climbs from 10 steps before the spike, one that jumps
+    only at it, one whose noise swings 4× (no news), an LR cut 30 steps before, an alert
+    at 95."""
+    rng = np.random.default_rng(0)
+    n, spike = 200, 180
+    calm = 1.0 + 0.05 * rng.standard_normal(n)
+    climbing = calm.copy()
+    climbing[spike - 10 - 1:] *= np.geomspace(4, 40, n - spike + 11)
+    jumping = calm.copy()
+    jumping[spike - 1] *= 10
+    noisy = np.exp(rng.normal(0, 0.9, n))  # a LayerNorm's: 4× swings are its noise
+    lr = np.where(np.arange(1, n + 1) < spike - 30, 1e-3, 5e-4)
+    frame = pd.DataFrame({"grad_norm/a": series(climbing), "grad_norm/b": series(jumping),
+                          "grad_norm/ln": series(noisy), "lr": series(lr),
+                          "loss/train": series(2.0 + 0.01 * rng.standard_normal(n))})
+    events = pd.DataFrame({"step": [95, spike], "kind": ["alert", "alert"],
+                           "data": [{"rule": "grad_norm_spike"}, {"rule": "loss_spike"}]})
+    pm = postmortem(frame, events, spike)
+    assert [f["layer"] for f in pm["first_layers"]] == ["a", "b"]
+    assert pm["first_layers"][0]["step"] == spike - 10 and pm["first"] == ["grad_norm/a"]
+    assert pm["lead"] == 10
+    assert pm["lr_change"] == {"step": spike - 30, "steps": 1, "from": 1e-3, "to": 5e-4}
+    assert pm["alerts_before"] == [{"rule": "grad_norm_spike", "step": 95, "lead": 85}]
+    assert lr_change(series([1.0, 1.0, 1.0]), 3) is None

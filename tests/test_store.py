@@ -371,7 +371,7 @@ def test_a_layout_shared_by_two_records_of_one_commit_is_one_block_in_step_order
         store.put(Scalars(s, v))
     store.flush()
     r = RunReader(store.run_dir)
-    rows = [row for row in r._blocks(["grad_norm/a"], None, None)]
+    rows = r.block_rows(["grad_norm/a"])
     assert len(rows) == 1
     steps, values = blocks.decode(rows[0][2], rows[0][3], rows[0][4], r.layout(rows[0][1]))
     assert steps.tolist() == list(range(1, 21)) and values[:, 0].tolist() == steps.tolist()

@@ -10,6 +10,15 @@ memory (the peak RSS above the process's size after imports) is its own.
     python benchmarks/store.py --runs 100000x25      # one shape
     python benchmarks/store.py --keep /tmp/stores    # keep the run folders
     python benchmarks/store.py --commit-steps 20     # a live run: a commit every 20 steps
+    python benchmarks/store.py --runs 60layer demo   # whole folders: histograms, attention
+
+`60layer` (40k steps of a 60-layer model, d=256) and `demo` (1,000 steps of the demo's
+4-layer d=128 GPT) write what a monitored run writes, through the same `put()`: the
+recorder's per-step scalars, update ratios, weight and sequence-length histograms every 50
+steps (64 and 32 bins, counts of real weight tensors' histograms), and at each eval (every
+1,000 and 100 steps) the probe figures and two samples' attention maps (4 heads × 64
+tokens, causal softmax), committing after each histogram step as a live run does. They
+print the whole folder's bytes per recorded scalar and each table's share.
 
 Prints one row per run: scalars written, write rate (scalars/s), put() stall (the time
 the producer spent blocked by back-pressure), bytes on disk per scalar, `.df` seconds and
@@ -72,6 +81,158 @@ def write(run_dir: Path, steps: int, width: int, commit_steps: int = 0) -> dict:
     return {"scalars": n, "write_per_s": n / seconds, "stall_s": stalled,
             "bytes_per_scalar": size / n, "mib": size / 2**20, "left_beside_db": left,
             "close_s": close_s}
+
+
+# name: (steps, {layer: parameter count}, attention modules, hist_every, eval_every)
+def _gpt_layers(d: int, blocks: int, embeddings: bool) -> dict[str, int]:
+    per = {"ln1": 2 * d, "attn.qkv": 3 * d * d + 3 * d, "attn.proj": d * d + d,
+           "ln2": 2 * d, "mlp.fc": 4 * d * d + 4 * d, "mlp.proj": 4 * d * d + d}
+    out = {"tok_emb": 128 * d, "pos_emb": 128 * d} if embeddings else {}
+    out.update({f"blocks.{i}.{k}": n for i in range(blocks) for k, n in per.items()})
+    if embeddings:
+        out.update({"ln_f": 2 * d, "head": 128 * d})
+    return out
+
+
+FOLDERS = {
+    "60layer": (40_000, _gpt_layers(256, 10, embeddings=False), 10, 50, 1000),
+    "demo": (1_000, _gpt_layers(128, 4, embeddings=True), 4, 50, 100),
+}
+HEADS, TOKENS = 4, 64
+
+
+class _Histograms:
+    """Per layer, a histogram of normal weights of the layer's size, made as the recorder
+    makes it (64 bins, float32 edges); each step's is new: its range moved a little and
+    its counts drawn again from the same bins (a multinomial), as training moves both."""
+
+    def __init__(self, layers: dict[str, int]):
+        import torch
+
+        from nbwatch.probes.weights import histogram
+
+        self._histogram = histogram
+        g = torch.Generator().manual_seed(0)
+        self.base = []
+        for n in layers.values():
+            e, c = histogram(torch.randn(n, generator=g) * 0.02, 64)
+            self.base.append((float(e[0]), float(e[-1]), n, c.numpy() / n))
+        self.rng = np.random.default_rng(0)
+
+    def step(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        import torch
+
+        out = []
+        for lo, hi, n, p in self.base:
+            scale = 1 + 0.01 * self.rng.standard_normal()
+            ends = torch.tensor([lo * scale, hi * scale], dtype=torch.float32)
+            e, _ = self._histogram(ends, 64)
+            out.append((e.double().numpy(), self.rng.multinomial(n, p)))
+        return out
+
+
+def _seq_len_histogram() -> tuple[np.ndarray, np.ndarray]:
+    """The sequence lengths of 50 steps of 16 samples, binned as the recorder bins them."""
+    import torch
+
+    from nbwatch.probes.weights import histogram
+
+    lengths = torch.randint(8, 129, (800,), generator=torch.Generator().manual_seed(0))
+    e, c = histogram(lengths.float(), 32)
+    return e.double().numpy(), c.numpy()
+
+
+def _attention_maps(modules: int, variants: int = 4) -> list[np.ndarray]:
+    """Causal softmax maps [heads, T, T], sharper or flatter."""
+    rng = np.random.default_rng(0)
+    mask = np.triu(np.ones((TOKENS, TOKENS), dtype=bool), 1)
+    out = []
+    for v in range(variants * modules):
+        s = rng.standard_normal((HEADS, TOKENS, 16)) @ rng.standard_normal(
+            (HEADS, 16, TOKENS)) * (0.25 + v % 8) / 4
+        s[:, mask] = -np.inf
+        e = np.exp(s - s.max(-1, keepdims=True))
+        out.append((e / e.sum(-1, keepdims=True)).astype(np.float32))
+    return out
+
+
+def write_folder(run_dir: Path, shape: str) -> dict:
+    """A monitored run's records, written as the recorder writes them (see the top)."""
+    from nbwatch.records import Attention, Histogram, Scalars, SystemSample
+    from nbwatch.store import RunStore
+
+    steps, layers, n_att, hist_every, eval_every = FOLDERS[shape]
+    names = list(layers)
+    att = [f"blocks.{i}.attn" for i in range(n_att)]
+    step_keys = (["loss/train", "tokens/real", "data/seq_len_mean", "data/seq_len_max",
+                  "data/padding_ratio", "grad_norm/global"] + [f"grad_norm/{n}" for n in names]
+                 + ["grad_norm/clipped", "lr"])
+    timing = ["time/forward_backward", "time/forward", "time/probes", "time/optimizer",
+              "time/step", "time/data", "time/compute", "throughput/samples_per_s",
+              "throughput/tokens_per_s"]
+    ratios = [f"update_ratio/{n}" for n in names]
+    evals = (["loss/val", "loss/gap", "time/eval"]
+             + [f"attn/{f}/{m}{h}" for f in ("entropy", "max_logit") for m in att
+                for h in ["", *(f"/{i}" for i in range(HEADS))]]
+             + [f"act/rms/blocks.{i}" for i in range(n_att)] + ["logits/z_mean", "logits/max_abs"])
+    system = ["system/cpu/util", "system/ram/used_gb", "system/ram/total_gb",
+              "system/proc/rss_gb"]
+    rng = np.random.default_rng(0)
+    pool = rng.standard_normal((1000, len(step_keys) + len(timing) + len(ratios) + len(evals)))
+    hists = _Histograms(layers)
+    seq = _seq_len_histogram()
+    maps = _attention_maps(n_att)
+    tokens = tuple(chr(33 + i % 90) for i in range(TOKENS))
+    store = RunStore(run_dir)
+    scalars = 0
+    wall = time.time()
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+        row = pool[step % 1000].tolist()
+        keys = step_keys + timing
+        if step % hist_every == 0 or step == 1:
+            keys = step_keys + ratios + timing
+        if step % eval_every == 0:
+            keys = keys + evals
+        store.put(Scalars(step, dict(zip(keys, row)), wall + step * 0.05))
+        scalars += len(keys)
+        if step % 20 == 0:
+            store.put(SystemSample(dict(zip(system, row)), step, wall + step * 0.05))
+            scalars += len(system)
+        if step % hist_every == 0 or step == 1:
+            for name, (e, c) in zip(names, hists.step()):
+                store.put(Histogram(step, f"weight/{name}", e, c))
+            store.put(Histogram(step, "data/seq_len", *seq))
+            store.flush()  # a live run commits every 0.2 s: one histogram step a commit
+        if step % eval_every == 0:
+            for sample in range(2):
+                for i, m in enumerate(att):
+                    w = maps[(step // eval_every + sample + i) % len(maps)]
+                    store.put(Attention(step, m, sample, w, tokens))
+    store.flush(timeout=600)
+    write_s = time.perf_counter() - t0
+    c0 = time.perf_counter()
+    store.close()
+    close_s = time.perf_counter() - c0
+    db = run_dir / "nbwatch.db"
+    import sqlite3
+
+    con = sqlite3.connect(db)
+    try:
+        share = {}
+        for name, size in con.execute("SELECT name, SUM(pgsize) FROM dbstat GROUP BY name"):
+            table = {"histograms_name_step": "histograms", "attention_step": "attention"}.get(
+                name, name)
+            share[table] = share.get(table, 0) + size
+    except sqlite3.OperationalError:  # an SQLite built without dbstat
+        share = {}
+    finally:
+        con.close()
+    size = sum(p.stat().st_size for p in run_dir.iterdir() if p.name.startswith("nbwatch.db"))
+    return {"scalars": scalars, "bytes_per_scalar": size / scalars, "mib": size / 2**20,
+            "write_s": write_s, "close_s": close_s,
+            "share": {k: v / scalars for k, v in sorted(share.items(), key=lambda kv: -kv[1])
+                      if v / scalars >= 0.05}}
 
 
 def _status_kib(field: str) -> int:
@@ -144,6 +305,17 @@ def main() -> None:
     root = args.keep or Path(tempfile.mkdtemp(prefix="nbwatch-store-"))
     try:
         for shape in args.runs:
+            if shape in FOLDERS:
+                run_dir = root / shape
+                shutil.rmtree(run_dir, ignore_errors=True)
+                f = write_folder(run_dir, shape)
+                parts = ", ".join(f"{k} {v:.2f}" for k, v in f["share"].items())
+                print(f"{shape}: {f['scalars']:,} scalars, {f['mib']:.1f} MiB on disk ="
+                      f" {f['bytes_per_scalar']:.2f} B/scalar (B/scalar by table: {parts});"
+                      f" written in {f['write_s']:.1f} s, close {f['close_s']:.2f} s", flush=True)
+                if args.keep is None:
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                continue
             steps, width = (int(x) for x in shape.split("x"))
             run_dir = root / shape
             shutil.rmtree(run_dir, ignore_errors=True)

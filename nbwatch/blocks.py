@@ -103,6 +103,59 @@ def union(arrays: list[np.ndarray]) -> np.ndarray:
     return a[np.r_[True, a[1:] != a[:-1]]] if len(a) else a
 
 
+def _span(to: list[int]) -> slice | np.ndarray:
+    """Column positions as a slice when they are consecutive (a plain copy, no gather)."""
+    if to and to[-1] - to[0] + 1 == len(to) and to == list(range(to[0], to[-1] + 1)):
+        return slice(to[0], to[-1] + 1)
+    return np.asarray(to, dtype=np.int64)
+
+
+class Frame:
+    """A wide float64 frame filled part by part: one row per step of `index` (sorted,
+    unique), one column per name; NaN where no part wrote. The buffer is column-major
+    ([columns, steps], what pandas keeps), so a part's column is one contiguous write, and
+    only the columns no part covers whole (`full`) are filled with NaN first."""
+
+    def __init__(self, index: np.ndarray, columns: list[str], full: set[int]):
+        self.index, self.columns = index, columns
+        self.out = np.empty((len(columns), len(index)), dtype=np.float64)
+        for c in range(len(columns)):
+            if c not in full:
+                self.out[c] = np.nan
+
+    def place(self, steps: np.ndarray, values: np.ndarray, take: list[int], to: list[int]
+              ) -> None:
+        """Write `values` [n, k]'s columns `take` at `steps` into the columns `to`; a later
+        part wins where two write a step. Steps outside the index are left out."""
+        if not len(steps):
+            return
+        cols = values if take == list(range(values.shape[1])) else values[:, take]
+        dest = _span(to)
+        index = self.index
+        lo = int(np.searchsorted(index, steps[0]))
+        n = len(steps)
+        if (lo + n <= len(index) and index[lo] == steps[0] and index[lo + n - 1] == steps[-1]
+                and steps[-1] - steps[0] == n - 1 and index[lo + n - 1] - index[lo] == n - 1):
+            self.out[dest, lo:lo + n] = cols.T  # consecutive steps: a slice of the index
+            return
+        pos = np.searchsorted(index, steps)
+        ok = pos < len(index)
+        ok[ok] = index[pos[ok]] == steps[ok]
+        if not ok.all():
+            pos, cols = pos[ok], cols[ok]
+        rows = dest if isinstance(dest, np.ndarray) else np.arange(dest.start, dest.stop)
+        self.out[rows[:, None], pos[None, :]] = cols.T
+
+    def df(self) -> pd.DataFrame:
+        return pd.DataFrame(self.out.T, index=pd.Index(self.index, name="step", dtype="int64"),
+                            columns=self.columns, copy=False)
+
+
+def covered(index: np.ndarray, steps: np.ndarray) -> bool:
+    """Whether `steps` (sorted) are every step of `index`."""
+    return len(steps) == len(index) and np.array_equal(steps, index)
+
+
 def frame(parts: list[tuple[np.ndarray, np.ndarray, list[int], list[int]]],
           columns: list[str], index: np.ndarray | None = None) -> pd.DataFrame:
     """Assemble a wide frame: each part is (steps, values [n, k], which of its columns to
@@ -110,18 +163,8 @@ def frame(parts: list[tuple[np.ndarray, np.ndarray, list[int], list[int]]],
     where a key has two values for a step, the later part wins."""
     if index is None:
         index = union([p[0] for p in parts])
-    out = np.full((len(index), len(columns)), np.nan, dtype=np.float64)
-    for steps, values, take, to in parts:
-        cols = values if take == list(range(values.shape[1])) else values[:, take]
-        if len(steps) == len(index) and np.array_equal(steps, index):
-            out[:, to] = cols  # the common case: this layout has every step
-            continue
-        pos = np.searchsorted(index, steps)
-        ok = pos < len(index)
-        ok[ok] = index[pos[ok]] == steps[ok]
-        if not ok.all():
-            pos, cols = pos[ok], cols[ok]
-        out[pos[:, None], np.asarray(to)[None, :]] = cols
-    df = pd.DataFrame(out, index=pd.Index(index, name="step", dtype="int64"), columns=columns,
-                      copy=False)
-    return df
+    full = {c for steps, _, _, to in parts if covered(index, steps) for c in to}
+    out = Frame(index, columns, full)
+    for part in parts:
+        out.place(*part)
+    return out.df()

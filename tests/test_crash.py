@@ -114,7 +114,7 @@ def test_kill_9_then_resume_records_every_step_exactly_once(tmp_path):
     assert reader.meta()["state"] == "finished"
     recorded = np.concatenate([
         blocks.decode(first, steps, values, reader.layout(lid))[0]
-        for _, lid, first, steps, values, _ in reader._blocks(["loss/train"], None, None)])
+        for _, lid, first, steps, values, _ in reader.block_rows(["loss/train"])])
     assert sorted(recorded.tolist()) == list(range(1, end + 1))  # every step, once
     assert reader.walls().index.tolist() == list(range(1, end + 1))
     assert reader.df()["loss/train"].notna().all()

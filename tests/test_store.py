@@ -14,7 +14,7 @@ import nbwatch
 from nbwatch import blocks
 from nbwatch.panels.tail import Tail
 from nbwatch.records import Attention, Command, Event, Histogram, Sample, Scalars
-from nbwatch.store import RunReader, RunStore
+from nbwatch.store import SCHEMA_VERSION, RunReader, RunStore
 from tests.conftest import until
 
 
@@ -43,7 +43,8 @@ def test_records_round_trip(store):
     assert steps.tolist() == [2] and counts[0].tolist() == [1, 2, 3, 4]
     np.testing.assert_array_equal(edges[0], np.linspace(-1, 1, 5))
     att = r.attention()
-    np.testing.assert_allclose(att["blocks.0.attn"], w, atol=1e-3)  # stored as float16
+    # weights in [0, 1] are kept in steps of 1/255 (what the attention panel shows)
+    np.testing.assert_allclose(att["blocks.0.attn"], w, atol=1 / 510 + 1e-3)
     assert r.attention_tokens(2) == ["a", "b", "c"]
     ev = r.events()
     assert ev.iloc[0]["message"] == "paused at step 2" and ev.iloc[0]["data"]["command"] == "pause"
@@ -243,6 +244,7 @@ def test_a_schema_1_folder_is_migrated_in_place_with_a_warning(tmp_path):
     old = con.execute("SELECT s.step, k.name, s.value FROM scalars s JOIN keys k"
                       " ON s.key = k.id").fetchall()
     old_walls = dict(con.execute("SELECT step, wall FROM steps"))
+    old_hists = con.execute("SELECT step, name, edges, counts FROM histograms").fetchall()
     con.close()
     with pytest.warns(UserWarning, match="nbwatch 0.1.0.*migrated in place"):
         run_ = nbwatch.open_run(run)
@@ -257,8 +259,13 @@ def test_a_schema_1_folder_is_migrated_in_place_with_a_warning(tmp_path):
         else:
             assert got == pytest.approx(value, rel=1e-6), key
     assert run_.reader.walls().to_dict() == old_walls
-    assert run_.reader.meta()["schema_version"] == 2 and run_.state == "finished"
-    assert len(run_.events) > 0 and run_.reader.histogram_names()
+    assert run_.reader.meta()["schema_version"] == SCHEMA_VERSION and run_.state == "finished"
+    assert len(run_.events) > 0 and old_hists
+    for step, name, edges, counts in old_hists:  # now blocks: the same, exactly
+        steps, e, c = run_.histograms(name)
+        i = steps.tolist().index(step)
+        assert np.array_equal(e[i], np.frombuffer(edges, dtype=np.float64))
+        assert np.array_equal(c[i], np.frombuffer(counts, dtype=np.int64))
     out = run_.export_html(tmp_path / "old.html")
     assert out.stat().st_size > 100_000
     with warnings.catch_warnings():
@@ -364,7 +371,7 @@ def test_a_layout_shared_by_two_records_of_one_commit_is_one_block_in_step_order
         store.put(Scalars(s, v))
     store.flush()
     r = RunReader(store.run_dir)
-    rows = [row for row in r._blocks(["grad_norm/a"], None, None)]
+    rows = r.block_rows(["grad_norm/a"])
     assert len(rows) == 1
     steps, values = blocks.decode(rows[0][2], rows[0][3], rows[0][4], r.layout(rows[0][1]))
     assert steps.tolist() == list(range(1, 21)) and values[:, 0].tolist() == steps.tolist()

@@ -91,7 +91,7 @@ def store_files(run: Path) -> list[str]:
 
 def steps_recorded(reader: RunReader) -> list[int]:
     got = [blocks.decode(first, steps, values, reader.layout(lid))[0]
-           for _, lid, first, steps, values, _ in reader._blocks(["loss/train"], None, None)]
+           for _, lid, first, steps, values, _ in reader.block_rows(["loss/train"])]
     return sorted(np.concatenate(got).tolist()) if got else []
 
 

@@ -69,7 +69,7 @@ class Tail:
         rows: list[tuple] = []
         held = 0
         while len(rows) < self.blocks and held < self.max_bytes:
-            page = self.reader._blocks(None, None, None, after_id=scalar_id, limit=4)
+            page = self.reader.block_rows(after_id=scalar_id, limit=4)
             rows += page  # small pages: a merged block holds up to 8 MiB
             held += sum(len(r[4]) for r in page)
             if len(page) < 4:

@@ -1,5 +1,7 @@
-"""Run folders written by nbwatch 0.1.0 (schema 1: one SQLite row per scalar) are rewritten
-in place to the current schema the first time they are opened."""
+"""Older run folders. Schema 1 (nbwatch 0.1.0: one SQLite row per scalar) is rewritten in
+place to the current schema the first time it is opened. Schema 2 (a row per histogram,
+float16 attention maps) is read as it is; the first writer that opens it (a resume)
+rewrites its histograms as blocks (`migrate_v2`)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import warnings
 from pathlib import Path
 
 from . import schema
+from .histograms import migrate_histograms
 from .recover import fold
 from .tables import ScalarTables
 
@@ -36,9 +39,10 @@ def migrate_v1(path: Path) -> None:
         for statement in schema._SCHEMA.split(";"):
             if statement.strip():
                 con.execute(statement)
+        named = {"commands": schema.COMMAND_COLUMNS, "attention": schema.ATTENTION_COLUMNS}
         for t in kept:
-            cols = ", ".join(schema.COMMAND_COLUMNS) if t == "commands" else "*"
-            into = f"{t} ({cols})" if t == "commands" else t
+            cols = ", ".join(named[t]) if t in named else "*"
+            into = f"{t} ({cols})" if t in named else t
             con.execute(f"INSERT INTO {into} SELECT {cols} FROM {t}_v1")
             con.execute(f"DROP TABLE {t}_v1")
         tables = ScalarTables(con)
@@ -57,6 +61,7 @@ def migrate_v1(path: Path) -> None:
             g[1].append(last_wall)
             g[2].append(list(values.values()))
         tables.write(groups)
+        migrate_histograms(con)
         con.execute("DROP TABLE scalars")
         con.execute("DROP TABLE steps")
         con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)",
@@ -74,3 +79,12 @@ def migrate_v1(path: Path) -> None:
         f"{path.parent} was written by nbwatch 0.1.0 (store schema 1); it has been migrated in"
         f" place to schema {schema.SCHEMA_VERSION} ({len(by_step)} steps kept). nbwatch 0.1.0"
         " can no longer open it.", UserWarning, stacklevel=4)
+
+
+def migrate_v2(con: sqlite3.Connection) -> None:
+    """Schema 2 → 3 on the writer's connection, in one transaction: the histograms become
+    blocks; attention maps stay as they are (their `encoding` is NULL: float16)."""
+    with con:
+        migrate_histograms(con)
+        con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)",
+                    (json.dumps(schema.SCHEMA_VERSION),))

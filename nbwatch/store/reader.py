@@ -8,6 +8,7 @@ import os
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,16 @@ from .record_reads import RecordReads
 from .recover import hot_journal, leftovers, recover, unreadable
 from .schema import DB_NAME, SCHEMA_VERSION, StoreFailed, _connect, _failure, _version
 from .tables import decode_system
+
+
+def _prefetched(cur: sqlite3.Cursor, n: int = 4) -> Iterator[tuple]:
+    """The rows of `cur`, the next `n` read by a helper thread while the caller works on
+    these (numpy's copies release the GIL: SQLite's reads and the frame's fill overlap)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="nbwatch-read") as pool:
+        nxt = pool.submit(cur.fetchmany, n)
+        while rows := nxt.result():
+            nxt = pool.submit(cur.fetchmany, n)
+            yield from rows
 
 
 class RunReader(RecordReads):
@@ -161,11 +172,12 @@ class RunReader(RecordReads):
         return f" AND layout IN ({','.join('?' * len(ids))})"
 
     def _blocks(self, keys: list[str] | None, start: int | None, stop: int | None,
-                after_id: int = 0, limit: int | None = None) -> list[tuple]:
-        """Block rows (id, layout, first, steps, values, merged_from) that hold any of
-        `keys` (all when None) at a step in [start, stop), oldest first."""
-        sql = ('SELECT id, layout, first, steps, "values", merged_from FROM blocks'
-               " WHERE id > ?")
+                after_id: int = 0, limit: int | None = None,
+                columns: str = 'id, layout, first, steps, "values", merged_from'
+                ) -> tuple[str, list[Any]]:
+        """The query of block rows (`columns`) that hold any of `keys` (all when None) at a
+        step in [start, stop), oldest first."""
+        sql = f"SELECT {columns} FROM blocks WHERE id > ?"
         params: list[Any] = [after_id]
         sql += self._layout_filter(keys, params)
         if start is not None:
@@ -177,7 +189,14 @@ class RunReader(RecordReads):
         sql += " ORDER BY id"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
-        return self.query(sql, params)
+        return sql, params
+
+    def block_rows(self, keys: list[str] | None = None, start: int | None = None,
+                   stop: int | None = None, after_id: int = 0, limit: int | None = None
+                   ) -> list[tuple]:
+        """Block rows (id, layout, first, steps, values, merged_from) that hold any of
+        `keys` (all when None) at a step in [start, stop), oldest first."""
+        return self.query(*self._blocks(keys, start, stop, after_id, limit))
 
     def series(self, keys: Iterable[str] | None = None, start: int | None = None,
                stop: int | None = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -199,41 +218,65 @@ class RunReader(RecordReads):
         that step (every sample, on its wall-clock timeline: `system()`)."""
         keys = list(keys) if keys is not None else None
         with self.session():
-            rows = self._blocks(keys, start, stop)
+            # two passes over one snapshot: the steps first (small), then the values one
+            # block at a time into the frame, so no block waits in memory beside it
+            heads = self.query(*self._blocks(keys, start, stop,
+                                             columns="id, layout, first, last, steps"))
             order = self.keys()
-            for r in rows:
+            for r in heads:
                 self.layout(r[1])
             system = self._system_rows(keys, start=start, stop=stop) if keys is None or any(
                 blocks.is_system(blocks.family(k)) for k in keys) else []
-        wanted = set(order if keys is None else keys)
-        columns = [k for k in order if k in wanted]
-        col_of = {k: i for i, k in enumerate(columns)}
-        per_layout: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
-        for _, lid, first, steps, values, _ in rows:  # a live run's blocks are small: join
-            s, v = blocks.decode(first, steps, values, self._layouts[lid])
-            got = per_layout.get(lid) or per_layout.setdefault(lid, ([], []))
-            got[0].append(s)
-            got[1].append(v)
-        parts = []
-        trained = []
-        for lid, (ss, vs) in per_layout.items():
-            lay = self._layouts[lid]
-            s = ss[0] if len(ss) == 1 else np.concatenate(ss)
-            v = vs[0] if len(vs) == 1 else np.concatenate(vs)
-            if start is not None or stop is not None:
-                keep = (s >= (start if start is not None else s.min())) & (
-                    s < (stop if stop is not None else s.max() + 1))
-                s, v = s[keep], v[keep]
-            take = [j for j, k in enumerate(lay.keys) if k in col_of]
-            if take and len(s):
-                parts.append((s, v, take, [col_of[lay.keys[j]] for j in take]))
-                if not blocks.is_system(blocks.family(lay.keys[0])):
-                    trained.append(s)
-        parts += self._system_by_step(system, col_of, start, stop)
-        index = None
-        if keys is None and _trained_rows and trained:
-            index = blocks.union(trained)  # not the sampler's reading before step 1
-        return blocks.frame(parts, columns, index)
+            wanted = set(order if keys is None else keys)
+            columns = [k for k in order if k in wanted]
+            col_of = {k: i for i, k in enumerate(columns)}
+            where: dict[int, tuple[list[int], list[int]]] = {}  # layout: (take, to)
+            # block id: its steps in the window, and which of its rows they are (None: all)
+            steps_of: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
+            per_layout: dict[int, list[np.ndarray]] = {}
+            for bid, lid, first, last, steps in heads:
+                s = (np.frombuffer(steps, dtype=np.int64) if steps is not None
+                     else np.arange(first, last + 1, dtype=np.int64))
+                keep = None
+                if (start is not None and first < start) or (stop is not None and last >= stop):
+                    keep = np.ones(len(s), dtype=bool)
+                    if start is not None:
+                        keep &= s >= start
+                    if stop is not None:
+                        keep &= s < stop
+                    s = s[keep]
+                lay = self._layouts[lid]
+                if lid not in where:
+                    take = [j for j, k in enumerate(lay.keys) if k in col_of]
+                    where[lid] = (take, [col_of[lay.keys[j]] for j in take])
+                if where[lid][0] and len(s):
+                    steps_of[bid] = (s, keep)
+                    per_layout.setdefault(lid, []).append(s)
+            system_parts = self._system_by_step(system, col_of, start, stop)
+            layout_steps = {lid: ss[0] if len(ss) == 1 else np.concatenate(ss)
+                            for lid, ss in per_layout.items()}
+            trained = [s for lid, s in layout_steps.items()
+                       if not blocks.is_system(blocks.family(self._layouts[lid].keys[0]))]
+            if keys is None and _trained_rows and trained:
+                index = blocks.union(trained)  # not the sampler's reading before step 1
+            else:
+                index = blocks.union([*layout_steps.values(), *(p[0] for p in system_parts)])
+            full = {c for lid, s in layout_steps.items() if blocks.covered(index, s)
+                    for c in where[lid][1]}
+            full |= {c for p in system_parts if blocks.covered(index, p[0]) for c in p[3]}
+            out = blocks.Frame(index, columns, full)
+            if steps_of:
+                sql, params = self._blocks(keys, start, stop, columns='id, layout, "values"')
+                for bid, lid, values in _prefetched(self._local.con.execute(sql, params)):
+                    got = steps_of.get(bid)
+                    if got is None:
+                        continue
+                    lay = self._layouts[lid]
+                    v = np.frombuffer(values, dtype=lay.dtype).reshape(-1, len(lay.keys))
+                    out.place(got[0], v if got[1] is None else v[got[1]], *where[lid])
+        for part in system_parts:
+            out.place(*part)
+        return out.df()
 
     # -- the system timeline (the sampler's readings, by wall time) ---------------------
     def _has_system(self) -> bool:

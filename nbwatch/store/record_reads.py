@@ -13,6 +13,8 @@ import numpy as np
 import pandas as pd
 
 from ..records import Command
+from .histograms import decode_block, flatten
+from .rows import unpack_attention
 
 
 class RecordReads:
@@ -45,21 +47,50 @@ class RecordReads:
         rows = self.query("SELECT step, wall, text FROM samples ORDER BY id")
         return pd.DataFrame(rows, columns=["step", "wall", "text"])
 
+    def _has(self, table: str, column: str | None = None) -> bool:
+        """Whether the folder has `table` (and its `column`): a folder of an older nbwatch
+        that no writer of this one opened lacks what later schemas added."""
+        if column is None:
+            return bool(self.query(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)))
+        return any(r[1] == column for r in self.query(f"PRAGMA table_info({table})"))
+
+    def _hist_layouts(self) -> dict[int, tuple[tuple[str, ...], int]]:
+        """{layout id: (names, bins)} of the histogram blocks."""
+        if not self._has("hist_layouts"):
+            return {}
+        return {i: (tuple(json.loads(n)), b)
+                for i, n, b in self.query("SELECT id, names, bins FROM hist_layouts ORDER BY id")}
+
     def histogram_names(self) -> list[str]:
-        return [r[0] for r in self.query("SELECT DISTINCT name FROM histograms ORDER BY id")]
+        with self.session():
+            old = [r[0] for r in self.query("SELECT DISTINCT name FROM histograms ORDER BY id")]
+            layouts = self._hist_layouts()
+        return list(dict.fromkeys([*old, *(n for names, _ in layouts.values() for n in names)]))
 
     def histograms(self, name: str) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
         """(steps, bin_edges per step, counts [steps, bins]) of one histogram series."""
-        rows = self.query(
-            "SELECT step, edges, counts FROM histograms WHERE name = ? ORDER BY step", (name,)
-        )
-        if not rows:
+        with self.session():
+            got: list[tuple[int, np.ndarray, np.ndarray]] = [
+                (s, np.frombuffer(e, dtype=np.float64), np.frombuffer(c, dtype=np.int64))
+                for s, e, c in self.query("SELECT step, edges, counts FROM histograms"
+                                          " WHERE name = ? ORDER BY step", (name,))]
+            layouts = {i: lay for i, lay in self._hist_layouts().items() if name in lay[0]}
+            rows = self.query(
+                "SELECT layout, steps, edge_kind, edges, count_type, counts FROM hist_blocks"
+                f" WHERE layout IN ({','.join('?' * len(layouts))}) ORDER BY first, id",
+                list(layouts)) if layouts else []
+        for row in rows:
+            names, bins = layouts[row[0]]
+            s, e, c = decode_block(row, names, bins)
+            j = names.index(name)
+            got += zip(s.tolist(), e[:, j], c[:, j])
+        if not got:
             known = ", ".join(self.histogram_names()[:8]) or "none recorded yet"
             raise KeyError(f"no histogram series {name!r} in this run (known: {known})")
-        steps = np.array([r[0] for r in rows], dtype=np.int64)
-        edges = [np.frombuffer(r[1], dtype=np.float64) for r in rows]
-        counts = np.stack([np.frombuffer(r[2], dtype=np.int64) for r in rows])
-        return steps, edges, counts
+        got.sort(key=lambda g: g[0])  # stable: a step's order of writing kept
+        return (np.array([g[0] for g in got], dtype=np.int64), [g[1] for g in got],
+                np.stack([g[2] for g in got]))
 
     def attention_steps(self) -> list[int]:
         return [r[0] for r in self.query("SELECT DISTINCT step FROM attention ORDER BY step")]
@@ -71,15 +102,12 @@ class RecordReads:
             if not steps:
                 return {}
             step = steps[-1]
-        rows = self.query(
-            "SELECT module, shape, weights FROM attention WHERE step = ? AND sample = ?"
-            " ORDER BY id",
-            (step, sample),
-        )
-        return {
-            m: np.frombuffer(w, dtype=np.float16).reshape(json.loads(s)).astype(np.float32)
-            for m, s, w in rows
-        }
+        with self.session():
+            encoding = "encoding" if self._has("attention", "encoding") else "NULL"
+            rows = self.query(
+                f"SELECT module, shape, weights, {encoding} FROM attention WHERE step = ?"
+                " AND sample = ? ORDER BY id", (step, sample))
+        return {m: unpack_attention(enc, w, json.loads(s)) for m, s, w, enc in rows}
 
     def attention_tokens(self, step: int, sample: int = 0) -> list[str] | None:
         rows = self.query(
@@ -97,11 +125,26 @@ class RecordReads:
 
     def histograms_since(self, after_id: int, limit: int
                          ) -> list[tuple[int, int, str, np.ndarray, np.ndarray]]:
-        """(id, step, name, edges, counts) of at most `limit` histograms past `after_id`."""
-        rows = self.query("SELECT id, step, name, edges, counts FROM histograms WHERE id > ?"
-                          " ORDER BY id LIMIT ?", (after_id, limit))
-        return [(r[0], r[1], r[2], np.frombuffer(r[3], dtype=np.float64),
-                 np.frombuffer(r[4], dtype=np.int64)) for r in rows]
+        """(id, step, name, edges, counts) of the histograms of at most `limit` rows past
+        `after_id` (a row of schema 2's table holds one, a block a layout's for its steps;
+        the id is the row's)."""
+        with self.session():
+            rows = self.query("SELECT id, step, name, edges, counts FROM histograms"
+                              " WHERE id > ? ORDER BY id LIMIT ?", (after_id, limit))
+            if rows:
+                return [(r[0], r[1], r[2], np.frombuffer(r[3], dtype=np.float64),
+                         np.frombuffer(r[4], dtype=np.int64)) for r in rows]
+            if not self._has("hist_blocks"):
+                return []
+            blocks = self.query("SELECT id, layout, steps, edge_kind, edges, count_type, counts"
+                                " FROM hist_blocks WHERE id > ? ORDER BY id LIMIT ?",
+                                (after_id, limit))
+            layouts = self._hist_layouts() if blocks else {}
+        out = []
+        for row in blocks:
+            names, bins = layouts[row[1]]
+            out += [(row[0], *h) for h in flatten([(*decode_block(row, names, bins), names)])]
+        return out
 
     def attention_since(self, after_id: int) -> tuple[int, int] | None:
         """(newest id, newest step) of attention maps past `after_id`, or None."""

@@ -1,17 +1,19 @@
-"""One SQL row per record that is not a scalar (histogram, attention map, event, sample,
-command) and the writer's own operations, each a small record too: `WRITE[type(r)]`."""
+"""One SQL row per record that is neither a scalar nor a histogram (attention map, event,
+sample, command) and the writer's own operations, each a small record too:
+`WRITE[type(r)]`. Attention maps are packed (`pack_attention`)."""
 
 from __future__ import annotations
 
 import json
 import sqlite3
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..records import Attention, Command, Event, Histogram, Sample
+from ..records import Attention, Command, Event, Sample
 from .schema import command_row
 
 
@@ -37,18 +39,35 @@ class Truncate:
     step: int
 
 
-def _histogram(con: sqlite3.Connection, r: Histogram) -> None:
-    con.execute("INSERT INTO histograms (step, name, edges, counts) VALUES (?, ?, ?, ?)",
-                (r.step, r.name, np.ascontiguousarray(r.edges, dtype=np.float64).tobytes(),
-                 np.ascontiguousarray(r.counts, dtype=np.int64).tobytes()))
+def pack_attention(weights: np.ndarray) -> tuple[str, bytes]:
+    """Attention weights → (encoding, bytes). Weights in [0, 1] (a softmax's) are kept as
+    uint8 steps of 1/255 of the float16 value (what the attention panel and the export
+    show: `panels/attention.py` quantises the same way), zlib-packed: a causal map is half
+    zeros. Anything else is float16, zlib-packed."""
+    w = np.ascontiguousarray(weights, dtype=np.float16)
+    f = w.astype(np.float32)
+    if w.size and np.isfinite(f).all() and f.min() >= 0 and f.max() <= 1:
+        return "u1/255+z", zlib.compress(np.rint(f * 255).astype(np.uint8).tobytes(), 6)
+    return "f2+z", zlib.compress(w.tobytes(), 6)
+
+
+def unpack_attention(encoding: str | None, data: bytes, shape: list[int]) -> np.ndarray:
+    """→ float32 weights of `shape`; `encoding` None: schema 2's raw float16."""
+    if encoding is None:
+        return np.frombuffer(data, dtype=np.float16).reshape(shape).astype(np.float32)
+    raw = zlib.decompress(data)
+    if encoding == "u1/255+z":
+        return (np.frombuffer(raw, dtype=np.uint8).reshape(shape).astype(np.float32)
+                / np.float32(255))
+    return np.frombuffer(raw, dtype=np.float16).reshape(shape).astype(np.float32)
 
 
 def _attention(con: sqlite3.Connection, r: Attention) -> None:
-    w = np.ascontiguousarray(r.weights, dtype=np.float16)
-    con.execute("INSERT INTO attention (step, module, sample, shape, weights, tokens)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (r.step, r.module, r.sample, json.dumps(list(w.shape)), w.tobytes(),
-                 json.dumps(list(r.tokens)) if r.tokens is not None else None))
+    encoding, packed = pack_attention(r.weights)
+    con.execute("INSERT INTO attention (step, module, sample, shape, weights, tokens, encoding)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (r.step, r.module, r.sample, json.dumps(list(np.shape(r.weights))), packed,
+                 json.dumps(list(r.tokens)) if r.tokens is not None else None, encoding))
 
 
 def _event(con: sqlite3.Connection, r: Event) -> None:
@@ -75,6 +94,6 @@ def _taken(con: sqlite3.Connection, r: Taken) -> None:
 
 
 WRITE: dict[type, Callable[[sqlite3.Connection, Any], None]] = {
-    Histogram: _histogram, Attention: _attention, Event: _event, Sample: _sample,
+    Attention: _attention, Event: _event, Sample: _sample,
     Command: _command, Meta: _meta, Taken: _taken,
 }

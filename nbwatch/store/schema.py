@@ -17,7 +17,7 @@ from urllib.parse import quote
 from ..records import Command
 
 DB_NAME = "nbwatch.db"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: histograms as blocks (histograms.py), attention maps packed
 MAX_PENDING = 1_000_000  # scalars queued for the writer before put() waits (back-pressure)
 
 _SCHEMA = """
@@ -44,13 +44,23 @@ CREATE TABLE IF NOT EXISTS system_samples (
     walls BLOB NOT NULL, steps BLOB NOT NULL, "values" BLOB NOT NULL,
     merged_from INTEGER);
 CREATE INDEX IF NOT EXISTS system_samples_last ON system_samples (last);
+-- schema 3: a layout's histograms for a run of steps a row (histograms.py)
+CREATE TABLE IF NOT EXISTS hist_layouts (
+    id INTEGER PRIMARY KEY, names TEXT NOT NULL, bins INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS hist_blocks (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, layout INTEGER NOT NULL, first INTEGER NOT NULL,
+    last INTEGER NOT NULL, steps BLOB NOT NULL, edge_kind TEXT NOT NULL, edges BLOB NOT NULL,
+    count_type TEXT NOT NULL, counts BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS hist_blocks_layout_last ON hist_blocks (layout, last);
+-- schema 2's histograms, a row each: read as they are, rewritten as blocks by a writer
 CREATE TABLE IF NOT EXISTS histograms (
     id INTEGER PRIMARY KEY AUTOINCREMENT, step INTEGER NOT NULL, name TEXT NOT NULL,
     edges BLOB NOT NULL, counts BLOB NOT NULL);
 CREATE INDEX IF NOT EXISTS histograms_name_step ON histograms (name, step);
 CREATE TABLE IF NOT EXISTS attention (
     id INTEGER PRIMARY KEY AUTOINCREMENT, step INTEGER NOT NULL, module TEXT NOT NULL,
-    sample INTEGER NOT NULL, shape TEXT NOT NULL, weights BLOB NOT NULL, tokens TEXT);
+    sample INTEGER NOT NULL, shape TEXT NOT NULL, weights BLOB NOT NULL, tokens TEXT,
+    encoding TEXT);  -- how `weights` is packed (rows.py), NULL: float16 (schema 2)
 CREATE INDEX IF NOT EXISTS attention_step ON attention (step);
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, step INTEGER NOT NULL, wall REAL NOT NULL,
@@ -63,15 +73,26 @@ CREATE TABLE IF NOT EXISTS commands (
     source TEXT NOT NULL, taken INTEGER NOT NULL DEFAULT 0, payload TEXT, cid TEXT);
 """
 COMMAND_COLUMNS = ("id", "wall", "kind", "value", "source", "taken")  # before payload, cid
+ATTENTION_COLUMNS = ("id", "step", "module", "sample", "shape", "weights", "tokens")  # schema 2
 
 
 def add_command_columns(con: sqlite3.Connection) -> None:
     """A store made before commands had a payload and an id gains the two columns (they
     are added at the end: older readers and writers of the table go on working)."""
-    have = {r[1] for r in con.execute("PRAGMA table_info(commands)")}
-    for col in ("payload", "cid"):
+    _add_columns(con, "commands", ("payload", "cid"))
+
+
+def add_columns(con: sqlite3.Connection) -> None:
+    """The columns later schemas added to older tables (at the end, as TEXT)."""
+    add_command_columns(con)
+    _add_columns(con, "attention", ("encoding",))
+
+
+def _add_columns(con: sqlite3.Connection, table: str, cols: tuple[str, ...]) -> None:
+    have = {r[1] for r in con.execute(f"PRAGMA table_info({table})")}
+    for col in cols:
         if col not in have:
-            con.execute(f"ALTER TABLE commands ADD COLUMN {col} TEXT")
+            con.execute(f"ALTER TABLE {table} ADD COLUMN {col} TEXT")
 
 
 def is_run_dir(path: str | Path) -> bool:

@@ -181,15 +181,14 @@ class ScalarTables:
             held_rows = [(bid, nbytes // size) for bid, nbytes in con.execute(
                 f"SELECT id, length({col}) FROM {table} WHERE {where} ORDER BY id", params)]
             for ids in merge_groups(held_rows, width, big=blocks.MAX_BLOCK_VALUES // 16):
-                marks = ",".join("?" * len(ids))
-                rows = con.execute(f"SELECT first, steps, {col} FROM {table} WHERE id IN"
-                                   f" ({marks}) ORDER BY id", ids).fetchall()
-                lay = Layout(0, ("",) * width, dtype)
-                parts = [blocks.decode(f, st, v, lay) for f, st, v in rows]
-                steps = np.concatenate([p[0] for p in parts])
-                values = np.concatenate([p[1] for p in parts])
+                # a group is a run of this layout's rows in id order: one id range
+                span = f"{where} AND id BETWEEN ? AND ?"
+                rng = (*params, ids[0], ids[-1])
+                rows = con.execute(f"SELECT first, last, steps, {col} FROM {table} WHERE"
+                                   f" {span} ORDER BY id", rng).fetchall()
+                steps, values = _joined(rows, width, dtype)
                 (first, last, st, v), = blocks.encode(steps, values, dtype)
-                con.execute(f"DELETE FROM {table} WHERE id IN ({marks})", ids)
+                con.execute(f"DELETE FROM {table} WHERE {span}", rng)
                 if lid is not None:
                     con.execute('INSERT INTO blocks (id, layout, first, last, steps, "values",'
                                 " merged_from) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -238,6 +237,21 @@ class ScalarTables:
         return Layout(lid, tuple(names[k] for k in json.loads(ids)), dtype)
 
 
+
+
+def _joined(rows: list[tuple], width: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """Rows (first, last, steps, values) of one layout, in id order → all their steps and
+    values; when every row's steps are consecutive and follow the previous row's (a live
+    run's commits), without decoding the rows one by one."""
+    values = np.frombuffer(b"".join(r[3] for r in rows), dtype=dtype).reshape(-1, width)
+    firsts = np.array([r[0] for r in rows], dtype=np.int64)
+    lasts = np.array([r[1] for r in rows], dtype=np.int64)
+    if (all(r[2] is None for r in rows) and bool((firsts[1:] == lasts[:-1] + 1).all())
+            and int(lasts[-1] - firsts[0]) + 1 == len(values)):
+        return np.arange(firsts[0], lasts[-1] + 1, dtype=np.int64), values
+    lay = Layout(0, ("",) * width, dtype)
+    steps = np.concatenate([blocks.decode(f, st, v, lay)[0] for f, _, st, v in rows])
+    return steps, values
 
 
 def system_rows(walls: np.ndarray, steps: np.ndarray, values: np.ndarray, dtype: str,

@@ -13,7 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ..records import Command, Event, Scalars, SystemSample
+from ..records import Command, Event, Histogram, Scalars, SystemSample
+from .batch import write_batch
+from .histograms import HistTables
 from .lock import (
     Heartbeat,
     RunInUse,
@@ -24,6 +26,7 @@ from .lock import (
     flock_held,
     unlock,
 )
+from .migrate import migrate_v2
 from .mode import NETWORK, choose, probe
 from .reader import RunReader
 from .recover import fold, hot_journal, recover, sweep_temp_files, unreadable
@@ -36,7 +39,8 @@ from .schema import (
     StoreFailed,
     _connect,
     _failure,
-    add_command_columns,
+    _version,
+    add_columns,
 )
 from .tables import ScalarTables
 
@@ -130,7 +134,9 @@ class RunStore(RunReader):
                 f" file with them ({e}). Mount the filesystem with locking (Lustre: -o flock;"
                 " NFS: without nolock), or give run_dir on a local disk (and copy the folder"
                 " to the shared one once the run ends)") from e
-        add_command_columns(con)
+        add_columns(con)
+        if _version(con) == 2:
+            migrate_v2(con)
         con.execute(
             "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (json.dumps(SCHEMA_VERSION),)
         )
@@ -141,6 +147,7 @@ class RunStore(RunReader):
         self._wcon = con
         self._files = self._identity()  # what another program must not change under us
         self._tables = ScalarTables(con)
+        self._hists = HistTables(con)
         self._buf: list[Any] = []
         self._pending = 0  # scalars in _buf
         self.max_pending = max_pending
@@ -162,7 +169,7 @@ class RunStore(RunReader):
             self._raise_error()
         if isinstance(record, (Scalars, SystemSample)):
             n = len(record.values)
-        elif type(record) in WRITE or type(record) is Truncate:
+        elif type(record) in WRITE or type(record) in (Histogram, Truncate):
             n = 1
         else:
             raise TypeError(f"cannot store a {type(record).__name__}")  # here, not in a batch
@@ -422,35 +429,4 @@ class RunStore(RunReader):
                     self.path)
 
     def _write(self, batch: list[Any]) -> None:
-        con = self._wcon
-        groups: dict[tuple[str, ...], tuple[list, list, list]] = {}
-        samples: dict[tuple[str, ...], tuple[list, list, list]] = {}
-        with con:  # one transaction
-            for r in batch:
-                if type(r) is SystemSample:  # the wall-clock timeline: a truncate keeps it
-                    g = samples.get(names := tuple(r.values))
-                    if g is None:
-                        g = samples[names] = ([], [], [])
-                    g[0].append(r.wall)
-                    g[1].append(r.step)
-                    g[2].append(list(r.values.values()))
-                    continue
-                if isinstance(r, Scalars):
-                    names = tuple(r.values)
-                    g = groups.get(names)
-                    if g is None:
-                        g = groups[names] = ([], [], [])
-                    g[0].append(r.step)
-                    g[1].append(r.wall)
-                    g[2].append(list(r.values.values()))
-                    continue
-                if type(r) is Truncate:
-                    if groups:  # scalars queued before a truncate are cut by it
-                        self._tables.write(groups)
-                    self._tables.truncate(r.step)
-                    continue
-                WRITE[type(r)](con, r)
-            if groups:
-                self._tables.write(groups)
-            if samples:
-                self._tables.write_system(samples)
+        write_batch(self._wcon, self._tables, self._hists, batch)

@@ -18,6 +18,7 @@ from .rules import (
     Setting,
     Window,
     count,
+    percentile,
     number,
     window,
 )
@@ -131,13 +132,13 @@ def _throughput_drop(w: Window, p: dict) -> str | None:
 
 
 def _data_bottleneck(w: Window, p: dict) -> str | None:
-    data, step = w.arr("time/data", p["window"]), w.arr("time/step", p["window"])
+    data = w.arr("time/data", p["window"])
     if len(data) < p["window"]:
         return None
-    share = data.sum() / max(step.sum(), 1e-12)
-    p90 = float(np.percentile(data, 90))
+    share = data.sum() / max(w.arr("time/step", p["window"]).sum(), 1e-12)
     if share > p["share"]:
         return f"the step waits on the data loader {share:.0%} of the time"
+    p90 = percentile(data, 90)
     if p90 > p["p90_s"]:
         return f"data wait p90 is {p90 * 1e3:.0f} ms a step"
     return None
@@ -157,7 +158,9 @@ def _plateau(w: Window, p: dict) -> str | None:
     if len(a) < p["window"]:
         return None
     x = np.arange(len(a), dtype=np.float64)
-    slope, intercept = np.polyfit(x, a, 1)
+    xc = x - x.mean()
+    slope = float(xc @ (a - a.mean())) / float(xc @ xc)  # least squares, as np.polyfit(x, a, 1)
+    intercept = a.mean() - slope * x.mean()
     resid = a - (slope * x + intercept)
     se = resid.std(ddof=2) / math.sqrt(((x - x.mean()) ** 2).sum())
     change = slope * len(a) / max(abs(a.mean()), 1e-12)

@@ -10,8 +10,9 @@ Variants run interleaved in one process, several rounds each:
 
     python benchmarks/step_cost.py [--steps 3000] [--rounds 5] [--profile]
 
-Prints µs per step, the cost added over bare, and (with --profile) where the `log`
-variant's time goes (cProfile, the 25 largest by own time).
+Prints, per variant, the steady µs a step and what it adds over bare, the whole run
+(opening to close) per step, its start-up and close apart, and (with --profile) where
+the `log` variant's time goes (cProfile, the 25 largest by own time).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -57,34 +59,55 @@ def bare(n: int, root: Path) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def _per_step(run_dir: Path, warm: int, n: int) -> float:
+class Timing(NamedTuple):
+    """One monitored run: steady µs a step (wall clock between recorded steps, after a
+    warm-up), and the whole run from the call that opens it to the one that ends it,
+    with its start-up (to the first recorded step) and close (from the last) apart."""
+
+    steady: float  # s a step, between step `warm` and `warm + n`
+    whole: float  # s a step, opening and closing included
+    startup: float  # s from the call to the first step's record
+    close: float  # s from the last step's record to the end of wait()/with
+
+
+def _timing(run_dir: Path, warm: int, n: int, t0: float, t1: float) -> Timing:
+    """`t0`, `t1`: wall time (time.time) before the run opened and after it closed."""
     walls = nbwatch.open_run(run_dir).reader.walls()
-    return (walls.loc[warm + n] - walls.loc[warm]) / n
+    steady = (walls.loc[warm + n] - walls.loc[warm]) / n
+    return Timing(steady, (t1 - t0) / (warm + n), walls.iloc[0] - t0, t1 - walls.iloc[-1])
 
 
-def log_foreground(n: int, root: Path, warm: int = 50) -> float:
+def log_foreground(n: int, root: Path, warm: int = 50) -> Timing:
     model, opt, x, y = make()
     run_dir = root / f"log{time.monotonic_ns()}"
+    t0 = time.time()
     with nbwatch.Monitor(model, opt, run_dir=run_dir, display=False) as mon:
         loop(model, opt, x, y, warm + n, mon)
-    return _per_step(run_dir, warm, n)
+    return _timing(run_dir, warm, n, t0, time.time())
 
 
-def log_thread(n: int, root: Path, warm: int = 50) -> float:
+def log_thread(n: int, root: Path, warm: int = 50) -> Timing:
     model, opt, x, y = make()
     run_dir = root / f"run{time.monotonic_ns()}"
+    t0 = time.time()
     mon = nbwatch.Monitor(model, opt, run_dir=run_dir, display=False)
     mon.run(loop, model, opt, x, y, warm + n, mon).wait()
-    return _per_step(run_dir, warm, n)
+    return _timing(run_dir, warm, n, t0, time.time())
 
 
-def start(n: int, root: Path, warm: int = 50) -> float:
+def start(n: int, root: Path, warm: int = 50) -> Timing:
     model, opt, x, y = make()
     run_dir = root / f"start{time.monotonic_ns()}"
+    t0 = time.time()
     mon = nbwatch.Monitor(model, opt, run_dir=run_dir)
     mon.start(lambda m, b: (m(b[0]) - b[1]).square().mean(), itertools.repeat((x, y)),
               max_steps=warm + n, display=False).wait()
-    return _per_step(run_dir, warm, n)
+    return _timing(run_dir, warm, n, t0, time.time())
+
+
+def bare_timing(n: int, root: Path) -> Timing:
+    per = bare(n, root)
+    return Timing(per, per, 0.0, 0.0)
 
 
 def main() -> None:
@@ -94,24 +117,29 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    variants = {"bare": bare, "log": log_foreground, "run": log_thread, "start": start}
-    results: dict[str, list[float]] = {}
+    variants = {"bare": bare_timing, "log": log_foreground, "run": log_thread, "start": start}
+    results: dict[str, list[Timing]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for r in range(args.rounds):
             for name, fn in variants.items():
                 results.setdefault(name, []).append(fn(args.steps, root))
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(
-                f"{k} {v[-1] * 1e6:.0f} µs" for k, v in results.items()), flush=True)
-        base = statistics.median(results["bare"])
-        print(f"\n{args.steps} steps x {args.rounds} rounds, median over rounds "
+                f"{k} {v[-1].steady * 1e6:.0f} µs" for k, v in results.items()), flush=True)
+        base = statistics.median(t.steady for t in results["bare"])
+        print(f"\n{args.steps} steps (+50 warm-up) x {args.rounds} rounds, median over rounds "
               "(a 16-32-1 MLP, SGD, 1 thread)")
-        print("| variant | µs/step | added over bare | ratio |")
-        print("|---|---|---|---|")
-        for name, times in results.items():
-            med = statistics.median(times)
+        print("| variant | steady µs/step | added over bare | ratio | whole run µs/step "
+              "(added) | start-up s | close s |")
+        print("|---|---|---|---|---|---|---|")
+        for name, ts in results.items():
+            med = statistics.median(t.steady for t in ts)
+            whole = statistics.median(t.whole for t in ts)
+            up = statistics.median(t.startup for t in ts)
+            close = statistics.median(t.close for t in ts)
             print(f"| {name} | {med * 1e6:.0f} | {(med - base) * 1e6:+.0f} µs | "
-                  f"{med / base:.2f}x |")
+                  f"{med / base:.2f}x | {whole * 1e6:.0f} ({(whole - base) * 1e6:+.0f}) | "
+                  f"{up:.2f} | {close:.2f} |")
         if args.profile:
             prof = cProfile.Profile()
             prof.enable()

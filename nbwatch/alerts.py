@@ -151,6 +151,7 @@ class AlertEngine:
         # "grads" rules that read named figures (nonfinite: the loss): a loop of the user's
         # own reports its loss after the optimizer step, so these see it at "step"
         self._late = [r for r in self._by_phase["grads"] if "keys" in r.params]
+        self._late_keys = tuple(dict.fromkeys(k for r in self._late for k in r.params["keys"]))
         self._grads_saw: tuple[int, frozenset[str]] | None = None
         self._active: dict[str, bool] = {}
         self._clear: dict[str, int] = {}
@@ -168,7 +169,7 @@ class AlertEngine:
         w = self.window
         fired: list[Alert] = []
         if phase == "grads" and self._late:
-            self._grads_saw = (step, frozenset(k for r in self._late for k in r.params["keys"]
+            self._grads_saw = (step, frozenset(k for k in self._late_keys
                                                if values and k in values))
         elif phase == "step" and values and self._late:
             fired += self._after_step(step, values)
@@ -241,7 +242,8 @@ class AlertEngine:
         fire now (the step is applied: it cannot be skipped any more); their quiet checks
         do not count towards re-arming, which their "grads" observations do."""
         saw = self._grads_saw
-        if saw is None or saw[0] != step:
+        if saw is None or saw[0] != step or not any(
+                k in values and k not in saw[1] for k in self._late_keys):
             return []
         fired = []
         w = self.window

@@ -249,11 +249,12 @@ class Window:
         self.adds += 1
         series = self.series
         for k, v in values.items():
-            if isinstance(v, (int, float)):
-                s = series.get(k)
-                if s is None:
-                    s = series[k] = deque(maxlen=self.size)
-                s.append(float(v))
+            s = series.get(k)
+            if v.__class__ is not float and not isinstance(v, (int, float)):
+                continue
+            if s is None:
+                s = series[k] = deque(maxlen=self.size)
+            s.append(float(v))
 
     def median(self, key: str, last: int, refresh: int = 10) -> tuple[float, int]:
         """(median, count) of the finite values among the `last` of `key`, recomputed

@@ -18,8 +18,8 @@ from .rules import (
     Setting,
     Window,
     count,
-    percentile,
     number,
+    percentile,
     window,
 )
 

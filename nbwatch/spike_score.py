@@ -115,8 +115,9 @@ class SpikeScore:
             if not isinstance(v, (int, float)) or not math.isfinite(v):
                 continue
             hist = self.history[key]
-            z = hist.sigmas(float(v))
-            hist.add(float(v))  # the spike joins the history, as in OLMo-core
+            x = float(v)
+            z = hist.sigmas(x)
+            hist.add(x)  # the spike joins the history, as in OLMo-core
             if z is None:
                 continue
             self.sigmas[key] = z

@@ -104,7 +104,7 @@ def own_loop(demo, n, warm, root: Path):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--warm", type=int, default=5)
     args = ap.parse_args()
     demo = make_demo(max_steps=10**9)
@@ -137,14 +137,17 @@ def main() -> None:
                 results.setdefault(name, []).append(fn())
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{k} {v[-1] * 1e3:.1f} ms" for k, v in results.items()), flush=True)
-    base, best = statistics.median(results["bare"]), min(results["bare"])
+    best = min(results["bare"])
     print(f"\n{torch.get_num_threads()} threads, {n} steps x {args.rounds} rounds; a round's mean "
-          "step time, median over rounds and fastest round, each as a ratio to bare")
-    print("| variant | ms/step (median) | ratio (median) | ratio (fastest) |")
-    print("|---|---|---|---|")
+          "step time as a ratio to the same round's bare: the median over rounds and their "
+          "spread (min–max); the fastest rounds' ratio beside it")
+    print("| variant | ms/step (median) | ratio (median) | spread | ratio (fastest) |")
+    print("|---|---|---|---|---|")
     for name, times in results.items():
         med = statistics.median(times)
-        print(f"| {name} | {med * 1e3:.1f} | {med / base:.3f}x | {min(times) / best:.3f}x |")
+        per = [t / b for t, b in zip(times, results["bare"])]
+        print(f"| {name} | {med * 1e3:.1f} | {statistics.median(per):.3f}x | "
+              f"{min(per):.3f}–{max(per):.3f} | {min(times) / best:.3f}x |")
 
 
 if __name__ == "__main__":

@@ -263,40 +263,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         Returns the step number recorded, or after a rewind the checkpoint's step the
         weights are now at (`mon.rewound` then says it, and how many batches to skip).
         """
-        rec = self._recorder
-        if rec is None and self._mode is None and self.scaler is not None:
-            rec = self._open_loop()  # the scaler skipped the first optimizer step (overflow)
-        if self._mode == "start":
-            raise RuntimeError(
-                "mon.log() is for a training loop of your own, but this run was started "
-                "with mon.start(step_fn, ...), whose runner records every step itself"
-            )
-        if rec is None:
-            if self._mode is None:
-                raise RuntimeError(
-                    "mon.log() before any optimizer step: call it once per optimizer step, "
-                    "after optimizer.step() (nbwatch takes the gradient figures during the "
-                    "optimizer's own step); with a GradScaler, whose overflow skips "
-                    "optimizer.step(), pass it as nbwatch.Monitor(..., scaler=scaler)")
-            raise RuntimeError(f"mon.log(): this run is {self.state} at step {self.step}; "
-                               "create a new Monitor (resume=True to continue it)")
-        if rec.ended:  # a loop that caught StopTraining and went on: nothing more is recorded
-            if self.state == RunState.STOPPED:
-                raise StopTraining(f"run {self.name!r} was stopped at step {rec.step}; "
-                                   "log() records nothing more (end the loop)")
-            raise RuntimeError(f"mon.log(): this run is {self.state} at step {rec.step}")
-        if not rec.stepped and (self.scaler is None or not rec.overflowed()):
-            amp = "" if self.scaler is not None else (
-                "; with a GradScaler (whose overflow skips optimizer.step()), pass it as "
-                "nbwatch.Monitor(..., scaler=scaler)")
-            if rec.step == self._progress_start:
-                raise RuntimeError(
-                    "mon.log() before any optimizer step: call it once per optimizer step, "
-                    "after optimizer.step()" + amp)
-            raise RuntimeError(
-                f"mon.log() twice for one optimizer step (step {rec.step}): call it once per "
-                "optimizer step, after optimizer.step(); with gradient accumulation, after "
-                "the step that follows the last micro-batch" + amp)
+        rec = self._recorder_for_log()
         rec.note_logged_batch(batch, scalars)  # takes epoch=/index= given with a batch
         host, names, parts, lengths = log_figures(loss, mask, scalars,
                                                   first=rec.step == self._progress_start)

@@ -68,9 +68,7 @@ class MonitorState:
     _hooks: list[Any]  # torch's RemovableHandles
     _global_hook: Any  # the check on other optimizers, while a run is open
     _inside_step: int | None  # the thread inside optimizer.step, if any
-    _clips: list[Any]  # ClipCall: the loop's own clips since the last step
-    _clips_partial: bool
-    _clip_marks: tuple
+    _clip_watch: Any  # ClipWatch: the loop's own clips since the last step
 
     if TYPE_CHECKING:  # provided by Monitor and its other parts
         @property

@@ -92,9 +92,7 @@ class OptimizerHooks(MonitorState):
         self._hooks = [optimizer.register_step_pre_hook(self._pre_hook),
                        optimizer.register_step_post_hook(self._post_hook)]
         self._global_hook: Any = None  # the check on other optimizers, while a run is open
-        self._clips: list[ClipCall] = []  # the loop's own clips since the last step
-        self._clips_partial = False  # … and one before a later backward of the same step
-        self._clip_marks: tuple = ()  # the gradients as the last of those clips left them
+        self._clip_watch = ClipWatch()  # the loop's own clips since the last step
         _watch_clips(self)
 
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -105,7 +103,7 @@ class OptimizerHooks(MonitorState):
                 return  # this Monitor's run has ended: later steps are not recorded
             rec = self._open_loop()
         if rec.hook_measures:
-            clips, note = self._take_clips()
+            clips, note = self._clip_watch.take(self.step)
             rec.pre_step(explicit=False, clips=clips, clip_note=note)
 
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -147,37 +145,53 @@ class OptimizerHooks(MonitorState):
         return rec is not None and not rec.ended
 
     def _saw_clip(self, params: list, max_norm: float, total: torch.Tensor) -> None:
-        """A clip of this model's gradients just scaled them by min(1, max_norm / (total +
-        1e-6)) (torch's rule): note it for the next optimizer step."""
-        step = self.step
-        if self._clips:
-            if self._clips[0].step != step:
-                self._clips = []  # an earlier step's (that optimizer step was skipped)
-            elif not _unchanged(self._clip_marks) or len(self._clips) >= _MAX_CLIPS:
-                # the gradients changed since the last clip of this step: a backward (a clip
-                # on each accumulation micro-batch); what that clip cut cannot be recovered
-                self._clips, self._clips_partial = [], True
-        self._clips.append(ClipCall(step, tuple(map(id, params)), float(max_norm), total))
-        self._clip_marks = _marks(params)
-
-    def _take_clips(self) -> tuple[list[ClipCall], str | None]:
-        """The clips of the optimizer step now taken, and what makes them unusable, if
-        anything: "partial" (one ran before a later backward of the step: the norms are
-        those before the step's last clip), "changed" (the gradients changed after the
-        last clip: none can be recovered)."""
-        clips, partial = self._clips, self._clips_partial
-        if not clips and not partial:
-            return clips, None
-        self._clips, self._clips_partial = [], False
-        if clips and clips[0].step != self.step:
-            clips = []  # an earlier step's, whose optimizer step was skipped
-        if clips and not _unchanged(self._clip_marks):
-            return [], "changed"
-        return clips, "partial" if partial else None
+        """A clip of this model's gradients just scaled them: noted for the next step."""
+        self._clip_watch.saw(self.step, params, max_norm, total)
 
     def _end_clip_watch(self) -> None:
         """The run closed: its loop's clips are no longer this Monitor's to note."""
         _unwatch_clips(self)
+
+
+class ClipWatch:
+    """The clips of a loop's own since its last optimizer step (its state, and the rules
+    that make them usable or not)."""
+
+    def __init__(self) -> None:
+        self.clips: list[ClipCall] = []
+        self.partial = False  # one ran before a later backward of the same step
+        self.marks: tuple = ()  # the gradients as the last of those clips left them
+
+    def saw(self, step: int, params: list, max_norm: float, total: torch.Tensor) -> None:
+        """A clip at `step` just scaled these gradients by min(1, max_norm / (total +
+        1e-6)) (torch's rule): note it for the next optimizer step."""
+        if self.clips:
+            if self.clips[0].step != step:
+                self.clips = []  # an earlier step's (that optimizer step was skipped)
+            elif not _unchanged(self.marks) or len(self.clips) >= _MAX_CLIPS:
+                # the gradients changed since the last clip of this step: a backward (a clip
+                # on each accumulation micro-batch); what that clip cut cannot be recovered
+                self.clips, self.partial = [], True
+        self.clips.append(ClipCall(step, tuple(map(id, params)), float(max_norm), total))
+        self.marks = _marks(params)
+
+    def take(self, step: int) -> tuple[list[ClipCall], str | None]:
+        """The clips of the optimizer step now taken after `step`, and what makes them
+        unusable, if anything: "partial" (one ran before a later backward of the step: the
+        norms are those before the step's last clip), "changed" (the gradients changed
+        after the last clip: none can be recovered)."""
+        clips, partial = self.clips, self.partial
+        if not clips and not partial:
+            return clips, None
+        self.clips, self.partial = [], False
+        if clips and clips[0].step != step:
+            clips = []  # an earlier step's, whose optimizer step was skipped
+        if clips and not _unchanged(self.marks):
+            return [], "changed"
+        return clips, "partial" if partial else None
+
+    def clear(self) -> None:
+        self.clips, self.partial, self.marks = [], False, ()
 
 
 @dataclass(frozen=True)
@@ -304,7 +318,7 @@ def _unwatch_clips(mon: Any | None) -> None:
     with _LOCK:
         if mon is not None:
             _WATCHERS.discard(mon)
-            mon._clips, mon._clips_partial, mon._clip_marks = [], False, ()
+            mon._clip_watch.clear()
         if next(iter(_WATCHERS), None) is not None or not _WRAPPED:  # a live one (a
             return  # collected Monitor's reference may not have left the set yet)
         for module, name, fn, ours in _WRAPPED:

@@ -291,3 +291,26 @@ def test_torch_clipping_is_torchs_again_once_an_unused_monitor_is_collected(tmp_
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True"]
+
+
+def test_clip_watch_alone_tells_usable_clips_from_partial_and_changed_ones():
+    """The clip watch is a part of its own: its rules read without a Monitor."""
+    from nbwatch.optimizer_hooks import ClipWatch
+
+    w = torch.nn.Parameter(torch.ones(3))
+    w.grad = torch.full((3,), 2.0)
+    watch = ClipWatch()
+    watch.saw(5, [w], 1.0, torch.tensor(3.46))
+    clips, note = watch.take(5)
+    assert [c.max_norm for c in clips] == [1.0] and note is None  # one clip, usable
+    assert watch.take(5) == ([], None)  # taken once
+    watch.saw(6, [w], 1.0, torch.tensor(3.46))
+    w.grad.mul_(0.5)  # the gradients changed after the clip (a backward, say)
+    assert watch.take(6) == ([], "changed")
+    watch.saw(7, [w], 1.0, torch.tensor(1.0))
+    w.grad.add_(1.0)  # a clip on one micro-batch, a backward, a clip on the next
+    watch.saw(7, [w], 1.0, torch.tensor(2.0))
+    clips, note = watch.take(7)
+    assert [float(c.total) for c in clips] == [2.0] and note == "partial"
+    watch.saw(8, [w], 1.0, torch.tensor(1.0))
+    assert watch.take(9) == ([], None)  # an earlier step's clip: its optimizer step skipped

@@ -314,8 +314,11 @@ class Window:
             self._detrended[(key, last)] = cached
         # the level: a few values, so plain Python (a numpy call costs more than the work)
         s = self.series.get(key)
-        tail = sorted(v for v in itertools.islice(reversed(s), 1, recent + 1)
-                      if math.isfinite(v)) if s else []
+        tail = list(itertools.islice(reversed(s), 1, recent + 1)) if s else []
+        if math.isfinite(sum(tail)):  # the common case: every value finite
+            tail.sort()
+        else:
+            tail = sorted(v for v in tail if math.isfinite(v))
         h = len(tail) // 2
         level = (tail[h] if len(tail) % 2 else (tail[h - 1] + tail[h]) / 2) if tail else math.nan
         return level, cached[1], cached[2]

@@ -125,7 +125,12 @@ def step_time_breakdown(df: pd.DataFrame, last: int = 200) -> Finding | None:
     shares = {c: float(recent[c].sum() / total) for c in cols}
     shares["other"] = max(0.0, 1.0 - sum(shares.values()))
     top = max(shares, key=shares.__getitem__)
-    what = _PARTS.get(top, "bookkeeping outside the measured parts")
+    # a loop of the user's own is timed from one optimizer step to the next: its data,
+    # forward and backward are in that time, not apart
+    other = ("bookkeeping outside the measured parts" if "time/forward_backward" in cols
+             else "the loop's own data, forward and backward (not timed apart in a loop of "
+             "your own)")
+    what = _PARTS.get(top, other)
     return Finding("step_time", f"{shares[top]:.0%} of a step goes to {what}"
                    f" ({recent['time/step'].median() * 1e3:.1f} ms median step)",
                    cause=top == "time/data", details={"shares": shares, "bottleneck": top})

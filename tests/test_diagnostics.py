@@ -41,3 +41,14 @@ def test_step_time_breakdown_names_the_bottleneck():
     f = step_time_breakdown(df)
     assert f.details["bottleneck"] == "time/data" and f.cause
     assert f.message.startswith("60% of a step goes to waiting for the data loader")
+
+
+def test_step_time_of_an_own_loop_puts_the_untimed_part_on_the_loop():
+    """A loop of the user's own is timed from one optimizer step to the next: what
+    nbwatch does not time apart is the loop's data, forward and backward, not overhead."""
+    df = pd.DataFrame({"time/step": [0.27] * 10, "time/probes": [0.002] * 10,
+                       "time/optimizer": [0.018] * 10})
+    f = step_time_breakdown(df)
+    assert f.details["bottleneck"] == "other" and not f.cause
+    assert "the loop's own data, forward and backward" in f.message
+    assert "bookkeeping" not in f.message

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import controls as ctl
 from .lifecycle import LIVE, RunState
+from .probes.logits import HeadWatch
 from .records import Command, Event
 from .run import Readout, Run, started_run
 from .runner import run_in_thread
@@ -175,6 +176,7 @@ class Adapter:
         self._commands = ctl.CommandQueue()  # shared with the handle, then the Monitor
         self._losses: list[Any] = []
         self._masks: list[Any] = []
+        self._head: HeadWatch | None = None  # the fit's logits, from its output layer
         self._fitting = False  # a fit is taken: from start()'s launch, or the fit's begin
         self._owner: threading.Thread | None = None  # … in this thread (None: not begun)
         self._fit_trainer: Any = None  # … of this Trainer
@@ -231,6 +233,13 @@ class Adapter:
         self.monitor = self.handle = self.loop = None
         self._commands = ctl.CommandQueue()
         self._losses, self._masks = [], []
+        self._unwatch()
+
+    def _unwatch(self) -> None:
+        """The output layer's forward hook off (the fit ended, or the next begins)."""
+        head, self._head = self._head, None
+        if head is not None:
+            head.remove()
 
     def _close_unseen(self) -> None:
         """The last fit ended without telling us (an exception the framework passes to no
@@ -287,6 +296,10 @@ class Adapter:
                                              commands=self._commands)
         if self.handle is not None:
             self.handle.monitor = mon
+        self._unwatch()
+        # the training batch's logits (log Z, max |logit|) from a forward hook on the
+        # output layer: the frameworks hand their callbacks no logits
+        self._head = HeadWatch(mon.model)
         return loop
 
     def _record_step(self, host: dict[str, float], reduction: str,
@@ -313,6 +326,10 @@ class Adapter:
             names += mnames
             parts += mparts
             samples = sum(int(m.shape[0]) for m in masks)
+        if self._head is not None:
+            lnames, lparts = self._head.take()
+            names += lnames
+            parts += lparts
         return rec.record_step(host, names, parts, lengths=lengths, samples=samples,
                                reduction=reduction)
 
@@ -326,6 +343,7 @@ class Adapter:
         """The fit returned (or raised): end the run as finished, stopped or failed, and
         give back all it took."""
         try:
+            self._unwatch()
             if self.loop is not None:
                 self.loop.end(error)
         finally:

@@ -1,17 +1,21 @@
-"""Transformer health: the early signs of a loss spike or divergence, from the eval-time
-probe pass (never a training step), and the rules that watch them."""
+"""Transformer health: the early signs of a loss spike or divergence, and the rules that
+watch them: from the eval-time probe pass (attention, the residual stream, the output
+log-partition on fixed probe samples), and the training batch's log Z every step
+(`probes/logits.py`)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
 
-from .rules import FRACTION, POSITIVE, Rule, Window, number
+from .rules import FRACTION, POSITIVE, Rule, Window, count, number, window
 
 ENTROPY = "attn/entropy/"      # + module: mean over heads; + module/head: one head
 MAX_LOGIT = "attn/max_logit/"  # + module: max over heads; + module/head: one head
 RMS = "act/rms/"               # + block: RMS of the block's output (the residual stream)
+STEP_LOG_Z = "train_logits/log_z"  # the training batch's, every step (probes.logits.LOG_Z)
 
 
 def figures(entropy: dict[str, np.ndarray], max_logit: dict[str, np.ndarray],
@@ -88,9 +92,35 @@ def _output_drift(w: Window, p: dict) -> str | None:
     return None
 
 
+# -- a check on every training step's figures
+def _logz_drift(w: Window, p: dict) -> tuple[str, dict] | None:
+    s = w.series.get(STEP_LOG_Z)
+    if not s or len(s) < p["min_history"] + p["recent"]:
+        return None
+    # the level now: the median of the last few steps (one batch's log Z is noisy)
+    recent = sorted(v for v in itertools.islice(reversed(s), p["recent"]) if math.isfinite(v))
+    if not recent:
+        return None
+    now = recent[len(recent) // 2]
+    base, mad, n = w.mad(STEP_LOG_Z, p["window"])  # the steps before: every 10 steps
+    if n < p["min_history"] or not math.isfinite(base):
+        return None
+    rise = now - base
+    scale = 1.4826 * mad
+    if rise <= p["nats"] or rise <= p["z"] * scale:
+        return None
+    z = rise / scale if scale > 0 else math.inf
+    return (f"the training batch's log Z rose to {now:.3g} (median of the last {p['recent']} "
+            f"steps) from {base:.3g} over the {n} steps before: +{rise:.2g} nats, {z:.1f} "
+            "robust SD; the output logits grow, and a loss spike often follows: lower the LR, "
+            "or add a z-loss (PaLM 1e-4 · log²Z, OLMo 2 1e-5)",
+            {"log_z": now, "baseline": base, "rise": rise, "z": z})
+
+
 def rules() -> list[Rule]:
-    """The health rules, appended to `alerts.default_rules()`; they read the probe pass
-    (phase "eval"), so they cost nothing on a training step."""
+    """The health rules, appended to `alerts.default_rules()`: those of the probe pass
+    (phase "eval") cost nothing on a training step; `logz_drift` reads the step's own
+    log Z (a median of a few values a step, the baseline's every 10)."""
     return [
         Rule("attention_entropy_collapse", "warning", "eval", _entropy_collapse,
              {"fraction": 0.2, "min_early": 0.5}, (), 1,
@@ -103,4 +133,10 @@ def rules() -> list[Rule]:
         Rule("output_logit_drift", "warning", "eval", _output_drift, {"nats": 10.0}, (), 1,
              "the LM head's mean log-partition moved 10 nats from the first probe",
              schema={"nats": POSITIVE}),
+        Rule("logz_drift", "warning", "step", _logz_drift,
+             {"recent": 5, "window": 100, "min_history": 20, "z": 4.0, "nats": 1.0}, (), 50,
+             "the training batch's log Z (median of the last 5 steps) rose above the median "
+             "of the 100 steps before by more than 1 nat and 4 robust SD",
+             schema={"recent": count(1, 50), "window": window(not_below="min_history"),
+                     "min_history": count(5), "z": POSITIVE, "nats": POSITIVE}),
     ]

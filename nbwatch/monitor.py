@@ -247,7 +247,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         return self._after_open(self.options.display)
 
     def log(self, loss: Any = None, *, mask: torch.Tensor | None = None, val: Any = None,
-            batch: Any = None, **scalars: Any) -> int:
+            batch: Any = None, logits: torch.Tensor | None = None, **scalars: Any) -> int:
         """Record the optimizer step just taken; the step boundary of a loop of your own.
 
         Call it once per optimizer step, after `optimizer.step()` (and `scheduler.step()`).
@@ -256,8 +256,11 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         `val`: at an eval step, the val loss or a dict of val figures (`loss` →
         `loss/val`, others `val/<name>`); `batch`: the step's batch, whose identity
         (`epoch=`, `index=`, else a count of the batches given; a CRC-32 of its CPU token
-        ids) `run.spikes` names; further keywords: scalars recorded as `train/<name>`.
-        Gradient figures were taken at the optimizer's step already.
+        ids) `run.spikes` names; `logits`: the step's output logits [..., vocab] (of
+        its last micro-batch, say), whose mean log-partition and largest |logit| over at
+        most 64 positions are recorded as `train_logits/log_z` and `train_logits/max_abs`
+        (on the device, no sync of their own); further keywords: scalars recorded as
+        `train/<name>`. Gradient figures were taken at the optimizer's step already.
         Queued commands are applied here: pause blocks here until resumed, and a stop
         raises `nbwatch.StopTraining` (after a final checkpoint) to end the loop.
         Returns the step number recorded, or after a rewind the checkpoint's step the
@@ -266,7 +269,8 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         rec = self._recorder_for_log()
         rec.note_logged_batch(batch, scalars)  # takes epoch=/index= given with a batch
         host, names, parts, lengths = log_figures(loss, mask, scalars,
-                                                  first=rec.step == self._progress_start)
+                                                  first=rec.step == self._progress_start,
+                                                  logits=logits)
         val = check_val(val)
         samples = int(mask.shape[0]) if mask is not None and mask.dim() == 2 else None
         step = rec.record_step(host, names, parts, lengths=lengths, samples=samples, val=val,

@@ -10,7 +10,9 @@ For a `loss_spike` alert at step S, over the steps [S - 20, S] (`LOOKBACK`):
   batch in a healthy run, and is no news at 4×); `first_layers` are the layers that rose
   earliest (at most 3; ties: the larger ratio first). `grad_rose` is the same for the
   global gradient norm; `loss_rose` the first step where the loss stood 3 robust SDs
-  (1.4826 × MAD) above the median of its 50 steps before;
+  (1.4826 × MAD) above the median of its 50 steps before; `log_z_rose` the same for the
+  training batch's log Z (`train_logits/log_z`, where the run records it: the output
+  logits growing);
 - `grad_z`: the global gradient norm at S, in SDs above the mean of the 128 steps before
   (the spike score's measure, `spike_score.py`);
 - `lr` at S and `lr_change`: the LR's last move up to S, a step where it moved by more
@@ -18,8 +20,9 @@ For a `loss_spike` alert at step S, over the steps [S - 20, S] (`LOOKBACK`):
   warm-up, a ramp): {step (its first), steps, from, to};
 - `alerts_before`: every other rule that fired in the 500 steps up to S, the newest
   time of each, and how many steps before S;
-- `first`: the signals (a layer's `grad_norm/<layer>`, `grad_norm/global`, `loss/train`, a
-  rule's name) that moved at the earliest of those steps, and `lead`, S minus that step.
+- `first`: the signals (a layer's `grad_norm/<layer>`, `grad_norm/global`, `loss/train`,
+  `train_logits/log_z`, a rule's name) that moved at the earliest of those steps, and
+  `lead`, S minus that step.
 """
 
 from __future__ import annotations
@@ -42,10 +45,12 @@ LR_MOVE = 0.01
 ALERT_LOOKBACK = 500
 MAX_LAYERS = 3
 SPIKE_RULE = "loss_spike"
+LOG_Z_KEY = "train_logits/log_z"  # probes.logits.LOG_Z (this module reads, never probes)
 _NOT_LAYERS = ("grad_norm/global", "grad_norm/clipped")
 
 SPIKE_COLUMNS = ["step", "loss", "median", "z", "batches", "first", "lead", "first_layers",
-                 "grad_z", "grad_rose", "loss_rose", "lr", "lr_change", "alerts_before"]
+                 "grad_z", "grad_rose", "loss_rose", "log_z_rose", "lr", "lr_change",
+                 "alerts_before"]
 
 # a frame of the recorded scalars: (keys, start, stop) → rows start <= step < stop
 Scalars = Callable[[list[str], int, int], pd.DataFrame]
@@ -122,8 +127,8 @@ def postmortem(frame: pd.DataFrame, events: pd.DataFrame, spike: int,
     scalars of the steps before it (index: step; at least `baseline + lookback` of them,
     and the 128 for `grad_z`), `events` the run's events table."""
     out: dict[str, Any] = {"first": [], "lead": None, "first_layers": [], "grad_z": None,
-                           "grad_rose": None, "loss_rose": None, "lr": None, "lr_change": None,
-                           "alerts_before": []}
+                           "grad_rose": None, "loss_rose": None, "log_z_rose": None, "lr": None,
+                           "lr_change": None, "alerts_before": []}
     moved: list[tuple[int, str]] = []
     rises = []
     for key in layer_keys(frame.columns):
@@ -145,6 +150,10 @@ def postmortem(frame: pd.DataFrame, events: pd.DataFrame, spike: int,
         out["loss_rose"] = _z_rise(frame["loss/train"], spike, lookback, baseline, LOSS_Z)
         if out["loss_rose"] is not None:
             moved.append((out["loss_rose"], "loss/train"))
+    if LOG_Z_KEY in frame:
+        out["log_z_rose"] = _z_rise(frame[LOG_Z_KEY], spike, lookback, baseline, LOSS_Z)
+        if out["log_z_rose"] is not None:
+            moved.append((out["log_z_rose"], LOG_Z_KEY))
     if "lr" in frame:
         lr = frame["lr"]
         out["lr"] = float(lr[spike]) if spike in lr.index and pd.notna(lr[spike]) else None
@@ -172,8 +181,8 @@ def spikes_of(events: pd.DataFrame, scalars: Scalars | None = None,
     reads the recorded series (`keys`: the names recorded; only the window before each
     spike is read)."""
     keys = list(keys)
-    wanted = [k for k in ("loss/train", "grad_norm/global", "lr") if k in keys] + layer_keys(
-        keys)
+    wanted = [k for k in ("loss/train", "grad_norm/global", "lr", LOG_Z_KEY)
+              if k in keys] + layer_keys(keys)
     rows = []
     for step, kind, data in zip(events["step"], events["kind"], events["data"]):
         if not (kind == "alert" and isinstance(data, dict) and data.get("rule") == SPIKE_RULE):
@@ -202,8 +211,12 @@ def timeline(row: Any) -> str:
     for f in get("first_layers") or []:
         lines.append((f["step"], f"grad norm of {f['layer']} {f['ratio']:.1f}× its median"))
     for key, what in (("grad_rose", f"global grad norm > {K:g}× its median"),
-                      ("loss_rose", f"loss {LOSS_Z:g} robust SD above its median")):
-        at = get(key)
+                      ("loss_rose", f"loss {LOSS_Z:g} robust SD above its median"),
+                      ("log_z_rose", f"log Z {LOSS_Z:g} robust SD above its median")):
+        try:
+            at = get(key)
+        except (KeyError, AttributeError):  # a row of a post-mortem made before log Z
+            at = None
         if at is not None and not (isinstance(at, float) and math.isnan(at)):
             lines.append((int(at), what))
     z = get("z")

@@ -22,6 +22,8 @@ from .checkpoint import rng_state, set_rng_state
 from .evaluation import evaluate
 from .probes.attention import clone_samples
 from .probes.data import batch_figures
+from .probes.logits import NAMES as LOGIT_NAMES
+from .probes.logits import is_logits, logit_parts
 from .probes.loss import check_not_copying, parse_step_output
 from .recorder import Progress, RunSpec, StepRecorder
 
@@ -172,6 +174,10 @@ class Runner:
             out = parse_step_output(raw)
             if isinstance(raw, dict):
                 _extras(raw, m.extras)
+                if m.logits is None and is_logits(raw.get("logits")):
+                    # the first micro-batch's, a fixed subsample: a cost that does not
+                    # grow with the batch, on the device (copied with the step's figures)
+                    m.logits = logit_parts(raw["logits"], out.mask)
             m.fwd_s += time.perf_counter() - tf
             m.reduction = out.reduction
             loss = out.loss / spec.accumulate if spec.accumulate > 1 else out.loss
@@ -184,8 +190,8 @@ class Runner:
 
     def _measure(self, m: _Micro) -> tuple[dict[str, float], float]:
         """Stage the step's device figures (mean loss, the step_fn's tensor scalars, the
-        masks' token counts) to be copied with the gradient norms: one sync. Returns the
-        host figures and the padded token count."""
+        logits' log Z and max |logit|, the masks' token counts) to be copied with the
+        gradient norms: one sync. Returns the host figures and the padded token count."""
         rec, accumulate = self.rec, self.spec.accumulate
         rec.save_reduction(m.reduction)
         loss_sum = m.loss_sum
@@ -202,6 +208,9 @@ class Runner:
                 parts.append(torch.stack(vs).mean() if len(vs) > 1 else vs[0])
             else:
                 figures[f"train/{k}"] = sum(vs) / len(vs)
+        if m.logits is not None:
+            names += LOGIT_NAMES
+            parts += m.logits
         padded = 0.0
         if m.masks:
             mnames, mparts, padded, lengths = batch_figures(m.masks)
@@ -234,6 +243,7 @@ class _Micro:
     loss_sum: torch.Tensor | None = None  # sum of the micro-batches' detached losses
     masks: list[torch.Tensor] = field(default_factory=list)
     extras: dict[str, list[Any]] = field(default_factory=dict)  # the step_fn's scalars
+    logits: list[torch.Tensor] | None = None  # [log Z, max |logit|] of the first's logits
     samples: int = 0
     reduction: str | None = None
     data_s: float = 0.0  # waiting for batches

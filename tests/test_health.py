@@ -149,3 +149,22 @@ def test_growing_lr_trips_logit_growth_and_entropy_collapse_before_the_loss_dive
     assert fired["attention_entropy_collapse"] < diverged - 30, (fired, diverged)
     print(f"logit growth at step {fired['attention_logit_growth']}, entropy collapse at "
           f"{fired['attention_entropy_collapse']}, loss doubled its best at {diverged}")
+
+
+def test_logz_drift_fires_once_on_a_rise_and_not_on_a_slow_drift_or_one_noisy_batch():
+    """The training batch's log Z every step: a healthy run's slow climb (+1.5 nats over
+    500 steps) and its batch-to-batch noise are no news, nor is one wild batch (the median
+    of the last 5 steps); a rise of 3 nats over 10 steps fires, once for the episode."""
+    from nbwatch.alerts import AlertEngine, default_rules
+
+    rng = np.random.default_rng(0)
+    eng = AlertEngine([r for r in default_rules() if r.name == "logz_drift"])
+    z = 4.8 + np.linspace(0, 1.5, 500) + 0.3 * rng.standard_normal(500)
+    z[300] += 6.0  # one batch
+    z = np.concatenate([z, z[-1] + np.linspace(0, 3, 10) + 0.3 * rng.standard_normal(10),
+                        np.full(30, z[-1] + 3.0)])
+    fired = [a for step, v in enumerate(z.tolist(), 1)
+             for a in eng.observe("step", step, {"train_logits/log_z": v})]
+    assert len(fired) == 1 and 500 < fired[0].step <= 510, [a.step for a in fired]
+    a = fired[0]
+    assert a.data["rise"] > 1.0 and a.data["z"] > 4 and "z-loss" in a.message

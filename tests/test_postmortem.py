@@ -72,16 +72,29 @@ def test_an_lr_ramp_shows_its_ramp_and_a_rise_before_the_spike(tmp_path):
     ramp = row.lr_change
     assert ramp["step"] <= 3 and ramp["steps"] >= row.step - 5 and ramp["to"] > 20 * ramp["from"]
     assert row.lead >= 1, timeline(row)
-    rose = [s for s in (row.grad_rose, row.loss_rose) if s is not None and s == s]
+    rose = [s for s in (row.grad_rose, row.loss_rose, row.log_z_rose)
+            if s is not None and s == s]
     assert min(rose + [f["step"] for f in row.first_layers]) == row.step - row.lead
+    # the training batch's log Z, every step: it rose before the loss spiked, and the
+    # per-step rule said so before the spike (once)
+    assert row.step - 20 <= row.log_z_rose < row.step, timeline(row)
+    drift = [a for a in row.alerts_before if a["rule"] == "logz_drift"]
+    assert drift and drift[0]["lead"] >= 1, row.alerts_before
+    assert "log Z 3 robust SD above its median" in timeline(row)
     print(timeline(row))
 
 
 def test_a_healthy_fresh_run_has_no_spike_and_a_zero_score(tmp_path):
+    """300 steps of warm-up and cosine: no alert at all, the per-step log Z rule's
+    included, while the training batch's log Z climbs slowly (the healthy replay's
+    fixture predates that series)."""
     demo = make_demo(d=64, layers=2, heads=2, ctx=64, max_steps=400)
-    mon, run = train(tmp_path, demo, demo.scheduler, demo.train, BAD + 5)
+    mon, run = train(tmp_path, demo, demo.scheduler, demo.train, 300)
     assert run.spikes.empty and (run.df["spike/score"] == 0).all()
     assert "loss spike" not in str(mon.diagnose())
+    assert run.events[run.events.kind == "alert"].empty
+    log_z = run.df["train_logits/log_z"]
+    assert log_z.notna().all() and log_z.iloc[-20:].median() > log_z.iloc[:20].median()
 
 
 def series(values, start=1):

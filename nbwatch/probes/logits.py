@@ -1,0 +1,100 @@
+"""The output logits' health on every training step: the mean log-partition log Z (what a
+z-loss holds near 0: PaLM adds 1e-4 · log²Z to its loss, OLMo 2 1e-5) and the largest
+|logit|, over a fixed subsample of at most `POSITIONS` positions, so the cost does not grow
+with the batch or the sequence length (only with the vocabulary: one logsumexp over
+`POSITIONS` × V values).
+
+The figures are 0-dim tensors on the logits' device, staged with the step's other device
+figures: they cross to the host in the step's one copy, never a sync of their own.
+
+The probe pass's `logits/z_mean` and `logits/max_abs` (health.py) are the same figures
+on two fixed probe samples once per eval; these are on the training batch every step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .activations import output_layer, output_logits
+
+LOG_Z = "train_logits/log_z"
+MAX_ABS = "train_logits/max_abs"
+NAMES = [LOG_Z, MAX_ABS]
+POSITIONS = 64  # positions a step looks at, at most
+
+
+def _rows(logits: torch.Tensor, positions: int) -> tuple[torch.Tensor, slice]:
+    """[N, V] logits of every position, and the fixed-stride slice of at most `positions`
+    of them (the first, then every N // positions-th)."""
+    x = logits.detach().reshape(-1, logits.shape[-1])
+    stride = max(1, -(-x.shape[0] // positions))  # ceil: never more than `positions` rows
+    return x, slice(None, None, stride)
+
+
+def logit_parts(logits: torch.Tensor, mask: torch.Tensor | None = None,
+                positions: int = POSITIONS) -> list[torch.Tensor]:
+    """[log Z mean, max |logit|] over at most `positions` positions of `logits` [..., V], as
+    0-dim float tensors on its device (no sync). `mask` ([...], 1 for a real token), when
+    its shape is the logits' positions, leaves padding out (by weight: no sync either).
+
+    >>> names, parts = NAMES, logit_parts(out.logits, batch["attention_mask"])
+    """
+    x, rows = _rows(logits, positions)
+    x = x[rows].float()  # [n, V]: a copy of n rows only
+    lz = torch.logsumexp(x, dim=-1)  # [n]
+    top = x.abs().amax(dim=-1)  # [n]
+    if mask is not None and tuple(mask.shape) == tuple(logits.shape[:-1]):
+        m = mask.detach().reshape(-1)[rows].to(lz.dtype)
+        n = m.sum()
+        # no real token among the rows: NaN, a figure missing (not a false 0)
+        return [(lz * m).sum() / n, torch.where(n > 0, (top * m).amax(), torch.nan)]
+    return [lz.mean(), top.amax()]
+
+
+def is_logits(x: Any) -> bool:
+    """A float tensor [..., V] (V > 1) that can be logits (not a scalar loss)."""
+    return (isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[-1] > 1
+            and x.is_floating_point() and x.numel() > 0)
+
+
+class HeadWatch:
+    """A forward hook on a model's output layer (`get_output_embeddings()`, else the Linear
+    onto the vocabulary) that keeps the figures of the first training forward since the
+    last `take()`: the logits of a loop nbwatch does not run (the Trainer, Lightning).
+
+    Only a forward in training mode with gradients on counts: an eval's or nbwatch's probe
+    pass is not the training batch."""
+
+    def __init__(self, model: nn.Module, positions: int = POSITIONS):
+        self.positions = positions
+        self.parts: list[torch.Tensor] | None = None
+        found = output_layer(model)
+        self.path = found[0] if found is not None else None
+        self._handle = found[1].register_forward_hook(self._on_head) if found else None
+
+    def _on_head(self, mod: nn.Module, args: Any, out: Any) -> None:
+        if self.parts is not None or not (mod.training and torch.is_grad_enabled()):
+            return
+        x = output_logits(out)
+        if x is not None and is_logits(x):
+            self.parts = logit_parts(x, positions=self.positions)
+
+    @property
+    def watching(self) -> bool:
+        return self._handle is not None
+
+    def take(self) -> tuple[list[str], list[torch.Tensor]]:
+        """(names, parts) of the step's logits figures since the last take (none if no
+        training forward reached the output layer)."""
+        parts, self.parts = self.parts, None
+        return (list(NAMES), parts) if parts is not None else ([], [])
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self.parts = None
+

@@ -1,0 +1,60 @@
+"""`probes.logits`: the training batch's log Z and max |logit| over a fixed subsample of
+positions, and the output layer's forward hook that takes them in a framework's fit."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nbwatch.demo import TinyGPT
+from nbwatch.probes.logits import NAMES, POSITIONS, HeadWatch, logit_parts
+
+
+def test_log_z_and_max_abs_over_at_most_64_positions_by_a_fixed_stride():
+    g = torch.Generator().manual_seed(0)
+    for batch, T in ((16, 128), (3, 7), (1, 1000)):
+        logits = torch.randn(batch, T, 50, generator=g) * 3
+        flat = logits.reshape(-1, 50)
+        stride = math.ceil(flat.shape[0] / POSITIONS)
+        rows = flat[::stride]
+        assert len(rows) <= POSITIONS  # the cost does not grow with the batch
+        lz, top = logit_parts(logits)
+        assert lz.dim() == 0 and top.dim() == 0  # staged as device figures
+        assert lz.item() == torch.logsumexp(rows, -1).mean().item()
+        assert top.item() == rows.abs().max().item()
+
+
+def test_a_mask_leaves_padding_out_and_a_half_precision_head_is_read_in_float():
+    logits = torch.zeros(2, 4, 8, dtype=torch.bfloat16)
+    logits[:, 2:] = 1000.0  # padding positions with wild logits (never trained on)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0]])
+    lz, top = logit_parts(logits, mask)
+    assert lz.dtype == torch.float32
+    assert lz.item() == torch.logsumexp(torch.zeros(8), 0).item() and top.item() == 0.0
+    assert math.isnan(logit_parts(logits, torch.zeros(2, 4))[1].item())  # no real token
+    # a mask of another shape (the labels were shifted): every position counts
+    assert logit_parts(logits, torch.ones(2, 5))[1].item() == 1000.0
+
+
+def test_the_head_hook_keeps_the_first_training_forward_and_is_removed():
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=1, heads=2, ctx=16)
+    ids = torch.randint(0, 64, (2, 16))
+    watch = HeadWatch(model)
+    assert watch.path == "head" and len(model.head._forward_hooks) == 1
+    assert watch.take() == ([], [])  # no forward yet
+    model.eval()
+    model(ids)  # an eval's forward, or nbwatch's probe pass: not the training batch
+    model.train()
+    with torch.no_grad():
+        model(ids)
+    assert watch.take() == ([], [])
+    first = model(ids)
+    model((ids + 1) % 64)  # a second micro-batch of the step
+    names, parts = watch.take()
+    assert names == NAMES
+    assert [p.item() for p in parts] == [p.item() for p in logit_parts(first)]
+    assert watch.take() == ([], [])  # taken once a step
+    watch.remove()
+    assert not model.head._forward_hooks

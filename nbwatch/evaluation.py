@@ -28,7 +28,7 @@ class EvalResult:
     # loss/val, val/<k>, time/eval; the probe pass's health figures (attn/, logits/, act/)
     values: dict[str, float] = field(default_factory=dict)
     attention: list[Attention] = field(default_factory=list)
-    sample: str | None = None
+    sample: Any = None  # what sample_fn returned (nbwatch.samples makes it storable)
     probe_error: str | None = None  # the default probe forward did not fit the model
     # {figures: why} the probe pass could not take on this model ("logits"), with the line
     # to add; the probe stays on, and the recorder says each once a run
@@ -229,7 +229,7 @@ def evaluate(model: nn.Module, spec: Any, step: int, train_loss: float | None,
                     out.attention.append(Attention(step, module, i, w[i].numpy(), toks))
         if spec.sample_fn is not None:
             with torch.no_grad():
-                out.sample = str(spec.sample_fn(model))
+                out.sample = spec.sample_fn(model)
     finally:
         model.train(was_training)
     return out

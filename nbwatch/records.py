@@ -72,11 +72,14 @@ class Event:
 
 @dataclass(frozen=True)
 class Sample:
-    """Text produced by `sample_fn` at an eval step (e.g. a generation from a fixed prompt)."""
+    """What `sample_fn` produced at an eval step: text (a generation from a fixed prompt),
+    or an image or a small table (`content`, made by `nbwatch.samples.sample_content`;
+    `text` then says what it is)."""
 
     step: int
     text: str
     wall: float = field(default_factory=time.time)
+    content: dict[str, Any] | None = None
 
 
 class CommandKind(str, Enum):

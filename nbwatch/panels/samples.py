@@ -1,4 +1,5 @@
-"""Samples: text from `sample_fn` at each eval, newest first (drawn as text, never as HTML)."""
+"""Samples: what `sample_fn` returned at each eval, newest first: text (drawn as text,
+never as HTML), an image (its PNG) or a table (its rows)."""
 
 from __future__ import annotations
 
@@ -9,5 +10,6 @@ MAX_ITEMS = 50
 
 
 def build(samples: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    items = [{"step": int(s["step"]), "text": str(s["text"])} for s in samples]
+    items = [{"step": int(s["step"]), "text": str(s["text"]),
+              **({"content": s["content"]} if s.get("content") else {})} for s in samples]
     return {"items": items[::-1][:MAX_ITEMS]} if items else {}

@@ -102,7 +102,8 @@ class Tail:
         samples = r.samples_since(sample_id)
         if samples:
             sample_id = samples[-1][0]
-            d.samples = [{"step": step, "text": text} for _, step, text in samples]
+            d.samples = [{"step": step, "text": text, "content": content}
+                         for _, step, text, content in samples]
         meta = r.meta_rows()
         if meta != self._meta_raw:
             self._meta_raw = meta

@@ -16,6 +16,7 @@ from torch import nn
 from ..checkpoint import rng_state
 from ..evaluation import EvalResult, evaluate
 from ..records import Event, Sample, Scalars
+from ..samples import sample_content
 from .spec import Progress, RunSpec
 from .state import InFlight
 
@@ -70,7 +71,12 @@ def run_eval(rec: Evaluating, val: Any = None) -> None:
     for a in result.attention:
         rec.store.put(a)
     if result.sample is not None:
-        rec.store.put(Sample(step, result.sample))
+        try:
+            text, content = sample_content(result.sample)
+        except ValueError as e:  # said, and the run goes on: a sample is no training figure
+            rec._emit(Event(step, "probe", "warning", f"{e}; recorded as its text instead"))
+            text, content = str(result.sample)[:2000], None
+        rec.store.put(Sample(step, text, content=content))
     if result.values:
         rec.store.put(Scalars(step, result.values))
         rec._raise_alerts(rec.engine.observe("eval", step, result.values))

@@ -39,7 +39,8 @@ def migrate_v1(path: Path) -> None:
         for statement in schema._SCHEMA.split(";"):
             if statement.strip():
                 con.execute(statement)
-        named = {"commands": schema.COMMAND_COLUMNS, "attention": schema.ATTENTION_COLUMNS}
+        named = {"commands": schema.COMMAND_COLUMNS, "attention": schema.ATTENTION_COLUMNS,
+                 "samples": schema.SAMPLE_COLUMNS}
         for t in kept:
             cols = ", ".join(named[t]) if t in named else "*"
             into = f"{t} ({cols})" if t in named else t

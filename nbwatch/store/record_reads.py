@@ -44,8 +44,16 @@ class RecordReads:
         return df
 
     def samples(self) -> pd.DataFrame:
-        rows = self.query("SELECT step, wall, text FROM samples ORDER BY id")
-        return pd.DataFrame(rows, columns=["step", "wall", "text"])
+        """What `sample_fn` returned at each eval: step, wall, text, and `content` (an
+        image's PNG or a table's rows, as a dict; None for text)."""
+        rows = self.query(f"SELECT step, wall, text, {self._content()} FROM samples ORDER BY id")
+        df = pd.DataFrame(rows, columns=["step", "wall", "text", "content"])
+        df["content"] = [json.loads(c) if c is not None else None for c in df["content"]]
+        return df
+
+    def _content(self) -> str:
+        """The samples' content column, or NULL in a folder made before it existed."""
+        return "content" if self._has("samples", "content") else "NULL"
 
     def _has(self, table: str, column: str | None = None) -> bool:
         """Whether the folder has `table` (and its `column`): a folder of an older nbwatch
@@ -156,10 +164,11 @@ class RecordReads:
         n = self.query("SELECT MAX(sample) FROM attention WHERE step = ?", (step,))[0][0]
         return int(n) + 1 if n is not None else 0
 
-    def samples_since(self, after_id: int) -> list[tuple[int, int, str]]:
-        """(id, step, text) of the samples past `after_id`."""
-        return [tuple(r) for r in self.query(
-            "SELECT id, step, text FROM samples WHERE id > ? ORDER BY id", (after_id,))]
+    def samples_since(self, after_id: int) -> list[tuple[int, int, str, dict | None]]:
+        """(id, step, text, content) of the samples past `after_id`."""
+        return [(i, s, t, json.loads(c) if c is not None else None) for i, s, t, c in self.query(
+            f"SELECT id, step, text, {self._content()} FROM samples WHERE id > ? ORDER BY id",
+            (after_id,))]
 
     def meta_rows(self) -> list[tuple[str, str]]:
         """Meta as stored (key, JSON text), by key: cheap to compare between polls."""

@@ -77,8 +77,9 @@ def _event(con: sqlite3.Connection, r: Event) -> None:
 
 
 def _sample(con: sqlite3.Connection, r: Sample) -> None:
-    con.execute("INSERT INTO samples (step, wall, text) VALUES (?, ?, ?)",
-                (r.step, r.wall, r.text))
+    con.execute("INSERT INTO samples (step, wall, text, content) VALUES (?, ?, ?, ?)",
+                (r.step, r.wall, r.text,
+                 json.dumps(r.content) if r.content is not None else None))
 
 
 def _command(con: sqlite3.Connection, r: Command) -> None:

@@ -67,13 +67,14 @@ CREATE TABLE IF NOT EXISTS events (
     kind TEXT NOT NULL, severity TEXT NOT NULL, message TEXT NOT NULL, data TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS samples (
     id INTEGER PRIMARY KEY AUTOINCREMENT, step INTEGER NOT NULL, wall REAL NOT NULL,
-    text TEXT NOT NULL);
+    text TEXT NOT NULL, content TEXT);  -- content: an image or table (JSON), NULL: text
 CREATE TABLE IF NOT EXISTS commands (
     id INTEGER PRIMARY KEY AUTOINCREMENT, wall REAL NOT NULL, kind TEXT NOT NULL, value REAL,
     source TEXT NOT NULL, taken INTEGER NOT NULL DEFAULT 0, payload TEXT, cid TEXT);
 """
 COMMAND_COLUMNS = ("id", "wall", "kind", "value", "source", "taken")  # before payload, cid
 ATTENTION_COLUMNS = ("id", "step", "module", "sample", "shape", "weights", "tokens")  # schema 2
+SAMPLE_COLUMNS = ("id", "step", "wall", "text")  # before content
 
 
 def add_command_columns(con: sqlite3.Connection) -> None:
@@ -86,6 +87,7 @@ def add_columns(con: sqlite3.Connection) -> None:
     """The columns later schemas added to older tables (at the end, as TEXT)."""
     add_command_columns(con)
     _add_columns(con, "attention", ("encoding",))
+    _add_columns(con, "samples", ("content",))
 
 
 def _add_columns(con: sqlite3.Connection, table: str, cols: tuple[str, ...]) -> None:

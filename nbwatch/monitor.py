@@ -169,7 +169,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         max_steps: int,
         val_fn: Callable[[nn.Module], Any] | None = None,
         eval_every: int | None = None,
-        sample_fn: Callable[[nn.Module], str] | None = None,
+        sample_fn: Callable[[nn.Module], Any] | None = None,
         resume: bool = False,
         *,
         accumulate: int = 1,

@@ -33,7 +33,7 @@ class RunSpec:
     max_steps: int | None = None
     val_fn: Callable[[nn.Module], Any] | None = None
     eval_every: int | None = None
-    sample_fn: Callable[[nn.Module], str] | None = None
+    sample_fn: Callable[[nn.Module], Any] | None = None  # text, an image or a table
     accumulate: int = 1
     hist_every: int = 50
     hist_bins: int = 64

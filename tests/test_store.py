@@ -375,3 +375,30 @@ def test_a_layout_shared_by_two_records_of_one_commit_is_one_block_in_step_order
     assert len(rows) == 1
     steps, values = blocks.decode(rows[0][2], rows[0][3], rows[0][4], r.layout(rows[0][1]))
     assert steps.tolist() == list(range(1, 21)) and values[:, 0].tolist() == steps.tolist()
+
+
+def test_a_live_runs_small_blocks_are_merged_as_it_goes_and_a_follower_reads_each_once(tmp_path):
+    """Merged while the run writes (every `compact_every` s), not only at close: closing a
+    long live run has only its last seconds to merge."""
+    store = RunStore(tmp_path / "run")
+    store.compact_every = 0.0  # at every commit here; 30 s in a run
+    follower = Tail(RunReader(tmp_path / "run"))
+    seen: list[int] = []
+    r = RunReader(tmp_path / "run")
+
+    def follow() -> list[int]:
+        got = follower.poll().scalars.get("loss/train")
+        return got[0].tolist() if got is not None else []
+
+    for s in range(1, 301):
+        store.put(Scalars(s, {"loss/train": float(s), "grad_norm/a": s / 2}))
+        if s % 5 == 0:  # a commit every 5 steps
+            store.flush()
+            if s % 20 == 0:
+                seen += follow()
+    assert len(r.query("SELECT id FROM blocks")) <= 2  # merged live: 60 commits, one block
+    store.close()
+    seen += follow()
+    assert seen == list(range(1, 301))  # every step once, across the merges
+    assert r.df().index.tolist() == list(range(1, 301))
+    assert r.df()["grad_norm/a"].tolist() == [s / 2 for s in range(1, 301)]

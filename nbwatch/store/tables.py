@@ -184,15 +184,19 @@ class ScalarTables:
                 # a group is a run of this layout's rows in id order: one id range
                 span = f"{where} AND id BETWEEN ? AND ?"
                 rng = (*params, ids[0], ids[-1])
-                rows = con.execute(f"SELECT first, last, steps, {col} FROM {table} WHERE"
-                                   f" {span} ORDER BY id", rng).fetchall()
-                steps, values = _joined(rows, width, dtype)
+                lineage = "merged_from" if lid is not None else "NULL"
+                rows = con.execute(f"SELECT first, last, steps, {col}, {lineage} FROM {table}"
+                                   f" WHERE {span} ORDER BY id", rng).fetchall()
+                # a block merged before (live, or by an earlier close) passes on its lowest
+                # id: a follower's cursor within it still knows the steps it has read
+                lowest = min([ids[0]] + [r[4] for r in rows if r[4] is not None])
+                steps, values = _joined([r[:4] for r in rows], width, dtype)
                 (first, last, st, v), = blocks.encode(steps, values, dtype)
                 con.execute(f"DELETE FROM {table} WHERE {span}", rng)
                 if lid is not None:
                     con.execute('INSERT INTO blocks (id, layout, first, last, steps, "values",'
                                 " merged_from) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                                (ids[-1], lid, first, last, st, v, ids[0]))
+                                (ids[-1], lid, first, last, st, v, lowest))
                 else:
                     con.execute("INSERT INTO walls (id, first, last, steps, walls)"
                                 " VALUES (?, ?, ?, ?, ?)", (ids[-1], first, last, st, v))

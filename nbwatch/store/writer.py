@@ -44,6 +44,8 @@ from .schema import (
 )
 from .tables import ScalarTables
 
+COMPACT_EVERY = 30.0  # s: a live run's small blocks merged this often (and at close)
+
 log = logging.getLogger("nbwatch.store")
 
 
@@ -65,6 +67,7 @@ class RunStore(RunReader):
 
     def __init__(self, run_dir: str | Path, flush_interval: float = 0.2,
                  max_pending: int = MAX_PENDING, mode: str | None = None):
+        self.compact_every = COMPACT_EVERY  # s between merges of a live run's small blocks
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / DB_NAME
@@ -158,6 +161,7 @@ class RunStore(RunReader):
         self.error: BaseException | None = None
         self._told = False  # the error was raised to a caller: close() does not repeat it
         self.flush_interval = flush_interval
+        self._compacted = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="nbwatch-store", daemon=True)
         self._thread.start()
 
@@ -392,6 +396,7 @@ class RunStore(RunReader):
                     self._cond.notify_all()  # a put() waiting on back-pressure goes on
                 if batch:
                     self._write(batch)
+                    self._compact_now()
                 self._watch()
                 with self._cond:
                     self._written = max(self._written, target)
@@ -415,6 +420,17 @@ class RunStore(RunReader):
                 self._cond.notify_all()
         finally:
             self._wcon.close()
+
+    def _compact_now(self) -> None:
+        """Every `compact_every` s, merge what the live run committed since into big blocks
+        (what closing does), so that a close merges only the last few seconds' blocks."""
+        now = time.monotonic()
+        if now - self._compacted < self.compact_every:
+            return
+        self._compacted = now
+        with self._wcon:
+            self._tables.compact()
+            self._tables.compact_system()
 
     def _fold_wal(self) -> None:
         """Checkpoint the WAL into the database file and leave WAL mode, so the run folder's

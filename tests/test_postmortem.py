@@ -9,6 +9,7 @@ import itertools
 
 import numpy as np
 import pandas as pd
+import pytest
 import torch
 
 import nbwatch
@@ -81,6 +82,50 @@ def test_an_lr_ramp_shows_its_ramp_and_a_rise_before_the_spike(tmp_path):
     drift = [a for a in row.alerts_before if a["rule"] == "logz_drift"]
     assert drift and drift[0]["lead"] >= 1, row.alerts_before
     assert "log Z 3 robust SD above its median" in timeline(row)
+    print(timeline(row))
+
+
+def tiny_gpt2(seed=0):
+    """A 2-layer GPT-2 built from a config (nothing downloaded), the demo's 128-character
+    vocabulary, no dropout."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2,
+                                  n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def test_a_high_lr_without_warm_up_names_the_rule_that_fired_before_the_spike(tmp_path):
+    """A tiny Hugging Face GPT-2, AdamW at a constant LR of 1.0 from the first step (no
+    warm-up; weight decay 0.1 on every parameter, LayerNorms' included): the loss blows up
+    in the first 50 steps, settles near 3, and spikes again after step 100. The
+    post-mortem names a first signal, no LR move (the LR never changed), and a health rule
+    that fired steps before: `weight_collapse` on a LayerNorm's weights (seeds 0, 1, 2 here:
+    spikes at 120, 138, 135; that rule at 100 in each). `loss_spike` looks at 60 steps, not
+    200: over 200 its noise is the no-warm-up's first 50 steps (losses of 20-60), so the
+    later spike is no 6-SD news there."""
+    model = tiny_gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0, weight_decay=0.1, betas=(0.9, 0.95))
+    demo = make_demo(d=64, layers=2, heads=2, ctx=64, max_steps=400)
+
+    def step_fn(m, b):
+        return {"logits": m(b["input_ids"]).logits, "labels": b["labels"], "mask": b["mask"]}
+
+    mon = nbwatch.Monitor(model, opt, None, run_dir=tmp_path / "r",
+                          alerts={**QUIET, "loss_spike": {"window": 60}})
+    mon.start(step_fn, demo.train, max_steps=145, display=False).wait()
+    assert mon.state == "finished"
+    run = nbwatch.open_run(tmp_path / "r")
+    spikes = run.spikes
+    assert len(spikes), run.events[run.events.kind == "alert"].message.tolist()
+    row = spikes.iloc[0]
+    assert row.step > 60 and row.lr_change is None, timeline(row)
+    assert row.lead >= 0 and row["first"], timeline(row)
+    collapse = [a for a in row.alerts_before if a["rule"] == "weight_collapse"]
+    assert collapse and collapse[0]["lead"] >= 1, row.alerts_before
+    assert "weight_collapse fired" in timeline(row)
+    assert f"loss spike at step {row.step}" in str(mon.diagnose())
     print(timeline(row))
 
 

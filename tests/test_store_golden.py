@@ -32,8 +32,7 @@ def assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray],
     """Equal, every array; with `varying` (a fresh run, maybe on another CPU, whose float
     rounding may differ): the clock's and the machine's columns of `df` aside, figures
     within 1e-3 relative, histograms the same counts in all (a value may cross a bin's
-    edge), attention maps written by this version in steps of 1/255 (`rows.py`) within
-    1/255 of the recorded ones."""
+    edge), attention maps within 1/255 of the recorded ones."""
     assert sorted(got) == sorted(want)
     differ = []
     if varying:  # a figure added since (spike/score, ...) is new, every one recorded stays

@@ -40,14 +40,11 @@ class Truncate:
 
 
 def pack_attention(weights: np.ndarray) -> tuple[str, bytes]:
-    """Attention weights → (encoding, bytes). Weights in [0, 1] (a softmax's) are kept as
-    uint8 steps of 1/255 of the float16 value (what the attention panel and the export
-    show: `panels/attention.py` quantises the same way), zlib-packed: a causal map is half
-    zeros. Anything else is float16, zlib-packed."""
+    """Attention weights → (encoding, bytes): float16 (what was recorded before; the maps
+    `run.attention()` returns keep that precision), zlib-packed: a causal map is half
+    zeros. ("u1/255+z", uint8 steps of 1/255, is read but no longer written: it lost
+    precision that users who analyse the maps rely on.)"""
     w = np.ascontiguousarray(weights, dtype=np.float16)
-    f = w.astype(np.float32)
-    if w.size and np.isfinite(f).all() and f.min() >= 0 and f.max() <= 1:
-        return "u1/255+z", zlib.compress(np.rint(f * 255).astype(np.uint8).tobytes(), 6)
     return "f2+z", zlib.compress(w.tobytes(), 6)
 
 

@@ -9,6 +9,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import nbwatch
 from nbwatch.cli import main
@@ -173,3 +174,15 @@ def test_demo_ends_with_its_snapshot(tmp_path, capsys):
     assert f"snapshot: {run / 'report.html'}" in out
     state = state_of(Page((run / "report.html").read_text(encoding="utf-8")))
     assert state["panels"]["header"]["state"] == "finished"
+
+
+def test_the_summary_wall_time_is_the_header_elapsed(tmp_path):
+    """One duration: the export's summary ("wall time") and the header ("elapsed") agree."""
+    reader = RunReader(write_run(tmp_path / "run", steps=40))
+    try:
+        state = snapshot(reader)
+    finally:
+        reader.close()
+    header = state["panels"]["header"]
+    assert header["elapsed_s"] == pytest.approx(4.0, abs=0.01)  # 40 steps 0.1 s apart
+    assert dict(state["report"]["summary"])["wall time"] == header["elapsed"] == "4.0s"

@@ -4,7 +4,7 @@
 // could not take a figure on this model, its words (why, the line to add) stand in the
 // figure's place, never empty axes.
 import { Series, apply } from "../downsample.js";
-import { baseLayout, CONFIG, el, escTemplate, esc, layerColor, panel } from "../plot.js";
+import { baseLayout, CONFIG, el, endLabels, escTemplate, esc, layerColor, panel, shortNames } from "../plot.js";
 
 // What stands in a figure's place when the probe pass did not take it on this model.
 const NONE = {
@@ -84,9 +84,14 @@ export function create(root, ctx) {
       const m = { l: 52, r: 8, t: 24, b: 32 };
       for (const [part, title] of Object.entries(PARTS)) {
         if (!has[part]) continue;
-        Plotly.react(plots[part], lines(part), baseLayout(t, {
-          margin: m, title: { text: title, font: { size: 11 } },
-          yaxis: { gridcolor: t.grid, type: part === "max_logit" ? "log" : "linear", exponentformat: "e" },
+        const traces = lines(part);
+        const labels = shortNames(Object.keys(series[part]));
+        const log = part === "max_logit";
+        const end = endLabels(traces.map((tr, i) => ({ label: labels[i], color: tr.line.color, y: tr.y })),
+          { log, height: plots[part].clientHeight || 240, top: m.t, bottom: m.b });
+        Plotly.react(plots[part], traces, baseLayout(t, {
+          margin: { ...m, r: end.r }, title: { text: title, font: { size: 11 } }, annotations: end.annotations,
+          yaxis: { gridcolor: t.grid, type: log ? "log" : "linear", exponentformat: "e", ...end.yaxis },
         }), CONFIG);
       }
       if (!has.out) return;
@@ -98,6 +103,7 @@ export function create(root, ctx) {
           hovertemplate: "step %{x}<br>max |logit| %{y:.4g}<extra></extra>" },
       ], baseLayout(t, {
         margin: { ...m, r: 52 }, title: { text: "output logits: log-partition, max |logit|", font: { size: 11 } },
+        showlegend: true, legend: { orientation: "h", x: 0.01, y: 0.99, xanchor: "left", yanchor: "top", font: { size: 10 }, bgcolor: "rgba(0,0,0,0)" },
         yaxis: { title: { text: "log Z" }, gridcolor: t.grid },
         yaxis2: { title: { text: "max |logit|" }, overlaying: "y", side: "right", showgrid: false },
       }), CONFIG);

@@ -112,7 +112,8 @@ export function baseLayout(t, extra = {}) {
     showlegend: false,
     hovermode: "closest",
     hoverlabel: { namelength: -1 },
-    xaxis: { gridcolor: t.grid, zerolinecolor: t.grid, title: { text: "step" } },
+    // the trend panels' x (step, time, tokens: js/axis.js), set on the theme by mount.js
+    xaxis: t.axis ? t.axis.xaxis(t) : { gridcolor: t.grid, zerolinecolor: t.grid, title: { text: "step" } },
     yaxis: { gridcolor: t.grid, zerolinecolor: t.grid },
     ...extra,
   };

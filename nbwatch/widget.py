@@ -52,11 +52,17 @@ class Dashboard(anywidget.AnyWidget):
     _css = _STATIC / "dashboard.css"
     live = traitlets.Bool(False).tag(sync=True)
     run_dir = traitlets.Unicode("").tag(sync=True)
+    # the trend panels' x axis ("step", "relative", "wall", "tokens"), set by the page's
+    # switch; a new dashboard starts with the kernel's last choice (one kernel: one notebook)
+    xaxis = traitlets.Unicode("step").tag(sync=True)
+    _kept_xaxis = "step"
 
     def __init__(self, run_dir: str | Path, monitor: Watched | None = None,
                  interval: float = 0.25, **kwargs: Any):
         enable_colab_widgets()  # a dashboard shown without `%load_ext nbwatch`
+        kwargs.setdefault("xaxis", Dashboard._kept_xaxis)
         super().__init__(live=monitor is not None, run_dir=str(run_dir), **kwargs)
+        self.observe(_keep_xaxis, names="xaxis")
         self._dir = Path(run_dir)
         self._monitor = monitor
         self.interval = max(float(interval), 0.25)  # ≤ 4 refreshes/s
@@ -237,6 +243,10 @@ class Dashboard(anywidget.AnyWidget):
     def close(self) -> None:
         self.stop()
         super().close()
+
+
+def _keep_xaxis(change: dict[str, Any]) -> None:
+    Dashboard._kept_xaxis = str(change["new"])
 
 
 def button_args(kind: str, value: Any) -> dict[str, Any]:

@@ -314,3 +314,21 @@ def test_in_colab_the_extension_turns_on_the_custom_widget_manager(tmp_path, mon
     d = Dashboard.for_run(tmp_path / "r")
     d.close()
     assert calls[-1] == 1
+
+
+def test_the_x_axis_choice_is_kept_for_the_next_dashboard_of_the_kernel(tmp_path):
+    """The page's switch sets the widget's `xaxis` (saved with the notebook); the kernel's
+    next dashboard starts with the same choice (one kernel per notebook)."""
+    from tests.export_run import write_run
+
+    run = write_run(tmp_path / "run", steps=5)
+    first = Dashboard.for_run(run)
+    try:
+        assert first.xaxis == "step"
+        first.xaxis = "relative"  # what the page's switch does through the model
+        second = Dashboard.for_run(run)
+        assert second.xaxis == "relative"
+        second.close()
+    finally:
+        first.close()
+        Dashboard._kept_xaxis = "step"

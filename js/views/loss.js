@@ -55,43 +55,45 @@ export function create(root, ctx) {
       for (const v of s.train.y) if (v > top && Number.isFinite(v)) top = v;
       for (const v of s.val.y) if (v > top && Number.isFinite(v)) top = v;
       if (!Number.isFinite(top)) top = 1;
+      const ax = t.axis;
+      const gx = ax.x(gap.x);
       const traces = [
         ...Object.entries(branches).map(([n, b]) => ({
-          name: `rewound over (${n})`, x: b.x, y: b.y, type: "scatter", mode: "lines",
+          name: `rewound over (${n})`, ...ax.line(b.x, b.y), type: "scatter", mode: "lines",
           line: { color: COLORS["loss/train"], width: 1, dash: "dot" }, opacity: 0.35,
-          hovertemplate: `step %{x}<br>train %{y:.4f} (rewound over, rewind ${n})<extra></extra>` })),
-        { name: "train loss", x: s.train.x, y: s.train.y, type: "scatter", mode: "lines",
+          hovertemplate: `${ax.hover()}<br>train %{y:.4f} (rewound over, rewind ${n})<extra></extra>` })),
+        { name: "train loss", ...ax.line(s.train.x, s.train.y), type: "scatter", mode: "lines",
           line: { color: COLORS["loss/train"], width: 1 }, opacity: 0.45,
-          hovertemplate: "step %{x}<br>train %{y:.4f}<extra></extra>" },
-        { name: "train (smoothed)", x: s.smooth.x, y: s.smooth.y, type: "scatter", mode: "lines",
+          hovertemplate: `${ax.hover()}<br>train %{y:.4f}<extra></extra>` },
+        { name: "train (smoothed)", ...ax.line(s.smooth.x, s.smooth.y), type: "scatter", mode: "lines",
           line: { color: COLORS["loss/train_smooth"], width: 2 },
-          hovertemplate: "step %{x}<br>smoothed %{y:.4f}<extra></extra>" },
-        { name: "train at eval", x: gap.x, y: gap.y, type: "scatter", mode: "lines",
+          hovertemplate: `${ax.hover()}<br>smoothed %{y:.4f}<extra></extra>` },
+        { name: "train at eval", x: gx, y: gap.y, type: "scatter", mode: "lines",
           line: { width: 0, color: COLORS["loss/val"] }, hoverinfo: "skip" },
-        { name: "val − train gap", x: gap.x, y: gap.top, type: "scatter", mode: "lines",
+        { name: "val − train gap", x: gx, y: gap.top, type: "scatter", mode: "lines",
           line: { width: 0, color: COLORS["loss/val"] }, fill: "tonexty",
           fillcolor: COLORS.gap, customdata: gap.top.map((v, i) => v - gap.y[i]),
-          hovertemplate: "step %{x}<br>gap %{customdata:.4f}<extra></extra>" },
-        { name: "val loss", x: s.val.x, y: s.val.y, type: "scatter", mode: "lines+markers",
+          hovertemplate: `${ax.hover()}<br>gap %{customdata:.4f}<extra></extra>` },
+        { name: "val loss", ...ax.line(s.val.x, s.val.y), type: "scatter", mode: "lines+markers",
           line: { color: COLORS["loss/val"], width: 1.5 }, marker: { size: 7 },
-          hovertemplate: "step %{x}<br>val %{y:.4f}<extra></extra>" },
-        { name: "LR", x: s.lr.x, y: s.lr.y, type: "scatter", mode: "lines", yaxis: "y2",
+          hovertemplate: `${ax.hover()}<br>val %{y:.4f}<extra></extra>` },
+        { name: "LR", ...ax.line(s.lr.x, s.lr.y), type: "scatter", mode: "lines", yaxis: "y2",
           line: { color: COLORS.lr, width: 1.5, dash: "dot" },
-          hovertemplate: "step %{x}<br>LR %{y:.3e}<extra></extra>" },
+          hovertemplate: `${ax.hover()}<br>LR %{y:.3e}<extra></extra>` },
         // at the top of the loss axis: a third, hidden axis would cost a third of this draw
-        { name: "events", x: markers.map((m) => m.step), y: markers.map(() => top), cliponaxis: false,
+        { name: "events", x: ax.x(markers.map((m) => m.step)), customdata: markers.map((m) => m.step), y: markers.map(() => top), cliponaxis: false,
           type: "scatter", mode: "markers", text: markers.map((m) => esc(m.message)),
           marker: { symbol: "triangle-down", size: 10, color: markers.map((m) => severityColor(m.severity)) },
-          hovertemplate: "step %{x}<br>%{text}<extra></extra>" },
+          hovertemplate: "step %{customdata}<br>%{text}<extra></extra>" },
       ];
       const layout = baseLayout(t, {
         margin: { l: 52, r: 60, t: 8, b: 32 },
-        showlegend: true,
+                showlegend: true,
         legend: { orientation: "h", y: -0.22, font: { size: 10 } },
         yaxis: { title: { text: "loss" }, type: logBox.checked ? "log" : "linear", gridcolor: t.grid },
         yaxis2: { title: { text: "LR" }, overlaying: "y", side: "right", showgrid: false, zeroline: false,
           exponentformat: "e", color: COLORS.lr, ...flatRange(s.lr.y) },
-        shapes: markers.map((m) => ({ type: "line", xref: "x", yref: "paper", x0: m.step, x1: m.step,
+        shapes: markers.map((m) => ({ type: "line", xref: "x", yref: "paper", x0: ax.at(m.step), x1: ax.at(m.step),
           y0: 0, y1: 1, line: { color: severityColor(m.severity), width: 1, dash: "dot" } })),
       });
       Plotly.react(plot, traces, layout, CONFIG);

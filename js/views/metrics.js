@@ -92,10 +92,10 @@ export function create(root, ctx) {
         layout.annotations.push({ xref: "paper", yref: "paper", x: 0, y: hi, xanchor: "left", yanchor: "top",
           showarrow: false, text: esc(k), font: { color, size: 10 }, name: "row-label" });
         return {
-          name: esc(k), x: series[k].x, y: series[k].y, type: "scatter", yaxis: ax,
+          name: esc(k), ...t.axis.line(series[k].x, series[k].y), type: "scatter", yaxis: ax,
           mode: series[k].x.length < 60 ? "lines+markers" : "lines", marker: { size: 4 },
           line: { width: 1.5, color },
-          hovertemplate: `${escTemplate(k)}<br>step %{x}<br>%{y:.4g}<extra></extra>`,
+          hovertemplate: `${escTemplate(k)}<br>${t.axis.hover()}<br>%{y:.4g}<extra></extra>`,
         };
       });
       layout.xaxis = { ...layout.xaxis, anchor: n > 1 ? `y${n}` : "y" }; // ticks under the last row

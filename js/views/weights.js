@@ -141,16 +141,16 @@ export function create(root, ctx) {
       const c = cols[layer] || [];
       const h = c.length ? heatmap(c) : { x: [], y: [], z: [] };
       Plotly.react(heat, [{
-        type: "heatmap", x: h.x, y: h.y, z: h.z, colorscale: "Viridis", showscale: false,
-        hovertemplate: "step %{x}<br>weight %{y:.3g}<br>fraction %{z:.3f}<extra></extra>",
+        type: "heatmap", x: t.axis.x(h.x), y: h.y, z: h.z, colorscale: "Viridis", showscale: false,
+        hovertemplate: `${t.axis.hover()}<br>weight %{y:.3g}<br>fraction %{z:.3f}<extra></extra>`,
       }], baseLayout(t, { margin: { l: 52, r: 8, t: 24, b: 32 },
         title: { text: `weight histogram: ${esc(layer || "–")}`, font: { size: 11 } },
         yaxis: { title: { text: "weight" }, gridcolor: t.grid } }), CONFIG);
       const traces = shownRatios(layers, ratios, layer).map((l) => ({
-        name: esc(l), x: ratios[l].x, y: ratios[l].y, type: "scatter", mode: many ? "lines" : "lines+markers",
+        name: esc(l), ...t.axis.line(ratios[l].x, ratios[l].y), type: "scatter", mode: many ? "lines" : "lines+markers",
         marker: { size: 3 },
         line: { color: layerColor(layers.indexOf(l), layers.length), width: l === layer ? 2.5 : 1 },
-        hovertemplate: `${escTemplate(l)}<br>step %{x}<br>update ratio %{y:.3e}<extra></extra>`,
+        hovertemplate: `${escTemplate(l)}<br>${t.axis.hover()}<br>update ratio %{y:.3e}<extra></extra>`,
       }));
       const shown = shownRatios(layers, ratios, layer);
       const labels = shortNames(shown);

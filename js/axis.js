@@ -85,6 +85,15 @@ export function createAxis(mode = "step") {
       }
       return { x, y };
     },
+    // Another run's steps (a baseline's) by its own clock {wall, tokens}; null where this
+    // axis cannot place them (wall time: another run ran at another time).
+    other(clock, steps) {
+      const m = ax.active();
+      if (m === "step") return steps;
+      const c = m === "tokens" ? clock.tokens : m === "relative" ? clock.wall : null;
+      if (!c || !c.x || !c.x.length) return null;
+      return Array.from(steps, (s) => (m === "relative" ? interp(c.x, c.y, s) / unit().div : interp(c.x, c.y, s)));
+    },
     title() {
       const m = ax.active();
       if (m === "relative") return `time since the start (${unit().name})`;

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import traitlets
 from .lifecycle import is_ended
 from .notebook import enable_colab_widgets, remember
 from .panels import Feed
+from .panels.baseline import beside
 from .panels.wire import pack
 from .store import RunReader, is_run_dir
 
@@ -184,7 +186,7 @@ class Dashboard(anywidget.AnyWidget):
                 feed.update()
                 caught_up = True
             if caught_up:
-                panels = feed.full()
+                panels = self._with_choices(feed.full())
                 panels["header"] = self._header(panels["header"])
                 self._post({"type": "full", "to": None, "panels": panels})
             elif upd:
@@ -195,6 +197,14 @@ class Dashboard(anywidget.AnyWidget):
                 return False
             self.refreshes += 1
             return True
+
+    def _with_choices(self, panels: dict[str, Any]) -> dict[str, Any]:
+        """A full state with what the loss panel's baseline picker offers: the run folders
+        beside this one (`nbwatch ls`'s frame), and the one picked."""
+        if self._feed is not None:
+            panels["loss"] = {**panels.get("loss", {}), "beside": beside(self._dir),
+                              "picked": list(self._feed.baselines.picked)}
+        return panels
 
     def _post(self, content: dict[str, Any], extra: list[bytes] | None = None) -> None:
         buffers: list[Any] = list(extra or [])
@@ -209,10 +219,20 @@ class Dashboard(anywidget.AnyWidget):
             if content.get("plotly"):
                 self.send({"type": "plotly", "to": view}, buffers=[_plotly_source()])
             with self._lock:
-                panels = self._feed.full() if self._feed is not None else {}
+                panels = self._with_choices(self._feed.full()) if self._feed is not None else {}
                 if self._monitor is not None:
                     panels["header"] = self._header(panels.get("header"))
                 self._post({"type": "full", "to": view, "panels": panels})
+        elif kind == "baseline":  # the loss panel's picker: a run beside this one, or none
+            offered = beside(self._dir)
+            with self._lock:
+                feed = self._feed
+                if feed is not None:  # read and sent here: a finished run's poll has ended
+                    feed.baselines.picked = [
+                        str(n) for n in content.get("names") or [] if str(n) in offered]
+                    if feed.baselines.refresh(feed.meta, time.time()):
+                        self._post({"type": "delta", "panels": {
+                            "loss": {"baselines": feed.baselines.panel()}}})
         elif kind == "command":
             try:
                 self.command(str(content.get("kind")), content.get("value"))

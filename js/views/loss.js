@@ -1,9 +1,33 @@
 // Loss: train raw + smoothed, val points, the val−train gap shaded, LR on a second y axis,
 // a log-y toggle, and markers where an action or alert happened.
 import { Series, apply } from "../downsample.js";
-import { baseLayout, COLORS, CONFIG, el, esc, panel, severityColor } from "../plot.js";
+import { baseLayout, COLORS, CONFIG, el, esc, escTemplate, panel, severityColor } from "../plot.js";
 
 const MAX_MARKERS = 300;
+const BASE_COLORS = ["#7f7f7f", "#b07aa1", "#9c755f", "#76b7b2"];
+
+// A baseline's traces, faded under this run's: its smoothed train loss, val points and LR,
+// each placed by its own clock on the time axes; its config difference on hover.
+export function baselineTraces(b, i, ax) {
+  const color = BASE_COLORS[i % BASE_COLORS.length];
+  const name = `baseline ${b.name}`;
+  const diff = (b.diff || []).map(([k, theirs, ours]) => `${escTemplate(k)}: ${escTemplate(theirs)} → ${escTemplate(ours)}`);
+  const said = `${escTemplate(name)}${diff.length ? `<br>config (baseline → this run):<br>${diff.join("<br>")}` : "<br>same config"}`;
+  const out = [];
+  const at = (tr) => (tr ? ax.other(b, tr.x) : null);
+  const tx = at(b.train), vx = at(b.val), lx = at(b.lr);
+  if (tx) out.push({ name: esc(name), legendgroup: `b${i}`, x: tx, y: b.train.y, type: "scatter", mode: "lines",
+    line: { color, width: 1.5, dash: "dash" }, opacity: 0.6,
+    hovertemplate: `${said}<br>${ax.hover()}<br>train (smoothed) %{y:.4f}<extra></extra>` });
+  if (vx) out.push({ name: esc(`${name} val`), legendgroup: `b${i}`, showlegend: false, x: vx, y: b.val.y,
+    type: "scatter", mode: "lines+markers", line: { color, width: 1, dash: "dot" }, opacity: 0.6,
+    marker: { size: 6, symbol: "circle-open" },
+    hovertemplate: `${said}<br>${ax.hover()}<br>val %{y:.4f}<extra></extra>` });
+  if (lx) out.push({ name: esc(`${name} LR`), legendgroup: `b${i}`, showlegend: false, x: lx, y: b.lr.y, yaxis: "y2",
+    type: "scatter", mode: "lines", line: { color, width: 1, dash: "dot" }, opacity: 0.45,
+    hovertemplate: `${said}<br>${ax.hover()}<br>LR %{y:.3e}<extra></extra>` });
+  return out;
+}
 
 // A constant LR would get plotly's ±0.5 around it (ticks like −0.5): show 0 to twice it.
 export function flatRange(ys) {
@@ -20,21 +44,37 @@ export function create(root, ctx) {
   logBox.type = "checkbox";
   logBox.className = "nbw-logy";
   logLabel.append(logBox, document.createTextNode(" log y"));
-  p.head.appendChild(logLabel);
+  // The baseline picker (a live dashboard: the runs beside this one); none in an export.
+  const pick = el("select", "nbw-baseline-pick");
+  pick.title = "draw another run faded under this one";
+  pick.hidden = true;
+  p.head.append(pick, logLabel);
   const plot = el("div", "nbw-plot");
   p.body.appendChild(plot);
   const s = { train: new Series(), smooth: new Series(), val: new Series(), lr: new Series() };
   let branches = {}; // rewind n → Series of the train loss it rewound over
   let gap = { x: [], y: [], top: [] };
   let markers = [];
+  let baselines = []; // [{name, train, val, lr, wall, tokens, diff}], replaced whole
   let dirty = false;
+  pick.onchange = () => ctx.send({ type: "baseline", names: pick.value ? [pick.value] : [] });
+  function offer(names, picked) {
+    pick.replaceChildren(el("option", null, "baseline: none"), ...names.map((n) => {
+      const o = el("option", null, `baseline: ${n}`); o.value = n; return o;
+    }));
+    pick.firstChild.value = "";
+    pick.value = picked && names.includes(picked) ? picked : "";
+    pick.hidden = !names.length;
+  }
   logBox.onchange = () => { dirty = true; ctx.schedule(); };
 
   return {
     box: p.box,
     series: s,
     update(d, full) {
-      if (full) { gap = { x: [], y: [], top: [] }; markers = []; branches = {}; for (const k in s) s[k].set([], []); }
+      if (full) { gap = { x: [], y: [], top: [] }; markers = []; branches = {}; baselines = []; for (const k in s) s[k].set([], []); }
+      if (d.baselines) { baselines = d.baselines; dirty = true; }
+      if (d.beside) offer(d.beside, (d.picked || [])[0]);
       for (const [n, tr] of Object.entries(d.branches || {})) {
         dirty = apply(branches[n] || (branches[n] = new Series()), tr, full) || dirty;
       }
@@ -54,10 +94,12 @@ export function create(root, ctx) {
       let top = -Infinity;
       for (const v of s.train.y) if (v > top && Number.isFinite(v)) top = v;
       for (const v of s.val.y) if (v > top && Number.isFinite(v)) top = v;
+      if (!Number.isFinite(top)) for (const b of baselines) for (const v of (b.train || { y: [] }).y) if (v > top && Number.isFinite(v)) top = v;
       if (!Number.isFinite(top)) top = 1;
       const ax = t.axis;
       const gx = ax.x(gap.x);
       const traces = [
+        ...baselines.flatMap((b, i) => baselineTraces(b, i, ax)),
         ...Object.entries(branches).map(([n, b]) => ({
           name: `rewound over (${n})`, ...ax.line(b.x, b.y), type: "scatter", mode: "lines",
           line: { color: COLORS["loss/train"], width: 1, dash: "dot" }, opacity: 0.35,

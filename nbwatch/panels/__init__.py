@@ -16,6 +16,7 @@ from ..store import RunReader
 from . import (
     alerts,
     attention,
+    baseline,
     clock,
     data,
     grads,
@@ -46,6 +47,7 @@ class Feed:
 
     def __init__(self, reader: RunReader, max_points: int = MAX_POINTS):
         self.tail = Tail(reader)
+        self.baselines = baseline.Baselines(reader.run_dir)
         self.max_points = max_points
         self.series: dict[str, Downsampler] = {}
         self.latest: dict[str, tuple[int, float]] = {}
@@ -81,10 +83,15 @@ class Feed:
     def update(self, now: float | None = None) -> dict[str, Any] | None:
         d = self.tail.poll()
         self.more = d.more
+        now = time.time() if now is None else now
         if d.empty():
             self._caught_up = self._caught_up or not d.more
+            if self.baselines.refresh(self.meta, now):  # one picked, or a live one moved
+                return {"loss": {"baselines": self.baselines.panel()}}
             return None
-        out = self._fold(d, time.time() if now is None else now)
+        out = self._fold(d, now)
+        if self.baselines.refresh(self.meta, now):
+            out.setdefault("loss", {})["baselines"] = self.baselines.panel()
         self._caught_up = self._caught_up or not d.more
         return out
 
@@ -220,7 +227,8 @@ class Feed:
         return {
             "header": self.header(now),
             "clock": clock.build(self.clock_t0, clock_new or {}),
-            "loss": loss.build(series, events),
+            "loss": loss.build(series, events) | (
+                {"baselines": self.baselines.panel()} if full and self.baselines.held else {}),
             "ranks": ranks.build(series, recent, events),
             "grads": grads.build(series, self.latest, events, heat),
             "weights": weights.build(columns, series),

@@ -312,3 +312,49 @@ def test_feed_clock_maps_steps_onto_time_and_tokens_new_points_then_all(tmp_path
     full = feed.full(now=t0 + 41)["clock"]
     assert full["wall"]["x"].tolist() == list(range(1, 11))
     assert full["wall"]["y"][5] - full["wall"]["y"][4] == pytest.approx(30.5)
+
+
+def test_feed_draws_the_baselines_its_meta_names_found_beside_it_when_moved(tmp_path):
+    """A run's meta names its baselines; a copied `runs/` folder still finds them beside
+    it, and a baseline still being written is read again (it follows live)."""
+    import shutil
+
+    from nbwatch.panels import Feed, baseline
+    from nbwatch.records import Scalars
+    from nbwatch.store import RunReader, RunStore
+
+    def run(path, steps, config, state="finished", baselines=()):
+        store = RunStore(path)
+        store.set_meta("config", config)
+        store.set_meta("state", state)
+        store.set_meta("baselines", [str(b) for b in baselines])
+        for s in range(1, steps + 1):
+            store.put(Scalars(s, {"loss/train": 3.0 - s / steps, "lr": 0.1,
+                                  **({"loss/val": 2.5} if s % 5 == 0 else {})}, wall=100.0 + s))
+        return store
+
+    base = run(tmp_path / "old" / "exp0", 20, {"lr": 0.1, "seed": 1}, state="running")
+    base.flush()
+    run(tmp_path / "old" / "exp1", 10, {"lr": 0.2, "seed": 1},
+        baselines=[tmp_path / "old" / "exp0"]).close()
+    feed = Feed(RunReader(tmp_path / "old" / "exp1"))
+    feed.update(now=0.0)
+    (b,) = feed.full(now=0.0)["loss"]["baselines"]
+    assert b["step"] == 20 and b["state"] == "running" and b["val"]["x"].tolist() == [5, 10, 15, 20]
+    assert b["diff"] == [["lr", "0.1", "0.2"]]
+    assert b["train"]["y"][0] == pytest.approx(3.0 - 1 / 20)  # smoothed, debiased: starts there
+    # the baseline goes on: read again once FOLLOW_EVERY has passed, not before
+    for s in range(21, 26):
+        base.put(Scalars(s, {"loss/train": 1.0}, wall=100.0 + s))
+    base.flush()
+    assert feed.update(now=1.0) is None
+    moved = feed.update(now=baseline.FOLLOW_EVERY + 1)
+    assert moved["loss"]["baselines"][0]["step"] == 25
+    base.close()
+    # the whole folder copied elsewhere: the baseline named by its old path is found beside
+    shutil.copytree(tmp_path / "old", tmp_path / "new")
+    shutil.rmtree(tmp_path / "old")
+    feed = Feed(RunReader(tmp_path / "new" / "exp1"))
+    feed.update(now=0.0)
+    assert feed.full(now=0.0)["loss"]["baselines"][0]["path"] == str(tmp_path / "new" / "exp0")
+    assert baseline.beside(tmp_path / "new" / "exp1") == ["exp0"]

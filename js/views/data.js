@@ -6,7 +6,7 @@ import { baseLayout, COLORS, CONFIG, el, panel } from "../plot.js";
 export function create(root) {
   const p = panel(root, "data", "Data");
   const pad = el("div", "nbw-plot nbw-third");
-  const hist = el("div", "nbw-plot nbw-third");
+  const hist = el("div", "nbw-plot nbw-third nbw-data-hist");
   const time = el("div", "nbw-plot nbw-third");
   p.body.append(pad, hist, time);
   const s = { padding: new Series(), time_data: new Series(), time_compute: new Series() };

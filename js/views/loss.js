@@ -58,8 +58,11 @@ export function create(root, ctx) {
   let baselines = []; // [{name, train, val, lr, wall, tokens, diff}], replaced whole
   let dirty = false;
   pick.onchange = () => ctx.send({ type: "baseline", names: pick.value ? [pick.value] : [] });
-  function offer(names, picked) {
-    pick.replaceChildren(el("option", null, "baseline: none"), ...names.map((n) => {
+  function offer(beside, picked) {
+    // the runs the run itself names as baselines are drawn already: not offered again
+    const named = new Set(baselines.map((b) => String(b.path).split(/[\\/]/).pop()));
+    const names = beside.filter((n) => !named.has(n) || n === picked);
+    pick.replaceChildren(el("option", null, "compare with…"), ...names.map((n) => {
       const o = el("option", null, `baseline: ${n}`); o.value = n; return o;
     }));
     pick.firstChild.value = "";

@@ -85,14 +85,19 @@ export function mount(root, ctx, { live }) {
   }
 
   // Views that follow every refresh first, then the trend panels.
-  const order = Object.keys(views).sort((a, b) => (EVERY_MS[a] || 0) - (EVERY_MS[b] || 0));
+  // Among the trend panels, the one that has waited longest goes first: one per frame in a
+  // fixed order starves the last ones when frames are slow (a loaded machine), round robin
+  // does not.
+  const names = Object.keys(views);
+  const order = () => names.slice().sort((a, b) => (EVERY_MS[a] || 0) - (EVERY_MS[b] || 0)
+    || (EVERY_MS[a] ? (last[a] ?? -1) - (last[b] ?? -1) : 0));
 
   function draw(Plotly) {
     const t = theme(root);
     t.axis = axis;
     const now = performance.now();
     let throttled = false, next = Infinity;
-    for (const name of order) {
+    for (const name of order()) {
       const v = views[name];
       const wait = due(name, now, throttled || performance.now() - now > BUSY_MS);
       if (wait > 0) { next = Math.min(next, wait); continue; }

@@ -195,8 +195,10 @@ def test_lab_baseline_labels_and_the_x_axis_switch(page, lab_server, workdir):
         "() => document.querySelector('[data-panel=health] .nbw-health-entropy .main-svg')",
         timeout=30_000)
 
+    seen: list = []
+
     def drawn():
-        plots = plots_of(page, TREND)
+        plots = seen[:] = plots_of(page, TREND)
         loss = [p for p in plots if p["panel"] == "loss"]
         health = [p for p in plots if "nbw-health-entropy" in p["cls"]]
         metrics = [p for p in plots if p["panel"] == "metrics"]
@@ -204,7 +206,12 @@ def test_lab_baseline_labels_and_the_x_axis_switch(page, lab_server, workdir):
               and len(health[0]["labels"]) == 2 and metrics and len(metrics[0]["labels"]) >= 2)
         return plots if ok else None
 
-    plots = until(drawn, timeout=20, what="the baseline, Health labels and Metrics rows")
+    # (a panel out of view redraws every 3 s at most, one a second in view: bring them in)
+    page.locator("[data-panel=health]").scroll_into_view_if_needed()
+    try:
+        plots = until(drawn, timeout=45, what="the baseline, Health labels and Metrics rows")
+    except AssertionError:
+        raise AssertionError(f"drawn: {seen}") from None
     assert sorted([p for p in plots if "nbw-health-entropy" in p["cls"]][0]["labels"]) == [
         "0.attn", "1.attn"]
 

@@ -147,7 +147,7 @@ export function create(root, ctx) {
         title: { text: `weight histogram: ${esc(layer || "–")}`, font: { size: 11 } },
         yaxis: { title: { text: "weight" }, gridcolor: t.grid } }), CONFIG);
       const traces = shownRatios(layers, ratios, layer).map((l) => ({
-        name: esc(l), ...t.axis.line(ratios[l].x, ratios[l].y), type: "scatter", mode: many ? "lines" : "lines+markers",
+        name: esc(l), ...t.axis.line(ratios[l].x, ratios[l].y), type: "scatter", mode: many && ratios[l].x.length > 30 ? "lines" : "lines+markers", // a point or two: markers, or nothing shows
         marker: { size: 3 },
         line: { color: layerColor(layers.indexOf(l), layers.length), width: l === layer ? 2.5 : 1 },
         hovertemplate: `${escTemplate(l)}<br>${t.axis.hover()}<br>update ratio %{y:.3e}<extra></extra>`,

@@ -18,8 +18,13 @@ async function main() {
   document.getElementById("nbw-app").appendChild(root);
   let Plotly = null;
   let frame = null;
+  const key = `nbwatch:xaxis:${location.pathname}`;
+  let kept = null;
+  try { kept = localStorage.getItem(key); } catch (e) { /* a page without storage */ }
   const ctx = {
     send: () => {}, // a snapshot: no kernel to send to
+    xaxis: kept || "step",
+    saveAxis: (mode) => { try { localStorage.setItem(key, mode); } catch (e) { /* none */ } },
     schedule: () => {
       if (frame === null) frame = requestAnimationFrame(() => {
         frame = null;

@@ -17,6 +17,10 @@ function render({ model, el }) {
 
   const ctx = {
     send: (msg) => model.send({ ...msg, view: viewId }),
+    // the x axis switch is kept in the widget's model: per notebook (the kernel keeps the
+    // last choice for the next dashboard; the saved notebook keeps this one's)
+    xaxis: model.get("xaxis") || "step",
+    saveAxis: (mode) => { model.set("xaxis", mode); model.save_changes(); },
     schedule: () => {
       if (frame === null && alive) frame = requestAnimationFrame(draw);
     },
@@ -70,6 +74,8 @@ function render({ model, el }) {
     }
   }
   model.on("msg:custom", onMsg);
+  const onAxis = () => board.setAxis(model.get("xaxis"));
+  model.on("change:xaxis", onAxis);
   plotlyState().promise.then((P) => {
     Plotly = P;
     plotlyAt = performance.now();
@@ -96,6 +102,7 @@ function render({ model, el }) {
   return () => {
     alive = false;
     model.off("msg:custom", onMsg);
+    model.off("change:xaxis", onAxis);
     observer.disconnect();
     if (frame !== null) cancelAnimationFrame(frame);
     clearTimeout(helloTimer);

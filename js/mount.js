@@ -1,6 +1,7 @@
 // The dashboard's DOM and views, shared by the live widget (index.js, fed by the kernel's
 // messages) and the HTML export (export.js, fed by a JSON state embedded in the page).
-import { theme } from "./plot.js";
+import { MODES, createAxis } from "./axis.js";
+import { el, theme } from "./plot.js";
 import * as alerts from "./views/alerts.js";
 import * as attention from "./views/attention.js";
 import * as controls from "./views/controls.js";
@@ -27,9 +28,34 @@ const OFFSCREEN_MS = 3000;
 const BUSY_MS = 12; // a frame that spent this much already leaves trend panels to the next
 
 // Build the header, the controls bar (when `live`) and one view per panel under `root`.
-// `ctx`: {send(msg), schedule()}. Returns {apply(panels, full), draw(Plotly), restyle()}.
+// `ctx`: {send(msg), schedule(), xaxis (the x axis to start with), saveAxis(mode) (where
+// the choice is kept)}. Returns {apply(panels, full), draw(Plotly), restyle(), axis}.
 export function mount(root, ctx, { live }) {
   const head = header.create(root, ctx);
+  // One x axis switch for every trend panel (step, relative or wall time, tokens seen).
+  const axis = createAxis(ctx.xaxis || "step");
+  const pick = el("select", "nbw-xaxis");
+  pick.title = "x axis of the trend panels";
+  const pickLabel = el("label", "nbw-xaxis-label", "x: ");
+  pickLabel.appendChild(pick);
+  head.box.querySelector(".nbw-header-top").appendChild(pickLabel);
+  let offered = "";
+  function relistAxis() {
+    const modes = axis.modes();
+    if (modes.join() === offered) return;
+    offered = modes.join();
+    pick.replaceChildren(...modes.map((m) => { const o = el("option", null, MODES[m]); o.value = m; return o; }));
+    pick.value = axis.active();
+  }
+  relistAxis();
+  pick.onchange = () => {
+    axis.mode = pick.value;
+    root.dataset.xaxis = axis.active();
+    if (ctx.saveAxis) ctx.saveAxis(axis.mode);
+    restyle();
+    ctx.schedule();
+  };
+  root.dataset.xaxis = axis.active();
   const ctl = live ? controls.create(root, ctx) : null;
   const grid = document.createElement("div");
   grid.className = "nbw-grid";
@@ -59,13 +85,19 @@ export function mount(root, ctx, { live }) {
   }
 
   // Views that follow every refresh first, then the trend panels.
-  const order = Object.keys(views).sort((a, b) => (EVERY_MS[a] || 0) - (EVERY_MS[b] || 0));
+  // Among the trend panels, the one that has waited longest goes first: one per frame in a
+  // fixed order starves the last ones when frames are slow (a loaded machine), round robin
+  // does not.
+  const names = Object.keys(views);
+  const order = () => names.slice().sort((a, b) => (EVERY_MS[a] || 0) - (EVERY_MS[b] || 0)
+    || (EVERY_MS[a] ? (last[a] ?? -1) - (last[b] ?? -1) : 0));
 
   function draw(Plotly) {
     const t = theme(root);
+    t.axis = axis;
     const now = performance.now();
     let throttled = false, next = Infinity;
-    for (const name of order) {
+    for (const name of order()) {
       const v = views[name];
       const wait = due(name, now, throttled || performance.now() - now > BUSY_MS);
       if (wait > 0) { next = Math.min(next, wait); continue; }
@@ -89,6 +121,11 @@ export function mount(root, ctx, { live }) {
 
   function apply(panels, full) {
     if (full) force = true;
+    if (panels.clock || full) {
+      axis.update(panels.clock, full);
+      relistAxis();
+      root.dataset.xaxis = axis.active();
+    }
     if (panels.header) {
       head.update(panels.header);
       if (ctl) ctl.setState(panels.header.state, panels.header.ended);
@@ -107,5 +144,15 @@ export function mount(root, ctx, { live }) {
     for (const v of Object.values(views)) if (v.restyle) v.restyle();
   }
 
-  return { ctl, views, apply, draw, restyle };
+  // Another x axis, as the switch would (a kept choice arriving late: the widget's model).
+  function setAxis(mode) {
+    if (!MODES[mode] || mode === axis.mode) return;
+    axis.mode = mode;
+    pick.value = axis.active();
+    root.dataset.xaxis = axis.active();
+    restyle();
+    ctx.schedule();
+  }
+
+  return { ctl, views, apply, draw, restyle, axis, setAxis };
 }

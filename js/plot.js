@@ -112,7 +112,8 @@ export function baseLayout(t, extra = {}) {
     showlegend: false,
     hovermode: "closest",
     hoverlabel: { namelength: -1 },
-    xaxis: { gridcolor: t.grid, zerolinecolor: t.grid, title: { text: "step" } },
+    // the trend panels' x (step, time, tokens: js/axis.js), set on the theme by mount.js
+    xaxis: t.axis ? t.axis.xaxis(t) : { gridcolor: t.grid, zerolinecolor: t.grid, title: { text: "step" } },
     yaxis: { gridcolor: t.grid, zerolinecolor: t.grid },
     ...extra,
   };
@@ -158,4 +159,59 @@ export function esc(s) {
 // Inside a hovertemplate, plotly also expands `%{...}`: a name there keeps its `%` as text.
 export function escTemplate(s) {
   return esc(s).replace(/%/g, "&#37;");
+}
+
+// Names without the prefix they all share ("blocks.0.attn", "blocks.1.attn" → "0.attn",
+// "1.attn"), cut at a dot or slash so a label stays a word.
+export function shortNames(names) {
+  if (names.length < 2) return names.slice();
+  let p = names[0];
+  for (const n of names) while (p && !n.startsWith(p)) p = p.slice(0, -1);
+  let cut = Math.max(p.lastIndexOf("."), p.lastIndexOf("/"));
+  // "blocks.0", "blocks.1" → "blocks.0", not a bare "0": keep the word before a number
+  if (names.some((n) => /^\d+$/.test(n.slice(cut + 1)))) {
+    cut = Math.max(p.lastIndexOf(".", cut - 1), p.lastIndexOf("/", cut - 1));
+  }
+  const k = cut + 1;
+  return names.map((n) => (n.length > k ? n.slice(k) : n));
+}
+
+// Direct labels at the right end of each line: the plot reads without hovering or a legend.
+// `lines`: [{label, color, y (the line's values)}]; `log`: a log y axis. The y range is set
+// here (so a label sits where its line ends), and labels closer than one text line are
+// pushed apart. Returns {yaxis: {range}, annotations, r (right margin, px)}.
+export function endLabels(lines, { log = false, height = 240, top = 24, bottom = 32 } = {}) {
+  const f = (v) => (log ? (v > 0 ? Math.log10(v) : NaN) : v);
+  let lo = Infinity, hi = -Infinity;
+  const ends = [];
+  for (const l of lines) {
+    let last = NaN;
+    for (const v of l.y) {
+      const u = f(v);
+      if (!Number.isFinite(u)) continue;
+      lo = Math.min(lo, u); hi = Math.max(hi, u); last = u;
+    }
+    if (Number.isFinite(last)) ends.push({ ...l, at: last });
+  }
+  if (!ends.length) return { yaxis: {}, annotations: [], r: 8 };
+  if (!(hi > lo)) { const d = Math.abs(hi) * 0.1 || 1; lo -= d; hi += d; }
+  const pad = (hi - lo) * 0.06;
+  lo -= pad; hi += pad;
+  const gap = 11 / Math.max(height - top - bottom, 40); // one label's height, as a fraction
+  ends.forEach((e) => { e.frac = (e.at - lo) / (hi - lo); });
+  ends.sort((a, b) => a.frac - b.frac);
+  for (let i = 1; i < ends.length; i++) ends[i].frac = Math.max(ends[i].frac, ends[i - 1].frac + gap);
+  const over = ends[ends.length - 1].frac - 1;
+  if (over > 0) for (const e of ends) e.frac -= over; // shift down what ran off the top
+  for (let i = ends.length - 2; i >= 0; i--) ends[i].frac = Math.min(ends[i].frac, ends[i + 1].frac - gap);
+  const longest = Math.max(...ends.map((e) => e.label.length));
+  return {
+    yaxis: { range: [lo, hi], autorange: false },
+    annotations: ends.map((e) => ({
+      xref: "paper", yref: "paper", x: 1, y: e.frac, xanchor: "left", yanchor: "middle", xshift: 4,
+      showarrow: false, text: esc(e.label), font: { color: e.color, size: 10 }, align: "left",
+      name: "end-label",
+    })),
+    r: Math.min(12 + 6 * longest, 130),
+  };
 }

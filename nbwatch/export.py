@@ -106,7 +106,7 @@ def snapshot(reader: RunReader, max_points: int = MAX_POINTS,
     _cap_columns(panels.get("weights", {}), max_columns)
     meta = feed.meta
     return {"name": str(meta.get("name", reader.run_dir.name)), "panels": panels,
-            "report": _report(reader, meta, feed.step)}
+            "report": _report(reader, meta, feed.step, panels["header"].get("elapsed_s"))}
 
 
 def _cap_columns(weights: dict[str, Any], budget: int) -> None:
@@ -124,7 +124,9 @@ def _cap_columns(weights: dict[str, Any], budget: int) -> None:
                 h[k] = h[k][keep]
 
 
-def _report(reader: RunReader, meta: Mapping[str, Any], step: int) -> dict[str, Any]:
+def _report(reader: RunReader, meta: Mapping[str, Any], step: int,
+            wall_s: float | None) -> dict[str, Any]:
+    """The summary and tables; `wall_s`: the header's elapsed time (one duration)."""
     alerts, n_alerts = reader.events_of(rpt.TABLE_KINDS, rpt.MAX_ROWS)
     ckpts, n_ckpts = reader.events_of(("checkpoint",), rpt.MAX_ROWS)
     folder = reader.run_dir / "checkpoints"
@@ -134,10 +136,6 @@ def _report(reader: RunReader, meta: Mapping[str, Any], step: int) -> dict[str, 
     best_val = (best[1], best[0]) if best else None
     tokens_seen = reader.series(["tokens/real"]).get("tokens/real")
     tokens = float(np.nansum(tokens_seen[1])) if tokens_seen is not None else None
-    first, last = reader.wall_range()
-    started = meta.get("started")
-    start = float(started) if isinstance(started, (int, float)) else first
-    wall_s = last - start if last is not None and start is not None else None
     return {
         "summary": rpt.summary(meta, step, (best_val[1], best_val[0]) if best_val else None,
                                None if tokens is None else float(tokens), wall_s),

@@ -41,6 +41,7 @@ from .notebook import in_notebook
 from .opening import RunOpening
 from .optimizer_hooks import OptimizerHooks
 from .options import Options, check_peak_flops
+from .panels.baseline import check as check_baselines
 from .probes.system import SystemSampler
 from .recorder import Progress, Rewound, StepRecorder, StopTraining
 from .records import Command, CommandKind
@@ -76,6 +77,9 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
     probe its fixed samples, run at each `log(val=...)`; `checkpoint_every` steps.
     `peak_flops`: the device's peak FLOP/s for MFU (`throughput/mfu`), where its name is
     not in `probes.throughput.PEAK_FLOPS` (dense bf16 of the common GPUs).
+    `baseline="runs/exp0"` (or a list of run folders): earlier runs whose train/val loss
+    and LR the dashboard and the export draw faded under this run's, their config
+    difference on hover.
     """
 
     def __init__(
@@ -107,6 +111,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         dist_timeout: float = 60.0,
         display: bool | None = None,
         peak_flops: float | None = None,
+        baseline: str | os.PathLike | list[str | os.PathLike] | None = None,
     ):
         check_monitor(model, optimizer, scheduler, config, keep_last, system_interval, on_alert)
         check_every(max_steps=max_steps, checkpoint_every=checkpoint_every)
@@ -120,6 +125,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
             check_run_dir(self.run_dir)
         self.name = name or self.run_dir.name
         self.config = dict(config or {})
+        self.baselines = check_baselines(baseline)  # drawn faded under the loss (issue 24)
         self.system_interval = system_interval
         self.on_alert = on_alert
         self.checkpointer = make_checkpointer(self.run_dir / "checkpoints", keep_last, model,

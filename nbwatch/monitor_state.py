@@ -36,6 +36,7 @@ class MonitorState:
     rank: int
     name: str
     config: dict[str, Any]
+    baselines: list[Path]  # earlier runs the dashboard draws under this one's loss
     system_interval: float
     on_alert: Callable[[Any], Any] | None
     checkpointer: Any  # Checkpointer, or ShardedCheckpointer under FSDP2

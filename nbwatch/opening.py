@@ -401,6 +401,7 @@ class RunOpening(MonitorState):
         if self.control.clip is not None:  # a setting of the run: compare() shows it
             config.setdefault("clip", self.control.clip)
         store.set_meta("config", config)
+        store.set_meta("baselines", [str(p) for p in getattr(self, "baselines", [])])
         store.set_meta("environment", environment(names))
         store.set_meta("max_steps", max_steps)
         store.set_meta("started", time.time())

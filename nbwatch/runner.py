@@ -147,8 +147,8 @@ class Runner:
                         "time/forward": micro.fwd_s})  # under DDP, before grad sync
         if padded:
             figures["_padded"] = padded
-        if self._epoch:
-            figures["epoch"] = float(self._epoch)
+        # from step 1 (0: the first pass), not only once the data has wrapped round
+        figures["epoch"] = float(self._epoch)
         self.rec.end_step(figures, data_s=micro.data_s, samples=micro.samples or None)
 
     def _forward_backward(self) -> _Micro:

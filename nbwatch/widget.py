@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import traitlets
 from .lifecycle import is_ended
 from .notebook import enable_colab_widgets, remember
 from .panels import Feed
+from .panels.baseline import beside
 from .panels.wire import pack
 from .store import RunReader, is_run_dir
 
@@ -52,11 +54,17 @@ class Dashboard(anywidget.AnyWidget):
     _css = _STATIC / "dashboard.css"
     live = traitlets.Bool(False).tag(sync=True)
     run_dir = traitlets.Unicode("").tag(sync=True)
+    # the trend panels' x axis ("step", "relative", "wall", "tokens"), set by the page's
+    # switch; a new dashboard starts with the kernel's last choice (one kernel: one notebook)
+    xaxis = traitlets.Unicode("step").tag(sync=True)
+    _kept_xaxis = "step"
 
     def __init__(self, run_dir: str | Path, monitor: Watched | None = None,
                  interval: float = 0.25, **kwargs: Any):
         enable_colab_widgets()  # a dashboard shown without `%load_ext nbwatch`
+        kwargs.setdefault("xaxis", Dashboard._kept_xaxis)
         super().__init__(live=monitor is not None, run_dir=str(run_dir), **kwargs)
+        self.observe(_keep_xaxis, names="xaxis")
         self._dir = Path(run_dir)
         self._monitor = monitor
         self.interval = max(float(interval), 0.25)  # ≤ 4 refreshes/s
@@ -178,7 +186,7 @@ class Dashboard(anywidget.AnyWidget):
                 feed.update()
                 caught_up = True
             if caught_up:
-                panels = feed.full()
+                panels = self._with_choices(feed.full())
                 panels["header"] = self._header(panels["header"])
                 self._post({"type": "full", "to": None, "panels": panels})
             elif upd:
@@ -189,6 +197,14 @@ class Dashboard(anywidget.AnyWidget):
                 return False
             self.refreshes += 1
             return True
+
+    def _with_choices(self, panels: dict[str, Any]) -> dict[str, Any]:
+        """A full state with what the loss panel's baseline picker offers: the run folders
+        beside this one (`nbwatch ls`'s frame), and the one picked."""
+        if self._feed is not None:
+            panels["loss"] = {**panels.get("loss", {}), "beside": beside(self._dir),
+                              "picked": list(self._feed.baselines.picked)}
+        return panels
 
     def _post(self, content: dict[str, Any], extra: list[bytes] | None = None) -> None:
         buffers: list[Any] = list(extra or [])
@@ -203,10 +219,20 @@ class Dashboard(anywidget.AnyWidget):
             if content.get("plotly"):
                 self.send({"type": "plotly", "to": view}, buffers=[_plotly_source()])
             with self._lock:
-                panels = self._feed.full() if self._feed is not None else {}
+                panels = self._with_choices(self._feed.full()) if self._feed is not None else {}
                 if self._monitor is not None:
                     panels["header"] = self._header(panels.get("header"))
                 self._post({"type": "full", "to": view, "panels": panels})
+        elif kind == "baseline":  # the loss panel's picker: a run beside this one, or none
+            offered = beside(self._dir)
+            with self._lock:
+                feed = self._feed
+                if feed is not None:  # read and sent here: a finished run's poll has ended
+                    feed.baselines.picked = [
+                        str(n) for n in content.get("names") or [] if str(n) in offered]
+                    if feed.baselines.refresh(feed.meta, time.time()):
+                        self._post({"type": "delta", "panels": {
+                            "loss": {"baselines": feed.baselines.panel()}}})
         elif kind == "command":
             try:
                 self.command(str(content.get("kind")), content.get("value"))
@@ -237,6 +263,10 @@ class Dashboard(anywidget.AnyWidget):
     def close(self) -> None:
         self.stop()
         super().close()
+
+
+def _keep_xaxis(change: dict[str, Any]) -> None:
+    Dashboard._kept_xaxis = str(change["new"])
 
 
 def button_args(kind: str, value: Any) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import nbwatch
 from nbwatch.cli import main
@@ -173,3 +174,33 @@ def test_demo_ends_with_its_snapshot(tmp_path, capsys):
     assert f"snapshot: {run / 'report.html'}" in out
     state = state_of(Page((run / "report.html").read_text(encoding="utf-8")))
     assert state["panels"]["header"]["state"] == "finished"
+
+
+def test_the_summary_wall_time_is_the_header_elapsed(tmp_path):
+    """One duration: the export's summary ("wall time") and the header ("elapsed") agree."""
+    reader = RunReader(write_run(tmp_path / "run", steps=40))
+    try:
+        state = snapshot(reader)
+    finally:
+        reader.close()
+    header = state["panels"]["header"]
+    assert header["elapsed_s"] == pytest.approx(4.0, abs=0.01)  # 40 steps 0.1 s apart
+    assert dict(state["report"]["summary"])["wall time"] == header["elapsed"] == "4.0s"
+
+
+def test_a_baseline_run_is_drawn_in_the_export_with_its_config_difference(tiny, tmp_path):
+    """`Monitor(baseline=...)` names an earlier run; the export of the new run carries the
+    baseline's train/val loss and LR and what differs in its config."""
+    base = write_run(tmp_path / "runs" / "exp0", steps=60)  # its config: lr 3e-4
+    with pytest.raises(ValueError, match="holds no nbwatch run"):
+        nbwatch.Monitor(*tiny[:2], run_dir=tmp_path / "runs" / "x", baseline=tmp_path / "no")
+    model, opt, batches = tiny
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "runs" / "exp1",
+                          config={"lr": 1e-3}, baseline=str(base))
+    mon.start(tiny_step, batches, max_steps=10, display=False).wait()
+    assert nbwatch.open_run(mon.run_dir).meta["baselines"] == [str(base.absolute())]
+    state = state_of(Page(mon.export_html(tmp_path / "exp1.html").read_text(encoding="utf-8")))
+    (b,) = state["panels"]["loss"]["baselines"]
+    assert b["name"] == f"run {SCRIPT}" and b["step"] == 60
+    assert {"train", "val", "lr", "wall", "tokens"} <= set(b)
+    assert ["lr", "0.0003", "0.001"] in b["diff"]

@@ -38,6 +38,9 @@ def test_start_returns_at_once_and_records_every_step(tiny, tmp_path):
     assert df.index.tolist() == list(range(1, 41))
     # the LR a step used, read before scheduler.step(): step s used base * 1/(1 + s - 1)
     assert df["lr"].tolist() == pytest.approx([1e-3 / s for s in range(1, 41)])
+    # the epoch from step 1 (0: the first pass over the data), not from the first wrap
+    assert df["epoch"].notna().all() and df["epoch"].iloc[0] == 0
+    assert df["epoch"].is_monotonic_increasing
     assert df["grad_norm/global"].notna().all() and (df["grad_norm/global"] > 0).all()
     assert df["grad_norm/clipped"].tolist() == df["grad_norm/global"].tolist()  # no clip set
     layer_cols = [c for c in df if c.startswith("grad_norm/") and c not in

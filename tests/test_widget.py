@@ -314,3 +314,48 @@ def test_in_colab_the_extension_turns_on_the_custom_widget_manager(tmp_path, mon
     d = Dashboard.for_run(tmp_path / "r")
     d.close()
     assert calls[-1] == 1
+
+
+def test_the_x_axis_choice_is_kept_for_the_next_dashboard_of_the_kernel(tmp_path):
+    """The page's switch sets the widget's `xaxis` (saved with the notebook); the kernel's
+    next dashboard starts with the same choice (one kernel per notebook)."""
+    from tests.export_run import write_run
+
+    run = write_run(tmp_path / "run", steps=5)
+    first = Dashboard.for_run(run)
+    try:
+        assert first.xaxis == "step"
+        first.xaxis = "relative"  # what the page's switch does through the model
+        second = Dashboard.for_run(run)
+        assert second.xaxis == "relative"
+        second.close()
+    finally:
+        first.close()
+        Dashboard._kept_xaxis = "step"
+
+
+def test_the_baseline_picker_draws_a_run_beside_this_one(tmp_path):
+    """A full state offers the runs beside this one; picking one sends its loss (even once
+    a finished run's poll has ended); picking none takes it away."""
+    from tests.export_run import write_run
+
+    write_run(tmp_path / "runs" / "exp0", steps=30)
+    run = write_run(tmp_path / "runs" / "exp1", steps=10)
+    dash = Dashboard.for_run(run)
+    out = Outbox(dash)
+    try:
+        until(lambda: not dash.polling)
+        dash._on_msg(dash, {"type": "hello", "view": "v"}, [])
+        content, buffers = out.of("full")[-1]
+        full = unpack(content["panels"], buffers)
+        assert full["loss"]["beside"] == ["exp0"] and full["loss"]["picked"] == []
+        assert "baselines" not in full["loss"]
+        dash._on_msg(dash, {"type": "baseline", "view": "v", "names": ["exp0", "../etc"]}, [])
+        content, buffers = out.of("delta")[-1]
+        (b,) = unpack(content["panels"], buffers)["loss"]["baselines"]
+        assert b["name"].startswith("run ") and b["step"] == 30 and len(b["train"]["x"]) == 30
+        dash._on_msg(dash, {"type": "baseline", "view": "v", "names": []}, [])
+        content, buffers = out.of("delta")[-1]
+        assert unpack(content["panels"], buffers)["loss"]["baselines"] == []
+    finally:
+        dash.close()

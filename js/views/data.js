@@ -6,7 +6,7 @@ import { baseLayout, COLORS, CONFIG, el, panel } from "../plot.js";
 export function create(root) {
   const p = panel(root, "data", "Data");
   const pad = el("div", "nbw-plot nbw-third");
-  const hist = el("div", "nbw-plot nbw-third");
+  const hist = el("div", "nbw-plot nbw-third nbw-data-hist");
   const time = el("div", "nbw-plot nbw-third");
   p.body.append(pad, hist, time);
   const s = { padding: new Series(), time_data: new Series(), time_compute: new Series() };
@@ -28,8 +28,8 @@ export function create(root) {
       hist.hidden = !seq;
       time.hidden = !s.time_data.x.length && !s.time_compute.x.length;
       p.box.hidden = pad.hidden && hist.hidden && time.hidden;
-      if (!pad.hidden) Plotly.react(pad, [{ x: s.padding.x, y: s.padding.y, type: "scatter", mode: "lines",
-        line: { color: COLORS["data/padding_ratio"] }, hovertemplate: "step %{x}<br>padding %{y:.1%}<extra></extra>" }],
+      if (!pad.hidden) Plotly.react(pad, [{ ...t.axis.line(s.padding.x, s.padding.y), type: "scatter", mode: "lines",
+        line: { color: COLORS["data/padding_ratio"] }, hovertemplate: `${t.axis.hover()}<br>padding %{y:.1%}<extra></extra>` }],
       baseLayout(t, { margin: m, title: { text: "padding ratio", font: { size: 11 } },
         yaxis: { tickformat: ".0%", gridcolor: t.grid, rangemode: "tozero" } }), CONFIG);
       const centres = [], widths = [];
@@ -41,10 +41,10 @@ export function create(root) {
       baseLayout(t, { margin: m, title: { text: seq ? `sequence lengths (to step ${seq.step})` : "sequence lengths", font: { size: 11 } },
         xaxis: { title: { text: "tokens" }, gridcolor: t.grid }, bargap: 0 }), CONFIG);
       if (!time.hidden) Plotly.react(time, [
-        { name: "data wait", x: s.time_data.x, y: s.time_data.y.map((v) => v * 1000), type: "scatter", mode: "lines",
-          stackgroup: "t", line: { color: COLORS["time/data"], width: 0.5 }, hovertemplate: "step %{x}<br>data %{y:.1f} ms<extra></extra>" },
-        { name: "compute", x: s.time_compute.x, y: s.time_compute.y.map((v) => v * 1000), type: "scatter", mode: "lines",
-          stackgroup: "t", line: { color: COLORS["time/compute"], width: 0.5 }, hovertemplate: "step %{x}<br>compute %{y:.1f} ms<extra></extra>" },
+        { name: "data wait", x: t.axis.x(s.time_data.x), y: s.time_data.y.map((v) => v * 1000), type: "scatter", mode: "lines",
+          stackgroup: "t", line: { color: COLORS["time/data"], width: 0.5 }, hovertemplate: `${t.axis.hover()}<br>data %{y:.1f} ms<extra></extra>` },
+        { name: "compute", x: t.axis.x(s.time_compute.x), y: s.time_compute.y.map((v) => v * 1000), type: "scatter", mode: "lines",
+          stackgroup: "t", line: { color: COLORS["time/compute"], width: 0.5 }, hovertemplate: `${t.axis.hover()}<br>compute %{y:.1f} ms<extra></extra>` },
       ], baseLayout(t, { margin: m, title: { text: "step time (ms): data + compute", font: { size: 11 } } }), CONFIG);
     },
   };

@@ -3,6 +3,7 @@
 // and the global norm over time with the post-clip norm and the clip threshold line.
 import { Series, apply } from "../downsample.js";
 import { baseLayout, COLORS, CONFIG, el, esc, layerColor, panel } from "../plot.js";
+import { blockOf } from "./weights.js";
 
 const TOP = 12; // bars shown before "all layers"
 
@@ -33,20 +34,29 @@ export function create(root, ctx) {
     if (!heat || !layers.length) { heatDiv.hidden = true; return; }
     heatDiv.hidden = false;
     const n = heat.z.length, cols = heat.z[0].length;
-    const x = Array.from({ length: cols }, (_, j) => j * heat.w);
+    const ax = t.axis;
+    const x = ax.x(Array.from({ length: cols }, (_, j) => j * heat.w));
     const logz = heat.z.map((r) => r.map((v) => (v > 0 && Number.isFinite(v) ? Math.log10(v) : null)));
-    heatDiv.style.height = `${Math.min(Math.max(160, 7 * n + 80), 520)}px`;
+    const height = Math.min(Math.max(160, 12 * n + 80), 720);
+    heatDiv.style.height = `${height}px`;
     const names = layers.slice(0, n).map(esc);
+    // Every row identifiable: a label every `every` rows (≥ 11 px apart; all on hover),
+    // and a line where one block ends and the next begins.
+    const every = Math.max(1, Math.ceil(11 / ((height - 56) / Math.max(n, 1))));
+    const tickvals = names.filter((_, i) => i % every === 0);
+    const bounds = [];
+    for (let i = 1; i < n; i++) if (blockOf(layers[i]) !== blockOf(layers[i - 1])) bounds.push(1 - i / n); // paper units: rows fill the axis, top to bottom
     Plotly.react(heatDiv, [{
       type: "heatmap", x, y: names, z: logz, customdata: heat.z, colorscale: "Viridis",
       colorbar: { title: { text: "log₁₀", side: "right" }, thickness: 10, len: 0.9 },
-      hovertemplate: `%{y}<br>steps %{x}… (${heat.w} a bin)<br>max grad norm %{customdata:.4g}<extra></extra>`,
+      hovertemplate: `%{y}<br>${ax.mode === "step" ? "steps %{x}…" : ax.hover()} (${heat.w} step${heat.w > 1 ? "s" : ""} a bin)<br>max grad norm %{customdata:.4g}<extra></extra>`,
       xgap: 0, ygap: n > 60 ? 0 : 1,
     }], baseLayout(t, {
       margin: { l: 8, r: 8, t: 24, b: 32 },
       title: { text: `per-layer grad norm (bins of ${heat.w} step${heat.w > 1 ? "s" : ""}, max)`, font: { size: 11 } },
-      xaxis: { title: { text: "step" }, gridcolor: t.grid },
-      yaxis: { autorange: "reversed", automargin: true, tickfont: { size: 9 }, type: "category" },
+      yaxis: { autorange: "reversed", automargin: true, tickfont: { size: 9 }, type: "category", tickvals, ticktext: tickvals },
+      shapes: bounds.map((y) => ({ type: "line", xref: "paper", x0: 0, x1: 1, yref: "paper", y0: y, y1: y,
+        layer: "above", line: { color: t.font, width: 1.5 }, opacity: 0.8 })),
     }), CONFIG);
   }
 
@@ -83,23 +93,25 @@ export function create(root, ctx) {
         yaxis: { autorange: "reversed", automargin: true, tickfont: { size: 9 }, type: "category" },
       }), CONFIG);
       // The clip threshold as a step function of the controls' clip events.
+      const ax = t.axis;
       const last = g.x.length ? g.x[g.x.length - 1] : 0;
       const cx = [], cy = [];
       clip.forEach((e, i) => {
         const end = i + 1 < clip.length ? clip[i + 1].step : last;
-        cx.push(e.step, end, null); cy.push(e.value, e.value, null);
+        cx.push(ax.at(e.step), ax.at(end), null); cy.push(e.value, e.value, null);
       });
       Plotly.react(line, [
-        { name: "global norm", x: g.x, y: g.y, type: "scatter", mode: "lines",
+        { name: "global norm", ...ax.line(g.x, g.y), type: "scatter", mode: "lines",
           line: { color: COLORS["grad_norm/global"], width: 1.2 },
-          hovertemplate: "step %{x}<br>global norm %{y:.4g}<extra></extra>" },
-        { name: "after clipping", x: c.x, y: c.y, type: "scatter", mode: "lines",
+          hovertemplate: `${ax.hover()}<br>global norm %{y:.4g}<extra></extra>` },
+        { name: "after clipping", ...ax.line(c.x, c.y), type: "scatter", mode: "lines",
           line: { color: COLORS["grad_norm/clipped"], width: 1 },
-          hovertemplate: "step %{x}<br>after clip %{y:.4g}<extra></extra>" },
+          hovertemplate: `${ax.hover()}<br>after clip %{y:.4g}<extra></extra>` },
         { name: "clip threshold", x: cx, y: cy, type: "scatter", mode: "lines",
           line: { color: COLORS.clip, width: 2, dash: "dash" },
-          hovertemplate: "step %{x}<br>clip at %{y:.4g}<extra></extra>" },
-      ], baseLayout(t, { margin: { l: 48, r: 8, t: 24, b: 32 }, title: { text: "global norm", font: { size: 11 } } }), CONFIG);
+          hovertemplate: `${ax.hover()}<br>clip at %{y:.4g}<extra></extra>` },
+      ], baseLayout(t, { margin: { l: 48, r: 8, t: 24, b: 32 }, title: { text: "global norm", font: { size: 11 }, x: 0, xanchor: "left" },
+        showlegend: true, legend: { orientation: "h", x: 1, xanchor: "right", y: 1, yanchor: "bottom", font: { size: 10 } } }), CONFIG);
     },
   };
 }

@@ -4,7 +4,7 @@
 // could not take a figure on this model, its words (why, the line to add) stand in the
 // figure's place, never empty axes.
 import { Series, apply } from "../downsample.js";
-import { baseLayout, CONFIG, el, escTemplate, esc, layerColor, panel } from "../plot.js";
+import { baseLayout, CONFIG, el, endLabels, escTemplate, esc, layerColor, panel, shortNames } from "../plot.js";
 
 // What stands in a figure's place when the probe pass did not take it on this model.
 const NONE = {
@@ -41,12 +41,12 @@ export function create(root, ctx) {
   let said = {}; // {"logits" | "probe": message}: the probe events' words
   let dirty = false;
 
-  function lines(part) {
+  function lines(part, ax) {
     const names = Object.keys(series[part]);
     return names.map((n, i) => ({
-      name: esc(n), x: series[part][n].x, y: series[part][n].y, type: "scatter", mode: "lines+markers",
+      name: esc(n), ...ax.line(series[part][n].x, series[part][n].y), type: "scatter", mode: "lines+markers",
       marker: { size: 4 }, line: { color: layerColor(i, names.length), width: 1.5 },
-      hovertemplate: `${escTemplate(n)}<br>step %{x}<br>%{y:.4g}<extra></extra>`,
+      hovertemplate: `${escTemplate(n)}<br>${ax.hover()}<br>%{y:.4g}<extra></extra>`,
     }));
   }
 
@@ -84,20 +84,26 @@ export function create(root, ctx) {
       const m = { l: 52, r: 8, t: 24, b: 32 };
       for (const [part, title] of Object.entries(PARTS)) {
         if (!has[part]) continue;
-        Plotly.react(plots[part], lines(part), baseLayout(t, {
-          margin: m, title: { text: title, font: { size: 11 } },
-          yaxis: { gridcolor: t.grid, type: part === "max_logit" ? "log" : "linear", exponentformat: "e" },
+        const traces = lines(part, t.axis);
+        const labels = shortNames(Object.keys(series[part]));
+        const log = part === "max_logit";
+        const end = endLabels(traces.map((tr, i) => ({ label: labels[i], color: tr.line.color, y: tr.y })),
+          { log, height: plots[part].clientHeight || 240, top: m.t, bottom: m.b });
+        Plotly.react(plots[part], traces, baseLayout(t, {
+          margin: { ...m, r: end.r }, title: { text: title, font: { size: 11 } }, annotations: end.annotations,
+          yaxis: { gridcolor: t.grid, type: log ? "log" : "linear", exponentformat: "e", ...end.yaxis },
         }), CONFIG);
       }
       if (!has.out) return;
       Plotly.react(plots.out, [
-        { name: "log Z (mean)", x: z.x, y: z.y, type: "scatter", mode: "lines+markers", marker: { size: 4 },
-          line: { color: "#1f5fa8" }, hovertemplate: "step %{x}<br>log Z %{y:.4g}<extra></extra>" },
-        { name: "max |logit|", x: maxAbs.x, y: maxAbs.y, type: "scatter", mode: "lines+markers", yaxis: "y2",
+        { name: "log Z (mean)", ...t.axis.line(z.x, z.y), type: "scatter", mode: "lines+markers", marker: { size: 4 },
+          line: { color: "#1f5fa8" }, hovertemplate: `${t.axis.hover()}<br>log Z %{y:.4g}<extra></extra>` },
+        { name: "max |logit|", ...t.axis.line(maxAbs.x, maxAbs.y), type: "scatter", mode: "lines+markers", yaxis: "y2",
           marker: { size: 4 }, line: { color: "#e8740c", dash: "dot" },
-          hovertemplate: "step %{x}<br>max |logit| %{y:.4g}<extra></extra>" },
+          hovertemplate: `${t.axis.hover()}<br>max |logit| %{y:.4g}<extra></extra>` },
       ], baseLayout(t, {
         margin: { ...m, r: 52 }, title: { text: "output logits: log-partition, max |logit|", font: { size: 11 } },
+        showlegend: true, legend: { orientation: "h", x: 0.01, y: 0.99, xanchor: "left", yanchor: "top", font: { size: 10 }, bgcolor: "rgba(0,0,0,0)" },
         yaxis: { title: { text: "log Z" }, gridcolor: t.grid },
         yaxis2: { title: { text: "max |logit|" }, overlaying: "y", side: "right", showgrid: false },
       }), CONFIG);

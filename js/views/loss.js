@@ -1,9 +1,33 @@
 // Loss: train raw + smoothed, val points, the val−train gap shaded, LR on a second y axis,
 // a log-y toggle, and markers where an action or alert happened.
 import { Series, apply } from "../downsample.js";
-import { baseLayout, COLORS, CONFIG, el, esc, panel, severityColor } from "../plot.js";
+import { baseLayout, COLORS, CONFIG, el, esc, escTemplate, panel, severityColor } from "../plot.js";
 
 const MAX_MARKERS = 300;
+const BASE_COLORS = ["#7f7f7f", "#b07aa1", "#9c755f", "#76b7b2"];
+
+// A baseline's traces, faded under this run's: its smoothed train loss, val points and LR,
+// each placed by its own clock on the time axes; its config difference on hover.
+export function baselineTraces(b, i, ax) {
+  const color = BASE_COLORS[i % BASE_COLORS.length];
+  const name = `baseline ${b.name}`;
+  const diff = (b.diff || []).map(([k, theirs, ours]) => `${escTemplate(k)}: ${escTemplate(theirs)} → ${escTemplate(ours)}`);
+  const said = `${escTemplate(name)}${diff.length ? `<br>config (baseline → this run):<br>${diff.join("<br>")}` : "<br>same config"}`;
+  const out = [];
+  const at = (tr) => (tr ? ax.other(b, tr.x) : null);
+  const tx = at(b.train), vx = at(b.val), lx = at(b.lr);
+  if (tx) out.push({ name: esc(name), legendgroup: `b${i}`, x: tx, y: b.train.y, type: "scatter", mode: "lines",
+    line: { color, width: 1.5, dash: "dash" }, opacity: 0.6,
+    hovertemplate: `${said}<br>${ax.hover()}<br>train (smoothed) %{y:.4f}<extra></extra>` });
+  if (vx) out.push({ name: esc(`${name} val`), legendgroup: `b${i}`, showlegend: false, x: vx, y: b.val.y,
+    type: "scatter", mode: "lines+markers", line: { color, width: 1, dash: "dot" }, opacity: 0.6,
+    marker: { size: 6, symbol: "circle-open" },
+    hovertemplate: `${said}<br>${ax.hover()}<br>val %{y:.4f}<extra></extra>` });
+  if (lx) out.push({ name: esc(`${name} LR`), legendgroup: `b${i}`, showlegend: false, x: lx, y: b.lr.y, yaxis: "y2",
+    type: "scatter", mode: "lines", line: { color, width: 1, dash: "dot" }, opacity: 0.45,
+    hovertemplate: `${said}<br>${ax.hover()}<br>LR %{y:.3e}<extra></extra>` });
+  return out;
+}
 
 // A constant LR would get plotly's ±0.5 around it (ticks like −0.5): show 0 to twice it.
 export function flatRange(ys) {
@@ -20,21 +44,40 @@ export function create(root, ctx) {
   logBox.type = "checkbox";
   logBox.className = "nbw-logy";
   logLabel.append(logBox, document.createTextNode(" log y"));
-  p.head.appendChild(logLabel);
+  // The baseline picker (a live dashboard: the runs beside this one); none in an export.
+  const pick = el("select", "nbw-baseline-pick");
+  pick.title = "draw another run faded under this one";
+  pick.hidden = true;
+  p.head.append(pick, logLabel);
   const plot = el("div", "nbw-plot");
   p.body.appendChild(plot);
   const s = { train: new Series(), smooth: new Series(), val: new Series(), lr: new Series() };
   let branches = {}; // rewind n → Series of the train loss it rewound over
   let gap = { x: [], y: [], top: [] };
   let markers = [];
+  let baselines = []; // [{name, train, val, lr, wall, tokens, diff}], replaced whole
   let dirty = false;
+  pick.onchange = () => ctx.send({ type: "baseline", names: pick.value ? [pick.value] : [] });
+  function offer(beside, picked) {
+    // the runs the run itself names as baselines are drawn already: not offered again
+    const named = new Set(baselines.map((b) => String(b.path).split(/[\\/]/).pop()));
+    const names = beside.filter((n) => !named.has(n) || n === picked);
+    pick.replaceChildren(el("option", null, "compare with…"), ...names.map((n) => {
+      const o = el("option", null, `baseline: ${n}`); o.value = n; return o;
+    }));
+    pick.firstChild.value = "";
+    pick.value = picked && names.includes(picked) ? picked : "";
+    pick.hidden = !names.length;
+  }
   logBox.onchange = () => { dirty = true; ctx.schedule(); };
 
   return {
     box: p.box,
     series: s,
     update(d, full) {
-      if (full) { gap = { x: [], y: [], top: [] }; markers = []; branches = {}; for (const k in s) s[k].set([], []); }
+      if (full) { gap = { x: [], y: [], top: [] }; markers = []; branches = {}; baselines = []; for (const k in s) s[k].set([], []); }
+      if (d.baselines) { baselines = d.baselines; dirty = true; }
+      if (d.beside) offer(d.beside, (d.picked || [])[0]);
       for (const [n, tr] of Object.entries(d.branches || {})) {
         dirty = apply(branches[n] || (branches[n] = new Series()), tr, full) || dirty;
       }
@@ -54,44 +97,48 @@ export function create(root, ctx) {
       let top = -Infinity;
       for (const v of s.train.y) if (v > top && Number.isFinite(v)) top = v;
       for (const v of s.val.y) if (v > top && Number.isFinite(v)) top = v;
+      if (!Number.isFinite(top)) for (const b of baselines) for (const v of (b.train || { y: [] }).y) if (v > top && Number.isFinite(v)) top = v;
       if (!Number.isFinite(top)) top = 1;
+      const ax = t.axis;
+      const gx = ax.x(gap.x);
       const traces = [
+        ...baselines.flatMap((b, i) => baselineTraces(b, i, ax)),
         ...Object.entries(branches).map(([n, b]) => ({
-          name: `rewound over (${n})`, x: b.x, y: b.y, type: "scatter", mode: "lines",
+          name: `rewound over (${n})`, ...ax.line(b.x, b.y), type: "scatter", mode: "lines",
           line: { color: COLORS["loss/train"], width: 1, dash: "dot" }, opacity: 0.35,
-          hovertemplate: `step %{x}<br>train %{y:.4f} (rewound over, rewind ${n})<extra></extra>` })),
-        { name: "train loss", x: s.train.x, y: s.train.y, type: "scatter", mode: "lines",
+          hovertemplate: `${ax.hover()}<br>train %{y:.4f} (rewound over, rewind ${n})<extra></extra>` })),
+        { name: "train loss", ...ax.line(s.train.x, s.train.y), type: "scatter", mode: "lines",
           line: { color: COLORS["loss/train"], width: 1 }, opacity: 0.45,
-          hovertemplate: "step %{x}<br>train %{y:.4f}<extra></extra>" },
-        { name: "train (smoothed)", x: s.smooth.x, y: s.smooth.y, type: "scatter", mode: "lines",
+          hovertemplate: `${ax.hover()}<br>train %{y:.4f}<extra></extra>` },
+        { name: "train (smoothed)", ...ax.line(s.smooth.x, s.smooth.y), type: "scatter", mode: "lines",
           line: { color: COLORS["loss/train_smooth"], width: 2 },
-          hovertemplate: "step %{x}<br>smoothed %{y:.4f}<extra></extra>" },
-        { name: "train at eval", x: gap.x, y: gap.y, type: "scatter", mode: "lines",
+          hovertemplate: `${ax.hover()}<br>smoothed %{y:.4f}<extra></extra>` },
+        { name: "train at eval", x: gx, y: gap.y, type: "scatter", mode: "lines",
           line: { width: 0, color: COLORS["loss/val"] }, hoverinfo: "skip" },
-        { name: "val − train gap", x: gap.x, y: gap.top, type: "scatter", mode: "lines",
+        { name: "val − train gap", x: gx, y: gap.top, type: "scatter", mode: "lines",
           line: { width: 0, color: COLORS["loss/val"] }, fill: "tonexty",
           fillcolor: COLORS.gap, customdata: gap.top.map((v, i) => v - gap.y[i]),
-          hovertemplate: "step %{x}<br>gap %{customdata:.4f}<extra></extra>" },
-        { name: "val loss", x: s.val.x, y: s.val.y, type: "scatter", mode: "lines+markers",
+          hovertemplate: `${ax.hover()}<br>gap %{customdata:.4f}<extra></extra>` },
+        { name: "val loss", ...ax.line(s.val.x, s.val.y), type: "scatter", mode: "lines+markers",
           line: { color: COLORS["loss/val"], width: 1.5 }, marker: { size: 7 },
-          hovertemplate: "step %{x}<br>val %{y:.4f}<extra></extra>" },
-        { name: "LR", x: s.lr.x, y: s.lr.y, type: "scatter", mode: "lines", yaxis: "y2",
+          hovertemplate: `${ax.hover()}<br>val %{y:.4f}<extra></extra>` },
+        { name: "LR", ...ax.line(s.lr.x, s.lr.y), type: "scatter", mode: "lines", yaxis: "y2",
           line: { color: COLORS.lr, width: 1.5, dash: "dot" },
-          hovertemplate: "step %{x}<br>LR %{y:.3e}<extra></extra>" },
+          hovertemplate: `${ax.hover()}<br>LR %{y:.3e}<extra></extra>` },
         // at the top of the loss axis: a third, hidden axis would cost a third of this draw
-        { name: "events", x: markers.map((m) => m.step), y: markers.map(() => top), cliponaxis: false,
+        { name: "events", x: ax.x(markers.map((m) => m.step)), customdata: markers.map((m) => m.step), y: markers.map(() => top), cliponaxis: false,
           type: "scatter", mode: "markers", text: markers.map((m) => esc(m.message)),
           marker: { symbol: "triangle-down", size: 10, color: markers.map((m) => severityColor(m.severity)) },
-          hovertemplate: "step %{x}<br>%{text}<extra></extra>" },
+          hovertemplate: "step %{customdata}<br>%{text}<extra></extra>" },
       ];
       const layout = baseLayout(t, {
         margin: { l: 52, r: 60, t: 8, b: 32 },
-        showlegend: true,
+                showlegend: true,
         legend: { orientation: "h", y: -0.22, font: { size: 10 } },
         yaxis: { title: { text: "loss" }, type: logBox.checked ? "log" : "linear", gridcolor: t.grid },
         yaxis2: { title: { text: "LR" }, overlaying: "y", side: "right", showgrid: false, zeroline: false,
           exponentformat: "e", color: COLORS.lr, ...flatRange(s.lr.y) },
-        shapes: markers.map((m) => ({ type: "line", xref: "x", yref: "paper", x0: m.step, x1: m.step,
+        shapes: markers.map((m) => ({ type: "line", xref: "x", yref: "paper", x0: ax.at(m.step), x1: ax.at(m.step),
           y0: 0, y1: 1, line: { color: severityColor(m.severity), width: 1, dash: "dot" } })),
       });
       Plotly.react(plot, traces, layout, CONFIG);

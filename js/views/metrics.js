@@ -71,14 +71,35 @@ export function create(root, ctx) {
     draw(Plotly, t) {
       if (!dirty || p.box.hidden) return;
       dirty = false;
+      // Small multiples: each picked series on its own y axis (one that fits it: a length
+      // of 128, an epoch of 1 and 40k samples/s do not share one), the x axis shared, the
+      // key written over its row.
       const keys = [...picked].filter((k) => series[k]);
-      Plotly.react(plot, keys.map((k, i) => ({
-        name: esc(k), x: series[k].x, y: series[k].y, type: "scatter", mode: "lines+markers",
-        marker: { size: 3 }, line: { width: 1.5, color: layerColor(i, Math.max(keys.length, 2)) },
-        hovertemplate: `${escTemplate(k)}<br>step %{x}<br>%{y:.4g}<extra></extra>`,
-      })), baseLayout(t, { margin: { l: 52, r: 8, t: 24, b: 32 },
+      const n = Math.max(keys.length, 1);
+      const rowPx = 78, top = 8, bottom = 32;
+      const height = Math.max(280, n * rowPx + top + bottom);
+      plot.style.height = `${height}px`;
+      const gap = 18 / (height - top - bottom); // room for each row's label
+      const layout = baseLayout(t, { margin: { l: 52, r: 8, t: top, b: bottom }, showlegend: false,
         title: { text: keys.length ? "" : "pick metrics on the left", font: { size: 11 } },
-        showlegend: true }), CONFIG);
+        annotations: [] });
+      const traces = keys.map((k, i) => {
+        const ax = i ? `y${i + 1}` : "y";
+        const hi = 1 - i / n, lo = 1 - (i + 1) / n;
+        layout[i ? `yaxis${i + 1}` : "yaxis"] = { domain: [lo + (i + 1 < n ? gap * 0.3 : 0), hi - gap],
+          gridcolor: t.grid, zerolinecolor: t.grid, nticks: 4, tickfont: { size: 9 }, exponentformat: "SI" };
+        const color = layerColor(i, Math.max(keys.length, 2));
+        layout.annotations.push({ xref: "paper", yref: "paper", x: 0, y: hi, xanchor: "left", yanchor: "top",
+          showarrow: false, text: esc(k), font: { color, size: 10 }, name: "row-label" });
+        return {
+          name: esc(k), ...t.axis.line(series[k].x, series[k].y), type: "scatter", yaxis: ax,
+          mode: series[k].x.length < 60 ? "lines+markers" : "lines", marker: { size: 4 },
+          line: { width: 1.5, color },
+          hovertemplate: `${escTemplate(k)}<br>${t.axis.hover()}<br>%{y:.4g}<extra></extra>`,
+        };
+      });
+      layout.xaxis = { ...layout.xaxis, anchor: n > 1 ? `y${n}` : "y" }; // ticks under the last row
+      Plotly.react(plot, traces, layout, CONFIG);
     },
   };
 }

@@ -104,10 +104,10 @@ export function create(root) {
           yaxis: { gridcolor: t.grid, range: [0, tmax * 1.18 || 1] } }), CONFIG);
       }
       const over = (k, scale, label, fmtY) => Object.entries(lines[k]).map(([r, s]) => ({
-        name: `rank ${r}`, x: s.x, y: scale === 1 ? s.y : s.y.map((v) => v * scale), type: "scatter",
+        name: `rank ${r}`, ...t.axis.line(s.x, scale === 1 ? s.y : s.y.map((v) => v * scale)), type: "scatter",
         mode: k === "sync" ? "lines+markers" : "lines", marker: { size: 3 },
         line: { color: rankColor(Number(r)), width: 1.2 },
-        hovertemplate: `rank ${r}<br>step %{x}<br>${label} %{y:${fmtY}}<extra></extra>`,
+        hovertemplate: `rank ${r}<br>${t.axis.hover()}<br>${label} %{y:${fmtY}}<extra></extra>`,
       }));
       const legend = { showlegend: true, legend: { orientation: "h", x: 1, xanchor: "right", y: 1.12, font: { size: 10 } } };
       Plotly.react(loss, over("loss", 1, "loss", ".4f"), baseLayout(t, { margin: m, ...legend,

@@ -1,7 +1,7 @@
 // Weights: a layer's weight histogram over time as a heatmap (layer picker), and the
 // update ratios ‖Δw‖/‖w‖ of every layer.
 import { Series, apply, bucketWidth } from "../downsample.js";
-import { baseLayout, CONFIG, el, esc, escTemplate, layerColor, panel } from "../plot.js";
+import { baseLayout, CONFIG, el, endLabels, esc, escTemplate, layerColor, panel, shortNames } from "../plot.js";
 
 const MAX_COLUMNS = 200;
 const BINS = 64;
@@ -141,21 +141,25 @@ export function create(root, ctx) {
       const c = cols[layer] || [];
       const h = c.length ? heatmap(c) : { x: [], y: [], z: [] };
       Plotly.react(heat, [{
-        type: "heatmap", x: h.x, y: h.y, z: h.z, colorscale: "Viridis", showscale: false,
-        hovertemplate: "step %{x}<br>weight %{y:.3g}<br>fraction %{z:.3f}<extra></extra>",
+        type: "heatmap", x: t.axis.x(h.x), y: h.y, z: h.z, colorscale: "Viridis", showscale: false,
+        hovertemplate: `${t.axis.hover()}<br>weight %{y:.3g}<br>fraction %{z:.3f}<extra></extra>`,
       }], baseLayout(t, { margin: { l: 52, r: 8, t: 24, b: 32 },
         title: { text: `weight histogram: ${esc(layer || "–")}`, font: { size: 11 } },
         yaxis: { title: { text: "weight" }, gridcolor: t.grid } }), CONFIG);
       const traces = shownRatios(layers, ratios, layer).map((l) => ({
-        name: esc(l), x: ratios[l].x, y: ratios[l].y, type: "scatter", mode: many ? "lines" : "lines+markers",
+        name: esc(l), ...t.axis.line(ratios[l].x, ratios[l].y), type: "scatter", mode: many && ratios[l].x.length > 30 ? "lines" : "lines+markers", // a point or two: markers, or nothing shows
         marker: { size: 3 },
         line: { color: layerColor(layers.indexOf(l), layers.length), width: l === layer ? 2.5 : 1 },
-        hovertemplate: `${escTemplate(l)}<br>step %{x}<br>update ratio %{y:.3e}<extra></extra>`,
+        hovertemplate: `${escTemplate(l)}<br>${t.axis.hover()}<br>update ratio %{y:.3e}<extra></extra>`,
       }));
-      Plotly.react(ratio, traces, baseLayout(t, { margin: { l: 52, r: 8, t: 24, b: 32 },
+      const shown = shownRatios(layers, ratios, layer);
+      const labels = shortNames(shown);
+      const end = endLabels(traces.map((tr, i) => ({ label: labels[i], color: tr.line.color, y: tr.y })),
+        { log: true, height: ratio.clientHeight || 240 });
+      Plotly.react(ratio, traces, baseLayout(t, { margin: { l: 52, r: end.r, t: 24, b: 32 },
         title: { text: many ? `update ratio ‖Δw‖/‖w‖: ${esc(layer || "–")}, the ${EDGE} highest and lowest`
-          : "update ratio ‖Δw‖/‖w‖", font: { size: 11 } },
-        yaxis: { type: "log", exponentformat: "e", gridcolor: t.grid } }), CONFIG);
+          : "update ratio ‖Δw‖/‖w‖", font: { size: 11 } }, annotations: end.annotations,
+        yaxis: { type: "log", exponentformat: "e", gridcolor: t.grid, ...end.yaxis } }), CONFIG);
     },
   };
 }

@@ -16,6 +16,8 @@ from ..store import RunReader
 from . import (
     alerts,
     attention,
+    baseline,
+    clock,
     data,
     grads,
     header,
@@ -31,7 +33,7 @@ from ._common import layers_of
 from .downsample import MAX_POINTS, Downsampler, reduce
 from .tail import Delta, Tail
 
-PANELS = ("header", "loss", "ranks", "grads", "weights", "attention", "health", "system",
+PANELS = ("header", "clock", "loss", "ranks", "grads", "weights", "attention", "health", "system",
           "data", "metrics", "alerts", "samples")
 MAX_EVENTS = 500
 
@@ -45,6 +47,7 @@ class Feed:
 
     def __init__(self, reader: RunReader, max_points: int = MAX_POINTS):
         self.tail = Tail(reader)
+        self.baselines = baseline.Baselines(reader.run_dir)
         self.max_points = max_points
         self.series: dict[str, Downsampler] = {}
         self.latest: dict[str, tuple[int, float]] = {}
@@ -62,6 +65,10 @@ class Feed:
         self.meta: dict[str, Any] = {}
         self.step = 0
         self.walls: list[tuple[int, float]] = []
+        # what the x axis switch maps steps onto: {"wall": seconds since clock_t0, "tokens"}
+        self.clock: dict[str, Downsampler] = {}
+        self.clock_t0: float | None = None
+        self._tokens = 0.0
         self._ema: tuple[float, int] = (0.0, 0)
         self._heat: tuple[int, list[str]] | None = None  # (bin width, layers) last sent
         self.more = False
@@ -76,10 +83,15 @@ class Feed:
     def update(self, now: float | None = None) -> dict[str, Any] | None:
         d = self.tail.poll()
         self.more = d.more
+        now = time.time() if now is None else now
         if d.empty():
             self._caught_up = self._caught_up or not d.more
+            if self.baselines.refresh(self.meta, now):  # one picked, or a live one moved
+                return {"loss": {"baselines": self.baselines.panel()}}
             return None
-        out = self._fold(d, time.time() if now is None else now)
+        out = self._fold(d, now)
+        if self.baselines.refresh(self.meta, now):
+            out.setdefault("loss", {})["baselines"] = self.baselines.panel()
         self._caught_up = self._caught_up or not d.more
         return out
 
@@ -121,12 +133,14 @@ class Feed:
         if d.meta is not None:
             self.meta = d.meta
         new_system = self._fold_system(d)
+        new_clock = self._fold_clock(d)
         walls = self.walls = self.tail.recent_walls()
         self.step = walls[-1][0] if walls else int(self.meta.get("step", 0) or 0)
         seq = self.seq_len if any(h[1] == "data/seq_len" for h in d.histograms) else None
         recent = self.recent if any(map(ranks.is_rank_key, d.scalars)) else None
         out = self._build(new, d.events, new_cols, seq, d.attention, d.samples, walls, now,
-                          recent, full=False, heat=self._grad_heat(new), system_new=new_system)
+                          recent, full=False, heat=self._grad_heat(new), system_new=new_system,
+                          clock_new=new_clock)
         return {k: v for k, v in out.items() if v}
 
     def full(self, now: float | None = None) -> dict[str, Any]:
@@ -135,7 +149,30 @@ class Feed:
         return self._build(series, self.events, self.columns, self.seq_len, self.attention,
                            self.samples, self.walls, time.time() if now is None else now,
                            self.recent, full=True, heat=self._grad_heat(None),
-                           system_new=held)
+                           system_new=held,
+                           clock_new={k: (ds.steps, ds.values) for k, ds in self.clock.items()})
+
+    def _fold_clock(self, d: Delta) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Fold the new steps' walls and token counts into the clock; their points reduced
+        on its grid (what the browser folds in)."""
+        got: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        if d.walls is not None and len(d.walls[0]):
+            steps, walls = d.walls
+            if self.clock_t0 is None:
+                started = self.meta.get("started")
+                self.clock_t0 = float(started) if isinstance(started, (int, float)) \
+                    else float(walls[0])
+            got["wall"] = (steps, clock.seconds(walls, self.clock_t0))
+        if clock.TOKENS in d.scalars:
+            s, v = d.scalars[clock.TOKENS]
+            total, self._tokens = clock.tokens_seen(s, v, self._tokens)
+            got["tokens"] = (s, total.astype(np.float32))
+        new = {}
+        for key, (s, v) in got.items():
+            ds = self.clock.get(key) or self.clock.setdefault(key, Downsampler(self.max_points))
+            ds.extend(s, v)
+            new[key] = reduce(s, v, ds.width)
+        return new
 
     def _fold_system(self, d: Delta) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Fold the new system samples into the timeline mirror; their points reduced on
@@ -184,11 +221,14 @@ class Feed:
 
     def _build(self, series, events, columns, seq_len, att, new_samples, walls, now, recent,
                full: bool, heat: dict[str, Any] | None = None,
-               system_new: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
+               system_new: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+               clock_new: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
                ) -> dict[str, Any]:
         return {
             "header": self.header(now),
-            "loss": loss.build(series, events),
+            "clock": clock.build(self.clock_t0, clock_new or {}),
+            "loss": loss.build(series, events) | (
+                {"baselines": self.baselines.panel()} if full and self.baselines.held else {}),
             "ranks": ranks.build(series, recent, events),
             "grads": grads.build(series, self.latest, events, heat),
             "weights": weights.build(columns, series),

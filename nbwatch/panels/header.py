@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..lifecycle import is_ended, is_live
+from ..text import duration
 
 
 def build(
@@ -26,8 +27,7 @@ def build(
     eta = None
     if max_steps and rate and state in ("running", "starting"):
         eta = max(int(max_steps) - step, 0) / rate
-    started = meta.get("started")
-    end = now if is_live(state) or not walls else walls[-1][1]
+    elapsed = run_duration(meta, walls[-1][1] if walls else None, now)
     out: dict[str, Any] = {}
     if state == "stopped" and meta.get("stopped_by"):  # a kernel shut down, the process ended
         out["message"] = f"stopped: {meta['stopped_by']}"
@@ -40,7 +40,8 @@ def build(
         "progress": min(step / int(max_steps), 1.0) if max_steps else None,
         "steps_per_s": rate,
         "eta_s": eta,
-        "elapsed_s": max(end - float(started), 0.0) if started else None,
+        "elapsed_s": elapsed,
+        "elapsed": duration(elapsed),  # the page shows this text: the export's summary too
         "tokens_per_s": latest.get("throughput/tokens_per_s"),
         "tflops": latest.get("throughput/tflops"),
         "mfu": latest.get("throughput/mfu"),
@@ -50,3 +51,15 @@ def build(
         "error": str(error["message"]) if error else None,
         "traceback": str(error.get("data", {}).get("traceback", "")) if error else None,
     }
+
+
+def run_duration(meta: Mapping[str, Any], last_wall: float | None, now: float) -> float | None:
+    """How long the run has taken: from its start (`meta["started"]`) to now while it is
+    live, else to its newest recorded step. The one duration the header ("elapsed") and the
+    export's summary ("wall time") both show."""
+    started = meta.get("started")
+    if not isinstance(started, (int, float)):
+        return None
+    state = str(meta.get("state", "unknown"))
+    end = now if is_live(state) or last_wall is None else last_wall
+    return max(end - float(started), 0.0)

@@ -32,11 +32,14 @@ class Delta:
     # samples, each in wall order
     system: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     system_steps: tuple[np.ndarray, np.ndarray] | None = None
+    # (steps i8, walls f8 epoch s) of the steps recorded since: the trend panels' time axes
+    walls: tuple[np.ndarray, np.ndarray] | None = None
     more: bool = False  # a chunk cap was hit: poll again at once
 
     def empty(self) -> bool:
         return not (self.scalars or self.events or self.histograms or self.samples
-                    or self.attention is not None or self.meta is not None or self.system)
+                    or self.attention is not None or self.meta is not None or self.system
+                    or self.walls is not None)
 
 
 class Tail:
@@ -51,7 +54,8 @@ class Tail:
         self._delivered: dict[int, int] = {}  # layout → highest step handed out
         self._delivered_wall: dict[int, float] = {}  # system layout → newest wall handed out
         self.scalar_id = self.event_id = self.hist_id = self.attn_id = self.sample_id = 0
-        self.system_id = 0
+        self.system_id = self.wall_id = 0
+        self._wall_step = 0  # the newest step whose wall was handed out (a merge re-sends)
         self._meta_raw: list[tuple] | None = None
 
     def poll(self) -> Delta:
@@ -86,6 +90,12 @@ class Tail:
             d.more = d.more or len(system) == self.blocks
             d.system, d.system_steps = self._system(system, system_id)
             system_id = system[-1][0]
+        wall_id, n_walls, ws, ww = r.walls_since(self.wall_id, self.blocks)
+        if n_walls:
+            d.more = d.more or n_walls == self.blocks
+            new = ws > self._wall_step
+            if new.any():
+                d.walls = (ws[new], ww[new])
         events = r.events_since(event_id)
         if events:
             event_id = events[-1]["id"]
@@ -110,7 +120,9 @@ class Tail:
             d.meta = {k: json.loads(v) for k, v in meta}
         self.scalar_id, self.event_id, self.hist_id, self.attn_id, self.sample_id = (
             scalar_id, event_id, hist_id, attn_id, sample_id)
-        self.system_id = system_id
+        self.system_id, self.wall_id = system_id, wall_id
+        if d.walls is not None:
+            self._wall_step = int(d.walls[0][-1])
         return d
 
     def _system(self, rows: list[tuple], cursor: int

@@ -316,6 +316,14 @@ class RunReader(RecordReads, SystemReads):
         """Wall time of the newest recorded step."""
         return self.wall_range()[1]
 
+    def walls_since(self, after_id: int, limit: int) -> tuple[int, int, np.ndarray, np.ndarray]:
+        """Steps' walls in the rows after id `after_id` (at most `limit` rows): (the last id
+        read, rows read, steps sorted unique, their first wall)."""
+        rows = self.query("SELECT id, first, steps, walls FROM walls WHERE id > ? ORDER BY id"
+                          " LIMIT ?", (after_id, limit))
+        steps, walls = self._walls([r[1:] for r in rows])
+        return (rows[-1][0] if rows else after_id), len(rows), steps, walls
+
     def wall_range(self) -> tuple[float | None, float | None]:
         """Wall times of the first and the newest recorded step."""
         with self.session():

@@ -140,3 +140,30 @@ def click_head(page: Page, layer: int, head: int) -> None:
         }""", [layer, head])
     page.mouse.move(x, y)
     page.mouse.click(x, y)
+
+
+def plots_of(page: Page, panels: list[str]) -> list[dict[str, Any]]:
+    """Each drawn, visible plotly figure of `panels`: its panel, CSS classes, x axis title
+    and type, the texts of its annotations (end-of-line and row labels) and whether its
+    legend shows, and its traces' names."""
+    return page.evaluate(
+        """(ps) => ps.flatMap((p) => [...document.querySelectorAll(
+              `[data-panel=${p}] .js-plotly-plot`)].filter((gd) => !gd.hidden && gd._fullLayout)
+            .map((gd) => ({
+              panel: p, cls: gd.className, x: gd._fullLayout.xaxis.title.text,
+              xtype: gd._fullLayout.xaxis.type,
+              labels: (gd.layout.annotations || []).filter((a) => a.name === "end-label"
+                || a.name === "row-label").map((a) => a.text),
+              legend: !!gd.querySelector('.legend .traces'),
+              traces: gd.data.map((t) => t.name),
+            })))""", panels)
+
+
+def choose_x_axis(page: Page, mode: str) -> None:
+    page.select_option(".nbw-xaxis", mode)
+
+
+# The trend panels and, in each, the figures that are not against steps (bars, histograms
+# of one moment, attention maps): the x axis switch redraws the others.
+TREND = ["loss", "grads", "weights", "health", "data", "metrics"]
+NOT_TREND = ("nbw-grads-bars", "nbw-data-hist")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import urllib.request
 
@@ -13,11 +14,15 @@ from tests.conftest import until
 
 from .conftest import ARTIFACTS, write_notebook
 from .harness import (
+    NOT_TREND,
+    TREND,
     ack,
+    choose_x_axis,
     kernel_idle,
     kernel_json,
     open_notebook,
     page_step,
+    plots_of,
     run_all,
     trace,
     wait_panels,
@@ -158,6 +163,72 @@ def test_lab_live_dashboard_controls_and_reload(page, lab_server, workdir):
           what="the branch drawn on the loss chart")
     page.click(".nbw-stop")
     ack(page, "stop")
+
+
+def test_lab_baseline_labels_and_the_x_axis_switch(page, lab_server, workdir):
+    """Live in JupyterLab: a baseline run's loss on the loss chart, a Health plot and the
+    Metrics plot labelled, and the x axis switch redrawing every trend panel against time
+    (the choice kept by the kernel for its next dashboard)."""
+    import nbformat
+
+    from nbwatch.records import Scalars
+    from nbwatch.store import RunStore
+
+    shutil.rmtree(workdir / "runs" / "lab_base", ignore_errors=True)
+    base = RunStore(workdir / "runs" / "lab_base")
+    base.set_meta("name", "lab_base")
+    base.set_meta("config", {"lr": 1.0})
+    for s in range(1, 201):
+        base.put(Scalars(s, {"loss/train": 5.0 - s / 100, "lr": 1e-3}, wall=1000.0 + s))
+    base.set_meta("state", "finished")
+    base.close()
+    path = write_notebook(workdir, "lab_axis")
+    nb = nbformat.read(path, as_version=4)
+    for c in nb.cells:
+        c.source = c.source.replace("run_dir='runs/lab_axis'",
+                                    "run_dir='runs/lab_axis', baseline='runs/lab_base'")
+    nbformat.write(nb, path)
+    open_notebook(page, f"{lab_server.url}/lab/tree/lab_axis.ipynb?reset")
+    run_all(page)
+    wait_step(page, 55)  # the probe pass at step 50: the Health panel
+    page.wait_for_function(
+        "() => document.querySelector('[data-panel=health] .nbw-health-entropy .main-svg')",
+        timeout=30_000)
+
+    seen: list = []
+
+    def drawn():
+        plots = seen[:] = plots_of(page, TREND)
+        loss = [p for p in plots if p["panel"] == "loss"]
+        health = [p for p in plots if "nbw-health-entropy" in p["cls"]]
+        metrics = [p for p in plots if p["panel"] == "metrics"]
+        ok = (loss and "baseline lab_base" in loss[0]["traces"] and health
+              and len(health[0]["labels"]) == 2 and metrics and len(metrics[0]["labels"]) >= 2)
+        return plots if ok else None
+
+    # (a panel out of view redraws every 3 s at most, one a second in view: bring them in)
+    page.locator("[data-panel=health]").scroll_into_view_if_needed()
+    try:
+        plots = until(drawn, timeout=45, what="the baseline, Health labels and Metrics rows")
+    except AssertionError:
+        raise AssertionError(f"drawn: {seen}") from None
+    assert sorted([p for p in plots if "nbw-health-entropy" in p["cls"]][0]["labels"]) == [
+        "0.attn", "1.attn"]
+
+    choose_x_axis(page, "relative")
+
+    def against_time():
+        trend = [p for p in plots_of(page, TREND) if not any(c in p["cls"] for c in NOT_TREND)]
+        return trend if all(p["x"].startswith("time since the start") for p in trend) else None
+
+    trend = until(against_time, timeout=15, what="every trend panel redrawn against time")
+    assert {p["panel"] for p in trend} == set(TREND), trend
+    train = trace(page, "loss", "train loss")
+    xs = [x for x in train["x"] if x is not None]
+    assert xs == sorted(xs) and 0 < xs[0] < xs[-1] < 600  # seconds, not steps
+    assert kernel_json(page, "__import__('nbwatch.widget').widget.Dashboard._kept_xaxis") \
+        == "relative"
+    shot(page, "lab_x_axis_relative")
 
 
 def test_lab_failed_step_turns_red_with_traceback(page, lab_server, workdir):

@@ -77,8 +77,9 @@ def test_export_draws_offline_and_runs_no_injected_script(browser, tmp_path):
         page.locator("[data-panel=metrics] .nbw-metric-search").fill("evil")
         page.locator("[data-panel=metrics] .nbw-metric-list input").first.check()
         page.wait_for_timeout(300)
-        legend = page.locator("[data-panel=metrics] .legend").text_content()
-        assert f"evil{IMG}" in legend
+        # each picked series has its row, the key written over it (plotly's annotation)
+        labels = " ".join(page.locator("[data-panel=metrics] .annotation").all_text_contents())
+        assert f"evil{IMG}" in labels
         # The layer picker offers the hostile layer name; choosing it redraws, still inert.
         page.select_option(".nbw-layer-pick", f"evil{IMG}")
         page.wait_for_timeout(300)
@@ -143,3 +144,76 @@ def test_export_of_a_torchrun_job_draws_the_ranks_panel(browser, tmp_path):
         page.locator("[data-panel=ranks]").screenshot(path=str(ARTIFACTS / "export_ranks.png"))
         page.screenshot(path=str(ARTIFACTS / "export_ddp.png"), full_page=True)
         ctx.close()
+
+
+def test_export_x_axis_switch_baseline_and_labels(browser, tmp_path):
+    """The export: a baseline's loss is on the loss chart, the Health and Metrics plots
+    are labelled, and the x axis switch redraws every trend panel against time, an eval
+    stall showing as a gap."""
+    import time as _time
+
+    from nbwatch.health import ENTROPY
+    from nbwatch.records import Scalars
+    from nbwatch.store import RunStore
+
+    from .harness import NOT_TREND, TREND, choose_x_axis, plots_of
+
+    t0 = _time.time() - 100
+    for name, lr, baselines in (("exp0", 1e-3, []), ("exp1", 3e-4, [tmp_path / "exp0"])):
+        store = RunStore(tmp_path / name)
+        store.set_meta("name", name)
+        store.set_meta("config", {"lr": lr})
+        store.set_meta("started", t0)
+        store.set_meta("baselines", [str(b) for b in baselines])
+        for s in range(1, 81):
+            v = {"loss/train": 3 - s / 80, "lr": lr, "grad_norm/global": 1.0,
+                 "data/padding_ratio": 0.1, "tokens/real": 64.0, "data/seq_len_max": 128.0,
+                 "epoch": float(s > 40), "grad_norm/blocks.0.attn": 0.5,
+                 "update_ratio/blocks.0.attn": 1e-3, "update_ratio/blocks.1.attn": 2e-3}
+            if s % 20 == 0:
+                v |= {"loss/val": 2.9 - s / 80, f"{ENTROPY}blocks.0.attn": 2.0,
+                      f"{ENTROPY}blocks.1.attn": 2.5}
+            # step 41 waited 30 s (an eval): a gap on the time axes
+            store.put(Scalars(s, v, wall=t0 + 0.2 * s + (30.0 if s > 40 else 0.0)))
+        store.set_meta("state", "finished")
+        store.close()
+    path = export_html(tmp_path / "exp1", tmp_path / "exp1.html")
+    page = browser.new_page(viewport={"width": 1400, "height": 1800})
+    try:
+        page.goto(path.as_uri())
+        page.wait_for_selector(".nbw-root[data-ready]", timeout=30_000)
+        page.wait_for_function("() => document.querySelector('[data-panel=health] .main-svg')")
+        plots = plots_of(page, TREND)
+        loss = [p for p in plots if p["panel"] == "loss"][0]
+        assert "baseline exp0" in loss["traces"] and loss["legend"]
+        health = [p for p in plots if "nbw-health-entropy" in p["cls"]][0]
+        assert sorted(health["labels"]) == ["0.attn", "1.attn"]  # at each line's end
+        metrics = [p for p in plots if p["panel"] == "metrics"][0]
+        assert {"data/seq_len_max", "epoch"} <= set(metrics["labels"])  # a row each
+        ratio = [p for p in plots if p["panel"] == "weights" and p["labels"]][0]
+        assert len(ratio["labels"]) == 2
+
+        choose_x_axis(page, "relative")
+        page.wait_for_timeout(500)
+        trend = [p for p in plots_of(page, TREND) if not any(c in p["cls"] for c in NOT_TREND)]
+        assert len(trend) >= 8, trend
+        assert all(p["x"] == "time since the start (s)" for p in trend), trend
+        train = page.evaluate("""() => {
+            const gd = document.querySelector('[data-panel=loss] .js-plotly-plot');
+            const t = gd.data.find((t) => t.name === 'train loss');
+            return Array.from(t.x); }""")
+        gap = train.index(None)
+        assert train[gap + 1] - train[gap - 1] == pytest.approx(30.2, abs=0.05)
+        assert train[0] == pytest.approx(0.2, abs=0.01) and train[-1] == pytest.approx(46, abs=0.1)
+        # the baseline is drawn by its own clock
+        base = page.evaluate("""() => {
+            const gd = document.querySelector('[data-panel=loss] .js-plotly-plot');
+            return Array.from(gd.data.find((t) => t.name === 'baseline exp0').x).slice(-1); }""")
+        assert base[0] == pytest.approx(46, abs=0.5)
+        choose_x_axis(page, "wall")
+        page.wait_for_timeout(300)
+        assert {p["xtype"] for p in plots_of(page, ["loss", "metrics"])} == {"date"}
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "export_x_axis.png"), full_page=True)
+    finally:
+        page.close()

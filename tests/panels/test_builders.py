@@ -1,6 +1,7 @@
 """Each panel builder: records in → plain dict out, values checked."""
 
 import numpy as np
+import pytest
 
 from nbwatch.panels import alerts, attention, data, grads, header, loss, samples, system, weights
 
@@ -280,3 +281,80 @@ def test_health_draws_modules_not_heads():
     assert list(d["entropy"]) == ["h.0.attn"] and list(d["max_logit"]) == ["h.0.attn"]
     assert list(d["rms"]) == ["h.0"] and list(d["z"]["y"]) == [4.8] and "max_abs" not in d
     assert health.build({"loss/train": s([1], [1.0])}) == {}
+
+
+def test_feed_clock_maps_steps_onto_time_and_tokens_new_points_then_all(tmp_path):
+    """The x axis switch's clock: each step's seconds since the run started (a 30 s stall
+    stays in it, for the page to show as a gap) and the tokens seen by each step."""
+    from nbwatch.panels import Feed
+    from nbwatch.records import Scalars
+    from nbwatch.store import RunReader, RunStore
+
+    store = RunStore(tmp_path / "run")
+    t0 = 7000.0
+    store.set_meta("started", t0)
+    walls = {s: t0 + 0.5 * s + (30.0 if s > 5 else 0.0) for s in range(1, 11)}  # step 6: +30 s
+    for s in range(1, 9):
+        store.put(Scalars(s, {"loss/train": 1.0, "tokens/real": 100.0}, wall=walls[s]))
+    store.flush()
+    feed = Feed(RunReader(tmp_path / "run"))
+    first = feed.update(now=t0 + 40)["clock"]
+    assert first["t0"] == t0
+    assert first["wall"]["x"].tolist() == list(range(1, 9))
+    assert first["wall"]["y"] == pytest.approx([walls[s] - t0 for s in range(1, 9)])
+    assert first["tokens"]["y"].tolist() == [100.0 * s for s in range(1, 9)]
+    for s in (9, 10):
+        store.put(Scalars(s, {"loss/train": 1.0, "tokens/real": 50.0}, wall=walls[s]))
+    store.close()
+    new = feed.update(now=t0 + 41)["clock"]
+    assert new["wall"]["x"].tolist() == [9, 10]  # only what is new
+    assert new["tokens"]["y"].tolist() == [850.0, 900.0]  # the running total goes on
+    full = feed.full(now=t0 + 41)["clock"]
+    assert full["wall"]["x"].tolist() == list(range(1, 11))
+    assert full["wall"]["y"][5] - full["wall"]["y"][4] == pytest.approx(30.5)
+
+
+def test_feed_draws_the_baselines_its_meta_names_found_beside_it_when_moved(tmp_path):
+    """A run's meta names its baselines; a copied `runs/` folder still finds them beside
+    it, and a baseline still being written is read again (it follows live)."""
+    import shutil
+
+    from nbwatch.panels import Feed, baseline
+    from nbwatch.records import Scalars
+    from nbwatch.store import RunReader, RunStore
+
+    def run(path, steps, config, state="finished", baselines=()):
+        store = RunStore(path)
+        store.set_meta("config", config)
+        store.set_meta("state", state)
+        store.set_meta("baselines", [str(b) for b in baselines])
+        for s in range(1, steps + 1):
+            store.put(Scalars(s, {"loss/train": 3.0 - s / steps, "lr": 0.1,
+                                  **({"loss/val": 2.5} if s % 5 == 0 else {})}, wall=100.0 + s))
+        return store
+
+    base = run(tmp_path / "old" / "exp0", 20, {"lr": 0.1, "seed": 1}, state="running")
+    base.flush()
+    run(tmp_path / "old" / "exp1", 10, {"lr": 0.2, "seed": 1},
+        baselines=[tmp_path / "old" / "exp0"]).close()
+    feed = Feed(RunReader(tmp_path / "old" / "exp1"))
+    feed.update(now=0.0)
+    (b,) = feed.full(now=0.0)["loss"]["baselines"]
+    assert b["step"] == 20 and b["state"] == "running" and b["val"]["x"].tolist() == [5, 10, 15, 20]
+    assert b["diff"] == [["lr", "0.1", "0.2"]]
+    assert b["train"]["y"][0] == pytest.approx(3.0 - 1 / 20)  # smoothed, debiased: starts there
+    # the baseline goes on: read again once FOLLOW_EVERY has passed, not before
+    for s in range(21, 26):
+        base.put(Scalars(s, {"loss/train": 1.0}, wall=100.0 + s))
+    base.flush()
+    assert feed.update(now=1.0) is None
+    moved = feed.update(now=baseline.FOLLOW_EVERY + 1)
+    assert moved["loss"]["baselines"][0]["step"] == 25
+    base.close()
+    # the whole folder copied elsewhere: the baseline named by its old path is found beside
+    shutil.copytree(tmp_path / "old", tmp_path / "new")
+    shutil.rmtree(tmp_path / "old")
+    feed = Feed(RunReader(tmp_path / "new" / "exp1"))
+    feed.update(now=0.0)
+    assert feed.full(now=0.0)["loss"]["baselines"][0]["path"] == str(tmp_path / "new" / "exp0")
+    assert baseline.beside(tmp_path / "new" / "exp1") == ["exp0"]

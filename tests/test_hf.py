@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 import nbwatch  # noqa: E402
 import nbwatch.hf  # noqa: E402
+from nbwatch.lifecycle import LIVE  # noqa: E402
 from tests.conftest import until  # noqa: E402
 from tests.scripts import wide_run  # noqa: E402
 
@@ -74,9 +75,8 @@ def trainer_log(trainer, key: str) -> dict[int, float]:
 
 def test_recorded_figures_equal_the_trainers_own_log(tmp_path):
     trainer = make_trainer(tmp_path / "out")
-    t0 = time.monotonic()
     run = nbwatch.hf.start(trainer, run_dir=tmp_path / "run", display=False)
-    assert time.monotonic() - t0 < 2.0  # returns at once
+    assert run.state in LIVE  # returned at once: the fit trains on in its thread
     run.wait()
     assert run.state == "finished" and run.step == 20
     df = run.df

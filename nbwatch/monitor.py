@@ -77,6 +77,9 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
     probe its fixed samples, run at each `log(val=...)`; `checkpoint_every` steps.
     `peak_flops`: the device's peak FLOP/s for MFU (`throughput/mfu`), where its name is
     not in `probes.throughput.PEAK_FLOPS` (dense bf16 of the common GPUs).
+    `update_every`: the update ratios ‖ΔW‖/‖W‖ per layer every N steps (default: with the
+    histograms, every `hist_every`); `update_every=1` takes them every step, at the cost of
+    a copy of the weights before each update.
     `baseline="runs/exp0"` (or a list of run folders): earlier runs whose train/val loss
     and LR the dashboard and the export draw faded under this run's, their config
     difference on hover.
@@ -105,6 +108,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         attention_samples: int = 2,
         attention_tokens: int = 64,
         hist_every: int = 50,
+        update_every: int | None = None,
         checkpoint_every: int | None = None,
         log_every: int = 50,
         rank_every: int = 10,
@@ -114,7 +118,8 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         baseline: str | os.PathLike | list[str | os.PathLike] | None = None,
     ):
         check_monitor(model, optimizer, scheduler, config, keep_last, system_interval, on_alert)
-        check_every(max_steps=max_steps, checkpoint_every=checkpoint_every)
+        check_every(max_steps=max_steps, checkpoint_every=checkpoint_every,
+                    update_every=update_every)
         self.rules = configure(default_rules(), alerts)  # validates the overrides now
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.scaler = scheduler, scaler
@@ -154,8 +159,8 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         self.skip_batches = 0  # set by log(): batches the own loop is asked to skip now
         # one home for the run's options: start() overrides them one by one
         self.options = Options(
-            max_steps=max_steps, hist_every=hist_every, checkpoint_every=checkpoint_every,
-            log_every=log_every, clip=self._clip_asked,
+            max_steps=max_steps, hist_every=hist_every, update_every=update_every,
+            checkpoint_every=checkpoint_every, log_every=log_every, clip=self._clip_asked,
             probe_batch=probe_samples(probe_batch, attention_samples), probe_fn=probe_fn,
             probe_tokens=probe_tokens, attention_samples=attention_samples,
             attention_tokens=attention_tokens, rank_every=rank_every,
@@ -181,6 +186,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         accumulate: int = 1,
         clip: float | None = None,
         hist_every: int | None = None,
+        update_every: int | None = None,
         checkpoint_every: int | None = None,
         probe_batch: Any = None,
         probe_fn: Callable[[nn.Module, Any], Any] | None = None,
@@ -208,13 +214,16 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         config). Under torchrun the ranks exchange figures and commands every `rank_every`
         steps; a rank silent for `dist_timeout` s ends the run.
 
-        The options shared with `Monitor(...)` (`hist_every`, `checkpoint_every`, `clip`,
-        the probe's, `log_every`, `rank_every`, `dist_timeout`, `display`): given here,
-        they override the Monitor's for this run; left out, the Monitor's hold.
+        The options shared with `Monitor(...)` (`hist_every`, `update_every`,
+        `checkpoint_every`, `clip`, the probe's, `log_every`, `rank_every`, `dist_timeout`,
+        `display`): given here, they override the Monitor's for this run; left out, the
+        Monitor's hold.
         """
         self._check_can_open(resume)
+        check_every(update_every=update_every)
         opts = self.options.merged(
             clip=None if clip is None else ctl.check_clip(clip), hist_every=hist_every,
+            update_every=update_every,
             checkpoint_every=checkpoint_every, probe_fn=probe_fn, probe_tokens=probe_tokens,
             attention_samples=attention_samples, attention_tokens=attention_tokens,
             log_every=log_every, rank_every=rank_every, dist_timeout=dist_timeout,

@@ -31,6 +31,7 @@ class Options:
 
     max_steps: int | None = None  # a loop of your own: for the progress bar and ETA
     hist_every: int = 50  # weight/grad histograms every N steps
+    update_every: int | None = None  # update ratios every N steps (None: with hist_every)
     checkpoint_every: int | None = None  # periodic checkpoints (evals checkpoint too)
     log_every: int = 50  # a line in the run log every N steps
     clip: float | None = None  # clip the global gradient norm from step 1
@@ -54,6 +55,7 @@ class Options:
     def spec(self) -> RunSpec:
         """What a run records, from these options (start() adds its step_fn, data, evals)."""
         return RunSpec(max_steps=self.max_steps, hist_every=self.hist_every,
+                       update_every=self.update_every,
                        checkpoint_every=self.checkpoint_every, log_every=self.log_every,
                        probe_batch=self.probe_batch, probe_fn=self.probe_fn,
                        probe_tokens=self.probe_tokens,

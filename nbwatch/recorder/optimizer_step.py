@@ -113,11 +113,19 @@ def pre_step(rec: Measuring, explicit: bool = True, clips: list | None = None,
 
     alerts, skip = decide(rec, step, values)
     clip_or_skip(rec, grads, values, skip, current)
-    hist = rec.spec.hist_every > 0 and not skip and (
-        step % rec.spec.hist_every == 0 or rec.step == rec.start_step)
-    before = wprobe.snapshot(rec.layers) if hist else None
+    first = rec.step == rec.start_step
+    hist = due(rec.spec.hist_every, step, first) and not skip
+    every = rec.spec.update_every
+    ratios = due(rec.spec.hist_every if every is None else every, step, first) and not skip
+    before = wprobe.snapshot(rec.layers) if ratios else None
     fl.taking = Taking(step, values, alerts, skip, before, t0, time.perf_counter(),
-                       explicit=explicit)
+                       explicit=explicit, hist=hist)
+
+
+def due(every: int, step: int, first: bool) -> bool:
+    """A figure taken every `every` steps (0: never) is due at `step` (and at a run's or a
+    resumed run's first step)."""
+    return every > 0 and (step % every == 0 or first)
 
 
 def copy_to_host(rec: Measuring, norms: list[torch.Tensor],
@@ -203,10 +211,9 @@ def post_step(rec: Measuring) -> None:
     t = rec.flight.taking
     if t is None:
         return
-    if t.before is not None:
-        ratios = wprobe.update_ratios(rec.layers, t.before).tolist()
-        t.values.update({f"update_ratio/{n}": r for n, r in zip(rec.layers.names, ratios)})
-        t.before = []  # a histogram step: taken at its end
+    if t.before is not None:  # on device: copied with the step's other figures
+        t.ratios = wprobe.update_ratios(rec.layers, t.before)
+        t.before = None
     rec.lr.off()
     t.t_post = time.perf_counter()
     rec.flight.stepped = True

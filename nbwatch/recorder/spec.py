@@ -36,6 +36,7 @@ class RunSpec:
     sample_fn: Callable[[nn.Module], Any] | None = None  # text, an image or a table
     accumulate: int = 1
     hist_every: int = 50
+    update_every: int | None = None  # update ratios every N steps (None: hist_every)
     hist_bins: int = 64
     checkpoint_every: int | None = None
     probe_batch: Any = None

@@ -19,11 +19,13 @@ class Taking:
     values: dict[str, float]
     alerts: list
     skip: bool
-    before: list | None  # weights snapshot on histogram steps
+    before: list | None  # weights snapshot on update-ratio steps
     t_pre: float
     t_probe: float
     t_post: float = 0.0
     explicit: bool = False  # measured by a framework adapter, not the optimizer's hook
+    hist: bool = False  # a histogram step: weight histograms at its end
+    ratios: torch.Tensor | None = None  # update ratios [L] on device, after the update
 
 
 @dataclass

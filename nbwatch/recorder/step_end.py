@@ -40,6 +40,7 @@ class Recording(Protocol):
     opt: Any  # torch.optim.Optimizer
     scaler: Any
     layers: Layers
+    ratio_names: list[str]
     engine: Any  # AlertEngine
     store: Any  # RunStore, or NullStore on ranks > 0
     dist: Any  # Dist | None
@@ -91,6 +92,9 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
     rec.step = step
     rec.progress.step = step
     rec.batch_ids.end_step(step)
+    if t is not None and t.ratios is not None:
+        names = [*(names or ()), *rec.ratio_names]
+        parts = [*(parts or ()), *t.ratios.unbind()]
     if parts:
         on_gpu = parts[0].device.type == "cuda" and t is not None
         if on_gpu and rec.dist is None:
@@ -100,7 +104,7 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
             complete(rec, step, values, alerts, t is None)
     else:
         complete(rec, step, values, alerts, t is None)
-    if t is not None and t.before is not None:
+    if t is not None and t.hist:
         histograms(rec, step)
     scale = getattr(rec.scaler, "_scale", None) if rec.scaler is not None else None
     if isinstance(scale, torch.Tensor):

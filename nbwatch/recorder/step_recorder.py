@@ -80,6 +80,7 @@ class StepRecorder:
         self.step = self.start_step = start_step
         self.layers = Layers.of(model)
         self.grad_names = ["grad_norm/global"] + [f"grad_norm/{n}" for n in self.layers.names]
+        self.ratio_names = [f"update_ratio/{n}" for n in self.layers.names]
         self.stopping = False
         self.ended = False
         self.log = logging.getLogger(f"nbwatch.run.{store.run_dir.name}.{next(_RUN_IDS)}")

@@ -7,6 +7,7 @@ interleaved in one process, several rounds each, so that machine noise hits all 
   default      nbwatch.Monitor with default probes (histograms/update ratios every 50 steps)
   own loop     the bare loop with `mon.log(loss=..., mask=...)`, run by `mon.run(train)`
                (the user's own loop, default probes)
+  ratios/step  default probes with the update ratios every step (`update_every=1`)
   all/step     every per-step probe every step: weight histograms and update ratios each
                step (attention stays an eval-time probe by design: a separate forward pass)
   +attention   all/step plus the attention probe pass every step (an upper bound)
@@ -122,6 +123,7 @@ def main() -> None:
             "bare": lambda: bare(demo, n, warm),
             "default": lambda: monitored(demo, n, warm, root),
             "own loop": lambda: own_loop(demo, n, warm, root),
+            "ratios/step": lambda: monitored(demo, n, warm, root, update_every=1),
             "all/step": lambda: monitored(demo, n, warm, root, hist_every=1),
             "+attention": lambda: monitored(
                 demo, n, warm, root, hist_every=1, eval_every=1, checkpoint_every=10**9,

@@ -17,6 +17,7 @@ from .rules import (
     Rule,
     Setting,
     Window,
+    _median,
     count,
     number,
     percentile,
@@ -95,12 +96,20 @@ def _grad_norm_spike(w: Window, p: dict) -> tuple[str, dict[str, Any]] | None:
 
 
 def _vanishing(w: Window, p: dict) -> str | None:
-    g = w.arr("grad_norm/global", p["persist"])
-    if len(g) >= p["persist"] and np.all(g < p["global_below"]):
-        return f"global gradient norm below {p['global_below']:.0e} for {p['persist']} steps"
-    layers = [k for k in w.latest if k.startswith("grad_norm/")
+    # Each condition must hold at the newest step first: checked on it alone (O(layers)),
+    # the look-back over `persist` steps runs only when it does.
+    latest = w.latest
+    g_now = latest.get("grad_norm/global")
+    if g_now is not None and g_now < p["global_below"]:
+        g = w.arr("grad_norm/global", p["persist"])
+        if len(g) >= p["persist"] and np.all(g < p["global_below"]):
+            return f"global gradient norm below {p['global_below']:.0e} for {p['persist']} steps"
+    layers = [k for k in latest if k.startswith("grad_norm/")
               and k not in ("grad_norm/global", "grad_norm/clipped")]
     if len(layers) < 3:
+        return None
+    now = np.array([latest[k] for k in layers], dtype=np.float64)
+    if not (now / max(_median(now), 1e-30) < p["layer_ratio"]).any():
         return None
     recent = np.stack([w.arr(k, p["persist"]) for k in layers])  # [layers, steps]
     if recent.shape[1] < p["persist"]:
@@ -123,7 +132,7 @@ def _throughput_drop(w: Window, p: dict) -> str | None:
     a = w.arr(key, p["window"] + p["persist"])
     if len(a) < p["min_history"] + p["persist"]:
         return None
-    base = float(np.median(a[-p["window"] - p["persist"]:-p["persist"]]))
+    base = _median(a[-p["window"] - p["persist"]:-p["persist"]])
     recent = a[-p["persist"]:]
     if base > 0 and np.all(recent < (1 - p["drop"]) * base):
         return (f"throughput fell to {np.median(recent):,.0f} {key.split('/')[1]} "

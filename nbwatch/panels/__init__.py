@@ -43,10 +43,13 @@ class Feed:
 
     `update()` returns the panels' new content (or None when nothing arrived);
     `full()` returns everything held, for a view that renders late.
+    `maps`: the attention panel carries every head's map of the newest eval (a page with
+    no kernel to ask for one: the HTML export); otherwise only the per-head overview.
     """
 
-    def __init__(self, reader: RunReader, max_points: int = MAX_POINTS):
+    def __init__(self, reader: RunReader, max_points: int = MAX_POINTS, maps: bool = False):
         self.tail = Tail(reader)
+        self.maps = maps
         self.baselines = baseline.Baselines(reader.run_dir)
         self.max_points = max_points
         self.series: dict[str, Downsampler] = {}
@@ -232,7 +235,7 @@ class Feed:
             "ranks": ranks.build(series, recent, events),
             "grads": grads.build(series, self.latest, events, heat),
             "weights": weights.build(columns, series),
-            "attention": attention.build(att, self.latest),
+            "attention": attention.build(att, self.latest, self.maps),
             "health": health.build(series, events),
             "system": system.build(self.latest, system_new, self.system_t0),
             "data": data.build(series, seq_len),

@@ -3,6 +3,7 @@
     python benchmarks/dashboard.py            # bytes and CPU per refresh at 1k/100k/1M steps
     python benchmarks/dashboard.py --latency  # + recorded step → page latency, notebook growth
     python benchmarks/dashboard.py --draw     # + page main-thread time: 2-layer demo vs 12 × 12
+    python benchmarks/dashboard.py --sizes= --attention  # bytes of an eval's attention
 
 Traffic: a synthetic run is written straight through `RunStore` (20 scalars a step, an eval
 every 100 steps, 16 weight histograms every 1,000), the dashboard's `Feed` reads it all,
@@ -37,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from nbwatch.panels import Feed  # noqa: E402
-from nbwatch.records import Event, Histogram, Scalars  # noqa: E402
+from nbwatch.panels import attention as attention_panel  # noqa: E402
+from nbwatch.records import Attention, Event, Histogram, Scalars  # noqa: E402
 from nbwatch.store import RunReader, RunStore  # noqa: E402
 from nbwatch.widget import pack  # noqa: E402
 
@@ -119,6 +121,41 @@ def traffic(sizes: list[int], refreshes: int = 40) -> list[dict]:
                   f"per refresh {r['delta_bytes_median'] / 1e3:6.2f} kB "
                   f"(max {r['delta_bytes_max'] / 1e3:6.2f}) | CPU {r['cpu_ms_median']:5.2f} ms "
                   f"(p95 {r['cpu_ms_p95']:5.2f})", flush=True)
+    return rows
+
+
+def attention_bytes(shapes: list[tuple[int, int]], tokens: int = 64, samples: int = 2
+                    ) -> list[dict]:
+    """Bytes of the refresh an eval sends (its attention panel) at layers × heads, with
+    every head's map (what the export embeds; what every eval sent before issue 24) and
+    with the overview alone (what an eval sends now), and of one head's map as the page
+    fetches it (float32 [T, T]). `samples` probe samples of `tokens` tokens (the
+    Monitor's default: 2)."""
+    rows = []
+    rng = np.random.default_rng(0)
+    for layers, heads in shapes:
+        with tempfile.TemporaryDirectory() as tmp:
+            store = RunStore(tmp)
+            store.set_meta("state", "running")
+            for i in range(samples):
+                for layer in range(layers):
+                    a = rng.random((heads, tokens, tokens)).astype(np.float32)
+                    store.put(Attention(100, f"h.{layer}.attn", i, a / a.sum(-1, keepdims=True),
+                                        tuple(f"t{j}" for j in range(tokens))))
+            store.close()
+            feed = Feed(RunReader(tmp))
+            upd = feed.update() or {}
+            overview = message_bytes({"attention": upd["attention"]})
+            full = message_bytes({"attention": attention_panel.build(
+                feed.attention, feed.latest, maps=True)})
+            one = attention_panel.head_map(RunReader(tmp).attention(100, 0), "h.0.attn", 0)
+            fetch = message_bytes({"map": one}, "attention")
+        rows.append({"layers": layers, "heads": heads, "tokens": tokens, "samples": samples,
+                     "with_maps_bytes": full, "overview_bytes": overview,
+                     "one_head_fetch_bytes": fetch})
+        print(f"{layers:>3} layers × {heads:>3} heads, {samples} samples of {tokens} tokens: "
+              f"eval message with every map {full / 1e6:8.3f} MB | overview only "
+              f"{overview / 1e3:7.1f} kB | one head fetched {fetch / 1e3:5.1f} kB", flush=True)
     return rows
 
 
@@ -288,11 +325,14 @@ def main() -> None:
     ap.add_argument("--sizes", default="1000,100000,1000000")
     ap.add_argument("--latency", action="store_true")
     ap.add_argument("--draw", action="store_true")
+    ap.add_argument("--attention", action="store_true")
     ap.add_argument("--models", default="demo,12x12")
     ap.add_argument("--seconds", type=float, default=25.0)
     args = ap.parse_args()
     if args.sizes:
         traffic([int(s) for s in args.sizes.split(",")])
+    if args.attention:
+        attention_bytes([(12, 12), (32, 32)])
     if args.latency:
         latency(args.seconds)
     if args.draw:

@@ -69,6 +69,8 @@ function render({ model, el }) {
     } else if (msg.type === "delta" && ready) {
       apply(unpack(msg.panels, buffers), false);
       performance.measure("nbw:apply", { start: t0 });
+    } else if (msg.type === "attention") { // a head's map the attention view asked for
+      board.views.attention.receive(unpack(msg, buffers));
     } else if (msg.type === "refused" && ctl) {
       ctl.refused(msg.message);
     }

@@ -96,7 +96,7 @@ def snapshot(reader: RunReader, max_points: int = MAX_POINTS,
              environment: bool = True) -> dict[str, Any]:
     """{name, panels (the dashboard's full state), report (summary and tables)}."""
     now = time.time() if now is None else now
-    feed = Feed(reader, max_points)
+    feed = Feed(reader, max_points, maps=True)  # no kernel to fetch a head's map from
     feed.update(now)
     while feed.more:  # the whole history, a chunk at a time, folded into bounded series
         feed.update(now)

@@ -175,17 +175,23 @@ def postmortem(frame: pd.DataFrame, events: pd.DataFrame, spike: int,
     return out
 
 
+def is_spike(kind: Any, data: Any) -> bool:
+    """Whether an event (its kind and data) is a `loss_spike` alert."""
+    return kind == "alert" and isinstance(data, dict) and data.get("rule") == SPIKE_RULE
+
+
 def spikes_of(events: pd.DataFrame, scalars: Scalars | None = None,
-              keys: Iterable[str] = ()) -> pd.DataFrame:
-    """One row per `loss_spike` alert among `events`, with its post-mortem when `scalars`
-    reads the recorded series (`keys`: the names recorded; only the window before each
-    spike is read)."""
+              keys: Iterable[str] = (), steps: Iterable[int] | None = None) -> pd.DataFrame:
+    """One row per `loss_spike` alert among `events` (of those at `steps`, when given), with
+    its post-mortem when `scalars` reads the recorded series (`keys`: the names recorded;
+    only the window before each spike is read)."""
+    only = None if steps is None else {int(s) for s in steps}
     keys = list(keys)
     wanted = [k for k in ("loss/train", "grad_norm/global", "lr", LOG_Z_KEY)
               if k in keys] + layer_keys(keys)
     rows = []
     for step, kind, data in zip(events["step"], events["kind"], events["data"]):
-        if not (kind == "alert" and isinstance(data, dict) and data.get("rule") == SPIKE_RULE):
+        if not is_spike(kind, data) or (only is not None and int(step) not in only):
             continue
         row: dict[str, Any] = {"step": int(step),
                                **{k: data.get(k) for k in ("loss", "median", "z")},
@@ -245,7 +251,8 @@ def timeline(row: Any) -> str:
     return "\n".join([head, *body])
 
 
-def from_reader(reader: Any) -> pd.DataFrame:
-    """`spikes_of` over a `RunReader`'s events and recorded series."""
+def from_reader(reader: Any, steps: Iterable[int] | None = None) -> pd.DataFrame:
+    """`spikes_of` over a `RunReader`'s events and recorded series (the spikes at `steps`,
+    when given)."""
     events = reader.events()
-    return spikes_of(events, lambda k, a, b: reader.scalars(k, a, b), reader.keys())
+    return spikes_of(events, lambda k, a, b: reader.scalars(k, a, b), reader.keys(), steps)

@@ -22,7 +22,7 @@ import traitlets
 
 from .lifecycle import is_ended
 from .notebook import enable_colab_widgets, remember
-from .panels import Feed
+from .panels import Feed, attention
 from .panels.baseline import beside
 from .panels.wire import pack
 from .store import RunReader, is_run_dir
@@ -233,12 +233,41 @@ class Dashboard(anywidget.AnyWidget):
                     if feed.baselines.refresh(feed.meta, time.time()):
                         self._post({"type": "delta", "panels": {
                             "loss": {"baselines": feed.baselines.panel()}}})
+        elif kind == "attention":  # the page opened a head: that one map, read from the store
+            self._send_head_map(view, content)
         elif kind == "command":
             try:
                 self.command(str(content.get("kind")), content.get("value"))
             except (RuntimeError, ValueError, TypeError) as e:
                 self.send({"type": "refused", "to": view, "kind": content.get("kind"),
                            "message": str(e)})
+
+    def _send_head_map(self, view: Any, content: dict[str, Any]) -> None:
+        """Reply to {type: "attention", step, sample, layer, head, module} with that head's
+        [T, S] map (float32, a binary buffer; `map` None where the store has none)."""
+        feed = self._feed
+        if feed is None:  # nothing read yet: no overview drawn to open a head of
+            return
+        try:
+            step, sample = int(content["step"]), int(content.get("sample") or 0)
+            layer, head = int(content.get("layer") or 0), int(content["head"])
+        except (KeyError, TypeError, ValueError):
+            return
+        module = content.get("module")
+        if not isinstance(module, str):  # the overview's row: the newest eval's modules
+            att = feed.attention
+            mods = attention.module_list(att) if att and att["step"] == step else []
+            module = mods[layer] if 0 <= layer < len(mods) else None
+        reader = feed.tail.reader  # connections per call: usable after the poll has ended
+        got = None
+        if module is not None:
+            try:
+                got = attention.head_map(reader.attention(step, sample), module, head)
+            except sqlite3.OperationalError as e:  # a busy store: the page asks again
+                log.debug("nbwatch dashboard: attention map not read (%s)", e)
+                return
+        self._post({"type": "attention", "to": view, "step": step, "sample": sample,
+                    "layer": layer, "head": head, "module": module, "map": got})
 
     def command(self, kind: str, value: Any = None) -> str:
         """Apply a button: the handle's `send`, as its control method of the same name would

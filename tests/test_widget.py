@@ -95,7 +95,26 @@ def test_hello_gets_plotly_once_and_the_whole_history(tiny, tmp_path):
     assert p["header"] == {**p["header"], "step": 30, "max_steps": 30, "state": "finished"}
     assert p["header"]["name"] == "run"
     assert p["grads"]["layers"][0] == "tok_emb" and len(p["grads"]["norms"]) == 16
-    assert p["attention"]["samples"][0]["maps"].dtype == np.uint8
+    # The attention overview carries no map: the page asks for the head it opens.
+    att = p["attention"]
+    assert "maps" not in att["samples"][0] and att["samples"][0]["entropy"].shape == (
+        len(att["modules"]), att["heads"])
+    out.msgs.clear()
+    module = att["modules"][-1]
+    dash._on_msg(dash, {"type": "attention", "view": "v2", "step": att["step"], "sample": 0,
+                        "layer": len(att["modules"]) - 1, "head": 1, "module": module}, [])
+    [(reply, bufs)] = out.msgs
+    assert reply["to"] == "v2" and reply["module"] == module and reply["head"] == 1
+    got = unpack(reply, bufs)["map"]
+    want = nbwatch.open_run(mon.run_dir).attention(att["step"])[module][1]
+    assert got.dtype == np.float32 and np.array_equal(got, want.astype(np.float32))
+    # by the overview's row alone (no module), and a head the store lacks: map None
+    dash._on_msg(dash, {"type": "attention", "view": "v2", "step": att["step"],
+                        "layer": len(att["modules"]) - 1, "head": 1}, [])
+    assert np.array_equal(unpack(*out.msgs[-1])["map"], got)
+    dash._on_msg(dash, {"type": "attention", "view": "v2", "step": att["step"],
+                        "module": module, "head": 99}, [])
+    assert out.msgs[-1][0]["map"] is None
     assert set(p["weights"]["hist"]) >= {"tok_emb", "head"}
     assert [it["kind"] for it in p["alerts"]["items"]][0] == "checkpoint"
     dash.close()

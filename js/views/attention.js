@@ -1,9 +1,14 @@
 // Attention: a layers × heads overview of one number per head (entropy, or largest weight)
 // for a chosen probe sample of the newest eval; a click on a head opens its map large and
 // square, with the sample's tokens on the axes and padded positions greyed out.
+// Live, an eval brings only the overview: the open head's map is asked of the kernel
+// ({type: "attention", step, sample, layer, head, module}; `receive` takes the reply), and
+// again when a new eval arrives. The HTML export carries every map (`sample.maps`).
 import { baseLayout, CONFIG, el, esc, escTemplate, panel } from "../plot.js";
 
 const MAX_TICKS = 32;
+const KEEP = 16; // fetched maps held (a few heads, samples and evals to go back to)
+const RETRY_MS = 5000; // a fetch with no reply (a busy kernel) is asked again
 const MEASURES = { entropy: "entropy (nats)", peak: "largest weight", logit: "largest logit" };
 
 export function create(root, ctx) {
@@ -25,28 +30,51 @@ export function create(root, ctx) {
   let open = { l: 0, h: 0 };
   let dirty = false;
   let clickable = false;
+  const fetched = new Map(); // "step:sample:module:head" → {z: Float32Array [T, S]} or {none}
+  const asked = new Map();   // the same key → when it was asked
   const redraw = () => { dirty = true; ctx.schedule(); };
+  const keyOf = (step, i, l, h) => `${step}:${i}:${data.modules[l]}:${h}`;
   pick.onchange = redraw;
   measure.onchange = redraw;
 
-  // The head at (layer l, head h): its own [T, S] crop as rows of weights, null where padded.
-  function headMap(s, l, h) {
-    const [, H, T, S] = s.maps.shape;
-    const [, t, k] = s.shapes[l];
-    const base = (l * H + h) * T * S;
-    const z = Array.from({ length: t }, (_, q) => {
-      const row = new Array(k);
-      for (let j = 0; j < k; j++) row[j] = s.maps[base + q * S + j] / 255;
-      return row;
-    });
+  // The head at (layer l, head h) of sample i as rows of weights, null where padded; from
+  // the sample's own maps (an export) or a map fetched from the kernel; undefined while
+  // that one is on its way.
+  function headMap(s, i, l, h) {
+    let z;
+    if (s.maps) {
+      const [, H, T, S] = s.maps.shape;
+      const [, t, k] = s.shapes[l];
+      const base = (l * H + h) * T * S;
+      z = Array.from({ length: t }, (_, q) => {
+        const row = new Array(k);
+        for (let j = 0; j < k; j++) row[j] = s.maps[base + q * S + j] / 255;
+        return row;
+      });
+    } else {
+      const got = fetched.get(keyOf(data.step, i, l, h));
+      if (!got) { ask(i, l, h); return undefined; }
+      if (!got.map) return [];
+      const [t, k] = got.map.shape;
+      z = Array.from({ length: t }, (_, q) => Array.from(got.map.subarray(q * k, (q + 1) * k)));
+    }
     // A query row with no weight, or a key no query attends to, is padding.
     const rowLive = z.map((r) => r.some((v) => v > 0));
-    const colLive = Array.from({ length: k }, (_, j) => z.some((r) => r[j] > 0));
+    const colLive = Array.from({ length: z.length ? z[0].length : 0 }, (_, j) => z.some((r) => r[j] > 0));
     return z.map((r, q) => r.map((v, j) => (rowLive[q] && colLive[j] ? v : null)));
   }
 
+  function ask(i, l, h) {
+    const key = keyOf(data.step, i, l, h);
+    const now = Date.now();
+    if (asked.has(key) && now - asked.get(key) < RETRY_MS) return;
+    asked.set(key, now);
+    ctx.send({ type: "attention", step: data.step, sample: i, layer: l, head: h, module: data.modules[l] });
+    setTimeout(() => { if (!fetched.has(key)) redraw(); }, RETRY_MS + 50);
+  }
+
   function drawOverview(Plotly, t, s) {
-    const [L, H] = s.maps.shape;
+    const L = data.modules.length, H = data.heads;
     const m = measure.value;
     const vals = s[m];
     // An absolute scale (0 to the largest possible), so that heads equal to 0.001 do not
@@ -88,9 +116,14 @@ export function create(root, ctx) {
     }
   }
 
-  function drawMap(Plotly, t, s) {
+  function drawMap(Plotly, t, s, i) {
     const { l, h } = open;
-    const z = headMap(s, l, h);
+    const z = headMap(s, i, l, h);
+    if (z === undefined) { // asked of the kernel: the head stays marked, its map follows
+      map.dataset.loading = "1";
+      return;
+    }
+    delete map.dataset.loading;
     const T = z.length, S = z.length ? z[0].length : 0;
     const toks = s.tokens ? s.tokens.slice(0, Math.max(T, S)) : null;
     const label = (i) => (toks && i < toks.length ? esc(JSON.stringify(toks[i]).slice(1, -1)) : String(i));
@@ -112,6 +145,7 @@ export function create(root, ctx) {
         title: { text: "query" } },
     }), CONFIG);
     p.box.dataset.open = `${l}:${h}`;
+    p.box.dataset.mapStep = String(data.step);
   }
 
   return {
@@ -137,9 +171,19 @@ export function create(root, ctx) {
     draw(Plotly, t) {
       if (!dirty || !data) return;
       dirty = false;
-      const s = data.samples[Number(pick.value) || 0];
+      const i = Number(pick.value) || 0;
+      const s = data.samples[i];
       drawOverview(Plotly, t, s);
-      drawMap(Plotly, t, s);
+      drawMap(Plotly, t, s, i);
+    },
+    // The kernel's reply to a fetch: {step, sample, head, module, map: Float32Array [T, S]
+    // or null}; drawn if it is still the head open.
+    receive(msg) {
+      const key = `${msg.step}:${msg.sample}:${msg.module}:${msg.head}`;
+      asked.delete(key);
+      fetched.set(key, { map: msg.map || null });
+      while (fetched.size > KEEP) fetched.delete(fetched.keys().next().value);
+      if (data && key === keyOf(data.step, Number(pick.value) || 0, open.l, open.h)) redraw();
     },
   };
 }

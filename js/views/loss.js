@@ -1,5 +1,7 @@
 // Loss: train raw + smoothed, val points, the val−train gap shaded, LR on a second y axis,
-// a log-y toggle, and markers where an action or alert happened.
+// a log-y toggle, and markers where an action or alert happened. A click on a loss spike's
+// marker shows its post-mortem under the chart: the kernel's lines (diagnose()'s timeline),
+// sent with the panel (`postmortems`, by step); nothing is computed here.
 import { Series, apply } from "../downsample.js";
 import { baseLayout, COLORS, CONFIG, el, esc, escTemplate, panel, severityColor } from "../plot.js";
 
@@ -50,13 +52,54 @@ export function create(root, ctx) {
   pick.hidden = true;
   p.head.append(pick, logLabel);
   const plot = el("div", "nbw-plot");
-  p.body.appendChild(plot);
+  const pm = el("div", "nbw-postmortem");
+  const pmHead = el("div", "nbw-postmortem-head");
+  const pmTitle = el("span", "nbw-postmortem-title");
+  const pmClose = el("button", "nbw-btn nbw-postmortem-close", "×");
+  pmClose.type = "button";
+  pmClose.title = "close the post-mortem";
+  const pmText = el("pre", "nbw-postmortem-text");
+  pmHead.append(pmTitle, pmClose);
+  pm.append(pmHead, pmText);
+  pm.hidden = true;
+  p.body.append(plot, pm);
   const s = { train: new Series(), smooth: new Series(), val: new Series(), lr: new Series() };
   let branches = {}; // rewind n → Series of the train loss it rewound over
   let gap = { x: [], y: [], top: [] };
   let markers = [];
   let baselines = []; // [{name, train, val, lr, wall, tokens, diff}], replaced whole
+  let postmortems = {}; // spike step → {lines, first, lead}
+  let shown = null;     // the spike step whose post-mortem is open
+  let clickable = false;
+  let markerTop = 1; // where the markers sit on the loss axis (the last draw's)
+  let markerAxis = null; // and the x axis they were placed by
   let dirty = false;
+  function showPostmortem(step) {
+    shown = step;
+    if (step === null) { pm.hidden = true; delete p.box.dataset.postmortem; return; }
+    const got = postmortems[String(step)];
+    pmTitle.textContent = `post-mortem of the loss spike at step ${step}`;
+    pmText.textContent = got ? got.lines.join("\n") : "post-mortem on its way: the kernel makes it once the spike's step is read";
+    pm.hidden = false;
+    p.box.dataset.postmortem = String(step);
+  }
+  pmClose.onclick = () => showPostmortem(null);
+  // The spike marker nearest a click (within a marker's reach, in pixels), or null.
+  function spikeAt(ev, ax, top) {
+    const direct = (ev.points || []).find((pt) => pt.data && pt.data.name === "events");
+    if (direct && markers.some((m) => m.spike && m.step === direct.customdata)) return direct.customdata;
+    const fl = plot._fullLayout, r = plot.getBoundingClientRect(), e = ev.event;
+    if (!fl || !e) return null;
+    let best = null, dist = 14;
+    for (const m of markers) {
+      if (!m.spike) continue;
+      const x = r.left + fl.xaxis._offset + fl.xaxis.l2p(fl.xaxis.d2l(ax.at(m.step)));
+      const y = r.top + fl.yaxis._offset + fl.yaxis.l2p(fl.yaxis.d2l(top));
+      const d = Math.hypot(x - e.clientX, y - e.clientY);
+      if (d < dist) { best = m.step; dist = d; }
+    }
+    return best;
+  }
   pick.onchange = () => ctx.send({ type: "baseline", names: pick.value ? [pick.value] : [] });
   function offer(beside, picked) {
     // the runs the run itself names as baselines are drawn already: not offered again
@@ -75,7 +118,11 @@ export function create(root, ctx) {
     box: p.box,
     series: s,
     update(d, full) {
-      if (full) { gap = { x: [], y: [], top: [] }; markers = []; branches = {}; baselines = []; for (const k in s) s[k].set([], []); }
+      if (full) { gap = { x: [], y: [], top: [] }; markers = []; branches = {}; baselines = []; postmortems = {}; for (const k in s) s[k].set([], []); }
+      if (d.postmortems) {
+        Object.assign(postmortems, d.postmortems);
+        if (shown !== null && d.postmortems[String(shown)]) showPostmortem(shown);
+      }
       if (d.baselines) { baselines = d.baselines; dirty = true; }
       if (d.beside) offer(d.beside, (d.picked || [])[0]);
       for (const [n, tr] of Object.entries(d.branches || {})) {
@@ -127,8 +174,11 @@ export function create(root, ctx) {
           hovertemplate: `${ax.hover()}<br>LR %{y:.3e}<extra></extra>` },
         // at the top of the loss axis: a third, hidden axis would cost a third of this draw
         { name: "events", x: ax.x(markers.map((m) => m.step)), customdata: markers.map((m) => m.step), y: markers.map(() => top), cliponaxis: false,
-          type: "scatter", mode: "markers", text: markers.map((m) => esc(m.message)),
-          marker: { symbol: "triangle-down", size: 10, color: markers.map((m) => severityColor(m.severity)) },
+          type: "scatter", mode: "markers",
+          text: markers.map((m) => esc(m.message) + (m.spike ? "<br><i>click: its post-mortem</i>" : "")),
+          marker: { symbol: "triangle-down", size: markers.map((m) => (m.spike ? 13 : 10)),
+            color: markers.map((m) => severityColor(m.severity)),
+            line: { width: markers.map((m) => (m.spike ? 1.5 : 0)), color: t.font } },
           hovertemplate: "step %{customdata}<br>%{text}<extra></extra>" },
       ];
       const layout = baseLayout(t, {
@@ -142,6 +192,15 @@ export function create(root, ctx) {
           y0: 0, y1: 1, line: { color: severityColor(m.severity), width: 1, dash: "dot" } })),
       });
       Plotly.react(plot, traces, layout, CONFIG);
+      markerTop = top;
+      markerAxis = ax;
+      if (!clickable) {
+        clickable = true;
+        plot.on("plotly_click", (ev) => {
+          const step = spikeAt(ev, markerAxis, markerTop);
+          if (step !== null) showPostmortem(step);
+        });
+      }
     },
   };
 }

@@ -26,6 +26,7 @@ from . import (
     metrics,
     ranks,
     samples,
+    spikes,
     system,
     weights,
 )
@@ -43,10 +44,14 @@ class Feed:
 
     `update()` returns the panels' new content (or None when nothing arrived);
     `full()` returns everything held, for a view that renders late.
+    `maps`: the attention panel carries every head's map of the newest eval (a page with
+    no kernel to ask for one: the HTML export); otherwise only the per-head overview.
     """
 
-    def __init__(self, reader: RunReader, max_points: int = MAX_POINTS):
+    def __init__(self, reader: RunReader, max_points: int = MAX_POINTS, maps: bool = False):
         self.tail = Tail(reader)
+        self.maps = maps
+        self.postmortems = spikes.Postmortems(reader)
         self.baselines = baseline.Baselines(reader.run_dir)
         self.max_points = max_points
         self.series: dict[str, Downsampler] = {}
@@ -127,6 +132,8 @@ class Feed:
             elif e["kind"] == "state" and _state_of(e) == "running":
                 self.error = None  # resumed: the old failure is history, not the state
         self.events = (self.events + d.events)[-MAX_EVENTS:]
+        self.postmortems.see(d.events)
+        postmortems = self.postmortems.ready(self.latest.get("loss/train", (0, 0.0))[0])
         self.samples = (self.samples + d.samples)[-samples.MAX_ITEMS:]
         if d.attention is not None:
             self.attention = d.attention
@@ -140,7 +147,7 @@ class Feed:
         recent = self.recent if any(map(ranks.is_rank_key, d.scalars)) else None
         out = self._build(new, d.events, new_cols, seq, d.attention, d.samples, walls, now,
                           recent, full=False, heat=self._grad_heat(new), system_new=new_system,
-                          clock_new=new_clock)
+                          clock_new=new_clock, postmortems=postmortems)
         return {k: v for k, v in out.items() if v}
 
     def full(self, now: float | None = None) -> dict[str, Any]:
@@ -150,7 +157,8 @@ class Feed:
                            self.samples, self.walls, time.time() if now is None else now,
                            self.recent, full=True, heat=self._grad_heat(None),
                            system_new=held,
-                           clock_new={k: (ds.steps, ds.values) for k, ds in self.clock.items()})
+                           clock_new={k: (ds.steps, ds.values) for k, ds in self.clock.items()},
+                           postmortems=self.postmortems.panel())
 
     def _fold_clock(self, d: Delta) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Fold the new steps' walls and token counts into the clock; their points reduced
@@ -222,17 +230,18 @@ class Feed:
     def _build(self, series, events, columns, seq_len, att, new_samples, walls, now, recent,
                full: bool, heat: dict[str, Any] | None = None,
                system_new: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
-               clock_new: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
-               ) -> dict[str, Any]:
+               clock_new: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+               postmortems: dict[str, Any] | None = None) -> dict[str, Any]:
         return {
             "header": self.header(now),
             "clock": clock.build(self.clock_t0, clock_new or {}),
             "loss": loss.build(series, events) | (
-                {"baselines": self.baselines.panel()} if full and self.baselines.held else {}),
+                {"baselines": self.baselines.panel()} if full and self.baselines.held else {})
+            | ({"postmortems": postmortems} if postmortems else {}),
             "ranks": ranks.build(series, recent, events),
             "grads": grads.build(series, self.latest, events, heat),
             "weights": weights.build(columns, series),
-            "attention": attention.build(att, self.latest),
+            "attention": attention.build(att, self.latest, self.maps),
             "health": health.build(series, events),
             "system": system.build(self.latest, system_new, self.system_t0),
             "data": data.build(series, seq_len),

@@ -1,5 +1,7 @@
 """Attention: for each probe sample of the newest eval, a layers × heads overview of one
-number per head (its entropy, its largest weight), and every head's map to open large."""
+number per head (its entropy, its largest weight). One head's map travels only when the
+page opens it (`head_map`, the widget's "attention" message); a page with no kernel (the
+HTML export) gets every map of the newest eval with the overview (`maps=True`)."""
 
 from __future__ import annotations
 
@@ -10,49 +12,81 @@ import numpy as np
 
 
 def build(att: Mapping[str, Any] | None,
-          latest: Mapping[str, tuple[int, float]] | None = None) -> dict[str, Any]:
-    """`att`: {step, samples: [{tokens, maps: {module: [heads, T, S]}}]} → weights as uint8
-    (×255: attention rows sum to 1, so 1/255 resolution is what a colour scale shows).
+          latest: Mapping[str, tuple[int, float]] | None = None,
+          maps: bool = False) -> dict[str, Any]:
+    """`att`: {step, samples: [{tokens, maps: {module: [heads, T, S]}}]} → the overview:
+    {step, modules, heads, samples: [{tokens, shapes, entropy, peak}], logit?}.
     `latest` {key: (step, value)}: each head's largest logit at that probe, for the
-    overview."""
+    overview. `maps=True` adds each sample's maps as one uint8 [L, H, T, S] block (×255:
+    attention rows sum to 1, so 1/255 resolution is what a colour scale shows)."""
     if not att or not att["samples"]:
         return {}
     samples = []
     # one module list for every sample (a sample may lack a module another has)
-    modules = list(dict.fromkeys(m for s in att["samples"] for m in s["maps"]))
+    modules = module_list(att)
+    heads = 1
     for s in att["samples"]:
-        maps = s["maps"]
-        if not maps:
+        got = s["maps"]
+        if not got:
             continue
-        arrays = [np.asarray(maps[m], dtype=np.float32) if m in maps
+        arrays = [np.asarray(got[m], dtype=np.float32) if m in got
                   else np.zeros((0, 0, 0), dtype=np.float32) for m in modules]
         # modules differ in shape (encoder-decoder: self T×T, cross T×S; GQA: heads):
         # pad into one [L, H, T, S] block, each module's own shape alongside
-        heads = max(max(a.shape[0] for a in arrays), 1)
+        h = max(max(a.shape[0] for a in arrays), 1)
         t = max(max(a.shape[1] for a in arrays), 1)
         k = max(max(a.shape[2] for a in arrays), 1)
-        stack = np.zeros((len(arrays), heads, t, k), dtype=np.float32)
+        stack = np.zeros((len(arrays), h, t, k), dtype=np.float32)
         for i, a in enumerate(arrays):
             stack[i, : a.shape[0], : a.shape[1], : a.shape[2]] = a
-        shapes = [list(a.shape) for a in arrays]
-        q = np.clip(np.rint(stack * 255), 0, 255).astype(np.uint8)
         ent, peak = head_summary(stack)
         tokens = list(s["tokens"]) if s.get("tokens") else None
-        samples.append({"tokens": tokens, "maps": q, "shapes": shapes, "entropy": ent,
-                        "peak": peak})
+        one: dict[str, Any] = {"tokens": tokens, "shapes": [list(a.shape) for a in arrays],
+                               "entropy": ent, "peak": peak}
+        if maps:
+            one["maps"] = np.clip(np.rint(stack * 255), 0, 255).astype(np.uint8)
+        samples.append(one)
+        heads = max(heads, h)
     if not samples:
         return {}
-    out: dict[str, Any] = {"step": int(att["step"]), "modules": modules,
-           "heads": int(samples[0]["maps"].shape[1]), "samples": samples}
-    logit = np.full((len(modules), out["heads"]), np.nan, dtype=np.float32)
+    out: dict[str, Any] = {"step": int(att["step"]), "modules": modules, "heads": heads,
+                           "samples": samples}
+    for one in samples:  # every sample padded to the same heads (the view indexes [l, h])
+        one["entropy"], one["peak"] = (_pad_heads(one["entropy"], heads),
+                                       _pad_heads(one["peak"], heads))
+        if maps and one["maps"].shape[1] < heads:
+            one["maps"] = np.pad(one["maps"],
+                                 ((0, 0), (0, heads - one["maps"].shape[1]), (0, 0), (0, 0)))
+    logit = np.full((len(modules), heads), np.nan, dtype=np.float32)
     for i, m in enumerate(modules):
-        for h in range(out["heads"]):
+        for h in range(heads):
             got = (latest or {}).get(f"attn/max_logit/{m}/{h}")
             if got is not None and got[0] == out["step"]:
                 logit[i, h] = got[1]
     if np.isfinite(logit).any():
         out["logit"] = logit
     return out
+
+
+def module_list(att: Mapping[str, Any]) -> list[str]:
+    """The overview's rows: every sample's modules, in the order the probe wrote them."""
+    return list(dict.fromkeys(m for s in att["samples"] for m in s["maps"]))
+
+
+def head_map(maps: Mapping[str, Any], module: str, head: int) -> np.ndarray | None:
+    """One head's [T, S] weights from a sample's {module: [heads, T, S]} (float32), or None
+    where the sample has no such module or head."""
+    a = maps.get(module)
+    if a is None or not 0 <= head < np.shape(a)[0]:
+        return None
+    return np.asarray(a[head], dtype=np.float32)
+
+
+def _pad_heads(a: np.ndarray, heads: int) -> np.ndarray:
+    """[L, h] → [L, heads], NaN where a sample's modules have fewer heads."""
+    if a.shape[1] >= heads:
+        return a
+    return np.pad(a, ((0, 0), (0, heads - a.shape[1])), constant_values=np.nan)
 
 
 def head_summary(stack: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

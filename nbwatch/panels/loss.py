@@ -1,5 +1,6 @@
-"""Loss: train raw and smoothed, val points, the val−train gap, LR, markers at actions/alerts,
-and the branches a rewind left (the steps it rewound over, kept as `rewind/<n>/loss/train`)."""
+"""Loss: train raw and smoothed, val points, the val−train gap, LR, markers at actions/alerts
+(a loss spike's marker flagged: a click shows its post-mortem, `spikes.py`), and the
+branches a rewind left (the steps it rewound over, kept as `rewind/<n>/loss/train`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ..postmortem import is_spike
 from ._common import Series, trace
 
 MARKER_KINDS = ("action", "alert", "error")
@@ -60,8 +62,11 @@ def build(series: Series, events: Iterable[Mapping[str, Any]] = ()) -> dict[str,
     branches = {m.group(1): trace(series, k) for k in series if (m := BRANCH.match(k))}
     if branches:
         out["branches"] = branches
+    # a loss spike's marker opens its post-mortem (`postmortems`, sent by the Feed)
     markers = [{"step": int(e["step"]), "kind": str(e["kind"]), "severity": str(e["severity"]),
-                "message": str(e["message"])} for e in events if e["kind"] in MARKER_KINDS]
+                "message": str(e["message"])}
+               | ({"spike": True} if is_spike(e["kind"], e.get("data")) else {})
+               for e in events if e["kind"] in MARKER_KINDS]
     if markers:
         out["markers"] = markers
     return out

@@ -7,13 +7,15 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from nbwatch.export import export_html
+from nbwatch.store import RunReader
 from tests.export_run import IMG, SCRIPT, write_run
 
 from .conftest import ARTIFACTS, ROOT
-from .harness import panels_rendered
+from .harness import click_head, panels_rendered
 
 pytestmark = pytest.mark.browser
 
@@ -58,6 +60,17 @@ def test_export_draws_offline_and_runs_no_injected_script(browser, tmp_path):
             "(ts) => ts.map((t) => document.querySelectorAll(`[data-panel=${t}] tbody tr`)"
             ".length)", list(TABLES))
         assert all(n > 0 for n in rows), dict(zip(TABLES, rows))
+        # The export has no kernel: it carries the newest eval's maps, and a head opened
+        # draws its own (the store's weights to 1/255).
+        click_head(page, 1, 1)
+        page.wait_for_function(
+            "() => document.querySelector('[data-panel=attention]').dataset.open === '1:1'",
+            timeout=10_000)
+        z = page.evaluate("""() => document.querySelector('[data-panel=attention] .nbw-attn-map')
+            .data[0].z""")
+        stored = RunReader(path.parent / "run").attention(300)["blocks.1.mlp"][1]
+        want = np.rint(stored.astype(np.float32) * 255).astype(np.uint8) / 255
+        np.testing.assert_allclose(np.array(z, dtype=np.float64), want, rtol=0, atol=1e-12)
         summary = page.locator("[data-panel=summary]").inner_text()
         assert "best val loss" in summary and "tokens seen" in summary
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from nbwatch.panels import alerts, attention, data, grads, header, loss, samples, system, weights
+from nbwatch.panels.wire import pack
 
 
 def s(steps, values):
@@ -88,7 +89,8 @@ def test_weights_columns_and_ratios():
 
 def test_attention_quantised_grid():
     maps = {"b0.attn": np.full((2, 3, 3), 1 / 3), "b1.attn": np.eye(3)[None].repeat(2, 0)}
-    d = attention.build({"step": 10, "samples": [{"tokens": ["a", "<b>", "c"], "maps": maps}]})
+    d = attention.build({"step": 10, "samples": [{"tokens": ["a", "<b>", "c"], "maps": maps}]},
+                        maps=True)
     m = d["samples"][0]["maps"]
     assert m.shape == (2, 2, 3, 3) and m.dtype == np.uint8
     assert m[0, 0, 0, 0] == 85 and m[1, 1, 2, 2] == 255 and m[1, 1, 2, 1] == 0
@@ -97,6 +99,28 @@ def test_attention_quantised_grid():
     np.testing.assert_allclose(d["samples"][0]["entropy"], [[np.log(3)] * 2, [0, 0]], atol=1e-5)
     np.testing.assert_allclose(d["samples"][0]["peak"], [[1 / 3] * 2, [1, 1]], atol=1e-6)
     assert attention.build(None) == {}
+
+
+def test_attention_overview_carries_no_maps():
+    """An eval's panel: the per-head numbers, shapes, tokens, modules and step, and no map
+    (a 32 × 32-head model's maps are MBs a sample; the page fetches the head it opens)."""
+    rng = np.random.default_rng(1)
+    maps = {f"h.{i}.attn": rng.random((32, 16, 16)) for i in range(32)}
+    latest = {"attn/max_logit/h.3.attn/5": (7, 9.5)}
+    d = attention.build({"step": 7, "samples": [{"tokens": list("abcdefghijklmnop"),
+                                                 "maps": maps}] * 2}, latest)
+    assert d["step"] == 7 and d["heads"] == 32 and d["modules"] == list(maps)
+    assert d["logit"].shape == (32, 32) and d["logit"][3, 5] == 9.5
+    for s in d["samples"]:
+        assert set(s) == {"tokens", "shapes", "entropy", "peak"}
+        assert s["entropy"].shape == s["peak"].shape == (32, 32)
+        assert s["shapes"][0] == [32, 16, 16] and s["tokens"][1] == "b"
+    buffers: list = []
+    pack(d, buffers)
+    assert sum(b.nbytes for b in buffers) < 32 * 32 * 4 * 6  # the numbers, not 256 kB of maps
+    assert attention.head_map(maps, "h.3.attn", 5).shape == (16, 16)
+    assert attention.head_map(maps, "h.3.attn", 32) is None
+    assert attention.head_map(maps, "nope", 0) is None
 
 
 def test_attention_overview_skips_padded_rows():
@@ -211,7 +235,7 @@ def test_attention_of_modules_with_different_shapes():
     rng = np.random.default_rng(0)
     maps = {"encoder.0": rng.random((2, 10, 10)), "decoder.0.self": rng.random((2, 6, 6)),
             "decoder.0.cross": rng.random((2, 6, 10))}
-    d = attention.build({"step": 4, "samples": [{"tokens": None, "maps": maps}]})
+    d = attention.build({"step": 4, "samples": [{"tokens": None, "maps": maps}]}, maps=True)
     s = d["samples"][0]
     assert s["maps"].shape == (3, 2, 10, 10)
     assert s["shapes"] == [[2, 10, 10], [2, 6, 6], [2, 6, 10]]

@@ -14,7 +14,7 @@ interleaved in one process, several rounds each, so that machine noise hits all 
   tensorboard  the seeds' recipe in the main thread: per-parameter `.item()` grad norms and
                add_scalar every step, add_histogram of every weight and grad every 50 steps
 
-    python benchmarks/overhead.py [--steps 60] [--rounds 5]
+    python benchmarks/overhead.py [--steps 60] [--rounds 9] [--only default,ratios/step]
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--warm", type=int, default=5)
+    ap.add_argument("--only", default="", help="comma-separated variants (bare always runs)")
     args = ap.parse_args()
     demo = make_demo(max_steps=10**9)
     demo.scheduler = torch.optim.lr_scheduler.LambdaLR(demo.optimizer, lambda s: 1.0)
@@ -129,11 +130,14 @@ def main() -> None:
                 demo, n, warm, root, hist_every=1, eval_every=1, checkpoint_every=10**9,
                 probe_batch=demo.probe_batch, probe_tokens=demo.probe_tokens),
         }
-        if SummaryWriter is not None:
+        if SummaryWriter is not None and (not args.only or "tensorboard" in args.only):
             def tensorboard():
                 with SummaryWriter(str(root / f"tb{time.monotonic_ns()}")) as tb:
                     return bare(demo, n, warm, tb)
             variants["tensorboard"] = tensorboard
+        if args.only:
+            keep = {"bare", *args.only.split(",")}
+            variants = {k: v for k, v in variants.items() if k in keep}
         for r in range(args.rounds):
             for name, fn in variants.items():
                 results.setdefault(name, []).append(fn())

@@ -71,26 +71,39 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _follow(mon: Any, args: argparse.Namespace) -> None:
-    """Progress lines and alerts while the demo trains."""
-    last, alerts_seen = -1, 0
+    """Progress lines and alerts while the demo trains. Each line reads only the events
+    since the last and the last 20 steps' figures: the whole frame, read every second,
+    would cost the training thread more as the run grows."""
+    from .store import RunReader, is_run_dir
+
+    last, event_id, reader = -1, 0, None
+    keys = ["loss/train", "lr", "grad_norm/global", "throughput/tokens_per_s"]
     while mon.running:
         time.sleep(args.print_every)
-        ev = mon.events
-        alerts = ev[(ev.kind == "alert") & (ev.severity != "info")]
-        for _, a in alerts.iloc[alerts_seen:].iterrows():
-            print(f"  {a.severity} at step {a.step}: {a.message}", flush=True)
-        alerts_seen = len(alerts)
-        df = mon.df
-        if "loss/train" not in df or mon.step == last:  # only system figures so far
+        if reader is None:
+            if not is_run_dir(mon.run_dir):
+                continue
+            reader = RunReader(mon.run_dir)
+        for e in reader.events_since(event_id):
+            event_id = e["id"]
+            if e["kind"] == "alert" and e["severity"] != "info":
+                print(f"  {e['severity']} at step {e['step']}: {e['message']}", flush=True)
+        step = reader.last_step()
+        if step <= 0 or step == last:
             continue
-        last = mon.step
-        row = df.iloc[-20:].mean(numeric_only=True)
-        vals = df["loss/val"].dropna() if "loss/val" in df else None
-        val = (f"val {vals.iloc[-1]:.3f}" if vals is not None and len(vals)
-               else f"val {MISSING:5s}")  # before the first eval
-        print(f"step {mon.step:5d}/{args.steps}  loss {row['loss/train']:.3f}  "
-              f"{val}  lr {row['lr']:.2e}  grad {row['grad_norm/global']:.2f}  "
+        last = step
+        df = reader.scalars(keys, max(step - 19, 1), step + 1)
+        if "loss/train" not in df:  # only system figures so far
+            continue
+        val = reader.last_value("loss/val")
+        row = df.mean(numeric_only=True)
+        shown = f"val {val:.3f}" if val is not None else f"val {MISSING:5s}"  # before an eval
+        print(f"step {step:5d}/{args.steps}  loss {row['loss/train']:.3f}  "
+              f"{shown}  lr {row.get('lr', math.nan):.2e}  "
+              f"grad {row.get('grad_norm/global', math.nan):.2f}  "
               f"{row.get('throughput/tokens_per_s', math.nan):,.0f} tok/s", flush=True)
+    if reader is not None:
+        reader.close()
 
 
 def _export(args: argparse.Namespace) -> int:

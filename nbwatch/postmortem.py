@@ -13,6 +13,12 @@ For a `loss_spike` alert at step S, over the steps [S - 20, S] (`LOOKBACK`):
   (1.4826 × MAD) above the median of its 50 steps before; `log_z_rose` the same for the
   training batch's log Z (`train_logits/log_z`, where the run records it: the output
   logits growing);
+- `first_updates`: the same test as the layers' gradient norms on their update ratios
+  (`update_ratio/<layer>`, ‖ΔW‖/‖W‖), where the run records them every step
+  (`update_every=1`: a value at 90% of the window's steps at least); the layers whose
+  update ratio rose earliest (at most 3). None where the ratios are sparse (with the
+  histograms, every 50 steps): they are not looked at, and the post-mortem is the same as
+  without them;
 - `grad_z`: the global gradient norm at S, in SDs above the mean of the 128 steps before
   (the spike score's measure, `spike_score.py`);
 - `lr` at S and `lr_change`: the LR's last move up to S, a step where it moved by more
@@ -20,9 +26,9 @@ For a `loss_spike` alert at step S, over the steps [S - 20, S] (`LOOKBACK`):
   warm-up, a ramp): {step (its first), steps, from, to};
 - `alerts_before`: every other rule that fired in the 500 steps up to S, the newest
   time of each, and how many steps before S;
-- `first`: the signals (a layer's `grad_norm/<layer>`, `grad_norm/global`, `loss/train`,
-  `train_logits/log_z`, a rule's name) that moved at the earliest of those steps, and
-  `lead`, S minus that step.
+- `first`: the signals (a layer's `grad_norm/<layer>` or `update_ratio/<layer>`,
+  `grad_norm/global`, `loss/train`, `train_logits/log_z`, a rule's name) that moved at
+  the earliest of those steps, and `lead`, S minus that step.
 """
 
 from __future__ import annotations
@@ -46,11 +52,13 @@ ALERT_LOOKBACK = 500
 MAX_LAYERS = 3
 SPIKE_RULE = "loss_spike"
 LOG_Z_KEY = "train_logits/log_z"  # probes.logits.LOG_Z (this module reads, never probes)
+UPDATE = "update_ratio/"
+DENSE = 0.9  # update ratios looked at where present at this share of the window's steps
 _NOT_LAYERS = ("grad_norm/global", "grad_norm/clipped")
 
 SPIKE_COLUMNS = ["step", "loss", "median", "z", "batches", "first", "lead", "first_layers",
-                 "grad_z", "grad_rose", "loss_rose", "log_z_rose", "lr", "lr_change",
-                 "alerts_before"]
+                 "first_updates", "grad_z", "grad_rose", "loss_rose", "log_z_rose", "lr",
+                 "lr_change", "alerts_before"]
 
 # a frame of the recorded scalars: (keys, start, stop) → rows start <= step < stop
 Scalars = Callable[[list[str], int, int], pd.DataFrame]
@@ -59,6 +67,30 @@ Scalars = Callable[[list[str], int, int], pd.DataFrame]
 def layer_keys(keys: Iterable[str]) -> list[str]:
     """The per-layer gradient-norm series among `keys`."""
     return [k for k in keys if k.startswith("grad_norm/") and k not in _NOT_LAYERS]
+
+
+def update_keys(keys: Iterable[str]) -> list[str]:
+    """The per-layer update-ratio series among `keys`."""
+    return [k for k in keys if k.startswith(UPDATE)]
+
+
+def _dense(s: pd.Series, spike: int, lookback: int) -> bool:
+    """Whether `s` holds a value at `DENSE` of the recorded steps in [spike - lookback,
+    spike] (every step, give or take a skipped one), not only at histogram steps."""
+    window = s[(s.index >= spike - lookback) & (s.index <= spike)]
+    return len(window) > 0 and int(window.notna().sum()) >= DENSE * len(window)
+
+
+def _earliest(frame: pd.DataFrame, keys: list[str], prefix: str, spike: int, lookback: int,
+              baseline: int, k: float) -> list[tuple[int, float, str]]:
+    """(step, -ratio, layer) of each series among `keys` that rose (`_ratio_rise`),
+    earliest first (ties: the larger ratio first)."""
+    rises = []
+    for key in keys:
+        r = _ratio_rise(frame[key], spike, lookback, baseline, k)
+        if r is not None:
+            rises.append((r[0], -r[1], key.removeprefix(prefix)))
+    return sorted(rises)
 
 
 def _ratio_rise(s: pd.Series, spike: int, lookback: int, baseline: int, k: float
@@ -126,19 +158,22 @@ def postmortem(frame: pd.DataFrame, events: pd.DataFrame, spike: int,
     """The post-mortem of the loss spike at step `spike`: `frame` holds the recorded
     scalars of the steps before it (index: step; at least `baseline + lookback` of them,
     and the 128 for `grad_z`), `events` the run's events table."""
-    out: dict[str, Any] = {"first": [], "lead": None, "first_layers": [], "grad_z": None,
-                           "grad_rose": None, "loss_rose": None, "log_z_rose": None, "lr": None,
+    out: dict[str, Any] = {"first": [], "lead": None, "first_layers": [],
+                           "first_updates": None, "grad_z": None, "grad_rose": None,
+                           "loss_rose": None, "log_z_rose": None, "lr": None,
                            "lr_change": None, "alerts_before": []}
     moved: list[tuple[int, str]] = []
-    rises = []
-    for key in layer_keys(frame.columns):
-        r = _ratio_rise(frame[key], spike, lookback, baseline, k)
-        if r is not None:
-            rises.append((r[0], -r[1], key.removeprefix("grad_norm/")))
-    rises.sort()
+    rises = _earliest(frame, layer_keys(frame.columns), "grad_norm/", spike, lookback,
+                      baseline, k)
     out["first_layers"] = [{"layer": n, "step": s, "ratio": -r}
                            for s, r, n in rises[:MAX_LAYERS]]
     moved += [(s, f"grad_norm/{n}") for s, _, n in rises]
+    dense = [key for key in update_keys(frame.columns) if _dense(frame[key], spike, lookback)]
+    if dense:  # sparse ratios (with the histograms) are not looked at
+        ups = _earliest(frame, dense, UPDATE, spike, lookback, baseline, k)
+        out["first_updates"] = [{"layer": n, "step": s, "ratio": -r}
+                                for s, r, n in ups[:MAX_LAYERS]]
+        moved += [(s, f"{UPDATE}{n}") for s, _, n in ups]
     if "grad_norm/global" in frame:
         g = frame["grad_norm/global"]
         out["grad_z"] = grad_z(g, spike)
@@ -188,7 +223,7 @@ def spikes_of(events: pd.DataFrame, scalars: Scalars | None = None,
     only = None if steps is None else {int(s) for s in steps}
     keys = list(keys)
     wanted = [k for k in ("loss/train", "grad_norm/global", "lr", LOG_Z_KEY)
-              if k in keys] + layer_keys(keys)
+              if k in keys] + layer_keys(keys) + update_keys(keys)
     rows = []
     for step, kind, data in zip(events["step"], events["kind"], events["data"]):
         if not is_spike(kind, data) or (only is not None and int(step) not in only):
@@ -216,6 +251,12 @@ def timeline(row: Any) -> str:
         lines.append((a["step"], f"{a['rule']} fired"))
     for f in get("first_layers") or []:
         lines.append((f["step"], f"grad norm of {f['layer']} {f['ratio']:.1f}× its median"))
+    try:
+        ups = get("first_updates")
+    except (KeyError, AttributeError):  # a row of a post-mortem made before update ratios
+        ups = None
+    for f in ups if isinstance(ups, list) else []:
+        lines.append((f["step"], f"update ratio of {f['layer']} {f['ratio']:.1f}× its median"))
     for key, what in (("grad_rose", f"global grad norm > {K:g}× its median"),
                       ("loss_rose", f"loss {LOSS_Z:g} robust SD above its median"),
                       ("log_z_rose", f"log Z {LOSS_Z:g} robust SD above its median")):

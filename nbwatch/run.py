@@ -204,7 +204,9 @@ class Run:
         Then its post-mortem, from the recorded series of the steps before it
         (`nbwatch.postmortem`): `first` (the signals that moved first) and `lead` (how many
         steps before), `first_layers` (the layers whose gradient norm rose earliest above 3×
-        its rolling median, within the 20 steps before), `grad_z`, `grad_rose`,
+        its rolling median, within the 20 steps before), `first_updates` (the same for the
+        update ratios, where they are recorded every step, `update_every=1`; else None),
+        `grad_z`, `grad_rose`,
         `loss_rose`, `lr` and `lr_change`, `alerts_before` (the rules that fired before it,
         and when).
 

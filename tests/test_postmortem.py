@@ -20,9 +20,9 @@ QUIET = {r: {"actions": []} for r in ("nonfinite", "grad_explosion", "val_spike"
 BAD = 120  # the corrupt batch's step
 
 
-def train(tmp_path, demo, sched, data, steps):
+def train(tmp_path, demo, sched, data, steps, **options):
     mon = nbwatch.Monitor(demo.model, demo.optimizer, sched, run_dir=tmp_path / "r",
-                          alerts=QUIET)
+                          alerts=QUIET, **options)
     mon.start(demo.step_fn, data, max_steps=steps, display=False).wait()
     assert mon.state == "finished"
     return mon, nbwatch.open_run(tmp_path / "r")
@@ -82,7 +82,45 @@ def test_an_lr_ramp_shows_its_ramp_and_a_rise_before_the_spike(tmp_path):
     drift = [a for a in row.alerts_before if a["rule"] == "logz_drift"]
     assert drift and drift[0]["lead"] >= 1, row.alerts_before
     assert "log Z 3 robust SD above its median" in timeline(row)
+    assert row.first_updates is None  # ratios with the histograms only: not looked at
+    assert not any(f.startswith("update_ratio/") for f in row["first"])
     print(timeline(row))
+
+
+def test_an_lr_ramp_with_update_ratios_every_step(tmp_path):
+    """The same LR ramp, the update ratios ‖ΔW‖/‖W‖ recorded every step (`update_every=1`):
+    the post-mortem looks at them (`first_updates` a list, not None). Every layer's ratio
+    stood far above the 1e-2 of an LR too high in the 20 steps before the spike, but under
+    AdamW (its step normalised by the gradient's own scale) the ratios follow the LR, not
+    the gradient: none moved ahead of the gradient norms or the loss, so `first` and `lead`
+    are what the gradients say (here: the LayerNorms' gradient norms 18 steps before, one
+    MLP's update ratio 5.9× its median 1 step before). What the ratios name is in the
+    timeline."""
+    demo = make_demo(d=64, layers=2, heads=2, ctx=64, lr=3e-3, warmup=1, max_steps=200)
+    sched = torch.optim.lr_scheduler.LambdaLR(demo.optimizer, lambda s: 1.05 ** s)
+    _, run = train(tmp_path, demo, sched, demo.train, 125, update_every=1)
+    spikes = run.spikes
+    assert len(spikes), run.events[run.events.kind == "alert"].message.tolist()
+    row = spikes.iloc[0]
+    ratios = run.df.filter(like="update_ratio/")
+    window = ratios.loc[row.step - 20:row.step - 1]
+    text = timeline(row)
+    print(text, "\nfirst_updates:", row.first_updates)
+    print("update ratios, median of steps 1-20:", ratios.loc[1:20].median().round(4).to_dict())
+    print("median of the 20 steps before:", window.median().round(4).to_dict())
+    print("at the spike / median before:", (ratios.loc[row.step] / window.median()).round(2)
+          .to_dict())
+    assert isinstance(row.first_updates, list), text
+    assert window.notna().all().all() and len(ratios.columns) > 4
+    assert (window.median() > 1e-2).all(), window.median()
+    for f in row.first_updates:
+        assert row.step - 20 <= f["step"] <= row.step and f["ratio"] > 3
+        assert f"update ratio of {f['layer']}" in text
+    assert row.lead >= 1 and row["first"], text
+    assert not any(f.startswith("update_ratio/") for f in row["first"]), text
+    others = [s for s in (row.grad_rose, row.loss_rose, row.log_z_rose) if s is not None and s == s]
+    earliest = min(others + [f["step"] for f in row.first_layers])
+    assert all(f["step"] > earliest for f in row.first_updates), text
 
 
 def tiny_gpt2(seed=0):
@@ -171,3 +209,44 @@ def test_the_layer_that_rose_first_and_the_lr_cut_from_series_by_hand():
     assert pm["lr_change"] == {"step": spike - 30, "steps": 1, "from": 1e-3, "to": 5e-4}
     assert pm["alerts_before"] == [{"rule": "grad_norm_spike", "step": 95, "lead": 85}]
     assert lr_change(series([1.0, 1.0, 1.0]), 3) is None
+    assert pm["first_updates"] is None  # no update ratios recorded
+
+
+def hand_frame(n=200, spike=180, every=1):
+    """A layer whose gradient norm climbs from 5 steps before the spike; the update ratio
+    of another climbing from 10 before, recorded every `every` steps."""
+    rng = np.random.default_rng(1)
+    grad = 1.0 + 0.05 * rng.standard_normal(n)
+    grad[spike - 5 - 1:] *= np.geomspace(4, 40, n - spike + 6)
+    upd = 1e-3 * (1.0 + 0.05 * rng.standard_normal(n))
+    upd[spike - 10 - 1:] *= np.geomspace(4, 40, n - spike + 11)
+    steps = np.arange(1, n + 1)
+    upd = np.where((steps == 1) | (steps % every == 0), upd, np.nan)
+    return pd.DataFrame({"grad_norm/a": series(grad), "update_ratio/b": series(upd),
+                         "loss/train": series(2.0 + 0.01 * rng.standard_normal(n))})
+
+
+NO_EVENTS = pd.DataFrame({"step": [180], "kind": ["alert"], "data": [{"rule": "loss_spike"}]})
+
+
+def test_dense_update_ratios_can_move_first():
+    """Every step: the update ratio that rose 10 steps before the spike moved first, ahead
+    of the gradient norm (5 before); the timeline says so."""
+    pm = postmortem(hand_frame(), NO_EVENTS, 180)
+    assert pm["first_updates"] == [{"layer": "b", "step": 170, "ratio": pytest.approx(4, rel=0.2)}]
+    assert pm["first"] == ["update_ratio/b"] and pm["lead"] == 10
+    assert [f["layer"] for f in pm["first_layers"]] == ["a"]
+    row = {"step": 180, "loss": 3.0, "median": 2.0, "z": 8.0, "batches": [], **pm}
+    assert "-10  step 170: update ratio of b 4." in timeline(row)
+    assert "update_ratio/b moved first, 10 steps before" in timeline(row)
+
+
+def test_sparse_update_ratios_leave_the_post_mortem_as_it_was():
+    """Ratios every 50 steps (with the histograms), or every 2: not looked at; the
+    post-mortem is the one made without the ratios at all, `first_updates` None."""
+    without = postmortem(hand_frame().drop(columns="update_ratio/b"), NO_EVENTS, 180)
+    assert without["first"] == ["grad_norm/a"] and without["lead"] == 5
+    for every in (50, 10, 2):
+        pm = postmortem(hand_frame(every=every), NO_EVENTS, 180)
+        assert pm == without, every
+        assert pm["first_updates"] is None

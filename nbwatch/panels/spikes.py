@@ -1,7 +1,8 @@
 """The loss chart's spike post-mortems: each `loss_spike` alert's post-mortem
-(`postmortem.py`: what moved first and its lead, the first layers, grad_z, the LR and its
-last move, the batches, the alerts before), made once by the kernel as `diagnose()`'s
-timeline lines, and sent with the loss panel; a click on the spike's marker shows it."""
+(`postmortem.py`: what moved first and its lead, the first layers by gradient norm, and by
+update ratio where it is recorded every step, grad_z, the LR and its last move, the
+batches, the alerts before), made once by the kernel as `diagnose()`'s timeline lines, and
+sent with the loss panel; a click on the spike's marker shows it."""
 
 from __future__ import annotations
 

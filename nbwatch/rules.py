@@ -8,7 +8,7 @@ import itertools
 import math
 import numbers
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -243,18 +243,34 @@ class Window:
         self._medians: dict[tuple[str, int], tuple[int, float, int]] = {}
         self._mads: dict[tuple[str, int], tuple[int, float, float, int]] = {}
         self._detrended: dict[tuple[str, int], tuple[int, float, int]] = {}
+        self._keys: tuple[str, ...] | None = None  # the figures of the last `add`, all floats
+        self._deques: list[deque[float]] = []  # their series, in that order
 
     def add(self, values: dict[str, Any]) -> None:
+        """Append each number of `values` to its figure's series (as a float; other values
+        are not recorded). The common step, the same figures as the last one's and all of
+        them floats, appends in one pass (no per-figure look-up or test in Python)."""
         self.latest = values
         self.adds += 1
+        keys = tuple(values)
+        vals = values.values()
+        if keys == self._keys and set(map(type, vals)) == _FLOAT:
+            _consume(map(deque.append, self._deques, vals))
+            return
         series = self.series
+        floats = True
         for k, v in values.items():
             s = series.get(k)
-            if v.__class__ is not float and not isinstance(v, (int, float)):
-                continue
+            if v.__class__ is not float:
+                floats = False
+                if not isinstance(v, (int, float)):
+                    continue
             if s is None:
                 s = series[k] = deque(maxlen=self.size)
             s.append(float(v))
+        # the next step's figures are likely the same: their series, in `values`' order
+        self._keys = keys if floats else None
+        self._deques = [series[k] for k in keys] if floats else []
 
     def median(self, key: str, last: int, refresh: int = 10) -> tuple[float, int]:
         """(median, count) of the finite values among the `last` of `key`, recomputed
@@ -332,6 +348,10 @@ class Window:
             tail = np.fromiter(itertools.islice(reversed(s), last), dtype=np.float64, count=last)
             return tail[::-1]
         return np.fromiter(s, dtype=np.float64, count=len(s))
+
+
+_FLOAT = {float}
+_consume: Callable[[Iterable[Any]], None] = deque(maxlen=0).extend  # runs an iterator out
 
 
 def percentile(a: np.ndarray, q: float) -> float:

@@ -195,8 +195,8 @@ class AlertEngine:
         w = self.window
         fired: list[Alert] = []
         if phase == "grads" and self._late:
-            self._grads_saw = (step, frozenset(k for k in self._late_keys
-                                               if values and k in values))
+            self._grads_saw = (step, frozenset(filter(values.__contains__, self._late_keys))
+                               if values else frozenset())
         elif phase == "step" and values and self._late:
             fired += self._after_step(step, values)
         if phase == "step" and values is not None:

@@ -314,7 +314,10 @@ class Window:
         is followed; about 20 values' work a call at any length)."""
         cached = self._detrended.get((key, last))
         if cached is None or self.adds - cached[0] >= max(1, min(refresh, cached[2] // 20)):
-            y = self.arr(key, last + 1)[:-1]
+            s = self.series.get(key)
+            k = min(len(s) - 1, last) if s else 0  # the values before the newest
+            y = np.fromiter(itertools.islice(reversed(s), 1, k + 1), dtype=np.float64,
+                            count=k)[::-1] if s and k > 0 else np.empty(0)
             ok = np.isfinite(y)
             every = bool(ok.all())
             x = np.arange(len(y), dtype=np.float64) if every else np.flatnonzero(ok) * 1.0
@@ -324,9 +327,10 @@ class Window:
                 t = n // 3  # the x medians of the thirds: their middles, when no value is out
                 xl, xr = ((t - 1) / 2, n - 1 - (t - 1) / 2) if every else (
                     _median(x[:t]), _median(x[-t:]))
-                slope = (_median(y[-t:]) - _median(y[:t])) / (xr - xl)
+                slope = (_median_of(y[-t:].copy()) - _median_of(y[:t].copy())) / (xr - xl)
             r = y - slope * x
-            cached = (self.adds, _median(np.abs(r - _median(r))) if n else math.nan, n)
+            cached = (self.adds, _median_of(np.abs(r - _median_of(r.copy()))) if n else math.nan,
+                      n)
             self._detrended[(key, last)] = cached
         # the level: a few values, so plain Python (a numpy call costs more than the work)
         s = self.series.get(key)
@@ -362,6 +366,16 @@ def percentile(a: np.ndarray, q: float) -> float:
     hi = min(lo + 1, len(a) - 1)
     p = np.partition(a, (lo, hi))
     return float(p[lo] + (p[hi] - p[lo]) * (pos - lo))
+
+
+def _median_of(a: np.ndarray) -> float:
+    """`_median` of an array of one's own (a copy, a temporary): partitioned in place."""
+    h = len(a) // 2
+    if len(a) % 2:
+        a.partition(h)
+        return float(a[h])
+    a.partition((h - 1, h))
+    return float((a[h - 1] + a[h]) / 2)
 
 
 def _median(a: np.ndarray) -> float:

@@ -43,3 +43,59 @@ def test_the_perturbed_run_fires_most_rules(replayed):
             "attention_collapse", "custom_median", "custom_mad", "custom_detrended",
             "custom_series"} <= fired
     assert ref["healthy"]["alerts"] == []
+
+
+def test_schedule_gives_the_rules_due_in_order():
+    """The rules due at a step, by the table (lcm of the `every`s small) or by which
+    `every`s divide the step (lcm large), are those with step % every == 0, in order."""
+    from nbwatch.alerts import Rule, Schedule
+
+    def quiet(w, p):
+        return None
+
+    for everys in ([1, 10, 1, 100, 7, 3], [9973, 1, 10007, 2], [1, 1], [5]):
+        rules = [Rule(f"r{i}", "info", "step", quiet, every=e) for i, e in enumerate(everys)]
+        sched = Schedule(rules)
+        assert (sched.period == 0) == (everys[0] == 9973)
+        for step in [*range(-30, 2200), 9973 * 10007, 9973 * 5, 10007 * 4, 10**12]:
+            assert list(sched.at(step)) == [r for r in rules if not step % r.every]
+
+
+def test_window_add_keeps_every_number_as_before():
+    """The one-pass add (the same figures as the last step, all floats) and the per-figure
+    one give the same series: ints and bools as floats, float subclasses converted, other
+    values not recorded, figures that come and go."""
+    import itertools
+    from collections import deque
+
+    import numpy as np
+
+    from nbwatch.rules import Window
+
+    def reference(steps, size):
+        series = {}
+        for values in steps:
+            for k, v in values.items():
+                if isinstance(v, (int, float)):
+                    series.setdefault(k, deque(maxlen=size)).append(float(v))
+        return series
+
+    kinds = [1.5, 2, True, np.float64(0.25), np.float32(3.0), "x", None, float("nan")]
+    steps = []
+    for i in range(300):
+        values = {"a": float(i), "b": i * 0.5}
+        if i % 7 < 4:
+            values["c"] = kinds[(i // 7) % len(kinds)]
+        if i % 50 >= 25:
+            values = dict(itertools.islice(reversed(values.items()), None))  # another order
+        steps.append(values)
+    w = Window(64)
+    for values in steps:
+        w.add(values)
+    ref = reference(steps, 64)
+    assert set(w.series) == set(ref)
+    for k in ref:
+        got, want = list(w.series[k]), list(ref[k])
+        assert [type(v) for v in got] == [float] * len(want)
+        assert np.array_equal(got, want, equal_nan=True), k
+    assert w.adds == 300 and w.latest is steps[-1]

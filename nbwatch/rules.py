@@ -279,8 +279,8 @@ class Window:
         if cached is not None and self.adds - cached[0] < refresh:
             return cached[1], cached[2]
         a = self.arr(key, last)
-        a = a[np.isfinite(a)]
-        out = (self.adds, _median(a) if len(a) else math.nan, len(a))
+        a = a[np.isfinite(a)]  # a copy: partitioned in place
+        out = (self.adds, _median_of(a) if len(a) else math.nan, len(a))
         self._medians[(key, last)] = out
         return out[1], out[2]
 
@@ -295,7 +295,7 @@ class Window:
         a = a[np.isfinite(a)]
         if len(a):
             med = _median(a)
-            out = (self.adds, med, _median(np.abs(a - med)), len(a))
+            out = (self.adds, med, _median_of(np.abs(a - med)), len(a))
         else:
             out = (self.adds, math.nan, math.nan, 0)
         self._mads[(key, last)] = out

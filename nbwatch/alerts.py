@@ -115,6 +115,31 @@ def _override(rules: list[Rule], overrides: Mapping[str, Any] | None) -> list[Ru
     return out
 
 
+class Schedule:
+    """The rules of a phase that are due at a step (`step % rule.every == 0`), in their
+    order: one look-up a step instead of a test a rule. Which are due depends on the step
+    modulo the least common multiple of the rules' `every`s (100 for the defaults), or,
+    when that is large, on which of the `every`s divide the step."""
+
+    MAX_PERIOD = 10_000
+
+    def __init__(self, rules: list[Rule]):
+        self.rules = rules
+        self.everys = tuple(sorted({r.every for r in rules} - {1}))
+        period = math.lcm(*self.everys) if self.everys else 1
+        self.period = period if period <= self.MAX_PERIOD else 0
+        self._table: dict[Any, tuple[Rule, ...]] = {}
+
+    def at(self, step: int) -> Sequence[Rule]:
+        if not self.everys:
+            return self.rules
+        key = step % self.period if self.period else tuple(not step % e for e in self.everys)
+        due = self._table.get(key)
+        if due is None:
+            due = self._table[key] = tuple(r for r in self.rules if not step % r.every)
+        return due
+
+
 @dataclass
 class Alert:
     """A rule that fired: what the runner records and acts on."""
@@ -146,6 +171,7 @@ class AlertEngine:
         self.spike_score = SpikeScore()
         self._spiked_at: int | None = None  # a "grads" spike rule fired at this step
         self._by_phase = {ph: [r for r in rules if r.phase == ph] for ph in PHASES}
+        self._due = {ph: Schedule(rs) for ph, rs in self._by_phase.items()}
         # as long as the longest look-back a rule was given (at most rules.MAX_HISTORY)
         self.window = Window(max([window, *(r.history for r in rules)]))
         # "grads" rules that read named figures (nonfinite: the loss): a loop of the user's
@@ -169,8 +195,8 @@ class AlertEngine:
         w = self.window
         fired: list[Alert] = []
         if phase == "grads" and self._late:
-            self._grads_saw = (step, frozenset(k for k in self._late_keys
-                                               if values and k in values))
+            self._grads_saw = (step, frozenset(filter(values.__contains__, self._late_keys))
+                               if values else frozenset())
         elif phase == "step" and values and self._late:
             fired += self._after_step(step, values)
         if phase == "step" and values is not None:
@@ -196,29 +222,39 @@ class AlertEngine:
             w.extra = {"weight_std": {n: (self._weight_start[n], s) for n, s in stds.items()}}
         elif extra:
             w.extra = extra
-        for rule in self._by_phase[phase]:
-            if step % rule.every:
+        active = self._active
+        for rule in self._due[phase].at(step):  # the rules due at this step, in order
+            msg = rule.check(w, rule.params)
+            data: dict[str, Any]
+            if msg is None:  # quiet (the common case: one look-up, when no episode is on)
+                if active.get(rule.name):
+                    self._quiet(rule)
                 continue
-            msg = rule.check(self.window, rule.params)
-            data: dict[str, Any] = {}
             if isinstance(msg, tuple):
                 msg, data = msg
-            if msg is None:
-                if self._active.get(rule.name):
-                    self._clear[rule.name] = self._clear.get(rule.name, 0) + 1
-                    if self._clear[rule.name] >= rule.clear_steps:
-                        self._active[rule.name] = False
-                continue
+                if msg is None:
+                    if active.get(rule.name):
+                        self._quiet(rule)
+                    continue
+            else:
+                data = {}
             self._clear[rule.name] = 0
-            if self._active.get(rule.name) and not rule.repeats:
+            if active.get(rule.name) and not rule.repeats:
                 continue
-            self._active[rule.name] = True
+            active[rule.name] = True
             if rule.name == "lr_change":
                 self._lr_reported = w.latest.get("lr")
             if rule.spike_of is not None:
                 msg, data = self._spike(rule, phase, step, msg, data, values)
             fired.append(Alert(rule, step, msg, data))
         return fired
+
+    def _quiet(self, rule: Rule) -> None:
+        """The condition of a rule whose episode is on is clear: it re-arms after
+        `clear_steps` such observations."""
+        self._clear[rule.name] = self._clear.get(rule.name, 0) + 1
+        if self._clear[rule.name] >= rule.clear_steps:
+            self._active[rule.name] = False
 
     def _spike(self, rule: Rule, phase: str, step: int, msg: str, data: dict[str, Any],
                values: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:

@@ -8,7 +8,7 @@ import itertools
 import math
 import numbers
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -243,18 +243,34 @@ class Window:
         self._medians: dict[tuple[str, int], tuple[int, float, int]] = {}
         self._mads: dict[tuple[str, int], tuple[int, float, float, int]] = {}
         self._detrended: dict[tuple[str, int], tuple[int, float, int]] = {}
+        self._keys: tuple[str, ...] | None = None  # the figures of the last `add`, all floats
+        self._deques: list[deque[float]] = []  # their series, in that order
 
     def add(self, values: dict[str, Any]) -> None:
+        """Append each number of `values` to its figure's series (as a float; other values
+        are not recorded). The common step, the same figures as the last one's and all of
+        them floats, appends in one pass (no per-figure look-up or test in Python)."""
         self.latest = values
         self.adds += 1
+        keys = tuple(values)
+        vals = values.values()
+        if keys == self._keys and set(map(type, vals)) == _FLOAT:
+            _consume(map(deque.append, self._deques, vals))
+            return
         series = self.series
+        floats = True
         for k, v in values.items():
             s = series.get(k)
-            if v.__class__ is not float and not isinstance(v, (int, float)):
-                continue
+            if v.__class__ is not float:
+                floats = False
+                if not isinstance(v, (int, float)):
+                    continue
             if s is None:
                 s = series[k] = deque(maxlen=self.size)
             s.append(float(v))
+        # the next step's figures are likely the same: their series, in `values`' order
+        self._keys = keys if floats else None
+        self._deques = [series[k] for k in keys] if floats else []
 
     def median(self, key: str, last: int, refresh: int = 10) -> tuple[float, int]:
         """(median, count) of the finite values among the `last` of `key`, recomputed
@@ -263,8 +279,8 @@ class Window:
         if cached is not None and self.adds - cached[0] < refresh:
             return cached[1], cached[2]
         a = self.arr(key, last)
-        a = a[np.isfinite(a)]
-        out = (self.adds, _median(a) if len(a) else math.nan, len(a))
+        a = a[np.isfinite(a)]  # a copy: partitioned in place
+        out = (self.adds, _median_of(a) if len(a) else math.nan, len(a))
         self._medians[(key, last)] = out
         return out[1], out[2]
 
@@ -279,7 +295,7 @@ class Window:
         a = a[np.isfinite(a)]
         if len(a):
             med = _median(a)
-            out = (self.adds, med, _median(np.abs(a - med)), len(a))
+            out = (self.adds, med, _median_of(np.abs(a - med)), len(a))
         else:
             out = (self.adds, math.nan, math.nan, 0)
         self._mads[(key, last)] = out
@@ -298,7 +314,10 @@ class Window:
         is followed; about 20 values' work a call at any length)."""
         cached = self._detrended.get((key, last))
         if cached is None or self.adds - cached[0] >= max(1, min(refresh, cached[2] // 20)):
-            y = self.arr(key, last + 1)[:-1]
+            s = self.series.get(key)
+            k = min(len(s) - 1, last) if s else 0  # the values before the newest
+            y = np.fromiter(itertools.islice(reversed(s), 1, k + 1), dtype=np.float64,
+                            count=k)[::-1] if s and k > 0 else np.empty(0)
             ok = np.isfinite(y)
             every = bool(ok.all())
             x = np.arange(len(y), dtype=np.float64) if every else np.flatnonzero(ok) * 1.0
@@ -308,9 +327,10 @@ class Window:
                 t = n // 3  # the x medians of the thirds: their middles, when no value is out
                 xl, xr = ((t - 1) / 2, n - 1 - (t - 1) / 2) if every else (
                     _median(x[:t]), _median(x[-t:]))
-                slope = (_median(y[-t:]) - _median(y[:t])) / (xr - xl)
+                slope = (_median_of(y[-t:].copy()) - _median_of(y[:t].copy())) / (xr - xl)
             r = y - slope * x
-            cached = (self.adds, _median(np.abs(r - _median(r))) if n else math.nan, n)
+            cached = (self.adds, _median_of(np.abs(r - _median_of(r.copy()))) if n else math.nan,
+                      n)
             self._detrended[(key, last)] = cached
         # the level: a few values, so plain Python (a numpy call costs more than the work)
         s = self.series.get(key)
@@ -334,6 +354,10 @@ class Window:
         return np.fromiter(s, dtype=np.float64, count=len(s))
 
 
+_FLOAT = {float}
+_consume: Callable[[Iterable[Any]], None] = deque(maxlen=0).extend  # runs an iterator out
+
+
 def percentile(a: np.ndarray, q: float) -> float:
     """`np.percentile(a, q)` (linear interpolation) of a non-empty 1-d array, by partition:
     a fraction of its overhead on a rolling window."""
@@ -342,6 +366,16 @@ def percentile(a: np.ndarray, q: float) -> float:
     hi = min(lo + 1, len(a) - 1)
     p = np.partition(a, (lo, hi))
     return float(p[lo] + (p[hi] - p[lo]) * (pos - lo))
+
+
+def _median_of(a: np.ndarray) -> float:
+    """`_median` of an array of one's own (a copy, a temporary): partitioned in place."""
+    h = len(a) // 2
+    if len(a) % 2:
+        a.partition(h)
+        return float(a[h])
+    a.partition((h - 1, h))
+    return float((a[h - 1] + a[h]) / 2)
 
 
 def _median(a: np.ndarray) -> float:

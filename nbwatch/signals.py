@@ -4,6 +4,7 @@ turns them into alerts is in `alerts.py`; the Transformer-health rules are in `h
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -95,6 +96,22 @@ def _grad_norm_spike(w: Window, p: dict) -> tuple[str, dict[str, Any]] | None:
             {"grad_norm": g, "median": level, "mad": scale / 1.4826, "z": z})
 
 
+# the figure names last seen, and the per-layer gradient norms among them (one entry,
+# replaced whole: an engine on another thread reads either the old entry or the new one)
+_LAYERS: tuple[tuple[str, ...], list[str]] = ((), [])
+
+
+def _layers(latest: dict[str, Any]) -> list[str]:
+    """The per-layer gradient norms among `latest`'s figures, in their order; a step brings
+    the same figures as the last one, so their names are picked once."""
+    global _LAYERS
+    keys, last = tuple(latest), _LAYERS
+    if keys != last[0]:
+        last = _LAYERS = keys, [k for k in keys if k.startswith("grad_norm/")
+                                and k not in ("grad_norm/global", "grad_norm/clipped")]
+    return list(last[1])
+
+
 def _vanishing(w: Window, p: dict) -> str | None:
     # Each condition must hold at the newest step first: checked on it alone (O(layers)),
     # the look-back over `persist` steps runs only when it does.
@@ -104,13 +121,23 @@ def _vanishing(w: Window, p: dict) -> str | None:
         g = w.arr("grad_norm/global", p["persist"])
         if len(g) >= p["persist"] and np.all(g < p["global_below"]):
             return f"global gradient norm below {p['global_below']:.0e} for {p['persist']} steps"
-    layers = [k for k in latest if k.startswith("grad_norm/")
-              and k not in ("grad_norm/global", "grad_norm/clipped")]
+    layers = _layers(latest)
     if len(layers) < 3:
         return None
-    now = np.array([latest[k] for k in layers], dtype=np.float64)
-    if not (now / max(_median(now), 1e-30) < p["layer_ratio"]).any():
-        return None
+    vals = [latest[k] for k in layers]
+    if set(map(type, vals)) == {float} and math.isfinite(sum(vals)):
+        # the common case, in plain Python (the same figures as numpy's: a few dozen values
+        # cost less than the array)
+        srt = sorted(vals)
+        h = len(srt) // 2
+        m = max(srt[h] if len(srt) % 2 else (srt[h - 1] + srt[h]) / 2, 1e-30)
+        ratio = p["layer_ratio"]
+        if not any(v / m < ratio for v in vals):
+            return None
+    else:
+        now = np.array(vals, dtype=np.float64)
+        if not (now / max(_median(now), 1e-30) < p["layer_ratio"]).any():
+            return None
     recent = np.stack([w.arr(k, p["persist"]) for k in layers])  # [layers, steps]
     if recent.shape[1] < p["persist"]:
         return None
@@ -129,9 +156,22 @@ def _throughput_drop(w: Window, p: dict) -> str | None:
                 if k in w.latest), None)
     if key is None:
         return None
-    a = w.arr(key, p["window"] + p["persist"])
-    if len(a) < p["min_history"] + p["persist"]:
+    s = w.series.get(key)
+    n, persist = min(len(s) if s else 0, p["window"] + p["persist"]), p["persist"]
+    if n < p["min_history"] + persist:
         return None
+    # Quiet unless every recent value is below (1 - drop) × the median before them, which is
+    # at most their maximum: one recent value at or above (1 - drop) × that maximum (the
+    # common case) settles it without the array and its median. Only when the values
+    # before are all finite (their sum is: a NaN has no place in a maximum), and below
+    # half the largest float (the median's mean of two cannot overflow).
+    tail = list(itertools.islice(reversed(s), n)) if s else []
+    before = tail[persist:]
+    if before and math.isfinite(sum(before)) and (top := max(before)) < 8e307:
+        cut = (1 - p["drop"]) * top
+        if not all(v < cut for v in tail[:persist]):
+            return None
+    a = w.arr(key, p["window"] + p["persist"])
     base = _median(a[-p["window"] - p["persist"]:-p["persist"]])
     recent = a[-p["persist"]:]
     if base > 0 and np.all(recent < (1 - p["drop"]) * base):

@@ -31,6 +31,7 @@ SCORE_WINDOW = 10_000  # steps the score counts spikes over
 MIN_STD = 1e-10
 SIGNALS = {"loss/train": "spike/loss", "grad_norm/global": "spike/grad_norm"}
 SCORE = "spike/score"
+_SIGNALS = tuple(SIGNALS.items())
 
 
 class Rolling:
@@ -54,7 +55,7 @@ class Rolling:
         if not self.ring:
             self.shift = x
         d = x - self.shift
-        if self.full:
+        if len(self.ring) == self.n:  # full
             old = self.ring[self.i] - self.shift
             self.ring[self.i] = x
             self.i = (self.i + 1) % self.n
@@ -83,10 +84,12 @@ class Rolling:
     def sigmas(self, x: float) -> float | None:
         """How many SDs `x` stands above the mean of the window; None before it is full or
         when its SD is below 1e-10 (OLMo-core's guard)."""
-        if not self.full:
+        k = len(self.ring)
+        if k != self.n:  # not full
             return None
-        mean, std = self.mean_std()
-        return None if std < MIN_STD else (x - mean) / std
+        m = self.s / k  # mean_std, inline (called at every step)
+        std = math.sqrt(max(self.s2 / k - m * m, 0.0))
+        return None if std < MIN_STD else (x - (self.shift + m)) / std
 
 
 class SpikeScore:
@@ -110,11 +113,15 @@ class SpikeScore:
         out: dict[str, float] = {}
         self.sigmas = {}
         spiked = False
-        for key, name in SIGNALS.items():
+        history = self.history
+        for key, name in _SIGNALS:
             v = values.get(key)
-            if not isinstance(v, (int, float)) or not math.isfinite(v):
+            if v.__class__ is float:
+                if v - v:  # inf - inf and nan - nan are nan (true); finite: 0.0 (false)
+                    continue
+            elif not isinstance(v, (int, float)) or not math.isfinite(v):
                 continue
-            hist = self.history[key]
+            hist = history[key]
             x = float(v)
             z = hist.sigmas(x)
             hist.add(x)  # the spike joins the history, as in OLMo-core

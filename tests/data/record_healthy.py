@@ -3,7 +3,8 @@
     nbwatch demo --steps 5000 --eval-every 250 --run-dir /tmp/healthy
     python tests/data/record_healthy.py /tmp/healthy tests/data/healthy_demo.npz
 
-Keeps what the rules read: per-step scalars (no system figures), the weight std of each
+Keeps what the rules read: per-step scalars (no system figures; the training batch's
+`train_logits/log_z` and `max_abs` among them), the weight std of each
 layer at each histogram step, and the attention maps (uint8) of every fourth eval.
 """
 
@@ -18,7 +19,8 @@ from nbwatch.alerts import weight_std
 def main(run_dir: str, out: str) -> None:
     run = nbwatch.open_run(run_dir)
     df = run.df
-    cols = [c for c in df.columns if not c.startswith(("system/", "update_ratio/"))]
+    # the spike score is the engine's own figure: the replay derives it again
+    cols = [c for c in df.columns if not c.startswith(("system/", "update_ratio/", "spike/"))]
     names = [n for n in run.reader.histogram_names() if n.startswith("weight/")]
     hist_steps = run.histograms(names[0])[0]
     stds = np.zeros((len(hist_steps), len(names)), dtype=np.float32)

@@ -26,8 +26,9 @@ export const PANELS = { loss, ranks, grads, weights, attention, health, system, 
 // And a panel waits PACE × what its last draw cost before it draws again (a trend panel
 // whose draw took 40 ms: 2 s; the loss at 30 ms: 0.45 s), so that no panel, the loss
 // included, takes more than a fixed share of the main thread however slow a draw gets.
+// What a user's click asks for (a head, log y, a metric) draws at the next frame.
 const EVERY_MS = { ranks: 1000, grads: 1000, weights: 1000, health: 1000, data: 1000, metrics: 1000, system: 1000 };
-const PACE = { loss: 15 };
+const PACE = { loss: 15, attention: 15 };
 const PACE_TREND = 50;
 const MAX_PACE_MS = 5000;
 const OFFSCREEN_MS = 3000;
@@ -67,7 +68,11 @@ export function mount(root, ctx, { live }) {
   grid.className = "nbw-grid";
   root.appendChild(grid);
   const views = {};
-  for (const [name, mod] of Object.entries(PANELS)) views[name] = mod.create(grid, ctx);
+  const asked = {}; // view → a user's click asked it to redraw: it draws at the next frame
+  const later = {}; // view → out of view at a full state's draw: it draws in a frame after
+  for (const [name, mod] of Object.entries(PANELS)) {
+    views[name] = mod.create(grid, { ...ctx, schedule: () => { asked[name] = true; ctx.schedule(); } });
+  }
   const last = {};     // view → when it last drew
   const cost = {};     // view → what its last draw cost (ms)
   const onscreen = {}; // view → intersects the viewport (or near it)
@@ -83,7 +88,12 @@ export function mount(root, ctx, { live }) {
 
   // Whether a view may draw now; when not, when it may (ms from now).
   function due(name, now, busy) {
-    if (force || !live) return 0;
+    if (!live) return 0;
+    // A full state (a reload) draws what is on screen first; the panels out of view follow,
+    // one a frame, in the frames after.
+    if (force) return onscreen[name] === false ? 1 : 0;
+    if (asked[name]) return 0;
+    if (later[name]) return busy ? 40 : 0;
     const off = onscreen[name] === false;
     const pace = Math.min((cost[name] || 0) * (PACE[name] || (EVERY_MS[name] ? PACE_TREND : 0)), MAX_PACE_MS);
     const every = Math.max(off ? OFFSCREEN_MS : EVERY_MS[name] || 0, pace);
@@ -111,8 +121,13 @@ export function mount(root, ctx, { live }) {
     for (const name of order()) {
       const v = views[name];
       const wait = due(name, now, throttled || performance.now() - now > BUSY_MS);
-      if (wait > 0) { next = Math.min(next, wait); continue; }
+      if (wait > 0) {
+        if (force) later[name] = true;
+        next = Math.min(next, wait);
+        continue;
+      }
       const paced = EVERY_MS[name] || onscreen[name] === false;
+      asked[name] = later[name] = false;
       const before = last[name];
       last[name] = now;
       const t0 = performance.now();
@@ -171,5 +186,8 @@ export function mount(root, ctx, { live }) {
     ctx.schedule();
   }
 
-  return { ctl, views, apply, draw, restyle, axis, setAxis };
+  // How many panels a full state's draw left for the frames after it.
+  const pending = () => Object.values(later).filter(Boolean).length;
+
+  return { ctl, views, apply, draw, restyle, axis, setAxis, pending };
 }

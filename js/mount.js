@@ -22,8 +22,8 @@ export const PANELS = { loss, ranks, grads, weights, attention, health, system, 
 // costs 5–60 ms (more on a loaded machine, or for a 75-layer heat map), so the panels a user
 // reads as a trend redraw at most once a second (one such panel per frame, and not in a
 // frame already busy), and a panel scrolled out of view at most every few seconds.
-// The loss, gauges and feeds follow every refresh. A full state draws everything at once.
-// And a panel waits PACE × what its last draw cost before it draws again (a trend panel
+// The loss, gauges and feeds follow every refresh. A full state draws every panel: those on
+// screen at once, those out of view one a frame after. And a panel waits PACE × what its last draw cost before it draws again (a trend panel
 // whose draw took 40 ms: 2 s; the loss at 30 ms: 0.45 s), so that no panel, the loss
 // included, takes more than a fixed share of the main thread however slow a draw gets.
 // What a user's click asks for (a head, log y, a metric) draws at the next frame.

@@ -123,8 +123,9 @@ export function baseLayout(t, extra = {}) {
 // labels that reach past the plot's edge alone. plotly's default ("hide past div") measures
 // every tick label's box at every draw, which forces a page layout each time: a quarter of
 // the dashboard's main-thread time in a Chromium profile of a live run.
+const LIGHT = new WeakMap();
 export function lighten(Plotly) {
-  if (!Plotly || Plotly.__nbwLight) return Plotly && Plotly.__nbwLight;
+  if (!Plotly || LIGHT.has(Plotly)) return Plotly && LIGHT.get(Plotly);
   const light = Object.create(Plotly);
   light.react = (gd, data, layout, config) => {
     const out = { ...layout };
@@ -133,7 +134,7 @@ export function lighten(Plotly) {
     }
     return Plotly.react(gd, data, out, config);
   };
-  Object.defineProperty(Plotly, "__nbwLight", { value: light });
+  LIGHT.set(Plotly, light);
   return light;
 }
 

@@ -1,11 +1,16 @@
 """Record the 'healthy run' fixture that the alert tests replay.
 
-    nbwatch demo --steps 5000 --eval-every 250 --run-dir /tmp/healthy
+    OMP_NUM_THREADS=1 taskset -c 0 nbwatch demo --steps 5000 --eval-every 250 \
+        --run-dir /tmp/healthy
     python tests/data/record_healthy.py /tmp/healthy tests/data/healthy_demo.npz
+    PYTHONPATH=. python tests/data/record_alert_reference.py tests/data/alert_reference.json
 
-Keeps what the rules read: per-step scalars (no system figures; the training batch's
-`train_logits/log_z` and `max_abs` among them), the weight std of each
-layer at each histogram step, and the attention maps (uint8) of every fourth eval.
+Pinned to one core, one thread, so that other work on the machine cannot make its
+throughput drop (`throughput_drop` rightly fires on a run that did). Keeps what the rules
+read: per-step scalars (no system figures; the training batch's `train_logits/log_z` and
+`max_abs` among them), the weight std of each layer at each histogram step, and the
+attention maps (uint8) of every fourth eval. The alert reference replays this fixture:
+record it again after.
 """
 
 import sys

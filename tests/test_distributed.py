@@ -12,8 +12,18 @@ import torch
 
 import nbwatch
 from nbwatch.distributed import merge_ranks
+from nbwatch.run import RunNotStarted
 from nbwatch.signals import straggler
 from tests.conftest import until
+
+
+def recorded_step(run_dir: Path) -> int:
+    """The run's step, 0 until its writer has created the store (the file can exist a
+    moment before its tables do)."""
+    try:
+        return nbwatch.open_run(run_dir).step if (run_dir / "nbwatch.db").exists() else 0
+    except RunNotStarted:
+        return 0
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "scripts" / "ddp_train.py"
@@ -84,8 +94,7 @@ def test_rewind_under_torchrun_reloads_the_same_checkpoint_on_every_rank(tmp_pat
     run_dir = tmp_path / "ddp"
     proc = torchrun(run_dir, 90, CKPT_EVERY="10", STEP_SLEEP="0.02")
     try:
-        until(lambda: nbwatch.open_run(run_dir).step >= 36 if (run_dir / "nbwatch.db").exists()
-              else False, timeout=90, what="step 36", poll=0.2)
+        until(lambda: recorded_step(run_dir) >= 36, timeout=90, what="step 36", poll=0.2)
         with nbwatch.attach(run_dir) as job:
             cid = job.rewind(steps=5, skip=3)
             until(lambda: mine(job.events, cid), timeout=60, what="its outcome", poll=0.2)

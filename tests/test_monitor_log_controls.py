@@ -60,10 +60,12 @@ def test_a_loop_may_check_stopping_to_clean_up(tmp_path):
     model, opt, sched, batches = setup()
     mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False)
     cleaned = []
+    at_three = threading.Event()  # the loop is past step 3's log(): the stop comes now
 
     def train():
         for i in range(10**6):
             if i == 3:
+                at_three.set()
                 until(lambda: mon.stopping, what="the stop")
             if mon.stopping:  # True as soon as stop() is asked
                 cleaned.append(mon.step)
@@ -77,7 +79,9 @@ def test_a_loop_may_check_stopping_to_clean_up(tmp_path):
             mon.log(loss=1.0)
 
     mon.run(train)
-    until(lambda: mon.step >= 3)
+    # not `mon.step >= 3`: that holds inside step 3's log(), where a stop already asked
+    # ends the loop with StopTraining before it can look at `stopping`
+    until(at_three.is_set, what="the loop past step 3")
     mon.stop()
     mon.wait()
     assert mon.state == "stopped" and cleaned == [3] and mon.step == 3

@@ -168,14 +168,16 @@ def test_a_high_lr_without_warm_up_names_the_rule_that_fired_before_the_spike(tm
 
 
 def test_a_healthy_fresh_run_has_no_spike_and_a_zero_score(tmp_path):
-    """300 steps of warm-up and cosine: no alert at all, the per-step log Z rule's
-    included, while the training batch's log Z climbs slowly (the healthy replay's
+    """300 steps of warm-up and cosine: no alert about the model, the per-step log Z
+    rule's included, while the training batch's log Z climbs slowly (the healthy replay's
     fixture predates that series)."""
     demo = make_demo(d=64, layers=2, heads=2, ctx=64, max_steps=400)
     mon, run = train(tmp_path, demo, demo.scheduler, demo.train, 300)
     assert run.spikes.empty and (run.df["spike/score"] == 0).all()
     assert "loss spike" not in str(mon.diagnose())
-    assert run.events[run.events.kind == "alert"].empty
+    # throughput_drop watches the machine, not the model: a loaded CI runner trips it
+    fired = {a["rule"] for a in run.events[run.events.kind == "alert"].data}
+    assert fired <= {"throughput_drop"}, fired
     log_z = run.df["train_logits/log_z"]
     assert log_z.notna().all() and log_z.iloc[-20:].median() > log_z.iloc[:20].median()
 

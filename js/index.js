@@ -67,16 +67,18 @@ function render({ model, el }) {
       G.__nbwatchBytes.push([msg.type, n]); // opt-in, for benchmarks: bytes per message
     }
     if (msg.type === "plotly") {
+      performance.mark("nbw:plotly-msg");
       receivePlotly(buffers[0]).catch((e) => console.error("nbwatch: plotly.js failed to load", e));
     } else if (msg.type === "full") {
       ready = true;
       status.textContent = "";
       fullAt = t0;
+      performance.mark("nbw:full");
       apply(unpack(msg.panels, buffers), true);
       performance.measure("nbw:apply", { start: t0 });
     } else if (msg.type === "delta" && ready) {
       apply(unpack(msg.panels, buffers), false);
-      performance.measure("nbw:apply", { start: t0 });
+      board.charge(performance.measure("nbw:apply", { start: t0 }).duration);
     } else if (msg.type === "attention") { // a head's map the attention view asked for
       board.views.attention.receive(unpack(msg, buffers));
     } else if (msg.type === "refused" && ctl) {
@@ -89,6 +91,7 @@ function render({ model, el }) {
   plotlyState().promise.then((P) => {
     Plotly = P;
     plotlyAt = performance.now();
+    performance.mark("nbw:plotly");
     ctx.schedule();
   });
   // Say hello until the kernel answers: a view restored before its kernel connection is up

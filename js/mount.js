@@ -18,25 +18,35 @@ import * as weights from "./views/weights.js";
 
 export const PANELS = { loss, ranks, grads, weights, attention, health, system, data, metrics, alerts, samples };
 
-// A live dashboard keeps the page's main thread free for the notebook: each Plotly.react
-// costs 5–60 ms (more on a loaded machine, or for a 75-layer heat map), so the panels a user
-// reads as a trend redraw at most once a second (one such panel per frame, and not in a
-// frame already busy), and a panel scrolled out of view at most every few seconds.
-// The loss, gauges and feeds follow every refresh. A full state draws every panel: those on
-// screen at once, those out of view one a frame after. And a panel waits PACE × what its last draw cost before it draws again (a trend panel
-// whose draw took 40 ms: 2 s; the loss at 30 ms: 0.45 s), so that no panel, the loss
-// included, takes more than a fixed share of the main thread however slow a draw gets.
-// What a user's click asks for (a head, log y, a metric) draws at the next frame.
-const EVERY_MS = { ranks: 1000, grads: 1000, weights: 1000, health: 1000, data: 1000, metrics: 1000, system: 1000 };
-const PACE = { loss: 15, attention: 15 };
-const PACE_TREND = 50;
-const MAX_PACE_MS = 5000;
-const OFFSCREEN_MS = 3000;
-const BUSY_MS = 12; // a frame that spent this much already leaves trend panels to the next
+// A live dashboard keeps the page's main thread free for the notebook: one budget for the
+// whole dashboard, BUDGET of the main thread (its draws, and the unpacking and folding in of
+// each refresh: `charge`), not a pace per panel. Credit accrues at BUDGET ms per ms of wall
+// time, up to BURST_MS; a draw's cost is taken off, into debt if need be (down to
+// MAX_DEBT_MS: one very slow draw holds the rest back ≤ 5 s), and nothing budgeted draws
+// until the credit is back above 0. Who draws with the credit there is: the panels with
+// something new share it by weight (fair queueing: each panel's draws so far / its weight,
+// the least served first; a panel idle for a while gets no back pay), the loss with
+// SHARE.loss, a panel on screen 1, one out of view SHARE.off: when every panel has something
+// new, the loss gets ~half the budget and the panels on screen share the other half (one
+// out of view draws rarely, and at the next frame once scrolled into view).
+// A frame stops drawing once FRAME_MS are spent (one panel at least): no long frame.
+// Why 8%: the goal is ≤ 30 ms of main thread per refresh at ~3.6 refreshes a second (~11%);
+// 8% leaves room for the draw that overshoots the credit. A fast machine, where the loss
+// costs ~15 ms, redraws it at every refresh; a slow one redraws every panel less often, and
+// the page stays responsive.
+// Not budgeted: what a user's click asks for (a head, log y, a metric) draws at the next
+// frame, as does a panel scrolled into view; a full state (a reload) draws every panel on screen at once (in the viewport
+// itself), and the others one a frame after.
+const BUDGET = 0.08;
+const BURST_MS = 150;
+const MAX_DEBT_MS = 400;
+const FRAME_MS = 16;
+const SHARE = { loss: 4, on: 1, off: 0.25 };
 
 // Build the header, the controls bar (when `live`) and one view per panel under `root`.
 // `ctx`: {send(msg), schedule(), xaxis (the x axis to start with), saveAxis(mode) (where
-// the choice is kept)}. Returns {apply(panels, full), draw(Plotly), restyle(), axis}.
+// the choice is kept)}. Returns {apply(panels, full), draw(Plotly), restyle(), axis,
+// charge(ms) (main-thread time spent outside draw, off the budget), pending()}.
 export function mount(root, ctx, { live }) {
   const head = header.create(root, ctx);
   // One x axis switch for every trend panel (step, relative or wall time, tokens seen).
@@ -73,43 +83,68 @@ export function mount(root, ctx, { live }) {
   for (const [name, mod] of Object.entries(PANELS)) {
     views[name] = mod.create(grid, { ...ctx, schedule: () => { asked[name] = true; ctx.schedule(); } });
   }
-  const last = {};     // view → when it last drew
-  const cost = {};     // view → what its last draw cost (ms)
+  const stale = {};    // view → got something new since it last drew
   const onscreen = {}; // view → intersects the viewport (or near it)
+  const seen = {};     // view → intersects the viewport itself (a full state draws these first)
   let force = true;    // the next draw draws every view (a full state, a theme switch)
   let timer = null;
+  let credit = BURST_MS, creditAt = performance.now();
   if (live && typeof IntersectionObserver !== "undefined") {
     const io = new IntersectionObserver((entries) => {
-      for (const e of entries) onscreen[e.target.dataset.panel] = e.isIntersecting;
+      for (const e of entries) {
+        const name = e.target.dataset.panel;
+        // scrolled into view with something new: drawn at the next frame, like a click
+        if (e.isIntersecting && onscreen[name] === false && stale[name]) asked[name] = true;
+        onscreen[name] = e.isIntersecting;
+      }
       ctx.schedule();
     }, { rootMargin: "200px" });
-    for (const v of Object.values(views)) io.observe(v.box);
+    const strict = new IntersectionObserver((entries) => {
+      for (const e of entries) seen[e.target.dataset.panel] = e.isIntersecting;
+    });
+    for (const v of Object.values(views)) { io.observe(v.box); strict.observe(v.box); }
   }
 
-  // Whether a view may draw now; when not, when it may (ms from now).
-  function due(name, now, busy) {
-    if (!live) return 0;
-    // A full state (a reload) draws what is on screen first; the panels out of view follow,
-    // one a frame, in the frames after.
-    if (force) return onscreen[name] === false ? 1 : 0;
-    if (asked[name]) return 0;
-    if (later[name]) return busy ? 40 : 0;
-    const off = onscreen[name] === false;
-    const pace = Math.min((cost[name] || 0) * (PACE[name] || (EVERY_MS[name] ? PACE_TREND : 0)), MAX_PACE_MS);
-    const every = Math.max(off ? OFFSCREEN_MS : EVERY_MS[name] || 0, pace);
-    if (!every) return 0;
-    const wait = (last[name] || -Infinity) + every - now;
-    if (wait > 0) return wait;
-    return busy && (off || EVERY_MS[name]) ? 40 : 0;
+  function refill(now) {
+    credit = Math.min(BURST_MS, credit + (now - creditAt) * BUDGET);
+    creditAt = now;
+  }
+  // Main-thread time the dashboard spent (a draw, a refresh's unpacking): off the budget.
+  function charge(ms) {
+    if (live) credit = Math.max(credit - ms, -MAX_DEBT_MS);
   }
 
-  // Views that follow every refresh first, then the trend panels.
-  // Among the trend panels, the one that has waited longest goes first: one per frame in a
-  // fixed order starves the last ones when frames are slow (a loaded machine), round robin
-  // does not.
+  // Fair queueing: `served` is each view's budgeted drawing so far over its weight, and the
+  // stale view least served draws first. `clock` is where the last one drawn stood: every
+  // waiting view stands there at least, so one that turns stale after a rest gets no back
+  // pay for the time it had nothing new.
+  const served = {};
+  let clock = 0;
   const names = Object.keys(views);
-  const order = () => names.slice().sort((a, b) => (EVERY_MS[a] || 0) - (EVERY_MS[b] || 0)
-    || (EVERY_MS[a] ? (last[a] ?? -1) - (last[b] ?? -1) : 0));
+  const weight = (n) => (n === "loss" ? SHARE.loss : onscreen[n] === false ? SHARE.off : SHARE.on);
+  function order() {
+    const waiting = names.filter((n) => stale[n] || asked[n] || later[n]);
+    for (const n of waiting) served[n] = Math.max(served[n] ?? clock, clock);
+    return waiting.sort((a, b) => served[a] - served[b]);
+  }
+
+  function drawOne(name, Plotly, t, budgeted) {
+    asked[name] = later[name] = stale[name] = false;
+    const t0 = performance.now();
+    try {
+      views[name].draw(Plotly, t);
+    } catch (e) {
+      console.error("nbwatch: a panel failed to draw", e);
+    }
+    const ms = performance.now() - t0;
+    if (budgeted) {
+      charge(ms);
+      clock = served[name] ?? clock;
+      served[name] = clock + ms / weight(name);
+    }
+    performance.measure(`nbw:draw:${name}`, { start: t0 });
+    return ms;
+  }
 
   let t = null; // the theme: read from the page's CSS (a forced style pass) only when it may have changed
   function draw(Plotly) {
@@ -117,36 +152,27 @@ export function mount(root, ctx, { live }) {
     t.axis = axis;
     Plotly = lighten(Plotly);
     const now = performance.now();
-    let throttled = false, next = Infinity;
-    for (const name of order()) {
-      const v = views[name];
-      const wait = due(name, now, throttled || performance.now() - now > BUSY_MS);
-      if (wait > 0) {
-        if (force) later[name] = true;
-        next = Math.min(next, wait);
-        continue;
+    refill(now);
+    if (!live || force) {
+      // everything now (an export), or what is on screen now and the rest one a frame after
+      for (const name of names) {
+        if (live && seen[name] === false) later[name] = true;
+        else drawOne(name, Plotly, t, false);
       }
-      const paced = EVERY_MS[name] || onscreen[name] === false;
-      asked[name] = later[name] = false;
-      const before = last[name];
-      last[name] = now;
-      const t0 = performance.now();
-      try {
-        v.draw(Plotly, t);
-        const ms = performance.now() - t0;
-        if (ms > 1) { // it drew (a view with nothing new returns at once)
-          if (paced) throttled = true;
-          if (!force) cost[name] = ms; // a full state's first draws cost more than the next
-        } else if (!paced) last[name] = before; // the loss: its pace counts from its last draw
-        performance.measure(`nbw:draw:${name}`, { start: t0 });
-      } catch (e) {
-        console.error("nbwatch: a panel failed to draw", e);
+      force = false;
+    } else {
+      let spent = 0, one = false;
+      for (const name of order()) {
+        if (asked[name]) spent += drawOne(name, Plotly, t, true); // a click
+        else if (later[name]) { // out of view at a full state: one a frame
+          if (!one) { one = true; spent += drawOne(name, Plotly, t, false); }
+        } else if (credit > 0 && spent < FRAME_MS) spent += drawOne(name, Plotly, t, true);
       }
     }
-    force = false;
-    // A view that was held back draws later even when no refresh comes (a finished run).
-    if (next < Infinity && timer === null) {
-      timer = setTimeout(() => { timer = null; ctx.schedule(); }, next);
+    // What is left draws in a frame after, or once the credit is back (a finished run's
+    // held-back panels draw too: no refresh need come).
+    if (names.some((n) => stale[n] || later[n] || asked[n]) && timer === null) {
+      timer = setTimeout(() => { timer = null; ctx.schedule(); }, credit > 0 ? 0 : -credit / BUDGET);
     }
     root.dataset.drawn = String((Number(root.dataset.drawn) || 0) + 1);
   }
@@ -165,7 +191,10 @@ export function mount(root, ctx, { live }) {
       root.dataset.state = panels.header.state;
     }
     for (const [name, v] of Object.entries(views)) {
-      if (panels[name] || full) v.update(panels[name] || {}, full);
+      if (panels[name] || full) {
+        v.update(panels[name] || {}, full);
+        stale[name] = true;
+      }
     }
     if (ctl && panels.alerts && panels.alerts.items) ctl.events(panels.alerts.items);
     ctx.schedule();
@@ -173,6 +202,7 @@ export function mount(root, ctx, { live }) {
 
   function restyle() {
     force = true;
+    for (const name of names) stale[name] = true;
     for (const v of Object.values(views)) if (v.restyle) v.restyle();
   }
 
@@ -189,5 +219,5 @@ export function mount(root, ctx, { live }) {
   // How many panels a full state's draw left for the frames after it.
   const pending = () => Object.values(later).filter(Boolean).length;
 
-  return { ctl, views, apply, draw, restyle, axis, setAxis, pending };
+  return { ctl, views, apply, draw, restyle, axis, setAxis, pending, charge };
 }

@@ -6,7 +6,7 @@
 // again when a new eval arrives. The HTML export carries every map (`sample.maps`).
 import { baseLayout, CONFIG, el, esc, escTemplate, panel } from "../plot.js";
 
-const MAX_TICKS = 32;
+const MAX_TICKS = 16; // a label every few tokens (all on hover): plotly's cost grows with the labels drawn
 const KEEP = 16; // fetched maps held (a few heads, samples and evals to go back to)
 const RETRY_MS = 5000; // a fetch with no reply (a busy kernel) is asked again
 const MEASURES = { entropy: "entropy (nats)", peak: "largest weight", logit: "largest logit" };
@@ -28,11 +28,14 @@ export function create(root, ctx) {
   p.body.append(empty, overview, map);
   let data = null;
   let open = { l: 0, h: 0 };
+  // What to redraw: the overview (a new eval, another measure or sample, the open head's
+  // frame) and the map (the same, or a fetched map arriving: the overview stays as it is).
   let dirty = false;
+  let mapDirty = false;
   let clickable = false;
   const fetched = new Map(); // "step:sample:module:head" → {z: Float32Array [T, S]} or {none}
   const asked = new Map();   // the same key → when it was asked
-  const redraw = () => { dirty = true; ctx.schedule(); };
+  const redraw = () => { dirty = mapDirty = true; ctx.schedule(); };
   const keyOf = (step, i, l, h) => `${step}:${i}:${data.modules[l]}:${h}`;
   pick.onchange = redraw;
   measure.onchange = redraw;
@@ -70,7 +73,7 @@ export function create(root, ctx) {
     if (asked.has(key) && now - asked.get(key) < RETRY_MS) return;
     asked.set(key, now);
     ctx.send({ type: "attention", step: data.step, sample: i, layer: l, head: h, module: data.modules[l] });
-    setTimeout(() => { if (!fetched.has(key)) redraw(); }, RETRY_MS + 50);
+    setTimeout(() => { if (!fetched.has(key)) { mapDirty = true; ctx.schedule(); } }, RETRY_MS + 50);
   }
 
   function drawOverview(Plotly, t, s) {
@@ -165,16 +168,16 @@ export function create(root, ctx) {
       measure.querySelector('option[value="logit"]').hidden = !d.logit;
       if (!d.logit && measure.value === "logit") measure.value = "entropy";
       if (open.l >= d.modules.length || open.h >= d.heads) open = { l: 0, h: 0 };
-      dirty = true;
+      dirty = mapDirty = true;
     },
-    restyle() { dirty = true; },
+    restyle() { dirty = mapDirty = true; },
     draw(Plotly, t) {
-      if (!dirty || !data) return;
-      dirty = false;
+      if (!(dirty || mapDirty) || !data) return;
       const i = Number(pick.value) || 0;
       const s = data.samples[i];
-      drawOverview(Plotly, t, s);
-      drawMap(Plotly, t, s, i);
+      if (dirty) drawOverview(Plotly, t, s);
+      if (mapDirty) drawMap(Plotly, t, s, i);
+      dirty = mapDirty = false; // a map asked of the kernel draws when it comes (receive)
     },
     // The kernel's reply to a fetch: {step, sample, head, module, map: Float32Array [T, S]
     // or null}; drawn if it is still the head open.
@@ -183,7 +186,10 @@ export function create(root, ctx) {
       asked.delete(key);
       fetched.set(key, { map: msg.map || null });
       while (fetched.size > KEEP) fetched.delete(fetched.keys().next().value);
-      if (data && key === keyOf(data.step, Number(pick.value) || 0, open.l, open.h)) redraw();
+      if (data && key === keyOf(data.step, Number(pick.value) || 0, open.l, open.h)) {
+        mapDirty = true;
+        ctx.schedule();
+      }
     },
   };
 }

@@ -100,17 +100,23 @@ def test_lab_live_dashboard_controls_and_reload(page, lab_server, workdir):
     assert kernel_json(page, "mon.state") == "running"
 
     # Cut LR halves the LR trace the page draws (the cosine schedule moves it by < 1 %).
-    lr = trace(page, "loss", "LR")
+    # (the loss redraws within the page's main-thread budget: wait for the steps after it)
+    def lr_after():
+        lr = trace(page, "loss", "LR")
+        return lr if lr and paused_at + 1 in lr["x"] else None
+
+    lr = until(lr_after, timeout=15, what="the LR after the pause on the loss chart", poll=0.3)
     at = dict(zip(lr["x"], lr["y"]))
     assert at[paused_at] == pytest.approx(lr_before, rel=1e-5)
     assert at[paused_at + 1] / at[paused_at] == pytest.approx(0.5, rel=0.02)
     # Clip bounds the post-clip norm: on the page and in the kernel's record.
-    # (the grads panel redraws at most once a second: wait for the steps after the pause)
+    # (the grads panel redraws within the page's main-thread budget, on a loaded machine every
+    # few seconds: wait for the steps after the pause)
     def clipped_after():
         c = trace(page, "grads", "after clipping", plot="nbw-grads-norm")
         return [y for x, y in zip(c["x"], c["y"]) if x > paused_at]
 
-    after = until(clipped_after, timeout=15, what="post-clip norms after the pause")
+    after = until(clipped_after, timeout=40, what="post-clip norms after the pause", poll=0.3)
     assert max(after) <= 0.05 * 1.0001
     assert kernel_json(page, f"float(mon.df['grad_norm/clipped'].loc[{paused_at + 1}:].max())") \
         <= 0.05 * 1.0001
@@ -211,7 +217,7 @@ def test_lab_baseline_labels_and_the_x_axis_switch(page, lab_server, workdir):
               and len(health[0]["labels"]) == 2 and metrics and len(metrics[0]["labels"]) >= 2)
         return plots if ok else None
 
-    # (a panel out of view redraws every 3 s at most, one a second in view: bring them in)
+    # (a panel out of view redraws rarely, and at once when scrolled into view: bring them in)
     page.locator("[data-panel=health]").scroll_into_view_if_needed()
     try:
         plots = until(drawn, timeout=45, what="the baseline, Health labels and Metrics rows")

@@ -35,7 +35,9 @@ function render({ model, el }) {
   // Main-thread time of each draw, and of the first full draw after a "full" state, as
   // Performance API measures ("nbw:draw", "nbw:first-draw": the panels on screen;
   // "nbw:full-draw": until the panels out of view are drawn too, one a frame after it, so
-  // wall time, the frames between included): benchmarks/dashboard.py reads them.
+  // wall time, the frames between included): benchmarks/dashboard.py reads them. Marks
+  // "nbw:plotly-msg", "nbw:plotly" and "nbw:full" place plotly.js's arrival, its module
+  // ready and the full state on the same timeline (where a first draw's time goes).
   let fullAt = null;
   let plotlyAt = null;
   let restAt = null;

@@ -31,9 +31,9 @@ export const PANELS = { loss, ranks, grads, weights, attention, health, system, 
 // out of view draws rarely, and at the next frame once scrolled into view).
 // A frame stops drawing once FRAME_MS are spent (one panel at least): no long frame.
 // Why 8%: the goal is ≤ 30 ms of main thread per refresh at ~3.6 refreshes a second (~11%);
-// 8% leaves room for the draw that overshoots the credit. A fast machine, where the loss
-// costs ~15 ms, redraws it at every refresh; a slow one redraws every panel less often, and
-// the page stays responsive.
+// 8% leaves room for the draw that overshoots the credit. Where a loss draw costs ≲ 10 ms
+// (its ~half of 8% at ~4 refreshes a second) it redraws at every refresh; a slower machine
+// redraws every panel less often, and the page stays responsive.
 // Not budgeted: what a user's click asks for (a head, log y, a metric) draws at the next
 // frame, as does a panel scrolled into view; a full state (a reload) draws every panel on screen at once (in the viewport
 // itself), and the others one a frame after.

@@ -138,6 +138,20 @@ export function lighten(Plotly) {
   return light;
 }
 
+// A heat map's `zsmooth`: "fast" (plotly draws one image pixel per cell, which the CSS
+// scales up pixelated: a grads heat map of 75 layers × 200 columns took half the time of
+// plotly's default, a fillRect per cell) where its cells are evenly spaced (category
+// labels are) and need no gaps between them; plotly's default otherwise.
+export function zsmooth(x, y) {
+  return evenly(x) && evenly(y) ? "fast" : false;
+}
+function evenly(v) {
+  if (!v || v.length < 3 || typeof v[0] !== "number") return true;
+  const step = (v[v.length - 1] - v[0]) / (v.length - 1);
+  for (let i = 1; i < v.length; i++) if (!(Math.abs(v[i] - v[i - 1] - step) <= Math.abs(step / 100))) return false;
+  return true;
+}
+
 export const CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["select2d", "lasso2d"] };
 
 export function el(tag, cls, text) {

@@ -2,7 +2,7 @@
 // layer, and when), the newest step's largest norms as bars (every layer one click away),
 // and the global norm over time with the post-clip norm and the clip threshold line.
 import { Series, apply } from "../downsample.js";
-import { baseLayout, COLORS, CONFIG, el, esc, layerColor, panel } from "../plot.js";
+import { baseLayout, COLORS, CONFIG, el, esc, layerColor, panel, zsmooth } from "../plot.js";
 import { blockOf } from "./weights.js";
 
 const TOP = 12; // bars shown before "all layers"
@@ -50,7 +50,7 @@ export function create(root, ctx) {
       type: "heatmap", x, y: names, z: logz, customdata: heat.z, colorscale: "Viridis",
       colorbar: { title: { text: "log₁₀", side: "right" }, thickness: 10, len: 0.9 },
       hovertemplate: `%{y}<br>${ax.mode === "step" ? "steps %{x}…" : ax.hover()} (${heat.w} step${heat.w > 1 ? "s" : ""} a bin)<br>max grad norm %{customdata:.4g}<extra></extra>`,
-      xgap: 0, ygap: n > 60 ? 0 : 1,
+      xgap: 0, ygap: n > 60 ? 0 : 1, zsmooth: n > 60 ? zsmooth(x, names) : false,
     }], baseLayout(t, {
       margin: { l: 8, r: 8, t: 24, b: 32 },
       title: { text: `per-layer grad norm (bins of ${heat.w} step${heat.w > 1 ? "s" : ""}, max)`, font: { size: 11 } },

@@ -1,7 +1,7 @@
 // Weights: a layer's weight histogram over time as a heatmap (layer picker), and the
 // update ratios ‖Δw‖/‖w‖ of every layer.
 import { Series, apply, bucketWidth } from "../downsample.js";
-import { baseLayout, CONFIG, el, endLabels, esc, escTemplate, layerColor, panel, shortNames } from "../plot.js";
+import { baseLayout, CONFIG, el, endLabels, esc, escTemplate, layerColor, panel, shortNames, zsmooth } from "../plot.js";
 
 const MAX_COLUMNS = 200;
 const BINS = 64;
@@ -140,8 +140,9 @@ export function create(root, ctx) {
       const many = layers.length > MAX_LINES;
       const c = cols[layer] || [];
       const h = c.length ? heatmap(c) : { x: [], y: [], z: [] };
+      const hx = t.axis.x(h.x);
       Plotly.react(heat, [{
-        type: "heatmap", x: t.axis.x(h.x), y: h.y, z: h.z, colorscale: "Viridis", showscale: false,
+        type: "heatmap", x: hx, y: h.y, z: h.z, colorscale: "Viridis", showscale: false, zsmooth: zsmooth(hx, h.y),
         hovertemplate: `${t.axis.hover()}<br>weight %{y:.3g}<br>fraction %{z:.3f}<extra></extra>`,
       }], baseLayout(t, { margin: { l: 52, r: 8, t: 24, b: 32 },
         title: { text: `weight histogram: ${esc(layer || "–")}`, font: { size: 11 } },

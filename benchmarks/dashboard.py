@@ -309,15 +309,21 @@ def draw_timings(model: str, seconds: float = 30.0) -> dict:
     per = live["draw"]  # each frame's drawing: the longest task a refresh puts on the page
     busiest = sorted(((float(np.sum(v)) / max(n_refresh, 1), k)
                       for k, v in live["panels"].items()), reverse=True)[:4]
+    # how often a panel redrew (a draw under 1 ms is a view with nothing new)
+    redraws = {k: sum(1 for ms in v if ms > 1) / seconds for k, v in live["panels"].items()}
+    others = float(np.median([v for k, v in redraws.items() if k != "loss" and v] or [0]))
     print(f"{model:>6}: per refresh, unpack + fold in {sum(live['apply']) / max(n_refresh, 1):.1f}"
           f" ms; drawing, by panel: " + ", ".join(
-        f"{k} {ms:.1f} ms" for ms, k in busiest), flush=True)
+        f"{k} {ms:.1f} ms" for ms, k in busiest) + f" | redraws/s: loss "
+          f"{redraws.get('loss', 0):.2f}, the others {others:.2f} (median); "
+          f"{n_refresh / seconds:.1f} refreshes/s", flush=True)
     deltas = [n for kind, n in live["bytes"] if kind == "delta"]
     third = max(len(deltas) // 3, 1)
     out = {"model": model, "refreshes": n_refresh, "steps": steps,
            "refresh_ms_mean": per_refresh,
            "frame_ms_p50": float(np.median(per)), "frame_ms_p95": float(np.percentile(per, 95)),
            "frame_ms_max": float(max(per)), "first_draw_ms": float(first[0]),
+           "loss_redraws_per_s": redraws.get("loss", 0.0),
            "full_draw_ms": float(full[0]) if full else float("nan"),
            "delta_kb_first_third": float(np.median(deltas[:third])) / 1e3,
            "delta_kb_last_third": float(np.median(deltas[-third:])) / 1e3}

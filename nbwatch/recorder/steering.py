@@ -54,7 +54,7 @@ def poll_commands(rec: Steered, force: bool = False) -> list[Command]:
     box = rec.inbox
     if force or now - box.last_poll > 0.25:  # other processes write into the store
         box.last_poll = now
-        for rid, wall, cmd in rec.store.pending_commands(box.last_id):
+        for rid, wall, cmd in rec.store.pending_commands(box.last_id, fresh=force):
             rec.store.mark_taken(rid)
             box.last_id = rid
             if isinstance(cmd, str):  # unreadable: said, never guessed at

@@ -29,6 +29,7 @@ from .lock import (
 from .migrate import migrate_v2
 from .mode import NETWORK, choose, probe
 from .reader import RunReader
+from .record_reads import COMMANDS_SQL
 from .recover import fold, hot_journal, recover, sweep_temp_files, unreadable
 from .rows import WRITE, Meta, Taken, Truncate
 from .schema import (
@@ -162,6 +163,9 @@ class RunStore(RunReader):
         self._told = False  # the error was raised to a caller: close() does not repeat it
         self.flush_interval = flush_interval
         self._compacted = time.monotonic()
+        # the commands not yet taken, as the writer last read them (`command_rows`)
+        self._commands: list[tuple] | None = None
+        self._commands_read = 0.0
         self._thread = threading.Thread(target=self._loop, name="nbwatch-store", daemon=True)
         self._thread.start()
 
@@ -198,6 +202,16 @@ class RunStore(RunReader):
 
     def mark_taken(self, command_id: int) -> None:
         self.put(Taken(command_id))
+
+    def command_rows(self, after_id: int = 0, fresh: bool = False) -> list[tuple]:
+        """The commands not yet taken as the writer thread last read them (every pass of
+        its loop, at most every `flush_interval`, and after each commit of a command or
+        of its taking), so that the training thread's poll opens no connection of its
+        own (~1-2 ms each); `fresh`, or no writer thread: read now."""
+        rows = self._commands
+        if fresh or rows is None or not self._thread.is_alive():
+            return super().command_rows(after_id)
+        return [r for r in rows if r[0] > after_id]
 
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after `step` (a resumed run recomputes them)."""
@@ -398,6 +412,7 @@ class RunStore(RunReader):
                     self._write(batch)
                     self._compact_now()
                 self._watch()
+                self._read_commands(any(isinstance(r, (Command, Taken)) for r in batch))
                 with self._cond:
                     self._written = max(self._written, target)
                     self._cond.notify_all()
@@ -420,6 +435,18 @@ class RunStore(RunReader):
                 self._cond.notify_all()
         finally:
             self._wcon.close()
+
+    def _read_commands(self, changed: bool) -> None:
+        """Read the commands not yet taken (`command_rows`): when this batch wrote one or
+        its taking, else at most every `flush_interval` (another process's)."""
+        now = time.monotonic()
+        if not changed and now - self._commands_read < self.flush_interval:
+            return
+        self._commands_read = now
+        try:
+            self._commands = self._wcon.execute(COMMANDS_SQL, (0,)).fetchall()
+        except sqlite3.Error:
+            self._commands = None  # the poll reads for itself, and says what is wrong
 
     def _compact_now(self) -> None:
         """Every `compact_every` s, merge what the live run committed since into big blocks

@@ -272,8 +272,8 @@ class RunStore(RunReader):
     def _damage(self) -> tuple[str, str] | None:
         """(kind, what happened) when another program deleted, replaced or truncated the
         store or deleted its WAL since the writer opened it (and since its last check)."""
-        if not self.run_dir.exists():
-            return None  # the folder itself: `_failure` says so
+        if not self.run_dir.exists():  # writes still go through, to the unlinked files
+            return "folder", f"the run folder {self.run_dir} was deleted while the run wrote to it"
         (db, wal), (was, was_wal) = self._identity(), self._files
         if db is None:
             return "deleted", f"the run store {self.path} was deleted while the run wrote to it"
@@ -321,6 +321,8 @@ class RunStore(RunReader):
             self._files = self._identity()
             return
         kind, what = damage
+        if kind == "folder":  # nothing left to save
+            raise _Damaged(f"{what}; later records are lost")
         if kind == "wal":
             try:
                 self._rebuild_wal()
@@ -336,8 +338,9 @@ class RunStore(RunReader):
                 return
         if kind == "deleted":
             time.sleep(0.05)
-            if not self.run_dir.exists():  # the whole folder, on its way out (rmtree): the
-                return                     # next read says so (`_failure`)
+            if not self.run_dir.exists():  # the whole folder (rmtree): nothing to save
+                raise _Damaged(f"the run folder {self.run_dir} was deleted while the run "
+                               "wrote to it; later records are lost")
             self._drop_own_wal()
             raise _Damaged(f"{what}; later records are lost")
         saved = self._rescue(what)

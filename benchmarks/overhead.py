@@ -15,11 +15,19 @@ interleaved in one process, several rounds each, so that machine noise hits all 
                add_scalar every step, add_histogram of every weight and grad every 50 steps
 
     python benchmarks/overhead.py [--steps 60] [--rounds 9] [--only default,ratios/step]
+
+A second table measures the cost where it is spent, which the ratio of two step times
+cannot resolve on a noisy machine (a 1% cost under rounds that differ by 10%): each
+monitored step records `time/nbwatch`, nbwatch's own time on the training thread, so
+`step / (step - own)` is the ratio to the same step unwatched; beside it the process's CPU
+time a step (every thread: nbwatch's store writer and system sampler, torch's intra-op
+threads) over the bare loop's, taken from step `warm` to the last.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import tempfile
 import time
@@ -29,6 +37,46 @@ import torch
 
 import nbwatch
 from nbwatch.demo import make_demo, masked_cross_entropy
+
+
+def cpu_s() -> float:
+    """CPU time of the whole process so far (every thread)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+class Round:
+    """One round of a variant: mean step time (s), nbwatch's own share of it (from
+    `time/nbwatch`; 0 for a loop without nbwatch), CPU seconds a step (every thread)."""
+
+    def __init__(self, step: float, own: float, cpu: float):
+        self.step, self.own, self.cpu = step, own, cpu
+
+
+class CpuMarks:
+    """The process's CPU time at the `warm`-th call and at the last."""
+
+    def __init__(self, warm: int, last: int):
+        self.warm, self.last, self.calls, self.t = warm, last, 0, [0.0, 0.0]
+
+    def tick(self) -> None:
+        self.calls += 1
+        if self.calls == self.warm:
+            self.t[0] = cpu_s()
+        elif self.calls == self.last:
+            self.t[1] = cpu_s()
+
+    def per_step(self, n: int) -> float:
+        return (self.t[1] - self.t[0]) / n
+
+
+def measured(run_dir: Path, warm: int, n: int, cpu: CpuMarks) -> Round:
+    """A monitored round's figures from its run folder."""
+    run = nbwatch.open_run(run_dir)
+    walls = run.reader.walls()
+    wall = walls.loc[warm + n] - walls.loc[warm]
+    own = float(run.df["time/nbwatch"].loc[warm + 1:warm + n].sum())
+    return Round(wall / n, own / wall, cpu.per_step(n))
 
 
 def loss_of(model, batch):
@@ -44,7 +92,11 @@ def bare(demo, n, warm, tb=None):
     model, opt, sched = demo.model, demo.optimizer, demo.scheduler
     it = batches_forever(demo.train)
     times = []
-    for step in range(warm + n):
+    cpu = CpuMarks(warm + 1, warm + n + 1)
+    for step in range(warm + n + 1):
+        cpu.tick()
+        if step == warm + n:
+            break
         t0 = time.perf_counter()
         batch = next(it)
         loss = loss_of(model, batch)
@@ -67,18 +119,22 @@ def bare(demo, n, warm, tb=None):
         opt.zero_grad(set_to_none=True)
         if step >= warm:
             times.append(time.perf_counter() - t0)
-    return sum(times) / n
+    return Round(sum(times) / n, 0.0, cpu.per_step(n))
 
 
 def monitored(demo, n, warm, root: Path, **start_kw):
     run_dir = root / f"run{time.monotonic_ns()}"
     mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=run_dir)
-    mon.start(lambda m, b: {"logits": m(b["input_ids"]), "labels": b["labels"],
-                            "mask": b["mask"]},
-              batches_forever(demo.train), max_steps=warm + n, display=False, **start_kw)
+    cpu = CpuMarks(warm + 1, warm + n + 1)  # step_fn's calls: after `warm` steps, at the end
+
+    def step_fn(m, b):
+        cpu.tick()
+        return {"logits": m(b["input_ids"]), "labels": b["labels"], "mask": b["mask"]}
+
+    mon.start(step_fn, batches_forever(demo.train), max_steps=warm + n + 1, display=False,
+              **start_kw)
     mon.wait()
-    walls = nbwatch.open_run(run_dir).reader.walls()
-    return (walls.loc[warm + n] - walls.loc[warm]) / n
+    return measured(run_dir, warm, n, cpu)
 
 
 def own_loop(demo, n, warm, root: Path):
@@ -86,9 +142,12 @@ def own_loop(demo, n, warm, root: Path):
     model, opt, sched = demo.model, demo.optimizer, demo.scheduler
     mon = nbwatch.Monitor(model, opt, sched, run_dir=run_dir, display=False)
 
+    cpu = CpuMarks(warm + 1, warm + n + 1)
+
     def train():
         it = batches_forever(demo.train)
-        for _ in range(warm + n):
+        for _ in range(warm + n + 1):
+            cpu.tick()
             batch = next(it)
             loss = loss_of(model, batch)
             loss.backward()
@@ -98,8 +157,7 @@ def own_loop(demo, n, warm, root: Path):
             mon.log(loss=loss, mask=batch["mask"])
 
     mon.run(train).wait()
-    walls = nbwatch.open_run(run_dir).reader.walls()
-    return (walls.loc[warm + n] - walls.loc[warm]) / n
+    return measured(run_dir, warm, n, cpu)
 
 
 def main() -> None:
@@ -142,19 +200,35 @@ def main() -> None:
             for name, fn in variants.items():
                 results.setdefault(name, []).append(fn())
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(
-                f"{k} {v[-1] * 1e3:.1f} ms" for k, v in results.items()), flush=True)
-    best = min(results["bare"])
+                f"{k} {v[-1].step * 1e3:.1f} ms" + (f" (own {v[-1].own:.2%})" if v[-1].own else "")
+                for k, v in results.items()), flush=True)
+    steps = {k: [r.step for r in v] for k, v in results.items()}
+    best = min(steps["bare"])
     print(f"\n{torch.get_num_threads()} threads, {n} steps x {args.rounds} rounds; a round's mean "
           "step time as a ratio to the same round's bare: the median over rounds and their "
           "spread (min–max); the fastest rounds' ratio beside it")
     print("| variant | ms/step (median) | ratio (median) | spread | ratio (fastest) |")
     print("|---|---|---|---|---|")
-    for name, times in results.items():
+    for name, times in steps.items():
         med = statistics.median(times)
-        per = [t / b for t, b in zip(times, results["bare"])]
+        per = [t / b for t, b in zip(times, steps["bare"])]
         print(f"| {name} | {med * 1e3:.1f} | {statistics.median(per):.3f}x | "
               f"{min(per):.3f}–{max(per):.3f} | {min(times) / best:.3f}x |")
-
+    print("\nWhere it is spent: nbwatch's own time on the training thread (time/nbwatch) as "
+          "the ratio step / (step - own), median over rounds and spread; the process's CPU "
+          "a step (every thread) over the same round's bare loop's")
+    print("| variant | own ms/step (median) | ratio from own time (median) | spread | "
+          "CPU a step over bare (median) | spread |")
+    print("|---|---|---|---|---|---|")
+    for name, rounds in results.items():
+        if name == "bare" or not any(r.own for r in rounds):
+            continue
+        own_ms = statistics.median(r.own * r.step * 1e3 for r in rounds)
+        ratio = [1 / (1 - r.own) for r in rounds]
+        cpu = [r.cpu / b.cpu for r, b in zip(rounds, results["bare"])]
+        print(f"| {name} | {own_ms:.3f} | {statistics.median(ratio):.4f}x | "
+              f"{min(ratio):.4f}–{max(ratio):.4f} | {statistics.median(cpu):.3f}x | "
+              f"{min(cpu):.3f}–{max(cpu):.3f} |")
 
 if __name__ == "__main__":
     main()

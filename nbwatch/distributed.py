@@ -149,7 +149,7 @@ class NullStore:
     def truncate_after(self, step: int) -> None:
         pass
 
-    def pending_commands(self, after_id: int = 0) -> list:
+    def pending_commands(self, after_id: int = 0, fresh: bool = False) -> list:
         return []
 
     def mark_taken(self, command_id: int) -> None:

@@ -45,6 +45,12 @@ class ExternalLoop:
         self._rec.pre_step()
 
     @property
+    def own(self) -> Any:
+        """The clock of nbwatch's own time on the training thread (`time/nbwatch`): an
+        adapter's own work of a step runs inside `with loop.own:`."""
+        return self._rec.own
+
+    @property
     def stepped(self) -> bool:
         """The optimizer stepped since the last `record_step` (False while accumulating)."""
         return self._rec.stepped

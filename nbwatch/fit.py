@@ -299,7 +299,7 @@ class Adapter:
         self._unwatch()
         # the training batch's logits (log Z, max |logit|) from a forward hook on the
         # output layer: the frameworks hand their callbacks no logits
-        self._head = HeadWatch(mon.model)
+        self._head = HeadWatch(mon.model, own=loop.own)
         return loop
 
     def _record_step(self, host: dict[str, float], reduction: str,
@@ -318,18 +318,19 @@ class Adapter:
         names: list[str] = []
         parts: list[Any] = []
         lengths = None
-        if losses:
-            names.append("loss/train")
-            parts.append(torch.stack([x.float().reshape(()) for x in losses]).sum())
-        if masks:
-            mnames, mparts, host["_padded"], lengths = batch_figures(masks)
-            names += mnames
-            parts += mparts
-            samples = sum(int(m.shape[0]) for m in masks)
-        if self._head is not None:
-            lnames, lparts = self._head.take()
-            names += lnames
-            parts += lparts
+        with rec.own:
+            if losses:
+                names.append("loss/train")
+                parts.append(torch.stack([x.float().reshape(()) for x in losses]).sum())
+            if masks:
+                mnames, mparts, host["_padded"], lengths = batch_figures(masks)
+                names += mnames
+                parts += mparts
+                samples = sum(int(m.shape[0]) for m in masks)
+            if self._head is not None:
+                lnames, lparts = self._head.take()
+                names += lnames
+                parts += lparts
         return rec.record_step(host, names, parts, lengths=lengths, samples=samples,
                                reduction=reduction)
 

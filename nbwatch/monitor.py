@@ -282,11 +282,12 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         weights are now at (`mon.rewound` then says it, and how many batches to skip).
         """
         rec = self._recorder_for_log()
-        rec.note_logged_batch(batch, scalars)  # takes epoch=/index= given with a batch
-        host, names, parts, lengths = log_figures(loss, mask, scalars,
-                                                  first=rec.step == self._progress_start,
-                                                  logits=logits)
-        val = check_val(val)
+        with rec.own:
+            rec.note_logged_batch(batch, scalars)  # takes epoch=/index= given with a batch
+            host, names, parts, lengths = log_figures(loss, mask, scalars,
+                                                      first=rec.step == self._progress_start,
+                                                      logits=logits)
+            val = check_val(val)
         samples = int(mask.shape[0]) if mask is not None and mask.dim() == 2 else None
         step = rec.record_step(host, names, parts, lengths=lengths, samples=samples, val=val,
                                reduction="as computed by the training loop (mon.log)")

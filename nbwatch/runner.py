@@ -140,7 +140,8 @@ class Runner:
         measure (stage the device figures), optimizer step, record."""
         t0 = time.perf_counter()
         micro = self._forward_backward()
-        figures, padded = self._measure(micro)
+        with self.rec.own:
+            figures, padded = self._measure(micro)
         t_fb = time.perf_counter()
         self._optimizer_step()
         figures.update({"time/forward_backward": t_fb - t0 - micro.data_s,

@@ -45,6 +45,8 @@ export function create(root) {
       if (d.mfu !== null && d.mfu !== undefined) parts.push(`MFU ${fmt(100 * d.mfu, 3)}%`);
       if (d.tflops) parts.push(`${fmt(d.tflops, 3)} TFLOP/s`);
       if (d.steps_per_s) parts.push(`${fmt(d.steps_per_s, 3)} steps/s`);
+      // nbwatch's own time on the training thread, of the newest step (time/nbwatch)
+      if (d.watch_share !== null && d.watch_share !== undefined) parts.push(`watching ${fmt(100 * d.watch_share, 2)}%`);
       parts.push(`elapsed ${d.elapsed || duration(d.elapsed_s)}`); // the kernel's text: the export's summary agrees
       stats.textContent = parts.join(" · ");
       const score = d.spike_score;

@@ -1,5 +1,5 @@
 """Header: run name, state, step/max with progress and ETA, tokens/s with the achieved
-TFLOP/s and MFU, the spike score, elapsed; red on failure."""
+TFLOP/s and MFU, the spike score, what watching costs, elapsed; red on failure."""
 
 from __future__ import annotations
 
@@ -47,10 +47,20 @@ def build(
         "mfu": latest.get("throughput/mfu"),
         # steps that spiked among the last 10,000 (spike_score.py: OLMo-core's definition)
         "spike_score": latest.get("spike/score"),
+        "watch_share": watch_share(latest),
         "failed": state == "failed" or error is not None,
         "error": str(error["message"]) if error else None,
         "traceback": str(error.get("data", {}).get("traceback", "")) if error else None,
     }
+
+
+def watch_share(latest: Mapping[str, float]) -> float | None:
+    """What watching took of the newest step: nbwatch's own time on the training thread
+    (`time/nbwatch`) over the step's time."""
+    own, step = latest.get("time/nbwatch"), latest.get("time/step")
+    if own is None or not step or not step > 0 or own != own:
+        return None
+    return min(own / step, 1.0)
 
 
 def run_duration(meta: Mapping[str, Any], last_wall: float | None, now: float) -> float | None:

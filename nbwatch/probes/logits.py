@@ -13,6 +13,7 @@ on two fixed probe samples once per eval; these are on the training batch every 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -68,8 +69,10 @@ class HeadWatch:
     Only a forward in training mode with gradients on counts: an eval's or nbwatch's probe
     pass is not the training batch."""
 
-    def __init__(self, model: nn.Module, positions: int = POSITIONS):
+    def __init__(self, model: nn.Module, positions: int = POSITIONS,
+                 own: Any = None):
         self.positions = positions
+        self._own = own if own is not None else contextlib.nullcontext()  # time/nbwatch
         self.parts: list[torch.Tensor] | None = None
         found = output_layer(model)
         self.path = found[0] if found is not None else None
@@ -78,9 +81,10 @@ class HeadWatch:
     def _on_head(self, mod: nn.Module, args: Any, out: Any) -> None:
         if self.parts is not None or not (mod.training and torch.is_grad_enabled()):
             return
-        x = output_logits(out)
-        if x is not None and is_logits(x):
-            self.parts = logit_parts(x, positions=self.positions)
+        with self._own:
+            x = output_logits(out)
+            if x is not None and is_logits(x):
+                self.parts = logit_parts(x, positions=self.positions)
 
     @property
     def watching(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import sharded
@@ -50,6 +51,8 @@ def binned(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bins: int
     hi = torch.where(same, hi + 0.5, hi)
     edges = lo + (hi - lo) * torch.arange(bins + 1, device=x.device, dtype=x.dtype) / bins
     edges[-1] = hi  # exact right edge despite rounding
+    if x.device.type == "cpu":  # the same arithmetic in numpy: 4-5x less time a layer
+        return edges, torch.from_numpy(_binned_np(x.numpy(), edges.numpy(), bins))
     # numpy's own fast path: index by arithmetic, then fix the ±1 ULP misses against the
     # edges (2-3× cheaper than a binary search per element).
     idx = ((x - lo) * (bins / (hi - lo))).long().clamp_(0, bins - 1)
@@ -60,6 +63,39 @@ def binned(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bins: int
     return edges, counts.scatter_add_(0, idx, torch.ones_like(idx))
 
 
+def _histogram_np(x: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """`histogram` of a flat float32 array on the host: the same edges, the same bins."""
+    lo, hi = x.min(), x.max()
+    if not hi > lo:
+        lo, hi = lo - np.float32(0.5), hi + np.float32(0.5)
+    edges = lo + (hi - lo) * np.arange(bins + 1, dtype=np.float32) / np.float32(bins)
+    edges[-1] = hi
+    return edges, _binned_np(x, edges, bins)
+
+
+def _binned_np(x: np.ndarray, edges: np.ndarray, bins: int) -> np.ndarray:
+    """`binned`'s counts on the host, step for step the same float32 arithmetic (so the
+    same bins); numpy's per-call cost is a fraction of torch's on small CPU tensors."""
+    lo, hi = edges[0], edges[-1]
+    t = (x - lo) * (np.float32(bins) / (hi - lo))
+    idx = t.astype(np.intp)
+    np.clip(idx, 0, bins - 1, out=idx)
+    # Only a value near an edge can be off by one (the edges and t are rounded: by a few
+    # ULPs of the range's magnitude, in bins); those alone are checked against the edges.
+    near = float(np.spacing(max(abs(lo), abs(hi)))) * 16 * bins / float(hi - lo) + 1e-4
+    if near < 0.25:
+        frac = t - np.floor(t)
+        sel = np.flatnonzero((frac < near) | (frac > 1 - near))
+        xs, js = x[sel], idx[sel]
+    else:
+        xs, js, sel = x, idx, None
+    js -= xs < edges[js]
+    js += (xs >= edges[js + 1]) & (js < bins - 1)
+    if sel is not None:
+        idx[sel] = js
+    return np.bincount(idx, minlength=bins).astype(np.int64)
+
+
 def layer_histograms(layers: Layers, bins: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """Histogram of each layer's weights: (edges [L, bins+1], counts [L, bins]) on device."""
     if layers.shards is not None:  # FSDP2: of the full weights, from the shards
@@ -68,6 +104,12 @@ def layer_histograms(layers: Layers, bins: int = 64) -> tuple[torch.Tensor, torc
     for p, li in zip(layers.params, layers.layer_of):
         groups[li].append(p.detach().reshape(-1))
     dev = layers.params[0].device
+    # on the host, numpy throughout: a torch op's dispatch costs more than its work
+    if all(p.device.type == "cpu" for p in layers.params):
+        out = [_histogram_np(np.concatenate([t.float().numpy() for t in g]), bins)
+               for g in groups]
+        return (torch.from_numpy(np.stack([e for e, _ in out])),
+                torch.from_numpy(np.stack([c for _, c in out])))
     edges, counts = [], []
     for g in groups:
         e, c = histogram(torch.cat([t.to(dev) for t in g]), bins)

@@ -26,6 +26,7 @@ from ..probes.grads import Layers, clip_, layer_norms, param_grad_norms
 from ..records import Event
 from .lr_factor import LrFactor
 from .own_clips import OwnClips
+from .own_time import OwnTime, counted
 from .spec import RunSpec
 from .state import InFlight, Taking
 
@@ -33,6 +34,7 @@ from .state import InFlight, Taking
 class Measuring(Protocol):
     """What the optimizer's hooks read and move of their run (a `StepRecorder`)."""
 
+    own: OwnTime
     step: int
     start_step: int
     ended: bool
@@ -64,6 +66,7 @@ def overflowed(rec: Measuring) -> bool:
     return bool((scale < ref.to(scale.device)).item())
 
 
+@counted
 def pre_step(rec: Measuring, explicit: bool = True, clips: list | None = None,
              clip_note: str | None = None) -> None:
     """The step's gradient figures, one host copy, the rules that can still skip or clip
@@ -206,6 +209,7 @@ def clip_or_skip(rec: Measuring, grads: list[torch.Tensor], values: dict[str, fl
         values["skipped"] = 1.0
 
 
+@counted
 def post_step(rec: Measuring) -> None:
     """Optimizer post-hook: update ratios, and the LR factor off for the scheduler."""
     t = rec.flight.taking

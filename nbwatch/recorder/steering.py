@@ -27,6 +27,7 @@ class Steered(Rewinding, Protocol):
     """What steering reads and moves of the run it steers (a `StepRecorder`); a command
     may rewind it."""
 
+    own: Any  # OwnTime
     start_step: int
     stopping: bool
     spec: RunSpec
@@ -53,7 +54,7 @@ def poll_commands(rec: Steered, force: bool = False) -> list[Command]:
     box = rec.inbox
     if force or now - box.last_poll > 0.25:  # other processes write into the store
         box.last_poll = now
-        for rid, wall, cmd in rec.store.pending_commands(box.last_id):
+        for rid, wall, cmd in rec.store.pending_commands(box.last_id, fresh=force):
             rec.store.mark_taken(rid)
             box.last_id = rid
             if isinstance(cmd, str):  # unreadable: said, never guessed at
@@ -97,7 +98,9 @@ def apply_commands(rec: Steered, block: bool = True) -> None:
         if c.paused or (rec.step > rec.start_step and rec.step % d.every == 0):
             sync_ranks(rec)
         return
-    for cmd in poll_commands(rec):
+    with rec.own:  # the poll is watching's cost; what a command does is the user's
+        cmds = poll_commands(rec)
+    for cmd in cmds:
         apply(rec, cmd)
     if c.paused and block and not rec.stopping and not rec.spec.trial:
         rec.flush_deferred()  # the page shows the step it is paused at

@@ -26,6 +26,7 @@ from ..records import Event, Histogram, Scalars
 from .batches import BatchIds
 from .lr_factor import LrFactor
 from .optimizer_step import to_host
+from .own_time import OwnTime, counted
 from .spec import SMOOTHING, Progress, RunSpec
 from .state import Deferred, InFlight, RankMeeting
 
@@ -35,6 +36,7 @@ _FROM_ALL_RANKS = ("loss/train", "tokens/real", "throughput/tokens_per_s")
 class Recording(Protocol):
     """What the record of a step reads and moves of its run (a `StepRecorder`)."""
 
+    own: OwnTime
     step: int
     spec: RunSpec
     opt: Any  # torch.optim.Optimizer
@@ -56,6 +58,7 @@ class Recording(Protocol):
     def step_done(self, eval_due: bool = False, val: Any = None) -> None: ...
 
 
+@counted
 def end_step(rec: Recording, values: dict[str, float], names: list[str] | None = None,
              parts: list[torch.Tensor] | None = None, *, data_s: float | None = None,
              samples: int | None = None, extra_times: dict[str, float] | None = None
@@ -136,6 +139,7 @@ def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
     if rec.lr.scheduler_moved():
         rec.engine.explain_lr()
     alerts = alerts + rec.engine.observe("step", step, values)
+    values["time/nbwatch"] = rec.own.take()  # this step's watching, up to its record
     if rec.dist is not None:
         rk = rec.ranks
         rk.rows.append((step, {**rank_figures(values), "time/sync": rk.sync_s}))

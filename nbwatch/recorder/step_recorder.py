@@ -41,6 +41,7 @@ from .batches import BatchIds
 from .eval_checkpoint import EvalState
 from .lr_factor import LrFactor
 from .own_clips import OwnClips
+from .own_time import OwnTime
 from .rewind import RewindState
 from .spec import Progress, RunSpec, StopTraining
 from .state import Inbox, InFlight, RankMeeting
@@ -94,6 +95,7 @@ class StepRecorder:
         self.evals = EvalState()  # eval_checkpoint.py: the last val loss, checkpoint
         self.lr = LrFactor(optimizer, scheduler, control)  # an LR cut around the scheduler
         self.own_clips = OwnClips(self.layers)  # norms before the loop's own clips
+        self.own = OwnTime()  # nbwatch's own time on the training thread: time/nbwatch
         # Set by framework adapters: False when the optimizer's pre-hook comes too early to
         # see the gradients (Lightning's closure runs backward inside optimizer.step), and
         # the adapter calls `pre_step()` itself at the framework's own moment.

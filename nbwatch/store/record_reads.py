@@ -16,6 +16,8 @@ from ..records import Command
 from .histograms import decode_block, flatten
 from .rows import unpack_attention
 
+COMMANDS_SQL = ("SELECT id, wall, kind, source, payload, cid FROM commands"
+                " WHERE taken = 0 AND id > ? ORDER BY id")
 
 class RecordReads:
     """Part of `RunReader`: every method reads through `query` alone (`session` and
@@ -198,15 +200,20 @@ class RecordReads:
         event_wall, beat = rows[0] if rows else (None, None)
         return step_wall, event_wall, float(json.loads(beat)) if beat is not None else None
 
-    def pending_commands(self, after_id: int = 0) -> list[tuple[int, float, Command | str]]:
-        """Commands not yet taken (with an id above `after_id`: `taken` is committed late):
-        (row id, wall, command), or the reason in place of a command that cannot be read
-        (a kind this version does not know, or a row of an older nbwatch)."""
+    def command_rows(self, after_id: int = 0, fresh: bool = False) -> list[tuple]:
+        """The rows of the commands not yet taken, with an id above `after_id`."""
         try:
-            rows = self.query("SELECT id, wall, kind, source, payload, cid FROM commands"
-                              " WHERE taken = 0 AND id > ? ORDER BY id", (after_id,))
+            return self.query(COMMANDS_SQL, (after_id,))
         except sqlite3.OperationalError:  # a store of an older nbwatch: no payload column
             return []
+
+    def pending_commands(self, after_id: int = 0, fresh: bool = False
+                         ) -> list[tuple[int, float, Command | str]]:
+        """Commands not yet taken (with an id above `after_id`: `taken` is committed late):
+        (row id, wall, command), or the reason in place of a command that cannot be read
+        (a kind this version does not know, or a row of an older nbwatch). `fresh`: read
+        now, not what the run's writer read last (`RunStore.command_rows`)."""
+        rows = self.command_rows(after_id, fresh)
         out: list[tuple[int, float, Command | str]] = []
         for rid, wall, kind, source, payload, cid in rows:
             try:

@@ -29,6 +29,7 @@ from .lock import (
 from .migrate import migrate_v2
 from .mode import NETWORK, choose, probe
 from .reader import RunReader
+from .record_reads import COMMANDS_SQL
 from .recover import fold, hot_journal, recover, sweep_temp_files, unreadable
 from .rows import WRITE, Meta, Taken, Truncate
 from .schema import (
@@ -162,6 +163,9 @@ class RunStore(RunReader):
         self._told = False  # the error was raised to a caller: close() does not repeat it
         self.flush_interval = flush_interval
         self._compacted = time.monotonic()
+        # the commands not yet taken, as the writer last read them (`command_rows`)
+        self._commands: list[tuple] | None = None
+        self._commands_read = 0.0
         self._thread = threading.Thread(target=self._loop, name="nbwatch-store", daemon=True)
         self._thread.start()
 
@@ -198,6 +202,16 @@ class RunStore(RunReader):
 
     def mark_taken(self, command_id: int) -> None:
         self.put(Taken(command_id))
+
+    def command_rows(self, after_id: int = 0, fresh: bool = False) -> list[tuple]:
+        """The commands not yet taken as the writer thread last read them (every pass of
+        its loop, at most every `flush_interval`, and after each commit of a command or
+        of its taking), so that the training thread's poll opens no connection of its
+        own (~1-2 ms each); `fresh`, or no writer thread: read now."""
+        rows = self._commands
+        if fresh or rows is None or not self._thread.is_alive():
+            return super().command_rows(after_id)
+        return [r for r in rows if r[0] > after_id]
 
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after `step` (a resumed run recomputes them)."""
@@ -258,8 +272,8 @@ class RunStore(RunReader):
     def _damage(self) -> tuple[str, str] | None:
         """(kind, what happened) when another program deleted, replaced or truncated the
         store or deleted its WAL since the writer opened it (and since its last check)."""
-        if not self.run_dir.exists():
-            return None  # the folder itself: `_failure` says so
+        if not self.run_dir.exists():  # writes still go through, to the unlinked files
+            return "folder", f"the run folder {self.run_dir} was deleted while the run wrote to it"
         (db, wal), (was, was_wal) = self._identity(), self._files
         if db is None:
             return "deleted", f"the run store {self.path} was deleted while the run wrote to it"
@@ -307,6 +321,8 @@ class RunStore(RunReader):
             self._files = self._identity()
             return
         kind, what = damage
+        if kind == "folder":  # nothing left to save
+            raise _Damaged(f"{what}; later records are lost")
         if kind == "wal":
             try:
                 self._rebuild_wal()
@@ -322,8 +338,9 @@ class RunStore(RunReader):
                 return
         if kind == "deleted":
             time.sleep(0.05)
-            if not self.run_dir.exists():  # the whole folder, on its way out (rmtree): the
-                return                     # next read says so (`_failure`)
+            if not self.run_dir.exists():  # the whole folder (rmtree): nothing to save
+                raise _Damaged(f"the run folder {self.run_dir} was deleted while the run "
+                               "wrote to it; later records are lost")
             self._drop_own_wal()
             raise _Damaged(f"{what}; later records are lost")
         saved = self._rescue(what)
@@ -398,6 +415,7 @@ class RunStore(RunReader):
                     self._write(batch)
                     self._compact_now()
                 self._watch()
+                self._read_commands(any(isinstance(r, (Command, Taken)) for r in batch))
                 with self._cond:
                     self._written = max(self._written, target)
                     self._cond.notify_all()
@@ -420,6 +438,18 @@ class RunStore(RunReader):
                 self._cond.notify_all()
         finally:
             self._wcon.close()
+
+    def _read_commands(self, changed: bool) -> None:
+        """Read the commands not yet taken (`command_rows`): when this batch wrote one or
+        its taking, else at most every `flush_interval` (another process's)."""
+        now = time.monotonic()
+        if not changed and now - self._commands_read < self.flush_interval:
+            return
+        self._commands_read = now
+        try:
+            self._commands = self._wcon.execute(COMMANDS_SQL, (0,)).fetchall()
+        except sqlite3.Error:
+            self._commands = None  # the poll reads for itself, and says what is wrong
 
     def _compact_now(self) -> None:
         """Every `compact_every` s, merge what the live run committed since into big blocks

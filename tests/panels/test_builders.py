@@ -22,6 +22,9 @@ def test_header_progress_eta_and_failure():
     h = header.build(meta, 20, walls, {"spike/score": 2.0, "throughput/mfu": 0.41,
                                        "throughput/tflops": 405.0}, now=1020.0)
     assert (h["spike_score"], h["mfu"], h["tflops"]) == (2.0, 0.41, 405.0)
+    assert h["watch_share"] is None  # a run recorded before time/nbwatch
+    h = header.build(meta, 20, walls, {"time/nbwatch": 0.0005, "time/step": 0.2}, now=1020.0)
+    assert h["watch_share"] == 0.0025
     err = {"message": "RuntimeError: boom", "data": {"traceback": "Traceback...\nboom"}}
     h = header.build({**meta, "state": "failed"}, 20, walls, {}, now=1100.0, error=err)
     assert h["failed"] and h["eta_s"] is None and "boom" in h["traceback"]

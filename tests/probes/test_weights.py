@@ -19,6 +19,22 @@ def test_histogram_equals_numpy_histogram():
         assert np.abs(counts.numpy() - np_counts).sum() <= 2  # float32 vs float64 edges
 
 
+def test_values_on_and_next_to_the_edges_fall_as_numpy_puts_them():
+    """The host path checks only values near an edge: put values on every edge and one
+    float32 step either side, at ranges small against their magnitude."""
+    g = torch.Generator().manual_seed(2)
+    for centre, width in ((0.0, 1.0), (5.0, 1e-3), (-300.0, 0.5), (1e-3, 1e-6)):
+        x = torch.rand(5_000, generator=g) * width + centre
+        edges, _ = histogram(x, 64)
+        e = edges.numpy()
+        probe = np.concatenate([e, np.nextafter(e, np.inf), np.nextafter(e, -np.inf)])
+        probe = probe[(probe >= e[0]) & (probe <= e[-1])].astype(np.float32)
+        y = torch.cat([x, torch.from_numpy(probe)])
+        edges, counts = histogram(y, 64)
+        ref, _ = np.histogram(y.numpy(), bins=edges.numpy())
+        np.testing.assert_array_equal(counts.numpy(), ref)
+
+
 def test_layer_histograms_cover_every_weight_of_the_layer(tiny):
     model, _, _ = tiny
     layers = Layers.of(model)

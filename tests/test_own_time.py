@@ -1,0 +1,74 @@
+"""`time/nbwatch`: nbwatch's own time on the training thread, recorded with each step —
+what watching costs, measured where it is spent; a pause, an eval and a checkpoint are
+the user's, not watching's."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import torch
+from torch import nn
+
+import nbwatch
+from nbwatch.recorder.own_time import OwnTime
+
+
+def test_the_clock_counts_the_outermost_entry_and_splits_an_open_one_at_a_take():
+    clock = OwnTime()
+    with clock:
+        with clock:  # nested: counted once
+            time.sleep(0.02)
+        first = clock.take()  # inside: up to now, the rest goes to the next take
+        time.sleep(0.02)
+    time.sleep(0.05)  # outside: not counted
+    second = clock.take()
+    assert 0.02 <= first < 0.05 and 0.02 <= second < 0.05
+    assert clock.take() == 0.0
+
+
+def tiny(seed: int = 0):
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    return m, torch.optim.SGD(m.parameters(), lr=1e-2)
+
+
+def test_own_loop_records_its_watching_and_not_a_pause(tmp_path):
+    m, opt = tiny()
+    with nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", display=False) as mon:
+        for step in range(1, 41):
+            loss = m(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 20:  # paused at this log() for 0.3 s: step 21 waited that long
+                mon.pause()
+                threading.Timer(0.3, mon.resume).start()
+            mon.log(loss=loss)
+    run = nbwatch.open_run(tmp_path / "r")
+    own, took = run.df["time/nbwatch"], run.reader.walls().diff()  # record to record
+    assert own.notna().all() and (own > 0).all()
+    assert (own <= took).iloc[1:].all()
+    assert took.loc[21] >= 0.3 and own.loc[21] < 0.1, (took.loc[21], own.loc[21])
+
+
+def test_start_leaves_out_the_eval_and_the_checkpoint(tmp_path):
+    m, opt = tiny()
+    x = torch.randn(4, 8)
+
+    def val_fn(model):
+        time.sleep(0.3)
+        return {"loss": float(model(x).pow(2).mean())}
+
+    mon = nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", checkpoint_every=10)
+    mon.start(lambda model, b: model(b).pow(2).mean(), itertools.repeat(x), max_steps=30,
+              val_fn=val_fn, eval_every=10, display=False).wait()
+    assert mon.state == "finished"
+    df = nbwatch.open_run(tmp_path / "r").df
+    own = df["time/nbwatch"]
+    assert own.notna().all() and (own > 0).all()
+    # the eval of step 10 runs after its record: the next step would have counted it
+    assert own.loc[[11, 21]].max() < 0.1, own.loc[[11, 21]]
+    shares = own / df["time/step"]
+    assert shares.iloc[5:].median() < 1

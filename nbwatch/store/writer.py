@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import sqlite3
 import threading
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ..records import Command, Event, Histogram, Scalars, SystemSample
+from . import tamper
 from .batch import write_batch
 from .histograms import HistTables
 from .lock import (
@@ -254,40 +254,13 @@ class RunStore(RunReader):
             self._raise_error()
 
     # -- the files under the writer -----------------------------------------------------
-    def _identity(self) -> tuple[tuple[int, int, int] | None, tuple[int, int] | None]:
-        """(device, inode, size) of `nbwatch.db` and (device, inode) of its WAL; None for
-        one that does not exist. Two stat calls, made once per flush of the writer."""
-        try:
-            st = os.stat(self.path)
-            db = (st.st_dev, st.st_ino, st.st_size)
-        except FileNotFoundError:
-            db = None
-        try:
-            st = os.stat(self.path.with_name(self.path.name + "-wal"))
-            wal = (st.st_dev, st.st_ino)
-        except FileNotFoundError:
-            wal = None
-        return db, wal
+    def _identity(self) -> tamper.Identity:
+        return tamper.identity(self.path)
 
     def _damage(self) -> tuple[str, str] | None:
-        """(kind, what happened) when another program deleted, replaced or truncated the
-        store or deleted its WAL since the writer opened it (and since its last check)."""
-        if not self.run_dir.exists():  # writes still go through, to the unlinked files
-            return "folder", f"the run folder {self.run_dir} was deleted while the run wrote to it"
-        (db, wal), (was, was_wal) = self._identity(), self._files
-        if db is None:
-            return "deleted", f"the run store {self.path} was deleted while the run wrote to it"
-        if was is not None and db[:2] != was[:2]:
-            return "replaced", (f"the run store {self.path} was replaced by another file while the"
-                          f" run wrote to it (inode {was[1]} became {db[1]}: another program,"
-                          " a copy or a sync wrote over it)")
-        if was is not None and db[2] < was[2]:
-            return "truncated", (f"the run store {self.path} was truncated from {was[2]} to {db[2]}"
-                          " bytes by another program while the run wrote to it")
-        if was_wal is not None and wal != was_wal:
-            return "wal", (f"the run store's write-ahead log {self.path.name}-wal in "
-                           f"{self.run_dir} was deleted while the run wrote to it")
-        return None
+        """What another program did to the store's files since the last check, if
+        anything (`tamper.damage`)."""
+        return tamper.damage(self.path, self._files)
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
         """A read of this run's own store: any SQLite error is a `StoreFailed` that names
@@ -357,45 +330,18 @@ class RunStore(RunReader):
         con.execute("PRAGMA journal_mode=WAL")
 
     def _drop_own_wal(self) -> None:
-        """Once `nbwatch.db` is another file (or none), this writer's WAL beside it would be
-        applied to that file by its next reader: remove it (and its index), if still ours."""
-        wal = self.path.with_name(self.path.name + "-wal")
-        try:
-            st = os.stat(wal)
-        except FileNotFoundError:
-            return
-        if (st.st_dev, st.st_ino) == self._files[1]:
-            for p in (wal, self.path.with_name(self.path.name + "-shm")):
-                with contextlib.suppress(OSError):
-                    p.unlink()
+        tamper.drop_own_wal(self.path, self._files[1])
 
     def _last_step(self) -> int:
         row = self._wcon.execute("SELECT MAX(last) FROM walls").fetchone()
         return int(row[0]) if row and row[0] is not None else 0
 
     def _rescue(self, what: str) -> str:
-        """The writer's own connection still reads the run it wrote (the old file and its
-        WAL): record the failure there and copy it all into a new run folder beside."""
-        con = self._wcon
-        try:
+        """Save what the writer's own connection still reads (`tamper.rescue`)."""
+        step = 0
+        with contextlib.suppress(sqlite3.Error):
             step = self._last_step()
-            dest = self.run_dir / f"recovered-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-            with con:
-                WRITE[Event](con, Event(step, "error", "critical", what, {}))
-                WRITE[Meta](con, Meta("state", json.dumps("failed")))
-            dest.mkdir()
-            con.execute("VACUUM INTO ?", (str(dest / DB_NAME),))
-            out = sqlite3.connect(dest / DB_NAME)
-            try:
-                if out.execute("PRAGMA journal_mode").fetchone()[0] == "wal":
-                    fold(out)
-            finally:
-                out.close()
-        except (sqlite3.Error, OSError) as e:
-            return (f"Its records could not be saved elsewhere ({type(e).__name__}: {e}). "
-                    + self._saved_where())
-        return (f"This run's records (steps up to {step}) were saved to {dest}: open them with"
-                f" nbwatch.open_run({str(dest)!r}). " + self._saved_where())
+        return tamper.rescue(self._wcon, self.run_dir, step, what) + self._saved_where()
 
     # -- writer thread ------------------------------------------------------------------
     def _loop(self) -> None:

@@ -152,6 +152,30 @@ function evenly(v) {
   return true;
 }
 
+// The left margin a y axis's tick labels take: plotly's `automargin` finds it by drawing
+// the plot, measuring the labels and, when the margin changed, drawing the whole plot again
+// (a fifth of a cold first draw: the grads heat map and bars, the attention overview).
+// Given the margin they take up front (measured on a canvas, no layout: the labels' widest
+// text in plotly's font, plus the gap plotly leaves between a label and its axis), plotly
+// finds nothing to push and draws once; `automargin` stays on, so a label wider than this
+// still gets its room (and that one redraw). `labels` are the tick texts as shown (esc'd
+// text is measured unescaped); `ticks`: the axis draws outside ticks of 5 px (heat maps).
+// The gaps as plotly 3.7 leaves them (measured: a label's box to the plot's edge, 9 px, and
+// 15.8 px past outside ticks), with 0.1 px to spare: plotly redraws only past a 1 px change.
+const GAP = 9.1, TICKS_GAP = 15.9;
+let measurer = null;
+export function labelMargin(labels, { size = 9, ticks = false, min = 8 } = {}) {
+  if (!measurer) measurer = document.createElement("canvas").getContext("2d");
+  if (!measurer) return min;
+  measurer.font = `${size}px "Open Sans", verdana, arial, sans-serif`; // plotly's default font
+  let w = 0;
+  for (const s of labels) {
+    const text = String(s).replace(/&lt;/g, "<").replace(/&gt;/g, ">").replace(/&amp;/g, "&");
+    w = Math.max(w, measurer.measureText(text).width);
+  }
+  return Math.max(min, Math.ceil(w + (ticks ? TICKS_GAP : GAP)));
+}
+
 export const CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["select2d", "lasso2d"] };
 
 export function el(tag, cls, text) {

@@ -4,7 +4,7 @@
 // Live, an eval brings only the overview: the open head's map is asked of the kernel
 // ({type: "attention", step, sample, layer, head, module}; `receive` takes the reply), and
 // again when a new eval arrives. The HTML export carries every map (`sample.maps`).
-import { baseLayout, CONFIG, el, esc, escTemplate, panel } from "../plot.js";
+import { baseLayout, CONFIG, el, esc, escTemplate, labelMargin, panel } from "../plot.js";
 
 const MAX_TICKS = 16; // a label every few tokens (all on hover): plotly's cost grows with the labels drawn
 const KEEP = 16; // fetched maps held (a few heads, samples and evals to go back to)
@@ -92,6 +92,7 @@ export function create(root, ctx) {
     overview.style.height = `${Math.min(Math.max(200, 16 * L + 90), 560)}px`;
     const names = data.modules.map(esc);
     const every = Math.max(1, Math.ceil(L / 40));
+    const ticktext = Array.from({ length: Math.ceil(L / every) }, (_, i) => names[i * every]);
     Plotly.react(overview, [{
       type: "heatmap", z, x: Array.from({ length: H }, (_, h) => h), y: Array.from({ length: L }, (_, l) => l),
       colorscale: "Viridis", reversescale: m === "peak", xgap: 1, ygap: 1, zmin: 0, zmax: top,
@@ -99,12 +100,12 @@ export function create(root, ctx) {
       customdata: data.modules.map((mod) => Array.from({ length: H }, () => escTemplate(mod))),
       hovertemplate: `%{customdata} head %{x}<br>${MEASURES[m]} %{z:.3f}<br>click to open<extra></extra>`,
     }], baseLayout(t, {
-      margin: { l: 8, r: 8, t: 24, b: 36 },
+      margin: { l: labelMargin(ticktext, { ticks: true }), r: 8, t: 24, b: 36 },
       title: { text: `${MEASURES[m]} per head`, font: { size: 11 } },
       xaxis: { title: { text: "head" }, dtick: H > 16 ? 4 : 1, showgrid: false, zeroline: false },
       yaxis: { autorange: "reversed", automargin: true, showgrid: false, zeroline: false, tickfont: { size: 9 },
         tickvals: Array.from({ length: Math.ceil(L / every) }, (_, i) => i * every),
-        ticktext: Array.from({ length: Math.ceil(L / every) }, (_, i) => names[i * every]) },
+        ticktext },
       shapes: [{ type: "rect", x0: open.h - 0.5, x1: open.h + 0.5, y0: open.l - 0.5, y1: open.l + 0.5,
         line: { color: t.warn, width: 2 } }],
     }), CONFIG);

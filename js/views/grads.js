@@ -2,7 +2,7 @@
 // layer, and when), the newest step's largest norms as bars (every layer one click away),
 // and the global norm over time with the post-clip norm and the clip threshold line.
 import { Series, apply } from "../downsample.js";
-import { baseLayout, COLORS, CONFIG, el, esc, layerColor, panel, zsmooth } from "../plot.js";
+import { baseLayout, COLORS, CONFIG, el, esc, labelMargin, layerColor, panel, zsmooth } from "../plot.js";
 import { blockOf } from "./weights.js";
 
 const TOP = 12; // bars shown before "all layers"
@@ -52,7 +52,7 @@ export function create(root, ctx) {
       hovertemplate: `%{y}<br>${ax.mode === "step" ? "steps %{x}…" : ax.hover()} (${heat.w} step${heat.w > 1 ? "s" : ""} a bin)<br>max grad norm %{customdata:.4g}<extra></extra>`,
       xgap: 0, ygap: n > 60 ? 0 : 1, zsmooth: n > 60 ? zsmooth(x, names) : false,
     }], baseLayout(t, {
-      margin: { l: 8, r: 8, t: 24, b: 32 },
+      margin: { l: labelMargin(tickvals, { ticks: true }), r: 8, t: 24, b: 32 },
       title: { text: `per-layer grad norm (bins of ${heat.w} step${heat.w > 1 ? "s" : ""}, max)`, font: { size: 11 } },
       yaxis: { autorange: "reversed", automargin: true, tickfont: { size: 9 }, type: "category", tickvals, ticktext: tickvals },
       shapes: bounds.map((y) => ({ type: "line", xref: "paper", x0: 0, x1: 1, yref: "paper", y0: y, y1: y,
@@ -82,12 +82,13 @@ export function create(root, ctx) {
       more.hidden = layers.length <= TOP;
       more.textContent = all ? `top ${TOP}` : `all ${layers.length} layers`;
       bars.style.height = `${Math.max(240, 14 * order.length + 60)}px`;
+      const barNames = order.map((i) => esc(layers[i]));
       Plotly.react(bars, [{
-        type: "bar", orientation: "h", y: order.map((i) => esc(layers[i])), x: order.map((i) => norms[i]),
+        type: "bar", orientation: "h", y: barNames, x: order.map((i) => norms[i]),
         marker: { color: order.map((i) => layerColor(i, layers.length)) },
         hovertemplate: `%{y}<br>grad norm %{x:.4g}<br>step ${step}<extra></extra>`,
       }], baseLayout(t, {
-        margin: { l: 8, r: 8, t: 24, b: 32 },
+        margin: { l: labelMargin(barNames), r: 8, t: 24, b: 32 },
         title: { text: step === null ? "per layer" : all ? `every layer, step ${step}` : `largest ${order.length}, step ${step}`, font: { size: 11 } },
         xaxis: { title: { text: "grad norm" }, gridcolor: t.grid },
         yaxis: { autorange: "reversed", automargin: true, tickfont: { size: 9 }, type: "category" },

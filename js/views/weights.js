@@ -6,6 +6,19 @@ import { baseLayout, CONFIG, el, endLabels, esc, escTemplate, layerColor, panel,
 const MAX_COLUMNS = 200;
 const BINS = 64;
 
+// A heat map's columns reach half a gap either side of their x: the first histogram's
+// (step 1, with the next at step 50) would start at step −24. On an axis that starts at 0
+// (steps, seconds since the start, tokens) the x range starts there instead.
+function heatLayout(t, hx, extra) {
+  const layout = baseLayout(t, extra);
+  const n = hx.length;
+  const wall = t.axis && t.axis.active && t.axis.active() === "wall";
+  if (n > 1 && !wall && hx[0] - (hx[1] - hx[0]) / 2 < 0) {
+    layout.xaxis = { ...layout.xaxis, range: [0, hx[n - 1] + (hx[n - 1] - hx[n - 2]) / 2] };
+  }
+  return layout;
+}
+
 // Same as nbwatch/panels/weights.py heatmap(): spread each column onto one grid, as fractions.
 export function heatmap(cols) {
   let lo = Infinity, hi = -Infinity;
@@ -144,7 +157,7 @@ export function create(root, ctx) {
       Plotly.react(heat, [{
         type: "heatmap", x: hx, y: h.y, z: h.z, colorscale: "Viridis", showscale: false, zsmooth: zsmooth(hx, h.y),
         hovertemplate: `${t.axis.hover()}<br>weight %{y:.3g}<br>fraction %{z:.3f}<extra></extra>`,
-      }], baseLayout(t, { margin: { l: 52, r: 8, t: 24, b: 32 },
+      }], heatLayout(t, hx, { margin: { l: 52, r: 8, t: 24, b: 32 },
         title: { text: `weight histogram: ${esc(layer || "–")}`, font: { size: 11 } },
         yaxis: { title: { text: "weight" }, gridcolor: t.grid } }), CONFIG);
       const traces = shownRatios(layers, ratios, layer).map((l) => ({

@@ -24,11 +24,18 @@ def run_all(page: Page) -> None:
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
 
 
-def kernel_idle(page: Page) -> bool:
-    """Idle at two readings 0.3 s apart."""
-    first = page.evaluate(f"() => {_KERNEL}.status")
-    time.sleep(0.3)
-    return first == "idle" and page.evaluate(f"() => {_KERNEL}.status") == "idle"
+def kernel_idle(page: Page, within: float = 0.0) -> bool:
+    """Idle at two readings 0.3 s apart, at some time `within` seconds from now (a widget's
+    message, an attention fetch, keeps the kernel busy a moment; a running cell keeps it
+    busy throughout)."""
+    deadline = time.monotonic() + within
+    while True:
+        first = page.evaluate(f"() => {_KERNEL}.status")
+        time.sleep(0.3)
+        if first == "idle" and page.evaluate(f"() => {_KERNEL}.status") == "idle":
+            return True
+        if time.monotonic() >= deadline:
+            return False
 
 
 def kernel_json(page: Page, expr: str) -> Any:

@@ -100,6 +100,12 @@ def test_lab_live_12x12_trainer(page, lab, workdir):
             "() => document.querySelector('[data-panel=attention] .nbw-attn-overview')"
             "?.data && document.querySelector('[data-panel=grads] .nbw-grads-heat')?.data",
             timeout=30_000)
+        # the page's redraw budget may have drawn the heat map last before the spike's step
+        # (a panel redraws every ~25 s under load): the finished run's is drawn soon after
+        page.wait_for_function(
+            "(s) => { const x = document.querySelector('[data-panel=grads] "
+            ".nbw-grads-heat').data[0].x; return x.length && x[x.length - 1] > s; }",
+            arg=wide_run.SPIKE_STEP, timeout=60_000)
         check_scale(page)
     finally:
         ARTIFACTS.mkdir(exist_ok=True)

@@ -141,6 +141,9 @@ class RunStore(RunReader):
         add_columns(con)
         if _version(con) == 2:
             migrate_v2(con)
+        if _version(con) == 3:  # its plain blocks are schema 4's too; the new ones packed
+            con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)",
+                        (json.dumps(SCHEMA_VERSION),))
         con.execute(
             "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (json.dumps(SCHEMA_VERSION),)
         )

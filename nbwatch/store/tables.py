@@ -109,7 +109,7 @@ class ScalarTables:
             order = np.argsort(s, kind="stable")
             con.executemany("INSERT INTO walls (first, last, steps, walls) VALUES (?, ?, ?, ?)",
                             [(f, la, st, wb) for f, la, st, wb in blocks.encode(
-                                s[order], w[order, None], "f8", packed=False)])
+                                s[order], w[order, None], "f8")])
         groups.clear()
 
     def write_system(self, groups: dict[tuple[str, ...], tuple[list, list, list]]) -> None:
@@ -177,9 +177,9 @@ class ScalarTables:
         tables.append(("walls", "walls", None, 1, "f8"))
         for table, col, lid, width, dtype in tables:
             where, params = ("layout = ?", (lid,)) if lid is not None else ("1", ())
-            held_rows = [(bid, blocks.rows_held(first, last, st)) for bid, first, last, st
-                         in con.execute(f"SELECT id, first, last, steps FROM {table}"
-                                        f" WHERE {where} ORDER BY id", params)]
+            size = np.dtype(dtype).itemsize * width
+            held_rows = [(bid, nbytes // size) for bid, nbytes in con.execute(
+                f"SELECT id, length({col}) FROM {table} WHERE {where} ORDER BY id", params)]
             for ids in merge_groups(held_rows, width, big=blocks.MAX_BLOCK_VALUES // 16):
                 # a group is a run of this layout's rows in id order: one id range
                 span = f"{where} AND id BETWEEN ? AND ?"
@@ -191,8 +191,7 @@ class ScalarTables:
                 # id: a follower's cursor within it still knows the steps it has read
                 lowest = min([ids[0]] + [r[4] for r in rows if r[4] is not None])
                 steps, values = _joined([r[:4] for r in rows], width, dtype)
-                (first, last, st, v), = blocks.encode(steps, values, dtype,
-                                                      packed=lid is not None)
+                (first, last, st, v), = blocks.encode(steps, values, dtype)
                 con.execute(f"DELETE FROM {table} WHERE {span}", rng)
                 if lid is not None:
                     con.execute('INSERT INTO blocks (id, layout, first, last, steps, "values",'
@@ -230,7 +229,7 @@ class ScalarTables:
             con.execute("DELETE FROM walls WHERE id = ?", (wid,))
             if keep.any():
                 con.executemany("INSERT INTO walls (first, last, steps, walls) VALUES (?, ?, ?, ?)",
-                                blocks.encode(s[keep], w[keep, None], "f8", packed=False))
+                                blocks.encode(s[keep], w[keep, None], "f8"))
         for table in ("histograms", "attention", "samples"):
             con.execute(f"DELETE FROM {table} WHERE step > ?", (step,))
 
@@ -245,10 +244,10 @@ class ScalarTables:
 
 
 def _joined(rows: list[tuple], width: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """Rows (first, last, steps, values) of one layout (or the walls), in id order → all
-    their steps and values; when every row's steps are consecutive and follow the previous
-    row's (a live run's commits), without decoding their steps one by one."""
-    values = np.concatenate([blocks.unpack(r[3], dtype, width) for r in rows])
+    """Rows (first, last, steps, values) of one layout, in id order → all their steps and
+    values; when every row's steps are consecutive and follow the previous row's (a live
+    run's commits), without decoding the rows one by one."""
+    values = np.frombuffer(b"".join(r[3] for r in rows), dtype=dtype).reshape(-1, width)
     firsts = np.array([r[0] for r in rows], dtype=np.int64)
     lasts = np.array([r[1] for r in rows], dtype=np.int64)
     if (all(r[2] is None for r in rows) and bool((firsts[1:] == lasts[:-1] + 1).all())

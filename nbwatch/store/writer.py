@@ -141,7 +141,7 @@ class RunStore(RunReader):
         add_columns(con)
         if _version(con) == 2:
             migrate_v2(con)
-        if _version(con) == 3:  # its plain blocks are schema 4's too; the new ones packed
+        if _version(con) == 3:  # its records are schema 4's too; the new ones packed tighter
             con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)",
                         (json.dumps(SCHEMA_VERSION),))
         con.execute(

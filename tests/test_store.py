@@ -401,3 +401,24 @@ def test_a_live_runs_small_blocks_are_merged_as_it_goes_and_a_follower_reads_eac
     assert seen == list(range(1, 301))  # every step once, across the merges
     assert r.df().index.tolist() == list(range(1, 301))
     assert r.df()["grad_norm/a"].tolist() == [s / 2 for s in range(1, 301)]
+
+
+def test_a_fast_live_run_is_merged_by_what_it_wrote_not_only_by_the_clock(tmp_path):
+    """However fast a run writes, a merge follows every `compact_scalars` scalars, so the
+    merge at close has at most that many left (the clock's 30 s would leave a fast run's
+    last 30 s of writes to the close)."""
+    store = RunStore(tmp_path / "run")
+    store.compact_every = 1e9  # the clock never says "merge" here
+    store.compact_scalars = 400
+    r = RunReader(tmp_path / "run")
+    held = []
+    for s in range(1, 1001):
+        store.put(Scalars(s, {"loss/train": float(s), "grad_norm/a": s / 2}))
+        if s % 10 == 0:  # a commit of 20 scalars: 100 commits, 2 layouts
+            store.flush()
+            held.append(len(r.query("SELECT id FROM blocks")))
+    assert max(held) <= 2 * (400 // 20 + 1) + 2  # never more than ~one merge's worth
+    assert held[-1] < 100
+    store.close()
+    assert len(r.query("SELECT id FROM blocks")) == 2
+    assert r.df()["grad_norm/a"].tolist() == [s / 2 for s in range(1, 1001)]

@@ -46,6 +46,9 @@ from .schema import (
 from .tables import ScalarTables
 
 COMPACT_EVERY = 30.0  # s: a live run's small blocks merged this often (and at close)
+# scalars: ... or once this many were written since the last merge, so that the merge at
+# close has at most this many to do (~0.3 s) however fast the run writes
+COMPACT_SCALARS = 1 << 21
 
 log = logging.getLogger("nbwatch.store")
 
@@ -69,6 +72,8 @@ class RunStore(RunReader):
     def __init__(self, run_dir: str | Path, flush_interval: float = 0.2,
                  max_pending: int = MAX_PENDING, mode: str | None = None):
         self.compact_every = COMPACT_EVERY  # s between merges of a live run's small blocks
+        self.compact_scalars = COMPACT_SCALARS  # or scalars written since the last merge
+        self._unmerged = 0
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / DB_NAME
@@ -357,6 +362,7 @@ class RunStore(RunReader):
                         self.flush_interval,
                     )
                     batch, self._buf = self._buf, []
+                    self._unmerged += self._pending
                     self._pending = 0
                     target = self._queued
                     self._cond.notify_all()  # a put() waiting on back-pressure goes on
@@ -401,12 +407,15 @@ class RunStore(RunReader):
             self._commands = None  # the poll reads for itself, and says what is wrong
 
     def _compact_now(self) -> None:
-        """Every `compact_every` s, merge what the live run committed since into big blocks
-        (what closing does), so that a close merges only the last few seconds' blocks."""
+        """Every `compact_every` s, or once `compact_scalars` were written since, merge what
+        the live run committed since into big blocks (what closing does), so that a close
+        merges only the last few seconds' blocks."""
         now = time.monotonic()
-        if now - self._compacted < self.compact_every:
+        if (now - self._compacted < self.compact_every
+                and self._unmerged < self.compact_scalars):
             return
         self._compacted = now
+        self._unmerged = 0
         with self._wcon:
             self._tables.compact()
             self._tables.compact_system()

@@ -54,17 +54,11 @@ def keys_for(width: int) -> list[str]:
 
 
 def schema_3() -> None:
-    """Histogram counts and attention maps written as schema 3 wrote them (counts and the
-    maps' planes zlib-packed): the baseline of `--baseline`."""
-    import lzma
+    """Histogram counts written as schema 3 wrote them (zlib-packed as they lie): the
+    baseline of `--baseline`."""
     import zlib
 
-    from nbwatch.store import histograms, rows
-
-    def attention_v3(weights: np.ndarray) -> tuple[str, bytes]:
-        encoding, data = pack_attention(weights)
-        planes = lzma.decompress(data, format=lzma.FORMAT_RAW, filters=rows._LZMA)
-        return encoding.replace("+x", "+z"), zlib.compress(planes, 6)
+    from nbwatch.store import histograms
 
     def counts_v3(counts: np.ndarray) -> tuple[str, bytes]:
         dtype, data = encode_counts(counts)
@@ -74,9 +68,8 @@ def schema_3() -> None:
         packed = zlib.compress(raw, 6)
         return (dtype[:-3] + "+z", packed) if len(packed) < len(raw) else (dtype[:-3], raw)
 
-    encode_counts, pack_attention = histograms.encode_counts, rows.pack_attention
+    encode_counts = histograms.encode_counts
     histograms.encode_counts = counts_v3
-    rows.pack_attention = attention_v3
 
 
 def write(run_dir: Path, steps: int, width: int, commit_steps: int = 0) -> dict:
@@ -325,9 +318,9 @@ def main() -> None:
     ap.add_argument("--commit-steps", type=int, default=0,
                     help="commit every N steps, as a live run does (0: as fast as it can)")
     ap.add_argument("--baseline", action="store_true",
-                    help="also write each run as schema 3 did (histogram counts and attention"
-                         " maps zlib-packed), after this one, and read it the same way: a"
-                         " baseline in the same run")
+                    help="also write each run as schema 3 did (histogram counts zlib-packed as"
+                         " they lie), after this one, and read it the same way: a baseline in"
+                         " the same run")
     ap.add_argument("--schema-3", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", nargs=2, metavar=("WHAT", "RUN_DIR"))
     args = ap.parse_args()

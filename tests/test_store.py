@@ -425,21 +425,16 @@ def test_a_fast_live_run_is_merged_by_what_it_wrote_not_only_by_the_clock(tmp_pa
 
 
 def test_a_schema_3_folder_reads_and_a_writer_reopening_it_marks_it_4(tmp_path):
-    """Schema 3's encodings (counts and the maps' planes zlib-packed) read as they are; a
-    resume's writer marks the folder 4 before it writes 4's encodings beside them, so an
-    older nbwatch is told to upgrade instead of misreading them."""
-    import lzma
+    """Schema 3's histogram counts (zlib-packed as they lie) read as they are; a resume's
+    writer marks the folder 4 before it writes 4's byte planes beside them, so an older
+    nbwatch is told to upgrade instead of misreading them."""
     import zlib
-
-    from nbwatch.store.rows import _LZMA
 
     rng = np.random.default_rng(0)
     counts = [rng.multinomial(50_000, np.full(16, 1 / 16)) for _ in range(2)]
     edges = np.linspace(-1, 1, 17)
-    maps = [np.tril(rng.random((2, 8, 8))).astype(np.float32) for _ in range(2)]
     store = RunStore(tmp_path / "run")
     store.put(Histogram(1, "weight/a", edges, counts[0]))
-    store.put(Attention(1, "attn", 0, maps[0]))
     store.close()
     con = sqlite3.connect(tmp_path / "run" / "nbwatch.db")  # as schema 3 wrote them
     ((ct, data),) = con.execute("SELECT count_type, counts FROM hist_blocks").fetchall()
@@ -447,11 +442,6 @@ def test_a_schema_3_folder_reads_and_a_writer_reopening_it_marks_it_4(tmp_path):
     c = np.frombuffer(zlib.decompress(data), dtype=np.uint8).reshape(2, -1).T.copy()
     con.execute("UPDATE hist_blocks SET count_type = 'u2+z', counts = ?",
                 (zlib.compress(c.tobytes(), 6),))
-    ((enc, w),) = con.execute("SELECT encoding, weights FROM attention").fetchall()
-    assert enc == "f2pt+x"
-    planes = lzma.decompress(w, format=lzma.FORMAT_RAW, filters=_LZMA)
-    con.execute("UPDATE attention SET encoding = 'f2pt+z', weights = ?",
-                (zlib.compress(planes, 6),))
     con.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
     con.commit()
     con.close()
@@ -460,9 +450,6 @@ def test_a_schema_3_folder_reads_and_a_writer_reopening_it_marks_it_4(tmp_path):
         steps, _, got = r.histograms("weight/a")
         assert steps.tolist() == list(range(1, n + 1))
         assert np.array_equal(got, np.stack(counts[:n]))
-        for s in range(1, n + 1):
-            want = maps[s - 1].astype(np.float16).astype(np.float32)
-            assert np.array_equal(r.attention(s)["attn"], want)
 
     r = RunReader(tmp_path / "run")
     assert r.meta()["schema_version"] == 3
@@ -470,6 +457,5 @@ def test_a_schema_3_folder_reads_and_a_writer_reopening_it_marks_it_4(tmp_path):
     store = RunStore(tmp_path / "run")  # a resume
     assert store.meta()["schema_version"] == SCHEMA_VERSION == 4
     store.put(Histogram(2, "weight/a", edges, counts[1]))
-    store.put(Attention(2, "attn", 0, maps[1]))
     store.close()
     check(RunReader(tmp_path / "run"), 2)

@@ -3,13 +3,12 @@ every encoding written before still read."""
 
 from __future__ import annotations
 
-import lzma
 import zlib
 
 import numpy as np
 import pytest
 
-from nbwatch.store.rows import _LZMA, pack_attention, unpack_attention
+from nbwatch.store.rows import pack_attention, unpack_attention
 
 
 def softmax_maps(heads: int, t: int, s: int, causal: bool, seed: int = 0,
@@ -23,10 +22,10 @@ def softmax_maps(heads: int, t: int, s: int, causal: bool, seed: int = 0,
 
 
 @pytest.mark.parametrize("shape,causal,encoding", [
-    ((4, 64, 64), True, "f2pt+x"),      # a decoder's self-attention
-    ((4, 64, 64), False, "f2p+x"),      # an encoder's
-    ((2, 12, 30), False, "f2p+x"),      # cross-attention, T × S
-    ((1, 1, 1), False, "f2p+x"),
+    ((4, 64, 64), True, "f2pt+z"),      # a decoder's self-attention
+    ((4, 64, 64), False, "f2p+z"),      # an encoder's
+    ((2, 12, 30), False, "f2p+z"),      # cross-attention, T × S
+    ((1, 1, 1), False, "f2p+z"),
 ])
 def test_maps_come_back_exactly_as_float16(shape, causal, encoding):
     w = softmax_maps(*shape, causal=causal)
@@ -49,7 +48,7 @@ def test_a_map_with_one_weight_above_the_diagonal_is_kept_whole():
     w = softmax_maps(2, 16, 16, causal=True)
     w[1, 3, 9] = 0.25
     enc, data = pack_attention(w)
-    assert enc == "f2p+x"
+    assert enc == "f2p+z"
     assert unpack_attention(enc, data, [2, 16, 16])[1, 3, 9] == 0.25
 
 
@@ -62,16 +61,3 @@ def test_earlier_encodings_still_read():
     u1 = np.rint(w * 255).astype(np.uint8)
     got = unpack_attention("u1/255+z", zlib.compress(u1.tobytes()), [2, 8, 8])
     assert np.allclose(got, w, atol=1 / 510 + 1e-7)
-    # schema 3's planes, zlib-packed: the same planes as today's, LZMA-packed
-    enc, data = pack_attention(w)
-    assert enc == "f2pt+x"
-    planes = lzma.decompress(data, format=lzma.FORMAT_RAW, filters=_LZMA)
-    assert np.array_equal(unpack_attention("f2pt+z", zlib.compress(planes, 6), [2, 8, 8]),
-                          f2.astype(np.float32))
-
-
-def test_lzma_packs_the_planes_smaller_than_zlib_did():
-    w = softmax_maps(4, 64, 64, causal=True, scale=0.05)
-    _, data = pack_attention(w)
-    planes = lzma.decompress(data, format=lzma.FORMAT_RAW, filters=_LZMA)
-    assert len(data) < 0.97 * len(zlib.compress(planes, 6))

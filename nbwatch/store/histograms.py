@@ -67,12 +67,11 @@ def encode_counts(counts: np.ndarray) -> tuple[str, bytes]:
                       if hi < top), "i8")
     a = np.ascontiguousarray(c, dtype=dtype)
     raw = a.tobytes()
+    forms = [(dtype, raw), (dtype + "+z", zlib.compress(raw, 6))]
     if a.itemsize > 1:
         planes = a.reshape(-1).view(np.uint8).reshape(-1, a.itemsize).T  # little-endian
-        packed = zlib.compress(planes.tobytes(), 6)
-        return (dtype + "p+z", packed) if len(packed) < len(raw) else (dtype, raw)
-    packed = zlib.compress(raw, 6)
-    return (dtype + "+z", packed) if len(packed) < len(raw) else (dtype, raw)
+        forms.append((dtype + "p+z", zlib.compress(planes.tobytes(), 6)))
+    return min(forms, key=lambda f: len(f[1]))  # the first of equals: the simplest
 
 
 def decode_counts(dtype: str, data: bytes, shape: tuple[int, int, int]) -> np.ndarray:

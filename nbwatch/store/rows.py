@@ -5,7 +5,6 @@ sample, command) and the writer's own operations, each a small record too:
 from __future__ import annotations
 
 import json
-import lzma
 import sqlite3
 import zlib
 from collections.abc import Callable
@@ -40,40 +39,31 @@ class Truncate:
     step: int
 
 
-_LZMA = [{"id": lzma.FILTER_LZMA2, "preset": 6}]  # raw stream: no container's bytes
-
-
 def pack_attention(weights: np.ndarray) -> tuple[str, bytes]:
     """Attention weights → (encoding, bytes), exact in float16 (what was recorded before;
     the maps `run.attention()` returns keep that precision). Its two byte planes, high bytes
-    first (sign, exponent, top of the mantissa: what compresses), LZMA-packed ("+x"); of a
-    causal map (square, zero above the diagonal) only the lower triangle. The planes are
-    5-30% smaller than the float16 bytes zlib-packed as they lie ("f2+z", still read), most
-    where heads attend broadly, as a young model's do; LZMA takes ~9% off zlib's planes
-    ("f2p+z", "f2pt+z": still read) for ~6 ms a 4 × 64 × 64 map on the store's thread,
-    which lets go of the GIL meanwhile (measured: another thread's Python runs on). ("u1/255+z", uint8 steps of 1/255, is read but no
-    longer written: it lost precision that users rely on.)"""
+    first (sign, exponent, top of the mantissa: what compresses), zlib-packed; of a causal
+    map (square, zero above the diagonal) only the lower triangle. 5-30% smaller than the
+    float16 bytes zlib-packed as they lie ("f2+z", still read); most where heads attend
+    broadly, as a young model's do. ("u1/255+z", uint8 steps
+    of 1/255, is read but no longer written: it lost precision that users rely on.)"""
     w = np.ascontiguousarray(weights, dtype=np.float16)
-    encoding = "f2p+x"
+    encoding = "f2p+z"
     if w.ndim >= 2 and w.shape[-1] == w.shape[-2] and w.shape[-1] > 1:
         upper = np.triu_indices(w.shape[-1], 1)
         if not w[..., upper[0], upper[1]].any():
             lower = np.tril_indices(w.shape[-1])
             w = np.ascontiguousarray(w[..., lower[0], lower[1]])
-            encoding = "f2pt+x"
+            encoding = "f2pt+z"
     planes = w.view(np.uint8).reshape(-1, 2)[:, ::-1].T  # little-endian: the high byte last
-    return encoding, lzma.compress(planes.tobytes(), format=lzma.FORMAT_RAW, filters=_LZMA)
+    return encoding, zlib.compress(planes.tobytes(), 6)
 
 
 def unpack_attention(encoding: str | None, data: bytes, shape: list[int]) -> np.ndarray:
     """→ float32 weights of `shape`; `encoding` None: schema 2's raw float16."""
     if encoding is None:
         return np.frombuffer(data, dtype=np.float16).reshape(shape).astype(np.float32)
-    if encoding.endswith("+x"):
-        raw = lzma.decompress(data, format=lzma.FORMAT_RAW, filters=_LZMA)
-        encoding = encoding[:-2] + "+z"  # the same planes
-    else:
-        raw = zlib.decompress(data)
+    raw = zlib.decompress(data)
     if encoding == "u1/255+z":
         return (np.frombuffer(raw, dtype=np.uint8).reshape(shape).astype(np.float32)
                 / np.float32(255))

@@ -18,8 +18,7 @@ from ..records import Command
 
 DB_NAME = "nbwatch.db"
 SCHEMA_VERSION = 4  # 3: histograms as blocks (histograms.py), attention maps packed;
-# 4: histogram counts as byte planes ("u2p+z"), attention maps' planes LZMA-packed
-# ("f2pt+x"); a 3's counts and maps read as they are
+# 4: histogram counts as byte planes ("u2p+z"; a 3's counts read as they are)
 MAX_PENDING = 1_000_000  # scalars queued for the writer before put() waits (back-pressure)
 
 _SCHEMA = """

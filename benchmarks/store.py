@@ -56,20 +56,11 @@ def keys_for(width: int) -> list[str]:
 def schema_3() -> None:
     """Histogram counts written as schema 3 wrote them (zlib-packed as they lie): the
     baseline of `--baseline`."""
-    import zlib
+    from functools import partial
 
     from nbwatch.store import histograms
 
-    def counts_v3(counts: np.ndarray) -> tuple[str, bytes]:
-        dtype, data = encode_counts(counts)
-        if not dtype.endswith("p+z"):
-            return dtype, data
-        raw = np.ascontiguousarray(counts, dtype=dtype[:-3]).tobytes()
-        packed = zlib.compress(raw, 6)
-        return (dtype[:-3] + "+z", packed) if len(packed) < len(raw) else (dtype[:-3], raw)
-
-    encode_counts = histograms.encode_counts
-    histograms.encode_counts = counts_v3
+    histograms.encode_counts = partial(histograms.encode_counts, planes=False)
 
 
 def write(run_dir: Path, steps: int, width: int, commit_steps: int = 0) -> dict:

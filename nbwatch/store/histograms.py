@@ -54,11 +54,12 @@ def decode_edges(kind: str, data: bytes, shape: tuple[int, int], bins: int) -> n
     return np.frombuffer(data, dtype=dtype).reshape(*shape, bins + 1).astype(np.float64)
 
 
-def encode_counts(counts: np.ndarray) -> tuple[str, bytes]:
+def encode_counts(counts: np.ndarray, planes: bool = True) -> tuple[str, bytes]:
     """Integer counts → (dtype, bytes): u1/u2/u4 when they fit (i8 else), "+z" when
     zlib makes them smaller; counts of more than a byte as byte planes, low bytes first
     ("p+z": a histogram's neighbouring bins share their high bytes, which then pack to
-    almost nothing: ~0.5 of the bytes against ~0.67 zlib-packed as they lie)."""
+    almost nothing: ~0.5 of the bytes against ~0.67 zlib-packed as they lie), whichever
+    is smallest. `planes=False`: schema 3's forms only."""
     c = counts.astype(np.int64)
     lo, hi = (int(c.min()), int(c.max())) if c.size else (0, 0)
     dtype = "i8"
@@ -68,9 +69,9 @@ def encode_counts(counts: np.ndarray) -> tuple[str, bytes]:
     a = np.ascontiguousarray(c, dtype=dtype)
     raw = a.tobytes()
     forms = [(dtype, raw), (dtype + "+z", zlib.compress(raw, 6))]
-    if a.itemsize > 1:
-        planes = a.reshape(-1).view(np.uint8).reshape(-1, a.itemsize).T  # little-endian
-        forms.append((dtype + "p+z", zlib.compress(planes.tobytes(), 6)))
+    if planes and a.itemsize > 1:
+        by_byte = a.reshape(-1).view(np.uint8).reshape(-1, a.itemsize).T  # little-endian
+        forms.append((dtype + "p+z", zlib.compress(by_byte.tobytes(), 6)))
     return min(forms, key=lambda f: len(f[1]))  # the first of equals: the simplest
 
 
@@ -78,10 +79,10 @@ def decode_counts(dtype: str, data: bytes, shape: tuple[int, int, int]) -> np.nd
     """→ int64 counts [n, L, bins]; "+z" (zlib-packed as they lie) still read."""
     if dtype.endswith("p+z"):
         dtype = dtype[:-3]
-        size = np.dtype(dtype).itemsize
-        planes = np.frombuffer(zlib.decompress(data), dtype=np.uint8).reshape(size, -1)
-        data = np.ascontiguousarray(planes.T).tobytes()
-    elif dtype.endswith("+z"):
+        planes = np.frombuffer(zlib.decompress(data), dtype=np.uint8)
+        planes = planes.reshape(np.dtype(dtype).itemsize, -1)
+        return np.ascontiguousarray(planes.T).view(dtype).reshape(shape).astype(np.int64)
+    if dtype.endswith("+z"):
         dtype, data = dtype[:-2], zlib.decompress(data)
     return np.frombuffer(data, dtype=dtype).reshape(shape).astype(np.int64)
 

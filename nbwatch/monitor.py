@@ -154,6 +154,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         self._progress_start = 0
         self._exc_at_open: BaseException | None = None
         self._loop_thread: threading.Thread | None = None  # where an own loop's log() runs
+        self._cell_hook: Callable[[], None] | None = None  # see opening._open_loop
         self._framework: str | None = None  # an adapter's loop ("hf", "lightning")
         self.rewound: Rewound | None = None  # set by log() after a rewind (own loop)
         self.skip_batches = 0  # set by log(): batches the own loop is asked to skip now
@@ -419,7 +420,17 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
     def traceback(self) -> str | None:
         return self._progress.traceback
 
+    def _record_waiting(self) -> None:
+        """Record the steps of a loop of one's own that wait for their batch, when called
+        on the loop's thread (a read of its own run, the end of a notebook cell)."""
+        rec = self._recorder
+        if (rec is not None and not rec.ended
+                and self._loop_thread is threading.current_thread()):
+            with contextlib.suppress(Exception):  # a dead store says so at the next log()
+                rec.flush_deferred()
+
     def _run(self) -> Run | None:
+        self._record_waiting()
         if self._store is not None:
             with contextlib.suppress(RuntimeError):  # a failed writer: read what it committed
                 self._store.flush()

@@ -3,8 +3,10 @@ Monitor (what a bare `%nbwatch` shows). A leaf module: it imports nothing of nbw
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 _latest: weakref.ref[Any] | None = None
@@ -29,6 +31,28 @@ def in_notebook() -> bool:
         return False
     ip = get_ipython()
     return ip is not None and type(ip).__name__ == "ZMQInteractiveShell"
+
+
+def after_each_cell(fn: Callable[[], Any]) -> Callable[[], None] | None:
+    """Call `fn()` after each cell the IPython shell runs (on the kernel's main thread);
+    returns what unregisters it, or None outside IPython."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    ip = get_ipython()
+    if ip is None:
+        return None
+
+    def after(*_: Any) -> None:  # post_run_cell passes the cell's result
+        fn()
+
+    ip.events.register("post_run_cell", after)
+
+    def unregister() -> None:
+        with contextlib.suppress(ValueError):  # unregistered already
+            ip.events.unregister("post_run_cell", after)
+    return unregister
 
 
 def enable_colab_widgets() -> bool:

@@ -28,7 +28,7 @@ from .environment import environment
 from .lifecycle import RunState
 from .logs import open_run_log
 from .monitor_state import MonitorState
-from .notebook import in_notebook, remember
+from .notebook import after_each_cell, in_notebook, remember
 from .options import Options
 from .probes.system import SystemSampler, close_nvml, gpu_names, open_nvml
 from .probes.throughput import Mfu, peak_flops
@@ -75,6 +75,10 @@ class RunOpening(MonitorState):
         rec.rewind_state.can_rewind = framework is None  # a framework keeps its own step count
         self._framework = framework
         self._loop_thread = threading.current_thread()  # a framework's fit thread, maybe
+        if self._loop_thread is threading.main_thread():
+            # a notebook cell's loop: its last steps are recorded when the cell ends, not
+            # only at the next log() (steps are recorded in batches: step_end.py)
+            self._cell_hook = after_each_cell(self._record_waiting)
         rec.begin()
         self._exc_at_open = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
         atexit.register(self._at_exit)
@@ -307,6 +311,9 @@ class RunOpening(MonitorState):
         rec, sampler, store, handler = (self._recorder, self._sampler, self._store,
                                         self._log_handler)
         self._recorder = self._sampler = self._log_handler = None
+        if self._cell_hook is not None:
+            self._cell_hook()
+            self._cell_hook = None
         if self._global_hook is not None:
             self._global_hook.remove()
             self._global_hook = None

@@ -23,6 +23,7 @@ class LrFactor:
         self.opt, self.sched, self.control = optimizer, scheduler, control
         self._sched_count: int | None = None  # the scheduler's step count at the post-hook
         self._sched_at_end: int | None = None  # … and at the last end of step
+        self.explained = False  # a control moved the LR: the next step's change is planned
 
     def off(self) -> None:
         """The optimizer stepped: take the factor off, so the scheduler steps the plain
@@ -57,6 +58,12 @@ class LrFactor:
         """The step's end: the scheduler's count, to tell whether it stepped by the next."""
         if self.sched is not None:
             self._sched_at_end = ctl.steps_taken(self.sched)
+
+    def planned(self) -> bool:
+        """The LR of the step just ended moved as planned: the scheduler stepped since the
+        last end of step, or a control scaled it (`explained`, cleared here)."""
+        explained, self.explained = self.explained, False
+        return self.scheduler_moved() or explained
 
     def scheduler_moved(self) -> bool:
         """The scheduler stepped since the last end of step (or cannot tell: no counter)."""

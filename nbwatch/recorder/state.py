@@ -40,6 +40,19 @@ class Deferred:
 
 
 @dataclass
+class Pending:
+    """A step whose figures are all on the host, its record (the "step" rules, the store's
+    row, the alerts) waiting for the next batch (step_end.py: `record_pending`)."""
+
+    step: int
+    values: dict[str, float]
+    alerts: list  # the "grads" rules' alerts, raised with the step's own
+    lr_planned: bool  # its LR moved as planned (the scheduler stepped, a control)
+    late_nan: bool  # a GradScaler overflow with a non-finite loss: the "grads" rules see it
+    wall: float = field(default_factory=time.time)  # when it ended: its row's wall time
+
+
+@dataclass
 class InFlight:
     """A step between its optimizer hooks (optimizer_step.py) and its record
     (step_end.py)."""
@@ -53,6 +66,8 @@ class InFlight:
     seq_lens: list[torch.Tensor] = field(default_factory=list)  # until the histogram
     reduction_saved: bool = False
     mask_said: bool = False  # a bad GPU mask was said (once a run)
+    pending: deque[Pending] = field(default_factory=deque)  # steps not recorded yet, in order
+    pending_since: float = 0.0  # monotonic time the oldest of them ended
 
 
 @dataclass

@@ -100,6 +100,8 @@ def apply_commands(rec: Steered, block: bool = True) -> None:
         return
     with rec.own:  # the poll is watching's cost; what a command does is the user's
         cmds = poll_commands(rec)
+        if cmds:  # a command acts after every step before it is recorded
+            rec.flush_deferred()
     for cmd in cmds:
         apply(rec, cmd)
     if c.paused and block and not rec.stopping and not rec.spec.trial:
@@ -229,7 +231,7 @@ def do_scale_lr(rec: Steered, cmd: Command) -> Outcome:
     if not c.lr_raw:  # else the factor goes on when the scheduler has stepped
         ctl.scale_lrs(rec.opt, f)
     c.lr_factor *= f
-    rec.engine.explain_lr()
+    rec.lr.explained = True  # the next step's record says the change was asked for
     return Applied(f"LR scaled ×{f:g} (factor now {c.lr_factor:g}): "
                    f"{before:.3g} → {before * f:.3g}")
 

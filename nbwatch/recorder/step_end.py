@@ -28,7 +28,14 @@ from .lr_factor import LrFactor
 from .optimizer_step import to_host
 from .own_time import OwnTime, counted
 from .spec import SMOOTHING, Progress, RunSpec
-from .state import Deferred, InFlight, RankMeeting
+from .state import Deferred, InFlight, Pending, RankMeeting
+
+# A step's record (its "step" rules, its row, its alerts) waits for a batch: at most this
+# many steps, and no step longer than this many seconds. The rules' code and numpy are
+# cold after a backward pass (~30 µs a first call against ~5 warm), so a batch costs about
+# one step's worth of that (benchmarks/README.md).
+RECORD_STEPS = 16
+RECORD_EVERY_S = 0.5
 
 _FROM_ALL_RANKS = ("loss/train", "tokens/real", "throughput/tokens_per_s")
 
@@ -119,7 +126,8 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
 
 def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
              overflow: bool = False) -> None:
-    """The step's figures are all on the host: derived figures, "step" rules, record."""
+    """The step's figures are all on the host: its derived figures now, its record (the
+    "step" rules, the store's row, the alerts) with the next batch (`record_pending`)."""
     fl = rec.flight
     bad = bad_mask(values)  # a GPU mask of other values than 0/1: its figures dropped
     if bad is not None and not fl.mask_said:
@@ -132,14 +140,45 @@ def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
     samples = values.pop("_samples", None)
     add_rates(values, int(samples) if samples else None)
     loss = values.get("loss/train")
-    if overflow and loss is not None and not math.isfinite(loss):
-        alerts = alerts + rec.engine.observe("grads", step, values)  # a real NaN
-    elif overflow:
+    finite = loss is None or math.isfinite(loss)
+    if overflow and finite:
         values.pop("grad_norm/global", None)
-    if rec.lr.scheduler_moved():
+    values["time/nbwatch"] = rec.own.take()  # this step's watching, up to here
+    if loss is not None and finite:
+        p = rec.progress
+        p.train_ema = SMOOTHING * p.train_ema + (1 - SMOOTHING) * loss
+        p.train_ema_n += 1
+    pending = fl.pending
+    now = time.monotonic()
+    if not pending:
+        fl.pending_since = now
+    pending.append(Pending(step, values, alerts, rec.lr.planned(), overflow and not finite))
+    # What acts on this step is recorded at once: an alert of the "grads" rules (its
+    # checkpoint is the last good state), a non-finite loss, a skipped step; and every
+    # step under torchrun, whose ranks meet on recorded steps.
+    if (alerts or not finite or "skipped" in values or rec.dist is not None
+            or len(pending) >= RECORD_STEPS or now - fl.pending_since >= RECORD_EVERY_S):
+        record_pending(rec)
+
+
+@counted
+def record_pending(rec: Recording) -> None:
+    """Record the steps waiting, oldest first: each one's "step" rules, its row in the
+    store, its alerts and their actions (which may checkpoint, and so come back here)."""
+    pending = rec.flight.pending
+    while pending:
+        record(rec, pending.popleft())
+
+
+def record(rec: Recording, p: Pending) -> None:
+    """One step's record: the "step" rules on its figures (which add the spike score and
+    MFU to them), its row in the store, its alerts."""
+    step, values, alerts = p.step, p.values, p.alerts
+    if p.late_nan:
+        alerts = alerts + rec.engine.observe("grads", step, values)  # a real NaN
+    if p.lr_planned:
         rec.engine.explain_lr()
     alerts = alerts + rec.engine.observe("step", step, values)
-    values["time/nbwatch"] = rec.own.take()  # this step's watching, up to its record
     if rec.dist is not None:
         rk = rec.ranks
         rk.rows.append((step, {**rank_figures(values), "time/sync": rk.sync_s}))
@@ -148,11 +187,7 @@ def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
         stored = {k: v for k, v in values.items() if k not in _FROM_ALL_RANKS}
     else:
         stored = values
-    rec.store.put(Scalars(step, stored))
-    if loss is not None and math.isfinite(loss):
-        p = rec.progress
-        p.train_ema = SMOOTHING * p.train_ema + (1 - SMOOTHING) * loss
-        p.train_ema_n += 1
+    rec.store.put(Scalars(step, stored, p.wall))
     rec._raise_alerts(alerts)
     every = rec.spec.log_every
     if every and step % every == 0:
@@ -176,11 +211,14 @@ def record_step(rec: Recording, host: dict[str, float], names: list[str],
 
 
 def flush_deferred(rec: Recording) -> None:
-    """Copy and record a step whose device figures wait for the next gradient copy."""
+    """Record every step taken so far: copy a step whose device figures wait for the next
+    gradient copy, and record the steps waiting for their batch."""
     d, rec.flight.deferred = rec.flight.deferred, None
     if d is not None:
         d.values.update(zip(d.names, to_host(d.parts)))
         complete(rec, d.step, d.values, d.alerts)
+    if rec.flight.pending:
+        record_pending(rec)
 
 
 def save_reduction(rec: Recording, reduction: str | None) -> None:
@@ -199,6 +237,8 @@ def keep_seq_lens(rec: Recording, lengths: torch.Tensor) -> None:
 def histograms(rec: Recording, step: int) -> None:
     """Weight histograms per layer (and the "hist" rules on them), and the sequence
     lengths seen since the last histogram step."""
+    if rec.flight.pending:  # the rules see the steps in order
+        record_pending(rec)
     edges, counts = wprobe.layer_histograms(rec.layers, rec.spec.hist_bins)
     e_np, c_np = edges.cpu().double().numpy(), counts.cpu().numpy()
     for i, name in enumerate(rec.layers.names):

@@ -1,0 +1,103 @@
+"""A step's record (its "step" rules, its row, its alerts) is carried out in batches
+(recorder/step_end.py: within RECORD_EVERY_S and RECORD_STEPS of its end), yet each row
+keeps its own step and wall time, an alert names the step it looked at, and a loop of
+one's own reads every step it logged."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+from torch import nn
+
+import nbwatch
+from nbwatch.recorder.step_end import RECORD_EVERY_S, RECORD_STEPS
+from nbwatch.rules import Rule
+from tests.conftest import until
+
+
+def tiny(seed: int = 0):
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    return m, torch.optim.SGD(m.parameters(), lr=1e-2)
+
+
+def own_steps(mon, m, opt, n: int, pause_s: float = 0.0) -> None:
+    for _ in range(n):
+        loss = m(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mon.log(loss=loss)
+        time.sleep(pause_s)
+
+
+def test_an_own_loop_reads_every_step_it_logged_mid_run(tmp_path):
+    m, opt = tiny()
+    with nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", display=False) as mon:
+        own_steps(mon, m, opt, 5)  # fewer than a batch, well within its time
+        assert mon.df.index.tolist() == [1, 2, 3, 4, 5]
+        assert mon.df["grad_norm/global"].notna().all()
+
+
+def test_each_row_keeps_the_wall_time_its_step_ended(tmp_path):
+    m, opt = tiny()
+    gap = RECORD_EVERY_S / 10  # the steps of one batch, recorded together
+    with nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", display=False) as mon:
+        own_steps(mon, m, opt, 6, pause_s=gap)
+    walls = nbwatch.open_run(tmp_path / "r").reader.walls()
+    assert len(walls) == 6
+    assert (walls.diff().iloc[1:] >= gap * 0.9).all(), walls.diff().tolist()
+
+
+def test_a_step_rules_alert_names_its_step_and_its_pause_follows_within_a_batch(tmp_path):
+    m, opt = tiny()
+    mon = nbwatch.Monitor(m, opt, run_dir=tmp_path / "r")
+    mon.rules.append(Rule("huge_loss", "warning", "step",
+                          lambda w, p: "huge" if w.latest.get("loss/train", 0) > 1e3 else None,
+                          actions=("pause",)))
+    calls = itertools.count(1)
+
+    def step(model, x):
+        loss = model(x).pow(2).mean()
+        return loss * 1e6 if next(calls) == 30 else loss  # only step 30's loss is huge
+
+    mon.start(step, itertools.repeat(torch.randn(4, 8)), max_steps=500, display=False)
+    until(lambda: mon.state == "paused", 60, "the alert's pause")
+    paused_at = mon.step
+    mon.stop()
+    mon.wait()
+    ev = mon.events
+    alert = ev[(ev.kind == "alert") & ev.message.str.startswith("huge_loss")]
+    assert alert.step.tolist() == [30]
+    action = ev[(ev.kind == "action") & ev.message.str.startswith("paused")]
+    assert 30 <= action.step.iloc[0] <= 30 + RECORD_STEPS, action
+    assert 30 <= paused_at <= 30 + RECORD_STEPS
+    assert nbwatch.open_run(tmp_path / "r").df.index.tolist() == list(range(1, mon.step + 1))
+
+
+def test_a_notebook_cells_own_loop_is_recorded_when_the_cell_ends(tmp_path):
+    """No next log() comes after a cell's loop: its last steps are recorded at the cell's
+    end (IPython's post_run_cell), not left waiting for the run's close."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    config = Config()
+    config.HistoryManager.enabled = False  # no history thread left behind
+    shell = InteractiveShell.instance(config=config)
+    m, opt = tiny()
+    shell.user_ns.update(nbwatch=nbwatch, own_steps=own_steps, m=m, opt=opt,
+                         run_dir=tmp_path / "r")
+    try:
+        result = shell.run_cell(
+            "mon = nbwatch.Monitor(m, opt, run_dir=run_dir, display=False)\n"
+            "own_steps(mon, m, opt, 3)\n")
+        result.raise_error()
+        # the writer commits within its flush interval (0.2 s); the rows came at the cell's end
+        until(lambda: len(nbwatch.open_run(tmp_path / "r").df) == 3, RECORD_EVERY_S * 4,
+              "the cell's 3 steps")
+        shell.user_ns["mon"].close()
+    finally:
+        InteractiveShell.clear_instance()
+    assert nbwatch.open_run(tmp_path / "r").df.index.tolist() == [1, 2, 3]

@@ -25,7 +25,6 @@ import torch
 import nbwatch
 from nbwatch import alerts, runner
 from nbwatch.demo import make_demo
-from nbwatch.probes import data
 from nbwatch.recorder import optimizer_step as ost
 from nbwatch.recorder import steering as st
 from nbwatch.recorder import step_end as se
@@ -43,12 +42,8 @@ PARTS = [
     (ost.wprobe, "update_ratios", "post-hook: update ratios"),
     (se, "complete", "record: rules and the store's queue"),
     (se, "histograms", "record: weight histograms (every 50)"),
-    (runner, "stage_logits", "staging: logits' log Z and max |logit| (CPU: their rows)"),
-    (se, "reduce_later", "record: the kept rows' and lengths' figures, a batch at once"),
-    (se, "record_pending", "record: the batch (rules, figures, the store's queue)"),
+    (runner, "logit_parts", "staging: logits' log Z and max |logit|"),
     (runner, "batch_figures", "staging: the mask's figures"),
-    (data, "check_mask", "staging: … of which the mask's check (0/1 values)"),
-    (data, "_lengths", "staging: … of which the mask's lengths"),
     (st, "poll_commands", "boundary: command poll"),
     (alerts.AlertEngine, "observe", "the rules (all phases)"),
     (writer.RunStore, "put", "the store's queue (put)"),

@@ -51,12 +51,6 @@ class ExternalLoop:
         return self._rec.own
 
     @property
-    def flight(self) -> Any:
-        """The step in flight (`recorder.state.InFlight`): its `later` keeps the figures of
-        CPU tensors (logits' rows, a mask's lengths) to be reduced at the step's record."""
-        return self._rec.flight
-
-    @property
     def stepped(self) -> bool:
         """The optimizer stepped since the last `record_step` (False while accumulating)."""
         return self._rec.stepped

@@ -299,7 +299,7 @@ class Adapter:
         self._unwatch()
         # the training batch's logits (log Z, max |logit|) from a forward hook on the
         # output layer: the frameworks hand their callbacks no logits
-        self._head = HeadWatch(mon.model, own=loop.own, flight=loop.flight)
+        self._head = HeadWatch(mon.model, own=loop.own)
         return loop
 
     def _record_step(self, host: dict[str, float], reduction: str,
@@ -323,8 +323,7 @@ class Adapter:
                 names.append("loss/train")
                 parts.append(torch.stack([x.float().reshape(()) for x in losses]).sum())
             if masks:
-                mnames, mparts, host["_padded"], lengths = batch_figures(masks,
-                                                                          rec.flight.later)
+                mnames, mparts, host["_padded"], lengths = batch_figures(masks)
                 names += mnames
                 parts += mparts
                 samples = sum(int(m.shape[0]) for m in masks)

@@ -19,7 +19,8 @@ from torch import nn
 from .optimizer_hooks import hooked_optimizer, inner_scheduler
 from .probes.attention import take_samples
 from .probes.data import batch_figures, check_mask
-from .probes.logits import is_logits, stage_logits
+from .probes.logits import NAMES as LOGIT_NAMES
+from .probes.logits import is_logits, logit_parts
 from .sharding import refuse_unsupported
 from .store import is_run_dir
 
@@ -213,15 +214,14 @@ def probe_samples(batch: Any, n: int) -> Any:
 
 
 def log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any],
-                first: bool = False, logits: torch.Tensor | None = None, later: Any = None
+                first: bool = False, logits: torch.Tensor | None = None
                 ) -> tuple[dict[str, float], list[str], list[torch.Tensor], Any]:
     """Check what `log()` was given: host figures, device figures with their names
     (copied to the host with the next gradient norms: one sync a step; `logits`: their
     log Z and max |logit| over a fixed subsample, `probes.logits`), and the
     sequence lengths of the mask. On the `first` step a GPU mask is checked for 0/1 values
     (one sync, once); later steps count its bad entries with the other figures
-    (`probes.data.BAD`), and a CPU mask is checked at every step (no sync). `later`
-    (`recorder.state.Later`) keeps what CPU tensors give, to be reduced at the record."""
+    (`probes.data.BAD`), and a CPU mask is checked at every step (no sync)."""
     host: dict[str, float] = {}
     names: list[str] = []
     parts: list[torch.Tensor] = []
@@ -235,10 +235,8 @@ def log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any],
                    if isinstance(logits, torch.Tensor) else f"a {type(logits).__name__}")
             raise TypeError(f"mon.log(): logits is {got}; pass the model's output logits, a "
                             "float tensor [..., vocab] (e.g. logits=out.logits)")
-        lnames, lparts = stage_logits(logits, mask if isinstance(mask, torch.Tensor) else None,
-                                      later)
-        names += lnames
-        parts += lparts
+        names += LOGIT_NAMES
+        parts += logit_parts(logits, mask if isinstance(mask, torch.Tensor) else None)
     if mask is not None:
         if not isinstance(mask, torch.Tensor):
             raise TypeError(f"mon.log(): mask is a {type(mask).__name__}; pass the batch's "
@@ -249,7 +247,7 @@ def log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any],
                 "seq_len] 0/1 attention mask (1 for real tokens, 0 for padding)")
         if first:
             check_mask(mask, "mon.log()")
-        mnames, mparts, padded, lengths = batch_figures([mask], later)
+        mnames, mparts, padded, lengths = batch_figures([mask])
         names += mnames
         parts += mparts
         host["_padded"] = padded

@@ -287,7 +287,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
             rec.note_logged_batch(batch, scalars)  # takes epoch=/index= given with a batch
             host, names, parts, lengths = log_figures(loss, mask, scalars,
                                                       first=rec.step == self._progress_start,
-                                                      logits=logits, later=rec.flight.later)
+                                                      logits=logits)
             val = check_val(val)
         samples = int(mask.shape[0]) if mask is not None and mask.dim() == 2 else None
         step = rec.record_step(host, names, parts, lengths=lengths, samples=samples, val=val,

@@ -22,7 +22,8 @@ from .checkpoint import rng_state, set_rng_state
 from .evaluation import evaluate
 from .probes.attention import clone_samples
 from .probes.data import batch_figures
-from .probes.logits import is_logits, stage_logits
+from .probes.logits import NAMES as LOGIT_NAMES
+from .probes.logits import is_logits, logit_parts
 from .probes.loss import check_not_copying, parse_step_output
 from .recorder import Progress, RunSpec, StepRecorder
 
@@ -177,7 +178,7 @@ class Runner:
                 if m.logits is None and is_logits(raw.get("logits")):
                     # the first micro-batch's, a fixed subsample: a cost that does not
                     # grow with the batch, on the device (copied with the step's figures)
-                    m.logits = stage_logits(raw["logits"], out.mask, rec.flight.later)
+                    m.logits = logit_parts(raw["logits"], out.mask)
             m.fwd_s += time.perf_counter() - tf
             m.reduction = out.reduction
             loss = out.loss / spec.accumulate if spec.accumulate > 1 else out.loss
@@ -209,11 +210,11 @@ class Runner:
             else:
                 figures[f"train/{k}"] = sum(vs) / len(vs)
         if m.logits is not None:
-            names += m.logits[0]
-            parts += m.logits[1]
+            names += LOGIT_NAMES
+            parts += m.logits
         padded = 0.0
         if m.masks:
-            mnames, mparts, padded, lengths = batch_figures(m.masks, rec.flight.later)
+            mnames, mparts, padded, lengths = batch_figures(m.masks)
             names += mnames
             parts += mparts
             rec.keep_seq_lens(lengths)
@@ -243,8 +244,7 @@ class _Micro:
     loss_sum: torch.Tensor | None = None  # sum of the micro-batches' detached losses
     masks: list[torch.Tensor] = field(default_factory=list)
     extras: dict[str, list[Any]] = field(default_factory=dict)  # the step_fn's scalars
-    # the first's logits: (names, [log Z, max |logit|]), or on a CPU kept for the record
-    logits: tuple[list[str], list[torch.Tensor]] | None = None
+    logits: list[torch.Tensor] | None = None  # [log Z, max |logit|] of the first's logits
     samples: int = 0
     reduction: str | None = None
     data_s: float = 0.0  # waiting for batches

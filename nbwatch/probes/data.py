@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 # The figure that counts a GPU mask's entries other than 0 and 1, copied with the step's
@@ -61,22 +59,15 @@ def mask_stats(mask: torch.Tensor, count_bad: bool = False) -> dict[str, torch.T
     return out
 
 
-def batch_figures(masks: list[torch.Tensor], later: Any = None
+def batch_figures(masks: list[torch.Tensor]
                   ) -> tuple[list[str], list[torch.Tensor], float, torch.Tensor]:
     """Figures of one optimizer step's masks (one per micro-batch): names, 0-dim device
     tensors (real tokens, mean and max sequence length; for a GPU mask not bool, `BAD`),
     the padded token count and the sequence lengths (for the length histogram). No host
-    sync: a CPU mask is checked here (`check_mask`), a GPU one by its `BAD` figure. With
-    `later` (`recorder.state.Later`), CPU masks give their lengths alone, kept in it: the
-    figures are drawn from them at the step's record (`length_figures`)."""
+    sync: a CPU mask is checked here (`check_mask`), a GPU one by its `BAD` figure."""
     for m in masks:
         if m.device.type == "cpu" or m.is_complex():
             check_mask(m, "the batch's mask")
-    if later is not None and all(m.device.type == "cpu" for m in masks):
-        lens = [_lengths(m) for m in masks]
-        lengths = lens[0] if len(lens) == 1 else torch.cat(lens)
-        later.lengths, later.groups = lengths, tuple(len(n) for n in lens)
-        return [], [], float(sum(m.numel() for m in masks)), lengths
     figs = [mask_stats(m, count_bad=m.device.type != "cpu" and m.dtype != torch.bool)
             for m in masks]
     names = ["tokens/real", "data/seq_len_mean", "data/seq_len_max"]
@@ -97,28 +88,6 @@ def batch_figures(masks: list[torch.Tensor], later: Any = None
         parts.append(torch.stack([b.to(tokens.device) for b in bad]).sum())
     lengths = torch.cat([f["lengths"] for f in figs])
     return names, parts, float(sum(m.numel() for m in masks)), lengths
-
-
-def _lengths(mask: torch.Tensor) -> torch.Tensor:
-    """A CPU mask's sequence lengths, in its own dtype (a cast costs as much as the sum)."""
-    m = mask.detach()
-    return m.reshape(1 if m.dim() == 1 else m.shape[0], -1).sum(dim=1)
-
-
-def length_figures(lengths: list[float], groups: tuple[int, ...] = ()) -> dict[str, float]:
-    """`batch_figures`' figures, on the host, from a step's sequence lengths: `groups`, the
-    number of each micro-batch's (the mean length is the mean of theirs)."""
-    tokens = float(sum(lengths))
-    if len(groups) > 1:
-        means, at = [], 0
-        for n in groups:
-            means.append(sum(lengths[at:at + n]) / n)
-            at += n
-        mean = sum(means) / len(means)
-    else:
-        mean = tokens / len(lengths)
-    return {"tokens/real": tokens, "data/seq_len_mean": float(mean),
-            "data/seq_len_max": float(max(lengths))}
 
 
 def bad_mask(values: dict[str, float]) -> str | None:

@@ -14,7 +14,6 @@ on two fixed probe samples once per eval; these are on the training batch every 
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any
 
 import torch
@@ -56,54 +55,6 @@ def logit_parts(logits: torch.Tensor, mask: torch.Tensor | None = None,
     return [lz.mean(), top.amax()]
 
 
-def logit_rows(logits: torch.Tensor, mask: torch.Tensor | None = None,
-               positions: int = POSITIONS) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The rows `logit_parts` reduces, copied (float32) so that the reduction can wait for
-    the step's record (`figures_of_rows`), and the mask's weights of those rows (or None)."""
-    x, rows = _rows(logits, positions)
-    kept = x[rows].to(torch.float32, copy=True)
-    if mask is not None and tuple(mask.shape) == tuple(logits.shape[:-1]):
-        return kept, mask.detach().reshape(-1)[rows].to(torch.float32, copy=True)
-    return kept, None
-
-
-def figures_of_rows(kept: list[tuple[torch.Tensor, torch.Tensor | None]]
-                  ) -> list[tuple[float, float]]:
-    """(log Z mean, max |logit|) of each step's `logit_rows`, as `logit_parts` gives them:
-    the steps' rows reduced together (one logsumexp over all of them, on the host), each
-    step's mean and max taken over its own rows."""
-    vocab = {r.shape[-1] for r, _ in kept}
-    if len(vocab) > 1:  # a model whose vocabulary changed: each step alone
-        return [figures_of_rows([k])[0] for k in kept]
-    x = torch.cat([r for r, _ in kept]) if len(kept) > 1 else kept[0][0]
-    lz, top = torch.stack([torch.logsumexp(x, dim=-1), x.abs().amax(dim=-1)]).tolist()
-    masks = [m for _, m in kept if m is not None]
-    weights = iter((torch.cat(masks) if len(masks) > 1 else masks[0]).tolist() if masks else [])
-    out, at = [], 0
-    for rows, m in kept:
-        n = rows.shape[0]
-        z, t, at = lz[at:at + n], top[at:at + n], at + n
-        if m is None:
-            out.append((sum(z) / n, max(t)))
-            continue
-        w = [next(weights) for _ in range(n)]
-        real = sum(w)
-        out.append((sum(a * b for a, b in zip(z, w)) / real if real else math.nan,
-                    max(a * b for a, b in zip(t, w)) if real > 0 else math.nan))
-    return out
-
-
-def stage_logits(logits: torch.Tensor, mask: torch.Tensor | None, later: Any = None,
-                 positions: int = POSITIONS) -> tuple[list[str], list[torch.Tensor]]:
-    """The step's logits figures to stage: (names, 0-dim device tensors) for the step's one
-    copy; on a CPU, where there is no copy to save, the rows kept in `later`
-    (`recorder.state.Later`) instead, reduced with the other steps of the record's batch."""
-    if later is not None and logits.device.type == "cpu":
-        later.logits = logit_rows(logits, mask, positions)
-        return [], []
-    return list(NAMES), logit_parts(logits, mask, positions)
-
-
 def is_logits(x: Any) -> bool:
     """A float tensor [..., V] (V > 1) that can be logits (not a scalar loss)."""
     return (isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[-1] > 1
@@ -119,23 +70,21 @@ class HeadWatch:
     pass is not the training batch."""
 
     def __init__(self, model: nn.Module, positions: int = POSITIONS,
-                 own: Any = None, flight: Any = None):
+                 own: Any = None):
         self.positions = positions
         self._own = own if own is not None else contextlib.nullcontext()  # time/nbwatch
-        self._flight = flight  # the recorder's InFlight: its `later` keeps CPU rows
-        self.staged: tuple[list[str], list[torch.Tensor]] | None = None
+        self.parts: list[torch.Tensor] | None = None
         found = output_layer(model)
         self.path = found[0] if found is not None else None
         self._handle = found[1].register_forward_hook(self._on_head) if found else None
 
     def _on_head(self, mod: nn.Module, args: Any, out: Any) -> None:
-        if self.staged is not None or not (mod.training and torch.is_grad_enabled()):
+        if self.parts is not None or not (mod.training and torch.is_grad_enabled()):
             return
         with self._own:
             x = output_logits(out)
             if x is not None and is_logits(x):
-                later = self._flight.later if self._flight is not None else None
-                self.staged = stage_logits(x, None, later, self.positions)
+                self.parts = logit_parts(x, positions=self.positions)
 
     @property
     def watching(self) -> bool:
@@ -143,13 +92,13 @@ class HeadWatch:
 
     def take(self) -> tuple[list[str], list[torch.Tensor]]:
         """(names, parts) of the step's logits figures since the last take (none if no
-        training forward reached the output layer, or if its rows wait in `later`)."""
-        staged, self.staged = self.staged, None
-        return staged if staged is not None else ([], [])
+        training forward reached the output layer)."""
+        parts, self.parts = self.parts, None
+        return (list(NAMES), parts) if parts is not None else ([], [])
 
     def remove(self) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-        self.staged = None
+        self.parts = None
 

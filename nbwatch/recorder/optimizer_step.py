@@ -53,7 +53,7 @@ class Measuring(Protocol):
 
     def _emit(self, ev: Event, level: int | None = None) -> None: ...
     def complete(self, step: int, values: dict[str, float], alerts: list,
-                 overflow: bool = False, later: Any = None) -> None: ...
+                 overflow: bool = False) -> None: ...
 
 
 def overflowed(rec: Measuring) -> bool:
@@ -168,7 +168,7 @@ def copy_to_host(rec: Measuring, norms: list[torch.Tensor],
     k, nd = len(names), len(deferred.names) if deferred is not None else 0
     if deferred is not None:
         deferred.values.update(zip(deferred.names, host[:nd]))
-        rec.complete(deferred.step, deferred.values, deferred.alerts, later=deferred.later)
+        rec.complete(deferred.step, deferred.values, deferred.alerts)
     return dict(zip(names[nd:], host[nd:k])), host[k:]
 
 

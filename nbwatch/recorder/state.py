@@ -29,20 +29,6 @@ class Taking:
 
 
 @dataclass
-class Later:
-    """A step's figures from CPU tensors, kept to be reduced at its record together with
-    the other steps of the batch (on a CPU there is no copy to save, and a torch op's cost
-    is its dispatch: one op for the batch instead of one a step)."""
-
-    logits: tuple[torch.Tensor, torch.Tensor | None] | None = None  # `logit_rows`
-    lengths: torch.Tensor | None = None  # the mask's sequence lengths (`batch_figures`)
-    groups: tuple[int, ...] = ()  # how many of `lengths` each micro-batch's mask gave
-
-    def __bool__(self) -> bool:
-        return self.logits is not None or self.lengths is not None
-
-
-@dataclass
 class Deferred:
     """Device figures of a step, copied to the host with the next gradient copy."""
 
@@ -51,7 +37,6 @@ class Deferred:
     parts: list[torch.Tensor]
     values: dict[str, float]  # host figures of that step, completed by the copy
     alerts: list
-    later: Later | None = None  # its figures from CPU tensors, reduced at its record
 
 
 @dataclass
@@ -65,7 +50,6 @@ class Pending:
     lr_planned: bool  # its LR moved as planned (the scheduler stepped, a control)
     late_nan: bool  # a GradScaler overflow with a non-finite loss: the "grads" rules see it
     wall: float = field(default_factory=time.time)  # when it ended: its row's wall time
-    later: Later | None = None  # figures reduced at the record (CPU)
 
 
 @dataclass
@@ -82,7 +66,6 @@ class InFlight:
     seq_lens: list[torch.Tensor] = field(default_factory=list)  # until the histogram
     reduction_saved: bool = False
     mask_said: bool = False  # a bad GPU mask was said (once a run)
-    later: Later = field(default_factory=Later)  # the step being taken's, from the sources
     pending: deque[Pending] = field(default_factory=deque)  # steps not recorded yet, in order
     pending_since: float = 0.0  # monotonic time the oldest of them ended
 

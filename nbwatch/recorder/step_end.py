@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
@@ -20,9 +19,8 @@ from .. import controls as ctl
 from ..alerts import weight_std
 from ..distributed import rank_figures
 from ..probes import weights as wprobe
-from ..probes.data import bad_mask, length_figures
+from ..probes.data import bad_mask
 from ..probes.grads import Layers
-from ..probes.logits import LOG_Z, MAX_ABS, figures_of_rows
 from ..probes.throughput import add_rates, timing_figures
 from ..records import Event, Histogram, Scalars
 from .batches import BatchIds
@@ -30,7 +28,7 @@ from .lr_factor import LrFactor
 from .optimizer_step import to_host
 from .own_time import OwnTime, counted
 from .spec import SMOOTHING, Progress, RunSpec
-from .state import Deferred, InFlight, Later, Pending, RankMeeting
+from .state import Deferred, InFlight, Pending, RankMeeting
 
 # A step's record (its "step" rules, its row, its alerts) waits for a batch: at most this
 # many steps, and no step longer than this many seconds. The rules' code and numpy are
@@ -104,22 +102,18 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
     rec.step = step
     rec.progress.step = step
     rec.batch_ids.end_step(step)
-    later = None
-    if fl.later:  # the sources' CPU figures of this step: reduced at its record
-        later, fl.later = fl.later, Later()
     if t is not None and t.ratios is not None:
         names = [*(names or ()), *rec.ratio_names]
         parts = [*(parts or ()), *t.ratios.unbind()]
     if parts:
         on_gpu = parts[0].device.type == "cuda" and t is not None
         if on_gpu and rec.dist is None:
-            fl.deferred = Deferred(step, list(names or ()), list(parts), values, alerts,
-                                   later)
+            fl.deferred = Deferred(step, list(names or ()), list(parts), values, alerts)
         else:
             values.update(zip(names or (), to_host(parts)))
-            complete(rec, step, values, alerts, t is None, later)
+            complete(rec, step, values, alerts, t is None)
     else:
-        complete(rec, step, values, alerts, t is None, later)
+        complete(rec, step, values, alerts, t is None)
     if t is not None and t.hist:
         histograms(rec, step)
     scale = getattr(rec.scaler, "_scale", None) if rec.scaler is not None else None
@@ -131,15 +125,20 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
 
 
 def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
-             overflow: bool = False, later: Later | None = None) -> None:
-    """The step's figures are on the host (but for those `later` keeps, from CPU tensors):
-    its record (the figures drawn from them, the "step" rules, the store's row, the
-    alerts) waits for the next batch (`record_pending`)."""
+             overflow: bool = False) -> None:
+    """The step's figures are all on the host: its derived figures now, its record (the
+    "step" rules, the store's row, the alerts) with the next batch (`record_pending`)."""
     fl = rec.flight
     bad = bad_mask(values)  # a GPU mask of other values than 0/1: its figures dropped
     if bad is not None and not fl.mask_said:
         fl.mask_said = True
         rec._emit(Event(step, "probe", "warning", bad))
+    tokens = values.get("tokens/real")
+    padded = values.pop("_padded", None)
+    if tokens is not None and padded:
+        values["data/padding_ratio"] = 1.0 - tokens / padded
+    samples = values.pop("_samples", None)
+    add_rates(values, int(samples) if samples else None)
     loss = values.get("loss/train")
     finite = loss is None or math.isfinite(loss)
     if overflow and finite:
@@ -153,8 +152,7 @@ def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
     now = time.monotonic()
     if not pending:
         fl.pending_since = now
-    pending.append(Pending(step, values, alerts, rec.lr.planned(), overflow and not finite,
-                           later=later or None))
+    pending.append(Pending(step, values, alerts, rec.lr.planned(), overflow and not finite))
     # What acts on this step is recorded at once: an alert of the "grads" rules (its
     # checkpoint is the last good state), a non-finite loss, a skipped step; and every
     # step under torchrun, whose ranks meet on recorded steps.
@@ -168,43 +166,14 @@ def record_pending(rec: Recording) -> None:
     """Record the steps waiting, oldest first: each one's "step" rules, its row in the
     store, its alerts and their actions (which may checkpoint, and so come back here)."""
     pending = rec.flight.pending
-    reduce_later(pending)
     while pending:
         record(rec, pending.popleft())
-
-
-def reduce_later(steps: Iterable[Pending]) -> None:
-    """The figures the steps' `Later`s keep, reduced together: one logsumexp over all
-    their logits' rows, one copy of all their sequence lengths."""
-    kept = [(p, p.later) for p in steps if p.later is not None]
-    rows = [(p, later.logits) for p, later in kept if later.logits is not None]
-    if rows:
-        for (p, _), (z, top) in zip(rows, figures_of_rows([r for _, r in rows])):
-            p.values[LOG_Z], p.values[MAX_ABS] = z, top
-    lens = [(p, later.lengths, later.groups) for p, later in kept
-            if later.lengths is not None]
-    if lens:
-        flat = (torch.cat([n for _, n, _ in lens]) if len(lens) > 1 else lens[0][1]).tolist()
-        at = 0
-        for p, n, groups in lens:
-            p.values.update(length_figures(flat[at:at + len(n)], groups))
-            at += len(n)
-    for p, _ in kept:
-        p.later = None
 
 
 def record(rec: Recording, p: Pending) -> None:
     """One step's record: the "step" rules on its figures (which add the spike score and
     MFU to them), its row in the store, its alerts."""
     step, values, alerts = p.step, p.values, p.alerts
-    if p.later is not None:  # recorded alone (a nested record): its own figures first
-        reduce_later([p])
-    tokens = values.get("tokens/real")
-    padded = values.pop("_padded", None)
-    if tokens is not None and padded:
-        values["data/padding_ratio"] = 1.0 - tokens / padded
-    samples = values.pop("_samples", None)
-    add_rates(values, int(samples) if samples else None)
     if p.late_nan:
         alerts = alerts + rec.engine.observe("grads", step, values)  # a real NaN
     if p.lr_planned:
@@ -247,7 +216,7 @@ def flush_deferred(rec: Recording) -> None:
     d, rec.flight.deferred = rec.flight.deferred, None
     if d is not None:
         d.values.update(zip(d.names, to_host(d.parts)))
-        complete(rec, d.step, d.values, d.alerts, later=d.later)
+        complete(rec, d.step, d.values, d.alerts)
     if rec.flight.pending:
         record_pending(rec)
 

@@ -153,8 +153,8 @@ class StepRecorder:
                               val=val, reduction=reduction)
 
     def complete(self, step: int, values: dict[str, float], alerts: list,
-                 overflow: bool = False, later: Any = None) -> None:
-        se.complete(self, step, values, alerts, overflow, later)
+                 overflow: bool = False) -> None:
+        se.complete(self, step, values, alerts, overflow)
 
     def flush_deferred(self) -> None:
         """Copy and record a step whose device figures wait for the next gradient copy."""

@@ -8,15 +8,7 @@ import math
 import torch
 
 from nbwatch.demo import TinyGPT
-from nbwatch.probes.logits import (
-    NAMES,
-    POSITIONS,
-    HeadWatch,
-    figures_of_rows,
-    logit_parts,
-    logit_rows,
-    stage_logits,
-)
+from nbwatch.probes.logits import NAMES, POSITIONS, HeadWatch, logit_parts
 
 
 def test_log_z_and_max_abs_over_at_most_64_positions_by_a_fixed_stride():
@@ -66,37 +58,3 @@ def test_the_head_hook_keeps_the_first_training_forward_and_is_removed():
     assert watch.take() == ([], [])  # taken once a step
     watch.remove()
     assert not model.head._forward_hooks
-
-
-def test_rows_kept_for_the_record_reduce_to_what_logit_parts_gives_each_step():
-    """On a CPU the rows wait for the record and the steps of a batch are reduced
-    together: each step's figures are still its own (float32 rounding aside)."""
-    g = torch.Generator().manual_seed(1)
-    steps = []
-    for batch, T in ((16, 97), (16, 120), (3, 7)):  # another number of rows each step
-        logits = torch.randn(batch, T, 50, generator=g) * 4
-        mask = (torch.rand(batch, T, generator=g) > 0.3).long()
-        steps.append((logits, mask))
-    steps.append((torch.randn(2, 9, 50, generator=g), None))  # no mask
-    steps.append((torch.randn(2, 4, 50, generator=g), torch.zeros(2, 4)))  # no real token
-    kept = [logit_rows(x, m) for x, m in steps]
-    for x, _ in steps:
-        x.mul_(0)  # the loop reuses its buffers: what was kept is a copy
-    got = figures_of_rows(kept)
-    g = torch.Generator().manual_seed(1)
-    for (z, top), (batch, T) in zip(got[:3], ((16, 97), (16, 120), (3, 7))):
-        logits = torch.randn(batch, T, 50, generator=g) * 4
-        mask = (torch.rand(batch, T, generator=g) > 0.3).long()
-        want = [p.item() for p in logit_parts(logits, mask)]
-        assert math.isclose(z, want[0], rel_tol=1e-6) and top == want[1]
-    assert math.isnan(got[4][0]) and math.isnan(got[4][1])
-
-
-def test_stage_logits_keeps_cpu_rows_for_later_and_stages_the_rest():
-    from nbwatch.recorder.state import Later
-
-    later = Later()
-    x = torch.randn(2, 8, 16)
-    assert stage_logits(x, None, later) == ([], []) and later.logits is not None
-    names, parts = stage_logits(x, None)  # no `later`: staged for the step's copy
-    assert names == NAMES and len(parts) == 2

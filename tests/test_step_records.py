@@ -77,6 +77,42 @@ def test_a_step_rules_alert_names_its_step_and_its_pause_follows_within_a_batch(
     assert nbwatch.open_run(tmp_path / "r").df.index.tolist() == list(range(1, mon.step + 1))
 
 
+def test_a_slow_step_is_recorded_at_its_end_not_at_the_next(tmp_path):
+    """A step longer than a batch's time is its own batch: its row reaches the store (and a
+    reader, a killed process's survivors) without waiting for the next step."""
+    m, opt = tiny()
+    mon = nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", display=False)
+    try:
+        own_steps(mon, m, opt, 1)  # step 1 (a histogram step: recorded with them)
+        loss = m(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(RECORD_EVERY_S * 1.2)  # step 2 takes longer than a batch may wait
+        mon.log(loss=loss)
+        until(lambda: len(nbwatch.open_run(tmp_path / "r").df) == 2, 5, "step 2's row")
+    finally:
+        mon.close()
+
+
+def test_a_non_finite_figure_a_rule_reads_after_the_step_fires_at_its_step(tmp_path):
+    """The nonfinite rule reads what a loop reports after its optimizer step (here its own
+    figure `train/aux`) on that step's record: a non-finite figure is recorded at once."""
+    m, opt = tiny()
+    keys = ["loss/train", "grad_norm/global", "train/aux"]
+    with nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", display=False,
+                         alerts={"nonfinite": {"keys": keys, "actions": []}}) as mon:
+        for step in range(1, 8):
+            loss = m(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.log(loss=loss, aux=float("nan") if step == 5 else 1.0)
+    ev = nbwatch.open_run(tmp_path / "r").events
+    fired = ev[(ev.kind == "alert") & ev.message.str.startswith("nonfinite")]
+    assert fired.step.tolist() == [5], list(ev.message)
+
+
 def test_a_notebook_cells_own_loop_is_recorded_when_the_cell_ends(tmp_path):
     """No next log() comes after a cell's loop: its last steps are recorded at the cell's
     end (IPython's post_run_cell), not left waiting for the run's close."""

@@ -7,6 +7,7 @@ The live widget and the HTML export use the same builders, so they cannot disagr
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,8 @@ from ._common import layers_of
 from .downsample import MAX_POINTS, Downsampler, reduce
 from .tail import Delta, Tail
 
+WATCH_STEPS = 50  # "watching x%" in the header: over the newest this many steps
+
 PANELS = ("header", "clock", "loss", "ranks", "grads", "weights", "attention", "health", "system",
           "data", "metrics", "alerts", "samples")
 MAX_EVENTS = 500
@@ -56,6 +59,10 @@ class Feed:
         self.max_points = max_points
         self.series: dict[str, Downsampler] = {}
         self.latest: dict[str, tuple[int, float]] = {}
+        # the newest steps' own time and step time: "watching x%" over them (a step's rules
+        # and row are recorded in batches, whose cost lands on one step of the next)
+        self._own: deque[float] = deque(maxlen=WATCH_STEPS)
+        self._took: deque[float] = deque(maxlen=WATCH_STEPS)
         # The system timeline, by ticks since its first sample (`system.ticks`), and "step".
         self.system: dict[str, Downsampler] = {}
         self.system_t0: float | None = None
@@ -112,6 +119,10 @@ class Feed:
             # What the browser folds in: the new points already reduced on the same grid.
             new[key] = reduce(s, v, ds.width)
             self.latest[key] = (int(s[-1]), float(v[-1]))
+            if key == "time/nbwatch":
+                self._own.extend(v.tolist())
+            elif key == "time/step":
+                self._took.extend(v.tolist())
             if ranks.is_rank_key(key):
                 self.recent[key] = ranks.keep_recent(self.recent.get(key), s, v)
         new_cols: dict[str, list[weights.Column]] = {}
@@ -225,7 +236,7 @@ class Feed:
         """The header panel alone, from what is held."""
         return header.build(self.meta, self.step, self.walls, {
             k: v for k, (_, v) in self.latest.items()}, time.time() if now is None else now,
-            self.error)
+            self.error, header.watch_share_of(self._own, self._took))
 
     def _build(self, series, events, columns, seq_len, att, new_samples, walls, now, recent,
                full: bool, heat: dict[str, Any] | None = None,

@@ -3,7 +3,7 @@ TFLOP/s and MFU, the spike score, what watching costs, elapsed; red on failure."
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..lifecycle import is_ended, is_live
@@ -17,8 +17,10 @@ def build(
     latest: Mapping[str, float],
     now: float,
     error: Mapping[str, Any] | None = None,
+    watch: float | None = None,
 ) -> dict[str, Any]:
-    """`walls`: (step, wall time) of recent steps, oldest first; `error`: the error event."""
+    """`walls`: (step, wall time) of recent steps, oldest first; `error`: the error event;
+    `watch`: what watching took of the newest steps (`watch_share_of`), else of the newest."""
     state = str(meta.get("state", "unknown"))
     max_steps = meta.get("max_steps")
     rate = None
@@ -47,7 +49,7 @@ def build(
         "mfu": latest.get("throughput/mfu"),
         # steps that spiked among the last 10,000 (spike_score.py: OLMo-core's definition)
         "spike_score": latest.get("spike/score"),
-        "watch_share": watch_share(latest),
+        "watch_share": watch if watch is not None else watch_share(latest),
         "failed": state == "failed" or error is not None,
         "error": str(error["message"]) if error else None,
         "traceback": str(error.get("data", {}).get("traceback", "")) if error else None,
@@ -61,6 +63,16 @@ def watch_share(latest: Mapping[str, float]) -> float | None:
     if own is None or not step or not step > 0 or own != own:
         return None
     return min(own / step, 1.0)
+
+
+def watch_share_of(own: Iterable[float], took: Iterable[float]) -> float | None:
+    """What watching took of the newest steps: their `time/nbwatch` over their step times
+    (a batch's record costs one step of the next batch: one step alone misleads)."""
+    o = [x for x in own if x == x]
+    t = sum(x for x in took if x == x)
+    if not o or not t > 0:
+        return None
+    return min(sum(o) / t, 1.0)
 
 
 def run_duration(meta: Mapping[str, Any], last_wall: float | None, now: float) -> float | None:

@@ -53,7 +53,7 @@ class Measuring(Protocol):
 
     def _emit(self, ev: Event, level: int | None = None) -> None: ...
     def complete(self, step: int, values: dict[str, float], alerts: list,
-                 overflow: bool = False) -> None: ...
+                 overflow: bool = False, lr_planned: bool | None = None) -> None: ...
 
 
 def overflowed(rec: Measuring) -> bool:
@@ -168,7 +168,8 @@ def copy_to_host(rec: Measuring, norms: list[torch.Tensor],
     k, nd = len(names), len(deferred.names) if deferred is not None else 0
     if deferred is not None:
         deferred.values.update(zip(deferred.names, host[:nd]))
-        rec.complete(deferred.step, deferred.values, deferred.alerts)
+        rec.complete(deferred.step, deferred.values, deferred.alerts,
+                     lr_planned=deferred.lr_planned)
     return dict(zip(names[nd:], host[nd:k])), host[k:]
 
 

@@ -37,6 +37,7 @@ class Deferred:
     parts: list[torch.Tensor]
     values: dict[str, float]  # host figures of that step, completed by the copy
     alerts: list
+    lr_planned: bool = False  # its LR moved as planned, as its end saw it
 
 
 @dataclass

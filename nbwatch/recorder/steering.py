@@ -30,6 +30,7 @@ class Steered(Rewinding, Protocol):
     own: Any  # OwnTime
     start_step: int
     stopping: bool
+    ended: bool
     spec: RunSpec
     engine: Any  # AlertEngine
     commands: ctl.CommandQueue
@@ -248,6 +249,8 @@ def raise_alerts(rec: Steered, alerts: list) -> None:
                 rec.on_alert(a.event)
             except Exception:  # a user's callback must not kill the run
                 rec.log.exception("on_alert callback failed for %s", a.rule.name)
+    if rec.ended:  # a batch recorded as the run ends: its alerts said, nothing more done
+        return
     for a in alerts:
         acts = a.rule.actions
         src = f"alert:{a.rule.name}"

@@ -108,7 +108,8 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
     if parts:
         on_gpu = parts[0].device.type == "cuda" and t is not None
         if on_gpu and rec.dist is None:
-            fl.deferred = Deferred(step, list(names or ()), list(parts), values, alerts)
+            fl.deferred = Deferred(step, list(names or ()), list(parts), values, alerts,
+                                   rec.lr.planned())
         else:
             values.update(zip(names or (), to_host(parts)))
             complete(rec, step, values, alerts, t is None)
@@ -125,9 +126,11 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
 
 
 def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
-             overflow: bool = False) -> None:
+             overflow: bool = False, lr_planned: bool | None = None) -> None:
     """The step's figures are all on the host: its derived figures now, its record (the
-    "step" rules, the store's row, the alerts) with the next batch (`record_pending`)."""
+    "step" rules, the store's row, the alerts) with the next batch (`record_pending`).
+    `lr_planned`: its LR moved as planned, as the step's end saw it (a GPU step completes
+    at the next step's copy, after the scheduler's count was taken)."""
     fl = rec.flight
     bad = bad_mask(values)  # a GPU mask of other values than 0/1: its figures dropped
     if bad is not None and not fl.mask_said:
@@ -150,15 +153,26 @@ def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
         p.train_ema_n += 1
     pending = fl.pending
     now = time.monotonic()
-    if not pending:
-        fl.pending_since = now
-    pending.append(Pending(step, values, alerts, rec.lr.planned(), overflow and not finite))
+    if not pending:  # the batch's age counts from its first step's start
+        fl.pending_since = now - values.get("time/step", 0.0)
+    pending.append(Pending(step, values, alerts,
+                           rec.lr.planned() if lr_planned is None else lr_planned,
+                           overflow and not finite))
     # What acts on this step is recorded at once: an alert of the "grads" rules (its
-    # checkpoint is the last good state), a non-finite loss, a skipped step; and every
+    # checkpoint is the last good state), a non-finite figure (the nonfinite rule reads
+    # the loss a loop reports after its optimizer step here), a skipped step; and every
     # step under torchrun, whose ranks meet on recorded steps.
-    if (alerts or not finite or "skipped" in values or rec.dist is not None
+    if (alerts or not _finite(values) or "skipped" in values or rec.dist is not None
             or len(pending) >= RECORD_STEPS or now - fl.pending_since >= RECORD_EVERY_S):
         record_pending(rec)
+
+
+def _finite(values: dict[str, float]) -> bool:
+    """Every figure is finite (a sum is not, when one is not: one pass in C)."""
+    try:
+        return math.isfinite(sum(values.values()))
+    except TypeError:  # not all numbers: look at each
+        return all(math.isfinite(v) for v in values.values() if isinstance(v, (int, float)))
 
 
 @counted
@@ -216,7 +230,7 @@ def flush_deferred(rec: Recording) -> None:
     d, rec.flight.deferred = rec.flight.deferred, None
     if d is not None:
         d.values.update(zip(d.names, to_host(d.parts)))
-        complete(rec, d.step, d.values, d.alerts)
+        complete(rec, d.step, d.values, d.alerts, lr_planned=d.lr_planned)
     if rec.flight.pending:
         record_pending(rec)
 

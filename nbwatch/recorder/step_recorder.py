@@ -153,8 +153,8 @@ class StepRecorder:
                               val=val, reduction=reduction)
 
     def complete(self, step: int, values: dict[str, float], alerts: list,
-                 overflow: bool = False) -> None:
-        se.complete(self, step, values, alerts, overflow)
+                 overflow: bool = False, lr_planned: bool | None = None) -> None:
+        se.complete(self, step, values, alerts, overflow, lr_planned)
 
     def flush_deferred(self) -> None:
         """Copy and record a step whose device figures wait for the next gradient copy."""

@@ -25,6 +25,14 @@ def test_header_progress_eta_and_failure():
     assert h["watch_share"] is None  # a run recorded before time/nbwatch
     h = header.build(meta, 20, walls, {"time/nbwatch": 0.0005, "time/step": 0.2}, now=1020.0)
     assert h["watch_share"] == 0.0025
+    # over the newest steps: a batch's record (its rules, its rows) costs one step of the
+    # next batch, so the newest step alone says too little or too much
+    own, took = [0.001] * 9 + [0.011], [0.1] * 10
+    assert header.watch_share_of(own, took) == pytest.approx(0.02)
+    h = header.build(meta, 20, walls, {"time/nbwatch": 0.001, "time/step": 0.1}, now=1020.0,
+                     watch=header.watch_share_of(own, took))
+    assert h["watch_share"] == pytest.approx(0.02)
+    assert header.watch_share_of([], []) is None
     err = {"message": "RuntimeError: boom", "data": {"traceback": "Traceback...\nboom"}}
     h = header.build({**meta, "state": "failed"}, 20, walls, {}, now=1100.0, error=err)
     assert h["failed"] and h["eta_s"] is None and "boom" in h["traceback"]

@@ -19,6 +19,7 @@ writes RUN_DIR/{REF}_full_start.pt (the full state dict gathered once the Monito
 after a resume's load) and {REF}_full_end.pt (at the end).
 """
 
+import contextlib
 import json
 import math
 import os
@@ -180,6 +181,10 @@ def main() -> None:
         if rank == 0:
             torch.save({"step": mon.step, "state": end},
                        os.path.join(run_dir, f"{ref_name}_full_end.pt"))
+        # every rank is done before any tears the group down (a rank that exits while
+        # another is still in gloo aborted: "terminate called without an active exception")
+        with contextlib.suppress(Exception):
+            dist.barrier()
         dist.destroy_process_group()
 
 

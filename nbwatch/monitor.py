@@ -420,17 +420,6 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
     def traceback(self) -> str | None:
         return self._progress.traceback
 
-    def _record_waiting(self) -> None:
-        """Record the steps of a loop of one's own that wait for their batch, when called
-        on the loop's thread (a read of its own run, the end of a notebook cell)."""
-        rec = self._recorder
-        if (rec is not None and not rec.ended and self._mode == "loop"
-                and self._loop_thread is threading.current_thread()):
-            try:
-                rec.flush_deferred()
-            except Exception as e:  # a dead store: the next log() raises it in the loop
-                log.warning("recording the steps that waited failed: %s", e)
-
     def _run(self) -> Run | None:
         self._record_waiting()
         if self._store is not None:

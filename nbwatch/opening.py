@@ -85,6 +85,17 @@ class RunOpening(MonitorState):
         self._after_open(self.options.display)
         return rec
 
+    def _record_waiting(self) -> None:
+        """Record the steps of a loop of one's own that wait for their batch, when called
+        on the loop's thread (a read of its own run, the end of a notebook cell)."""
+        rec = self._recorder
+        if (rec is not None and not rec.ended and self._mode == "loop"
+                and self._loop_thread is threading.current_thread()):
+            try:
+                rec.flush_deferred()
+            except Exception as e:  # a dead store: the next log() raises it in the loop
+                log.warning("recording the steps that waited failed: %s", e)
+
     def _recorder_for_log(self) -> StepRecorder:
         """The recorder `log()` records this step into (a GradScaler's skipped first step
         opens the loop's run here), or the error that says why there is none, or why this

@@ -378,7 +378,8 @@ def test_a_store_that_stops_writing_fails_the_run_loudly(tiny, tmp_path):
     with pytest.raises(TypeError, match="cannot store a object"):
         mon._store.put(object())  # refused at once, not lost with a whole batch
     mon._store._wcon.close()  # the disk goes away: the writer thread fails
-    with pytest.raises(RuntimeError, match="stopped writing"):
+    # closing the last connection also deletes the WAL: the writer may see that first
+    with pytest.raises(RuntimeError, match="stopped writing|write-ahead log .* was deleted"):
         mon.wait()
     assert mon.state == "failed"
     assert nbwatch.open_run(mon.run_dir).df.index.max() >= 3  # what was committed stays

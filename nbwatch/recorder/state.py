@@ -68,7 +68,7 @@ class InFlight:
     reduction_saved: bool = False
     mask_said: bool = False  # a bad GPU mask was said (once a run)
     pending: deque[Pending] = field(default_factory=deque)  # steps not recorded yet, in order
-    pending_since: float = 0.0  # monotonic time the oldest of them ended
+    pending_since: float = 0.0  # monotonic time the oldest of them began
 
 
 @dataclass

@@ -157,7 +157,7 @@ class StepRecorder:
         se.complete(self, step, values, alerts, overflow, lr_planned)
 
     def flush_deferred(self) -> None:
-        """Copy and record a step whose device figures wait for the next gradient copy."""
+        """Record every step taken so far: see `step_end.flush_deferred`."""
         se.flush_deferred(self)
 
     def save_reduction(self, reduction: str | None) -> None:

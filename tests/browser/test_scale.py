@@ -4,6 +4,8 @@ the HTML export and live in JupyterLab, at a wide and a narrow width."""
 
 from __future__ import annotations
 
+import time
+
 import nbformat
 import pytest
 
@@ -26,7 +28,12 @@ def wide(tmp_path_factory):
 def check_scale(page) -> None:
     """What a user of a 12 × 12 model sees: every panel drawn, the injected spike at its
     layer and step in the heat map, the attention overview opening the clicked head."""
+    # every panel within 20 s: the page's redraw budget draws them in turns, later under load
+    deadline = time.monotonic() + 20
     rendered = panels_rendered(page)
+    while not all(rendered[p] for p in DRAWN) and time.monotonic() < deadline:
+        page.wait_for_timeout(250)
+        rendered = panels_rendered(page)
     assert all(rendered[p] for p in DRAWN), rendered
     # the probe pass's health figures: entropy, max logit, block RMS, output logits
     page.wait_for_function("() => document.querySelectorAll("

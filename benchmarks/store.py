@@ -34,6 +34,7 @@ import contextlib
 import json
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -267,7 +268,12 @@ def child(what: str, run_dir: str) -> None:
     base = _reset_peak()
     t0 = time.perf_counter()
     out: dict = {}
-    if what == "df":
+    if what.startswith("touch"):  # the baseline: a fresh float64 buffer of the frame's size
+        rows, cols = (int(x) for x in what[5:].split("x"))
+        buf = np.empty((cols, rows))
+        buf.fill(1.0)
+        out["frame_mib"] = buf.nbytes / 2**20
+    elif what == "df":
         df = nbwatch.open_run(run_dir).df
         out["frame_mib"] = df.memory_usage(deep=True).sum() / 2**20
         out["shape"] = list(df.shape)
@@ -301,11 +307,37 @@ def read(what: str, run_dir: Path) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def df_rounds(run_dir: Path, steps: int, width: int, rounds: int) -> None:
+    """`.df` in fresh processes, each after the baseline: a fresh process that fills a
+    float64 buffer of the frame's size. On this machine (a VM) the first touch of a few
+    GiB of memory after a large write costs up to ~6 s and a moment later ~0.3 s: the
+    machine's cost, not the read's, so a throwaway fill goes first and each round prints
+    both."""
+    read(f"touch{steps}x{width}", run_dir)  # warm-up: not counted
+    dfs, touches, r = [], [], {}
+    for _ in range(rounds):
+        t = read(f"touch{steps}x{width}", run_dir)
+        r = read("df", run_dir)
+        if "error" in r or "error" in t:
+            print(f"  df: {r.get('error') or t.get('error')}", flush=True)
+            return
+        dfs.append(r["seconds"])
+        touches.append(t["seconds"])
+    med = statistics.median(dfs)
+    print(f"  df: {med:.2f} s (median of {rounds}: {', '.join(f'{d:.2f}' for d in dfs)} s), "
+          f"peak +{r['peak_mib']:.0f} MiB, frame {r['frame_mib']:.0f} MiB, peak/frame "
+          f"{r['peak_mib'] / max(r['frame_mib'], 1e-9):.2f}×; baseline (a fresh process "
+          f"filling a buffer of the frame's size) {statistics.median(touches):.2f} s "
+          f"({', '.join(f'{d:.2f}' for d in touches)})", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", nargs="*", default=["100000x25", "1000000x25", "1000000x300"])
     ap.add_argument("--reads", nargs="*", default=["df", "partial", "feed", "export"])
     ap.add_argument("--keep", type=Path, default=None)
+    ap.add_argument("--df-rounds", type=int, default=3,
+                    help="`.df` reads, each after the baseline's (median and spread)")
     ap.add_argument("--commit-steps", type=int, default=0,
                     help="commit every N steps, as a live run does (0: as fast as it can)")
     ap.add_argument("--baseline", action="store_true",
@@ -350,6 +382,9 @@ def main() -> None:
                   " beside the .db: "
                   f"{w['left_beside_db'] or 'nothing'}", flush=True)
             for what in args.reads:
+                if what == "df":
+                    df_rounds(run_dir, steps, width, args.df_rounds)
+                    continue
                 r = read(what, run_dir)
                 if "error" in r:
                     print(f"  {what}: {r['error']}", flush=True)

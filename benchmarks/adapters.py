@@ -3,7 +3,10 @@
 A 4-layer d=128 GPT-2 (Hugging Face `Trainer`) and the demo's 4-layer d=128 GPT
 (Lightning), batch 16 × 128 tokens, AdamW, on the CPU; variants interleaved in one
 process, several rounds each; each variant's time is the fit's wall time for `--steps`
-optimizer steps (the same setup in both, so it cancels in the ratio).
+optimizer steps (the same setup in both, so it cancels in the ratio). On 2 shared cores
+that ratio moves by more than nbwatch costs, so a second table gives, for the watched
+fit, the ratio step / (step − own) from the run's `time/nbwatch` (nbwatch's own time on
+the training thread) and `time/step`, over the steps after the first `WARM`.
 
     python benchmarks/adapters.py [--steps 40] [--rounds 5] [--only hf|lightning]
 """
@@ -37,7 +40,19 @@ def batches(n: int, T: int = 128, B: int = 16, vocab: int = 256, seed: int = 0):
     return out
 
 
-def hf_fit(steps: int, root: Path, watched: bool) -> float:
+WARM = 5  # steps left out of the own-time share: the first steps compile and warm up
+
+
+def own_share(run_dir: Path) -> float:
+    """nbwatch's share of the step time on the training thread, after `WARM` steps."""
+    import nbwatch
+
+    df = nbwatch.open_run(run_dir).df
+    df = df[df.index > WARM]
+    return float(df["time/nbwatch"].sum() / df["time/step"].sum())
+
+
+def hf_fit(steps: int, root: Path, watched: bool) -> tuple[float, float]:
     import transformers as tf
 
     import nbwatch.hf
@@ -52,16 +67,17 @@ def hf_fit(steps: int, root: Path, watched: bool) -> float:
         save_strategy="no", learning_rate=3e-4, use_cpu=True, disable_tqdm=True,
         log_level="error", seed=0)
     trainer = tf.Trainer(model=tf.GPT2LMHeadModel(cfg), args=args, train_dataset=rows)
+    run_dir = root / f"hf{time.monotonic_ns()}"
     t0 = time.perf_counter()
     if watched:
-        nbwatch.hf.start(trainer, run_dir=root / f"hf{time.monotonic_ns()}",
-                         display=False).wait()
+        nbwatch.hf.start(trainer, run_dir=run_dir, display=False).wait()
     else:
         trainer.train()
-    return (time.perf_counter() - t0) / steps
+    took = (time.perf_counter() - t0) / steps
+    return took, own_share(run_dir) if watched else 0.0
 
 
-def pl_fit(steps: int, root: Path, watched: bool) -> float:
+def pl_fit(steps: int, root: Path, watched: bool) -> tuple[float, float]:
     import lightning.pytorch as L
 
     import nbwatch
@@ -86,13 +102,15 @@ def pl_fit(steps: int, root: Path, watched: bool) -> float:
                         enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False, default_root_dir=str(root))
     module = Module()
+    run_dir = root / f"pl{time.monotonic_ns()}"
     t0 = time.perf_counter()
     if watched:
-        nbwatch.lightning.start(trainer, module, train_dataloaders=loader,
-                                run_dir=root / f"pl{time.monotonic_ns()}", display=False).wait()
+        nbwatch.lightning.start(trainer, module, train_dataloaders=loader, run_dir=run_dir,
+                                display=False).wait()
     else:
         trainer.fit(module, train_dataloaders=loader)
-    return (time.perf_counter() - t0) / steps
+    took = (time.perf_counter() - t0) / steps
+    return took, own_share(run_dir) if watched else 0.0
 
 
 def main() -> None:
@@ -105,13 +123,17 @@ def main() -> None:
     if args.only:
         fits = {args.only: fits[args.only]}
     results: dict[str, list[float]] = {}
+    owns: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for r in range(args.rounds):
             for name, fit in fits.items():
                 for watched in (False, True):
                     key = f"{name} {'+ nbwatch' if watched else 'bare'}"
-                    results.setdefault(key, []).append(fit(args.steps, root, watched))
+                    took, own = fit(args.steps, root, watched)
+                    results.setdefault(key, []).append(took)
+                    if watched:
+                        owns.setdefault(name, []).append(own)
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{k} {v[-1] * 1e3:.0f} ms" for k, v in results.items()), flush=True)
     print(f"\n{torch.get_num_threads()} threads, {args.steps} steps x {args.rounds} rounds "
@@ -125,6 +147,14 @@ def main() -> None:
         per = [w / b for w, b in zip(watched, bare)]  # each round against its own bare fit
         print(f"| {name} | {mb * 1e3:.1f} | {mw * 1e3:.1f} | {statistics.median(per):.3f}x | "
               f"{min(per):.3f}–{max(per):.3f} | {min(watched) / min(bare):.3f}x |")
+    print(f"\nnbwatch's own time on the training thread (time/nbwatch), steps after {WARM}: "
+          "the ratio step / (step - own), median over rounds and spread")
+    print("| fit | own share of the step (median) | ratio from own time (median) | spread |")
+    print("|---|---|---|---|")
+    for name in fits:
+        ratio = [1 / (1 - o) for o in owns[name]]
+        print(f"| {name} | {statistics.median(owns[name]):.2%} | "
+              f"{statistics.median(ratio):.4f}x | {min(ratio):.4f}–{max(ratio):.4f} |")
 
 
 if __name__ == "__main__":

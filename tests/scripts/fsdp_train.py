@@ -19,7 +19,6 @@ writes RUN_DIR/{REF}_full_start.pt (the full state dict gathered once the Monito
 after a resume's load) and {REF}_full_end.pt (at the end).
 """
 
-import contextlib
 import json
 import math
 import os
@@ -34,6 +33,7 @@ from torch.distributed.fsdp import fully_shard
 
 import nbwatch
 from nbwatch.demo import TinyGPT, collate
+from tests.scripts.group import leave_group
 
 
 def batches(rank: int, n: int = 16):
@@ -181,18 +181,14 @@ def main() -> None:
         if rank == 0:
             torch.save({"step": mon.step, "state": end},
                        os.path.join(run_dir, f"{ref_name}_full_end.pt"))
-        # every rank is done before any tears the group down (a rank that exits while
-        # another is still in gloo aborted: "terminate called without an active exception")
-        with contextlib.suppress(Exception):
-            dist.barrier()
-        dist.destroy_process_group()
+        leave_group()
 
 
 if __name__ == "__main__":
     main()
-    # Every rank did all its work and left the group: end here. Under load, the
-    # interpreter's teardown after a gloo job sometimes aborted a rank ("terminate called
-    # without an active exception", exit -6), on the code before the record's batches too.
+    # Every rank did all its work and left the group: end here, so that the interpreter's
+    # shutdown cannot meet a gloo worker thread (pytorch#190489: about 1 run in 10 on 2
+    # loaded cores aborted a rank with exit -6, with nbwatch and without it alike).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

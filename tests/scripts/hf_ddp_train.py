@@ -12,6 +12,7 @@ import sys
 import torch
 
 import nbwatch.hf
+from tests.scripts.group import leave_group
 from tests.test_hf import make_trainer
 
 
@@ -25,6 +26,7 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(out, f"step_rank{rank}.txt"), "w") as f:
         f.write(str(trainer.state.global_step))
+    leave_group()
 
 
 if __name__ == "__main__":

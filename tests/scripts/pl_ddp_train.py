@@ -13,6 +13,7 @@ import lightning.pytorch as L
 import torch
 
 import nbwatch.lightning
+from tests.scripts.group import leave_group
 from tests.test_lightning import TinyModule, loader
 
 
@@ -28,6 +29,7 @@ def main() -> None:
     trainer.fit(TinyModule(delay=0.02), train_dataloaders=loader(16))
     with open(os.path.join(out, f"step_rank{trainer.global_rank}.txt"), "w") as f:
         f.write(str(trainer.global_step))
+    leave_group()
 
 
 if __name__ == "__main__":

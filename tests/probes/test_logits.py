@@ -8,7 +8,7 @@ import math
 import torch
 
 from nbwatch.demo import TinyGPT
-from nbwatch.probes.logits import NAMES, POSITIONS, HeadWatch, logit_parts
+from nbwatch.probes.logits import LARGE_V, NAMES, POSITIONS, HeadWatch, logit_parts
 
 
 def test_log_z_and_max_abs_over_at_most_64_positions_by_a_fixed_stride():
@@ -23,6 +23,37 @@ def test_log_z_and_max_abs_over_at_most_64_positions_by_a_fixed_stride():
         assert lz.dim() == 0 and top.dim() == 0  # staged as device figures
         assert lz.item() == torch.logsumexp(rows, -1).mean().item()
         assert top.item() == rows.abs().max().item()
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits, or NaN both (an all -inf row times a 0 of the mask is NaN either way)."""
+    return torch.equal(a, b) or bool(a.isnan() and b.isnan())
+
+
+def test_a_large_vocabulary_gives_the_same_bits_as_logsumexp_and_abs_max():
+    """From LARGE_V on the figures take one pass fewer over the rows: the same values, bit
+    for bit, as torch.logsumexp and |x|.max(), non-finite logits included."""
+    g = torch.Generator().manual_seed(1)
+    for V in (LARGE_V, 5000):
+        for scale, special in ((1e-3, None), (3.0, "inf"), (300.0, "-inf row"), (3.0, None)):
+            logits = torch.randn(2, 40, V, generator=g) * scale
+            if special == "inf":
+                logits[0, 0, 7] = math.inf  # log Z and max |logit| inf
+            elif special == "-inf row":
+                logits[0, 0, :] = -math.inf  # its log Z -inf, what logsumexp says
+            for mask in (None, (torch.rand(2, 40, generator=g) > 0.3).long()):
+                rows = logits.reshape(-1, V)[:: math.ceil(80 / POSITIONS)]
+                lz_rows, top_rows = torch.logsumexp(rows, -1), rows.abs().amax(-1)
+                lz, top = logit_parts(logits, mask)
+                if mask is None:
+                    want = [lz_rows.mean(), top_rows.amax()]
+                else:
+                    m = mask.reshape(-1)[:: math.ceil(80 / POSITIONS)].float()
+                    want = [(lz_rows * m).sum() / m.sum(), (top_rows * m).amax()]
+                assert same(lz, want[0]) and same(top, want[1])
+        nan = torch.randn(1, 3, V, generator=g)
+        nan[0, 1, 5] = math.nan
+        assert all(math.isnan(f.item()) for f in logit_parts(nan))  # a NaN is not hidden
 
 
 def test_a_mask_leaves_padding_out_and_a_half_precision_head_is_read_in_float():

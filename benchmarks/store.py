@@ -24,7 +24,9 @@ print the whole folder's bytes per recorded scalar and each table's share.
 Prints one row per run: scalars written, write rate (scalars/s), put() stall (the time
 the producer spent blocked by back-pressure), bytes on disk per scalar, `.df` seconds and
 peak MiB over the frame's own size, a partial read, the late-view state (`Feed.full`)
-and the HTML export.
+and the HTML export. The `.df` is the median of `--df-rounds` (3) reads, each in a fresh
+process right after a baseline: a fresh process filling a buffer of the frame's size (see
+`df_rounds`).
 """
 
 from __future__ import annotations

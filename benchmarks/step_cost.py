@@ -10,7 +10,9 @@ Variants run interleaved in one process, several rounds each:
 
     python benchmarks/step_cost.py [--steps 3000] [--rounds 5] [--profile]
 
-Prints, per variant, the steady µs a step and what it adds over bare, the whole run
+Prints, per variant, the steady µs a step and what it adds over bare (and how much of
+that is nbwatch's own time on the training thread, `time/nbwatch`: the rest is torch's
+own work slowed by the code run between its steps), the whole run
 (opening to close) per step, its start-up and close apart, and (with --profile) where
 the `log` variant's time goes (cProfile, the 25 largest by own time).
 """
@@ -68,13 +70,16 @@ class Timing(NamedTuple):
     whole: float  # s a step, opening and closing included
     startup: float  # s from the call to the first step's record
     close: float  # s from the last step's record to the end of wait()/with
+    own: float = 0.0  # s a step of nbwatch's own time (`time/nbwatch`), mean over the n
 
 
 def _timing(run_dir: Path, warm: int, n: int, t0: float, t1: float) -> Timing:
     """`t0`, `t1`: wall time (time.time) before the run opened and after it closed."""
-    walls = nbwatch.open_run(run_dir).reader.walls()
+    run = nbwatch.open_run(run_dir)
+    walls = run.reader.walls()
     steady = (walls.loc[warm + n] - walls.loc[warm]) / n
-    return Timing(steady, (t1 - t0) / (warm + n), walls.iloc[0] - t0, t1 - walls.iloc[-1])
+    own = float(run.df["time/nbwatch"].loc[warm + 1:warm + n].mean())
+    return Timing(steady, (t1 - t0) / (warm + n), walls.iloc[0] - t0, t1 - walls.iloc[-1], own)
 
 
 def log_foreground(n: int, root: Path, warm: int = 50) -> Timing:
@@ -129,17 +134,18 @@ def main() -> None:
         base = statistics.median(t.steady for t in results["bare"])
         print(f"\n{args.steps} steps (+50 warm-up) x {args.rounds} rounds, median over rounds "
               "(a 16-32-1 MLP, SGD, 1 thread)")
-        print("| variant | steady µs/step | added over bare | ratio | whole run µs/step "
-              "(added) | start-up s | close s |")
-        print("|---|---|---|---|---|---|---|")
+        print("| variant | steady µs/step | added over bare | of it nbwatch's own time "
+              "(time/nbwatch) | ratio | whole run µs/step (added) | start-up s | close s |")
+        print("|---|---|---|---|---|---|---|---|")
         for name, ts in results.items():
             med = statistics.median(t.steady for t in ts)
             whole = statistics.median(t.whole for t in ts)
             up = statistics.median(t.startup for t in ts)
             close = statistics.median(t.close for t in ts)
+            own = statistics.median(t.own for t in ts)
             print(f"| {name} | {med * 1e6:.0f} | {(med - base) * 1e6:+.0f} µs | "
-                  f"{med / base:.2f}x | {whole * 1e6:.0f} ({(whole - base) * 1e6:+.0f}) | "
-                  f"{up:.2f} | {close:.2f} |")
+                  f"{own * 1e6:.0f} µs | {med / base:.2f}x | {whole * 1e6:.0f} "
+                  f"({(whole - base) * 1e6:+.0f}) | {up:.2f} | {close:.2f} |")
         if args.profile:
             prof = cProfile.Profile()
             prof.enable()

@@ -20,7 +20,7 @@ def build(
     watch: float | None = None,
 ) -> dict[str, Any]:
     """`walls`: (step, wall time) of recent steps, oldest first; `error`: the error event;
-    `watch`: what watching took of the newest steps (`watch_share_of`), else of the newest."""
+    `watch`: what watching took of the newest steps (`watch_share_of`)."""
     state = str(meta.get("state", "unknown"))
     max_steps = meta.get("max_steps")
     rate = None
@@ -49,20 +49,11 @@ def build(
         "mfu": latest.get("throughput/mfu"),
         # steps that spiked among the last 10,000 (spike_score.py: OLMo-core's definition)
         "spike_score": latest.get("spike/score"),
-        "watch_share": watch if watch is not None else watch_share(latest),
+        "watch_share": watch,
         "failed": state == "failed" or error is not None,
         "error": str(error["message"]) if error else None,
         "traceback": str(error.get("data", {}).get("traceback", "")) if error else None,
     }
-
-
-def watch_share(latest: Mapping[str, float]) -> float | None:
-    """What watching took of the newest step: nbwatch's own time on the training thread
-    (`time/nbwatch`) over the step's time."""
-    own, step = latest.get("time/nbwatch"), latest.get("time/step")
-    if own is None or not step or not step > 0 or own != own:
-        return None
-    return min(own / step, 1.0)
 
 
 def watch_share_of(own: Iterable[float], took: Iterable[float]) -> float | None:

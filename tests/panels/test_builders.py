@@ -23,7 +23,8 @@ def test_header_progress_eta_and_failure():
                                        "throughput/tflops": 405.0}, now=1020.0)
     assert (h["spike_score"], h["mfu"], h["tflops"]) == (2.0, 0.41, 405.0)
     assert h["watch_share"] is None  # a run recorded before time/nbwatch
-    h = header.build(meta, 20, walls, {"time/nbwatch": 0.0005, "time/step": 0.2}, now=1020.0)
+    h = header.build(meta, 20, walls, {"time/nbwatch": 0.0005, "time/step": 0.2}, now=1020.0,
+                     watch=header.watch_share_of([0.0005], [0.2]))
     assert h["watch_share"] == 0.0025
     # over the newest steps: a batch's record (its rules, its rows) costs one step of the
     # next batch, so the newest step alone says too little or too much

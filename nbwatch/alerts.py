@@ -179,11 +179,19 @@ class AlertEngine:
         self._late = [r for r in self._by_phase["grads"] if "keys" in r.params]
         self._late_keys = tuple(dict.fromkeys(k for r in self._late for k in r.params["keys"]))
         self._grads_saw: tuple[int, frozenset[str]] | None = None
+        self._grads_history = max((int(r.params.get("min_history", 0))
+                                   for r in self._by_phase["grads"]), default=0)
         self._active: dict[str, bool] = {}
         self._clear: dict[str, int] = {}
         self._lr_reported: float | None = None
         self._lr_explained = False
         self._weight_start: dict[str, float] = {}
+
+    def short_history(self) -> bool:
+        """Fewer steps observed than a "grads" rule needs before it may fire: until then
+        each step it looks at needs every step before it observed (a batched record would
+        keep its first alert back)."""
+        return self.window.adds < self._grads_history
 
     def explain_lr(self) -> None:
         """The LR of the next "step" observation moved as planned (the scheduler stepped, or

@@ -137,3 +137,24 @@ def test_a_notebook_cells_own_loop_is_recorded_when_the_cell_ends(tmp_path):
     finally:
         InteractiveShell.clear_instance()
     assert nbwatch.open_run(tmp_path / "r").df.index.tolist() == [1, 2, 3]
+
+
+def test_an_early_gradient_explosion_is_caught_though_its_steps_wait_for_a_batch(tmp_path):
+    """grad_explosion decides in the optimizer's pre-hook, on the steps recorded before it:
+    while they are fewer than its min_history (20), each step it looks at has every step
+    before it recorded, as without batches; so a ×1000 gradient at step 25 of fast steps
+    (a batch of 16 would hold steps 17-24) is clipped."""
+    m, opt = tiny()
+    with nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", display=False) as mon:
+        for step in range(1, 31):
+            loss = m(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            if step == 25:
+                for p in m.parameters():
+                    p.grad.mul_(1000.0)
+            opt.step()
+            opt.zero_grad()
+            mon.log(loss=loss)
+    ev = nbwatch.open_run(tmp_path / "r").events
+    fired = ev[ev["message"].str.contains("gradient norm", na=False)]
+    assert 25 in fired["step"].tolist(), ev[["step", "message"]].to_string()

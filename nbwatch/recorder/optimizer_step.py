@@ -54,6 +54,7 @@ class Measuring(Protocol):
     def _emit(self, ev: Event, level: int | None = None) -> None: ...
     def complete(self, step: int, values: dict[str, float], alerts: list,
                  overflow: bool = False, lr_planned: bool | None = None) -> None: ...
+    def flush_deferred(self) -> None: ...
 
 
 def overflowed(rec: Measuring) -> bool:
@@ -176,6 +177,8 @@ def copy_to_host(rec: Measuring, norms: list[torch.Tensor],
 def decide(rec: Measuring, step: int, values: dict[str, float]) -> tuple[list, bool]:
     """The "grads" rules on this step's figures: its alerts, and whether to skip it.
     A clip rule that fired lowers the clip limit (never raises it)."""
+    if rec.flight.pending and rec.engine.short_history():
+        rec.flush_deferred()  # the rules' first steps: they see every step before this one
     alerts = rec.engine.observe("grads", step, values)
     nonfinite = not (math.isfinite(values["grad_norm/global"])
                      and math.isfinite(values.get("loss/train", 0.0)))

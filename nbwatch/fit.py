@@ -323,9 +323,11 @@ class Adapter:
                 names.append("loss/train")
                 parts.append(torch.stack([x.float().reshape(()) for x in losses]).sum())
             if masks:
-                mnames, mparts, host["_padded"], lengths = batch_figures(masks)
-                names += mnames
-                parts += mparts
+                mf = batch_figures(masks)
+                names += mf.names
+                parts += mf.parts
+                host.update(mf.host)
+                host["_padded"], lengths = mf.padded, mf.lengths
                 samples = sum(int(m.shape[0]) for m in masks)
             if self._head is not None:
                 lnames, lparts = self._head.take()

@@ -247,11 +247,12 @@ def log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any],
                 "seq_len] 0/1 attention mask (1 for real tokens, 0 for padding)")
         if first:
             check_mask(mask, "mon.log()")
-        mnames, mparts, padded, lengths = batch_figures([mask])
-        names += mnames
-        parts += mparts
-        host["_padded"] = padded
-        return host, names, parts, lengths
+        mf = batch_figures([mask])
+        names += mf.names
+        parts += mf.parts
+        host.update(mf.host)
+        host["_padded"] = mf.padded
+        return host, names, parts, mf.lengths
     return host, names, parts, None
 
 

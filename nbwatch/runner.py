@@ -214,10 +214,12 @@ class Runner:
             parts += m.logits
         padded = 0.0
         if m.masks:
-            mnames, mparts, padded, lengths = batch_figures(m.masks)
-            names += mnames
-            parts += mparts
-            rec.keep_seq_lens(lengths)
+            mf = batch_figures(m.masks)
+            names += mf.names
+            parts += mf.parts
+            figures.update(mf.host)
+            padded = mf.padded
+            rec.keep_seq_lens(mf.lengths)
         rec.stage(names, parts)  # copied to the host with the gradient norms: one sync
         return figures, padded
 

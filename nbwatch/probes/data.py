@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 # The figure that counts a GPU mask's entries other than 0 and 1, copied with the step's
@@ -59,12 +62,28 @@ def mask_stats(mask: torch.Tensor, count_bad: bool = False) -> dict[str, torch.T
     return out
 
 
-def batch_figures(masks: list[torch.Tensor]
-                  ) -> tuple[list[str], list[torch.Tensor], float, torch.Tensor]:
-    """Figures of one optimizer step's masks (one per micro-batch): names, 0-dim device
-    tensors (real tokens, mean and max sequence length; for a GPU mask not bool, `BAD`),
-    the padded token count and the sequence lengths (for the length histogram). No host
-    sync: a CPU mask is checked here (`check_mask`), a GPU one by its `BAD` figure."""
+@dataclass
+class MaskFigures:
+    """What one optimizer step's masks give: `names`/`parts`, 0-dim device tensors to copy
+    with the step's other figures (a GPU mask's); `host`, figures already on the host (a
+    CPU mask's, computed there without a torch op); the padded token count; the sequence
+    lengths (for the length histogram)."""
+
+    names: list[str]
+    parts: list[torch.Tensor]
+    host: dict[str, float]
+    padded: float
+    lengths: torch.Tensor
+
+
+def batch_figures(masks: list[torch.Tensor]) -> MaskFigures:
+    """Figures of one optimizer step's masks (one per micro-batch): real tokens, mean and
+    max sequence length, the padded token count and the lengths. No host sync: CPU masks
+    are read and checked on the host (`check_mask`'s refusal for a bad one), a GPU mask's
+    figures stay on its device, with `BAD` for one that is not bool."""
+    on_host = _host_figures(masks)
+    if on_host is not None:
+        return on_host
     for m in masks:
         if m.device.type == "cpu" or m.is_complex():
             check_mask(m, "the batch's mask")
@@ -72,13 +91,14 @@ def batch_figures(masks: list[torch.Tensor]
             for m in masks]
     names = ["tokens/real", "data/seq_len_mean", "data/seq_len_max"]
     bad = [f[BAD] for f in figs if BAD in f]
+    padded = float(sum(m.numel() for m in masks))
     if len(figs) == 1:
         f = figs[0]
         parts = [f["tokens"], f["data/seq_len_mean"], f["data/seq_len_max"]]
         if bad:
             names.append(BAD)
             parts.append(bad[0])
-        return names, parts, float(masks[0].numel()), f["lengths"]
+        return MaskFigures(names, parts, {}, padded, f["lengths"])
     tokens = torch.stack([f["tokens"] for f in figs]).sum()
     mean = torch.stack([f["data/seq_len_mean"] for f in figs]).mean()
     mx = torch.stack([f["data/seq_len_max"] for f in figs]).max()
@@ -86,8 +106,40 @@ def batch_figures(masks: list[torch.Tensor]
     if bad:
         names.append(BAD)
         parts.append(torch.stack([b.to(tokens.device) for b in bad]).sum())
-    lengths = torch.cat([f["lengths"] for f in figs])
-    return names, parts, float(sum(m.numel() for m in masks)), lengths
+    return MaskFigures(names, parts, {}, padded, torch.cat([f["lengths"] for f in figs]))
+
+
+def _host_figures(masks: list[torch.Tensor]) -> MaskFigures | None:
+    """`batch_figures` of CPU masks, read in place with numpy and plain Python. The same
+    figures as `mask_stats` (float32 lengths, whose sums of 0/1 are exact), in fewer
+    calls: just after a backward pass each call runs cold (tens of µs on a CPU, whatever
+    it does; benchmarks/README.md). None where numpy cannot read a mask (a GPU or bf16
+    one), one is empty, or one is not 0/1 (the torch path then refuses it)."""
+    arrays = []
+    for m in masks:
+        if (m.device.type != "cpu" or m.is_complex() or m.dtype == torch.bfloat16
+                or m.numel() == 0):
+            return None
+        a = (m.detach() if m.requires_grad else m).numpy()
+        kind = a.dtype.kind
+        if kind == "f":
+            ok = not np.count_nonzero(a * (a - 1))  # 0 exactly where a is 0 or 1; not NaN
+        elif kind == "i":  # as unsigned, a negative entry is > 1 too: one reduction
+            ok = a.view(a.dtype.str.replace("i", "u")).max() <= 1
+        else:
+            ok = kind == "b" or a.max() <= 1
+        if not ok:
+            return None
+        arrays.append(a.reshape(1 if a.ndim == 1 else a.shape[0], -1))
+    lengths = [a.sum(axis=1, dtype=np.float32) for a in arrays]
+    every = lengths[0] if len(lengths) == 1 else np.concatenate(lengths)
+    per = [n.tolist() for n in lengths] if len(lengths) > 1 else [every.tolist()]
+    means = [sum(n) / len(n) for n in per]
+    host = {"tokens/real": float(sum(sum(n) for n in per)),
+            "data/seq_len_mean": float(np.float32(sum(means) / len(means))),
+            "data/seq_len_max": max(max(n) for n in per)}
+    return MaskFigures([], [], host, float(sum(m.numel() for m in masks)),
+                       torch.from_numpy(every))
 
 
 def bad_mask(values: dict[str, float]) -> str | None:

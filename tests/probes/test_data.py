@@ -1,6 +1,7 @@
+import pytest
 import torch
 
-from nbwatch.probes.data import mask_stats
+from nbwatch.probes.data import batch_figures, mask_stats
 from nbwatch.probes.throughput import add_rates, timing_figures
 
 
@@ -11,6 +12,43 @@ def test_padding_ratio_and_lengths_equal_the_masks():
     assert figs["data/seq_len_mean"].item() == 3.0
     assert figs["data/seq_len_max"].item() == 5.0
     assert figs["lengths"].tolist() == [3, 5, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.long, torch.int32, torch.int8,
+                                   torch.uint8, torch.float32, torch.float16, torch.bfloat16])
+def test_a_cpu_mask_read_on_the_host_gives_the_device_figures(dtype):
+    """CPU masks are read with numpy (no torch op): the same figures as `mask_stats` gives
+    on a device, for every dtype a mask comes in, 1-D and over micro-batches of unequal
+    sizes (the mean is of the micro-batches' means, as on the device)."""
+    g = torch.Generator().manual_seed(0)
+    masks = [(torch.rand(b, 7, generator=g) > 0.3).to(dtype) for b in (4, 2)]
+    masks.append((torch.rand(5, generator=g) > 0.5).to(dtype))
+    for some in (masks[:1], masks[2:], masks):
+        mf = batch_figures(some)
+        figs = [mask_stats(m) for m in some]
+        got = dict(mf.host) or dict(zip(mf.names, (float(p) for p in mf.parts)))
+        assert got == {
+            "tokens/real": float(sum(f["tokens"] for f in figs)),
+            "data/seq_len_mean": float(torch.stack([f["data/seq_len_mean"] for f in figs]
+                                                   ).mean()),
+            "data/seq_len_max": float(max(f["data/seq_len_max"] for f in figs))}
+        assert mf.lengths.tolist() == torch.cat([f["lengths"] for f in figs]).tolist()
+        assert mf.padded == sum(m.numel() for m in some)
+    assert (dtype == torch.bfloat16) == bool(batch_figures(masks).parts)  # numpy has no bf16
+
+
+@pytest.mark.parametrize("bad", [0.5, 2.0, -1.0, float("nan")])
+def test_a_cpu_mask_with_other_values_than_0_and_1_is_refused(bad):
+    mask = torch.ones(2, 4)
+    mask[1, 2] = bad
+    with pytest.raises(ValueError, match="besides 0 and 1"):
+        batch_figures([mask])
+    with pytest.raises(ValueError, match="besides 0 and 1"):
+        batch_figures([torch.ones(2, 4, dtype=torch.long), mask.long() * 2])
+    if bad == -1.0:  # as unsigned, the host's check reads -1 as the largest value
+        for dtype in (torch.int8, torch.int32, torch.long):
+            with pytest.raises(ValueError, match="besides 0 and 1"):
+                batch_figures([mask.to(dtype)])
 
 
 def test_timing_split_and_throughput():

@@ -120,7 +120,10 @@ def _host_figures(masks: list[torch.Tensor]) -> MaskFigures | None:
         if (m.device.type != "cpu" or m.is_complex() or m.dtype == torch.bfloat16
                 or m.numel() == 0):
             return None
-        a = (m.detach() if m.requires_grad else m).numpy()
+        try:
+            a = (m.detach() if m.requires_grad else m).numpy()
+        except (RuntimeError, TypeError):  # sparse, a tensor subclass: torch reads it
+            return None
         kind = a.dtype.kind
         if kind == "f":
             ok = not np.count_nonzero(a * (a - 1))  # 0 exactly where a is 0 or 1; not NaN

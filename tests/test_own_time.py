@@ -73,3 +73,35 @@ def test_start_leaves_out_the_eval_and_the_checkpoint(tmp_path):
     assert own.loc[[11, 21]].max() < 0.1, own.loc[[11, 21]]
     shares = own / df["time/step"]
     assert shares.iloc[5:].median() < 1
+
+
+def test_start_counts_the_batch_figures_it_takes_before_the_backward(tmp_path, monkeypatch):
+    """The logits' log Z and max |logit|, the masks' figures and the batch's ids are taken
+    between the forward and the backward: watching's time, and not the step_fn's
+    (`time/forward`)."""
+    from nbwatch import runner
+    from nbwatch.probes import data, logits
+
+    def slow(f):
+        def run(*a, **k):
+            time.sleep(0.01)
+            return f(*a, **k)
+        return run
+
+    monkeypatch.setattr(runner, "logit_parts", slow(logits.logit_parts))
+    monkeypatch.setattr(runner, "batch_figures", slow(data.batch_figures))
+    torch.manual_seed(0)
+    head = nn.Linear(8, 5)
+    opt = torch.optim.SGD(head.parameters(), lr=1e-2)
+    x, labels, mask = torch.randn(2, 3, 8), torch.randint(0, 5, (2, 3)), torch.ones(2, 3)
+
+    mon = nbwatch.Monitor(head, opt, run_dir=tmp_path / "r")
+    mon.start(lambda m, b: {"logits": m(b), "labels": labels, "mask": mask},
+              itertools.repeat(x), max_steps=8, accumulate=2, display=False,
+              dry_run=False).wait()
+    assert mon.state == "finished", mon.error
+    df = nbwatch.open_run(tmp_path / "r").df
+    assert df["train_logits/log_z"].notna().all() and (df["tokens/real"] == 12).all()
+    # one logits' figure (the first micro-batch's) and one mask call (the last's): 20 ms
+    assert (df["time/nbwatch"].iloc[1:] >= 0.02).all(), df["time/nbwatch"]
+    assert (df["time/forward"].iloc[1:] < 0.02).all(), df["time/forward"]

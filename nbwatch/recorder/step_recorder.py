@@ -188,7 +188,8 @@ class StepRecorder:
     def note_batch(self, batch: Any, epoch: int | None = None, index: int | None = None
                    ) -> None:
         """The step being taken uses `batch` (once per micro-batch, before its end)."""
-        self.batch_ids.note_batch(batch, epoch, index)
+        with self.own:
+            self.batch_ids.note_batch(batch, epoch, index)
 
     def note_logged_batch(self, batch: Any, scalars: dict[str, Any]) -> None:
         """`mon.log(batch=..., epoch=..., index=...)`: see `BatchIds.note_logged_batch`."""

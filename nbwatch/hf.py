@@ -14,6 +14,7 @@ optimizer steps, clip and cut LR act from the next step (and the Trainer's own l
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -204,7 +205,8 @@ class NbwatchCallback(Adapter, TrainerCallback):
                 rec.note_batch(inputs)
             loss = step(model, inputs, *args, **kwargs)
             if isinstance(loss, torch.Tensor):
-                self._losses.append(loss.detach())
+                with rec.own if rec is not None else contextlib.nullcontext():
+                    self._losses.append(loss.detach())
             mask = batch_mask(inputs)
             if mask is not None:
                 self._masks.append(mask)

@@ -111,7 +111,8 @@ class NbwatchCallback(Adapter, pl.Callback):
             return
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if isinstance(loss, torch.Tensor):
-            self._losses.append(loss.detach())
+            with rec.own:
+                self._losses.append(loss.detach())
         if not rec.stepped:
             return  # accumulating: the optimizer steps at a later batch
         host = {"epoch": float(trainer.current_epoch)}

@@ -182,8 +182,9 @@ class Runner:
             m.reduction = out.reduction
             loss = out.loss / spec.accumulate if spec.accumulate > 1 else out.loss
             (scaler.scale(loss) if scaler is not None else loss).backward()
-            detached = out.loss.detach().float()
-            m.loss_sum = detached if m.loss_sum is None else m.loss_sum + detached
+            with rec.own:  # the loss kept for the record: watching's
+                detached = out.loss.detach().float()
+                m.loss_sum = detached if m.loss_sum is None else m.loss_sum + detached
         return m
 
     def _batch_figures(self, m: _Micro, raw: Any, mask: torch.Tensor | None,
@@ -200,6 +201,7 @@ class Runner:
             return
         with self.rec.own:
             if want_logits:
+                assert logits is not None  # is_logits: a tensor
                 m.logits = logit_parts(logits, mask)
             if last and m.masks:
                 m.mask_figures = batch_figures(m.masks)

@@ -175,7 +175,8 @@ class Runner:
             out = parse_step_output(raw)
             m.fwd_s += time.perf_counter() - tf
             if isinstance(raw, dict):
-                _extras(raw, m.extras)
+                with rec.own:  # the step_fn's own scalars, kept for the record
+                    _extras(raw, m.extras)
             if out.mask is not None:
                 m.masks.append(out.mask)
             self._batch_figures(m, raw, out.mask, last=i == spec.accumulate - 1)
@@ -192,8 +193,8 @@ class Runner:
         """The batch's own figures, between the forward and the backward: the first
         micro-batch's logits' log Z and max |logit| (a fixed subsample: a cost that does
         not grow with the batch), and at the last one the masks' figures. Here, not after
-        the backward: the first code after torch's kernels runs cold, and right after the
-        logits' ops the mask's cost ~250 µs less a step on the demo (benchmarks/README.md).
+        the backward: the first code after torch's kernels runs cold, and next to the
+        logits' ops the masks' cost 20-50 µs less a step on the demo (benchmarks/README.md).
         Device figures, copied with the step's others; nbwatch's own time."""
         logits = raw.get("logits") if isinstance(raw, dict) else None
         want_logits = m.logits is None and is_logits(logits)

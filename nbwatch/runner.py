@@ -21,7 +21,7 @@ import torch
 from .checkpoint import rng_state, set_rng_state
 from .evaluation import evaluate
 from .probes.attention import clone_samples
-from .probes.data import MaskFigures, batch_figures
+from .probes.data import batch_figures
 from .probes.logits import NAMES as LOGIT_NAMES
 from .probes.logits import is_logits, logit_parts
 from .probes.loss import check_not_copying, parse_step_output
@@ -159,7 +159,7 @@ class Runner:
         step_fn = spec.step_fn
         assert step_fn is not None  # start() and preflight always give it (check_start)
         m = _Micro()
-        for i in range(spec.accumulate):
+        for _ in range(spec.accumulate):
             td = time.perf_counter()
             batch = self._take()
             m.data_s += time.perf_counter() - td
@@ -177,35 +177,29 @@ class Runner:
             if isinstance(raw, dict):
                 with rec.own:  # the step_fn's own scalars, kept for the record
                     _extras(raw, m.extras)
-            if out.mask is not None:
-                m.masks.append(out.mask)
-            self._batch_figures(m, raw, out.mask, last=i == spec.accumulate - 1)
+            self._logit_figures(m, raw, out.mask)
             m.reduction = out.reduction
             loss = out.loss / spec.accumulate if spec.accumulate > 1 else out.loss
             (scaler.scale(loss) if scaler is not None else loss).backward()
             with rec.own:  # the loss kept for the record: watching's
                 detached = out.loss.detach().float()
                 m.loss_sum = detached if m.loss_sum is None else m.loss_sum + detached
+            if out.mask is not None:
+                m.masks.append(out.mask)
         return m
 
-    def _batch_figures(self, m: _Micro, raw: Any, mask: torch.Tensor | None,
-                       last: bool) -> None:
-        """The batch's own figures, between the forward and the backward: the first
-        micro-batch's logits' log Z and max |logit| (a fixed subsample: a cost that does
-        not grow with the batch), and at the last one the masks' figures. Here, not after
-        the backward: the first code after torch's kernels runs cold, and next to the
-        logits' ops the masks' cost 20-50 µs less a step on the demo (benchmarks/README.md).
-        Device figures, copied with the step's others; nbwatch's own time."""
+    def _logit_figures(self, m: _Micro, raw: Any, mask: torch.Tensor | None) -> None:
+        """The first micro-batch's logits' log Z and max |logit|, between the forward and
+        the backward (the logits are warm; after the backward the rows are evicted): a
+        fixed subsample, so a cost that does not grow with the batch; device figures,
+        copied with the step's others; nbwatch's own time. The masks' figures wait for
+        `_measure`: a bad mask fails the step after its backward, which frees its graph
+        (an error raised before it would hold the activations through its traceback)."""
         logits = raw.get("logits") if isinstance(raw, dict) else None
-        want_logits = m.logits is None and is_logits(logits)
-        if not (want_logits or (last and m.masks)):
-            return
-        with self.rec.own:
-            if want_logits:
-                assert logits is not None  # is_logits: a tensor
+        if m.logits is None and is_logits(logits):
+            assert logits is not None  # is_logits: a tensor
+            with self.rec.own:
                 m.logits = logit_parts(logits, mask)
-            if last and m.masks:
-                m.mask_figures = batch_figures(m.masks)
 
     def _measure(self, m: _Micro) -> tuple[dict[str, float], float]:
         """Stage the step's device figures (mean loss, the step_fn's tensor scalars, the
@@ -231,8 +225,8 @@ class Runner:
             names += LOGIT_NAMES
             parts += m.logits
         padded = 0.0
-        mf = m.mask_figures
-        if mf is not None:
+        if m.masks:
+            mf = batch_figures(m.masks)
             names += mf.names
             parts += mf.parts
             figures.update(mf.host)
@@ -265,7 +259,6 @@ class _Micro:
     masks: list[torch.Tensor] = field(default_factory=list)
     extras: dict[str, list[Any]] = field(default_factory=dict)  # the step_fn's scalars
     logits: list[torch.Tensor] | None = None  # [log Z, max |logit|] of the first's logits
-    mask_figures: MaskFigures | None = None  # of all the masks, taken at the last
     samples: int = 0
     reduction: str | None = None
     data_s: float = 0.0  # waiting for batches

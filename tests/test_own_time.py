@@ -75,10 +75,9 @@ def test_start_leaves_out_the_eval_and_the_checkpoint(tmp_path):
     assert shares.iloc[5:].median() < 1
 
 
-def test_start_counts_the_batch_figures_it_takes_before_the_backward(tmp_path, monkeypatch):
-    """The logits' log Z and max |logit|, the masks' figures and the batch's ids are taken
-    between the forward and the backward: watching's time, and not the step_fn's
-    (`time/forward`)."""
+def test_start_counts_the_batch_figures_it_takes(tmp_path, monkeypatch):
+    """The logits' log Z and max |logit| (taken between the forward and the backward) and
+    the masks' figures are watching's time, and not the step_fn's (`time/forward`)."""
     from nbwatch import runner
     from nbwatch.probes import data, logits
 

@@ -111,7 +111,9 @@ def batch_figures(masks: list[torch.Tensor]) -> MaskFigures:
 
 def _host_figures(masks: list[torch.Tensor]) -> MaskFigures | None:
     """`batch_figures` of CPU masks, read in place with numpy and plain Python. The same
-    figures as `mask_stats` (float32 lengths, whose sums of 0/1 are exact), in fewer
+    figures as `mask_stats` (float32 lengths, whose sums of 0/1 are exact; over several
+    micro-batches the mean of their means is taken once in double, where the device
+    path rounds each to float32 first: it may differ in the last float32 digit), in fewer
     calls: just after a backward pass each call runs cold (tens of µs on a CPU, whatever
     it does; benchmarks/README.md). None where numpy cannot read a mask (a GPU or bf16
     one), one is empty, or one is not 0/1 (the torch path then refuses it)."""
@@ -126,7 +128,8 @@ def _host_figures(masks: list[torch.Tensor]) -> MaskFigures | None:
             return None
         kind = a.dtype.kind
         if kind == "f":
-            ok = not np.count_nonzero(a * (a - 1))  # 0 exactly where a is 0 or 1; not NaN
+            with np.errstate(all="ignore"):  # 1e30 overflows: not 0/1 all the same
+                ok = not np.count_nonzero(a * (a - 1))  # 0 exactly where a is 0 or 1
         elif kind == "i":  # as unsigned, a negative entry is > 1 too: one reduction
             ok = a.view(a.dtype.str.replace("i", "u")).max() <= 1
         else:

@@ -323,11 +323,7 @@ class Adapter:
                 names.append("loss/train")
                 parts.append(torch.stack([x.float().reshape(()) for x in losses]).sum())
             if masks:
-                mf = batch_figures(masks)
-                names += mf.names
-                parts += mf.parts
-                host.update(mf.host)
-                host["_padded"], lengths = mf.padded, mf.lengths
+                lengths = batch_figures(masks).into(names, parts, host)
                 samples = sum(int(m.shape[0]) for m in masks)
             if self._head is not None:
                 lnames, lparts = self._head.take()

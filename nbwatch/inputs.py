@@ -247,12 +247,7 @@ def log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any],
                 "seq_len] 0/1 attention mask (1 for real tokens, 0 for padding)")
         if first:
             check_mask(mask, "mon.log()")
-        mf = batch_figures([mask])
-        names += mf.names
-        parts += mf.parts
-        host.update(mf.host)
-        host["_padded"] = mf.padded
-        return host, names, parts, mf.lengths
+        return host, names, parts, batch_figures([mask]).into(names, parts, host)
     return host, names, parts, None
 
 

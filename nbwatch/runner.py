@@ -141,13 +141,11 @@ class Runner:
         t0 = time.perf_counter()
         micro = self._forward_backward()
         with self.rec.own:
-            figures, padded = self._measure(micro)
+            figures = self._measure(micro)
         t_fb = time.perf_counter()
         self._optimizer_step()
         figures.update({"time/forward_backward": t_fb - t0 - micro.data_s,
                         "time/forward": micro.fwd_s})  # under DDP, before grad sync
-        if padded:
-            figures["_padded"] = padded
         # from step 1 (0: the first pass), not only once the data has wrapped round
         figures["epoch"] = float(self._epoch)
         self.rec.end_step(figures, data_s=micro.data_s, samples=micro.samples or None)
@@ -201,10 +199,11 @@ class Runner:
             with self.rec.own:
                 m.logits = logit_parts(logits, mask)
 
-    def _measure(self, m: _Micro) -> tuple[dict[str, float], float]:
+    def _measure(self, m: _Micro) -> dict[str, float]:
         """Stage the step's device figures (mean loss, the step_fn's tensor scalars, the
         logits' log Z and max |logit|, the masks' token counts) to be copied with the
-        gradient norms: one sync. Returns the host figures and the padded token count."""
+        gradient norms: one sync. Returns the host figures (the padded token count among
+        them)."""
         rec, accumulate = self.rec, self.spec.accumulate
         rec.save_reduction(m.reduction)
         loss_sum = m.loss_sum
@@ -224,16 +223,10 @@ class Runner:
         if m.logits is not None:
             names += LOGIT_NAMES
             parts += m.logits
-        padded = 0.0
         if m.masks:
-            mf = batch_figures(m.masks)
-            names += mf.names
-            parts += mf.parts
-            figures.update(mf.host)
-            padded = mf.padded
-            rec.keep_seq_lens(mf.lengths)
+            rec.keep_seq_lens(batch_figures(m.masks).into(names, parts, figures))
         rec.stage(names, parts)  # copied to the host with the gradient norms: one sync
-        return figures, padded
+        return figures
 
     def _optimizer_step(self) -> None:
         """The optimizer step (the recorder's hooks measure, skip or clip it), then the

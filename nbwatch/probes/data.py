@@ -75,6 +75,16 @@ class MaskFigures:
     padded: float
     lengths: torch.Tensor
 
+    def into(self, names: list[str], parts: list[torch.Tensor], host: dict[str, float]
+             ) -> torch.Tensor:
+        """Add these to a step's device figures (`names`, `parts`) and its host figures
+        (with `_padded`, the padded token count); returns the sequence lengths."""
+        names += self.names
+        parts += self.parts
+        host.update(self.host)
+        host["_padded"] = self.padded
+        return self.lengths
+
 
 def batch_figures(masks: list[torch.Tensor]) -> MaskFigures:
     """Figures of one optimizer step's masks (one per micro-batch): real tokens, mean and
@@ -139,7 +149,7 @@ def _host_figures(masks: list[torch.Tensor]) -> MaskFigures | None:
         arrays.append(a.reshape(1 if a.ndim == 1 else a.shape[0], -1))
     lengths = [a.sum(axis=1, dtype=np.float32) for a in arrays]
     every = lengths[0] if len(lengths) == 1 else np.concatenate(lengths)
-    per = [n.tolist() for n in lengths] if len(lengths) > 1 else [every.tolist()]
+    per = [n.tolist() for n in lengths]
     means = [sum(n) / len(n) for n in per]
     host = {"tokens/real": float(sum(sum(n) for n in per)),
             "data/seq_len_mean": float(np.float32(sum(means) / len(means))),

@@ -326,7 +326,8 @@ class Adapter:
                 lengths = batch_figures(masks).into(names, parts, host)
                 samples = sum(int(m.shape[0]) for m in masks)
             if self._head is not None:
-                lnames, lparts = self._head.take()
+                # the first micro-batch's forward: its mask leaves its padding out
+                lnames, lparts = self._head.take(masks[0] if masks else None)
                 names += lnames
                 parts += lparts
         return rec.record_step(host, names, parts, lengths=lengths, samples=samples,

@@ -20,7 +20,7 @@ from .optimizer_hooks import hooked_optimizer, inner_scheduler
 from .probes.attention import take_samples
 from .probes.data import batch_figures, check_mask
 from .probes.logits import NAMES as LOGIT_NAMES
-from .probes.logits import is_logits, logit_parts
+from .probes.logits import TrainLogits, is_logits, logit_parts
 from .sharding import refuse_unsupported
 from .store import is_run_dir
 
@@ -214,11 +214,13 @@ def probe_samples(batch: Any, n: int) -> Any:
 
 
 def log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any],
-                first: bool = False, logits: torch.Tensor | None = None
+                first: bool = False, logits: torch.Tensor | None = None,
+                source: TrainLogits | None = None
                 ) -> tuple[dict[str, float], list[str], list[torch.Tensor], Any]:
     """Check what `log()` was given: host figures, device figures with their names
     (copied to the host with the next gradient norms: one sync a step; `logits`: their
-    log Z and max |logit| over a fixed subsample, `probes.logits`), and the
+    log Z and max |logit| over a fixed subsample, `probes.logits`; without them,
+    `source`'s, the output layer's hook), and the
     sequence lengths of the mask. On the `first` step a GPU mask is checked for 0/1 values
     (one sync, once); later steps count its bad entries with the other figures
     (`probes.data.BAD`), and a CPU mask is checked at every step (no sync)."""
@@ -229,14 +231,19 @@ def log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any],
         add_figure(host, names, parts, "loss/train", loss, "loss")
     for k, v in scalars.items():
         add_figure(host, names, parts, f"train/{k}", v, f"{k}=")
-    if logits is not None:
-        if not is_logits(logits):
-            got = (f"a tensor of shape {tuple(logits.shape)} and dtype {logits.dtype}"
-                   if isinstance(logits, torch.Tensor) else f"a {type(logits).__name__}")
-            raise TypeError(f"mon.log(): logits is {got}; pass the model's output logits, a "
-                            "float tensor [..., vocab] (e.g. logits=out.logits)")
+    if logits is not None and not is_logits(logits):
+        got = (f"a tensor of shape {tuple(logits.shape)} and dtype {logits.dtype}"
+               if isinstance(logits, torch.Tensor) else f"a {type(logits).__name__}")
+        raise TypeError(f"mon.log(): logits is {got}; pass the model's output logits, a "
+                        "float tensor [..., vocab] (e.g. logits=out.logits)")
+    m = mask if isinstance(mask, torch.Tensor) else None
+    if source is not None:  # the logits given, else the output layer's hook
+        lnames, lparts = source.parts(logits, m)
+        names += lnames
+        parts += lparts
+    elif logits is not None:
         names += LOGIT_NAMES
-        parts += logit_parts(logits, mask if isinstance(mask, torch.Tensor) else None)
+        parts += logit_parts(logits, m)
     if mask is not None:
         if not isinstance(mask, torch.Tensor):
             raise TypeError(f"mon.log(): mask is a {type(mask).__name__}; pass the batch's "

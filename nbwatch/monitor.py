@@ -275,7 +275,8 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         ids) `run.spikes` names; `logits`: the step's output logits [..., vocab] (of
         its last micro-batch, say), whose mean log-partition and largest |logit| over at
         most 64 positions are recorded as `train_logits/log_z` and `train_logits/max_abs`
-        (on the device, no sync of their own); further keywords: scalars recorded as
+        (on the device, no sync of their own; without them, the output layer's, from a
+        forward hook set at the first such log()); further keywords: scalars recorded as
         `train/<name>`. Gradient figures were taken at the optimizer's step already.
         Queued commands are applied here: pause blocks here until resumed, and a stop
         raises `nbwatch.StopTraining` (after a final checkpoint) to end the loop.
@@ -287,7 +288,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
             rec.note_logged_batch(batch, scalars)  # takes epoch=/index= given with a batch
             host, names, parts, lengths = log_figures(loss, mask, scalars,
                                                       first=rec.step == self._progress_start,
-                                                      logits=logits)
+                                                      logits=logits, source=rec.train_logits)
             val = check_val(val)
         samples = int(mask.shape[0]) if mask is not None and mask.dim() == 2 else None
         step = rec.record_step(host, names, parts, lengths=lengths, samples=samples, val=val,

@@ -23,7 +23,7 @@ from .evaluation import evaluate
 from .probes.attention import clone_samples
 from .probes.data import batch_figures
 from .probes.logits import NAMES as LOGIT_NAMES
-from .probes.logits import is_logits, logit_parts
+from .probes.logits import is_logits
 from .probes.loss import check_not_copying, parse_step_output
 from .recorder import Progress, RunSpec, StepRecorder
 
@@ -56,6 +56,7 @@ class Runner:
             self._dry_run()
         assert spec.max_steps is not None, "start() gives the runner its step count"
         every = spec.eval_every or 0
+        rec.train_logits.watch()  # a step_fn that returns no logits: its output layer's
         while rec.step < spec.max_steps:
             rec.apply_commands()
             if rec.stopping:
@@ -157,6 +158,7 @@ class Runner:
         step_fn = spec.step_fn
         assert step_fn is not None  # start() and preflight always give it (check_start)
         m = _Micro()
+        rec.train_logits.arm()
         for _ in range(spec.accumulate):
             td = time.perf_counter()
             batch = self._take()
@@ -165,13 +167,14 @@ class Runner:
             m.samples += _batch_size(batch)
             if spec.probe_batch is None and spec.eval_every and spec.attention_samples > 0:
                 spec.probe_batch = clone_samples(batch, spec.attention_samples)
-            tf = time.perf_counter()
+            tf, own0 = time.perf_counter(), rec.own.closed
             raw = step_fn(model, batch)
             if not self._checked:  # a wrong objective is refused at the first step
                 check_not_copying(batch, raw)
                 self._checked = True
             out = parse_step_output(raw)
-            m.fwd_s += time.perf_counter() - tf
+            # less the output layer's hook (nbwatch's, inside the forward)
+            m.fwd_s += time.perf_counter() - tf - (rec.own.closed - own0)
             if isinstance(raw, dict):
                 with rec.own:  # the step_fn's own scalars, kept for the record
                     _extras(raw, m.extras)
@@ -188,16 +191,19 @@ class Runner:
 
     def _logit_figures(self, m: _Micro, raw: Any, mask: torch.Tensor | None) -> None:
         """The first micro-batch's logits' log Z and max |logit|, between the forward and
-        the backward (the logits are warm; after the backward the rows are evicted): a
-        fixed subsample, so a cost that does not grow with the batch; device figures,
+        the backward (the logits are warm; after the backward the rows are evicted): the
+        step_fn's `logits`, else the output layer's (its forward hook's per-row figures);
+        a fixed subsample, so a cost that does not grow with the batch; device figures,
         copied with the step's others; nbwatch's own time. The masks' figures wait for
         `_measure`: a bad mask fails the step after its backward, which frees its graph
         (an error raised before it would hold the activations through its traceback)."""
+        if m.logits is not None:
+            return
         logits = raw.get("logits") if isinstance(raw, dict) else None
-        if m.logits is None and is_logits(logits):
-            assert logits is not None  # is_logits: a tensor
-            with self.rec.own:
-                m.logits = logit_parts(logits, mask)
+        with self.rec.own:
+            _, parts = self.rec.train_logits.parts(logits if is_logits(logits) else None,
+                                                   mask, rearm=False)
+        m.logits = parts or None
 
     def _measure(self, m: _Micro) -> dict[str, float]:
         """Stage the step's device figures (mean loss, the step_fn's tensor scalars, the

@@ -1,7 +1,8 @@
 """The per-step logits figures (`train_logits/log_z`, `train_logits/max_abs`) from each
 source: `start()`'s step_fn returning `logits`, an own loop's `log(logits=...)`, and the
-output layer's forward hook under the Hugging Face Trainer and Lightning. Each recorded
-figure equals `logit_parts` of the logits that step trained on."""
+output layer's forward hook: under the Hugging Face Trainer and Lightning, and for a
+step_fn or own loop that hands over no logits. Each recorded figure equals `logit_parts`
+of the logits that step trained on."""
 
 from __future__ import annotations
 
@@ -60,6 +61,100 @@ def test_an_own_loop_passes_its_logits_to_log(tmp_path):
     assert "loss/train" not in mon.df  # no loss given: logits alone are no loss
 
 
+class KeepsHead:
+    """What the output layer of a model computed on each training forward, and the mask
+    the step gave with it."""
+
+    def __init__(self, model):
+        self.logits: list[torch.Tensor] = []
+        self.hook = model.head.register_forward_hook(self.keep)
+
+    def keep(self, mod, args, out):
+        if mod.training and torch.is_grad_enabled():
+            self.logits.append(out.detach().clone())
+
+
+def test_start_takes_the_output_layers_logits_when_the_step_fn_returns_a_loss(tmp_path):
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    heads = KeepsHead(model)
+    masks = []
+
+    def step_fn(model, batch):  # as a Hugging Face model's {"loss": out.loss}: no logits
+        if model.training:
+            masks.append(batch["mask"])
+        loss = nbwatch.masked_cross_entropy(model(batch["input_ids"]), batch["labels"],
+                                            batch["mask"])
+        return {"loss": loss, "mask": batch["mask"]}
+
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
+    mon.start(step_fn, make_batches(8), max_steps=4, accumulate=2, display=False).wait()
+    heads.hook.remove()
+    df = nbwatch.open_run(tmp_path / "run").df
+    assert len(heads.logits) == 8 and len(df) == 4
+    # the first micro-batch of each step, its padding left out by its mask
+    kept = list(zip(heads.logits[::2], masks[::2]))
+    assert df[[LOG_Z, MAX_ABS]].to_numpy() == pytest.approx(expected(kept), rel=1e-6)
+    assert not model.head._forward_hooks  # nbwatch's hook goes with the run
+
+
+def test_start_drops_the_hook_once_the_step_fn_gives_its_logits(tmp_path):
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    hooked = []
+
+    def step_fn(model, batch):
+        hooked.append(len(model.head._forward_hooks))
+        return {"logits": model(batch["input_ids"]), "labels": batch["labels"],
+                "mask": batch["mask"]}
+
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
+    mon.start(step_fn, make_batches(5), max_steps=5, display=False).wait()
+    assert hooked == [1, 0, 0, 0, 0]  # set for step 1 (it could have given none), then gone
+    assert nbwatch.open_run(tmp_path / "run").df[LOG_Z].notna().all()
+
+
+def test_an_own_loop_without_logits_gets_the_output_layers_from_its_second_step(tmp_path):
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    heads = KeepsHead(model)
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
+    batches = make_batches(5)
+    with mon:
+        for b in batches:
+            loss = nbwatch.masked_cross_entropy(model(b["input_ids"]), b["labels"], b["mask"])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                model.eval()
+                model(b["input_ids"])  # an eval forward in the loop: not the training batch
+                model.train()
+            mon.log(loss=loss, mask=b["mask"])
+    heads.hook.remove()
+    df = mon.df
+    # the run opens at the first optimizer step: the hook is set at the first log()
+    assert np.isnan(df[LOG_Z].iloc[0])
+    kept = list(zip(heads.logits[1:], [b["mask"] for b in batches[1:]]))
+    assert df[[LOG_Z, MAX_ABS]].iloc[1:].to_numpy() == pytest.approx(expected(kept), rel=1e-6)
+    assert not model.head._forward_hooks
+
+
+def test_a_model_without_an_output_layer_records_no_logits_figures(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
+    mon.start(lambda m, b: (m(b[0]) - b[1]).square().mean(), [(x, y)] * 3, max_steps=3,
+              display=False).wait()
+    df = nbwatch.open_run(tmp_path / "run").df
+    assert len(df) == 3 and LOG_Z not in df
+
+
 def test_log_refuses_what_cannot_be_logits(tmp_path):
     torch.manual_seed(0)
     model = TinyGPT(vocab=64, d=32, layers=1, heads=2, ctx=32)
@@ -81,19 +176,26 @@ def test_the_hf_trainer_records_its_lm_heads_logits_and_the_hook_goes(tmp_path):
 
     trainer = make_trainer(tmp_path / "out", max_steps=6, eval_steps=3)
     head = trainer.model.get_output_embeddings()
-    kept = []
+    kept, masks = [], []
 
     def keep(mod, args, out):  # what the Trainer's training forwards computed
         if mod.training and torch.is_grad_enabled():
-            kept.append((out.detach().clone(), None))
+            kept.append(out.detach().clone())
 
-    mine = head.register_forward_hook(keep)
+    def keep_mask(mod, args, kwargs):  # … and the padding they were given
+        if mod.training and torch.is_grad_enabled():
+            masks.append(kwargs["attention_mask"])
+
+    mine = [head.register_forward_hook(keep),
+            trainer.model.register_forward_pre_hook(keep_mask, with_kwargs=True)]
     run = nbwatch.hf.start(trainer, run_dir=tmp_path / "run", display=False)
     run.wait()
-    mine.remove()
+    for h in mine:
+        h.remove()
     assert run.state == "finished" and len(kept) == 6  # the evals' forwards did not count
+    assert any(not m.all() for m in masks)  # padded batches: the mask leaves it out
     got = run.df[[LOG_Z, MAX_ABS]].to_numpy()
-    assert got == pytest.approx(expected(kept), rel=1e-6)
+    assert got == pytest.approx(expected(list(zip(kept, masks))), rel=1e-6)
     assert not head._forward_hooks  # nbwatch's hook removed at the fit's end
 
 

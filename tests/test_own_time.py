@@ -87,7 +87,7 @@ def test_start_counts_the_batch_figures_it_takes(tmp_path, monkeypatch):
             return f(*a, **k)
         return run
 
-    monkeypatch.setattr(runner, "logit_parts", slow(logits.logit_parts))
+    monkeypatch.setattr(logits, "logit_parts", slow(logits.logit_parts))
     monkeypatch.setattr(runner, "batch_figures", slow(data.batch_figures))
     torch.manual_seed(0)
     head = nn.Linear(8, 5)
@@ -104,3 +104,31 @@ def test_start_counts_the_batch_figures_it_takes(tmp_path, monkeypatch):
     # one logits' figure (the first micro-batch's) and one mask call (the last's): 20 ms
     assert (df["time/nbwatch"].iloc[1:] >= 0.02).all(), df["time/nbwatch"]
     assert (df["time/forward"].iloc[1:] < 0.02).all(), df["time/forward"]
+
+
+def test_start_counts_the_output_layers_hook_as_watching_not_forward(tmp_path, monkeypatch):
+    """A step_fn that returns only a loss: the hook on the output layer takes the logits'
+    figures inside the forward, on watching's clock, and `time/forward` leaves it out."""
+    from nbwatch.probes import logits
+
+    def slow(x, positions=logits.POSITIONS):
+        time.sleep(0.01)
+        return real(x, positions)
+
+    real = logits.row_figures
+    monkeypatch.setattr(logits, "row_figures", slow)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(5, 8), nn.Linear(8, 5))  # its Linear: the vocabulary
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 5, (2, 3))
+
+    def step_fn(m, b):
+        return {"loss": nn.functional.cross_entropy(m(b).flatten(0, 1), b.flatten())}
+
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r")
+    mon.start(step_fn, itertools.repeat(ids), max_steps=6, display=False, dry_run=False).wait()
+    assert mon.state == "finished", mon.error
+    df = nbwatch.open_run(tmp_path / "r").df
+    assert df["train_logits/log_z"].notna().all()
+    assert (df["time/nbwatch"].iloc[1:] >= 0.01).all(), df["time/nbwatch"]
+    assert (df["time/forward"].iloc[1:] < 0.01).all(), df["time/forward"]

@@ -57,10 +57,26 @@ def logit_parts(logits: torch.Tensor, mask: torch.Tensor | None = None,
 
     >>> names, parts = NAMES, logit_parts(out.logits, batch["attention_mask"])
     """
+    return reduce_rows(row_figures(logits, positions), mask)
+
+
+Rows = tuple[torch.Tensor, torch.Tensor, slice, tuple[int, ...]]
+"""Per subsampled row: log Z, max |logit|; the rows taken; the logits' positions' shape."""
+
+
+def row_figures(logits: torch.Tensor, positions: int = POSITIONS) -> Rows:
+    """The per-row half of `logit_parts`: what a forward hook takes while the logits are
+    warm, before the step's mask is known."""
     x, rows = _rows(logits, positions)
-    x = x[rows].float()  # [n, V]: n rows only
-    lz, top = _log_z_and_top(x)  # [n] each
-    if mask is not None and tuple(mask.shape) == tuple(logits.shape[:-1]):
+    lz, top = _log_z_and_top(x[rows].float())  # [n] each: n rows only
+    return lz, top, rows, tuple(logits.shape[:-1])
+
+
+def reduce_rows(figures: Rows, mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The reducing half of `logit_parts`: the rows' mean log Z and max |logit|, padding
+    left out by weight where `mask` has the logits' positions' shape."""
+    lz, top, rows, shape = figures
+    if mask is not None and tuple(mask.shape) == shape:
         m = mask.detach().reshape(-1)[rows].to(lz.dtype)
         n = m.sum()
         # no real token among the rows: NaN, a figure missing (not a false 0)
@@ -76,8 +92,9 @@ def is_logits(x: Any) -> bool:
 
 class HeadWatch:
     """A forward hook on a model's output layer (`get_output_embeddings()`, else the Linear
-    onto the vocabulary) that keeps the figures of the first training forward since the
-    last `take()`: the logits of a loop nbwatch does not run (the Trainer, Lightning).
+    onto the vocabulary) that keeps the per-row figures of the first training forward
+    while armed (from `arm()` or a `take()` that re-arms): the logits of a loop that hands
+    nbwatch none (the Trainer, Lightning, a step_fn returning `out.loss`).
 
     Only a forward in training mode with gradients on counts: an eval's or nbwatch's probe
     pass is not the training batch."""
@@ -86,32 +103,81 @@ class HeadWatch:
                  own: Any = None):
         self.positions = positions
         self._own = own if own is not None else contextlib.nullcontext()  # time/nbwatch
-        self.parts: list[torch.Tensor] | None = None
+        self.rows: Rows | None = None
+        self.armed = True
         found = output_layer(model)
         self.path = found[0] if found is not None else None
         self._handle = found[1].register_forward_hook(self._on_head) if found else None
 
     def _on_head(self, mod: nn.Module, args: Any, out: Any) -> None:
-        if self.parts is not None or not (mod.training and torch.is_grad_enabled()):
+        if not self.armed or not (mod.training and torch.is_grad_enabled()):
             return
         with self._own:
             x = output_logits(out)
             if x is not None and is_logits(x):
-                self.parts = logit_parts(x, positions=self.positions)
+                self.rows, self.armed = row_figures(x, self.positions), False
 
     @property
     def watching(self) -> bool:
         return self._handle is not None
 
-    def take(self) -> tuple[list[str], list[torch.Tensor]]:
-        """(names, parts) of the step's logits figures since the last take (none if no
-        training forward reached the output layer)."""
-        parts, self.parts = self.parts, None
-        return (list(NAMES), parts) if parts is not None else ([], [])
+    def arm(self) -> None:
+        """Keep the next training forward's figures (those kept so far are dropped)."""
+        self.rows, self.armed = None, self._handle is not None
+
+    def take(self, mask: torch.Tensor | None = None, rearm: bool = True
+             ) -> tuple[list[str], list[torch.Tensor]]:
+        """(names, parts) of the figures kept since armed (none if no training forward
+        reached the output layer), padding left out where `mask` fits; `rearm`: keep the
+        next training forward's too."""
+        rows, self.rows = self.rows, None
+        self.armed = rearm and self._handle is not None
+        return (list(NAMES), reduce_rows(rows, mask)) if rows is not None else ([], [])
 
     def remove(self) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-        self.parts = None
+        self.rows, self.armed = None, False
 
+
+class TrainLogits:
+    """Where a loop's per-step logits figures come from: the logits its step hands over
+    (`start()`'s step_fn, `log(logits=...)`), else a `HeadWatch` on the model's output
+    layer, set at the first step that hands none (or before the first forward, `watch()`)
+    and removed for good once a step hands its logits, or the run ends (`close()`)."""
+
+    def __init__(self, model: nn.Module, own: Any = None):
+        self.model, self.own = model, own
+        self.head: HeadWatch | None = None
+        self.given = False  # a step handed its logits: the hook is not needed
+
+    def watch(self) -> None:
+        """Set the hook now, armed (a loop nbwatch runs: its first forward counts too)."""
+        if self.head is None and not self.given:
+            self.head = HeadWatch(self.model, own=self.own)
+
+    def arm(self) -> None:
+        """A step begins: the hook keeps its first training forward."""
+        if self.head is not None:
+            self.head.arm()
+
+    def parts(self, logits: torch.Tensor | None, mask: torch.Tensor | None = None,
+              rearm: bool = True) -> tuple[list[str], list[torch.Tensor]]:
+        """(names, parts) of the step's logits figures: `logits`' when given, else the
+        hook's (set now if it was not; `rearm`: see `HeadWatch.take`)."""
+        if logits is not None:
+            if not self.given:
+                self.given = True
+                self.close()
+            return list(NAMES), logit_parts(logits, mask)
+        if self.given:  # it handed them before: no hook since
+            return [], []
+        self.watch()
+        assert self.head is not None  # set by watch(): no logits were ever handed
+        return self.head.take(mask, rearm)
+
+    def close(self) -> None:
+        head, self.head = self.head, None
+        if head is not None:
+            head.remove()

@@ -41,6 +41,12 @@ class OwnTime:
         if not self._depth:
             self._total += _now() - self._since
 
+    @property
+    def closed(self) -> float:
+        """Seconds of the entries closed since the last take (what a caller outside every
+        entry subtracts from its own span: a hook of nbwatch's inside a user's forward)."""
+        return self._total
+
     def take(self) -> float:
         """Seconds inside nbwatch since the last take, the entry now open included up
         to now (what it does after the take counts towards the next)."""

@@ -31,6 +31,7 @@ from ..alerts import AlertEngine, default_rules
 from ..checkpoint import Checkpointer
 from ..distributed import Dist, NullStore, lost_peer
 from ..probes.grads import Layers
+from ..probes.logits import TrainLogits
 from ..records import Event
 from ..store import RunStore
 from . import eval_checkpoint as ec
@@ -96,6 +97,8 @@ class StepRecorder:
         self.lr = LrFactor(optimizer, scheduler, control)  # an LR cut around the scheduler
         self.own_clips = OwnClips(self.layers)  # norms before the loop's own clips
         self.own = OwnTime()  # nbwatch's own time on the training thread: time/nbwatch
+        # the training batch's logits figures: the loop's, else the output layer's hook
+        self.train_logits = TrainLogits(model, self.own)
         # Set by framework adapters: False when the optimizer's pre-hook comes too early to
         # see the gradients (Lightning's closure runs backward inside optimizer.step), and
         # the adapter calls `pre_step()` itself at the framework's own moment.
@@ -265,6 +268,7 @@ class StepRecorder:
         self.expire_pending()
         self._set_state(outcome)
         self.ended = True
+        self.train_logits.close()
 
     def fail(self, e: BaseException) -> None:
         """Record `e` as the end of the run, with an emergency checkpoint."""
@@ -280,6 +284,7 @@ class StepRecorder:
             return
         p.move("failed")  # first: recording it below may itself fail (a dead store)
         self.ended = True
+        self.train_logits.close()
         msg = f"{type(e).__name__}: {e}"
         if self.dist is not None:
             if lost_peer(e):

@@ -25,6 +25,7 @@ import torch
 import nbwatch
 from nbwatch import alerts, runner
 from nbwatch.demo import make_demo
+from nbwatch.probes import logits
 from nbwatch.recorder import optimizer_step as ost
 from nbwatch.recorder import steering as st
 from nbwatch.recorder import step_end as se
@@ -42,7 +43,7 @@ PARTS = [
     (ost.wprobe, "update_ratios", "post-hook: update ratios"),
     (se, "complete", "record: rules and the store's queue"),
     (se, "histograms", "record: weight histograms (every 50)"),
-    (runner, "logit_parts", "staging: logits' log Z and max |logit|"),
+    (logits, "logit_parts", "staging: logits' log Z and max |logit|"),
     (runner, "batch_figures", "staging: the mask's figures"),
     (st, "poll_commands", "boundary: command poll"),
     (alerts.AlertEngine, "observe", "the rules (all phases)"),

@@ -215,3 +215,35 @@ def test_lightning_records_the_output_layers_logits_and_the_hook_goes(tmp_path):
     df = run.df.dropna(subset=["loss/train"])
     assert df[LOG_Z].notna().all() and df[MAX_ABS].gt(0).all() and len(df) == 6
     assert not module.net.head._forward_hooks
+
+
+@pytest.mark.parametrize("monitored", ["compiled", "original"])
+def test_a_compiled_model_keeps_one_graph(tmp_path, monitored):
+    """The hook never splits a `torch.compile`d graph: given the compiled model, nbwatch
+    watches its output (outside the graph) and records the figures; given the module that
+    a step_fn calls compiled, the output layer's hook does nothing inside the graph."""
+    import torch._dynamo as dynamo
+
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step_fn(m, b):
+        logits = compiled(b["input_ids"])
+        return {"loss": nbwatch.masked_cross_entropy(logits, b["labels"], b["mask"]),
+                "mask": b["mask"]}
+
+    mon = nbwatch.Monitor(compiled if monitored == "compiled" else model, opt,
+                          run_dir=tmp_path / "run")
+    mon.start(step_fn, make_batches(4), max_steps=4, display=False).wait()
+    assert mon.state == "finished", mon.error
+    assert not dynamo.utils.counters["graph_break"]
+    df = nbwatch.open_run(tmp_path / "run").df
+    if monitored == "compiled":
+        assert df[LOG_Z].notna().all()
+    else:
+        assert LOG_Z not in df
+    dynamo.reset()

@@ -97,7 +97,10 @@ class HeadWatch:
     nbwatch none (the Trainer, Lightning, a step_fn returning `out.loss`).
 
     Only a forward in training mode with gradients on counts: an eval's or nbwatch's probe
-    pass is not the training batch."""
+    pass is not the training batch. A `torch.compile`d model is watched at its own output
+    (its hooks run outside the compiled graph, whose output layer's would break it); a hook
+    that Dynamo traces anyway (an output layer inside a model compiled elsewhere) does
+    nothing, so it never splits the graph."""
 
     def __init__(self, model: nn.Module, positions: int = POSITIONS,
                  own: Any = None):
@@ -105,12 +108,16 @@ class HeadWatch:
         self._own = own if own is not None else contextlib.nullcontext()  # time/nbwatch
         self.rows: Rows | None = None
         self.armed = True
-        found = output_layer(model)
+        found = (("", model) if isinstance(getattr(model, "_orig_mod", None), nn.Module)
+                 else output_layer(model))
         self.path = found[0] if found is not None else None
         self._handle = found[1].register_forward_hook(self._on_head) if found else None
 
     def _on_head(self, mod: nn.Module, args: Any, out: Any) -> None:
-        if not self.armed or not (mod.training and torch.is_grad_enabled()):
+        if torch.compiler.is_compiling():
+            return
+        training = getattr(mod, "_orig_mod", mod).training
+        if not self.armed or not (training and torch.is_grad_enabled()):
             return
         with self._own:
             x = output_logits(out)

@@ -329,6 +329,8 @@ class RunOpening(MonitorState):
             self._global_hook.remove()
             self._global_hook = None
         self._end_clip_watch()  # torch's clipping is torch's again (optimizer_hooks.py)
+        if rec is not None:
+            rec.train_logits.close()  # the output layer's hook, if the run's end left it
         try:
             if sampler is not None:
                 sampler.stop()

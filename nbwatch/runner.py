@@ -56,7 +56,7 @@ class Runner:
             self._dry_run()
         assert spec.max_steps is not None, "start() gives the runner its step count"
         every = spec.eval_every or 0
-        rec.train_logits.watch()  # a step_fn that returns no logits: its output layer's
+        rec.train_logits.keep = "first"  # the first micro-batch's, as for logits handed over
         while rec.step < spec.max_steps:
             rec.apply_commands()
             if rec.stopping:

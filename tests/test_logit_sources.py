@@ -93,13 +93,15 @@ def test_start_takes_the_output_layers_logits_when_the_step_fn_returns_a_loss(tm
     heads.hook.remove()
     df = nbwatch.open_run(tmp_path / "run").df
     assert len(heads.logits) == 8 and len(df) == 4
-    # the first micro-batch of each step, its padding left out by its mask
-    kept = list(zip(heads.logits[::2], masks[::2]))
-    assert df[[LOG_Z, MAX_ABS]].to_numpy() == pytest.approx(expected(kept), rel=1e-6)
+    # set once step 1 handed no logits; then the first micro-batch of each step, its
+    # padding left out by its mask
+    assert np.isnan(df[LOG_Z].iloc[0])
+    kept = list(zip(heads.logits[2::2], masks[2::2]))
+    assert df[[LOG_Z, MAX_ABS]].iloc[1:].to_numpy() == pytest.approx(expected(kept), rel=1e-6)
     assert not model.head._forward_hooks  # nbwatch's hook goes with the run
 
 
-def test_start_drops_the_hook_once_the_step_fn_gives_its_logits(tmp_path):
+def test_start_sets_no_hook_when_the_step_fn_gives_its_logits(tmp_path):
     torch.manual_seed(0)
     model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -112,21 +114,32 @@ def test_start_drops_the_hook_once_the_step_fn_gives_its_logits(tmp_path):
 
     mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
     mon.start(step_fn, make_batches(5), max_steps=5, display=False).wait()
-    assert hooked == [1, 0, 0, 0, 0]  # set for step 1 (it could have given none), then gone
+    assert hooked == [0] * 5  # never set: a compiled model would recompile for it
     assert nbwatch.open_run(tmp_path / "run").df[LOG_Z].notna().all()
 
 
 def test_an_own_loop_without_logits_gets_the_output_layers_from_its_second_step(tmp_path):
+    """The batch each step trained on: its last training forward before the optimizer
+    step (the micro-batch whose mask `log()` is given), not a batch the loop dropped, an
+    eval's forward, or another thread's forward in the meantime."""
+    import threading
+
     torch.manual_seed(0)
     model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     heads = KeepsHead(model)
     mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
-    batches = make_batches(5)
+    batches = make_batches(12, T=16)
+    trained = []
     with mon:
-        for b in batches:
-            loss = nbwatch.masked_cross_entropy(model(b["input_ids"]), b["labels"], b["mask"])
-            loss.backward()
+        for step in range(5):
+            if step == 2:  # a batch the loop drops (a non-finite loss, say): never stepped
+                model(batches[-1]["input_ids"])
+            for b in batches[2 * step:2 * step + 2]:  # two micro-batches
+                loss = nbwatch.masked_cross_entropy(model(b["input_ids"]), b["labels"],
+                                                    b["mask"])
+                loss.backward()
+            trained.append((heads.logits[-1], b["mask"]))
             opt.step()
             opt.zero_grad()
             with torch.no_grad():
@@ -134,12 +147,35 @@ def test_an_own_loop_without_logits_gets_the_output_layers_from_its_second_step(
                 model(b["input_ids"])  # an eval forward in the loop: not the training batch
                 model.train()
             mon.log(loss=loss, mask=b["mask"])
+            other = threading.Thread(target=model, args=(batches[-2]["input_ids"],))
+            other.start()  # another thread's forward (a cell run while paused, say)
+            other.join()
     heads.hook.remove()
     df = mon.df
     # the run opens at the first optimizer step: the hook is set at the first log()
     assert np.isnan(df[LOG_Z].iloc[0])
-    kept = list(zip(heads.logits[1:], [b["mask"] for b in batches[1:]]))
-    assert df[[LOG_Z, MAX_ABS]].iloc[1:].to_numpy() == pytest.approx(expected(kept), rel=1e-6)
+    got = df[[LOG_Z, MAX_ABS]].iloc[1:].to_numpy()
+    assert got == pytest.approx(expected(trained[1:]), rel=1e-6)
+    assert not model.head._forward_hooks
+
+
+def test_the_hook_goes_when_the_final_checkpoint_fails(tmp_path):
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=1, heads=2, ctx=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    b = make_batches(1)[0]
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"), mon:
+        for _ in range(2):
+            model(b["input_ids"]).float().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.log(loss=1.0)
+        mon._recorder.ckpt.save = full_disk
     assert not model.head._forward_hooks
 
 
@@ -217,6 +253,20 @@ def test_lightning_records_the_output_layers_logits_and_the_hook_goes(tmp_path):
     assert not module.net.head._forward_hooks
 
 
+def test_a_compiled_model_without_an_output_layer_records_no_logits_figures(tmp_path):
+    """Its output is a float tensor [B, 3]: not logits, as the same model uncompiled."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x, y = torch.randn(4, 8), torch.randn(4, 3)
+    mon = nbwatch.Monitor(compiled, opt, run_dir=tmp_path / "run")
+    mon.start(lambda m, b: (m(b[0]) - b[1]).square().mean(), [(x, y)] * 3, max_steps=3,
+              display=False).wait()
+    df = nbwatch.open_run(tmp_path / "run").df
+    assert len(df) == 3 and LOG_Z not in df
+
+
 @pytest.mark.parametrize("monitored", ["compiled", "original"])
 def test_a_compiled_model_keeps_one_graph(tmp_path, monitored):
     """The hook never splits a `torch.compile`d graph: given the compiled model, nbwatch
@@ -243,7 +293,7 @@ def test_a_compiled_model_keeps_one_graph(tmp_path, monitored):
     assert not dynamo.utils.counters["graph_break"]
     df = nbwatch.open_run(tmp_path / "run").df
     if monitored == "compiled":
-        assert df[LOG_Z].notna().all()
+        assert df[LOG_Z].iloc[1:].notna().all()  # from step 2: step 1 handed no logits
     else:
         assert LOG_Z not in df
     dynamo.reset()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from typing import Any
 
 import torch
@@ -92,24 +93,31 @@ def is_logits(x: Any) -> bool:
 
 class HeadWatch:
     """A forward hook on a model's output layer (`get_output_embeddings()`, else the Linear
-    onto the vocabulary) that keeps the per-row figures of the first training forward
-    while armed (from `arm()` or a `take()` that re-arms): the logits of a loop that hands
-    nbwatch none (the Trainer, Lightning, a step_fn returning `out.loss`).
+    onto the vocabulary) that keeps the per-row figures of a training forward while armed
+    (from `arm()` or a `take()` that re-arms): the logits of a loop that hands nbwatch none
+    (the Trainer, Lightning, a step_fn returning `out.loss`, an own loop's `log()`).
+    `keep="first"`: the first such forward, then it disarms; "last": each one replaces the
+    one before until `hold()` (the optimizer step) or the take.
 
-    Only a forward in training mode with gradients on counts: an eval's or nbwatch's probe
-    pass is not the training batch. A `torch.compile`d model is watched at its own output
-    (its hooks run outside the compiled graph, whose output layer's would break it); a hook
-    that Dynamo traces anyway (an output layer inside a model compiled elsewhere) does
-    nothing, so it never splits the graph."""
+    Only a forward in training mode with gradients on, on the thread that armed it, counts:
+    an eval's, nbwatch's probe pass, another thread's forward are not the training batch.
+    A `torch.compile`d model whose output layer is found is watched at its own output (its
+    hooks run outside the compiled graph, whose output layer's would break it), on logits
+    as wide as that layer's; a hook that Dynamo traces anyway (an output layer inside a
+    model compiled elsewhere) does nothing, so it never splits the graph."""
 
     def __init__(self, model: nn.Module, positions: int = POSITIONS,
-                 own: Any = None):
-        self.positions = positions
+                 own: Any = None, keep: str = "first"):
+        self.positions, self.keep = positions, keep
         self._own = own if own is not None else contextlib.nullcontext()  # time/nbwatch
         self.rows: Rows | None = None
         self.armed = True
-        found = (("", model) if isinstance(getattr(model, "_orig_mod", None), nn.Module)
-                 else output_layer(model))
+        self._thread = threading.get_ident()
+        inner = getattr(model, "_orig_mod", None)
+        found = output_layer(inner if isinstance(inner, nn.Module) else model)
+        self.vocab: int | None = getattr(found[1], "out_features", None) if found else None
+        if found is not None and isinstance(inner, nn.Module):
+            found = ("", model)
         self.path = found[0] if found is not None else None
         self._handle = found[1].register_forward_hook(self._on_head) if found else None
 
@@ -117,12 +125,14 @@ class HeadWatch:
         if torch.compiler.is_compiling():
             return
         training = getattr(mod, "_orig_mod", mod).training
-        if not self.armed or not (training and torch.is_grad_enabled()):
+        if not (self.armed and training and torch.is_grad_enabled()
+                and threading.get_ident() == self._thread):
             return
         with self._own:
             x = output_logits(out)
-            if x is not None and is_logits(x):
-                self.rows, self.armed = row_figures(x, self.positions), False
+            if x is not None and is_logits(x) and self.vocab in (None, x.shape[-1]):
+                self.rows = row_figures(x, self.positions)
+                self.armed = self.keep != "first"
 
     @property
     def watching(self) -> bool:
@@ -131,14 +141,20 @@ class HeadWatch:
     def arm(self) -> None:
         """Keep the next training forward's figures (those kept so far are dropped)."""
         self.rows, self.armed = None, self._handle is not None
+        self._thread = threading.get_ident()
+
+    def hold(self) -> None:
+        """Keep what is kept: no later forward replaces it before the take."""
+        self.armed = False
 
     def take(self, mask: torch.Tensor | None = None, rearm: bool = True
              ) -> tuple[list[str], list[torch.Tensor]]:
         """(names, parts) of the figures kept since armed (none if no training forward
         reached the output layer), padding left out where `mask` fits; `rearm`: keep the
-        next training forward's too."""
+        next training forward's too (on the calling thread)."""
         rows, self.rows = self.rows, None
         self.armed = rearm and self._handle is not None
+        self._thread = threading.get_ident()
         return (list(NAMES), reduce_rows(rows, mask)) if rows is not None else ([], [])
 
     def remove(self) -> None:
@@ -151,23 +167,27 @@ class HeadWatch:
 class TrainLogits:
     """Where a loop's per-step logits figures come from: the logits its step hands over
     (`start()`'s step_fn, `log(logits=...)`), else a `HeadWatch` on the model's output
-    layer, set at the first step that hands none (or before the first forward, `watch()`)
-    and removed for good once a step hands its logits, or the run ends (`close()`)."""
+    layer, set at the first step that hands none (so a step_fn that returns logits never
+    adds a hook to a model that may be compiled: a recompile) and removed for good once
+    a step hands its logits, or the run ends (`close()`). `keep`: which training forward
+    of a step counts ("first": `start()`, which arms each step; "last": an own loop, whose
+    last forward before its optimizer step is the batch it trained on)."""
 
-    def __init__(self, model: nn.Module, own: Any = None):
-        self.model, self.own = model, own
+    def __init__(self, model: nn.Module, own: Any = None, keep: str = "last"):
+        self.model, self.own, self.keep = model, own, keep
         self.head: HeadWatch | None = None
         self.given = False  # a step handed its logits: the hook is not needed
-
-    def watch(self) -> None:
-        """Set the hook now, armed (a loop nbwatch runs: its first forward counts too)."""
-        if self.head is None and not self.given:
-            self.head = HeadWatch(self.model, own=self.own)
+        self.closed = False
 
     def arm(self) -> None:
         """A step begins: the hook keeps its first training forward."""
         if self.head is not None:
             self.head.arm()
+
+    def hold(self) -> None:
+        """The optimizer step: the forward kept is the step's."""
+        if self.head is not None:
+            self.head.hold()
 
     def parts(self, logits: torch.Tensor | None, mask: torch.Tensor | None = None,
               rearm: bool = True) -> tuple[list[str], list[torch.Tensor]]:
@@ -178,13 +198,14 @@ class TrainLogits:
                 self.given = True
                 self.close()
             return list(NAMES), logit_parts(logits, mask)
-        if self.given:  # it handed them before: no hook since
+        if self.given or self.closed:  # it handed them before, or the run ended
             return [], []
-        self.watch()
-        assert self.head is not None  # set by watch(): no logits were ever handed
+        if self.head is None:
+            self.head = HeadWatch(self.model, own=self.own, keep=self.keep)
         return self.head.take(mask, rearm)
 
     def close(self) -> None:
+        self.closed = True
         head, self.head = self.head, None
         if head is not None:
             head.remove()

@@ -50,6 +50,7 @@ class Measuring(Protocol):
     own_clips: OwnClips
     flight: InFlight
     framework_clip: float | None
+    train_logits: Any  # probes.logits.TrainLogits
 
     def _emit(self, ev: Event, level: int | None = None) -> None: ...
     def complete(self, step: int, values: dict[str, float], alerts: list,
@@ -79,6 +80,7 @@ def pre_step(rec: Measuring, explicit: bool = True, clips: list | None = None,
     fl = rec.flight
     if rec.ended:  # a loop that goes on after its stop: nothing more is measured
         return
+    rec.train_logits.hold()  # an own loop's last training forward is this step's batch
     if fl.stepped:
         raise RuntimeError(
             "optimizer.step() ran twice without mon.log() in between: call "

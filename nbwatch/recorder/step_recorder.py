@@ -261,6 +261,7 @@ class StepRecorder:
         """End the run as "finished" or "stopped", with a final checkpoint."""
         if self.ended:
             return
+        self.train_logits.close()  # first: a failing checkpoint below must not leave it
         self.flush_deferred()
         if self.dist is not None:
             st.sync_ranks(self, final=True)
@@ -268,7 +269,6 @@ class StepRecorder:
         self.expire_pending()
         self._set_state(outcome)
         self.ended = True
-        self.train_logits.close()
 
     def fail(self, e: BaseException) -> None:
         """Record `e` as the end of the run, with an emergency checkpoint."""

@@ -271,7 +271,8 @@ def test_a_compiled_model_without_an_output_layer_records_no_logits_figures(tmp_
 def test_a_compiled_model_keeps_one_graph(tmp_path, monitored):
     """The hook never splits a `torch.compile`d graph: given the compiled model, nbwatch
     watches its output (outside the graph) and records the figures; given the module that
-    a step_fn calls compiled, the output layer's hook does nothing inside the graph."""
+    a step_fn calls compiled, the output layer's hook does nothing inside the graph, and
+    the run says why the figures are missing."""
     import torch._dynamo as dynamo
 
     dynamo.reset()
@@ -294,6 +295,9 @@ def test_a_compiled_model_keeps_one_graph(tmp_path, monitored):
     df = nbwatch.open_run(tmp_path / "run").df
     if monitored == "compiled":
         assert df[LOG_Z].iloc[1:].notna().all()  # from step 2: step 1 handed no logits
-    else:
+    else:  # not recorded, and said once (the Health panel shows it)
         assert LOG_Z not in df
+        events = nbwatch.open_run(tmp_path / "run").events
+        said = events[events["kind"] == "probe"]["message"].tolist()
+        assert len(said) == 1 and "inside a torch.compile'd graph" in said[0]
     dynamo.reset()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -91,6 +92,13 @@ def is_logits(x: Any) -> bool:
             and x.is_floating_point() and x.numel() > 0)
 
 
+COMPILED_ELSEWHERE = (
+    "train_logits/* (the training batch's log Z and max |logit|) are not recorded: the "
+    "model's output layer runs inside a torch.compile'd graph that the Monitor was not "
+    "given, where a hook would split the graph. Return {'logits': ...} from the step_fn "
+    "(or log(logits=...)), or give the Monitor the compiled model.")
+
+
 class HeadWatch:
     """A forward hook on a model's output layer (`get_output_embeddings()`, else the Linear
     onto the vocabulary) that keeps the per-row figures of a training forward while armed
@@ -112,6 +120,7 @@ class HeadWatch:
         self._own = own if own is not None else contextlib.nullcontext()  # time/nbwatch
         self.rows: Rows | None = None
         self.armed = True
+        self.traced = False  # a compiled graph holds the output layer: nothing kept
         self._thread = threading.get_ident()
         inner = getattr(model, "_orig_mod", None)
         found = output_layer(inner if isinstance(inner, nn.Module) else model)
@@ -123,6 +132,7 @@ class HeadWatch:
 
     def _on_head(self, mod: nn.Module, args: Any, out: Any) -> None:
         if torch.compiler.is_compiling():
+            self.traced = True  # replayed by Dynamo after each run of the graph: no break
             return
         training = getattr(mod, "_orig_mod", mod).training
         if not (self.armed and training and torch.is_grad_enabled()
@@ -173,8 +183,9 @@ class TrainLogits:
     of a step counts ("first": `start()`, which arms each step; "last": an own loop, whose
     last forward before its optimizer step is the batch it trained on)."""
 
-    def __init__(self, model: nn.Module, own: Any = None, keep: str = "last"):
-        self.model, self.own, self.keep = model, own, keep
+    def __init__(self, model: nn.Module, own: Any = None, keep: str = "last",
+                 say: Callable[[str, str], None] | None = None):
+        self.model, self.own, self.keep, self.say = model, own, keep, say
         self.head: HeadWatch | None = None
         self.given = False  # a step handed its logits: the hook is not needed
         self.closed = False
@@ -202,7 +213,10 @@ class TrainLogits:
             return [], []
         if self.head is None:
             self.head = HeadWatch(self.model, own=self.own, keep=self.keep)
-        return self.head.take(mask, rearm)
+        got = self.head.take(mask, rearm)
+        if not got[0] and self.head.traced and self.say is not None:
+            self.say("train_logits", COMPILED_ELSEWHERE)  # said once a run
+        return got
 
     def close(self) -> None:
         self.closed = True

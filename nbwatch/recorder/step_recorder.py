@@ -98,7 +98,7 @@ class StepRecorder:
         self.own_clips = OwnClips(self.layers)  # norms before the loop's own clips
         self.own = OwnTime()  # nbwatch's own time on the training thread: time/nbwatch
         # the training batch's logits figures: the loop's, else the output layer's hook
-        self.train_logits = TrainLogits(model, self.own)
+        self.train_logits = TrainLogits(model, self.own, say=self.probe_note)
         # Set by framework adapters: False when the optimizer's pre-hook comes too early to
         # see the gradients (Lightning's closure runs backward inside optimizer.step), and
         # the adapter calls `pre_step()` itself at the framework's own moment.

@@ -4,7 +4,7 @@ adapters use it and nothing else of nbwatch's insides.
     loop = mon.open_external("hf", start_step, save=..., clip=..., commands=queue)
     per micro-batch    loop.note_batch(batch)
     gradients ready    loop.measure()           (where the optimizer's own hook is too early)
-    optimizer stepped  stop = loop.record_step(host, names, parts, ...)
+    optimizer stepped  loop.logit_figures(mask); stop = loop.record_step(host, names, ...)
     eval               loop.evaluate(figures)
     checkpoint         loop.commit() before the framework writes, loop.note_checkpoint(...)
     fit returned       loop.end(error)
@@ -32,6 +32,10 @@ class ExternalLoop:
     def __init__(self, recorder: StepRecorder,
                  end: Callable[[BaseException | None], None]):
         self._rec, self._end = recorder, end  # end: the Monitor's, which closes the run
+        # the training batch's logits from a forward hook on the output layer: frameworks
+        # hand their callbacks none; the first training forward of each step counts
+        recorder.train_logits.keep = "first"
+        recorder.train_logits.watch()
 
     # -- the step -----------------------------------------------------------------------
     def note_batch(self, batch: Any, epoch: int | None = None, index: int | None = None
@@ -43,6 +47,13 @@ class ExternalLoop:
         """The gradients are complete and not clipped yet: measure them, and let nbwatch's
         skip and clip rules act on them (the optimizer's own hook would see them later)."""
         self._rec.pre_step()
+
+    def logit_figures(self, mask: torch.Tensor | None = None
+                      ) -> tuple[list[str], list[torch.Tensor]]:
+        """(names, parts) of the step's log Z and max |logit|, from the first training
+        forward since the last call (`mask`: that micro-batch's, to leave its padding
+        out); none where the model has no output layer. In the step's `record_step`."""
+        return self._rec.train_logits.parts(None, mask)
 
     @property
     def own(self) -> Any:

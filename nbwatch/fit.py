@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 from . import controls as ctl
 from .lifecycle import LIVE, RunState
-from .probes.logits import HeadWatch
 from .records import Command, Event
 from .run import Readout, Run, started_run
 from .runner import run_in_thread
@@ -176,7 +175,6 @@ class Adapter:
         self._commands = ctl.CommandQueue()  # shared with the handle, then the Monitor
         self._losses: list[Any] = []
         self._masks: list[Any] = []
-        self._head: HeadWatch | None = None  # the fit's logits, from its output layer
         self._fitting = False  # a fit is taken: from start()'s launch, or the fit's begin
         self._owner: threading.Thread | None = None  # … in this thread (None: not begun)
         self._fit_trainer: Any = None  # … of this Trainer
@@ -233,13 +231,6 @@ class Adapter:
         self.monitor = self.handle = self.loop = None
         self._commands = ctl.CommandQueue()
         self._losses, self._masks = [], []
-        self._unwatch()
-
-    def _unwatch(self) -> None:
-        """The output layer's forward hook off (the fit ended, or the next begins)."""
-        head, self._head = self._head, None
-        if head is not None:
-            head.remove()
 
     def _close_unseen(self) -> None:
         """The last fit ended without telling us (an exception the framework passes to no
@@ -296,10 +287,6 @@ class Adapter:
                                              commands=self._commands)
         if self.handle is not None:
             self.handle.monitor = mon
-        self._unwatch()
-        # the training batch's logits (log Z, max |logit|) from a forward hook on the
-        # output layer: the frameworks hand their callbacks no logits
-        self._head = HeadWatch(mon.model, own=loop.own)
         return loop
 
     def _record_step(self, host: dict[str, float], reduction: str,
@@ -325,11 +312,10 @@ class Adapter:
             if masks:
                 lengths = batch_figures(masks).into(names, parts, host)
                 samples = sum(int(m.shape[0]) for m in masks)
-            if self._head is not None:
-                # the first micro-batch's forward: its mask leaves its padding out
-                lnames, lparts = self._head.take(masks[0] if masks else None)
-                names += lnames
-                parts += lparts
+            # the first micro-batch's forward: its mask leaves its padding out
+            lnames, lparts = rec.logit_figures(masks[0] if masks else None)
+            names += lnames
+            parts += lparts
         return rec.record_step(host, names, parts, lengths=lengths, samples=samples,
                                reduction=reduction)
 
@@ -343,9 +329,8 @@ class Adapter:
         """The fit returned (or raised): end the run as finished, stopped or failed, and
         give back all it took."""
         try:
-            self._unwatch()
             if self.loop is not None:
-                self.loop.end(error)
+                self.loop.end(error)  # the output layer's hook goes with the run
         finally:
             self._fitting, self._owner = False, None
 

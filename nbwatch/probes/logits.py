@@ -190,6 +190,13 @@ class TrainLogits:
         self.given = False  # a step handed its logits: the hook is not needed
         self.closed = False
 
+    def watch(self) -> None:
+        """Set the hook now (a framework's fit, which hands no logits: from step 1)."""
+        if self.head is None and not (self.given or self.closed):
+            self.head = HeadWatch(self.model, own=self.own, keep=self.keep)
+            if not self.head.watching:  # no output layer: nothing to take, ever
+                self.close()
+
     def arm(self) -> None:
         """A step begins: the hook keeps its first training forward."""
         if self.head is not None:
@@ -211,8 +218,9 @@ class TrainLogits:
             return list(NAMES), logit_parts(logits, mask)
         if self.given or self.closed:  # it handed them before, or the run ended
             return [], []
-        if self.head is None:
-            self.head = HeadWatch(self.model, own=self.own, keep=self.keep)
+        self.watch()
+        if self.head is None:  # the model has no output layer
+            return [], []
         got = self.head.take(mask, rearm)
         if not got[0] and self.head.traced and self.say is not None:
             self.say("train_logits", COMPILED_ELSEWHERE)  # said once a run

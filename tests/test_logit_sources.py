@@ -295,7 +295,7 @@ def test_a_compiled_model_keeps_one_graph(tmp_path, monitored):
     df = nbwatch.open_run(tmp_path / "run").df
     if monitored == "compiled":
         assert df[LOG_Z].iloc[1:].notna().all()  # from step 2: step 1 handed no logits
-    else:  # not recorded, and said once (the Health panel shows it)
+    else:  # not recorded, and said once (the alerts feed shows it)
         assert LOG_Z not in df
         events = nbwatch.open_run(tmp_path / "run").events
         said = events[events["kind"] == "probe"]["message"].tolist()

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .probes.logits import FIX
 from .recorder import RunSpec
 
 if TYPE_CHECKING:
@@ -34,8 +35,13 @@ class ExternalLoop:
         self._rec, self._end = recorder, end  # end: the Monitor's, which closes the run
         # the training batch's logits from a forward hook on the output layer: frameworks
         # hand their callbacks none; the first training forward of each step counts
-        recorder.train_logits.keep = "first"
-        recorder.train_logits.watch()
+        tl = recorder.train_logits
+        tl.keep, tl.fix = "first", FIX["framework"]
+        try:
+            tl.watch()
+        except Exception as e:  # optional figures: never the reason a fit fails to open
+            recorder.log.warning("train_logits/* not recorded: the output layer's hook "
+                                 "could not be set: %s: %s", type(e).__name__, e)
 
     # -- the step -----------------------------------------------------------------------
     def note_batch(self, batch: Any, epoch: int | None = None, index: int | None = None

@@ -267,19 +267,21 @@ def test_a_compiled_model_without_an_output_layer_records_no_logits_figures(tmp_
     assert len(df) == 3 and LOG_Z not in df
 
 
+@pytest.mark.parametrize("shapes", ["varying", "fixed"])
 @pytest.mark.parametrize("monitored", ["compiled", "original"])
-def test_a_compiled_model_keeps_one_graph(tmp_path, monitored):
-    """The hook never splits a `torch.compile`d graph: given the compiled model, nbwatch
-    watches its output (outside the graph) and records the figures; given the module that
-    a step_fn calls compiled, the output layer's hook does nothing inside the graph, and
-    the run says why the figures are missing."""
+def test_a_compiled_model_keeps_one_graph(tmp_path, monitored, shapes):
+    """The hook never splits a `torch.compile`d graph (`fullgraph=True` holds): given the
+    compiled model, nbwatch watches its output (outside the graph) and records the figures;
+    given the module that a step_fn calls compiled, the output layer's hook does nothing
+    inside the graph (or is never called: a graph compiled before it was set, whose shapes
+    never change), and the run says why the figures are missing."""
     import torch._dynamo as dynamo
 
     dynamo.reset()
     dynamo.utils.counters.clear()
     torch.manual_seed(0)
     model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
-    compiled = torch.compile(model, backend="eager")
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step_fn(m, b):
@@ -287,9 +289,10 @@ def test_a_compiled_model_keeps_one_graph(tmp_path, monitored):
         return {"loss": nbwatch.masked_cross_entropy(logits, b["labels"], b["mask"]),
                 "mask": b["mask"]}
 
+    batches = make_batches(4) if shapes == "varying" else make_batches(1) * 4
     mon = nbwatch.Monitor(compiled if monitored == "compiled" else model, opt,
                           run_dir=tmp_path / "run")
-    mon.start(step_fn, make_batches(4), max_steps=4, display=False).wait()
+    mon.start(step_fn, batches, max_steps=4, display=False).wait()
     assert mon.state == "finished", mon.error
     assert not dynamo.utils.counters["graph_break"]
     df = nbwatch.open_run(tmp_path / "run").df
@@ -299,5 +302,29 @@ def test_a_compiled_model_keeps_one_graph(tmp_path, monitored):
         assert LOG_Z not in df
         events = nbwatch.open_run(tmp_path / "run").events
         said = events[events["kind"] == "probe"]["message"].tolist()
-        assert len(said) == 1 and "inside a torch.compile'd graph" in said[0]
+        assert len(said) == 1 and "no training forward reached the hook" in said[0]
+        assert "Return {'logits': ...} from the step_fn" in said[0]
     dynamo.reset()
+
+
+def test_of_two_nets_the_figures_are_the_trained_ones(tmp_path):
+    """A student and a frozen teacher each with a head onto the vocabulary: the training
+    forward tells which one trains (the teacher runs without gradients)."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({
+        "student": TinyGPT(vocab=64, d=32, layers=1, heads=2, ctx=32),
+        "teacher": TinyGPT(vocab=64, d=32, layers=1, heads=2, ctx=32).requires_grad_(False)})
+    opt = torch.optim.AdamW(model["student"].parameters(), lr=1e-3)
+    heads = KeepsHead(model["student"])
+
+    def step_fn(m, b):
+        with torch.no_grad():
+            m["teacher"](b["input_ids"])
+        logits = m["student"](b["input_ids"])
+        return {"loss": nbwatch.masked_cross_entropy(logits, b["labels"], b["mask"])}
+
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
+    mon.start(step_fn, make_batches(4), max_steps=4, display=False).wait()
+    heads.hook.remove()
+    got = nbwatch.open_run(tmp_path / "run").df[[LOG_Z, MAX_ABS]].iloc[1:].to_numpy()
+    assert got == pytest.approx(expected([(x, None) for x in heads.logits[1:]]), rel=1e-6)

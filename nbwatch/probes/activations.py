@@ -74,6 +74,14 @@ def output_layer(model: nn.Module) -> tuple[str, nn.Module] | None:
     """(path, module) of the layer that makes the output logits: the outermost Hugging Face
     model's `get_output_embeddings()`, else the last `nn.Linear` whose outputs are the
     vocabulary (the `out_features` of the largest `nn.Embedding`); None when neither."""
+    found = output_layers(model)
+    return found[-1] if found else None
+
+
+def output_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost Hugging Face model's `get_output_embeddings()`, alone; else every
+    `nn.Linear` onto the vocabulary, in order (a model holding two nets, a student and a
+    frozen teacher, has one each: which one trains shows only when it runs)."""
     paths = {id(m): n for n, m in model.named_modules()}
     for _, mod in model.named_modules():
         get = getattr(mod, "get_output_embeddings", None)
@@ -83,12 +91,11 @@ def output_layer(model: nn.Module) -> tuple[str, nn.Module] | None:
             except Exception:  # a model that declares it but does not implement it
                 head = None
             if isinstance(head, nn.Module) and id(head) in paths:
-                return paths[id(head)], head
+                return [(paths[id(head)], head)]
     vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)),
                 default=0)
-    heads = [(n, m) for n, m in model.named_modules()
-             if isinstance(m, nn.Linear) and vocab > 1 and m.out_features == vocab]
-    return heads[-1] if heads else None
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and vocab > 1 and m.out_features == vocab]
 
 
 class Outputs:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .activations import output_layer, output_logits
+from .activations import output_layers, output_logits
 
 LOG_Z = "train_logits/log_z"
 MAX_ABS = "train_logits/max_abs"
@@ -92,15 +92,19 @@ def is_logits(x: Any) -> bool:
             and x.is_floating_point() and x.numel() > 0)
 
 
-COMPILED_ELSEWHERE = (
-    "train_logits/* (the training batch's log Z and max |logit|) are not recorded: the "
-    "model's output layer runs inside a torch.compile'd graph that the Monitor was not "
-    "given, where a hook would split the graph. Return {'logits': ...} from the step_fn "
-    "(or log(logits=...)), or give the Monitor the compiled model.")
+UNSEEN = (
+    "train_logits/* (the training batch's log Z and max |logit|) are not recorded: no "
+    "training forward reached the hook on the output layer {path}: a torch.compile'd graph "
+    "that holds it runs without it, or the loss reads the layer's weight without calling "
+    "it (a fused linear cross-entropy). {fix}")
+FIX = {"loop": "Return {'logits': ...} from the step_fn (or log(logits=...)), or give the "
+               "Monitor the compiled model.",
+       "framework": "Under the Trainer or Lightning they cannot be taken then; every other "
+                    "figure is recorded as usual."}
 
 
 class HeadWatch:
-    """A forward hook on a model's output layer (`get_output_embeddings()`, else the Linear
+    """A forward hook on a model's output layer (`get_output_embeddings()`, else each Linear
     onto the vocabulary) that keeps the per-row figures of a training forward while armed
     (from `arm()` or a `take()` that re-arms): the logits of a loop that hands nbwatch none
     (the Trainer, Lightning, a step_fn returning `out.loss`, an own loop's `log()`).
@@ -120,19 +124,17 @@ class HeadWatch:
         self._own = own if own is not None else contextlib.nullcontext()  # time/nbwatch
         self.rows: Rows | None = None
         self.armed = True
-        self.traced = False  # a compiled graph holds the output layer: nothing kept
         self._thread = threading.get_ident()
         inner = getattr(model, "_orig_mod", None)
-        found = output_layer(inner if isinstance(inner, nn.Module) else model)
-        self.vocab: int | None = getattr(found[1], "out_features", None) if found else None
-        if found is not None and isinstance(inner, nn.Module):
-            found = ("", model)
-        self.path = found[0] if found is not None else None
-        self._handle = found[1].register_forward_hook(self._on_head) if found else None
+        found = output_layers(inner if isinstance(inner, nn.Module) else model)
+        self.vocab: int | None = getattr(found[0][1], "out_features", None) if found else None
+        if found and isinstance(inner, nn.Module):
+            found = [("", model)]
+        self.path = ", ".join(path for path, _ in found) or None
+        self._handles = [mod.register_forward_hook(self._on_head) for _, mod in found]
 
     def _on_head(self, mod: nn.Module, args: Any, out: Any) -> None:
         if torch.compiler.is_compiling():
-            self.traced = True  # replayed by Dynamo after each run of the graph: no break
             return
         training = getattr(mod, "_orig_mod", mod).training
         if not (self.armed and training and torch.is_grad_enabled()
@@ -146,11 +148,11 @@ class HeadWatch:
 
     @property
     def watching(self) -> bool:
-        return self._handle is not None
+        return bool(self._handles)
 
     def arm(self) -> None:
         """Keep the next training forward's figures (those kept so far are dropped)."""
-        self.rows, self.armed = None, self._handle is not None
+        self.rows, self.armed = None, self.watching
         self._thread = threading.get_ident()
 
     def hold(self) -> None:
@@ -163,14 +165,14 @@ class HeadWatch:
         reached the output layer), padding left out where `mask` fits; `rearm`: keep the
         next training forward's too (on the calling thread)."""
         rows, self.rows = self.rows, None
-        self.armed = rearm and self._handle is not None
+        self.armed = rearm and self.watching
         self._thread = threading.get_ident()
         return (list(NAMES), reduce_rows(rows, mask)) if rows is not None else ([], [])
 
     def remove(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        for h in self._handles:
+            h.remove()
+        self._handles = []
         self.rows, self.armed = None, False
 
 
@@ -186,9 +188,11 @@ class TrainLogits:
     def __init__(self, model: nn.Module, own: Any = None, keep: str = "last",
                  say: Callable[[str, str], None] | None = None):
         self.model, self.own, self.keep, self.say = model, own, keep, say
+        self.fix = FIX["loop"]  # what the note on figures never taken tells the user
         self.head: HeadWatch | None = None
         self.given = False  # a step handed its logits: the hook is not needed
         self.closed = False
+        self._empty = 0  # takes in a row that found nothing
 
     def watch(self) -> None:
         """Set the hook now (a framework's fit, which hands no logits: from step 1)."""
@@ -222,8 +226,11 @@ class TrainLogits:
         if self.head is None:  # the model has no output layer
             return [], []
         got = self.head.take(mask, rearm)
-        if not got[0] and self.head.traced and self.say is not None:
-            self.say("train_logits", COMPILED_ELSEWHERE)  # said once a run
+        # the first take may come before any forward could reach the hook (set just now);
+        # a second in a row with nothing: no forward reaches it, say why once a run
+        self._empty = 0 if got[0] else self._empty + 1
+        if self._empty == 2 and self.say is not None:
+            self.say("train_logits", UNSEEN.format(path=self.head.path, fix=self.fix))
         return got
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ import itertools
 import logging
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,7 @@ class StepRecorder:
         self.own_clips = OwnClips(self.layers)  # norms before the loop's own clips
         self.own = OwnTime()  # nbwatch's own time on the training thread: time/nbwatch
         # the training batch's logits figures: the loop's, else the output layer's hook
-        self.train_logits = TrainLogits(model, self.own, say=self.probe_note)
+        self.train_logits = TrainLogits(model, self.own, say=_weak(self.probe_note))
         # Set by framework adapters: False when the optimizer's pre-hook comes too early to
         # see the gradients (Lightning's closure runs backward inside optimizer.step), and
         # the adapter calls `pre_step()` itself at the framework's own moment.
@@ -321,3 +322,16 @@ class StepRecorder:
             "info": logging.INFO, "warning": logging.WARNING, "critical": logging.CRITICAL
         }[ev.severity]
         self.log.log(lvl, ev.message, extra={"step": ev.step, "kind": ev.kind, "data": ev.data})
+
+
+def _weak(method: Callable[..., None]) -> Callable[..., None]:
+    """`method` without a reference to its object: a part the object owns may hold it
+    without a cycle (which would keep the run's data, a DataLoader's workers, alive until
+    the collector runs)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        m = ref()
+        if m is not None:
+            m(*args)
+    return call

@@ -23,6 +23,7 @@ closes (or its hooks go to another Monitor).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -145,8 +146,11 @@ class OptimizerHooks(MonitorState):
         return rec is not None and not rec.ended
 
     def _saw_clip(self, params: list, max_norm: float, total: torch.Tensor) -> None:
-        """A clip of this model's gradients just scaled them: noted for the next step."""
-        self._clip_watch.saw(self.step, params, max_norm, total)
+        """A clip of this model's gradients just scaled them: noted for the next step (on
+        the run's clock of nbwatch's own time, once it is open)."""
+        rec = self._recorder
+        with rec.own if rec is not None else contextlib.nullcontext():
+            self._clip_watch.saw(self.step, params, max_norm, total)
 
     def _end_clip_watch(self) -> None:
         """The run closed: its loop's clips are no longer this Monitor's to note."""

@@ -132,3 +132,27 @@ def test_start_counts_the_output_layers_hook_as_watching_not_forward(tmp_path, m
     assert df["train_logits/log_z"].iloc[1:].notna().all()  # the hook set after step 1
     assert (df["time/nbwatch"].iloc[1:] >= 0.01).all(), df["time/nbwatch"]
     assert (df["time/forward"].iloc[1:] < 0.01).all(), df["time/forward"]
+
+
+def test_own_loop_counts_noting_its_own_clips(tmp_path, monkeypatch):
+    """The loop's own `clip_grad_norm_`: what nbwatch notes of each clip (for the norms
+    before it) is watching's time."""
+    from nbwatch import optimizer_hooks
+
+    real = optimizer_hooks.ClipWatch.saw
+
+    def slow(self, *a):
+        time.sleep(0.01)
+        return real(self, *a)
+
+    monkeypatch.setattr(optimizer_hooks.ClipWatch, "saw", slow)
+    m, opt = tiny()
+    with nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", display=False) as mon:
+        for _ in range(5):
+            m(torch.randn(4, 8)).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01)
+            opt.step()
+            opt.zero_grad()
+            mon.log()
+    own = nbwatch.open_run(tmp_path / "r").df["time/nbwatch"]
+    assert (own.iloc[1:] >= 0.01).all(), own  # from step 2: the run opens at step 1's step

@@ -159,7 +159,7 @@ class Runner:
         assert step_fn is not None  # start() and preflight always give it (check_start)
         m = _Micro()
         rec.train_logits.arm()
-        for _ in range(spec.accumulate):
+        for i in range(spec.accumulate):
             td = time.perf_counter()
             batch = self._take()
             m.data_s += time.perf_counter() - td
@@ -178,7 +178,8 @@ class Runner:
             if isinstance(raw, dict):
                 with rec.own:  # the step_fn's own scalars, kept for the record
                     _extras(raw, m.extras)
-            self._logit_figures(m, raw, out.mask)
+            if i == 0:  # the first micro-batch's: a cost that does not grow with them
+                self._logit_figures(m, raw, out.mask)
             m.reduction = out.reduction
             loss = out.loss / spec.accumulate if spec.accumulate > 1 else out.loss
             (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -197,8 +198,6 @@ class Runner:
         copied with the step's others; nbwatch's own time. The masks' figures wait for
         `_measure`: a bad mask fails the step after its backward, which frees its graph
         (an error raised before it would hold the activations through its traceback)."""
-        if m.logits is not None:
-            return
         logits = raw.get("logits") if isinstance(raw, dict) else None
         with self.rec.own:
             _, parts = self.rec.train_logits.parts(logits if is_logits(logits) else None,

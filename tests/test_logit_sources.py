@@ -99,6 +99,8 @@ def test_start_takes_the_output_layers_logits_when_the_step_fn_returns_a_loss(tm
     kept = list(zip(heads.logits[2::2], masks[2::2]))
     assert df[[LOG_Z, MAX_ABS]].iloc[1:].to_numpy() == pytest.approx(expected(kept), rel=1e-6)
     assert not model.head._forward_hooks  # nbwatch's hook goes with the run
+    events = nbwatch.open_run(tmp_path / "run").events
+    assert events[events["kind"] == "probe"].empty  # no word of figures missing
 
 
 def test_start_sets_no_hook_when_the_step_fn_gives_its_logits(tmp_path):

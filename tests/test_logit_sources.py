@@ -17,14 +17,18 @@ from nbwatch.probes.logits import LOG_Z, MAX_ABS, logit_parts
 from .conftest import make_batches
 
 
+def tiny_lm(layers: int = 2) -> tuple[TinyGPT, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=layers, heads=2, ctx=32)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
 def expected(kept: list[tuple[torch.Tensor, torch.Tensor | None]]) -> np.ndarray:
     return np.array([[p.item() for p in logit_parts(x, m)] for x, m in kept])
 
 
 def test_start_records_the_step_fns_logits_every_step(tmp_path):
-    torch.manual_seed(0)
-    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = tiny_lm()
     kept = []
 
     def step_fn(model, batch):
@@ -43,9 +47,7 @@ def test_start_records_the_step_fns_logits_every_step(tmp_path):
 
 
 def test_an_own_loop_passes_its_logits_to_log(tmp_path):
-    torch.manual_seed(0)
-    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = tiny_lm()
     mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
     kept = []
     with mon:
@@ -75,9 +77,7 @@ class KeepsHead:
 
 
 def test_start_takes_the_output_layers_logits_when_the_step_fn_returns_a_loss(tmp_path):
-    torch.manual_seed(0)
-    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = tiny_lm()
     heads = KeepsHead(model)
     masks = []
 
@@ -104,9 +104,7 @@ def test_start_takes_the_output_layers_logits_when_the_step_fn_returns_a_loss(tm
 
 
 def test_start_sets_no_hook_when_the_step_fn_gives_its_logits(tmp_path):
-    torch.manual_seed(0)
-    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = tiny_lm()
     hooked = []
 
     def step_fn(model, batch):
@@ -126,9 +124,7 @@ def test_an_own_loop_without_logits_gets_the_output_layers_from_its_second_step(
     eval's forward, or another thread's forward in the meantime."""
     import threading
 
-    torch.manual_seed(0)
-    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = tiny_lm()
     heads = KeepsHead(model)
     mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
     batches = make_batches(12, T=16)
@@ -162,9 +158,7 @@ def test_an_own_loop_without_logits_gets_the_output_layers_from_its_second_step(
 
 
 def test_the_hook_goes_when_the_final_checkpoint_fails(tmp_path):
-    torch.manual_seed(0)
-    model = TinyGPT(vocab=64, d=32, layers=1, heads=2, ctx=32)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = tiny_lm(layers=1)
     b = make_batches(1)[0]
     mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
 
@@ -181,12 +175,16 @@ def test_the_hook_goes_when_the_final_checkpoint_fails(tmp_path):
     assert not model.head._forward_hooks
 
 
-def test_a_model_without_an_output_layer_records_no_logits_figures(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_model_without_an_output_layer_records_no_logits_figures(tmp_path, compiled):
+    """Its output is a float tensor [B, 3]: not logits, compiled (watched at its output)
+    or not."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    x, y = torch.randn(4, 8), torch.randn(4, 1)
-    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
+    x, y = torch.randn(4, 8), torch.randn(4, 3)
+    mon = nbwatch.Monitor(torch.compile(model, backend="eager") if compiled else model, opt,
+                          run_dir=tmp_path / "run")
     mon.start(lambda m, b: (m(b[0]) - b[1]).square().mean(), [(x, y)] * 3, max_steps=3,
               display=False).wait()
     df = nbwatch.open_run(tmp_path / "run").df
@@ -253,20 +251,6 @@ def test_lightning_records_the_output_layers_logits_and_the_hook_goes(tmp_path):
     df = run.df.dropna(subset=["loss/train"])
     assert df[LOG_Z].notna().all() and df[MAX_ABS].gt(0).all() and len(df) == 6
     assert not module.net.head._forward_hooks
-
-
-def test_a_compiled_model_without_an_output_layer_records_no_logits_figures(tmp_path):
-    """Its output is a float tensor [B, 3]: not logits, as the same model uncompiled."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    compiled = torch.compile(model, backend="eager")
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    x, y = torch.randn(4, 8), torch.randn(4, 3)
-    mon = nbwatch.Monitor(compiled, opt, run_dir=tmp_path / "run")
-    mon.start(lambda m, b: (m(b[0]) - b[1]).square().mean(), [(x, y)] * 3, max_steps=3,
-              display=False).wait()
-    df = nbwatch.open_run(tmp_path / "run").df
-    assert len(df) == 3 and LOG_Z not in df
 
 
 @pytest.mark.parametrize("shapes", ["varying", "fixed"])

@@ -190,13 +190,12 @@ class TrainLogits:
         self.model, self.own, self.keep, self.say = model, own, keep, say
         self.fix = FIX["loop"]  # what the note on figures never taken tells the user
         self.head: HeadWatch | None = None
-        self.given = False  # a step handed its logits: the hook is not needed
-        self.closed = False
+        self.closed = False  # a step handed its logits, or the run ended: no hook since
         self._empty = 0  # takes in a row that found nothing
 
     def watch(self) -> None:
         """Set the hook now (a framework's fit, which hands no logits: from step 1)."""
-        if self.head is None and not (self.given or self.closed):
+        if self.head is None and not self.closed:
             self.head = HeadWatch(self.model, own=self.own, keep=self.keep)
             if not self.head.watching:  # no output layer: nothing to take, ever
                 self.close()
@@ -216,11 +215,9 @@ class TrainLogits:
         """(names, parts) of the step's logits figures: `logits`' when given, else the
         hook's (set now if it was not; `rearm`: see `HeadWatch.take`)."""
         if logits is not None:
-            if not self.given:
-                self.given = True
-                self.close()
+            self.close()  # handed over: the hook is not needed
             return list(NAMES), logit_parts(logits, mask)
-        if self.given or self.closed:  # it handed them before, or the run ended
+        if self.closed:  # it handed them before, or the run ended
             return [], []
         self.watch()
         if self.head is None:  # the model has no output layer

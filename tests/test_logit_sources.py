@@ -17,9 +17,9 @@ from nbwatch.probes.logits import LOG_Z, MAX_ABS, logit_parts
 from .conftest import make_batches
 
 
-def tiny_lm(layers: int = 2) -> tuple[TinyGPT, torch.optim.Optimizer]:
+def tiny_lm(layers: int = 2, d: int = 32) -> tuple[TinyGPT, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = TinyGPT(vocab=64, d=32, layers=layers, heads=2, ctx=32)
+    model = TinyGPT(vocab=64, d=d, layers=layers, heads=2, ctx=32)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -76,8 +76,11 @@ class KeepsHead:
             self.logits.append(out.detach().clone())
 
 
-def test_start_takes_the_output_layers_logits_when_the_step_fn_returns_a_loss(tmp_path):
-    model, opt = tiny_lm()
+@pytest.mark.parametrize("d", [32, 64], ids=["narrow", "as wide as the vocabulary"])
+def test_start_takes_the_output_layers_logits_when_the_step_fn_returns_a_loss(tmp_path, d):
+    """Also where the blocks' Linears map onto as many features as the vocabulary (a
+    char-level model's d = V, as the demo's): the head's logits, not a block's output."""
+    model, opt = tiny_lm(d=d)
     heads = KeepsHead(model)
     masks = []
 

@@ -81,7 +81,8 @@ def output_layer(model: nn.Module) -> tuple[str, nn.Module] | None:
 def output_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The outermost Hugging Face model's `get_output_embeddings()`, alone; else every
     `nn.Linear` onto the vocabulary, in order (a model holding two nets, a student and a
-    frozen teacher, has one each: which one trains shows only when it runs)."""
+    frozen teacher, has one each: which one trains shows only when it runs), leaving out
+    those inside repeated blocks where a model's width is its vocabulary."""
     paths = {id(m): n for n, m in model.named_modules()}
     for _, mod in model.named_modules():
         get = getattr(mod, "get_output_embeddings", None)
@@ -92,10 +93,22 @@ def output_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
                 head = None
             if isinstance(head, nn.Module) and id(head) in paths:
                 return [(paths[id(head)], head)]
-    vocab = max((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)),
-                default=0)
-    return [(n, m) for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and vocab > 1 and m.out_features == vocab]
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    vocab = max((m.num_embeddings for m in embeddings), default=0)
+    found = [(n, m) for n, m in model.named_modules()
+             if isinstance(m, nn.Linear) and vocab > 1 and m.out_features == vocab]
+    # A model as wide as its vocabulary (a char-level one: d = V = 128) has Linears onto
+    # V inside its blocks too: a head tied to an embedding is the one; else those least
+    # deep in indexed blocks (`head`, not `blocks.0.attn.proj`)
+    tied = {id(m.weight) for m in embeddings}
+    found = [(n, m) for n, m in found if id(m.weight) in tied] or found
+    least = min((_indexed(n) for n, _ in found), default=0)
+    return [(n, m) for n, m in found if _indexed(n) == least]
+
+
+def _indexed(path: str) -> int:
+    """How many indexed containers (a ModuleList's, a Sequential's) a module's path is in."""
+    return sum(part.isdigit() for part in path.split(".")[:-1])
 
 
 class Outputs:

@@ -1,0 +1,34 @@
+"""Which layer makes a model's output logits, when no `get_output_embeddings()` says."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from nbwatch.demo import TinyGPT
+from nbwatch.probes.activations import output_layer, output_layers
+
+
+def paths(model: nn.Module) -> list[str]:
+    return [path for path, _ in output_layers(model)]
+
+
+def test_a_model_as_wide_as_its_vocabulary_has_its_head_found_not_its_blocks_linears():
+    model = TinyGPT(vocab=32, d=32, layers=2, heads=2, ctx=16)  # the demo's d = V
+    assert paths(model) == ["head"]
+    assert output_layer(model) == ("head", model.head)
+
+
+def test_a_sequential_model_keeps_its_last_layer_and_a_tied_head_wins():
+    seq = nn.Sequential(nn.Embedding(16, 16), nn.Sequential(nn.Linear(16, 16), nn.ReLU()),
+                        nn.Linear(16, 16))
+    assert paths(seq) == ["2"]
+    emb = nn.Embedding(16, 16)
+    tied = nn.ModuleDict({"emb": emb, "mix": nn.Linear(16, 16), "out": nn.Linear(16, 16)})
+    tied["out"].weight = emb.weight
+    assert paths(tied) == ["out"]
+
+
+def test_two_nets_each_keep_their_head():
+    model = nn.ModuleDict({"student": TinyGPT(vocab=32, d=32, layers=1, heads=2, ctx=16),
+                           "teacher": TinyGPT(vocab=32, d=32, layers=1, heads=2, ctx=16)})
+    assert paths(model) == ["student.head", "teacher.head"]

@@ -1,8 +1,10 @@
 // Health: the probe pass's Transformer-health figures over steps: attention entropy and
 // largest attention logit per module, the residual stream's RMS per block, and the output
-// log-partition with the largest |logit|. Hidden until a probe has run. Where the probe
-// could not take a figure on this model, its words (why, the line to add) stand in the
-// figure's place, never empty axes.
+// log-partition with the largest |logit|, drawn over the same two figures of every
+// training step's batch (train_logits/*). Hidden until there is one of them. Where the
+// probe could not take a figure on this model, its words (why, the line to add) stand in
+// the figure's place, never empty axes; under the training batch's lines when only the
+// probe's output figures are missing.
 import { Series, apply } from "../downsample.js";
 import { baseLayout, CONFIG, el, endLabels, escTemplate, esc, layerColor, panel, shortNames } from "../plot.js";
 
@@ -37,7 +39,7 @@ export function create(root, ctx) {
     p.body.appendChild(notes[k]);
   }
   const series = { entropy: {}, max_logit: {}, rms: {} };
-  const z = new Series(), maxAbs = new Series();
+  const z = new Series(), maxAbs = new Series(), trainZ = new Series(), trainMax = new Series();
   let said = {}; // {"logits" | "probe": message}: the probe events' words
   let dirty = false;
 
@@ -53,7 +55,11 @@ export function create(root, ctx) {
   return {
     box: p.box,
     update(d, full) {
-      if (full) { for (const part of Object.keys(series)) series[part] = {}; z.set([], []); maxAbs.set([], []); said = {}; }
+      if (full) {
+        for (const part of Object.keys(series)) series[part] = {};
+        for (const s of [z, maxAbs, trainZ, trainMax]) s.set([], []);
+        said = {};
+      }
       if (d.notes) { said = { ...said, ...d.notes }; dirty = true; }
       for (const part of Object.keys(series)) {
         for (const [name, tr] of Object.entries(d[part] || {})) {
@@ -63,6 +69,8 @@ export function create(root, ctx) {
       }
       dirty = apply(z, d.z, full) || dirty;
       dirty = apply(maxAbs, d.max_abs, full) || dirty;
+      dirty = apply(trainZ, d.train_z, full) || dirty;
+      dirty = apply(trainMax, d.train_max_abs, full) || dirty;
     },
     restyle() { dirty = true; },
     draw(Plotly, t) {
@@ -70,17 +78,25 @@ export function create(root, ctx) {
       dirty = false;
       const has = {};
       for (const part of Object.keys(series)) has[part] = Object.keys(series[part]).length > 0;
-      has.out = z.x.length > 0 || maxAbs.x.length > 0;
-      const any = Object.values(has).some(Boolean);
-      p.box.hidden = !any && !Object.keys(said).length;
+      const probeOut = z.x.length > 0 || maxAbs.x.length > 0;
+      const trained = trainZ.x.length > 0 || trainMax.x.length > 0;
+      has.out = probeOut || trained;
+      // the probe pass has run and is on: a figure it could not take says why in its place
+      const probed = !said.probe && (has.entropy || has.max_logit || has.rms || probeOut || !!said.logits);
+      p.box.hidden = !Object.values(has).some(Boolean) && !Object.keys(said).length;
       if (p.box.hidden) return;
       why.textContent = said.probe || "";
       why.hidden = !said.probe;
       for (const k of Object.keys(plots)) {
         plots[k].hidden = !has[k];
-        notes[k].hidden = has[k] || !any; // the probe off altogether: its one line says why
+        const missing = k === "out" ? !probeOut : !has[k];
+        notes[k].hidden = !(probed && missing); // the probe off altogether: its one line says why
         notes[k].textContent = (k === "out" && said.logits) || NONE[k];
       }
+      // beside the training batch's lines, the probe's missing output figures are a caption
+      notes.out.classList.toggle("nbw-half", !has.out);
+      notes.out.style.padding = has.out ? "2px 12px" : "24px 12px 0";
+      notes.out.style.flexBasis = has.out ? "100%" : "";
       const m = { l: 52, r: 8, t: 24, b: 32 };
       for (const [part, title] of Object.entries(PARTS)) {
         if (!has[part]) continue;
@@ -95,13 +111,20 @@ export function create(root, ctx) {
         }), CONFIG);
       }
       if (!has.out) return;
-      Plotly.react(plots.out, [
-        { name: "log Z (mean)", ...t.axis.line(z.x, z.y), type: "scatter", mode: "lines+markers", marker: { size: 4 },
-          line: { color: "#1f5fa8" }, hovertemplate: `${t.axis.hover()}<br>log Z %{y:.4g}<extra></extra>` },
-        { name: "max |logit|", ...t.axis.line(maxAbs.x, maxAbs.y), type: "scatter", mode: "lines+markers", yaxis: "y2",
-          marker: { size: 4 }, line: { color: "#e8740c", dash: "dot" },
-          hovertemplate: `${t.axis.hover()}<br>max |logit| %{y:.4g}<extra></extra>` },
-      ], baseLayout(t, {
+      const out = [];
+      // every step's training batch: thin lines under the probe's points
+      if (trainZ.x.length) out.push({ name: "log Z, training batch", ...t.axis.line(trainZ.x, trainZ.y), type: "scatter",
+        mode: "lines", line: { color: "#1f5fa8", width: 1 }, opacity: 0.45,
+        hovertemplate: `${t.axis.hover()}<br>log Z (training batch) %{y:.4g}<extra></extra>` });
+      if (trainMax.x.length) out.push({ name: "max |logit|, training batch", ...t.axis.line(trainMax.x, trainMax.y),
+        type: "scatter", mode: "lines", yaxis: "y2", line: { color: "#e8740c", width: 1, dash: "dot" }, opacity: 0.45,
+        hovertemplate: `${t.axis.hover()}<br>max |logit| (training batch) %{y:.4g}<extra></extra>` });
+      if (z.x.length) out.push({ name: "log Z, probe", ...t.axis.line(z.x, z.y), type: "scatter", mode: "lines+markers",
+        marker: { size: 4 }, line: { color: "#1f5fa8" }, hovertemplate: `${t.axis.hover()}<br>log Z (probe) %{y:.4g}<extra></extra>` });
+      if (maxAbs.x.length) out.push({ name: "max |logit|, probe", ...t.axis.line(maxAbs.x, maxAbs.y), type: "scatter",
+        mode: "lines+markers", yaxis: "y2", marker: { size: 4 }, line: { color: "#e8740c", dash: "dot" },
+        hovertemplate: `${t.axis.hover()}<br>max |logit| (probe) %{y:.4g}<extra></extra>` });
+      Plotly.react(plots.out, out, baseLayout(t, {
         margin: { ...m, r: 52 }, title: { text: "output logits: log-partition, max |logit|", font: { size: 11 } },
         showlegend: true, legend: { orientation: "h", x: 0.01, y: 0.99, xanchor: "left", yanchor: "top", font: { size: 10 }, bgcolor: "rgba(0,0,0,0)" },
         yaxis: { title: { text: "log Z" }, gridcolor: t.grid },

@@ -11,11 +11,12 @@ from ._common import Series, trace
 from .downsample import downsample
 
 # Drawn over time elsewhere: loss (train, smoothed, val, gap, LR), grads (global, clipped),
-# weights (update ratios), data (padding, step time), ranks, system gauges, health.
+# weights (update ratios), data (padding, step time), ranks, system gauges, health (the
+# probe pass's figures and the training batch's logits).
 DRAWN = frozenset({"loss/train", "loss/train_smooth", "loss/val", "loss/gap", "lr",
                    "grad_norm/global", "grad_norm/clipped", "data/padding_ratio", "time/data",
                    "time/compute"})
-_ELSEWHERE = re.compile(r"^(update_ratio/|system/|rank\d+/|attn/|act/rms/|logits/)")
+_ELSEWHERE = re.compile(r"^(update_ratio/|system/|rank\d+/|attn/|act/rms/|logits/|train_logits/)")
 _PER_LAYER = "grad_norm/"
 LAYER_POINTS = 500  # a late view of hundreds of per-layer series stays small
 

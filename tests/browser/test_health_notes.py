@@ -48,7 +48,7 @@ def test_health_panel_says_why_the_output_logits_are_missing(browser, tmp_path):
 
 def test_health_panel_says_why_when_the_probe_is_off(browser, tmp_path):
     """A model with no attention: the probe turns off, and the panel's one line says why
-    (not four empty plots, not a missing panel)."""
+    (not four empty plots, not a missing panel) above the training batch's logits."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
     data = make_batches(6)
@@ -70,7 +70,11 @@ def test_health_panel_says_why_when_the_probe_is_off(browser, tmp_path):
         box = page.locator("[data-panel=health]")
         box.locator(".nbw-health-why").wait_for(timeout=30_000)
         assert box.locator(".nbw-health-why").inner_text() == said
-        assert box.locator(".js-plotly-plot").count() == 0
         assert box.locator(".nbw-health-none:visible").count() == 0
+        # no probe figure; the one drawn is every training step's logits (the step_fn's)
+        box.locator(".nbw-health-out .main-svg").first.wait_for(timeout=30_000)
+        assert box.locator(".js-plotly-plot").count() == 1
+        names = box.locator(".nbw-health-out").evaluate("e => e.data.map(t => t.name)")
+        assert names == ["log Z, training batch", "max |logit|, training batch"]
     finally:
         page.context.close()

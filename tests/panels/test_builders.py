@@ -319,6 +319,20 @@ def test_health_draws_modules_not_heads():
     assert health.build({"loss/train": s([1], [1.0])}) == {}
 
 
+def test_health_carries_the_training_batchs_logits_and_metrics_leaves_them_out():
+    """`train_logits/*`, every step, go beside the probe pass's log Z (one panel for one
+    signal), not into the Metrics picker as well."""
+    from nbwatch.panels import health, metrics
+
+    series = {"train_logits/log_z": s([1, 2, 3], [4.1, 4.2, 4.4]),
+              "train_logits/max_abs": s([1, 2, 3], [3.0, 3.5, 3.9]),
+              "logits/z_mean": s([2], [4.3]), "val/accuracy": s([2], [0.5])}
+    d = health.build(series)
+    assert list(d["train_z"]["y"]) == pytest.approx([4.1, 4.2, 4.4])
+    assert list(d["train_max_abs"]["x"]) == [1, 2, 3] and list(d["z"]["y"]) == [4.3]
+    assert list(metrics.build(series)["series"]) == ["val/accuracy"]
+
+
 def test_feed_clock_maps_steps_onto_time_and_tokens_new_points_then_all(tmp_path):
     """The x axis switch's clock: each step's seconds since the run started (a 30 s stall
     stays in it, for the page to show as a gap) and the tokens seen by each step."""

@@ -79,14 +79,21 @@ def output_layer(model: nn.Module) -> tuple[str, nn.Module] | None:
 
 
 def output_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost Hugging Face model's `get_output_embeddings()`, alone; else every
-    `nn.Linear` onto the vocabulary, in order (a model holding two nets, a student and a
-    frozen teacher, has one each: which one trains shows only when it runs), leaving out
-    those inside repeated blocks where a model's width is its vocabulary."""
+    """The outermost Hugging Face model's `get_output_embeddings()`, alone; else the
+    `nn.Linear`s onto the vocabulary, in order (a model holding two nets, a student and a
+    frozen teacher, has one each: which one trains shows only when it runs).
+
+    Onto the vocabulary: a Linear tied to an embedding (nanoGPT's `lm_head`); else onto as
+    many features as the largest `nn.Embedding` has rows, the least deep in indexed blocks
+    (a char-level model as wide as its vocabulary, d = V, has such Linears in each block);
+    else, outside a Hugging Face model, onto a smaller embedding's rows from outside the
+    blocks (learned positions outnumbering a char-level vocabulary: 256 against 65)."""
     paths = {id(m): n for n, m in model.named_modules()}
+    hf = False
     for _, mod in model.named_modules():
         get = getattr(mod, "get_output_embeddings", None)
         if callable(get):
+            hf = True
             try:
                 head = get()
             except Exception:  # a model that declares it but does not implement it
@@ -94,16 +101,19 @@ def output_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if isinstance(head, nn.Module) and id(head) in paths:
                 return [(paths[id(head)], head)]
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    vocab = max((m.num_embeddings for m in embeddings), default=0)
-    found = [(n, m) for n, m in model.named_modules()
-             if isinstance(m, nn.Linear) and vocab > 1 and m.out_features == vocab]
-    # A model as wide as its vocabulary (a char-level one: d = V = 128) has Linears onto
-    # V inside its blocks too: a head tied to an embedding is the one; else those least
-    # deep in indexed blocks (`head`, not `blocks.0.attn.proj`)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     tied = {id(m.weight) for m in embeddings}
-    found = [(n, m) for n, m in found if id(m.weight) in tied] or found
-    least = min((_indexed(n) for n, _ in found), default=0)
-    return [(n, m) for n, m in found if _indexed(n) == least]
+    if found := [(n, m) for n, m in linears if id(m.weight) in tied]:
+        return found
+    sizes = sorted({m.num_embeddings for m in embeddings if m.num_embeddings > 1},
+                   reverse=True)
+    for i, vocab in enumerate(sizes if not hf else sizes[:1]):
+        found = [(n, m) for n, m in linears if m.out_features == vocab]
+        least = min((_indexed(n) for n, _ in found), default=0)
+        found = [(n, m) for n, m in found if _indexed(n) == least]
+        if found and (i == 0 or least == 0):
+            return found
+    return []
 
 
 def _indexed(path: str) -> int:

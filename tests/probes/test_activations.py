@@ -32,3 +32,27 @@ def test_two_nets_each_keep_their_head():
     model = nn.ModuleDict({"student": TinyGPT(vocab=32, d=32, layers=1, heads=2, ctx=16),
                            "teacher": TinyGPT(vocab=32, d=32, layers=1, heads=2, ctx=16)})
     assert paths(model) == ["student.head", "teacher.head"]
+
+
+def test_learned_positions_outnumbering_a_char_vocabulary_do_not_hide_the_head():
+    """A char-level GPT with 65 tokens and 256 learned positions (nanoGPT's
+    shakespeare_char shape, untied): its head maps onto 65, not onto the 256 rows of the
+    largest embedding."""
+    model = TinyGPT(vocab=65, d=32, layers=2, heads=2, ctx=256)
+    assert paths(model) == ["head"]
+
+
+def test_a_classifier_of_a_hugging_face_shape_gets_no_output_layer():
+    """A model that says it has no output embeddings (a sequence classifier) has none,
+    even where its 2 classes match a 2-row type embedding."""
+
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.words, self.types = nn.Embedding(100, 16), nn.Embedding(2, 16)
+            self.classifier = nn.Linear(16, 2)
+
+        def get_output_embeddings(self):
+            return None
+
+    assert paths(Classifier()) == []

@@ -92,12 +92,12 @@ def test_an_lr_ramp_shows_its_ramp_and_a_rise_before_the_spike(tmp_path):
 def test_an_lr_ramp_with_update_ratios_every_step(tmp_path):
     """The same LR ramp, the update ratios ‖ΔW‖/‖W‖ recorded every step (`update_every=1`):
     the post-mortem looks at them (`first_updates` a list, not None). Every layer's ratio
-    stood far above the 1e-2 of an LR too high in the 20 steps before the spike, but under
-    AdamW (its step normalised by the gradient's own scale) the ratios follow the LR, not
-    the gradient: none moved ahead of the gradient norms or the loss, so `first` and `lead`
-    are what the gradients say (here: the LayerNorms' gradient norms 18 steps before, one
-    MLP's update ratio 5.9× its median 1 step before). What the ratios name is in the
-    timeline."""
+    stood far above the 1e-2 of an LR too high in the 20 steps before the spike. Under
+    AdamW (its step normalised by the gradient's own scale) the ratios follow the LR more
+    than the gradient; whether one moves with the loss or after the gradient norms
+    depends on the run's trajectory (the demo's data is the local standard library's
+    source), so the test holds the post-mortem to its definition: `first` names the
+    earliest of every signal it lists, ratios included, and `lead` counts from there."""
     demo = make_demo(d=64, layers=2, heads=2, ctx=64, lr=3e-3, warmup=1, max_steps=200)
     sched = torch.optim.lr_scheduler.LambdaLR(demo.optimizer, lambda s: 1.05 ** s)
     _, run = train(tmp_path, demo, sched, demo.train, 125, update_every=1)
@@ -119,10 +119,17 @@ def test_an_lr_ramp_with_update_ratios_every_step(tmp_path):
         assert row.step - 20 <= f["step"] <= row.step and f["ratio"] > 3
         assert f"update ratio of {f['layer']}" in text
     assert row.lead >= 1 and row["first"], text
-    assert not any(f.startswith("update_ratio/") for f in row["first"]), text
-    others = [s for s in (row.grad_rose, row.loss_rose, row.log_z_rose) if s is not None and s == s]
-    earliest = min(others + [f["step"] for f in row.first_layers])
-    assert all(f["step"] > earliest for f in row.first_updates), text
+    rose = {"grad_norm/global": row.grad_rose, "loss/train": row.loss_rose,
+            "train_logits/log_z": row.log_z_rose}
+    moved = {k: s for k, s in rose.items() if s is not None and s == s}
+    moved |= {f"grad_norm/{f['layer']}": f["step"] for f in row.first_layers}
+    moved |= {f"update_ratio/{f['layer']}": f["step"] for f in row.first_updates}
+    moved |= {a["rule"]: a["step"] for a in row.alerts_before if a["step"] >= row.step - 20}
+    earliest = min(moved.values())
+    assert row.lead == row.step - earliest, text
+    # (the row lists 3 layers at most; `first` names every signal at the earliest step)
+    named = [k for k in row["first"] if k in moved]
+    assert named and all(moved[k] == earliest for k in named), text
 
 
 def tiny_gpt2(seed=0):

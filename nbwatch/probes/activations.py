@@ -101,14 +101,15 @@ def output_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if isinstance(head, nn.Module) and id(head) in paths:
                 return [(paths[id(head)], head)]
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linears: list[tuple[str, nn.Module]] = [
+        (n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     tied = {id(m.weight) for m in embeddings}
     if found := [(n, m) for n, m in linears if id(m.weight) in tied]:
         return found
     sizes = sorted({m.num_embeddings for m in embeddings if m.num_embeddings > 1},
                    reverse=True)
     for i, vocab in enumerate(sizes if not hf else sizes[:1]):
-        found = [(n, m) for n, m in linears if m.out_features == vocab]
+        found = [(n, m) for n, m in linears if getattr(m, "out_features", 0) == vocab]
         least = min((_indexed(n) for n, _ in found), default=0)
         found = [(n, m) for n, m in found if _indexed(n) == least]
         if found and (i == 0 or least == 0):

@@ -146,7 +146,9 @@ def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
     finite = loss is None or math.isfinite(loss)
     if overflow and finite:
         values.pop("grad_norm/global", None)
-    values["time/nbwatch"] = rec.own.take()  # this step's watching, up to here
+    # this step's watching, up to here, and its row's wall time at the same instant: a
+    # pause between the two would count in one step's watching and the other's wall
+    values["time/nbwatch"], wall = rec.own.take(), time.time()
     if loss is not None and finite:
         p = rec.progress
         p.train_ema = SMOOTHING * p.train_ema + (1 - SMOOTHING) * loss
@@ -157,7 +159,7 @@ def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
         fl.pending_since = now - values.get("time/step", 0.0)
     pending.append(Pending(step, values, alerts,
                            rec.lr.planned() if lr_planned is None else lr_planned,
-                           overflow and not finite))
+                           overflow and not finite, wall))
     # What acts on this step is recorded at once: an alert of the "grads" rules (its
     # checkpoint is the last good state), a non-finite figure (the nonfinite rule reads
     # the loss a loop reports after its optimizer step here), a skipped step; and every

@@ -3,7 +3,9 @@
 Same model (the demo's 4-layer d=128 GPT), same data, same optimizer; the variants run
 interleaved in one process, several rounds each, so that machine noise hits all alike:
 
-  bare         the loop a user writes, in the main thread, nothing recorded
+  bare         the loop a user writes, nothing recorded, run as `start()` runs a loop: in
+               a thread of its own, the caller's OpenMP pool released (the baseline)
+  bare (main thread)  the same loop in the main thread, as a user runs it without nbwatch
   default      nbwatch.Monitor with default probes (histograms/update ratios every 50 steps)
   own loop     the bare loop with `mon.log(loss=..., mask=...)`, run by `mon.run(train)`
                (the user's own loop, default probes)
@@ -15,6 +17,11 @@ interleaved in one process, several rounds each, so that machine noise hits all 
                add_scalar every step, add_histogram of every weight and grad every 50 steps
 
     python benchmarks/overhead.py [--steps 60] [--rounds 9] [--only default,ratios/step]
+
+Why the baseline runs in a thread: in one process, the bare loop in the main thread ran
+~4% slower than the same loop in a thread after `start()`-style pool release (12 rounds
+on 2 cores, 2026-12-02), so a main-thread baseline hid nbwatch's cost (ratios of 0.99×).
+Each round runs the variants in turn, the order reversed every other round.
 
 A second table measures the cost where it is spent, which the ratio of two step times
 cannot resolve on a noisy machine (a 1% cost under rounds that differ by 10%): each
@@ -30,12 +37,14 @@ import argparse
 import resource
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import torch
 
 import nbwatch
+from nbwatch._omp import release_caller_pool
 from nbwatch.demo import make_demo, masked_cross_entropy
 
 
@@ -122,6 +131,17 @@ def bare(demo, n, warm, tb=None):
     return Round(sum(times) / n, 0.0, cpu.per_step(n))
 
 
+def in_thread(fn):
+    """`fn()` run as `start()` runs a loop: the caller's OpenMP pool released, then in a
+    thread of its own."""
+    release_caller_pool()
+    box = []
+    t = threading.Thread(target=lambda: box.append(fn()), name="bare")
+    t.start()
+    t.join()
+    return box[0]
+
+
 def monitored(demo, n, warm, root: Path, **start_kw):
     run_dir = root / f"run{time.monotonic_ns()}"
     mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=run_dir)
@@ -165,7 +185,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--warm", type=int, default=5)
-    ap.add_argument("--only", default="", help="comma-separated variants (bare always runs)")
+    ap.add_argument("--only", default="",
+                    help="comma-separated variants (the two bare loops always run)")
     args = ap.parse_args()
     demo = make_demo(max_steps=10**9)
     demo.scheduler = torch.optim.lr_scheduler.LambdaLR(demo.optimizer, lambda s: 1.0)
@@ -179,7 +200,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         variants = {
-            "bare": lambda: bare(demo, n, warm),
+            "bare": lambda: in_thread(lambda: bare(demo, n, warm)),
+            "bare (main thread)": lambda: bare(demo, n, warm),
             "default": lambda: monitored(demo, n, warm, root),
             "own loop": lambda: own_loop(demo, n, warm, root),
             "ratios/step": lambda: monitored(demo, n, warm, root, update_every=1),
@@ -191,17 +213,18 @@ def main() -> None:
         if SummaryWriter is not None and (not args.only or "tensorboard" in args.only):
             def tensorboard():
                 with SummaryWriter(str(root / f"tb{time.monotonic_ns()}")) as tb:
-                    return bare(demo, n, warm, tb)
+                    return in_thread(lambda: bare(demo, n, warm, tb))
             variants["tensorboard"] = tensorboard
         if args.only:
-            keep = {"bare", *args.only.split(",")}
+            keep = {"bare", "bare (main thread)", *args.only.split(",")}
             variants = {k: v for k, v in variants.items() if k in keep}
         for r in range(args.rounds):
-            for name, fn in variants.items():
+            order = list(variants.items())
+            for name, fn in order[::-1] if r % 2 else order:
                 results.setdefault(name, []).append(fn())
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{k} {v[-1].step * 1e3:.1f} ms" + (f" (own {v[-1].own:.2%})" if v[-1].own else "")
-                for k, v in results.items()), flush=True)
+                for k in variants for v in [results[k]]), flush=True)
     steps = {k: [r.step for r in v] for k, v in results.items()}
     best = min(steps["bare"])
     print(f"\n{torch.get_num_threads()} threads, {n} steps x {args.rounds} rounds; a round's mean "
@@ -221,7 +244,7 @@ def main() -> None:
           "CPU a step over bare (median) | spread |")
     print("|---|---|---|---|---|---|")
     for name, rounds in results.items():
-        if name == "bare" or not any(r.own for r in rounds):
+        if name.startswith("bare") or not any(r.own for r in rounds):
             continue
         own_ms = statistics.median(r.own * r.step * 1e3 for r in rounds)
         ratio = [1 / (1 - r.own) for r in rounds]

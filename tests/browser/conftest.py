@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import nbformat
@@ -113,6 +115,23 @@ def browser():
         b = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
         yield b
         b.close()
+
+
+@contextmanager
+def exported_page(browser, run_dir: Path, html: Path) -> Iterator[tuple[object, list[str]]]:
+    """The run's HTML export open and drawn in a fresh page: (page, its page errors)."""
+    from nbwatch.export import export_html
+
+    path = export_html(run_dir, html)
+    page = browser.new_context(viewport={"width": 1400, "height": 1400}).new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        page.goto(path.as_uri())
+        page.wait_for_selector(".nbw-root[data-ready]", timeout=30_000)
+        yield page, errors
+    finally:
+        page.context.close()
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import torch
 
 import nbwatch
 from nbwatch.demo import TinyGPT
-from nbwatch.export import export_html
+from tests.browser.conftest import exported_page
 from tests.conftest import make_batches
 
 pytestmark = pytest.mark.browser
@@ -31,13 +31,7 @@ def test_health_draws_every_steps_logits_under_the_probes(browser, tmp_path):
     df = mon.df
     steps = int(df["train_logits/log_z"].notna().sum())
     assert steps == 7  # the hook is set once step 1 handed no logits
-    path = export_html(tmp_path / "run", tmp_path / "run.html")
-    page = browser.new_context(viewport={"width": 1400, "height": 1400}).new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    try:
-        page.goto(path.as_uri())
-        page.wait_for_selector(".nbw-root[data-ready]", timeout=30_000)
+    with exported_page(browser, tmp_path / "run", tmp_path / "run.html") as (page, errors):
         box = page.locator("[data-panel=health]")
         box.locator(".nbw-health-out .main-svg").first.wait_for(timeout=30_000)
         drawn = box.locator(".nbw-health-out").evaluate(
@@ -50,5 +44,3 @@ def test_health_draws_every_steps_logits_under_the_probes(browser, tmp_path):
         listed = page.locator("[data-panel=metrics]").inner_text()
         assert "grad_norm/" in listed and "train_logits" not in listed
         assert not errors, errors
-    finally:
-        page.context.close()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import nbwatch
-from nbwatch.export import export_html
+from tests.browser.conftest import exported_page
 from tests.conftest import make_batches
 from tests.test_probe_sources import LossOnly
 
@@ -25,13 +25,7 @@ def test_health_panel_says_why_the_output_logits_are_missing(browser, tmp_path):
               probe_batch=data[0], display=False)
     mon.wait()
     said = mon.events[mon.events.kind == "probe"].message.iloc[0]
-    path = export_html(tmp_path / "run", tmp_path / "run.html")
-    page = browser.new_context(viewport={"width": 1400, "height": 1400}).new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    try:
-        page.goto(path.as_uri())
-        page.wait_for_selector(".nbw-root[data-ready]", timeout=30_000)
+    with exported_page(browser, tmp_path / "run", tmp_path / "run.html") as (page, errors):
         box = page.locator("[data-panel=health]")
         box.locator(".nbw-health-entropy .main-svg").first.wait_for(timeout=30_000)
         note = box.locator(".nbw-health-none-out")
@@ -42,8 +36,6 @@ def test_health_panel_says_why_the_output_logits_are_missing(browser, tmp_path):
         assert not box.locator(".nbw-health-rms").is_visible()
         assert box.locator(".nbw-health-max_logit .main-svg").first.is_visible()
         assert not errors, errors
-    finally:
-        page.context.close()
 
 
 def test_health_panel_says_why_when_the_probe_is_off(browser, tmp_path):
@@ -62,11 +54,7 @@ def test_health_panel_says_why_when_the_probe_is_off(browser, tmp_path):
     mon.wait()
     said = mon.events[mon.events.kind == "probe"].message.iloc[0]
     assert "no attention weights" in said
-    path = export_html(tmp_path / "run", tmp_path / "run.html")
-    page = browser.new_context(viewport={"width": 1400, "height": 1400}).new_page()
-    try:
-        page.goto(path.as_uri())
-        page.wait_for_selector(".nbw-root[data-ready]", timeout=30_000)
+    with exported_page(browser, tmp_path / "run", tmp_path / "run.html") as (page, errors):
         box = page.locator("[data-panel=health]")
         box.locator(".nbw-health-why").wait_for(timeout=30_000)
         assert box.locator(".nbw-health-why").inner_text() == said
@@ -76,5 +64,4 @@ def test_health_panel_says_why_when_the_probe_is_off(browser, tmp_path):
         assert box.locator(".js-plotly-plot").count() == 1
         names = box.locator(".nbw-health-out").evaluate("e => e.data.map(t => t.name)")
         assert names == ["log Z, training batch", "max |logit|, training batch"]
-    finally:
-        page.context.close()
+        assert not errors, errors

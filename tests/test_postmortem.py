@@ -16,7 +16,10 @@ import nbwatch
 from nbwatch.demo import VOCAB, make_demo
 from nbwatch.postmortem import lr_change, postmortem, timeline
 
-QUIET = {r: {"actions": []} for r in ("nonfinite", "grad_explosion", "val_spike")}
+QUIET: dict = {r: {"actions": []} for r in ("nonfinite", "grad_explosion", "val_spike")}
+# the rules on wall time fire with the machine's load, not the model: the post-mortems
+# here are about what the model did
+QUIET |= {"throughput_drop": False, "data_bottleneck": False}
 BAD = 120  # the corrupt batch's step
 
 

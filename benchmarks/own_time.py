@@ -25,7 +25,7 @@ import torch
 import nbwatch
 from nbwatch import alerts, runner
 from nbwatch.demo import make_demo
-from nbwatch.probes import logits
+from nbwatch.probes import late, logits
 from nbwatch.recorder import optimizer_step as ost
 from nbwatch.recorder import steering as st
 from nbwatch.recorder import step_end as se
@@ -43,8 +43,11 @@ PARTS = [
     (ost.wprobe, "update_ratios", "post-hook: update ratios"),
     (se, "complete", "record: rules and the store's queue"),
     (se, "histograms", "record: weight histograms (every 50)"),
-    (logits, "logit_parts", "staging: logits' log Z and max |logit|"),
-    (runner, "batch_figures", "staging: the mask's figures"),
+    (logits, "logit_parts", "staging: logits' log Z and max |logit| (at the step)"),
+    (logits, "row_copy", "staging: the logits' rows copied (for the record)"),
+    (runner, "batch_figures", "staging: the mask's figures (at the step)"),
+    (runner, "keep_masks", "staging: the mask checked and copied (for the record)"),
+    (late, "resolve", "record: the kept masks' and rows' figures"),
     (st, "poll_commands", "boundary: command poll"),
     (alerts.AlertEngine, "observe", "the rules (all phases)"),
     (writer.RunStore, "put", "the store's queue (put)"),

@@ -54,12 +54,14 @@ class ExternalLoop:
         skip and clip rules act on them (the optimizer's own hook would see them later)."""
         self._rec.pre_step()
 
-    def logit_figures(self, mask: torch.Tensor | None = None
+    def logit_figures(self, mask: torch.Tensor | None = None,
+                      host: dict[str, Any] | None = None
                       ) -> tuple[list[str], list[torch.Tensor]]:
         """(names, parts) of the step's log Z and max |logit|, from the first training
         forward since the last call (`mask`: that micro-batch's, to leave its padding
-        out); none where the model has no output layer. In the step's `record_step`."""
-        return self._rec.train_logits.parts(None, mask)
+        out); none where the model has no output layer, or where `host` (the step's host
+        figures) keeps CPU rows for the record. In the step's `record_step`."""
+        return self._rec.train_logits.parts(None, mask, host=host)
 
     @property
     def own(self) -> Any:

@@ -19,6 +19,7 @@ from torch import nn
 from .optimizer_hooks import hooked_optimizer, inner_scheduler
 from .probes.attention import take_samples
 from .probes.data import batch_figures, check_mask
+from .probes.late import keep_masks
 from .probes.logits import NAMES as LOGIT_NAMES
 from .probes.logits import TrainLogits, is_logits, logit_parts
 from .sharding import refuse_unsupported
@@ -221,9 +222,11 @@ def log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any],
     (copied to the host with the next gradient norms: one sync a step; `logits`: their
     log Z and max |logit| over a fixed subsample, `probes.logits`; without them,
     `source`'s, the output layer's hook), and the
-    sequence lengths of the mask. On the `first` step a GPU mask is checked for 0/1 values
-    (one sync, once); later steps count its bad entries with the other figures
-    (`probes.data.BAD`), and a CPU mask is checked at every step (no sync)."""
+    sequence lengths of the mask. On the `first` step a mask is checked for 0/1 values (on
+    a GPU one sync, once) and refused if it holds others; later steps count a bad mask's
+    entries with the other figures (`probes.data.BAD`: its figures left out, said once).
+    Copies of a later CPU mask and of CPU logits' rows wait in `host` for the step's
+    record, which takes their figures a batch of steps at a time (`probes.late`)."""
     host: dict[str, float] = {}
     names: list[str] = []
     parts: list[torch.Tensor] = []
@@ -238,7 +241,7 @@ def log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any],
                         "float tensor [..., vocab] (e.g. logits=out.logits)")
     m = mask if isinstance(mask, torch.Tensor) else None
     if source is not None:  # the logits given, else the output layer's hook
-        lnames, lparts = source.parts(logits, m)
+        lnames, lparts = source.parts(logits, m, host=host)
         names += lnames
         parts += lparts
     elif logits is not None:
@@ -254,6 +257,8 @@ def log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any],
                 "seq_len] 0/1 attention mask (1 for real tokens, 0 for padding)")
         if first:
             check_mask(mask, "mon.log()")
+        elif keep_masks(host, [mask]):
+            return host, names, parts, None
         return host, names, parts, batch_figures([mask]).into(names, parts, host)
     return host, names, parts, None
 

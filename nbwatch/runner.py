@@ -22,6 +22,7 @@ from .checkpoint import rng_state, set_rng_state
 from .evaluation import evaluate
 from .probes.attention import clone_samples
 from .probes.data import batch_figures
+from .probes.late import keep_masks
 from .probes.logits import NAMES as LOGIT_NAMES
 from .probes.logits import is_logits
 from .probes.loss import check_not_copying, parse_step_output
@@ -201,7 +202,7 @@ class Runner:
         logits = raw.get("logits") if isinstance(raw, dict) else None
         with self.rec.own:
             _, parts = self.rec.train_logits.parts(logits if is_logits(logits) else None,
-                                                   mask, rearm=False)
+                                                   mask, rearm=False, host=m.host)
         m.logits = parts or None
 
     def _measure(self, m: _Micro) -> dict[str, float]:
@@ -215,7 +216,7 @@ class Runner:
         assert loss_sum is not None  # set by each of the accumulate (≥ 1) micro-batches
         mean = loss_sum / accumulate if accumulate > 1 else loss_sum
         names, parts = ["loss/train"], [mean]
-        figures: dict[str, float] = {}
+        figures = m.host
         for k, vs in m.extras.items():  # the step_fn's own scalars, mean over micro-batches
             t = next((v for v in vs if isinstance(v, torch.Tensor)), None)
             if t is not None:  # on the device, copied with the step's other figures
@@ -228,7 +229,10 @@ class Runner:
         if m.logits is not None:
             names += LOGIT_NAMES
             parts += m.logits
-        if m.masks:
+        # the run's first step reads its masks now (a bad one is refused at once); later
+        # ones are copied and read with the record, a batch of steps at a time
+        first = rec.step == rec.start_step
+        if m.masks and (first or not keep_masks(figures, m.masks)):
             rec.keep_seq_lens(batch_figures(m.masks).into(names, parts, figures))
         rec.stage(names, parts)  # copied to the host with the gradient norms: one sync
         return figures
@@ -257,6 +261,7 @@ class _Micro:
     masks: list[torch.Tensor] = field(default_factory=list)
     extras: dict[str, list[Any]] = field(default_factory=dict)  # the step_fn's scalars
     logits: list[torch.Tensor] | None = None  # [log Z, max |logit|] of the first's logits
+    host: dict[str, Any] = field(default_factory=dict)  # host figures (what waits: late.py)
     samples: int = 0
     reduction: str | None = None
     data_s: float = 0.0  # waiting for batches

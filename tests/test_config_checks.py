@@ -175,18 +175,44 @@ def test_log_refuses_bad_values_at_the_call_and_the_step_is_kept(tmp_path):
         with pytest.raises(TypeError, match="mask is a complex tensor"):
             mon.log(loss=loss, mask=torch.ones(4, 8, dtype=torch.complex64))
         assert mon.log(loss=loss, mask=b["mask"].bool(), val=torch.tensor(2.5)) == 1
-        for s, batch in enumerate(batches[1:4], start=2):
+        for s, batch in enumerate(batches[1:5], start=2):
             loss = train_step(model, opt, batch)
-            bad = batch["mask"].clone()
-            bad[0, 0] = 3
-            with pytest.raises(ValueError, match="mask holds 3 besides 0 and 1"):
-                mon.log(loss=loss, mask=bad)  # a CPU mask: checked at every step
-            assert mon.log(loss=loss, mask=batch["mask"]) == s
-    df = mon.df
-    assert list(df.index) == [1, 2, 3, 4]
+            mask = batch["mask"].clone()
+            if s in (3, 4):
+                mask[0, :2] = 3  # after the first step: read with the record, not refused
+            assert mon.log(loss=loss, mask=mask) == s
+    df, ev = mon.df, mon.events
+    assert list(df.index) == [1, 2, 3, 4, 5]
     assert df.loc[1, "loss/val"] == 2.5 and df["loss/train"].notna().all()
-    assert ((df["data/padding_ratio"] >= 0) & (df["data/padding_ratio"] < 1)).all()
-    assert (df["throughput/tokens_per_s"] > 0).all()
+    good = df.drop(index=[3, 4])
+    assert ((good["data/padding_ratio"] >= 0) & (good["data/padding_ratio"] < 1)).all()
+    assert (good["throughput/tokens_per_s"] > 0).all()
+    assert df.loc[[3, 4], ["data/padding_ratio", "tokens/real"]].isna().all().all()
+    said = ev[ev.message.str.contains("entries other than 0 and 1")]  # once a run
+    assert len(said) == 1 and said.step.iloc[0] == 3 and said.severity.iloc[0] == "warning"
+    assert said.message.iloc[0].startswith("the step's mask holds 2 entries")
+
+
+def test_a_step_fn_mask_that_turns_bad_later_leaves_its_figures_out(tmp_path):
+    """start(): a mask read with the record (after the first step) that holds other values
+    than 0 and 1 leaves that step's data figures out, said once; the run goes on."""
+    model, opt, batches = setup()
+    seen = []
+
+    def step(m, b):
+        seen.append(1)
+        mask = b["mask"] * 2 if len(seen) == 4 else b["mask"]
+        return {"logits": m(b["input_ids"]), "labels": b["labels"], "mask": mask}
+
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False)
+    mon.start(step, batches, max_steps=6, display=False).wait()
+    assert mon.state == "finished", mon.error
+    df, ev = mon.df, mon.events
+    assert df.loc[4, ["data/padding_ratio", "tokens/real"]].isna().all()
+    assert df.drop(index=4)["data/padding_ratio"].between(0, 1).all()
+    assert df["train_logits/log_z"].notna().all()  # the logits' figures are not the mask's
+    said = ev[ev.message.str.contains("entries other than 0 and 1")]
+    assert len(said) == 1 and said.step.iloc[0] == 4
 
 
 def test_a_step_fn_mask_that_is_not_0_1_fails_the_run_naming_the_mask(tmp_path):

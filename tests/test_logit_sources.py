@@ -12,7 +12,7 @@ import torch
 
 import nbwatch
 from nbwatch.demo import TinyGPT
-from nbwatch.probes.logits import LOG_Z, MAX_ABS, logit_parts
+from nbwatch.probes.logit_rows import LOG_Z, MAX_ABS, logit_parts
 
 from .conftest import make_batches
 

@@ -76,10 +76,11 @@ def test_start_leaves_out_the_eval_and_the_checkpoint(tmp_path):
 
 
 def test_start_counts_the_batch_figures_it_takes(tmp_path, monkeypatch):
-    """The logits' log Z and max |logit| (taken between the forward and the backward) and
-    the masks' figures are watching's time, and not the step_fn's (`time/forward`)."""
+    """What the step takes of its logits (between the forward and the backward: a copy of
+    their rows, `probes.late`) and of its masks (their figures at the first step, a copy
+    later) is watching's time, and not the step_fn's (`time/forward`)."""
     from nbwatch import runner
-    from nbwatch.probes import data, logits
+    from nbwatch.probes import data, late, logits
 
     def slow(f):
         def run(*a, **k):
@@ -87,8 +88,9 @@ def test_start_counts_the_batch_figures_it_takes(tmp_path, monkeypatch):
             return f(*a, **k)
         return run
 
-    monkeypatch.setattr(logits, "logit_parts", slow(logits.logit_parts))
+    monkeypatch.setattr(logits, "row_copy", slow(logits.row_copy))
     monkeypatch.setattr(runner, "batch_figures", slow(data.batch_figures))
+    monkeypatch.setattr(runner, "keep_masks", slow(late.keep_masks))
     torch.manual_seed(0)
     head = nn.Linear(8, 5)
     opt = torch.optim.SGD(head.parameters(), lr=1e-2)
@@ -115,8 +117,8 @@ def test_start_counts_the_output_layers_hook_as_watching_not_forward(tmp_path, m
         time.sleep(0.01)
         return real(x, positions)
 
-    real = logits.row_figures
-    monkeypatch.setattr(logits, "row_figures", slow)
+    real = logits.row_copy  # the hook copies the rows of CPU logits (probes.late)
+    monkeypatch.setattr(logits, "row_copy", slow)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(5, 8), nn.Linear(8, 5))  # its Linear: the vocabulary
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..health import ENTROPY, MAX_LOGIT, RMS, per_head
-from ..probes.logits import LOG_Z, MAX_ABS
+from ..probes.logit_rows import LOG_Z, MAX_ABS
 from ._common import Series, trace
 
 

@@ -1,11 +1,11 @@
-"""The output logits' health on every training step: the mean log-partition log Z (what a
-z-loss holds near 0: PaLM adds 1e-4 · log²Z to its loss, OLMo 2 1e-5) and the largest
-|logit|, over a fixed subsample of at most `POSITIONS` positions, so the cost does not grow
-with the batch or the sequence length (only with the vocabulary: one logsumexp over
-`POSITIONS` × V values).
+"""Where the training batch's logits figures come from (`probes/logit_rows.py` computes
+them): the logits a loop hands over (`start()`'s step_fn, `log(logits=...)`), else a
+forward hook on the model's output layer (the Trainer, Lightning, a loop that hands none).
+PaLM adds 1e-4 · log²Z to its loss, OLMo 2 1e-5: log Z is what a z-loss holds near 0.
 
 The figures are 0-dim tensors on the logits' device, staged with the step's other device
-figures: they cross to the host in the step's one copy, never a sync of their own.
+figures: they cross to the host in the step's one copy, never a sync of their own. On a
+CPU the rows are copied and reduced with the step's record instead (`probes/late.py`).
 
 The probe pass's `logits/z_mean` and `logits/max_abs` (health.py) are the same figures
 on two fixed probe samples once per eval; these are on the training batch every step.
@@ -14,7 +14,6 @@ on two fixed probe samples once per eval; these are on the training batch every 
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -22,74 +21,31 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import late
 from .activations import output_layers, output_logits
-
-LOG_Z = "train_logits/log_z"
-MAX_ABS = "train_logits/max_abs"
-NAMES = [LOG_Z, MAX_ABS]
-POSITIONS = 64  # positions a step looks at, at most
-LARGE_V = 2048  # vocabularies from which `_log_z_and_top` reads each row once fewer
-
-
-def _rows(logits: torch.Tensor, positions: int) -> tuple[torch.Tensor, slice]:
-    """[N, V] logits of every position, and the fixed-stride slice of at most `positions`
-    of them (the first, then every N // positions-th)."""
-    x = logits.detach().reshape(-1, logits.shape[-1])
-    stride = max(1, -(-x.shape[0] // positions))  # ceil: never more than `positions` rows
-    return x, slice(None, None, stride)
+from .logit_rows import (
+    NAMES,
+    POSITIONS,
+    RowCopy,
+    Rows,
+    is_logits,
+    log_z_and_top,
+    logit_parts,
+    reduce_rows,
+    row_copy,
+    row_figures,
+)
 
 
-def _log_z_and_top(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of a float [n, V]: log Σ exp (`torch.logsumexp`'s bits) and max |x|. From
-    `LARGE_V` on, the row max is read once for both and |x| is never written: 4 passes over
-    the rows instead of 6 (150k: 30-40% less time on a CPU, whose rows outgrow its cache);
-    below it the 3 extra small ops cost more than the pass."""
-    if x.shape[-1] < LARGE_V:
-        return torch.logsumexp(x, dim=-1), x.abs().amax(dim=-1)
-    hi, lo = x.amax(dim=-1), x.amin(dim=-1)
-    m = hi.masked_fill(hi.abs() == math.inf, 0)  # what torch.logsumexp subtracts and adds
-    return (x - m.unsqueeze(-1)).exp_().sum(-1).log_().add_(m), torch.maximum(hi, lo.neg())
-
-
-def logit_parts(logits: torch.Tensor, mask: torch.Tensor | None = None,
-                positions: int = POSITIONS) -> list[torch.Tensor]:
-    """[log Z mean, max |logit|] over at most `positions` positions of `logits` [..., V], as
-    0-dim float tensors on its device (no sync). `mask` ([...], 1 for a real token), when
-    its shape is the logits' positions, leaves padding out (by weight: no sync either).
-
-    >>> names, parts = NAMES, logit_parts(out.logits, batch["attention_mask"])
-    """
-    return reduce_rows(row_figures(logits, positions), mask)
-
-
-Rows = tuple[torch.Tensor, torch.Tensor, slice, tuple[int, ...]]
-"""Per subsampled row: log Z, max |logit|; the rows taken; the logits' positions' shape."""
-
-
-def row_figures(logits: torch.Tensor, positions: int = POSITIONS) -> Rows:
-    """The per-row half of `logit_parts`: what a forward hook takes while the logits are
-    warm, before the step's mask is known."""
-    x, rows = _rows(logits, positions)
-    lz, top = _log_z_and_top(x[rows].float())  # [n] each: n rows only
-    return lz, top, rows, tuple(logits.shape[:-1])
-
-
-def reduce_rows(figures: Rows, mask: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """The reducing half of `logit_parts`: the rows' mean log Z and max |logit|, padding
-    left out by weight where `mask` has the logits' positions' shape."""
-    lz, top, rows, shape = figures
-    if mask is not None and tuple(mask.shape) == shape:
-        m = mask.detach().reshape(-1)[rows].to(lz.dtype)
-        n = m.sum()
-        # no real token among the rows: NaN, a figure missing (not a false 0)
-        return [(lz * m).sum() / n, torch.where(n > 0, (top * m).amax(), torch.nan)]
-    return [lz.mean(), top.amax()]
-
-
-def is_logits(x: Any) -> bool:
-    """A float tensor [..., V] (V > 1) that can be logits (not a scalar loss)."""
-    return (isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[-1] > 1
-            and x.is_floating_point() and x.numel() > 0)
+def reduce_copy(copied: RowCopy, mask: torch.Tensor | None = None,
+                host: dict[str, Any] | None = None) -> list[torch.Tensor]:
+    """The figures of copied rows: kept in `host` for the step's record (no parts), or
+    computed now (where there is no `host`, or the mask is on a GPU)."""
+    if host is not None and late.keep_rows(host, *copied, mask):
+        return []
+    x, sel, shape = copied
+    lz, top = log_z_and_top(x)
+    return reduce_rows((lz, top, sel, shape), mask)
 
 
 UNSEEN = (
@@ -122,7 +78,8 @@ class HeadWatch:
                  own: Any = None, keep: str = "first"):
         self.positions, self.keep = positions, keep
         self._own = own if own is not None else contextlib.nullcontext()  # time/nbwatch
-        self.rows: Rows | None = None
+        self.rows: Rows | RowCopy | None = None
+        self.seen = False  # the last take found a training forward's figures
         self.armed = True
         self._thread = threading.get_ident()
         inner = getattr(model, "_orig_mod", None)
@@ -143,7 +100,7 @@ class HeadWatch:
         with self._own:
             x = output_logits(out)
             if x is not None and is_logits(x) and self.vocab in (None, x.shape[-1]):
-                self.rows = row_figures(x, self.positions)
+                self.rows = row_copy(x, self.positions) or row_figures(x, self.positions)
                 self.armed = self.keep != "first"
 
     @property
@@ -159,15 +116,20 @@ class HeadWatch:
         """Keep what is kept: no later forward replaces it before the take."""
         self.armed = False
 
-    def take(self, mask: torch.Tensor | None = None, rearm: bool = True
-             ) -> tuple[list[str], list[torch.Tensor]]:
+    def take(self, mask: torch.Tensor | None = None, rearm: bool = True,
+             host: dict[str, Any] | None = None) -> tuple[list[str], list[torch.Tensor]]:
         """(names, parts) of the figures kept since armed (none if no training forward
-        reached the output layer), padding left out where `mask` fits; `rearm`: keep the
-        next training forward's too (on the calling thread)."""
+        reached the output layer, or kept in `host` for the step's record: `seen` tells),
+        padding left out where `mask` fits; `rearm`: keep the next training forward's too
+        (on the calling thread)."""
         rows, self.rows = self.rows, None
         self.armed = rearm and self.watching
         self._thread = threading.get_ident()
-        return (list(NAMES), reduce_rows(rows, mask)) if rows is not None else ([], [])
+        self.seen = rows is not None
+        if rows is None:
+            return [], []
+        parts = reduce_copy(rows, mask, host) if len(rows) == 3 else reduce_rows(rows, mask)
+        return (list(NAMES), parts) if parts else ([], [])
 
     def remove(self) -> None:
         for h in self._handles:
@@ -211,21 +173,28 @@ class TrainLogits:
             self.head.hold()
 
     def parts(self, logits: torch.Tensor | None, mask: torch.Tensor | None = None,
-              rearm: bool = True) -> tuple[list[str], list[torch.Tensor]]:
+              rearm: bool = True, host: dict[str, Any] | None = None
+              ) -> tuple[list[str], list[torch.Tensor]]:
         """(names, parts) of the step's logits figures: `logits`' when given, else the
-        hook's (set now if it was not; `rearm`: see `HeadWatch.take`)."""
+        hook's (set now if it was not; `rearm`: see `HeadWatch.take`). With `host` (the
+        step's host figures), CPU logits' rows are kept there for the step's record
+        (`probes.late`) and no parts come back."""
         if logits is not None:
             self.close()  # handed over: the hook is not needed
-            return list(NAMES), logit_parts(logits, mask)
+            copied = row_copy(logits) if host is not None else None
+            if copied is None:
+                return list(NAMES), logit_parts(logits, mask)
+            parts = reduce_copy(copied, mask, host)
+            return (list(NAMES), parts) if parts else ([], [])
         if self.closed:  # it handed them before, or the run ended
             return [], []
         self.watch()
         if self.head is None:  # the model has no output layer
             return [], []
-        got = self.head.take(mask, rearm)
+        got = self.head.take(mask, rearm, host)
         # the first take may come before any forward could reach the hook (set just now);
         # a second in a row with nothing: no forward reaches it, say why once a run
-        self._empty = 0 if got[0] else self._empty + 1
+        self._empty = 0 if self.head.seen else self._empty + 1
         if self._empty == 2 and self.say is not None:
             self.say("train_logits", UNSEEN.format(path=self.head.path, fix=self.fix))
         return got

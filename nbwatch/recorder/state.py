@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..probes.late import Late
+
 
 @dataclass
 class Taking:
@@ -51,6 +53,7 @@ class Pending:
     lr_planned: bool  # its LR moved as planned (the scheduler stepped, a control)
     late_nan: bool  # a GradScaler overflow with a non-finite loss: the "grads" rules see it
     wall: float = field(default_factory=time.time)  # when it ended: its row's wall time
+    late: Late | None = None  # its CPU batch's figures, taken with its record
 
 
 @dataclass

@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
 from .. import controls as ctl
 from ..alerts import weight_std
 from ..distributed import rank_figures
+from ..probes import late as late_figures
 from ..probes import weights as wprobe
 from ..probes.data import bad_mask
 from ..probes.grads import Layers
@@ -127,21 +128,14 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
 
 def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
              overflow: bool = False, lr_planned: bool | None = None) -> None:
-    """The step's figures are all on the host: its derived figures now, its record (the
-    "step" rules, the store's row, the alerts) with the next batch (`record_pending`).
+    """The step's figures are all on the host (or kept for its record: `probes.late`): its
+    record (derived figures, the "step" rules, the store's row, the alerts) waits for the
+    next batch (`record_pending`).
     `lr_planned`: its LR moved as planned, as the step's end saw it (a GPU step completes
     at the next step's copy, after the scheduler's count was taken)."""
     fl = rec.flight
-    bad = bad_mask(values)  # a GPU mask of other values than 0/1: its figures dropped
-    if bad is not None and not fl.mask_said:
-        fl.mask_said = True
-        rec._emit(Event(step, "probe", "warning", bad))
-    tokens = values.get("tokens/real")
-    padded = values.pop("_padded", None)
-    if tokens is not None and padded:
-        values["data/padding_ratio"] = 1.0 - tokens / padded
-    samples = values.pop("_samples", None)
-    add_rates(values, int(samples) if samples else None)
+    # a CPU batch's figures, kept among the host figures till here, taken at the record
+    late = cast("late_figures.Late | None", values.pop(late_figures.KEY, None))
     loss = values.get("loss/train")
     finite = loss is None or math.isfinite(loss)
     if overflow and finite:
@@ -159,7 +153,7 @@ def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
         fl.pending_since = now - values.get("time/step", 0.0)
     pending.append(Pending(step, values, alerts,
                            rec.lr.planned() if lr_planned is None else lr_planned,
-                           overflow and not finite, wall))
+                           overflow and not finite, wall, late))
     # What acts on this step is recorded at once: an alert of the "grads" rules (its
     # checkpoint is the last good state), a non-finite figure (the nonfinite rule reads
     # the loss a loop reports after its optimizer step here), a skipped step; and every
@@ -182,14 +176,35 @@ def record_pending(rec: Recording) -> None:
     """Record the steps waiting, oldest first: each one's "step" rules, its row in the
     store, its alerts and their actions (which may checkpoint, and so come back here)."""
     pending = rec.flight.pending
+    late = [(p.values, p.late) for p in pending if p.late is not None]
+    if late:
+        for lengths in late_figures.resolve(late):
+            if lengths is not None:
+                keep_seq_lens(rec, lengths)
     while pending:
         record(rec, pending.popleft())
 
 
+def derive(rec: Recording, step: int, values: dict[str, float]) -> None:
+    """The figures drawn from others: the padding ratio, samples/s and tokens/s (and a bad
+    mask's figures dropped, said once a run)."""
+    bad = bad_mask(values)  # a mask of other values than 0/1: its figures dropped
+    if bad is not None and not rec.flight.mask_said:
+        rec.flight.mask_said = True
+        rec._emit(Event(step, "probe", "warning", bad))
+    tokens = values.get("tokens/real")
+    padded = values.pop("_padded", None)
+    if tokens is not None and padded:
+        values["data/padding_ratio"] = 1.0 - tokens / padded
+    samples = values.pop("_samples", None)
+    add_rates(values, int(samples) if samples else None)
+
+
 def record(rec: Recording, p: Pending) -> None:
-    """One step's record: the "step" rules on its figures (which add the spike score and
-    MFU to them), its row in the store, its alerts."""
+    """One step's record: its derived figures, the "step" rules on its figures (which add
+    the spike score and MFU to them), its row in the store, its alerts."""
     step, values, alerts = p.step, p.values, p.alerts
+    derive(rec, step, values)
     if p.late_nan:
         alerts = alerts + rec.engine.observe("grads", step, values)  # a real NaN
     if p.lr_planned:

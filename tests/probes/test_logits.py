@@ -8,7 +8,8 @@ import math
 import torch
 
 from nbwatch.demo import TinyGPT
-from nbwatch.probes.logits import LARGE_V, NAMES, POSITIONS, HeadWatch, logit_parts
+from nbwatch.probes.logit_rows import LARGE_V, NAMES, POSITIONS, logit_parts
+from nbwatch.probes.logits import HeadWatch
 
 
 def test_log_z_and_max_abs_over_at_most_64_positions_by_a_fixed_stride():

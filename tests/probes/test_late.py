@@ -44,6 +44,18 @@ def test_a_batch_of_steps_gives_each_the_bits_its_own_step_would():
                 assert host["_padded"] == masks.padded and torch.equal(n, masks.lengths)
 
 
+def test_the_micro_batches_masks_of_a_step_give_its_figures():
+    g = torch.Generator().manual_seed(2)
+    masks = [(torch.rand(b, t, generator=g) > 0.4).to(dtype)
+             for b, t, dtype in ((4, 9, torch.long), (2, 13, torch.bool), (3, 5, torch.float32))]
+    want = batch_figures(masks)
+    host: dict = {}
+    assert late.keep_masks(host, masks)
+    (lengths,) = late.resolve([(host, host.pop(late.KEY))])
+    assert {k: host[k] for k in want.host} == want.host and host["_padded"] == 77.0
+    assert torch.equal(lengths, want.lengths)
+
+
 def test_what_the_loop_does_to_its_tensors_after_the_step_changes_nothing():
     logits, mask = torch.randn(2, 8, 11), torch.ones(2, 8, dtype=torch.long)
     mask[1, 5:] = 0

@@ -187,6 +187,9 @@ def test_batch_identity_hash_accumulation_and_ring(tmp_path):
     assert content_hash((ids, torch.ones(3))) == content_hash(ids) == crc(ids)
     assert content_hash(torch.randn(3, 4)) is None  # not token ids
     assert content_hash({"x": ids}) is None and content_hash(3) is None
+    assert content_hash(ids.bool()) is None and content_hash(ids.to_sparse()) is None
+    assert content_hash(ids.to("meta")) is None  # not on the host: never copied there
+    assert content_hash(ids.int()) == crc(ids.int())  # any integer dtype
     if torch.cuda.is_available():
         assert content_hash(ids.cuda()) is None  # never a device→host copy
 

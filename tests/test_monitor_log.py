@@ -244,3 +244,29 @@ def test_fused_optimizer_under_a_grad_scaler_records_unscaled_norms(tmp_path):
         norms[fused] = mon.df["grad_norm/global"].tolist()
         assert not (mon.events.severity == "critical").any()
     assert norms[True] == pytest.approx(norms[False], rel=1e-4)
+
+
+def test_each_steps_lengths_count_once_when_an_alert_checkpoints_mid_batch(tmp_path):
+    """A CPU mask's figures are taken with the record (probes/late.py): an alert whose action
+    checkpoints records the steps waiting from inside the batch, and their sequence lengths
+    still reach the next `data/seq_len` histogram once each."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    alerts = {"loss_spike": {"actions": ["checkpoint"]}, "throughput_drop": False,
+              "data_bottleneck": False}
+    batch, steps = 4, 100
+    with nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False, hist_every=steps,
+                         alerts=alerts) as mon:
+        for s in range(1, steps + 1):
+            model(torch.randn(batch, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mask = torch.ones(batch, 6, dtype=torch.long)
+            mask[:, 4:] = 0
+            mon.log(1.0 + 0.001 * (s % 3) + (100.0 if s == 70 else 0.0), mask=mask)
+    ev = mon.events
+    assert (ev.kind == "checkpoint").any() and ev.message.str.startswith("loss_spike").any()
+    at, _, counts = nbwatch.open_run(tmp_path / "r").histograms("data/seq_len")
+    assert at.tolist() == [1, steps]
+    assert counts.sum(axis=1).tolist() == [batch, (steps - 1) * batch]

@@ -176,13 +176,23 @@ def record_pending(rec: Recording) -> None:
     """Record the steps waiting, oldest first: each one's "step" rules, its row in the
     store, its alerts and their actions (which may checkpoint, and so come back here)."""
     pending = rec.flight.pending
-    late = [(p.values, p.late) for p in pending if p.late is not None]
-    if late:
-        for lengths in late_figures.resolve(late):
-            if lengths is not None:
-                keep_seq_lens(rec, lengths)
+    late = []
+    for p in pending:  # taken once: an alert's action below may come back here
+        if p.late is not None:
+            late.append((p.values, p.late))
+            p.late = None
+    resolve_late(rec, late)
     while pending:
         record(rec, pending.popleft())
+
+
+def resolve_late(rec: Recording, steps: list) -> None:
+    """The figures kept for the record of `steps` ((values, Late) pairs), and their
+    sequence lengths for the next histogram."""
+    if steps:
+        for lengths in late_figures.resolve(steps):
+            if lengths is not None:
+                keep_seq_lens(rec, lengths)
 
 
 def derive(rec: Recording, step: int, values: dict[str, float]) -> None:
@@ -270,6 +280,9 @@ def histograms(rec: Recording, step: int) -> None:
     lengths seen since the last histogram step."""
     if rec.flight.pending:  # the rules see the steps in order
         record_pending(rec)
+    d = rec.flight.deferred  # a GPU step (this one) waiting for the next copy: its lengths
+    if d is not None and late_figures.KEY in d.values:
+        resolve_late(rec, [(d.values, d.values.pop(late_figures.KEY))])
     edges, counts = wprobe.layer_histograms(rec.layers, rec.spec.hist_bins)
     e_np, c_np = edges.cpu().double().numpy(), counts.cpu().numpy()
     for i, name in enumerate(rec.layers.names):

@@ -70,6 +70,11 @@ class ExternalLoop:
         return self._rec.own
 
     @property
+    def first_step(self) -> bool:
+        """The step being taken is the run's first (or a resumed run's)."""
+        return self._rec.step == self._rec.start_step
+
+    @property
     def stepped(self) -> bool:
         """The optimizer stepped since the last `record_step` (False while accumulating)."""
         return self._rec.stepped

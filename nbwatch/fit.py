@@ -175,7 +175,6 @@ class Adapter:
         self._commands = ctl.CommandQueue()  # shared with the handle, then the Monitor
         self._losses: list[Any] = []
         self._masks: list[Any] = []
-        self._masks_read = False  # the fit's first masks were read (a bad one refused)
         self._fitting = False  # a fit is taken: from start()'s launch, or the fit's begin
         self._owner: threading.Thread | None = None  # … in this thread (None: not begun)
         self._fit_trainer: Any = None  # … of this Trainer
@@ -232,7 +231,6 @@ class Adapter:
         self.monitor = self.handle = self.loop = None
         self._commands = ctl.CommandQueue()
         self._losses, self._masks = [], []
-        self._masks_read = False
 
     def _close_unseen(self) -> None:
         """The last fit ended without telling us (an exception the framework passes to no
@@ -313,11 +311,10 @@ class Adapter:
                 names.append("loss/train")
                 parts.append(torch.stack([x.float().reshape(()) for x in losses]).sum())
             if masks:
-                # the fit's first masks are read now (a bad one is refused at once); later
+                # the run's first masks are read now (a bad one is refused at once); later
                 # ones are copied and read with the record, a batch of steps at a time
-                if not self._masks_read or not keep_masks(host, masks):
+                if rec.first_step or not keep_masks(host, masks):
                     lengths = batch_figures(masks).into(names, parts, host)
-                    self._masks_read = True
                 samples = sum(int(m.shape[0]) for m in masks)
             # the first micro-batch's forward: its mask leaves its padding out
             lnames, lparts = rec.logit_figures(masks[0] if masks else None, host)

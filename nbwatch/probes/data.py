@@ -91,7 +91,7 @@ def batch_figures(masks: list[torch.Tensor]) -> MaskFigures:
     max sequence length, the padded token count and the lengths. No host sync: CPU masks
     are read and checked on the host (`check_mask`'s refusal for a bad one), a GPU mask's
     figures stay on its device, with `BAD` for one that is not bool."""
-    on_host = _host_figures(masks)
+    on_host = host_figures(masks)
     if on_host is not None:
         return on_host
     for m in masks:
@@ -119,7 +119,7 @@ def batch_figures(masks: list[torch.Tensor]) -> MaskFigures:
     return MaskFigures(names, parts, {}, padded, torch.cat([f["lengths"] for f in figs]))
 
 
-def _host_figures(masks: list[torch.Tensor]) -> MaskFigures | None:
+def host_figures(masks: list[torch.Tensor]) -> MaskFigures | None:
     """`batch_figures` of CPU masks, read in place with numpy and plain Python. The same
     figures as `mask_stats` (float32 lengths, whose sums of 0/1 are exact; over several
     micro-batches the mean of their means is taken once in double, where the device

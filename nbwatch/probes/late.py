@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .data import BAD, _host_figures
+from .data import BAD, host_figures
 from .logit_rows import LOG_Z, MAX_ABS, log_z_and_top
 
 KEY = "_late"  # a step's host figures hold its `Late` under this key till its end
@@ -103,7 +103,7 @@ def resolve(steps: list[tuple[dict[str, Any], Late]]) -> list[torch.Tensor | Non
     for v, late in steps:
         lengths = None
         if late.masks:
-            figs = _host_figures(late.masks)
+            figs = host_figures(late.masks)
             if figs is None:  # other values than 0 and 1: `bad_mask` says so at the record
                 v[BAD] = float(sum(int(((m != 0) & (m != 1)).sum()) for m in late.masks))
             else:
@@ -128,6 +128,5 @@ def _logit_figures(group: list[tuple[dict[str, Any], Late]]) -> None:
         s = m.sum(-1)
         # no real token among the rows: NaN, a figure missing (not a false 0)
         z, t = (lz * m).sum(-1) / s, torch.where(s > 0, (top * m).amax(-1), torch.nan)
-    for (v, late), (zi, ti) in zip(group, torch.stack([z, t], -1).tolist()):
+    for (v, _), (zi, ti) in zip(group, torch.stack([z, t], -1).tolist()):
         v[LOG_Z], v[MAX_ABS] = zi, ti
-        late.rows = late.weight = None

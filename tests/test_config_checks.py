@@ -193,15 +193,18 @@ def test_log_refuses_bad_values_at_the_call_and_the_step_is_kept(tmp_path):
     assert said.message.iloc[0].startswith("the step's mask holds 2 entries")
 
 
-def test_a_step_fn_mask_that_turns_bad_later_leaves_its_figures_out(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.long, torch.bfloat16])
+def test_a_step_fn_mask_that_turns_bad_later_leaves_its_figures_out(tmp_path, dtype):
     """start(): a mask read with the record (after the first step) that holds other values
-    than 0 and 1 leaves that step's data figures out, said once; the run goes on."""
+    than 0 and 1 leaves that step's data figures out, said once; the run goes on (a
+    bfloat16 mask too, which numpy cannot read: its copy is float32)."""
     model, opt, batches = setup()
     seen = []
 
     def step(m, b):
         seen.append(1)
-        mask = b["mask"] * 2 if len(seen) == 4 else b["mask"]
+        mask = b["mask"].to(dtype)
+        mask = mask * 2 if len(seen) == 4 else mask
         return {"logits": m(b["input_ids"]), "labels": b["labels"], "mask": mask}
 
     mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False)

@@ -11,7 +11,8 @@ in one go, warm after the first: the same figures, bit for bit.
 A mask of other values than 0 and 1 is refused at the run's first step, as before; found
 later (at the record), its figures are left out and a warning says so once, as for a GPU
 mask. What is not kept (a GPU tensor, a vocabulary whose rows outgrow
-`logit_rows.ROW_BYTES`, a dtype numpy cannot read) is computed at the step.
+`logit_rows.ROW_BYTES`, a dtype numpy cannot read) is computed at the step; a bfloat16
+mask is kept as a float32 copy (the same 0/1 values, the same sums).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from .data import BAD, host_figures
 from .logit_rows import LOG_Z, MAX_ABS, log_z_and_top
 
 KEY = "_late"  # a step's host figures hold its `Late` under this key till its end
-_NUMPY = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
-                    torch.int64, torch.float16, torch.float32, torch.float64})
+# the mask dtypes kept; numpy has no bfloat16: a bfloat16 mask's copy is float32
+_KEPT = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                   torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
 @dataclass
@@ -44,7 +46,8 @@ class Late:
         """One copy a step of a mask given twice (the masks' and the logits' weights)."""
         c = self.copies.get(id(m))
         if c is None:
-            c = self.copies[id(m)] = m.detach().clone()
+            d = m.detach()
+            c = self.copies[id(m)] = d.float() if d.dtype == torch.bfloat16 else d.clone()
         return c
 
 
@@ -56,8 +59,9 @@ def _of(host: dict[str, Any]) -> Late:
 
 
 def _keepable(m: torch.Tensor) -> bool:
-    """A mask numpy can read on the host (else its figures are taken at the step)."""
-    return (m.device.type == "cpu" and m.layout == torch.strided and m.dtype in _NUMPY
+    """A mask numpy can read on the host, or its copy can (else its figures are taken at
+    the step)."""
+    return (m.device.type == "cpu" and m.layout == torch.strided and m.dtype in _KEPT
             and m.numel() > 0 and m.dim() in (1, 2) and type(m) is torch.Tensor)
 
 

@@ -47,13 +47,29 @@ def test_a_batch_of_steps_gives_each_the_bits_its_own_step_would():
 def test_the_micro_batches_masks_of_a_step_give_its_figures():
     g = torch.Generator().manual_seed(2)
     masks = [(torch.rand(b, t, generator=g) > 0.4).to(dtype)
-             for b, t, dtype in ((4, 9, torch.long), (2, 13, torch.bool), (3, 5, torch.float32))]
+             for b, t, dtype in ((4, 9, torch.long), (2, 13, torch.bool), (3, 5, torch.float32),
+                                 (2, 7, torch.bfloat16))]
     want = batch_figures(masks)
     host: dict = {}
     assert late.keep_masks(host, masks)
     (lengths,) = late.resolve([(host, host.pop(late.KEY))])
-    assert {k: host[k] for k in want.host} == want.host and host["_padded"] == 77.0
+    assert {k: host[k] for k in want.host} == want.host and host["_padded"] == 91.0
     assert torch.equal(lengths, want.lengths)
+
+
+def test_a_bfloat16_mask_is_kept_as_float32_and_weights_the_rows_alike():
+    """numpy cannot read bfloat16: the copy is float32, the same 0/1 values."""
+    logits = torch.randn(3, 10, 17)
+    mask = (torch.arange(10) < torch.tensor([[4], [10], [7]])).to(torch.bfloat16)
+    want = [x.item() for x in logit_parts(logits, mask)], batch_figures([mask])
+    host: dict = {}
+    assert late.keep_rows(host, *row_copy(logits), mask)
+    assert late.keep_masks(host, [mask])
+    assert host[late.KEY].masks[0].dtype == torch.float32
+    (lengths,) = late.resolve([(host, host.pop(late.KEY))])
+    assert [host[k] for k in NAMES] == want[0]
+    assert {k: host[k] for k in want[1].host} == want[1].host
+    assert torch.equal(lengths, want[1].lengths)
 
 
 def test_what_the_loop_does_to_its_tensors_after_the_step_changes_nothing():
@@ -81,7 +97,7 @@ def test_a_mask_of_other_values_is_counted_for_the_record_to_leave_out():
 
 def test_what_numpy_cannot_read_or_rows_too_wide_are_taken_at_the_step():
     host: dict = {}
-    assert not late.keep_masks(host, [torch.ones(2, 3, dtype=torch.bfloat16)])
+    assert not late.keep_masks(host, [torch.ones(2, 3, dtype=torch.complex64)])
     assert not late.keep_masks(host, [torch.ones(0, 3)])
     assert not late.keep_masks(host, [])
     vocab = ROW_BYTES // (64 * 4) + 1

@@ -46,7 +46,7 @@ PARTS = [
     (logits, "logit_parts", "staging: logits' log Z and max |logit| (at the step)"),
     (logits, "row_copy", "staging: the logits' rows copied (for the record)"),
     (runner, "batch_figures", "staging: the mask's figures (at the step)"),
-    (runner, "keep_masks", "staging: the mask checked and copied (for the record)"),
+    (runner, "keep_mask", "staging: the mask checked and copied (for the record)"),
     (late, "resolve", "record: the kept masks' and rows' figures"),
     (st, "poll_commands", "boundary: command poll"),
     (alerts.AlertEngine, "observe", "the rules (all phases)"),

@@ -22,7 +22,7 @@ from .checkpoint import rng_state, set_rng_state
 from .evaluation import evaluate
 from .probes.attention import clone_samples
 from .probes.data import batch_figures
-from .probes.late import keep_masks
+from .probes.late import drop_masks, keep_mask
 from .probes.logits import NAMES as LOGIT_NAMES
 from .probes.logits import is_logits
 from .probes.loss import check_not_copying, parse_step_output
@@ -158,7 +158,9 @@ class Runner:
         model, scaler = rec.model, rec.scaler
         step_fn = spec.step_fn
         assert step_fn is not None  # start() and preflight always give it (check_start)
-        m = _Micro()
+        # the run's first step reads its masks after the backward (a bad one is refused
+        # then, the step's graph freed); later ones are copied and read with the record
+        m = _Micro(keeping=rec.step != rec.start_step)
         rec.train_logits.arm()
         for i in range(spec.accumulate):
             td = time.perf_counter()
@@ -181,6 +183,9 @@ class Runner:
                     _extras(raw, m.extras)
             if i == 0:  # the first micro-batch's: a cost that does not grow with them
                 self._logit_figures(m, raw, out.mask)
+            if out.mask is not None and m.keeping:
+                with rec.own:  # beside the rows' copy, still warm (its look at the mask too)
+                    m.keeping = keep_mask(m.host, out.mask)
             m.reduction = out.reduction
             loss = out.loss / spec.accumulate if spec.accumulate > 1 else out.loss
             (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -229,10 +234,8 @@ class Runner:
         if m.logits is not None:
             names += LOGIT_NAMES
             parts += m.logits
-        # the run's first step reads its masks now (a bad one is refused at once); later
-        # ones are copied and read with the record, a batch of steps at a time
-        first = rec.step == rec.start_step
-        if m.masks and (first or not keep_masks(figures, m.masks)):
+        if m.masks and not m.keeping:  # the first step's, or one that cannot be kept
+            drop_masks(figures)
             rec.keep_seq_lens(batch_figures(m.masks).into(names, parts, figures))
         rec.stage(names, parts)  # copied to the host with the gradient norms: one sync
         return figures
@@ -259,6 +262,7 @@ class _Micro:
 
     loss_sum: torch.Tensor | None = None  # sum of the micro-batches' detached losses
     masks: list[torch.Tensor] = field(default_factory=list)
+    keeping: bool = False  # the masks so far kept for the record (probes/late.py)
     extras: dict[str, list[Any]] = field(default_factory=dict)  # the step_fn's scalars
     logits: list[torch.Tensor] | None = None  # [log Z, max |logit|] of the first's logits
     host: dict[str, Any] = field(default_factory=dict)  # host figures (what waits: late.py)

@@ -76,6 +76,24 @@ def keep_masks(host: dict[str, Any], masks: list[torch.Tensor]) -> bool:
     return True
 
 
+def keep_mask(host: dict[str, Any], mask: torch.Tensor) -> bool:
+    """`keep_masks` one micro-batch at a time: a copy of `mask` added to the step's kept
+    masks (True), or nothing (False: the caller drops them with `drop_masks` and takes
+    the step's figures now)."""
+    if not _keepable(mask):
+        return False
+    late = _of(host)
+    late.masks.append(late.copy(mask))
+    return True
+
+
+def drop_masks(host: dict[str, Any]) -> None:
+    """Forget the masks kept so far this step (their figures are taken at the step)."""
+    late = host.get(KEY)
+    if late is not None:
+        late.masks = []
+
+
 def keep_rows(host: dict[str, Any], rows: torch.Tensor, sel: slice, shape: tuple[int, ...],
               mask: torch.Tensor | None) -> bool:
     """Keep a copy of the logits' subsampled rows (`logits.row_copy`) and of the mask

@@ -38,6 +38,11 @@ from .state import Deferred, InFlight, Pending, RankMeeting
 RECORD_STEPS = 16
 RECORD_EVERY_S = 0.5
 
+# A step's device figures wait for the next step's gradient copy on an accelerator (one
+# host sync a step, not two); on a CPU a copy costs no sync and is taken at once. Tests set
+# this to run the accelerator's order on a CPU (tests/test_deferred_steps.py).
+DEFER_ON_CPU = False
+
 _FROM_ALL_RANKS = ("loss/train", "tokens/real", "throughput/tokens_per_s")
 
 
@@ -107,8 +112,8 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
         names = [*(names or ()), *rec.ratio_names]
         parts = [*(parts or ()), *t.ratios.unbind()]
     if parts:
-        on_gpu = parts[0].device.type == "cuda" and t is not None
-        if on_gpu and rec.dist is None:
+        on_device = parts[0].device.type != "cpu" or DEFER_ON_CPU
+        if on_device and t is not None and rec.dist is None:
             fl.deferred = Deferred(step, list(names or ()), list(parts), values, alerts,
                                    rec.lr.planned())
         else:

@@ -1,0 +1,165 @@
+"""On an accelerator a step's device figures wait for the next step's gradient copy, one
+host sync a step (recorder/step_end.py). CI has no GPU, so these tests run that order on
+the CPU (`DEFER_ON_CPU`) and hold it to the record of the same run copied at once: the
+same figures, histograms, evals, alerts and post-mortems, and nothing lost at a stop or a
+failure."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+import nbwatch
+from nbwatch.demo import make_demo, masked_cross_entropy
+from nbwatch.recorder import step_end
+from nbwatch.recorder.state import Deferred
+
+TIMED = ("time/", "throughput/", "system/")  # wall-clock figures: never equal twice
+
+
+def defer_on_cpu(monkeypatch, on: bool) -> list:
+    """Run the accelerator's order (`on`); returns the steps deferred, as they come."""
+    deferred: list[int] = []
+    monkeypatch.setattr(step_end, "DEFER_ON_CPU", on)
+    monkeypatch.setattr(step_end, "Deferred", lambda step, *a, **k: (
+        deferred.append(step), Deferred(step, *a, **k))[1])
+    return deferred
+
+
+def figures(run) -> tuple:
+    """What a run recorded, less its clocks."""
+    df = run.df
+    df = df[[c for c in df.columns if not c.startswith(TIMED)]]
+    hists = {n: run.histograms(n) for n in run.reader.histogram_names()}
+    ev = run.events
+    return df, hists, list(zip(ev.step, ev.kind, ev.severity)), run.spikes
+
+
+def same(a: tuple, b: tuple) -> None:
+    df_a, hist_a, ev_a, spikes_a = a
+    df_b, hist_b, ev_b, spikes_b = b
+    assert sorted(df_a.columns) == sorted(df_b.columns)  # in the order they came
+    np.testing.assert_array_equal(df_a.to_numpy(), df_b[df_a.columns].to_numpy())
+    assert hist_a.keys() == hist_b.keys()
+    for name, (steps, edges, counts) in hist_a.items():
+        steps_b, edges_b, counts_b = hist_b[name]
+        assert list(steps) == list(steps_b) and len(steps) > 0, name
+        np.testing.assert_array_equal(counts, counts_b)
+        assert all(np.array_equal(x, y) for x, y in zip(edges, edges_b))
+    assert ev_a == ev_b
+    cols = ["step", "loss", "batches", "first", "lead"]
+    assert spikes_a[cols].to_dict("records") == spikes_b[cols].to_dict("records")
+
+
+def demo_run(tmp_path, name: str, defer: bool, monkeypatch, spike_at: int = 0,
+             fail_at: int = 0, steps: int = 60):
+    """The demo's model, small: masks, logits, weight and length histograms every 10
+    steps, an eval every 20, a checkpoint every 25; the loss ×30 at `spike_at`, the step_fn
+    raising at `fail_at`."""
+    deferred = defer_on_cpu(monkeypatch, defer)
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4, lr=1e-3, max_steps=steps)
+    calls = itertools.count(1)
+
+    def step_fn(m, b):
+        i = next(calls)
+        if i == fail_at:
+            raise RuntimeError("a bad batch")
+        logits = m(b["input_ids"])
+        loss = masked_cross_entropy(logits, b["labels"], b["mask"])
+        return {"loss": loss * 30 if i == spike_at else loss, "logits": logits,
+                "mask": b["mask"]}
+
+    def val_fn(m):
+        with torch.no_grad():
+            b = demo.val[0]
+            return masked_cross_entropy(m(b["input_ids"]), b["labels"], b["mask"]).item()
+
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler,
+                          run_dir=tmp_path / name)
+    mon.start(step_fn, itertools.cycle(demo.train), max_steps=steps, val_fn=val_fn,
+              eval_every=20, hist_every=10, checkpoint_every=25, display=False)
+    return mon, deferred
+
+
+@pytest.mark.parametrize("spike_at", [0, 57])
+def test_a_run_copied_a_step_later_records_what_one_copied_at_once_does(
+        tmp_path, monkeypatch, spike_at):
+    runs = []
+    for defer in (False, True):
+        mon, deferred = demo_run(tmp_path, f"d{defer}", defer, monkeypatch, spike_at=spike_at)
+        mon.wait()
+        assert mon.state == "finished", mon.error
+        # start() copies a step's loss with its own gradients: what waits is what comes
+        # after its optimizer step, the update ratios (with the histograms, every 10)
+        assert deferred == ([1, *range(10, 61, 10)] if defer else [])
+        runs.append(figures(nbwatch.open_run(tmp_path / f"d{defer}")))
+    df, _, events, spikes = runs[1]
+    assert df.index.tolist() == list(range(1, 61))  # every step once
+    assert "data/seq_len" in runs[1][1] and len(runs[1][1]) > 3, runs[1][1].keys()
+    assert df["loss/val"].notna().sum() == 3 and df["train_logits/log_z"].notna().all()
+    assert len(spikes) == (1 if spike_at else 0), spikes  # (its step: less the dry run's)
+    assert (25, "checkpoint", "info") in events
+    same(*runs)
+
+
+def test_a_run_that_fails_keeps_its_last_step_copied_a_step_later(tmp_path, monkeypatch):
+    """The step before the failure waits for a copy that never comes: the failure's end
+    records it (its figures, as a run copied at once has them)."""
+    runs = []
+    for defer in (False, True):
+        mon, _ = demo_run(tmp_path, f"d{defer}", defer, monkeypatch, fail_at=33)
+        with pytest.raises(RuntimeError, match="a bad batch"):
+            mon.wait()
+        assert mon.state == "failed"
+        runs.append(figures(nbwatch.open_run(tmp_path / f"d{defer}")))
+    steps = runs[1][0].index.tolist()
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) > 25
+    same(*runs)
+
+
+def test_a_stopped_run_records_each_step_once(tmp_path, monkeypatch):
+    deferred = defer_on_cpu(monkeypatch, True)
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4)
+    stop_at = 17
+
+    def step_fn(m, b):
+        if mon.step == stop_at - 1:
+            mon.stop()  # taken at this step's boundary
+        return {"logits": m(b["input_ids"]), "labels": b["labels"], "mask": b["mask"]}
+
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, run_dir=tmp_path / "r")
+    # update ratios every step: figures taken after the optimizer step, so each step's
+    # wait for the next step's copy (start() copies the rest with its own gradients)
+    mon.start(step_fn, itertools.cycle(demo.train), max_steps=100, update_every=1,
+              display=False).wait()
+    assert mon.state == "stopped", mon.error
+    df = nbwatch.open_run(tmp_path / "r").df
+    assert df.index.tolist() == list(range(1, stop_at + 1)) == deferred
+    assert df[["loss/train", "update_ratio/head", "tokens/real"]].notna().all().all()
+
+
+def test_an_own_loop_copied_a_step_later_records_the_same(tmp_path, monkeypatch):
+    """`mon.log(loss=..., mask=..., logits=...)`: the loss goes with the next step's
+    gradient copy, as on a GPU."""
+    runs = []
+    for defer in (False, True):
+        deferred = defer_on_cpu(monkeypatch, defer)
+        demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4)
+        m, opt = demo.model, demo.optimizer
+        with nbwatch.Monitor(m, opt, run_dir=tmp_path / f"d{defer}", hist_every=10,
+                             display=False) as mon:
+            for b in itertools.islice(itertools.cycle(demo.train), 30):
+                logits = m(b["input_ids"])
+                loss = masked_cross_entropy(logits, b["labels"], b["mask"])
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                mon.log(loss=loss, mask=b["mask"], logits=logits)
+        runs.append(figures(nbwatch.open_run(tmp_path / f"d{defer}")))
+        assert deferred == (list(range(1, 31)) if defer else [])
+    assert runs[1][0].index.tolist() == list(range(1, 31))
+    assert runs[1][0]["train_logits/log_z"].notna().all()
+    same(*runs)

@@ -163,3 +163,75 @@ def test_an_own_loop_copied_a_step_later_records_the_same(tmp_path, monkeypatch)
     assert runs[1][0].index.tolist() == list(range(1, 31))
     assert runs[1][0]["train_logits/log_z"].notna().all()
     same(*runs)
+
+
+def test_the_trainer_copied_a_step_later_records_the_same(tmp_path, monkeypatch):
+    """Under the Hugging Face Trainer (its loss comes after the optimizer step), with an
+    eval every 10 steps."""
+    pytest.importorskip("transformers")
+    import nbwatch.hf
+    from tests.test_hf import make_trainer
+
+    runs = []
+    for defer in (False, True):
+        deferred = defer_on_cpu(monkeypatch, defer)
+        trainer = make_trainer(tmp_path / f"out{defer}")
+        run = nbwatch.hf.start(trainer, run_dir=tmp_path / f"d{defer}", display=False,
+                               monitor={"hist_every": 10})
+        run.wait()
+        assert run.state == "finished", run.error
+        assert len(deferred) == (20 if defer else 0)
+        runs.append(figures(nbwatch.open_run(tmp_path / f"d{defer}")))
+    assert runs[1][0]["loss/val"].notna().sum() == 2
+    same(*runs)
+
+
+def test_lightning_copied_a_step_later_records_the_same(tmp_path, monkeypatch):
+    pytest.importorskip("lightning.pytorch")
+    import nbwatch.lightning
+    from tests.test_lightning import TinyModule, loader, make_trainer
+
+    runs = []
+    for defer in (False, True):
+        deferred = defer_on_cpu(monkeypatch, defer)
+        torch.manual_seed(0)
+        module = TinyModule()
+        run = nbwatch.lightning.start(make_trainer(tmp_path / f"pl{defer}"), module,
+                                      train_dataloaders=loader(16),
+                                      val_dataloaders=loader(2, seed=1),
+                                      run_dir=tmp_path / f"d{defer}", display=False)
+        run.wait()
+        assert run.state == "finished", run.error
+        assert len(deferred) == (20 if defer else 0)
+        runs.append(figures(nbwatch.open_run(tmp_path / f"d{defer}")))
+    assert runs[1][0]["loss/val"].notna().sum() == 2
+    same(*runs)
+
+
+def test_a_rewind_copied_a_step_later_keeps_the_same_line_and_branch(tmp_path, monkeypatch):
+    """A rewind reloads a checkpoint while a step's figures wait for the next copy (update
+    ratios every step: every step waits)."""
+    runs, branches = [], []
+    for defer in (False, True):
+        deferred = defer_on_cpu(monkeypatch, defer)
+        demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4, lr=1e-3)
+        data = [dict(b, pos=i) for i, b in
+                enumerate(itertools.islice(itertools.cycle(demo.train), 120))]
+        mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler,
+                              run_dir=tmp_path / f"d{defer}")
+
+        def step(model, batch, mon=mon, demo=demo):
+            if int(batch["pos"]) == 50:
+                mon.rewind(steps=15, skip=5)
+            return demo.step_fn(model, batch)
+
+        mon.start(step, data, max_steps=70, checkpoint_every=20, update_every=1,
+                  display=False).wait()
+        assert mon.state == "finished", mon.error
+        assert len(deferred) >= (70 if defer else 0)
+        runs.append(figures(nbwatch.open_run(tmp_path / f"d{defer}")))
+        branches.append(mon.branches)
+    assert runs[1][0].index.tolist() == list(range(1, 71))
+    assert list(branches[1]["rewind/1/loss/train"].dropna().index) == list(range(21, 52))
+    same(*runs)
+    np.testing.assert_array_equal(branches[0].to_numpy(), branches[1][branches[0].columns])

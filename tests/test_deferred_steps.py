@@ -165,6 +165,21 @@ def test_an_own_loop_copied_a_step_later_records_the_same(tmp_path, monkeypatch)
     same(*runs)
 
 
+def fit_both_orders(tmp_path, monkeypatch, fit, waits: int) -> list:
+    """`fit(run_dir)` (a framework's run handle) in each order, `waits` steps waiting in
+    the accelerator's; their figures."""
+    runs = []
+    for defer in (False, True):
+        deferred = defer_on_cpu(monkeypatch, defer)
+        run = fit(tmp_path / f"d{defer}")
+        run.wait()
+        assert run.state == "finished", run.error
+        assert len(deferred) == (waits if defer else 0)
+        runs.append(figures(nbwatch.open_run(tmp_path / f"d{defer}")))
+    assert runs[1][0]["loss/val"].notna().sum() == 2
+    return runs
+
+
 def test_the_trainer_copied_a_step_later_records_the_same(tmp_path, monkeypatch):
     """Under the Hugging Face Trainer (its loss comes after the optimizer step), with an
     eval every 10 steps."""
@@ -172,18 +187,9 @@ def test_the_trainer_copied_a_step_later_records_the_same(tmp_path, monkeypatch)
     import nbwatch.hf
     from tests.test_hf import make_trainer
 
-    runs = []
-    for defer in (False, True):
-        deferred = defer_on_cpu(monkeypatch, defer)
-        trainer = make_trainer(tmp_path / f"out{defer}")
-        run = nbwatch.hf.start(trainer, run_dir=tmp_path / f"d{defer}", display=False,
-                               monitor={"hist_every": 10})
-        run.wait()
-        assert run.state == "finished", run.error
-        assert len(deferred) == (20 if defer else 0)
-        runs.append(figures(nbwatch.open_run(tmp_path / f"d{defer}")))
-    assert runs[1][0]["loss/val"].notna().sum() == 2
-    same(*runs)
+    same(*fit_both_orders(tmp_path, monkeypatch, lambda d: nbwatch.hf.start(
+        make_trainer(d.with_name(f"out_{d.name}")), run_dir=d, display=False,
+        monitor={"hist_every": 10}), waits=20))
 
 
 def test_lightning_copied_a_step_later_records_the_same(tmp_path, monkeypatch):
@@ -191,21 +197,14 @@ def test_lightning_copied_a_step_later_records_the_same(tmp_path, monkeypatch):
     import nbwatch.lightning
     from tests.test_lightning import TinyModule, loader, make_trainer
 
-    runs = []
-    for defer in (False, True):
-        deferred = defer_on_cpu(monkeypatch, defer)
+    def fit(d):
         torch.manual_seed(0)
-        module = TinyModule()
-        run = nbwatch.lightning.start(make_trainer(tmp_path / f"pl{defer}"), module,
-                                      train_dataloaders=loader(16),
-                                      val_dataloaders=loader(2, seed=1),
-                                      run_dir=tmp_path / f"d{defer}", display=False)
-        run.wait()
-        assert run.state == "finished", run.error
-        assert len(deferred) == (20 if defer else 0)
-        runs.append(figures(nbwatch.open_run(tmp_path / f"d{defer}")))
-    assert runs[1][0]["loss/val"].notna().sum() == 2
-    same(*runs)
+        return nbwatch.lightning.start(
+            make_trainer(d.with_name(f"pl_{d.name}")), TinyModule(),
+            train_dataloaders=loader(16), val_dataloaders=loader(2, seed=1), run_dir=d,
+            display=False)
+
+    same(*fit_both_orders(tmp_path, monkeypatch, fit, waits=20))
 
 
 def test_a_rewind_copied_a_step_later_keeps_the_same_line_and_branch(tmp_path, monkeypatch):

@@ -126,6 +126,24 @@ def test_bad_monitor_settings_are_refused(tmp_path, kw, error, says):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize(("kw", "says"), [
+    ({"eval_every": 0}, r"eval_every must be a positive int or None, got 0; None .* without a "
+                        r"val_fn there is no eval"),
+    ({"checkpoint_every": 0}, r"checkpoint_every .* got 0; None .* no periodic checkpoint"),
+    ({"eval_every": 2.5}, r"eval_every must be a positive int or None, got 2.5"),
+])
+def test_every_0_to_turn_a_thing_off_says_what_none_does(tmp_path, kw, says):
+    """A newcomer's `eval_every=0` (off, as in other tools) is refused with what None does
+    and how evals are turned off; the Monitor starts as asked after it."""
+    model, opt, batches = setup()
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False)
+    step = lambda m, b: m(b["input_ids"]).mean()  # noqa: E731
+    with pytest.raises(ValueError, match=says):
+        mon.start(step, batches, max_steps=3, display=False, **kw)
+    mon.start(step, batches, max_steps=3, display=False).wait()
+    assert mon.state == "finished" and mon.step == 3
+
+
 def test_a_config_too_deep_or_holding_itself_is_refused_clearly(tmp_path):
     model, opt, _ = setup()
     deep: dict = {}

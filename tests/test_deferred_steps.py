@@ -7,6 +7,8 @@ failure."""
 from __future__ import annotations
 
 import itertools
+import math
+import threading
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ import nbwatch
 from nbwatch.demo import make_demo, masked_cross_entropy
 from nbwatch.recorder import step_end
 from nbwatch.recorder.state import Deferred
+from tests.conftest import until
 
 TIMED = ("time/", "throughput/", "system/")  # wall-clock figures: never equal twice
 
@@ -234,3 +237,50 @@ def test_a_rewind_copied_a_step_later_keeps_the_same_line_and_branch(tmp_path, m
     assert list(branches[1]["rewind/1/loss/train"].dropna().index) == list(range(21, 52))
     same(*runs)
     np.testing.assert_array_equal(branches[0].to_numpy(), branches[1][branches[0].columns])
+
+
+@pytest.mark.parametrize("fault", ["nan", "explosion"])
+def test_a_gradient_rules_action_acts_before_the_next_step_in_either_order(
+        tmp_path, monkeypatch, fault):
+    """Non-finite gradients at step 6 (nonfinite: skip, pause, checkpoint) or a gradient
+    norm ×1e5 (grad_explosion with cut_lr): the run pauses, or the LR is cut, before step
+    7 trains, whichever order the step's figures are copied in; the recorded LR is the one
+    the optimizer used."""
+    for defer in (False, True):
+        deferred = defer_on_cpu(monkeypatch, defer)
+        demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4)
+        m, opt = demo.model, demo.optimizer
+        used: dict[int, float] = {}
+        opt.register_step_post_hook(
+            lambda o, a, k, used=used: used.__setitem__(len(used) + 1, o.param_groups[0]["lr"]))
+        rules = {"grad_explosion": {"absolute": 1e3, "actions": ["cut_lr"], "lr_factor": 0.5}}
+        mon = nbwatch.Monitor(m, opt, run_dir=tmp_path / f"{fault}{defer}", display=False,
+                              alerts=rules)
+        paused_after: list[int] = []
+
+        def resume(mon=mon, used=used, paused_after=paused_after):
+            until(lambda: mon.state == "paused", 30, "the pause")
+            paused_after.append(len(used))  # optimizer steps taken when it held
+            mon.resume()
+
+        waiter = threading.Thread(target=resume, daemon=True)
+        if fault == "nan":
+            waiter.start()
+        with mon:
+            for i, b in enumerate(itertools.islice(itertools.cycle(demo.train), 9), 1):
+                logits = m(b["input_ids"])
+                loss = masked_cross_entropy(logits, b["labels"], b["mask"])
+                loss.backward()
+                if i == 6:
+                    for p in m.parameters():
+                        p.grad.mul_(math.nan if fault == "nan" else 1e5)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                mon.log(loss=loss, mask=b["mask"])
+        df = nbwatch.open_run(tmp_path / f"{fault}{defer}").df
+        if fault == "nan":
+            waiter.join(5)
+            assert paused_after == [6] and df.loc[6, "skipped"] == 1.0
+        else:
+            assert used[7] == used[6] / 2 and df["lr"].tolist() == [used[s] for s in df.index]
+        assert len(deferred) == (8 if defer else 0)  # all but the step that alerted

@@ -113,7 +113,10 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
         parts = [*(parts or ()), *t.ratios.unbind()]
     if parts:
         on_device = parts[0].device.type != "cpu" or DEFER_ON_CPU
-        if on_device and t is not None and rec.dist is None:
+        # a step whose "grads" rules fired (or that was skipped) is recorded at its end, as
+        # on a CPU: their actions (pause, cut_lr, checkpoint) act before the next step
+        if (on_device and t is not None and rec.dist is None and not alerts
+                and "skipped" not in values):
             fl.deferred = Deferred(step, list(names or ()), list(parts), values, alerts,
                                    rec.lr.planned())
         else:

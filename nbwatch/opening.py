@@ -36,7 +36,7 @@ from .recorder import Progress, RunSpec, StepRecorder, StopTraining
 from .records import Event, SystemSample
 from .run import Run
 from .runner import run_in_thread
-from .store import RunStore, check_no_writer, is_run_dir
+from .store import RunStore, StoreFailed, check_no_writer, is_run_dir
 
 log = logging.getLogger("nbwatch")
 
@@ -363,8 +363,13 @@ class RunOpening(MonitorState):
             else:
                 rec.fail(exc)
             rec.store.flush()
-        except RuntimeError as e:  # a dead store: the loop's own exception matters more
+        except StoreFailed as e:  # a dead store: the loop's own exception matters more
             log.error("closing the run store of %s failed: %s", self.name, e)
+        except Exception as e:  # the run failed; the loop is told unless it raised already
+            rec.ending_failed(e)
+            if exc is None:
+                raise
+            log.error("ending the run %s failed: %s", self.name, e)
         finally:
             self._close_run()
 

@@ -284,3 +284,36 @@ def test_a_gradient_rules_action_acts_before_the_next_step_in_either_order(
         else:
             assert used[7] == used[6] / 2 and df["lr"].tolist() == [used[s] for s in df.index]
         assert len(deferred) == (8 if defer else 0)  # all but the step that alerted
+
+
+def test_an_error_at_the_last_steps_copy_fails_the_run_and_reaches_the_loop(
+        tmp_path, monkeypatch):
+    """On a GPU the last step's copy, at the run's end, is the first sync after its kernels:
+    an asynchronous device error comes out there. Simulated: the copy raises once the loop
+    is over. The `with` block raises it, and the run is recorded failed, not left running."""
+    defer_on_cpu(monkeypatch, True)
+    real, broken = step_end.to_host, [False]
+
+    def to_host(parts, device=None):
+        if broken[0]:
+            raise RuntimeError("CUDA error: device-side assert triggered (simulated)")
+        return real(parts, device)
+
+    monkeypatch.setattr(step_end, "to_host", to_host)
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4)
+    m, opt = demo.model, demo.optimizer
+    mon = nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", display=False)
+    with pytest.raises(RuntimeError, match="device-side assert"), mon:
+        for b in itertools.islice(itertools.cycle(demo.train), 5):
+            loss = masked_cross_entropy(m(b["input_ids"]), b["labels"], b["mask"])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            mon.log(loss=loss)
+        broken[0] = True  # step 5's kernels failed
+    assert mon.state == "failed"
+    run = nbwatch.open_run(tmp_path / "r")
+    ev = run.events
+    assert run.df.index.tolist() == [1, 2, 3, 4]  # step 5's figures never reached the host
+    assert ev[ev.kind == "error"].message.str.contains("device-side assert").any()
+    assert ev[ev.kind == "state"].message.iloc[-1].startswith("run failed")

@@ -249,7 +249,10 @@ class StepRecorder:
             self.take_final_stop()  # a stop the loop saw before log() took it
             self.finish("stopped" if self.stopping else "finished")
         except StopTraining:
-            self.finish("stopped")
+            try:
+                self.finish("stopped")
+            except BaseException as e:  # noqa: BLE001 - as below
+                self.fail(e)
         except BaseException as e:  # noqa: BLE001 - recorded, then re-raised by Monitor.wait()
             self.fail(e)
         finally:
@@ -270,6 +273,15 @@ class StepRecorder:
         self.expire_pending()
         self._set_state(outcome)
         self.ended = True
+
+    def ending_failed(self, e: BaseException) -> None:
+        """Ending the run raised `e` before its end was recorded (on a GPU the last step's
+        copy is the first sync after its kernels: an asynchronous device error comes out
+        there): the run failed."""
+        if not self.ended:
+            with contextlib.suppress(Exception):
+                self.fail(e)
+                self.store.flush()
 
     def fail(self, e: BaseException) -> None:
         """Record `e` as the end of the run, with an emergency checkpoint."""

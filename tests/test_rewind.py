@@ -150,3 +150,30 @@ def test_a_rule_can_rewind(tmp_path):
     assert len(rw) == 1 and rw.data.iloc[0]["source"] == "alert:loss_spike"
     i = seen.index(BAD)
     assert seen[i + 1] == BAD + 1 + 20 and seen.count(BAD) == 1
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_rewind_leaves_the_steps_it_went_back_over_out_of_the_length_histogram(
+        tmp_path, monkeypatch, defer):
+    """Rewound from step 55 to 50 (a histogram step): the next `data/seq_len` histogram
+    counts the sequences of steps 51–60 of the branch that goes on, not those of the 5
+    steps rewound over; in either order of a step's copy (tests/test_deferred_steps.py)."""
+    from nbwatch.recorder import step_end
+
+    monkeypatch.setattr(step_end, "DEFER_ON_CPU", defer)
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4)
+    data = [dict(b, pos=i) for i, b in
+            enumerate(itertools.islice(itertools.cycle(demo.train), 100))]
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "r")
+
+    def step(model, batch):
+        if int(batch["pos"]) == 54:  # step 55's batch: the rewind is taken after it
+            mon.rewind(steps=5, skip=0)
+        return demo.step_fn(model, batch)
+
+    mon.start(step, data, max_steps=70, checkpoint_every=10, hist_every=10,
+              display=False).wait()
+    assert mon.state == "finished", mon.error
+    steps, _, counts = nbwatch.open_run(tmp_path / "r").histograms("data/seq_len")
+    assert {int(s): int(c.sum()) for s, c in zip(steps, counts)} == {
+        1: 4, 10: 36, **{s: 40 for s in range(20, 71, 10)}}  # 4 sequences a step

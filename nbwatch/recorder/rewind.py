@@ -10,6 +10,7 @@ from ..checkpoint import CheckpointError, load, restore_into
 from ..records import Command, CommandKind, Scalars
 from ..store import RunReader
 from .outcomes import Applied, Outcome, Refused
+from .state import InFlight
 
 BRANCH_KEYS = ("loss/train", "loss/val")  # kept per rewind as rewind/<n>/<key>
 
@@ -47,6 +48,7 @@ class Rewinding(Protocol):
     store: Any  # RunStore, or NullStore on ranks > 0
     progress: Any  # Progress
     dist: Any  # Dist | None
+    flight: InFlight
 
     def flush_deferred(self) -> None: ...
 
@@ -117,6 +119,8 @@ def do_rewind(rec: Rewinding, cmd: Command) -> Outcome:
         # the abandoned branch's checkpoints are no candidates for resume=True any more
         aside = rec.ckpt.set_aside(to, f"rewind/{st.rewinds}")
     rec.store.truncate_after(to)
+    fl = rec.flight  # the lengths of the steps gone back over are no data of the next
+    fl.seq_lens[:] = [(s, t) for s, t in fl.seq_lens if s <= to]
     for key, (steps_, values) in gone.items():
         for s, v in zip(steps_.tolist(), values.tolist()):
             rec.store.put(Scalars(int(s), {f"rewind/{st.rewinds}/{key}": v}))

@@ -67,7 +67,7 @@ class InFlight:
     deferred: Deferred | None = None  # a GPU step's figures, copied with the next
     scale_ref: torch.Tensor | None = None  # the GradScaler's scale at the last end
     t_boundary: float = field(default_factory=time.perf_counter)  # the step's clock
-    seq_lens: list[torch.Tensor] = field(default_factory=list)  # until the histogram
+    seq_lens: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (step, lengths)
     reduction_saved: bool = False
     mask_said: bool = False  # a bad GPU mask was said (once a run)
     pending: deque[Pending] = field(default_factory=deque)  # steps not recorded yet, in order

@@ -187,7 +187,7 @@ def record_pending(rec: Recording) -> None:
     late = []
     for p in pending:  # taken once: an alert's action below may come back here
         if p.late is not None:
-            late.append((p.values, p.late))
+            late.append((p.step, p.values, p.late))
             p.late = None
     resolve_late(rec, late)
     while pending:
@@ -195,12 +195,13 @@ def record_pending(rec: Recording) -> None:
 
 
 def resolve_late(rec: Recording, steps: list) -> None:
-    """The figures kept for the record of `steps` ((values, Late) pairs), and their
+    """The figures kept for the record of `steps` ((step, values, Late)), and their
     sequence lengths for the next histogram."""
     if steps:
-        for lengths in late_figures.resolve(steps):
+        got = late_figures.resolve([(values, late) for _, values, late in steps])
+        for (step, _, _), lengths in zip(steps, got):
             if lengths is not None:
-                keep_seq_lens(rec, lengths)
+                keep_seq_lens(rec, lengths, step)
 
 
 def derive(rec: Recording, step: int, values: dict[str, float]) -> None:
@@ -277,10 +278,12 @@ def save_reduction(rec: Recording, reduction: str | None) -> None:
         rec.flight.reduction_saved = True
 
 
-def keep_seq_lens(rec: Recording, lengths: torch.Tensor) -> None:
-    """A batch's sequence lengths, for the next histogram step's `data/seq_len`."""
+def keep_seq_lens(rec: Recording, lengths: torch.Tensor, step: int | None = None) -> None:
+    """A batch's sequence lengths, for the next histogram step's `data/seq_len`; `step`:
+    its step (default: the one being taken), so that a rewind drops those it goes back
+    over."""
     if rec.spec.hist_every > 0:
-        rec.flight.seq_lens.append(lengths)
+        rec.flight.seq_lens.append((rec.step + 1 if step is None else step, lengths))
 
 
 def histograms(rec: Recording, step: int) -> None:
@@ -290,7 +293,7 @@ def histograms(rec: Recording, step: int) -> None:
         record_pending(rec)
     d = rec.flight.deferred  # a GPU step (this one) waiting for the next copy: its lengths
     if d is not None and late_figures.KEY in d.values:
-        resolve_late(rec, [(d.values, d.values.pop(late_figures.KEY))])
+        resolve_late(rec, [(d.step, d.values, d.values.pop(late_figures.KEY))])
     edges, counts = wprobe.layer_histograms(rec.layers, rec.spec.hist_bins)
     e_np, c_np = edges.cpu().double().numpy(), counts.cpu().numpy()
     for i, name in enumerate(rec.layers.names):
@@ -299,7 +302,7 @@ def histograms(rec: Recording, step: int) -> None:
     rec._raise_alerts(rec.engine.observe("hist", step, weight_std=stds))
     seq = rec.flight.seq_lens
     if seq:
-        lens = torch.cat([t.float().cpu() for t in seq])
+        lens = torch.cat([t.float().cpu() for _, t in seq])
         seq.clear()
         hi = max(float(lens.max()), 1.0)
         e, c = wprobe.histogram(torch.cat([lens, lens.new_tensor([0.0, hi])]), 32)

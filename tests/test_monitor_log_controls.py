@@ -7,6 +7,8 @@ The loop and its setup are `test_monitor_log.py`'s."""
 from __future__ import annotations
 
 import _thread
+import itertools
+import math
 import os
 import subprocess
 import sys
@@ -18,7 +20,8 @@ import pytest
 import torch
 
 import nbwatch
-from nbwatch.demo import TinyGPT
+from nbwatch.checkpoint import load
+from nbwatch.demo import TinyGPT, make_demo, masked_cross_entropy
 
 from .conftest import until
 from .test_monitor_log import Loop, setup
@@ -310,3 +313,32 @@ def test_a_second_monitor_on_the_same_optimizer_takes_over(tmp_path):
         nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "d", display=False)
     running.stop()
     running.wait()
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, RuntimeError])
+def test_a_loop_stopped_between_its_step_and_log_checkpoints_that_steps_weights(
+        tmp_path, interrupt):
+    """Ctrl-C (or an error) after `optimizer.step()` and before `log()`: the optimizer's
+    step is recorded (without the loss `log()` would have brought) and the run's last
+    checkpoint, numbered after it, holds the weights it left: a resume does not take it
+    again."""
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4)
+    m, opt = demo.model, demo.optimizer
+    mon = nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", display=False)
+    with pytest.raises(interrupt), mon:
+        for i, b in enumerate(itertools.islice(itertools.cycle(demo.train), 9), 1):
+            loss = masked_cross_entropy(m(b["input_ids"]), b["labels"], b["mask"])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if i == 5:
+                raise interrupt("between the step and log()")
+            mon.log(loss=loss)
+    assert mon.state == ("stopped" if interrupt is KeyboardInterrupt else "failed")
+    df = nbwatch.open_run(tmp_path / "r").df
+    assert df.index.tolist() == [1, 2, 3, 4, 5]
+    assert math.isnan(df.loc[5, "loss/train"]) and df.loc[5, "grad_norm/global"] > 0
+    last = max((tmp_path / "r" / "checkpoints").glob("step_*.pt"))
+    assert last.name == "step_00000005.pt"
+    saved = load(last)["model"]
+    assert all(torch.equal(v, saved[k]) for k, v in m.state_dict().items())

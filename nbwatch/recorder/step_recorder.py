@@ -266,6 +266,7 @@ class StepRecorder:
         if self.ended:
             return
         self.train_logits.close()  # first: a failing checkpoint below must not leave it
+        self.record_stepped()
         self.flush_deferred()
         if self.dist is not None:
             st.sync_ranks(self, final=True)
@@ -273,6 +274,13 @@ class StepRecorder:
         self.expire_pending()
         self._set_state(outcome)
         self.ended = True
+
+    def record_stepped(self) -> None:
+        """A step the optimizer took but the loop did not log (stopped between its
+        `optimizer.step()` and `log()`): recorded now, without what `log()` brings, so
+        that the run's last checkpoint holds its weights under its number."""
+        if self.flight.stepped:
+            self.end_step({})
 
     def ending_failed(self, e: BaseException) -> None:
         """Ending the run raised `e` before its end was recorded (on a GPU the last step's
@@ -306,7 +314,7 @@ class StepRecorder:
             msg = f"[rank {self.dist.rank}/{self.dist.world}] {msg}"
         # each part on its own: a dead store must not cost the checkpoint, nor the reverse
         # the error and the state first: the launcher may kill this process any moment now
-        for record in (self.flush_deferred,
+        for record in (self.record_stepped, self.flush_deferred,
                        lambda: self._emit(Event(self.step, "error", "critical", msg,
                                                 {"traceback": p.traceback}), logging.ERROR),
                        lambda: self._set_state("failed"),

@@ -108,20 +108,20 @@ class RunOpening(MonitorState):
                 "mon.log() is for a training loop of your own, but this run was started "
                 "with mon.start(step_fn, ...), whose runner records every step itself"
             )
-        if rec is None:
-            if self._mode is None:
-                raise RuntimeError(
-                    "mon.log() before any optimizer step: call it once per optimizer step, "
-                    "after optimizer.step() (nbwatch takes the gradient figures during the "
-                    "optimizer's own step); with a GradScaler, whose overflow skips "
-                    "optimizer.step(), pass it as nbwatch.Monitor(..., scaler=scaler)")
-            raise RuntimeError(f"mon.log(): this run is {self.state} at step {self.step}; "
-                               "create a new Monitor (resume=True to continue it)")
-        if rec.ended:  # a loop that caught StopTraining and went on: nothing more is recorded
-            if self.state == RunState.STOPPED:
-                raise StopTraining(f"run {self.name!r} was stopped at step {rec.step}; "
+        if rec is None and self._mode is None:
+            raise RuntimeError(
+                "mon.log() before any optimizer step: call it once per optimizer step, "
+                "after optimizer.step() (nbwatch takes the gradient figures during the "
+                "optimizer's own step); with a GradScaler, whose overflow skips "
+                "optimizer.step(), pass it as nbwatch.Monitor(..., scaler=scaler)")
+        if rec is None or rec.ended:  # a loop that caught StopTraining and went on (a
+            # foreground one's run is closed at the stop): nothing more is recorded
+            if self.state == RunState.STOPPED and (rec is not None or self._mode == "loop"):
+                raise StopTraining(f"run {self.name!r} was stopped at step {self.step}; "
                                    "log() records nothing more (end the loop)")
-            raise RuntimeError(f"mon.log(): this run is {self.state} at step {rec.step}")
+            raise RuntimeError(f"mon.log(): this run is {self.state} at step {self.step}"
+                               + ("; create a new Monitor (resume=True to continue it)"
+                                  if rec is None else ""))
         if not rec.stepped and (self.scaler is None or not rec.overflowed()):
             amp = "" if self.scaler is not None else (
                 "; with a GradScaler (whose overflow skips optimizer.step()), pass it as "
@@ -148,6 +148,7 @@ class RunOpening(MonitorState):
             start_step = self._start_step(resume)
         if self._clip_asked is not None:  # from step 1, and over a resumed checkpoint's
             self.control.clip, self._clip_asked = self._clip_asked, None  # once
+        self.control.paused = False  # a run stopped (or interrupted) while paused ended so
         rules = self.rules
         mfu = self._mfu(opts)
         run_meta = {**run_meta, "flops": {"n_params": mfu.n, "layers": mfu.layers,

@@ -342,3 +342,57 @@ def test_a_loop_stopped_between_its_step_and_log_checkpoints_that_steps_weights(
     assert last.name == "step_00000005.pt"
     saved = load(last)["model"]
     assert all(torch.equal(v, saved[k]) for k, v in m.state_dict().items())
+
+
+def _own_steps(model, opt, sched, batches):
+    """The losses of an own loop's steps, one at a time (the step taken, not yet logged)."""
+    for b in itertools.cycle(batches):
+        loss = masked_cross_entropy(model(b["input_ids"]), b["labels"], b["mask"])
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        yield loss, b
+
+
+def test_a_foreground_loop_that_goes_on_after_a_stop_gets_stoptraining_each_log(tmp_path):
+    """`with mon:` and a stop: every further log() raises StopTraining (which the block
+    swallows), as under mon.run(), not a RuntimeError once the run is closed."""
+    model, opt, sched, batches = setup()
+    mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False)
+    stopped = []
+    with mon:
+        for i, (loss, b) in enumerate(itertools.islice(_own_steps(model, opt, sched, batches),
+                                                       8)):
+            if i == 3:
+                mon.stop()
+            try:
+                mon.log(loss=loss, mask=b["mask"])
+            except nbwatch.StopTraining:
+                stopped.append(i)
+    assert stopped == [3, 4, 5, 6, 7] and mon.state == "stopped" and mon.step == 4
+
+
+def test_a_run_stopped_while_paused_leaves_the_monitor_able_to_resume(tmp_path):
+    """Paused, then stopped: the pause ends with the run, so start(resume=True) on the
+    same Monitor trains on (it waited at its first step for a resume that never came)."""
+    model, opt, sched, batches = setup()
+    mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False)
+    steps = _own_steps(model, opt, sched, batches)
+
+    def train():
+        for loss, _ in steps:
+            time.sleep(0.005)
+            mon.log(loss=loss)
+
+    mon.run(train)
+    until(lambda: mon.step >= 3)
+    mon.pause()
+    until(lambda: mon.state == "paused")
+    mon.stop()
+    mon.wait()
+    at = mon.step
+    mon.start(lambda m, b: masked_cross_entropy(m(b["input_ids"]), b["labels"], b["mask"]),
+              batches, max_steps=at + 5, resume=True, dry_run=False, display=False)
+    until(lambda: not mon.running, 30, "the resumed run's end")
+    assert mon.state == "finished" and mon.step == at + 5

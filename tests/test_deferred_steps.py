@@ -317,3 +317,31 @@ def test_an_error_at_the_last_steps_copy_fails_the_run_and_reaches_the_loop(
     assert run.df.index.tolist() == [1, 2, 3, 4]  # step 5's figures never reached the host
     assert ev[ev.kind == "error"].message.str.contains("device-side assert").any()
     assert ev[ev.kind == "state"].message.iloc[-1].startswith("run failed")
+
+
+def test_a_cut_lr_a_step_rule_takes_is_the_lr_recorded_in_either_order(tmp_path, monkeypatch):
+    """A loss spike whose rule cuts the LR: in the accelerator's order the spike's step is
+    recorded (and the cut taken) inside the next step's copy; the LR recorded for each step
+    is the one its optimizer step used."""
+    for defer in (False, True):
+        defer_on_cpu(monkeypatch, defer)
+        demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4, warmup=1)
+        m, opt = demo.model, demo.optimizer
+        used: list[float] = []
+        mon = nbwatch.Monitor(m, opt, demo.scheduler, run_dir=tmp_path / f"d{defer}",
+                              display=False,
+                              alerts={"loss_spike": {"min_history": 20, "actions": ["cut_lr"]}})
+        opt.register_step_pre_hook(  # after nbwatch's: the LR the step takes
+            lambda o, a, k, used=used: used.append(o.param_groups[0]["lr"]))
+        with mon:
+            for i, b in enumerate(itertools.islice(itertools.cycle(demo.train), 40)):
+                loss = masked_cross_entropy(m(b["input_ids"]), b["labels"], b["mask"])
+                loss.backward()
+                opt.step()
+                demo.scheduler.step()
+                opt.zero_grad()
+                mon.log(loss=loss.detach() * (50 if i == 30 else 1))
+        run = nbwatch.open_run(tmp_path / f"d{defer}")
+        ev = run.events
+        assert ev[ev.kind == "action"].message.str.contains("LR").any(), ev
+        assert run.df["lr"].tolist() == used

@@ -91,10 +91,12 @@ def pre_step(rec: Measuring, explicit: bool = True, clips: list | None = None,
     t0 = time.perf_counter()
     rec.lr.on()
     step = rec.step + 1
-    lrs = ctl.lrs(rec.opt)  # the LR this step uses
     norms, layer_of, grads = param_grad_norms(rec.layers)
     clips = clips or []
     values, host_norms = copy_to_host(rec, norms, [c.total for c in clips])
+    # the LR this step uses: read after the copy, which records a step that waited for it
+    # (a GPU's), whose alert may cut the LR
+    lrs = ctl.lrs(rec.opt)
     totals = [values.pop(f"_clip{i}") for i in range(len(clips))]
     unscale = 1.0 / values.pop("_grad_scale", 1.0)
     if values.pop("_found_inf", 0.0):  # the fused optimizer skips this step itself

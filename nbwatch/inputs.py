@@ -290,6 +290,8 @@ def add_figure(host: dict[str, float], names: list[str], parts: list[torch.Tenso
                             "(e.g. its .real or .abs())")
         names.append(name)
         v = v.detach()
+        if not v.is_floating_point() and v.device.type != "mps":  # (no float64 there)
+            v = v.double()  # a count: exact, not rounded to float32 by the step's one copy
         parts.append(v if v.dim() == 0 else v.reshape(()))
     elif isinstance(v, numbers.Real) and not isinstance(v, bool):
         host[name] = float(v)

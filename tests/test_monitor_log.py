@@ -96,6 +96,24 @@ def test_foreground_loop_in_a_with_block(tmp_path):
     assert run.state == "finished" and len(run.df) == 12
 
 
+def test_a_count_given_as_an_integer_tensor_is_recorded_exactly(tmp_path):
+    """`log(tokens_seen=torch.tensor(n))`: the step's one copy stacks it with float32
+    figures, which would round 123,456,789 to 123,456,792; an integer tensor goes as
+    float64."""
+    model, opt, sched, batches = setup()
+    with nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False) as mon:
+        for i in range(3):
+            b = batches[i]
+            loss = nbwatch.masked_cross_entropy(model(b["input_ids"]), b["labels"], b["mask"])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.log(loss=loss, tokens_seen=torch.tensor(123_456_789 + i), flag=torch.tensor(True))
+    df = nbwatch.open_run(tmp_path / "r").df
+    assert df["train/tokens_seen"].tolist() == [123_456_789, 123_456_790, 123_456_791]
+    assert (df["train/flag"] == 1.0).all()
+
+
 def test_nonfinite_loss_skips_the_step_and_pauses(tmp_path):
     model, opt, sched, batches = setup()
     mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False)

@@ -320,6 +320,11 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         self._end_loop(None)
 
     def __enter__(self) -> Monitor:
+        if self._mode == "loop" and self._recorder is None:  # its run ended: no second one
+            raise RuntimeError(
+                f"this Monitor's run is {self.state} at step {self.step}, and a loop of your "
+                "own records one run a Monitor: create a new Monitor (with resume=True and "
+                "the same run_dir to continue this run)")
         return self
 
     def __exit__(self, et: Any, exc: BaseException | None, tb: Any) -> bool:

@@ -396,3 +396,22 @@ def test_a_run_stopped_while_paused_leaves_the_monitor_able_to_resume(tmp_path):
               batches, max_steps=at + 5, resume=True, dry_run=False, display=False)
     until(lambda: not mon.running, 30, "the resumed run's end")
     assert mon.state == "finished" and mon.step == at + 5
+
+
+def test_a_second_with_block_on_an_ended_run_is_refused_before_a_step(tmp_path):
+    """A loop of one's own records one run a Monitor: a second `with mon:` is refused at
+    once, before an optimizer step could train unrecorded, naming what to do."""
+    model, opt, sched, batches = setup()
+    mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False)
+    with mon:
+        for loss, _ in itertools.islice(_own_steps(model, opt, sched, batches), 3):
+            mon.log(loss=loss)
+    with pytest.raises(RuntimeError, match="run is finished at step 3.*create a new Monitor"), mon:
+        pass
+    again = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", resume=True,
+                            display=False)
+    with again:
+        for loss, _ in itertools.islice(_own_steps(model, opt, sched, batches), 2):
+            again.log(loss=loss)
+    assert again.step == 5
+    assert nbwatch.open_run(tmp_path / "r").df.index.tolist() == [1, 2, 3, 4, 5]

@@ -58,6 +58,7 @@ class Runner:
         assert spec.max_steps is not None, "start() gives the runner its step count"
         every = spec.eval_every or 0
         rec.train_logits.keep = "first"  # the first micro-batch's, as for logits handed over
+        due = False
         while rec.step < spec.max_steps:
             rec.apply_commands()
             if rec.stopping:
@@ -66,9 +67,11 @@ class Runner:
                 self._skip(SKIP_BITE)  # stop and pause are heard between bites
                 continue
             self._train_step()
-            rec.step_done(eval_due=bool(every) and rec.step % every == 0)
-        evaluated = every and rec.step % every == 0
-        if spec.val_fn is not None and not evaluated:
+            # the last step's eval is its checkpoint's too (not a second one after it)
+            due = bool(every) and rec.step % every == 0 or (
+                spec.val_fn is not None and rec.step >= spec.max_steps)
+            rec.step_done(eval_due=due)
+        if spec.val_fn is not None and not due:
             rec.evaluate()
 
     def _dry_run(self) -> None:

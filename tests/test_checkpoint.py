@@ -54,3 +54,26 @@ def test_a_resumed_run_keeps_the_earlier_best(tmp_path):
     assert resumed.best_val == 1.0
     assert not resumed.save(state(model), 20, val_loss=2.0).best
     assert load(tmp_path / "best.pt")["step"] == 10
+
+
+def test_best_is_a_checkpoint_taken_at_its_eval(tmp_path):
+    """Evals every 30 steps (and at the last), checkpoints every 25: only the last
+    checkpoint holds an eval's weights, so only it can be "best" (the one at step 50 had
+    taken step 30's val loss for its own); and the last step's eval is its checkpoint's,
+    written once."""
+    import nbwatch
+    from nbwatch.demo import make_demo
+
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4)
+    vals = iter([3.0, 2.0, 1.0, 0.5])
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, run_dir=tmp_path / "r")
+    mon.start(demo.step_fn, demo.train, max_steps=100, val_fn=lambda m: next(vals),
+              eval_every=30, checkpoint_every=25, dry_run=False, display=False).wait()
+    assert mon.state == "finished", mon.error
+    ev = mon.events
+    saved = ev[ev.kind == "checkpoint"]
+    assert saved.step.tolist() == [25, 50, 75, 100]
+    assert [bool(d.get("best")) for d in saved.data] == [False, False, False, True]
+    best = load(tmp_path / "r" / "checkpoints" / "best.pt")
+    assert best["step"] == 100 and best["val_loss"] == 0.5
+    assert mon.df["loss/val"].dropna().index.tolist() == [30, 60, 90, 100]

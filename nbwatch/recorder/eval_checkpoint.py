@@ -26,6 +26,7 @@ class EvalState:
     """What the evals and checkpoints of a run remember between steps."""
 
     last_val: float | None = None  # the newest finite val loss, until a checkpoint takes it
+    last_val_step: int | None = None  # its step: only a checkpoint of that step is "best"
     ckpt_step: int | None = None  # the step of the newest checkpoint
     probe_said: set[str] = field(default_factory=set)  # figures the probe cannot take, said
 
@@ -64,6 +65,7 @@ def run_eval(rec: Evaluating, val: Any = None) -> None:
     if "loss/val" in result.values:
         v = result.values["loss/val"]
         rec.evals.last_val = v if math.isfinite(v) else None  # NaN is never "best"
+        rec.evals.last_val_step = step
     if result.probe_error is not None:
         probe_failed(rec, result.probe_error)
     for missing, why in result.probe_notes.items():
@@ -157,7 +159,10 @@ def write_checkpoint(rec: Evaluating, reason: str, announce: bool = True) -> Eve
                            and not rec.ckpt.every_rank):  # FSDP2: every rank saves
         return None
     try:
-        saved = rec.ckpt.save(state_dict(rec), rec.step, rec.evals.last_val)
+        # the val loss of these weights only (an eval off the checkpoint steps: no "best")
+        evals = rec.evals
+        saved = rec.ckpt.save(state_dict(rec), rec.step,
+                              evals.last_val if evals.last_val_step == rec.step else None)
     except Exception as e:  # recorded here; the run then fails with it (a full disk)
         first = (str(e).strip().splitlines() or [""])[0]
         with contextlib.suppress(Exception):  # a dead store: the error matters more

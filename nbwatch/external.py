@@ -49,10 +49,12 @@ class ExternalLoop:
         """The step being taken uses `batch` (once per micro-batch)."""
         self._rec.note_batch(batch, epoch, index)
 
-    def measure(self) -> None:
+    def measure(self, found_inf: torch.Tensor | None = None) -> None:
         """The gradients are complete and not clipped yet: measure them, and let nbwatch's
-        skip and clip rules act on them (the optimizer's own hook would see them later)."""
-        self._rec.pre_step()
+        skip and clip rules act on them (the optimizer's own hook would see them later).
+        `found_inf`: a GradScaler's verdict on them, once unscaled (> 0: an overflow, which
+        the scaler skips: recorded as `amp/overflow`, no rule fires)."""
+        self._rec.pre_step(found_inf=found_inf)
 
     def logit_figures(self, mask: torch.Tensor | None = None,
                       host: dict[str, Any] | None = None

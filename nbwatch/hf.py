@@ -215,10 +215,10 @@ class NbwatchCallback(Adapter, TrainerCallback):
                 self._samples.append(n)
             return loss
 
-        def before_clip() -> None:
+        def before_clip(found_inf: torch.Tensor | None = None) -> None:
             rec = self._rec()
             if rec is not None:
-                rec.measure()  # pre-clip norms, and the skip / clip rules of nbwatch
+                rec.measure(found_inf)  # pre-clip norms, and the skip / clip rules of nbwatch
 
         trainer.training_step = training_step  # type: ignore[method-assign]  # this instance's
         wrap_clip_grad_norm(trainer, before_clip)
@@ -360,7 +360,7 @@ def calling_trainer() -> Trainer | None:
     return None
 
 
-def wrap_clip_grad_norm(trainer: Trainer, before: Callable[[], None]) -> None:
+def wrap_clip_grad_norm(trainer: Trainer, before: Callable[..., None]) -> None:
     """Call `before()` each time `trainer` is about to clip its gradients: after the
     optimizer step's backward, before the clipping and the step itself (the Trainer has no
     callback there). Takes `Trainer._clip_grad_norm(model)`, replaced on this instance
@@ -368,10 +368,40 @@ def wrap_clip_grad_norm(trainer: Trainer, before: Callable[[], None]) -> None:
     clip = trainer._clip_grad_norm
 
     def clip_grad_norm(model: Any) -> Any:
-        before()
-        return clip(model)
+        acc: Any = getattr(trainer, "accelerator", None)
+        if getattr(acc, "scaler", None) is None:
+            before()
+            return clip(model)
+        # fp16: the gradients are still scaled here (the clip unscales them first): unscale
+        # them now, so that nbwatch measures (and clips) the true ones, and let the clip's
+        # own unscale pass (a second GradScaler.unscale_ raises)
+        own = "unscale_gradients" in vars(acc)
+        unscale = acc.unscale_gradients
+        unscale()
+        acc.unscale_gradients = lambda *a, **k: None
+        try:
+            before(found_inf(acc.scaler, trainer.optimizer))
+            return clip(model)
+        finally:
+            if own:
+                acc.unscale_gradients = unscale
+            else:
+                del acc.unscale_gradients
 
     trainer._clip_grad_norm = clip_grad_norm  # type: ignore[method-assign]  # this instance's
+
+
+def found_inf(scaler: Any, optimizer: Any) -> torch.Tensor | None:
+    """A GradScaler's verdict on `optimizer`'s gradients since it unscaled them: > 0 where
+    one was not finite (it then skips the step); on the device, no sync. `GradScaler`'s
+    `_per_optimizer_states`."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    state = states.get(id(unwrap(optimizer, "optimizer"))) if isinstance(states, dict) else None
+    found = list((state or {}).get("found_inf_per_device", {}).values())
+    if not found:
+        return None
+    return found[0] if len(found) == 1 else torch.stack(
+        [f.to(found[0].device) for f in found]).sum()
 
 
 def save_checkpoint_now(trainer: Trainer, announce: bool = False) -> Path:

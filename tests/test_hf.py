@@ -142,6 +142,46 @@ def test_pause_cut_lr_checkpoint_stop_through_the_trainer(tmp_path):
     assert list(df2.index) == list(range(1, run.step + 4))
 
 
+def fp16_on_cpu(trainer):
+    """The Trainer's accelerator given a GradScaler, as fp16 on a GPU has (on the CPU: the
+    same scaling, unscaling and overflow skips)."""
+    from nbwatch.fit import unwrap
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    trainer.accelerator.scaler = scaler
+    trainer.accelerator.unscale_gradients = lambda optimizer=None: scaler.unscale_(
+        unwrap(trainer.optimizer, "optimizer"))
+    return scaler
+
+
+def test_fp16_norms_are_the_true_ones_and_an_overflow_is_routine(tmp_path):
+    """fp16: the gradients are still scaled (×65536) where the Trainer is about to clip;
+    nbwatch measures them unscaled, as the Trainer's own grad_norm; its clip rule acts on
+    true norms; and an overflow (the scaler skips the step while its scale comes down) is
+    recorded as `amp/overflow`, not a non-finite gradient that pauses the run."""
+    trainer = make_trainer(tmp_path / "out", max_steps=6, eval_steps=1000,
+                           logging_nan_inf_filter=False)
+    scaler = fp16_on_cpu(trainer)
+    losses = trainer.compute_loss
+
+    def compute_loss(*a, **k):  # the 2nd and 3rd steps overflow in fp16
+        loss = losses(*a, **k)
+        return loss * 1e38 if trainer.state.global_step in (1, 2) else loss
+
+    trainer.compute_loss = compute_loss
+    run = nbwatch.hf.start(trainer, run_dir=tmp_path / "run", display=False)
+    run.wait()
+    assert run.state == "finished" and run.step == 6 == trainer.state.global_step
+    df = run.df
+    assert df["amp/overflow"].fillna(0).tolist() == [0, 1, 1, 0, 0, 0]
+    assert scaler.get_scale() == 2.0**14  # halved at each overflow
+    theirs = trainer_log(trainer, "grad_norm")
+    for step in (1, 4, 5, 6):
+        assert df.loc[step, "grad_norm/global"] == pytest.approx(theirs[step], rel=1e-5)
+    assert (df["grad_norm/clipped"].dropna() <= 1.0 + 1e-6).all()
+    assert run.events.query("kind == 'alert'").empty
+
+
 def test_gradient_accumulation_and_bf16(tmp_path):
     trainer = make_trainer(tmp_path / "out", max_steps=6, gradient_accumulation_steps=2,
                            bf16=True, eval_steps=3)

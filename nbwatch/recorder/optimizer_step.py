@@ -70,13 +70,14 @@ def overflowed(rec: Measuring) -> bool:
 
 @counted
 def pre_step(rec: Measuring, explicit: bool = True, clips: list | None = None,
-             clip_note: str | None = None) -> None:
+             clip_note: str | None = None, found_inf: torch.Tensor | None = None) -> None:
     """The step's gradient figures, one host copy, the rules that can still skip or clip
     this step, and a weights snapshot on histogram steps. Called by the optimizer's
     pre-hook (`explicit=False`), or by a framework adapter at the moment its framework
     has the gradients but has not clipped them yet. `clips`: the loop's own clips of
     this step (`optimizer_hooks.ClipCall`), whose factors are divided out; `clip_note`:
-    why those of this step cannot all be ("partial", "changed")."""
+    why those of this step cannot all be ("partial", "changed"); `found_inf`: a GradScaler's
+    verdict on this step's gradients, unscaled by the caller (> 0: it skips the step)."""
     fl = rec.flight
     if rec.ended:  # a loop that goes on after its stop: nothing more is measured
         return
@@ -93,7 +94,7 @@ def pre_step(rec: Measuring, explicit: bool = True, clips: list | None = None,
     step = rec.step + 1
     norms, layer_of, grads = param_grad_norms(rec.layers)
     clips = clips or []
-    values, host_norms = copy_to_host(rec, norms, [c.total for c in clips])
+    values, host_norms = copy_to_host(rec, norms, [c.total for c in clips], found_inf)
     # the LR this step uses: read after the copy, which records a step that waited for it
     # (a GPU's), whose alert may cut the LR
     lrs = ctl.lrs(rec.opt)
@@ -137,7 +138,8 @@ def due(every: int, step: int, first: bool) -> bool:
 
 
 def copy_to_host(rec: Measuring, norms: list[torch.Tensor],
-                 clip_totals: list[torch.Tensor] | None = None
+                 clip_totals: list[torch.Tensor] | None = None,
+                 found_inf: torch.Tensor | None = None
                  ) -> tuple[dict[str, float], list[float]]:
     """The step's one device→host copy: the previous step's deferred figures (recorded
     here), the runner's staged loss, the norms the loop's own clips computed
@@ -161,7 +163,8 @@ def copy_to_host(rec: Measuring, norms: list[torch.Tensor],
     # A GradScaler calls a fused optimizer's step even on an overflow, with `found_inf`
     # set, and (unless unscale_ ran) with still-scaled gradients and their scale
     scale = getattr(rec.opt, "grad_scale", None)
-    found_inf = getattr(rec.opt, "found_inf", None)
+    if found_inf is None:
+        found_inf = getattr(rec.opt, "found_inf", None)
     if isinstance(scale, torch.Tensor):
         names.append("_grad_scale")
         parts.append(scale.reshape(()).float())

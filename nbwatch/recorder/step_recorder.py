@@ -131,9 +131,9 @@ class StepRecorder:
         self.flight.staged = (names, parts)
 
     def pre_step(self, explicit: bool = True, clips: list | None = None,
-                 clip_note: str | None = None) -> None:
+                 clip_note: str | None = None, found_inf: torch.Tensor | None = None) -> None:
         """The step's gradient figures and decisions: see `optimizer_step.pre_step`."""
-        ost.pre_step(self, explicit, clips, clip_note)
+        ost.pre_step(self, explicit, clips, clip_note, found_inf)
 
     def post_step(self) -> None:
         """Optimizer post-hook: update ratios, and the LR factor off for the scheduler."""

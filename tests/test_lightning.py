@@ -149,6 +149,24 @@ def test_accumulation_and_bf16(tmp_path):
     assert df["grad_norm/global"].tolist() == pytest.approx(module.norms, rel=1e-4)
 
 
+def test_an_epochs_last_shorter_accumulation_step_records_its_mean_loss(tmp_path):
+    """16 batches an epoch, 3 a step: the 6th step of each epoch takes one batch, whose
+    loss Lightning still divides by 3: the recorded loss is still that step's mean."""
+    torch.manual_seed(0)
+    module = TinyModule()
+    trainer = make_trainer(tmp_path / "pl", max_steps=-1, max_epochs=2,
+                           accumulate_grad_batches=3, limit_val_batches=0)
+    run = nbwatch.lightning.start(trainer, module, train_dataloaders=loader(16),
+                                  run_dir=tmp_path / "run", display=False)
+    run.wait()
+    assert run.state == "finished" and run.step == 12 == trainer.global_step
+    sizes, means, i = [3, 3, 3, 3, 3, 1] * 2, [], 0
+    for n in sizes:
+        means.append(sum(module.losses[i:i + n]) / n)
+        i += n
+    assert run.df["loss/train"].dropna().tolist() == pytest.approx(means, rel=1e-5)
+
+
 def test_the_callback_alone_in_a_script(tmp_path):
     script = textwrap.dedent("""
         import sys, torch

@@ -118,6 +118,11 @@ class NbwatchCallback(Adapter, TrainerCallback):
         if control.should_save and rec is not None:  # the Trainer saves next: the store
             rec.commit()  # must not lag behind it
 
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        rec = self._rec()
+        if control.should_save and rec is not None:  # save_strategy="epoch": the Trainer
+            rec.commit()  # saves next, and the store must not lag behind it
+
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: Any = None,
                     eval_dataloader: Any = None, model: Any = None, **kw: Any) -> None:
         rec = self._rec()

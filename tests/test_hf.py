@@ -142,6 +142,26 @@ def test_pause_cut_lr_checkpoint_stop_through_the_trainer(tmp_path):
     assert list(df2.index) == list(range(1, run.step + 4))
 
 
+@pytest.mark.parametrize("strategy", ["epoch", "steps"])
+def test_the_trainers_checkpoint_never_runs_ahead_of_the_store(tmp_path, strategy):
+    """When the Trainer writes checkpoint-N (each epoch, or every 16 steps), the run
+    folder on disk holds step N already: a process that dies then resumes with no hole."""
+    from transformers import TrainerCallback
+
+    seen = []
+
+    class Peek(TrainerCallback):
+        def on_save(self, args, state, control, **kw):
+            df = nbwatch.open_run(tmp_path / "run").df
+            seen.append((state.global_step, int(df["loss/train"].dropna().index.max())))
+
+    trainer = make_trainer(tmp_path / "out", max_steps=-1, num_train_epochs=2,
+                           eval_strategy="no", save_strategy=strategy, save_steps=16)
+    trainer.add_callback(Peek())
+    nbwatch.hf.start(trainer, run_dir=tmp_path / "run", display=False).wait()
+    assert seen == [(16, 16), (32, 32)]
+
+
 def fp16_on_cpu(trainer):
     """The Trainer's accelerator given a GradScaler, as fp16 on a GPU has (on the CPU: the
     same scaling, unscaling and overflow skips)."""

@@ -43,6 +43,10 @@ SUPPORTED = "transformers 4.46 – 5.x (tested with 5.24)"
 _NOT_METRICS = ("runtime", "samples_per_second", "steps_per_second", "epoch")
 _RESUME = "trainer.train(resume_from_checkpoint=...)"
 _GUARDED = ("get_batch_samples", "evaluate")  # public: where a fit's data and eval fail
+# The Trainer's loop over one epoch's steps (transformers' `_inner_training_loop` calls it
+# each epoch, after on_train_begin): an error anywhere in a step (the optimizer's step, the
+# scheduler's, the Trainer's save, another callback) passes through it
+EPOCH_LOOP = "_run_epoch"
 
 
 class NbwatchCallback(Adapter, TrainerCallback):
@@ -228,11 +232,11 @@ class NbwatchCallback(Adapter, TrainerCallback):
         trainer.training_step = training_step  # type: ignore[method-assign]  # this instance's
         wrap_clip_grad_norm(trainer, before_clip)
         names = ["training_step", "_clip_grad_norm"]
-        for name in (*names, *_GUARDED):
+        for name in (*names, *_GUARDED, EPOCH_LOOP):
             fn = getattr(trainer, name, None)
             if callable(fn):
                 setattr(trainer, name, self._guarded(fn))
-        self._wrapped = (trainer, [*names, *_GUARDED])
+        self._wrapped = (trainer, [*names, *_GUARDED, EPOCH_LOOP])
 
     def _guarded(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def guarded(*args: Any, **kwargs: Any) -> Any:

@@ -271,6 +271,29 @@ def test_transformers_clip_grad_norm_is_where_the_gradients_are_read_before_clip
     assert all(norm > 1e-3 for _, norm in seen)  # unclipped yet
 
 
+def test_transformers_runs_each_epoch_through_its_epoch_loop(tmp_path):
+    nh, th = hf()
+    from transformers import Trainer
+
+    assert callable(getattr(Trainer, nh.EPOCH_LOOP, None)), (
+        f"transformers {sys.modules['transformers'].__version__} has no "
+        f"Trainer.{nh.EPOCH_LOOP}: nbwatch.hf guards it to see every error of a step")
+    trainer = th.make_trainer(tmp_path / "out", max_steps=-1, num_train_epochs=2,
+                              eval_strategy="no")
+    epochs = []
+    run_epoch = getattr(trainer, nh.EPOCH_LOOP)
+
+    def counted(*a, **k):
+        epochs.append(trainer.state.global_step)
+        return run_epoch(*a, **k)
+
+    setattr(trainer, nh.EPOCH_LOOP, counted)
+    trainer.train()
+    assert epochs == [0, 16], (
+        f"Trainer.{nh.EPOCH_LOOP} is no longer looked up on the Trainer once per epoch: "
+        "nbwatch.hf guards it there")
+
+
 def test_transformers_save_checkpoint_writes_a_folder_train_resumes_from(tmp_path):
     nh, th = hf()
     from transformers import Trainer

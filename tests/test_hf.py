@@ -162,6 +162,31 @@ def test_the_trainers_checkpoint_never_runs_ahead_of_the_store(tmp_path, strateg
     assert seen == [(16, 16), (32, 32)]
 
 
+def test_the_callback_alone_records_an_error_in_the_optimizer_step(tmp_path):
+    """A notebook cell's `trainer.train()` with the callback: the optimizer's step raising
+    (a CUDA OOM as Adam allocates its state, say) fails the run and lets go of its folder,
+    while the kernel lives on."""
+    from nbwatch.store import check_no_writer
+
+    trainer = make_trainer(tmp_path / "out", max_steps=10, eval_steps=1000)
+    trainer.add_callback(nbwatch.hf.NbwatchCallback(run_dir=tmp_path / "run"))
+    trainer.create_optimizer()
+    steps = []
+
+    def hook(opt, args, kwargs):
+        steps.append(1)
+        if len(steps) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    trainer.optimizer.register_step_pre_hook(hook)
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.train()
+    run = nbwatch.open_run(tmp_path / "run")
+    assert run.state == "failed" and run.step == 2
+    assert run.events.query("kind == 'error'").message.str.contains("out of memory").any()
+    check_no_writer(tmp_path / "run")  # raises while a writer holds the folder
+
+
 def fp16_on_cpu(trainer):
     """The Trainer's accelerator given a GradScaler, as fp16 on a GPU has (on the CPU: the
     same scaling, unscaling and overflow skips)."""

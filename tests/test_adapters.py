@@ -215,12 +215,13 @@ def test_hf_fit_failing_at_once_gives_back_everything(tmp_path, how, where):
 
 def test_hf_fit_that_failed_unseen_is_closed_when_its_callback_begins_again(tmp_path):
     """A failure the Trainer passes to no callback and no guard of the adapter sees (here:
-    another callback's): the callback's next fit closes the last one's run first."""
+    another callback's, as the fit begins, before its epoch loop): the callback's next fit
+    closes the last one's run first."""
     nh, th = hf()
     from transformers import TrainerCallback
 
     class Raises(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
+        def on_train_begin(self, args, state, control, **kw):
             raise RuntimeError("a callback of the user's")
 
     run_dir = tmp_path / "run"

@@ -26,6 +26,8 @@ from .runner import run_in_thread
 from .store import RunStore, is_run_dir
 
 if TYPE_CHECKING:
+    import torch
+
     from .external import ExternalLoop
     from .monitor import Monitor
 
@@ -418,3 +420,18 @@ def unwrap(obj: Any, attr: str) -> Any:
             break
         obj, seen = inner, seen + 1
     return obj
+
+
+def found_inf(scaler: Any, optimizer: Any) -> torch.Tensor | None:
+    """A GradScaler's verdict on `optimizer`'s gradients since it unscaled them: > 0 where
+    one was not finite (it then skips the step); on the device, no sync. `GradScaler`'s
+    `_per_optimizer_states`."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    state = states.get(id(unwrap(optimizer, "optimizer"))) if isinstance(states, dict) else None
+    found = list((state or {}).get("found_inf_per_device", {}).values())
+    if not found:
+        return None
+    import torch
+
+    return found[0] if len(found) == 1 else torch.stack(
+        [f.to(found[0].device) for f in found]).sum()

@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 import torch
 
-from .fit import Adapter, FitRun, callback_of, unwrap
+from .fit import Adapter, FitRun, callback_of, found_inf, unwrap
 from .monitor import Monitor
 from .probes.attention import take_samples
 from .probes.throughput import batch_samples
@@ -398,19 +398,6 @@ def wrap_clip_grad_norm(trainer: Trainer, before: Callable[..., None]) -> None:
                 del acc.unscale_gradients
 
     trainer._clip_grad_norm = clip_grad_norm  # type: ignore[method-assign]  # this instance's
-
-
-def found_inf(scaler: Any, optimizer: Any) -> torch.Tensor | None:
-    """A GradScaler's verdict on `optimizer`'s gradients since it unscaled them: > 0 where
-    one was not finite (it then skips the step); on the device, no sync. `GradScaler`'s
-    `_per_optimizer_states`."""
-    states = getattr(scaler, "_per_optimizer_states", None)
-    state = states.get(id(unwrap(optimizer, "optimizer"))) if isinstance(states, dict) else None
-    found = list((state or {}).get("found_inf_per_device", {}).values())
-    if not found:
-        return None
-    return found[0] if len(found) == 1 else torch.stack(
-        [f.to(found[0].device) for f in found]).sum()
 
 
 def save_checkpoint_now(trainer: Trainer, announce: bool = False) -> Path:

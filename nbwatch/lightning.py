@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 import torch
 
 from .evaluation import GuessedForward, batch_call, describe_call
-from .fit import Adapter, FitRun, callback_of
+from .fit import Adapter, FitRun, callback_of, found_inf
 from .monitor import Monitor
 from .probes.attention import take_samples
 
@@ -52,6 +52,7 @@ class NbwatchCallback(Adapter, pl.Callback):
     # -- Lightning's events -------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._begin("nbwatch.lightning", trainer, bool(trainer.global_step), _RESUME)
+        self._steps_seen = trainer.global_step  # Lightning's count, which overflows move too
         if not trainer.optimizers:
             raise RuntimeError("nbwatch.lightning: the module configured no optimizer")
         if len(trainer.optimizers) > 1:
@@ -94,8 +95,8 @@ class NbwatchCallback(Adapter, pl.Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any,
                                  optimizer: Any) -> None:
         rec = self._rec()
-        if rec is not None:
-            rec.measure()  # after backward, before Lightning's gradient clipping
+        if rec is not None:  # after backward and a GradScaler's unscale, before clipping
+            rec.measure(found_inf(getattr(trainer.precision_plugin, "scaler", None), optimizer))
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: Any,
                            checkpoint: dict[str, Any]) -> None:
@@ -113,7 +114,10 @@ class NbwatchCallback(Adapter, pl.Callback):
         if isinstance(loss, torch.Tensor):
             with rec.own:
                 self._losses.append(loss.detach())
-        if not rec.stepped:
+        # an overflow's step: the GradScaler skipped optimizer.step(), Lightning counts it
+        stepped, self._steps_seen = (rec.stepped or trainer.global_step > self._steps_seen,
+                                     trainer.global_step)
+        if not stepped:
             return  # accumulating: the optimizer steps at a later batch
         every, k = trainer.accumulate_grad_batches, len(self._losses)
         if 0 < k < every:  # an epoch's last, shorter step: each loss was divided by `every`

@@ -167,6 +167,39 @@ def test_an_epochs_last_shorter_accumulation_step_records_its_mean_loss(tmp_path
     assert run.df["loss/train"].dropna().tolist() == pytest.approx(means, rel=1e-5)
 
 
+def test_a_16_mixed_overflow_is_a_routine_step(tmp_path):
+    """16-mixed's GradScaler (on the CPU here) skips the optimizer step of an overflow, which
+    Lightning still counts: nbwatch records it as that step's `amp/overflow`, keeps its
+    step count with Lightning's, and no rule fires."""
+    import contextlib
+
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    class Overflows(TinyModule):
+        def training_step(self, batch, batch_idx):  # the 2nd and 3rd overflow in fp16
+            loss = super().training_step(batch, batch_idx)
+            return loss * 1e38 if len(self.losses) in (2, 3) else loss
+
+        def on_before_optimizer_step(self, optimizer):
+            pass
+
+    class Fp16(MixedPrecision):  # the scaler as on a GPU, the CPU's float32 math
+        def autocast_context_manager(self):
+            return contextlib.nullcontext()
+
+    torch.manual_seed(0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    trainer = make_trainer(tmp_path / "pl", max_steps=8, limit_val_batches=0,
+                           plugins=[Fp16("16-mixed", "cpu", scaler=scaler)])
+    run = nbwatch.lightning.start(trainer, Overflows(), train_dataloaders=loader(16),
+                                  run_dir=tmp_path / "run", display=False)
+    run.wait()
+    assert run.state == "finished" and run.step == 8 == trainer.global_step
+    assert run.df["amp/overflow"].fillna(0).tolist() == [0, 1, 1, 0, 0, 0, 0, 0]
+    assert scaler.get_scale() == 2.0**14
+    assert run.events.query("kind == 'alert'").empty
+
+
 def test_the_callback_alone_in_a_script(tmp_path):
     script = textwrap.dedent("""
         import sys, torch

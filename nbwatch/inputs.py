@@ -226,7 +226,8 @@ def probe_samples(batch: Any, n: int) -> Any:
     return take_samples(batch, n)
 
 
-def log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any],
+def log_figures(loss: Any, mask: torch.Tensor | list[torch.Tensor] | None,
+                scalars: dict[str, Any],
                 first: bool = False, logits: torch.Tensor | None = None,
                 source: TrainLogits | None = None
                 ) -> tuple[dict[str, float], list[str], list[torch.Tensor], Any]:
@@ -251,7 +252,9 @@ def log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any],
                if isinstance(logits, torch.Tensor) else f"a {type(logits).__name__}")
         raise TypeError(f"mon.log(): logits is {got}; pass the model's output logits, a "
                         "float tensor [..., vocab] (e.g. logits=out.logits)")
-    m = mask if isinstance(mask, torch.Tensor) else None
+    # a list: one mask per micro-batch the step accumulated (the logits, the last one's)
+    masks = list(mask) if isinstance(mask, (list, tuple)) else [] if mask is None else [mask]
+    m = masks[-1] if masks and isinstance(masks[-1], torch.Tensor) else None
     if source is not None:  # the logits given, else the output layer's hook
         lnames, lparts = source.parts(logits, m, host=host)
         names += lnames
@@ -259,20 +262,32 @@ def log_figures(loss: Any, mask: torch.Tensor | None, scalars: dict[str, Any],
     elif logits is not None:
         names += LOGIT_NAMES
         parts += logit_parts(logits, m)
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor):
-            raise TypeError(f"mon.log(): mask is a {type(mask).__name__}; pass the batch's "
-                            "[batch, seq_len] attention mask tensor (1 for real tokens)")
-        if mask.dim() not in (1, 2) or mask.numel() == 0:
+    if not masks:
+        if isinstance(mask, (list, tuple)):
+            raise ValueError("mon.log(): mask is an empty list; pass the step's micro-batches'"
+                             " masks, or none")
+        return host, names, parts, None
+    for one in masks:
+        if not isinstance(one, torch.Tensor):
+            raise TypeError(f"mon.log(): mask is a {type(one).__name__}; pass the batch's "
+                            "[batch, seq_len] attention mask tensor (1 for real tokens), or a "
+                            "list of them, one per micro-batch the step accumulated")
+        if one.dim() not in (1, 2) or one.numel() == 0:
             raise ValueError(
-                f"mon.log(): mask has shape {tuple(mask.shape)}; pass the batch's [batch, "
+                f"mon.log(): mask has shape {tuple(one.shape)}; pass the batch's [batch, "
                 "seq_len] 0/1 attention mask (1 for real tokens, 0 for padding)")
         if first:
-            check_mask(mask, "mon.log()")
-        elif keep_masks(host, [mask]):
-            return host, names, parts, None
-        return host, names, parts, batch_figures([mask]).into(names, parts, host)
-    return host, names, parts, None
+            check_mask(one, "mon.log()")
+    if not first and keep_masks(host, masks):
+        return host, names, parts, None
+    return host, names, parts, batch_figures(masks).into(names, parts, host)
+
+
+def mask_samples(mask: torch.Tensor | list[torch.Tensor] | None) -> int | None:
+    """The sequences a step's mask (or micro-batches' masks, checked) counts, for samples/s;
+    None where there is no [batch, seq_len] one."""
+    masks = mask if isinstance(mask, (list, tuple)) else [] if mask is None else [mask]
+    return sum(int(m.shape[0]) for m in masks if m.dim() == 2) or None
 
 
 _REAL = "pass a real number or a one-element real tensor"

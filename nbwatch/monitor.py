@@ -33,6 +33,7 @@ from .inputs import (
     check_val,
     default_run_dir,
     log_figures,
+    mask_samples,
     probe_samples,
     rank,
 )
@@ -262,13 +263,14 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         self._in_thread(lambda: rec.guarded(lambda: fn(*args, **kwargs)))
         return self._after_open(self.options.display)
 
-    def log(self, loss: Any = None, *, mask: torch.Tensor | None = None, val: Any = None,
-            batch: Any = None, logits: torch.Tensor | None = None, **scalars: Any) -> int:
+    def log(self, loss: Any = None, *, mask: torch.Tensor | list[torch.Tensor] | None = None,
+            val: Any = None, batch: Any = None, logits: torch.Tensor | None = None,
+            **scalars: Any) -> int:
         """Record the optimizer step just taken; the step boundary of a loop of your own.
 
         Call it once per optimizer step, after `optimizer.step()` (and `scheduler.step()`).
-        `loss`: the step's loss (a scalar tensor or float); `mask`: the batch's
-        [batch, seq_len] 0/1 attention mask (padding ratio, sequence lengths, tokens/s);
+        `loss`: the step's loss (a scalar tensor or float); `mask`: the batch's [batch,
+        seq_len] 0/1 attention mask (padding, lengths, tokens/s), or one per micro-batch;
         `val`: at an eval step, the val loss or a dict of val figures (`loss` →
         `loss/val`, others `val/<name>`); `batch`: the step's batch, whose identity
         (`epoch=`, `index=`, else a count of the batches given; a CRC-32 of its CPU token
@@ -281,8 +283,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         Queued commands are applied here: pause blocks here until resumed, and a stop
         raises `nbwatch.StopTraining` (after a final checkpoint) to end the loop.
         Returns the step number recorded, or after a rewind the checkpoint's step the
-        weights are now at (`mon.rewound` then says it, and how many batches to skip).
-        """
+        weights are now at (`mon.rewound` then says it, and how many batches to skip)."""
         rec = self._recorder_for_log()
         with rec.own:
             rec.note_logged_batch(batch, scalars)  # takes epoch=/index= given with a batch
@@ -290,7 +291,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
                                                       first=rec.step == self._progress_start,
                                                       logits=logits, source=rec.train_logits)
             val = check_val(val)
-        samples = int(mask.shape[0]) if mask is not None and mask.dim() == 2 else None
+        samples = mask_samples(mask)
         step = rec.record_step(host, names, parts, lengths=lengths, samples=samples, val=val,
                                reduction="as computed by the training loop (mon.log)")
         if rec.boundary():

@@ -15,6 +15,7 @@ import torch
 
 import nbwatch
 from nbwatch.demo import TinyGPT
+from nbwatch.inputs import log_figures
 
 from .conftest import make_batches, until
 
@@ -112,6 +113,35 @@ def test_a_count_given_as_an_integer_tensor_is_recorded_exactly(tmp_path):
     df = nbwatch.open_run(tmp_path / "r").df
     assert df["train/tokens_seen"].tolist() == [123_456_789, 123_456_790, 123_456_791]
     assert (df["train/flag"] == 1.0).all()
+
+
+def test_an_accumulating_loop_gives_each_micro_batchs_mask(tmp_path):
+    """`log(mask=[m1, m2, m3])` under gradient accumulation: tokens, lengths, padding and
+    samples/s count every micro-batch of the step, as start(accumulate=3) does; a bad
+    entry in one of them is refused at the first step."""
+    model, opt, sched, batches = setup()
+    with nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False) as mon:
+        for step in range(4):
+            micro = batches[3 * step:3 * step + 3]
+            for b in micro:
+                nbwatch.masked_cross_entropy(model(b["input_ids"]), b["labels"],
+                                             b["mask"]).div(3).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                with pytest.raises(ValueError, match="mask holds 2 besides 0 and 1"):
+                    mon.log(mask=[micro[0]["mask"], micro[1]["mask"] * 2, micro[2]["mask"]])
+            mon.log(loss=1.0, mask=[b["mask"] for b in micro])
+    df = nbwatch.open_run(tmp_path / "r").df
+    for step in range(4):
+        masks = [b["mask"] for b in batches[3 * step:3 * step + 3]]
+        real = sum(float(m.sum()) for m in masks)
+        assert df.loc[step + 1, "tokens/real"] == real
+        assert df.loc[step + 1, "data/padding_ratio"] == pytest.approx(
+            1 - real / sum(m.numel() for m in masks))
+        assert df.loc[step + 1, "data/seq_len_max"] == max(float(m.sum(1).max()) for m in masks)
+    with pytest.raises(ValueError, match="empty list"):
+        log_figures(None, [], {})
 
 
 def test_nonfinite_loss_skips_the_step_and_pauses(tmp_path):

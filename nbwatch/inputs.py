@@ -252,8 +252,7 @@ def log_figures(loss: Any, mask: torch.Tensor | list[torch.Tensor] | None,
                if isinstance(logits, torch.Tensor) else f"a {type(logits).__name__}")
         raise TypeError(f"mon.log(): logits is {got}; pass the model's output logits, a "
                         "float tensor [..., vocab] (e.g. logits=out.logits)")
-    # a list: one mask per micro-batch the step accumulated (the logits, the last one's)
-    masks = list(mask) if isinstance(mask, (list, tuple)) else [] if mask is None else [mask]
+    masks = _masks_of(mask)  # the logits, the last micro-batch's
     m = masks[-1] if masks and isinstance(masks[-1], torch.Tensor) else None
     if source is not None:  # the logits given, else the output layer's hook
         lnames, lparts = source.parts(logits, m, host=host)
@@ -283,11 +282,15 @@ def log_figures(loss: Any, mask: torch.Tensor | list[torch.Tensor] | None,
     return host, names, parts, batch_figures(masks).into(names, parts, host)
 
 
+def _masks_of(mask: Any) -> list:
+    """`log(mask=...)` as a list: one mask per micro-batch the step accumulated."""
+    return list(mask) if isinstance(mask, (list, tuple)) else [] if mask is None else [mask]
+
+
 def mask_samples(mask: torch.Tensor | list[torch.Tensor] | None) -> int | None:
     """The sequences a step's mask (or micro-batches' masks, checked) counts, for samples/s;
     None where there is no [batch, seq_len] one."""
-    masks = mask if isinstance(mask, (list, tuple)) else [] if mask is None else [mask]
-    return sum(int(m.shape[0]) for m in masks if m.dim() == 2) or None
+    return sum(int(m.shape[0]) for m in _masks_of(mask) if m.dim() == 2) or None
 
 
 _REAL = "pass a real number or a one-element real tensor"

@@ -7,6 +7,7 @@ masked loss; `Loop` and `setup` are shared with that file and its scripts."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
@@ -58,6 +59,17 @@ class Loop:
             i += 1
 
 
+def own_steps(model, opt, sched, batches):
+    """The losses of an own loop's steps, one at a time (the step taken, not yet logged)."""
+    for b in itertools.cycle(batches):
+        loss = nbwatch.masked_cross_entropy(model(b["input_ids"]), b["labels"], b["mask"])
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        yield loss, b
+
+
 def test_recorded_figures_equal_what_the_loop_computed(tmp_path):
     model, opt, sched, batches = setup()
     mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False)
@@ -103,12 +115,8 @@ def test_a_count_given_as_an_integer_tensor_is_recorded_exactly(tmp_path):
     float64."""
     model, opt, sched, batches = setup()
     with nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False) as mon:
-        for i in range(3):
-            b = batches[i]
-            loss = nbwatch.masked_cross_entropy(model(b["input_ids"]), b["labels"], b["mask"])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+        for i, (loss, _) in enumerate(itertools.islice(own_steps(model, opt, sched, batches),
+                                                       3)):
             mon.log(loss=loss, tokens_seen=torch.tensor(123_456_789 + i), flag=torch.tensor(True))
     df = nbwatch.open_run(tmp_path / "r").df
     assert df["train/tokens_seen"].tolist() == [123_456_789, 123_456_790, 123_456_791]

@@ -24,7 +24,7 @@ from nbwatch.checkpoint import load
 from nbwatch.demo import TinyGPT, make_demo, masked_cross_entropy
 
 from .conftest import until
-from .test_monitor_log import Loop, setup
+from .test_monitor_log import Loop, own_steps, setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -344,17 +344,6 @@ def test_a_loop_stopped_between_its_step_and_log_checkpoints_that_steps_weights(
     assert all(torch.equal(v, saved[k]) for k, v in m.state_dict().items())
 
 
-def _own_steps(model, opt, sched, batches):
-    """The losses of an own loop's steps, one at a time (the step taken, not yet logged)."""
-    for b in itertools.cycle(batches):
-        loss = masked_cross_entropy(model(b["input_ids"]), b["labels"], b["mask"])
-        loss.backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        yield loss, b
-
-
 def test_a_foreground_loop_that_goes_on_after_a_stop_gets_stoptraining_each_log(tmp_path):
     """`with mon:` and a stop: every further log() raises StopTraining (which the block
     swallows), as under mon.run(), not a RuntimeError once the run is closed."""
@@ -362,7 +351,7 @@ def test_a_foreground_loop_that_goes_on_after_a_stop_gets_stoptraining_each_log(
     mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False)
     stopped = []
     with mon:
-        for i, (loss, b) in enumerate(itertools.islice(_own_steps(model, opt, sched, batches),
+        for i, (loss, b) in enumerate(itertools.islice(own_steps(model, opt, sched, batches),
                                                        8)):
             if i == 3:
                 mon.stop()
@@ -378,7 +367,7 @@ def test_a_run_stopped_while_paused_leaves_the_monitor_able_to_resume(tmp_path):
     same Monitor trains on (it waited at its first step for a resume that never came)."""
     model, opt, sched, batches = setup()
     mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False)
-    steps = _own_steps(model, opt, sched, batches)
+    steps = own_steps(model, opt, sched, batches)
 
     def train():
         for loss, _ in steps:
@@ -404,14 +393,14 @@ def test_a_second_with_block_on_an_ended_run_is_refused_before_a_step(tmp_path):
     model, opt, sched, batches = setup()
     mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False)
     with mon:
-        for loss, _ in itertools.islice(_own_steps(model, opt, sched, batches), 3):
+        for loss, _ in itertools.islice(own_steps(model, opt, sched, batches), 3):
             mon.log(loss=loss)
     with pytest.raises(RuntimeError, match="run is finished at step 3.*create a new Monitor"), mon:
         pass
     again = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", resume=True,
                             display=False)
     with again:
-        for loss, _ in itertools.islice(_own_steps(model, opt, sched, batches), 2):
+        for loss, _ in itertools.islice(own_steps(model, opt, sched, batches), 2):
             again.log(loss=loss)
     assert again.step == 5
     assert nbwatch.open_run(tmp_path / "r").df.index.tolist() == [1, 2, 3, 4, 5]

@@ -148,11 +148,19 @@ class ExternalLoop:
         store, the sampler and the folder's writer lock."""
         self._end(error)
 
-    def abandon(self, why: str) -> None:
-        """The fit ended without telling its adapter: close the run as failed with `why`,
-        without a checkpoint (the model may be another fit's by now)."""
+    def abandon(self, why: str | BaseException) -> None:
+        """Close the run as failed with `why`, without a checkpoint: the fit ended without
+        telling its adapter (the model may be another fit's by now), or it raised an error
+        the framework answers with a new fit from scratch (a smaller batch on an OOM)."""
         self._rec.save_fn = _no_checkpoint
-        self._end(RuntimeError(why))
+        self._end(why if isinstance(why, BaseException) else RuntimeError(why))
+
+    def note(self, message: str) -> None:
+        """Record `message` in the run's events (a warning at the current step)."""
+        from .records import Event
+
+        self._rec._emit(Event(self._rec.step, "state", "warning", message, {}),
+                        logging.WARNING)
 
 
 def _no_checkpoint(reason: str) -> None:

@@ -17,23 +17,29 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 try:
     from transformers import Trainer, TrainerCallback
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError:  # pragma: no cover - depends on the environment
     raise ImportError(
         "nbwatch.hf needs the transformers package: pip install 'nbwatch[hf]'") from None
 
 import torch
 
-from .fit import Adapter, FitRun, callback_of, found_inf, unwrap
+from .fit import Adapter, FitRun, callback_of, unwrap
+from .hf_internals import (  # noqa: F401 - wrap_clip_grad_norm: part of nbwatch.hf
+    attention_implementation,
+    calling_trainer,
+    retries_at_smaller_batch,
+    save_checkpoint_now,
+    set_last_lr,
+    train_batch_size,
+    wrap_clip_grad_norm,
+)
 from .monitor import Monitor
 from .probes.attention import take_samples
 from .probes.throughput import batch_samples
@@ -47,6 +53,16 @@ _GUARDED = ("get_batch_samples", "evaluate")  # public: where a fit's data and e
 # each epoch, after on_train_begin): an error anywhere in a step (the optimizer's step, the
 # scheduler's, the Trainer's save, another callback) passes through it
 EPOCH_LOOP = "_run_epoch"
+
+
+class _Retry(NamedTuple):
+    """A try of the fit that ran out of memory under `auto_find_batch_size`: the Trainer
+    begins the fit again, from its first step, at a smaller batch."""
+
+    trainer: Trainer
+    batch_size: int | None
+    step: int
+    error: str
 
 
 class NbwatchCallback(Adapter, TrainerCallback):
@@ -71,12 +87,18 @@ class NbwatchCallback(Adapter, TrainerCallback):
         self._at_boundary = False  # in on_step_end, where the commands are applied
         self._saved_step: int | None = None  # the step nbwatch last saved the Trainer's way
         self._save_t0: float | None = None  # when that save began (its time, in on_save)
+        self._retry: _Retry | None = None  # the last try ran out of memory (not _forget's)
 
     # -- the Trainer's events -----------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
                        optimizer: Any = None, lr_scheduler: Any = None, **kw: Any) -> None:
         trainer = calling_trainer() or (self._fit_trainer if self.handle is not None else None)
-        self._begin("nbwatch.hf", trainer, bool(state.global_step), _RESUME)
+        retry, self._retry = self._retry, None
+        if retry is not None and (trainer is not retry.trainer or not (
+                (train_batch_size(trainer) or 0) < (retry.batch_size or 0))):
+            retry = None  # not the Trainer's retry: a new fit, checked as one
+        self._begin("nbwatch.hf", trainer, bool(state.global_step) or retry is not None,
+                    _RESUME)
         self.trainer = trainer
         opt = unwrap(optimizer, "optimizer")
         sched = unwrap(lr_scheduler, "scheduler")
@@ -88,8 +110,16 @@ class NbwatchCallback(Adapter, TrainerCallback):
         config = {"trainer": args.to_sanitized_dict(), **self.config}
         mon = Monitor(model, opt, sched, self.run_dir, config, scaler=scaler,
                       max_steps=state.max_steps or None, **kwargs)
-        loop = self._open(mon, "hf", state.global_step or None, save=self._save,
-                          clip=args.max_grad_norm or None)
+        # a retry is opened at its step (0), over the last try's steps
+        loop = self._open(mon, "hf", state.global_step if retry else (state.global_step or None),
+                          save=self._save, clip=args.max_grad_norm or None)
+        if retry is not None:
+            dropped = retry.step - state.global_step
+            loop.note(f"the try at batch size {retry.batch_size} ran out of memory at step "
+                      f"{retry.step} ({retry.error}); the Trainer's auto_find_batch_size "
+                      f"began the fit again at batch size {train_batch_size(trainer)}"
+                      + (f", and the {dropped} steps of that try were dropped"
+                         if dropped > 0 else ""))
         if trainer is not None:
             self._wrap(trainer)
         else:
@@ -248,6 +278,18 @@ class NbwatchCallback(Adapter, TrainerCallback):
         return guarded
 
     def _raised(self, error: BaseException) -> None:
+        trainer, loop, mon = self.trainer, self._rec(), self.monitor
+        if (trainer is not None and loop is not None and mon is not None
+                and retries_at_smaller_batch(trainer, error)):
+            # the Trainer begins the fit again at a smaller batch: end this try (as failed,
+            # should it give up) without the emergency checkpoint a retry has no use for
+            self._retry = _Retry(trainer, train_batch_size(trainer), mon.step,
+                                 f"{type(error).__name__}: {str(error)[:200]}")
+            self._unwrap()
+            loop.abandon(error)
+            if self._ends_here():
+                self._fitting, self._owner = False, None
+            return
         if self._ends_here():
             self._end(error)
 
@@ -349,85 +391,3 @@ def _probe_batch(loader: Any, model: Any, n: int) -> Any:
     if isinstance(batch, Mapping):
         return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     return batch
-
-
-# -- what we take from transformers beyond its callbacks --------------------------------
-# The one place nbwatch reaches into the Trainer past its public callbacks and methods.
-# tests/test_adapters.py checks each of these against the installed transformers, so that
-# a release that changes one fails there by name.
-
-def calling_trainer() -> Trainer | None:
-    """The Trainer whose method calls us now, e.g. a callback's event (callbacks get no
-    reference to it): the innermost `self` on the stack that is a Trainer. Takes
-    `sys._getframe`."""
-    f: FrameType | None = sys._getframe(1)
-    while f is not None:
-        obj = f.f_locals.get("self")
-        if isinstance(obj, Trainer):
-            return obj
-        f = f.f_back
-    return None
-
-
-def wrap_clip_grad_norm(trainer: Trainer, before: Callable[..., None]) -> None:
-    """Call `before()` each time `trainer` is about to clip its gradients: after the
-    optimizer step's backward, before the clipping and the step itself (the Trainer has no
-    callback there). Takes `Trainer._clip_grad_norm(model)`, replaced on this instance
-    only (deleting the instance attribute restores it)."""
-    clip = trainer._clip_grad_norm
-
-    def clip_grad_norm(model: Any) -> Any:
-        acc: Any = getattr(trainer, "accelerator", None)
-        if getattr(acc, "scaler", None) is None:
-            before()
-            return clip(model)
-        # fp16: the gradients are still scaled here (the clip unscales them first): unscale
-        # them now, so that nbwatch measures (and clips) the true ones, and let the clip's
-        # own unscale pass (a second GradScaler.unscale_ raises)
-        own = "unscale_gradients" in vars(acc)
-        unscale = acc.unscale_gradients
-        unscale()
-        acc.unscale_gradients = lambda *a, **k: None
-        try:
-            before(found_inf(acc.scaler, trainer.optimizer))
-            return clip(model)
-        finally:
-            if own:
-                acc.unscale_gradients = unscale
-            else:
-                del acc.unscale_gradients
-
-    trainer._clip_grad_norm = clip_grad_norm  # type: ignore[method-assign]  # this instance's
-
-
-def save_checkpoint_now(trainer: Trainer, announce: bool = False) -> Path:
-    """Write the Trainer's own checkpoint of its current step now, outside its save
-    strategy (a Checkpoint click, maybe under a pause; the fit raised, so the Trainer will
-    not reach its save); returns its folder, which `train(resume_from_checkpoint=...)`
-    takes. `announce`: then tell the callbacks, as the Trainer does after its own save
-    (`trainer.control = trainer.callback_handler.on_save(...)`). Takes
-    `Trainer._save_checkpoint(model, trial)`."""
-    model, output_dir = trainer.model, trainer.args.output_dir
-    assert model is not None and output_dir is not None  # a Trainer that fits has both
-    trainer._save_checkpoint(model, trial=None)
-    if announce:
-        trainer.control = trainer.callback_handler.on_save(trainer.args, trainer.state,
-                                                           trainer.control)
-    return Path(output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
-
-
-def set_last_lr(scheduler: Any, lrs: list[Any]) -> None:
-    """Make `scheduler.get_last_lr()` read `lrs`. The Trainer logs it as `learning_rate`
-    (read after the optimizer step, before `scheduler.step()`: the LR that step used), so
-    set to the optimizer's LRs after a cut it logs the cut LR; `scheduler.step()` sets it
-    anew from the optimizer, and the schedule itself (`base_lrs`, `last_epoch`) is
-    untouched. Takes torch's `LRScheduler._last_lr` (what `get_last_lr()` returns); a
-    scheduler without one is left as it is."""
-    if isinstance(getattr(scheduler, "_last_lr", None), list):
-        scheduler._last_lr = list(lrs)
-
-
-def attention_implementation(model: Any) -> str | None:
-    """'eager', 'sdpa', … of a Hugging Face model (eager alone returns its attention
-    weights when asked). Takes `PretrainedConfig._attn_implementation`."""
-    return getattr(getattr(model, "config", None), "_attn_implementation", None)

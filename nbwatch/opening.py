@@ -417,7 +417,7 @@ class RunOpening(MonitorState):
                     run: dict[str, Any]) -> RunStore:
         self._store = None
         self._store = store = RunStore(self.run_dir)
-        if start_step:
+        if start_step or self._recorded_step():  # a framework's fit over its own last try
             store.truncate_after(start_step)
         nvml, handles = open_nvml()
         names = gpu_names(nvml, handles)

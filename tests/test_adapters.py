@@ -381,6 +381,31 @@ def test_transformers_logs_the_schedulers_last_lr_which_nbwatch_sets_after_a_cut
         "callbacks of a save: nbwatch.hf.save_checkpoint_now(announce=True) calls it")
 
 
+def test_auto_find_batch_size_begins_the_fit_again_at_a_smaller_batch(tmp_path):
+    nh, th = hf()
+    from transformers import TrainerCallback
+
+    begun = []
+
+    class Begins(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            begun.append(nh.train_batch_size(nh.calling_trainer()))
+
+    trainer = th.make_trainer(tmp_path / "out", max_steps=1, per_device_train_batch_size=4,
+                              auto_find_batch_size=True, eval_strategy="no")
+    th.oom_above(trainer, 3, at={1})
+    trainer.add_callback(Begins())
+    trainer.train()
+    assert begun == [4, 3], (
+        f"transformers {sys.modules['transformers'].__version__}: under auto_find_batch_size "
+        f"the Trainer's train_begin events saw batch sizes {begun}, not [4, 3] "
+        "(Trainer._train_batch_size, then 0.9× it after an OOM, the fit begun again): "
+        "nbwatch.hf tells a retry from a new fit by them")
+    assert nh.retries_at_smaller_batch(trainer, torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB")), (
+        "accelerate.utils.memory.should_reduce_batch_size no longer takes a CUDA OOM")
+
+
 # -- what the adapters take from Lightning beyond its callbacks --------------------------
 def test_lightning_trainer_state_says_a_fit_runs(tmp_path):
     nl, tl = pl()

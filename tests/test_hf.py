@@ -187,6 +187,66 @@ def test_the_callback_alone_records_an_error_in_the_optimizer_step(tmp_path):
     check_no_writer(tmp_path / "run")  # raises while a writer holds the folder
 
 
+def oom_above(trainer, batch: int, at=None) -> None:
+    """The Trainer's loss runs out of memory (a simulated CUDA OOM) on batches larger than
+    `batch`: at each of its calls numbered in `at` (1 for the first), or at every call."""
+    loss, calls = trainer.compute_loss, []
+
+    def compute_loss(model, inputs, *a, **k):
+        calls.append(1)
+        if inputs["input_ids"].shape[0] > batch and (at is None or len(calls) in at):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return loss(model, inputs, *a, **k)
+
+    trainer.compute_loss = compute_loss
+
+
+@pytest.mark.parametrize("how", ["start", "callback"])
+def test_auto_find_batch_size_retries_into_the_same_run(tmp_path, how):
+    """`auto_find_batch_size=True`: an OOM makes the Trainer begin the fit again at 0.9×
+    the batch. nbwatch records the retries in the same run, drops the failed try's steps,
+    says so in the events, and writes no emergency checkpoint for a try the Trainer redoes."""
+    trainer = make_trainer(tmp_path / "out", max_steps=6, per_device_train_batch_size=6,
+                           auto_find_batch_size=True, eval_strategy="no")
+    oom_above(trainer, 4, at=range(4, 99))  # the first try (batch 6) fails at its 4th step
+    if how == "start":
+        nbwatch.hf.start(trainer, run_dir=tmp_path / "run", display=False).wait()
+    else:
+        trainer.add_callback(nbwatch.hf.NbwatchCallback(run_dir=tmp_path / "run"))
+        trainer.train()
+    run = nbwatch.open_run(tmp_path / "run")
+    assert run.state == "finished" and run.step == 6
+    assert list(run.df.index) == [1, 2, 3, 4, 5, 6]  # the last try's steps, once each
+    ref = trainer_log(trainer, "loss")
+    assert np.allclose([run.df["loss/train"][s] for s in ref], list(ref.values()), rtol=1e-4)
+    notes = run.events[run.events.message.str.contains("auto_find_batch_size")].message
+    assert [m.split(" ran out")[0] for m in notes] == ["the try at batch size 6",
+                                                       "the try at batch size 5"]
+    assert "the 3 steps of that try were dropped" in notes.iloc[0]
+    assert "began the fit again at batch size 4" in notes.iloc[1]
+    assert not (run.events.kind == "checkpoint").any()
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+def test_auto_find_batch_size_that_gives_up_leaves_a_failed_run(tmp_path):
+    """Every batch size runs out of memory at last: the fit raises, the run reads failed
+    with the OOM, and the next fit with the same callback (a new fit, not a retry) may not
+    write over it."""
+    trainer = make_trainer(tmp_path / "out", max_steps=4, per_device_train_batch_size=2,
+                           auto_find_batch_size=True, eval_strategy="no")
+    oom_above(trainer, 0, at={3, 5})  # batch 2: steps 1-2, OOM; batch 1: step 1, OOM
+    cb = nbwatch.hf.NbwatchCallback(run_dir=tmp_path / "run")
+    trainer.add_callback(cb)
+    with pytest.raises(RuntimeError, match="No executable batch size"):
+        trainer.train()
+    run = nbwatch.open_run(tmp_path / "run")
+    assert run.state == "failed" and run.step == 1
+    assert run.events.query("kind == 'error'").message.str.contains("out of memory").all()
+    del trainer.compute_loss
+    with pytest.raises(FileExistsError, match="already holds a run at step 1"):
+        trainer.train()
+
+
 def fp16_on_cpu(trainer):
     """The Trainer's accelerator given a GradScaler, as fp16 on a GPU has (on the CPU: the
     same scaling, unscaling and overflow skips)."""

@@ -88,6 +88,7 @@ class NbwatchCallback(Adapter, TrainerCallback):
         self._saved_step: int | None = None  # the step nbwatch last saved the Trainer's way
         self._save_t0: float | None = None  # when that save began (its time, in on_save)
         self._retry: _Retry | None = None  # the last try ran out of memory (not _forget's)
+        self._interrupted = False  # the fit ends by a Ctrl-C in its own (foreground) thread
 
     # -- the Trainer's events -----------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
@@ -185,14 +186,25 @@ class NbwatchCallback(Adapter, TrainerCallback):
     # -- nbwatch's side -----------------------------------------------------------------
     def _save(self, reason: str) -> None:
         """The recorder's checkpoints, the Trainer's way."""
-        if reason in ("final", "stop") or reason == "periodic":
+        rec, trainer = self._rec(), self.trainer
+        # Ctrl-C in the foreground fit of the callback alone: no step end comes, where the
+        # Trainer would save a stop's checkpoint, so it is written now, as an error's is
+        interrupted = reason == "stop" and self._interrupted
+        if interrupted and trainer is not None and rec is not None:
+            self._interrupted = False
+            step = self.monitor.step if self.monitor is not None else None
+            if trainer.state.global_step != step:  # its optimizer had stepped
+                rec.note(f"interrupted between the optimizer's step and the Trainer's step "
+                         f"end: no checkpoint (the weights are step {step}'s, the Trainer's "
+                         f"state step {trainer.state.global_step}'s)")
+                return
+        elif reason in ("final", "stop", "periodic"):
             return  # the Trainer's save strategy; a stop asks for one at its step
-        rec = self._rec()
-        if reason == "emergency" and self.trainer is not None and rec is not None:
+        if (reason == "emergency" or interrupted) and trainer is not None and rec is not None:
             try:  # the fit raised: the Trainer will not reach its own save
-                rec.note_checkpoint(reason, save_checkpoint_now(self.trainer))
+                rec.note_checkpoint(reason, save_checkpoint_now(trainer))
             except Exception as e:  # noqa: BLE001 - the original failure matters more
-                rec.log.warning("emergency checkpoint failed: %s", e)
+                rec.log.warning("%s checkpoint failed: %s", reason, e)
             return
         if self._at_boundary and self.trainer is not None and rec is not None:
             self._save_now(reason)  # now: a paused fit goes no further until Resume
@@ -291,6 +303,7 @@ class NbwatchCallback(Adapter, TrainerCallback):
                 self._fitting, self._owner = False, None
             return
         if self._ends_here():
+            self._interrupted = isinstance(error, KeyboardInterrupt)
             self._end(error)
 
     def _unwrap(self) -> None:

@@ -187,6 +187,63 @@ def test_the_callback_alone_records_an_error_in_the_optimizer_step(tmp_path):
     check_no_writer(tmp_path / "run")  # raises while a writer holds the folder
 
 
+def test_the_callback_alone_checkpoints_a_ctrl_c(tmp_path):
+    """Interrupt kernel during a notebook cell's `trainer.train()` with the callback: the
+    run is stopped (not failed), and a Trainer checkpoint of the last step taken is
+    written, which `train(resume_from_checkpoint=...)` continues."""
+    trainer = make_trainer(tmp_path / "out", max_steps=10, eval_steps=1000)
+    trainer.add_callback(nbwatch.hf.NbwatchCallback(run_dir=tmp_path / "run"))
+    loss, calls = trainer.compute_loss, []
+
+    def compute_loss(*a, **k):
+        calls.append(1)
+        if len(calls) == 4:  # in the 4th step's forward
+            raise KeyboardInterrupt
+        return loss(*a, **k)
+
+    trainer.compute_loss = compute_loss
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    run = nbwatch.open_run(tmp_path / "run")
+    assert run.state == "stopped" and run.step == 3
+    ckpt = tmp_path / "out" / "checkpoint-3"
+    assert (ckpt / "trainer_state.json").is_file()
+    saved = run.events[run.events.kind == "checkpoint"]
+    assert list(saved.step) == [3] and saved.message.str.contains("checkpoint-3").all()
+    del trainer.compute_loss
+    trainer.train(resume_from_checkpoint=str(ckpt))
+    run = nbwatch.open_run(tmp_path / "run")
+    assert run.state == "finished" and list(run.df.index) == list(range(1, 11))
+
+
+def test_a_ctrl_c_after_the_optimizers_step_writes_no_mislabelled_checkpoint(tmp_path):
+    """A Ctrl-C after the optimizer stepped, before the Trainer counted the step: its
+    checkpoint would hold step 4's weights as checkpoint-3, and a resume would train step 4
+    twice. None is written, and the events say why."""
+    from transformers import TrainerCallback
+
+    trainer = make_trainer(tmp_path / "out", max_steps=10, eval_steps=1000)
+    trainer.add_callback(nbwatch.hf.NbwatchCallback(run_dir=tmp_path / "run"))
+    steps = []
+
+    def interrupt(opt, args, kwargs):
+        steps.append(1)
+        if len(steps) == 4:
+            raise KeyboardInterrupt
+
+    class After(TrainerCallback):  # its post-hook runs after nbwatch's
+        def on_train_begin(self, args, state, control, optimizer=None, **kw):
+            optimizer.optimizer.register_step_post_hook(interrupt)
+
+    trainer.add_callback(After())
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    run = nbwatch.open_run(tmp_path / "run")
+    assert run.state == "stopped" and run.step == 4
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+    assert run.events.message.str.contains("no checkpoint").any()
+
+
 def oom_above(trainer, batch: int, at=None) -> None:
     """The Trainer's loss runs out of memory (a simulated CUDA OOM) on batches larger than
     `batch`: at each of its calls numbered in `at` (1 for the first), or at every call."""

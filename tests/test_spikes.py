@@ -244,7 +244,7 @@ def test_own_loop_spike_names_its_batch(tmp_path):
 def test_own_loop_batch_epoch_and_index(tmp_path):
     """epoch= with the batch: the own count starts again at each new epoch; index= is
     taken as given; neither is a figure. A bad one is refused in one line, and log() can
-    be called again for that step."""
+    be called again for that step, with the same count."""
     torch.manual_seed(0)
     model = nn.Embedding(12, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -264,6 +264,9 @@ def test_own_loop_batch_epoch_and_index(tmp_path):
                 with pytest.raises(TypeError, match="batch=3 is a int"):
                     mon.log(loss=loss, batch=3)
             where = {"epoch": epoch, **({"index": 100 + i} if epoch == 3 else {})}
+            if s == 68:  # a log() that raises after taking its batch: its count taken back
+                with pytest.raises(TypeError, match="val is a str"):
+                    mon.log(loss=loss, batch=batches[i], val="abc", **where)
             mon.log(loss=loss * (50.0 if s in (70, 95) else 1.0), batch=batches[i], **where)
     spikes = mon.spikes
     assert spikes.step.tolist() == [70, 95]

@@ -64,6 +64,8 @@ class BatchIds:
         self.ring: deque[dict[str, Any]] = deque(maxlen=ring)  # oldest first
         self._batch: dict[str, Any] | None = None  # the step being taken
         self._logged: tuple[int | None, int] | None = None  # log(batch=): (epoch, next index)
+        self._counted = False  # this step's log() took a count (one that raised: taken back)
+        self._before: tuple[int | None, int] | None = None  # the count before it
 
     def note_logged_batch(self, batch: Any, scalars: dict[str, Any]) -> None:
         """`mon.log(batch=..., epoch=..., index=...)`: the identity of the step's batch, as
@@ -87,7 +89,9 @@ class BatchIds:
             raise TypeError(f"mon.log(): batch={batch!r} is a {type(batch).__name__}; pass the "
                             "batch itself (its token ids are hashed) and its position as "
                             "index=, e.g. mon.log(loss=loss, batch=batch, index=i)")
-        last = self._logged
+        if not self._counted:
+            self._counted, self._before = True, self._logged
+        last = self._before  # a second log() for this step: the first one raised
         if index is None:
             index = last[1] if last is not None and last[0] == epoch else 0
         self._logged = (epoch, int(index) + 1)
@@ -118,7 +122,7 @@ class BatchIds:
 
     def end_step(self, step: int) -> None:
         """The step `step` is taken: its batch's identity goes into the ring."""
-        b, self._batch = self._batch, None
+        b, self._batch, self._counted = self._batch, None, False
         self.ring.append({"step": step, **b} if b else {"step": step})
 
     def around(self, step: int, before: int) -> list[dict[str, Any]]:

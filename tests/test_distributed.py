@@ -175,6 +175,23 @@ def test_own_loop_under_torchrun_rank0_records_controls_on_every_rank(tmp_path, 
     assert p0["step"] == p1["step"] == held and torch.equal(p0["params"], p1["params"])
 
 
+@pytest.mark.parametrize("loop, steps", [("start", 20), ("own", 22)])
+def test_a_stop_after_the_ranks_last_meeting_ends_the_run_stopped(tmp_path, loop, steps):
+    """A stop asked within the last `rank_every` steps reaches the other ranks only at
+    their final meeting, as the run ends: it ends stopped, with a stop checkpoint, on
+    every rank (it failed with stopping → finished)."""
+    run_dir = tmp_path / loop
+    # start() meets at steps 5, 10, 15 and at its end; an own loop at 5, …, 20 and at its end
+    job = torchrun(run_dir, steps, STOP_AT=str(steps - 1), LOOP=loop, STEP_SLEEP="0")
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode == 0, out[-3000:]
+    run = nbwatch.open_run(run_dir)
+    assert run.state == "stopped" and run.step == steps, run.events.message.tolist()
+    saved = run.events[run.events.kind == "checkpoint"].message
+    assert saved.str.startswith(f"stop checkpoint at step {steps}").any(), saved.tolist()
+    assert not (run.events.kind == "error").any()
+
+
 def test_the_same_script_runs_alone_without_torchrun(tmp_path):
     run_dir = tmp_path / "single"
     out = subprocess.run([sys.executable, str(SCRIPT), str(run_dir), "30"], cwd=ROOT,

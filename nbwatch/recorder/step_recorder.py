@@ -269,7 +269,8 @@ class StepRecorder:
         self.record_stepped()
         self.flush_deferred()
         if self.dist is not None:
-            st.sync_ranks(self, final=True)
+            st.sync_ranks(self, final=True)  # may carry a stop sent since the last meeting
+            outcome = "stopped" if self.stopping else outcome
         self._checkpoint("stop" if outcome == "stopped" else "final")
         self.expire_pending()
         self._set_state(outcome)

@@ -4,7 +4,8 @@
     torchrun --nproc_per_node=2 tests/scripts/ddp_train.py RUN_DIR [MAX_STEPS]
 
 Env: STEP_SLEEP (seconds per step, default 0.01); KILL_RANK / KILL_AT (a rank that kills
-itself with SIGKILL at that step); CKPT_EVERY (a periodic checkpoint); LOOP=own: the
+itself with SIGKILL at that step); STOP_AT (rank 0 calls `mon.stop()` in that step);
+CKPT_EVERY (a periodic checkpoint); LOOP=own: the
 script's own loop with `mon.log()` in the foreground instead of `mon.start()`. At the end
 each rank writes a checksum of its parameters to RUN_DIR/params_rank{r}.pt.
 """
@@ -45,11 +46,14 @@ def main() -> None:
     sleep = float(os.environ.get("STEP_SLEEP", "0.01"))
     kill_rank, kill_at = int(os.environ.get("KILL_RANK", "-1")), int(os.environ.get("KILL_AT", "0"))
     calls = {"n": 0}
+    stop_at = int(os.environ.get("STOP_AT", "0"))
 
     def step_fn(model, batch):
         calls["n"] += 1
         if rank == kill_rank and calls["n"] == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if rank == 0 and calls["n"] == stop_at:
+            mon.stop()  # taken at the ranks' next meeting
         time.sleep(sleep * (2 if rank == 1 else 1))  # rank 1 is a straggler
         return {"logits": model(batch["input_ids"]), "labels": batch["labels"],
                 "mask": batch["mask"]}

@@ -43,7 +43,7 @@ class Dist:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return None
         # A CPU group of our own: figures are small, and its timeout bounds a dead peer.
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        group = own_group(timeout_s, "open its run")
         return cls(dist.get_rank(), dist.get_world_size(), every, group, dist.get_backend())
 
     def all_agree(self, ok: bool, what: str) -> bool:
@@ -84,6 +84,38 @@ class Dist:
             ) from e
         cmds = [Command.from_wire(*c) for c in out[0][1]]
         return [o[0] for o in out], cmds
+
+
+def own_group(timeout_s: float, what: str) -> Any:
+    """A new gloo group of every rank (a collective: each rank creates it at once)."""
+    import torch.distributed as dist
+
+    try:
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    except Exception as e:  # a rank that never comes: the store's wait times out
+        raise RankLost(
+            f"rank {dist.get_rank()} of {dist.get_world_size()}: the other ranks did not come "
+            f"within {timeout_s:.0f} s as nbwatch's Monitor came to {what}: under torchrun "
+            "every rank creates its Monitor and starts (or logs) it, not rank 0 alone; "
+            f"nbwatch records on rank 0 by itself ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200]})") from e
+
+
+def rank0_run_dir(own: Path, timeout_s: float = 60.0) -> Path:
+    """Rank 0's run folder, on every rank of a job (each rank calls this at once): a
+    default name is taken from each process's own clock, which the ranks do not share."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return own
+    group = own_group(timeout_s, "name its run folder")
+    try:
+        box = [str(own)]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return Path(box[0])
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(group)
 
 
 class RankLost(RuntimeError):

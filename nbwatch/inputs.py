@@ -140,10 +140,18 @@ def check_covers(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
             stacklevel=3)
 
 
-def default_run_dir() -> Path:
-    """`NBWATCH_RUN_DIR` (set by `nbwatch.launch`), else runs/<date-time>."""
+def default_run_dir(every_rank: bool = False) -> Path:
+    """`NBWATCH_RUN_DIR` (set by `nbwatch.launch`), else runs/<date-time>; `every_rank`:
+    rank 0's name on every rank of a torchrun job (a collective: each rank calls it)."""
     env = os.environ.get("NBWATCH_RUN_DIR")
-    return Path(env) if env else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    if env:
+        return Path(env)
+    own = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    if every_rank:
+        from .distributed import rank0_run_dir
+
+        return rank0_run_dir(own)
+    return own
 
 
 def rank() -> int:

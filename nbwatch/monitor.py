@@ -125,7 +125,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.scaler = scheduler, scaler
         # absolute now: a later os.chdir must not send the run (or mon.df) elsewhere
-        self.run_dir = (Path(run_dir) if run_dir is not None else default_run_dir()).absolute()
+        self.run_dir = (Path(run_dir) if run_dir is not None else default_run_dir(True)).absolute()
         self.rank = rank()
         if self.rank == 0:  # under torchrun, rank 0 alone writes the run folder
             check_run_dir(self.run_dir)

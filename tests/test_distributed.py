@@ -29,11 +29,11 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "scripts" / "ddp_train.py"
 
 
-def torchrun(run_dir, steps, **env):
+def torchrun(run_dir, steps, cwd=ROOT, **env):
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          str(SCRIPT), str(run_dir), str(steps)],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT), **env},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -190,6 +190,25 @@ def test_a_stop_after_the_ranks_last_meeting_ends_the_run_stopped(tmp_path, loop
     saved = run.events[run.events.kind == "checkpoint"].message
     assert saved.str.startswith(f"stop checkpoint at step {steps}").any(), saved.tolist()
     assert not (run.events.kind == "error").any()
+
+
+def test_a_default_run_dir_is_rank_0s_on_every_rank(tmp_path):
+    """`Monitor(run_dir=None)` names runs/<date-time> from the clock: rank 1, a second
+    later, would name another folder (FSDP2's shards would then be split over two)."""
+    job = torchrun("unused", 10, cwd=tmp_path, RUN_DIR="default", STEP_SLEEP="0")
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode == 0, out[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert nbwatch.open_run(run_dir).state == "finished"
+    assert sorted(p.name for p in run_dir.glob("params_rank*.pt")) == [
+        "params_rank0.pt", "params_rank1.pt"]  # each rank's mon.run_dir
+
+
+def test_a_monitor_on_rank_0_alone_is_refused_in_words(tmp_path):
+    job = torchrun(tmp_path / "r", 10, ONLY_RANK0="1", DIST_TIMEOUT="4", STEP_SLEEP="0")
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode != 0
+    assert "every rank creates its Monitor" in out, out[-3000:]
 
 
 def test_the_same_script_runs_alone_without_torchrun(tmp_path):

@@ -5,7 +5,8 @@
 
 Env: STEP_SLEEP (seconds per step, default 0.01); KILL_RANK / KILL_AT (a rank that kills
 itself with SIGKILL at that step); STOP_AT (rank 0 calls `mon.stop()` in that step);
-CKPT_EVERY (a periodic checkpoint); LOOP=own: the
+CKPT_EVERY (a periodic checkpoint); RUN_DIR=default: `Monitor(run_dir=None)`, and rank 1
+comes to it 1.5 s after rank 0; ONLY_RANK0=1: rank 1 creates no Monitor; LOOP=own: the
 script's own loop with `mon.log()` in the foreground instead of `mon.start()`. At the end
 each rank writes a checksum of its parameters to RUN_DIR/params_rank{r}.pt.
 """
@@ -58,6 +59,7 @@ def main() -> None:
         return {"logits": model(batch["input_ids"]), "labels": batch["labels"],
                 "mask": batch["mask"]}
 
+    mon = None
     try:
         if os.environ.get("LOOP") == "own":
             mon = nbwatch.Monitor(model, opt, sched, run_dir=run_dir, rank_every=5,
@@ -74,16 +76,24 @@ def main() -> None:
                     opt.zero_grad()
                     mon.log(loss=loss, mask=out["mask"])
         else:
-            mon = nbwatch.Monitor(model, opt, sched, run_dir=run_dir,
-                                  config={"script": "ddp_train"})
+            if os.environ.get("RUN_DIR") == "default" and rank == 1:
+                time.sleep(1.5)  # each rank's clock names a default folder by the second
+            if os.environ.get("ONLY_RANK0") and rank == 1:
+                time.sleep(15)  # a script that watches on rank 0 alone
+                return
+            mon = nbwatch.Monitor(model, opt, sched, config={"script": "ddp_train"},
+                                  run_dir=None if os.environ.get("RUN_DIR") else run_dir)
+            run_dir = str(mon.run_dir)
             every = int(os.environ.get("CKPT_EVERY", "0")) or None
             mon.start(step_fn, batches(rank), max_steps=max_steps, rank_every=5,
-                      dist_timeout=20, display=False, checkpoint_every=every)
+                      dist_timeout=float(os.environ.get("DIST_TIMEOUT", "20")),
+                      display=False, checkpoint_every=every)
             mon.wait()
     finally:
-        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-        path = os.path.join(run_dir, f"params_rank{rank}.pt")
-        torch.save({"step": mon.step, "params": flat}, path)
+        if mon is not None:
+            flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+            path = os.path.join(run_dir, f"params_rank{rank}.pt")
+            torch.save({"step": mon.step, "params": flat}, path)
         if dist.is_initialized():
             dist.destroy_process_group()
 

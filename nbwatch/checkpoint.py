@@ -227,10 +227,8 @@ def restore_into(ckpt: dict[str, Any], model: Any, optimizer: Any, scheduler: An
 
             load_sharded(where / ckpt["sharded"], model, optimizer)
         else:
-            state = ckpt["model"]
-            if any(k.startswith("_orig_mod.") for k in state):  # saved before compiled
-                state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
-            getattr(model, "_orig_mod", model).load_state_dict(state)
+            inner = bare_module(model)
+            inner.load_state_dict(fit_keys(ckpt["model"], inner.state_dict().keys()))
             optimizer.load_state_dict(ckpt["optimizer"])
         if (scheduler is not None and ckpt.get("scheduler") is not None
                 and hasattr(scheduler, "load_state_dict")):
@@ -240,7 +238,8 @@ def restore_into(ckpt: dict[str, Any], model: Any, optimizer: Any, scheduler: An
     except (RuntimeError, KeyError, ValueError) as e:
         raise RuntimeError(
             f"checkpoint at step {ckpt.get('step')} in {where} does not fit "
-            f"this model/optimizer ({e}); resume with the same model and optimizer setup"
+            f"this model/optimizer ({e}); resume with the same model and optimizer (the "
+            "same parameters, in the same optimizer groups)"
         ) from e
     set_rng_state(ckpt["rng"])
     c = ckpt.get("controls", {})
@@ -248,6 +247,34 @@ def restore_into(ckpt: dict[str, Any], model: Any, optimizer: Any, scheduler: An
     control.lr_factor = float(c.get("lr_factor", 1.0))
     control.lr_raw = bool(c.get("lr_raw", False))
     return int(ckpt["step"])
+
+
+def bare_module(model: Any) -> Any:
+    """The module a checkpoint holds: inside torch.compile's and DDP's (or DataParallel's)
+    wrappers, so that its keys carry no `_orig_mod.` or `module.` and load alike into the
+    model wrapped or not (a DDP run resumed alone, a compiled run resumed uncompiled)."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None and isinstance(model, (torch.nn.parallel.DistributedDataParallel,
+                                                torch.nn.DataParallel)):
+            inner = model.module
+        if inner is None:
+            return model
+        model = inner
+
+
+def fit_keys(state: dict[str, Any], want: Any) -> dict[str, Any]:
+    """`state` with the wrappers' prefixes (`_orig_mod.`, `module.`) that a checkpoint
+    written before `bare_module` kept taken off, where that makes its keys the model's."""
+    want = set(want)
+    while set(state) != want:
+        for prefix in ("_orig_mod.", "module."):
+            if state and all(k.startswith(prefix) for k in state):
+                state = {k.removeprefix(prefix): v for k, v in state.items()}
+                break
+        else:
+            return state  # load_state_dict names what differs
+    return state
 
 
 def load(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:

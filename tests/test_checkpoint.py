@@ -77,3 +77,38 @@ def test_best_is_a_checkpoint_taken_at_its_eval(tmp_path):
     best = load(tmp_path / "r" / "checkpoints" / "best.pt")
     assert best["step"] == 100 and best["val_loss"] == 0.5
     assert mon.df["loss/val"].dropna().index.tolist() == [30, 60, 90, 100]
+
+
+def test_a_ddp_runs_checkpoint_resumes_without_ddp_and_back(tmp_path):
+    """A DDP job's checkpoints hold the module's own keys (no `module.`): the run resumes
+    alone, unwrapped, and again under DDP; a checkpoint written with the prefix still loads."""
+    import torch.distributed as dist
+
+    import nbwatch
+    from nbwatch.checkpoint import fit_keys
+    from tests.test_fsdp import free_port
+
+    def train(model, steps, resume):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", resume=resume, display=False)
+        data = [torch.randn(4, 3) for _ in range(8)]
+        mon.start(lambda m, x: m(x).square().mean(), data, max_steps=steps,
+                  checkpoint_every=5).wait()
+        return mon
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        train(torch.nn.parallel.DistributedDataParallel(net), 5, False)
+        saved = load(tmp_path / "r" / "checkpoints" / "step_00000005.pt")["model"]
+        assert set(saved) == set(net.state_dict())  # no "module." prefix
+        assert train(net, 10, True).step == 10  # alone, unwrapped
+        assert train(torch.nn.parallel.DistributedDataParallel(net), 15, True).step == 15
+    finally:
+        dist.destroy_process_group()
+    prefixed = {f"module.{k}": v for k, v in saved.items()}  # as nbwatch wrote them before
+    assert fit_keys(prefixed, net.state_dict().keys()).keys() == saved.keys()
+    odd = {"module.x": torch.zeros(1)}  # a model whose own child is named "module"
+    assert fit_keys(odd, ["module.x"]) == odd

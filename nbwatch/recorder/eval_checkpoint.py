@@ -9,11 +9,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from torch import nn
 
-from ..checkpoint import rng_state
+from ..checkpoint import bare_module, rng_state
 from ..evaluation import EvalResult, evaluate
 from ..records import Event, Sample, Scalars
 from ..samples import sample_content
@@ -185,9 +185,8 @@ def write_checkpoint(rec: Evaluating, reason: str, announce: bool = True) -> Eve
 
 
 def plain(model: nn.Module) -> nn.Module:
-    """The module a checkpoint holds: a torch.compile'd model's original module, so the
-    keys carry no `_orig_mod.` and load into the uncompiled model as into the compiled."""
-    return getattr(model, "_orig_mod", model)
+    """The module a checkpoint holds (`checkpoint.bare_module`)."""
+    return cast(nn.Module, bare_module(model))
 
 
 def _dir_bytes(path: Path) -> int:

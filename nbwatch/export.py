@@ -103,6 +103,10 @@ def snapshot(reader: RunReader, max_points: int = MAX_POINTS,
     if not environment:
         feed.meta = {k: v for k, v in feed.meta.items() if k not in PRIVATE_META}
     panels = feed.full(now)
+    if not environment:  # the baselines' folders, named without where they lie
+        feed.meta["baselines"] = [Path(p).name for p in feed.meta.get("baselines") or []]
+        for b in panels.get("loss", {}).get("baselines") or []:
+            b["path"] = Path(b["path"]).name
     _cap_columns(panels.get("weights", {}), max_columns)
     meta = feed.meta
     return {"name": str(meta.get("name", reader.run_dir.name)), "panels": panels,

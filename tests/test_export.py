@@ -204,3 +204,13 @@ def test_a_baseline_run_is_drawn_in_the_export_with_its_config_difference(tiny, 
     assert b["name"] == f"run {SCRIPT}" and b["step"] == 60
     assert {"train", "val", "lr", "wall", "tokens"} <= set(b)
     assert ["lr", "0.0003", "0.001"] in b["diff"]
+    private = export_html(mon.run_dir, tmp_path / "private.html", environment=False)
+    text = private.read_text(encoding="utf-8")
+    assert str(tmp_path) not in text  # the baseline's folder named, not where it lies
+    (b,) = state_of(Page(text))["panels"]["loss"]["baselines"]
+    assert b["path"] == "exp0" and b["step"] == 60
+    with open(base / "nbwatch.db", "r+b") as f:  # the baseline damaged since
+        f.write(b"\0" * 4096)
+    state = state_of(Page(mon.export_html(tmp_path / "exp1.html").read_text(encoding="utf-8")))
+    assert state["panels"]["loss"].get("baselines") in (None, [])  # left out; the run drawn
+    assert state["panels"]["header"]["step"] == 10

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sqlite3
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -79,16 +78,18 @@ def load(path: Path, config: Mapping[str, Any] | None, max_points: int = MAX_POI
          ) -> dict[str, Any] | None:
     """One baseline run → {name, path, state, step, train (smoothed), val, lr: {x, y},
     diff}; None when its folder cannot be read."""
-    reader = RunReader(path)
+    reader = None
     try:
+        reader = RunReader(path)
         meta = reader.meta()
         series = reader.series(["loss/train", "loss/val", "lr", clock.TOKENS])
         walls = reader.walls()
-    except (sqlite3.Error, OSError) as e:
+    except Exception as e:  # noqa: BLE001 - a damaged baseline must not cost this run's view
         log.warning("nbwatch: baseline %s could not be read (%s); not drawn", path, e)
         return None
     finally:
-        reader.close()
+        if reader is not None:
+            reader.close()
     out: dict[str, Any] = {"name": str(meta.get("name") or path.name), "path": str(path),
                            "state": str(meta.get("state", "unknown")),
                            "diff": config_diff(meta.get("config"), config)}

@@ -137,6 +137,7 @@ class Comparison:
         self._unrecorded: list[str] = []  # the default metrics no run recorded
         self._readers = [RunReader(d) for d in dirs]
         self._df: pd.DataFrame | None = None
+        self._df_at: list[int] = []  # each run's last step when `_df` was read
 
     @property
     def runs(self) -> list[str]:
@@ -149,8 +150,11 @@ class Comparison:
 
     @property
     def df(self) -> pd.DataFrame:
-        """Long frame: run, step, wall (s since the run's start), metric, value."""
-        if self._df is None:
+        """Long frame: run, step, wall (s since the run's start), metric, value (read
+        again once a run still being written has recorded more)."""
+        at = [r.last_step() for r in self._readers]
+        if self._df is None or at != self._df_at:
+            self._df_at = at
             parts = []
             for label, r in zip(self.labels, self._readers):
                 long = r.scalars_long(self.metrics)
@@ -285,7 +289,7 @@ def list_runs(root: str | os.PathLike = "runs", where: Where = None, sort: str =
         except Exception as e:  # noqa: BLE001 - one damaged run must not hide the others
             warnings.warn(f"nbwatch ls: skipped {d}: {type(e).__name__}: {e}", stacklevel=2)
             continue
-        label = str(d.relative_to(root)) if d != root else d.name
+        label = str(d.relative_to(root)) if d != root else d.resolve().name
         rows.append({"run": label, **{k: row[k] for k in LS_COLUMNS[1:]}})
         configs[label] = config
     rows.sort(key=_ORDER[sort])
@@ -300,11 +304,11 @@ def list_runs(root: str | os.PathLike = "runs", where: Where = None, sort: str =
 
 
 def _labels(dirs: Sequence[Path], root: Path | None) -> list[str]:
-    names = [d.name for d in dirs]
+    names = [d.resolve().name for d in dirs]  # "." is named after the folder it is
     if len(set(names)) == len(names):
         return names
     if root is not None:
-        return [str(d.relative_to(root)) if d != root else d.name for d in dirs]
+        return [str(d.relative_to(root)) if d != root else d.resolve().name for d in dirs]
     return [str(d) for d in dirs]
 
 
@@ -341,10 +345,15 @@ def compare(
             raise FileNotFoundError(f"no nbwatch runs under {root}")
     else:
         dirs = [Path(d) for d in runs]
+        seen: dict[Path, Path] = {}
         for d in dirs:
             if not is_run_dir(d):
                 raise FileNotFoundError(f"{d} holds no nbwatch run; pass run folders written "
                                         "by nbwatch.Monitor, or one root folder")
+            same = seen.setdefault(d.resolve(), d)
+            if same is not d:
+                raise ValueError(f"compare: the run folder {d.resolve()} is given twice "
+                                 f"({str(same)!r}, {str(d)!r}); give each run once")
         if not dirs:
             raise ValueError("no runs given; pass a list of run folders or a root folder")
     configs = {}

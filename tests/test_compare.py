@@ -10,6 +10,7 @@ import torch
 
 import nbwatch
 from nbwatch.cli import main
+from nbwatch.compare import list_runs
 from nbwatch.demo import TinyGPT
 from tests.conftest import make_batches, tiny_step
 
@@ -117,6 +118,37 @@ def test_clear_errors(runs, tmp_path):
         nbwatch.compare(tmp_path)
     with pytest.raises(ValueError, match="x must be"):
         nbwatch.compare(runs, x="time")
+    one = runs / "lr0.001"
+    with pytest.raises(ValueError, match="is given twice"):
+        nbwatch.compare([one, f"{one}/", runs / "lr0.003"])
+
+
+def test_a_run_compared_from_inside_its_folder_is_labelled(runs, monkeypatch):
+    monkeypatch.chdir(runs / "lr0.001")
+    assert nbwatch.compare(".").runs == ["lr0.001"]
+    assert list_runs(".").run.tolist() == ["lr0.001"]
+
+
+def test_a_comparison_follows_a_run_still_being_written(tmp_path):
+    """Shown again after the run went on, a comparison reads its new steps: its figure
+    and `.df` agree with its summary."""
+    batches = make_batches(4)
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nbwatch.Monitor(model, opt, run_dir=tmp_path / "live", display=False) as mon:
+        for i in range(12):
+            out = tiny_step(model, batches[i % 4])
+            loss = nbwatch.masked_cross_entropy(out["logits"], out["labels"], out["mask"])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.log(loss=loss)
+            if i == 5:
+                mon.df  # noqa: B018 - a read records the steps waiting for their batch
+                cmp = nbwatch.compare([tmp_path / "live"])
+                assert cmp.df.step.max() == 6
+    assert cmp.df.step.max() == 12 and int(cmp.summary.steps.iloc[0]) == 12
 
 
 def test_ls_lists_state_steps_best_val_and_config(runs, capsys):

@@ -345,12 +345,12 @@ def compare(
             raise FileNotFoundError(f"no nbwatch runs under {root}")
     else:
         dirs = [Path(d) for d in runs]
-        seen: dict[Path, Path] = {}
+        given: dict[Path, Path] = {}
         for d in dirs:
             if not is_run_dir(d):
                 raise FileNotFoundError(f"{d} holds no nbwatch run; pass run folders written "
                                         "by nbwatch.Monitor, or one root folder")
-            same = seen.setdefault(d.resolve(), d)
+            same = given.setdefault(d.resolve(), d)
             if same is not d:
                 raise ValueError(f"compare: the run folder {d.resolve()} is given twice "
                                  f"({str(same)!r}, {str(d)!r}); give each run once")

@@ -230,8 +230,22 @@ class Run:
         return self.reader.histograms(name)
 
     def attention(self, step: int | None = None, sample: int = 0) -> dict[str, np.ndarray]:
-        """{module path: weights [heads, T, S]} at the newest (or given) eval step."""
-        return self.reader.attention(step, sample)
+        """{module path: weights [heads, T, S]} at the newest (or given) eval step; {} for a
+        run with no maps (a model without attention). A step or a sample without maps is a
+        KeyError that names those recorded."""
+        maps = self.reader.attention(step, sample)
+        steps = self.reader.attention_steps()
+        if maps or not steps:
+            return maps
+        at = steps[-1] if step is None else step
+        if at not in steps:
+            shown = ", ".join([*map(str, steps[:5]), *(["…"] if len(steps) > 8 else []),
+                               *map(str, steps[max(5, len(steps) - 3):])])
+            raise KeyError(f"no attention maps at step {step}: this run has them at steps "
+                           f"{shown} ({len(steps)} evals)")
+        n = self.reader.attention_samples(at)
+        raise KeyError(f"no attention sample {sample} at step {at}: its eval recorded "
+                       f"{n} (sample=0" + (f" to {n - 1})" if n > 1 else ")"))
 
     def export_html(self, path: str | Path, *, environment: bool = True) -> Path:
         """Write this run as one self-contained HTML file (opens offline); returns its path.

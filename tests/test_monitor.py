@@ -71,6 +71,12 @@ def test_start_returns_at_once_and_records_every_step(tiny, tmp_path):
     assert sorted(att) == ["blocks.0.attn", "blocks.1.attn"]
     assert att["blocks.0.attn"].shape[0] == 2  # heads
     assert run.reader.attention_steps() == [20, 40]
+    with pytest.raises(KeyError, match="no attention maps at step 30: .* steps 20, 40"):
+        run.attention(step=30)  # not {}, which says "no attention in this model"
+    with pytest.raises(KeyError, match=r"no attention sample 5 at step 40: .*recorded 2"):
+        run.attention(sample=5)
+    with pytest.raises(KeyError, match=r"did you mean 'weight/blocks.0.attn.qkv'.*more\)"):
+        run.histograms("weight/blocks.0.attn")  # the module, not its layer
     kinds = mon.events.kind.tolist()
     assert kinds.count("checkpoint") == 2 and kinds[-1] == "state"
     lines = (mon.run_dir / "log.jsonl").read_text().splitlines()

@@ -96,8 +96,8 @@ class RecordReads:
             j = names.index(name)
             got += zip(s.tolist(), e[:, j], c[:, j])
         if not got:
-            known = ", ".join(self.histogram_names()[:8]) or "none recorded yet"
-            raise KeyError(f"no histogram series {name!r} in this run (known: {known})")
+            raise KeyError(f"no histogram series {name!r} in this run ("
+                           + named(name, self.histogram_names()) + ")")
         got.sort(key=lambda g: g[0])  # stable: a step's order of writing kept
         return (np.array([g[0] for g in got], dtype=np.int64), [g[1] for g in got],
                 np.stack([g[2] for g in got]))
@@ -225,3 +225,15 @@ class RecordReads:
         return out
 
 
+def named(name: str, known: list[str], show: int = 8) -> str:
+    """The names a run holds, for an error about `name`: the closest first, then the
+    others up to `show`, and how many more there are."""
+    import difflib
+
+    if not known:
+        return "none recorded yet"
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    shown = list(dict.fromkeys([*close, *known]))[:show]
+    more = len(known) - len(shown)
+    return ("did you mean " + " or ".join(map(repr, close)) + "? " if close else "") + (
+        "known: " + ", ".join(shown) + (f", … and {more} more" if more else ""))

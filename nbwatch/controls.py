@@ -153,7 +153,8 @@ class Controls:
 
     def rewind(self, steps: int = 100, skip: int = 200) -> str:
         """PaLM's remedy for a loss spike: reload the newest checkpoint at least `steps`
-        steps back (model, optimizer, scheduler, RNG) and go on from there, on the data that
+        steps back (model, optimizer, scheduler, RNG; the clip and LR factor in force are
+        kept) and go on from there, on the data that
         comes `skip` batches after the current one; the batches since the checkpoint and
         those `skip` are not trained on. The rewound-over steps stay in the history as a
         branch (`rewind/<n>/loss/train`). One command: refused, it changes nothing (the

@@ -177,3 +177,40 @@ def test_a_rewind_leaves_the_steps_it_went_back_over_out_of_the_length_histogram
     steps, _, counts = nbwatch.open_run(tmp_path / "r").histograms("data/seq_len")
     assert {int(s): int(c.sum()) for s, c in zip(steps, counts)} == {
         1: 4, 10: 36, **{s: 40 for s in range(20, 71, 10)}}  # 4 sequences a step
+
+
+def test_a_rewind_keeps_the_steering_in_force_and_its_branch_ends_with_a_checkpoint(
+        tmp_path):
+    """An LR cut and a clip asked with a rewind hold after it (the checkpoint's own did
+    not); a stop at a step whose checkpoint the rewind set aside writes the stop's, so that
+    resume=True continues from there, not from the checkpoint rewound to. The run's step is
+    the live line's 8, not the 10 its branch reached."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.randn(64, 4)
+    with nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False) as mon:
+        step, i = 0, 0
+        while True:
+            model(data[i % 64:i % 64 + 4]).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            i += 1
+            if step + 1 in (3, 8) and i == step + 1:
+                mon.checkpoint()  # taken at this log(), first branch only
+            if i == 10:
+                mon.scale_lr(0.5)
+                mon.set_clip(0.25)
+                mon.rewind(steps=7, skip=0)  # after step 10: back to step 3
+            if i == 15:  # step 8 of the branch that goes on
+                mon.stop()
+            step = mon.log(loss=torch.tensor(1.0))
+    run = nbwatch.open_run(tmp_path / "r")
+    assert run.state == "stopped" and run.step == 8
+    df, ev = run.df, run.events
+    assert df.loc[4:8, "lr"].tolist() == [0.05] * 5  # the cut, on the branch that goes on
+    assert (df.loc[4:8, "grad_norm/clipped"] <= 0.25 + 1e-6).all()
+    assert ev.message.str.contains("LR ×0.5 and clip 0.25 kept").any()
+    assert ev[ev.kind == "checkpoint"].message.str.startswith("stop checkpoint at step 8").any()
+    again = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", resume=True, display=False)
+    assert again.step == 8 and again.control.lr_factor == 0.5 and again.control.clip == 0.25

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Protocol
 
 from ..checkpoint import CheckpointError, load, restore_into
+from ..controls import scale_lrs
 from ..records import Command, CommandKind, Scalars
 from ..store import RunReader
 from .outcomes import Applied, Outcome, Refused
@@ -49,6 +50,8 @@ class Rewinding(Protocol):
     progress: Any  # Progress
     dist: Any  # Dist | None
     flight: InFlight
+    evals: Any  # EvalState
+    lr: Any  # LrFactor
 
     def flush_deferred(self) -> None: ...
 
@@ -111,8 +114,12 @@ def do_rewind(rec: Rewinding, cmd: Command) -> Outcome:
         finally:
             reader.close()
     st.rewinds = max([st.rewinds, *taken])
-    restore_into(ckpt, rec.model, rec.opt, rec.sched, rec.scaler, rec.control,
-                 rec.ckpt.dir)
+    c = rec.control
+    clip, factor = c.clip, c.lr_factor  # the steering in force holds over the rewind
+    restore_into(ckpt, rec.model, rec.opt, rec.sched, rec.scaler, c, rec.ckpt.dir)
+    kept = keep_steering(rec, clip, factor)
+    ev = rec.evals  # the checkpoint gone back to is the newest, and no eval follows it yet
+    ev.ckpt_step, ev.last_val, ev.last_val_step = to, None, None
     st.rewinds += 1
     aside: list = []
     if d is None or d.rank == 0:
@@ -131,10 +138,27 @@ def do_rewind(rec: Rewinding, cmd: Command) -> Outcome:
             "(mon.skip_batches)" if skip else "")
     ranks = f" on all {d.world} ranks" if d is not None else ""
     return Applied(f"rewound from step {now} to the checkpoint of step {to}{ranks} "
-                   f"(branch {st.rewinds} keeps steps {to + 1}–{now}){then}",
+                   f"(branch {st.rewinds} keeps steps {to + 1}–{now}){then}{kept}",
                    severity="warning",
                    data={"from": now, "to": to, "branch": st.rewinds,
                          "set_aside": [p.name for p in aside]})
+
+def keep_steering(rec: Rewinding, clip: float | None, factor: float) -> str:
+    """Put back the clip and LR factor in force before a rewind loaded the checkpoint's
+    (a cut taken with the rewind, an alert's `cut_lr` then `rewind`, must hold); the
+    words that say so, for the rewind's event."""
+    c = rec.control
+    if c.lr_factor != factor:
+        if not c.lr_raw:  # the checkpoint's LRs carry its own factor
+            scale_lrs(rec.opt, factor / c.lr_factor)
+        c.lr_factor = factor
+        rec.lr.explained = True
+    c.clip = clip
+    said = [f"LR ×{factor:g}" if factor != 1.0 else "",
+            f"clip {clip:g}" if clip is not None else ""]
+    said = [x for x in said if x]
+    return f"; {' and '.join(said)} kept" if said else ""
+
 
 def do_skip(rec: Rewinding, cmd: Command) -> Outcome:
     batches = int(cmd.payload["batches"])

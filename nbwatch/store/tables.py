@@ -67,7 +67,10 @@ class ScalarTables:
                         (fam, dtype, json.dumps(ids)))
                     lid = self.layout_ids[(fam, ids)] = inserted_id(cur)
                 parts.append(Part(lid, np.array(cols, dtype=np.int64), dtype))
-            trained = any(not blocks.is_system(blocks.family(k)) for k in names)
+            # a step trained now has a wall; a rewind's branch (`rewind/<n>/…`: the history
+            # of steps gone back over, whose walls went with them) has none
+            trained = any(not blocks.is_system(blocks.family(k)) and not k.startswith("rewind/")
+                          for k in names)
             plan = self.plans[names] = (parts, trained)
         return plan
 

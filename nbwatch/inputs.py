@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .optimizer_hooks import hooked_optimizer, inner_scheduler
+from .options import check_every
 from .probes.attention import take_samples
 from .probes.data import batch_figures, check_mask
 from .probes.late import keep_masks
@@ -182,24 +183,6 @@ def check_run_dir(run_dir: Path) -> None:
             f"run_dir {run_dir} is not writable ({e.strerror or e}); pass a folder you can "
             "write to, e.g. run_dir='runs/exp1' under your home or project"
         ) from e
-
-
-_NONE_MEANS = {
-    "eval_every": "None (the default) evals every tenth of the run when a val_fn is given; "
-                  "without a val_fn there is no eval",
-    "checkpoint_every": "None (the default) takes no periodic checkpoint (an eval still "
-                        "checkpoints)",
-    "update_every": "None (the default) takes them with the weight histograms, every "
-                    "hist_every steps",
-}
-
-
-def check_every(**values: Any) -> None:
-    for label, v in values.items():
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            means = _NONE_MEANS.get(label)
-            raise ValueError(f"{label} must be a positive int or None, got {v!r}"
-                             + (f"; {means}" if means else ""))
 
 
 def check_start(step_fn: Any, train_data: Any, max_steps: Any, val_fn: Any,

@@ -24,6 +24,31 @@ def check_peak_flops(peak: float | None) -> float | None:
     return float(peak)
 
 
+_NONE_MEANS = {
+    "eval_every": "None (the default) evals every tenth of the run when a val_fn is given; "
+                  "without a val_fn there is no eval",
+    "checkpoint_every": "None (the default) takes no periodic checkpoint (an eval still "
+                        "checkpoints)",
+    "update_every": "None (the default) takes them with the weight histograms, every "
+                    "hist_every steps",
+}
+
+
+def check_every(**values: Any) -> None:
+    for label, v in values.items():
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            means = _NONE_MEANS.get(label)
+            raise ValueError(f"{label} must be a positive int or None, got {v!r}"
+                             + (f"; {means}" if means else ""))
+
+
+# (option, least value, what its least value means): the counts of Options
+_COUNTS = (("hist_every", 0, " (0: no histograms)"),
+           ("log_every", 0, " (0: no step lines in the run log)"),
+           ("attention_samples", 0, " (0: no attention probe)"),
+           ("attention_tokens", 1, ""), ("rank_every", 1, ""))
+
+
 @dataclass(frozen=True)
 class Options:
     """What a run records and how often; every loop (start(), run(), a loop of your own,
@@ -44,6 +69,29 @@ class Options:
     dist_timeout: float = 60.0  # torchrun: a rank silent this long ends the run
     display: bool | None = None  # the dashboard in the cell (None: in a notebook)
     peak_flops: float | None = None  # the device's peak FLOP/s for MFU (None: by its name)
+
+    def __post_init__(self) -> None:
+        """Each option checked where it is given, not where the training thread reads it."""
+        check_every(max_steps=self.max_steps, checkpoint_every=self.checkpoint_every,
+                    update_every=self.update_every)
+        for name, low, what in _COUNTS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name} must be an int ≥ {low}{what}, got {v!r}")
+        t = self.dist_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(f"dist_timeout must be seconds, a positive number such as 60, "
+                             f"got {t!r}")
+        if self.display is not None and not isinstance(self.display, bool):
+            raise TypeError(f"display must be True, False or None (in a notebook), got "
+                            f"{self.display!r}")
+        if self.probe_fn is not None and not callable(self.probe_fn):
+            raise TypeError(f"probe_fn must be callable as probe_fn(model, batch), got "
+                            f"{self.probe_fn!r}")
+        if self.probe_tokens is not None and not isinstance(self.probe_tokens, (list, tuple)):
+            raise TypeError("probe_tokens must be one list of token strings per probe sample, "
+                            f"got {type(self.probe_tokens).__name__}")
+        check_peak_flops(self.peak_flops)
 
     def merged(self, **given: Any) -> Options:
         """These options with those given overridden; None means "not given"."""

@@ -126,6 +126,32 @@ def test_bad_monitor_settings_are_refused(tmp_path, kw, error, says):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize(("kw", "error", "says"), [
+    ({"hist_every": "50"}, ValueError, r"hist_every must be an int ≥ 0 \(0: no histograms\)"),
+    ({"hist_every": 2.5}, ValueError, r"hist_every must be an int ≥ 0.*got 2.5"),
+    ({"log_every": "10"}, ValueError, r"log_every must be an int ≥ 0"),
+    ({"attention_tokens": 0}, ValueError, r"attention_tokens must be an int ≥ 1, got 0"),
+    ({"rank_every": 0}, ValueError, r"rank_every must be an int ≥ 1, got 0"),
+    ({"dist_timeout": "60"}, ValueError, r"dist_timeout must be seconds"),
+    ({"display": "no"}, TypeError, r"display must be True, False or None"),
+    ({"probe_fn": 3}, TypeError, r"probe_fn must be callable"),
+])
+def test_bad_options_are_refused_at_the_call_not_in_the_training_thread(tmp_path, kw, error,
+                                                                        says):
+    """Given to start() (or Monitor(...)), a bad option is refused at once; it failed the
+    run later in the training thread ('>' not supported between 'str' and 'int'), or was
+    taken silently (rank_every=0: a division by zero under torchrun)."""
+    model, opt, batches = setup()
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False)
+    step = lambda m, b: m(b["input_ids"]).mean()  # noqa: E731
+    with pytest.raises(error, match=says):
+        mon.start(step, batches, max_steps=3, **{"display": False, **kw})
+    with pytest.raises(error, match=says):
+        nbwatch.Monitor(model, opt, run_dir=tmp_path / "q", **{"display": False, **kw})
+    mon.start(step, batches, max_steps=3, display=False).wait()
+    assert mon.state == "finished"
+
+
 @pytest.mark.parametrize(("kw", "says"), [
     ({"eval_every": 0}, r"eval_every must be a positive int or None, got 0; None .* without a "
                         r"val_fn there is no eval"),

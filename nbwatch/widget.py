@@ -238,7 +238,7 @@ class Dashboard(anywidget.AnyWidget):
         elif kind == "command":
             try:
                 self.command(str(content.get("kind")), content.get("value"))
-            except (RuntimeError, ValueError, TypeError) as e:
+            except (RuntimeError, ValueError, TypeError, OverflowError) as e:
                 self.send({"type": "refused", "to": view, "kind": content.get("kind"),
                            "message": str(e)})
 
@@ -304,8 +304,12 @@ def button_args(kind: str, value: Any) -> dict[str, Any]:
         return {"max_norm": None if value is None else float(value)}
     if kind == "scale_lr":
         return {"factor": float(value if value is not None else 0.5)}
-    if kind == "rewind" and isinstance(value, (list, tuple)) and len(value) == 2:
+    if kind == "rewind":  # never the defaults for a value the page sent malformed
+        if not (isinstance(value, (list, tuple)) and len(value) == 2):
+            raise ValueError(f"rewind takes [steps, skip], got {value!r}")
         return {"steps": int(value[0]), "skip": int(value[1])}
-    if kind == "skip" and value is not None:
+    if kind == "skip":
+        if value is None:
+            raise ValueError("skip takes a number of batches, got none")
         return {"batches": int(value)}
     return {}

@@ -147,6 +147,14 @@ def test_buttons_call_the_monitor_and_the_ack_comes_back(tiny, tmp_path):
         click("clip", None)
         click("bogus")
         assert out.of("refused")[-1][0]["message"].startswith("unknown command")
+        # a malformed value is refused, never taken as the defaults (a 100-step rewind)
+        for kind, value, says in (("rewind", [5], "rewind takes [steps, skip]"),
+                                  ("rewind", None, "rewind takes [steps, skip]"),
+                                  ("rewind", [1e999, 0], "infinity"),
+                                  ("skip", None, "skip takes a number")):
+            click(kind, value)
+            assert says in out.of("refused")[-1][0]["message"], (kind, value)
+        assert not mon.events.message.str.contains("rewound|skipping").any()
     finally:
         click("stop")
         mon.wait()

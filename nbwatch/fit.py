@@ -43,6 +43,7 @@ class FitRun(ctl.Controls, Readout):
         self._commands = commands
         self.monitor: Monitor | None = None  # set by the callback when the fit begins
         self._error: BaseException | None = None
+        self._error_tb: Any = None
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._placeholder = False  # this handle wrote the folder's first records
@@ -57,7 +58,7 @@ class FitRun(ctl.Controls, Readout):
                 fit()
             except BaseException as e:  # noqa: BLE001 - recorded, re-raised by wait()
                 err = e
-                self._error = e
+                self._error, self._error_tb = e, e.__traceback__
             finally:
                 end(err)
                 self._ended_unopened(err)
@@ -144,8 +145,8 @@ class FitRun(ctl.Controls, Readout):
             self._thread.join()
         if self.monitor is not None:
             self.monitor.wait_closed()
-        if self._error is not None:
-            raise self._error
+        if self._error is not None:  # with its own traceback, however often it is asked
+            raise self._error.with_traceback(self._error_tb)
         return self
 
     def _run(self) -> Run | None:

@@ -356,7 +356,7 @@ class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
             if t is not None:
                 t.join()
         if self._progress.error is not None:
-            raise self._progress.error
+            raise self._progress.error.with_traceback(self._progress.error_tb)
         return self
 
     # -- controls (applied by the recorder between steps) ----------------------------------

@@ -168,8 +168,12 @@ def test_a_failing_step_is_recorded_checkpointed_and_reraised(tiny, tmp_path):
     step.calls = 0
     mon = monitor(tiny, tmp_path)
     mon.start(step, tiny[2], max_steps=50, display=False)
-    with pytest.raises(ZeroDivisionError, match="boom at call 7"):
+    with pytest.raises(ZeroDivisionError, match="boom at call 7") as first:
         mon.wait()
+    with pytest.raises(ZeroDivisionError) as again:  # each wait() says it, the same way
+        mon.wait()
+    assert len(again.traceback) == len(first.traceback)  # it grew a frame a call
+    assert again.traceback[-1].name == "step"  # where it was raised, kept
     assert mon.state == "failed" and mon.step == 7
     assert "ZeroDivisionError" in mon.traceback
     err = mon.events.query("kind == 'error'").iloc[0]

@@ -60,6 +60,7 @@ class Progress:
     state: RunState = RunState.CREATED  # moved only by `move()`
     error: BaseException | None = None
     traceback: str | None = None
+    error_tb: Any = None  # the error's own traceback: re-raised with it, never grown
     # the train loss smoothed as the dashboard draws it (debiased EMA, weight 0.9): loss/gap
     train_ema: float = 0.0
     train_ema_n: int = 0

@@ -295,7 +295,7 @@ class StepRecorder:
     def fail(self, e: BaseException) -> None:
         """Record `e` as the end of the run, with an emergency checkpoint."""
         p = self.progress
-        p.error = e
+        p.error, p.error_tb = e, e.__traceback__
         p.traceback = "".join(traceback.format_exception(e))
         if self.ended:  # the loop raised after its run had ended: said, the state kept
             with contextlib.suppress(Exception):

@@ -8,6 +8,7 @@ between steps and records each one's outcome as an event naming its id.
 from __future__ import annotations
 
 import queue
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -37,15 +38,32 @@ class ControlState:
 
 
 class CommandQueue:
-    """Thread-safe FIFO of commands; `get` waits (used while paused)."""
+    """Thread-safe FIFO of commands; `get` waits (used while paused). Closed when its run
+    ends, so that a command sent as it ends is refused, never kept for the next run."""
 
     def __init__(self) -> None:
         self._q: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
 
     def put(self, command: Command) -> None:
         if not isinstance(command, Command):
             raise TypeError(f"not a Command: {command!r}; make one with make_command()")
-        self._q.put(command)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{command.kind.value} refused: the run has just ended")
+            self._q.put(command)
+
+    def close(self) -> list[Command]:
+        """The run ends: refuse what comes now; returns what is left (to expire)."""
+        with self._lock:
+            self._closed = True
+        return self.drain()
+
+    def open(self) -> None:
+        """A run opens on this queue (what a handle queued before it is kept)."""
+        with self._lock:
+            self._closed = False
 
     def drain(self) -> list[Command]:
         if self._q.empty():  # the common case, without raising queue.Empty

@@ -176,6 +176,24 @@ def test_commands_sent_as_a_run_ends_expire_and_a_resume_never_replays_them(tmp_
     assert mon.control.lr_factor == 1.0  # nor a replayed Cut LR
 
 
+def test_a_command_that_passes_the_state_check_as_the_run_ends_is_refused(tmp_path,
+                                                                           monkeypatch):
+    """stop() read `running` a moment before the run ended (its state check passed): the
+    run's queue is closed by then, so it is refused at the call, never kept for the next
+    run (which stopped at once, with nobody pressing Stop)."""
+    import nbwatch.monitor
+
+    demo = tiny(40)
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "r")
+    mon.start(demo.step_fn, demo.train, 20, display=False).wait()
+    monkeypatch.setattr(nbwatch.monitor, "refuse_early", lambda *a: None)  # the window
+    with pytest.raises(RuntimeError, match="stop refused: the run has just ended"):
+        mon.stop()
+    monkeypatch.undo()
+    mon.start(demo.step_fn, demo.train, 40, resume=True, display=False).wait(120)
+    assert mon.state == "finished" and mon.step == 40
+
+
 # -- rewind and skip in every loop ----------------------------------------------------------
 def test_rewind_and_skip_work_under_mon_run_and_a_lone_skip_is_delivered_alone(tmp_path):
     demo = tiny(80)

@@ -86,7 +86,8 @@ def take_final_stop(rec: Steered) -> None:
 def expire_pending(rec: Steered) -> None:
     """The run ends: every command not taken yet is expired, here and in the store, so
     that a resume never applies what was asked of this run."""
-    for cmd in poll_commands(rec, force=True):
+    left = rec.commands.close()  # a command sent from now on is refused at the call
+    for cmd in left + poll_commands(rec, force=True):
         record_outcome(rec, cmd, Expired(f"the run ended at step {rec.step} before "
                                          "taking it"))
 

@@ -76,6 +76,7 @@ class StepRecorder:
             spec, model, optimizer, scheduler, scaler
         )
         self.store, self.ckpt, self.commands, self.control = store, checkpointer, commands, control
+        commands.open()
         self.progress = progress
         self.engine = engine if engine is not None else AlertEngine(default_rules())
         self.on_alert = on_alert

@@ -54,17 +54,16 @@ class RunOpening(MonitorState):
         if self.running:
             raise RuntimeError(
                 f"this Monitor is already {self.state} at step {self.step}; call stop() and "
-                "wait() first, or create another Monitor with its own run_dir"
-            )
+                "wait() first, or create another Monitor with its own run_dir")
         self._closed.wait()  # the previous run's store and sampler are closed
+        self._take_optimizer()  # from a Monitor created on it since, not running
         if self.rank == 0:
             check_no_writer(self.run_dir)  # before a resume touches the model
         if self._mode is not None and not resume:
             raise RuntimeError(
                 f"this Monitor already ran (it is {self.state}); continue from its newest "
                 "checkpoint with start(..., resume=True) or nbwatch.Monitor(..., resume=True), "
-                "or create a new Monitor with its own run_dir"
-            )
+                "or create a new Monitor with its own run_dir")
 
     def _open_loop(self, start_step: int | None = None,
                    framework: str | None = None) -> StepRecorder:

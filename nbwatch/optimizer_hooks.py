@@ -76,11 +76,23 @@ class OptimizerHooks(MonitorState):
         self.scheduler = inner_scheduler(self.scheduler)
         if self.optimizer is not given and self.scaler is None:
             self.scaler = getattr(given, "scaler", None)  # accelerate's fp16 GradScaler
-        model, optimizer = self.model, self.optimizer
+        model = self.model
         self._param_ids = {id(p) for p in model.parameters()}
         self._foreign_ok: weakref.WeakSet = weakref.WeakSet()
+        self._inside_step: int | None = None  # the thread inside optimizer.step, if any
+        self._hooks: list[Any] = []
+        self._global_hook: Any = None  # the check on other optimizers, while a run is open
+        self._clip_watch = ClipWatch()  # the loop's own clips since the last step
+        self._take_optimizer()
+
+    def _take_optimizer(self) -> None:
+        """This Monitor's hooks on its optimizer, taken from the Monitor that holds them (an
+        ended one, or one created on it since, which must not be running), if not its own."""
+        optimizer = self.optimizer
         ref = _OWNERS.get(optimizer)
         previous = ref() if ref is not None else None
+        if previous is self and self._hooks:
+            return
         if previous is not None and previous is not self:
             if previous.running:
                 raise RuntimeError(
@@ -89,11 +101,8 @@ class OptimizerHooks(MonitorState):
             previous._remove_hooks()
         _OWNERS[optimizer] = weakref.ref(self)  # never strong: the Monitor holds the
         # optimizer, so a strong value would keep both (and the model) alive for ever
-        self._inside_step: int | None = None  # the thread inside optimizer.step, if any
         self._hooks = [optimizer.register_step_pre_hook(self._pre_hook),
                        optimizer.register_step_post_hook(self._post_hook)]
-        self._global_hook: Any = None  # the check on other optimizers, while a run is open
-        self._clip_watch = ClipWatch()  # the loop's own clips since the last step
         _watch_clips(self)
 
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -315,6 +315,19 @@ def test_a_second_monitor_on_the_same_optimizer_takes_over(tmp_path):
     running.wait()
 
 
+def test_the_first_of_two_monitors_on_one_optimizer_takes_it_back_to_start(tmp_path):
+    """mon1, then mon2 on the same optimizer (a cell with another run_dir), then
+    mon1.start(): mon1 records its run; mon2's hooks, taken over by it, open no phantom run
+    in mon2's folder (it failed mon1 at step 1 with "optimizer.step() ran twice")."""
+    model, opt, sched, batches = setup()
+    mon1 = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "a", display=False)
+    mon2 = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "b", display=False)
+    mon1.start(lambda m, b: m(b["input_ids"]).float().mean(), batches, max_steps=4,
+               display=False).wait()
+    assert mon1.state == "finished" and mon1.df["grad_norm/global"].notna().all()
+    assert mon2.state == "created" and not (tmp_path / "b" / "nbwatch.db").exists()
+
+
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, RuntimeError])
 def test_a_loop_stopped_between_its_step_and_log_checkpoints_that_steps_weights(
         tmp_path, interrupt):

@@ -24,9 +24,9 @@ from torch import nn
 from . import controls as ctl
 from .alerts import configure, default_rules
 from .controls import refuse_early
+from .exiting import RunExiting
 from .external import ExternalLoop
 from .inputs import (
-    check_every,
     check_monitor,
     check_run_dir,
     check_start,
@@ -41,7 +41,7 @@ from .lifecycle import LIVE, RunState
 from .notebook import in_notebook
 from .opening import RunOpening
 from .optimizer_hooks import OptimizerHooks
-from .options import Options, check_peak_flops
+from .options import Options, check_every, check_peak_flops
 from .panels.baseline import check as check_baselines
 from .probes.system import SystemSampler
 from .recorder import Progress, Rewound, StepRecorder, StopTraining
@@ -54,7 +54,7 @@ from .store import RunStore, check_no_writer
 log = logging.getLogger("nbwatch")
 
 
-class Monitor(OptimizerHooks, RunOpening, ctl.Controls, Readout):
+class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
     """Train in a background thread while every step is measured into `run_dir`.
 
     >>> mon = nbwatch.Monitor(model, optimizer, scheduler, run_dir="runs/exp1",

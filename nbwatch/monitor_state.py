@@ -65,6 +65,7 @@ class MonitorState:
     _loop_thread: threading.Thread | None  # where an own loop's log() runs
     _cell_hook: Callable[[], None] | None  # unregisters the own loop's after-cell record
     _framework: str | None  # an adapter's loop ("hf", "lightning")
+    _resumed_data: tuple[int, int] | None = None  # a restored checkpoint's data position
     # the optimizer's hooks (optimizer_hooks.py)
     _param_ids: set[int]
     _hooks: list[Any]  # torch's RemovableHandles

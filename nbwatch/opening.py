@@ -170,6 +170,8 @@ class RunOpening(MonitorState):
                 AlertEngine(rules, derive=[mfu]), self.on_alert, dist,
             )
             self._recorder, self._mode = rec, mode
+            if mode == "start" and start_step:  # the runner skips to where the data stood
+                rec.rewind_state.data_at = self._resumed_data
             self._global_hook = register_optimizer_step_pre_hook(self._foreign_hook)
             if self.rank == 0:
                 self._log_handler = open_run_log(rec.log, self.run_dir)
@@ -344,6 +346,8 @@ class RunOpening(MonitorState):
         return store
 
     def _restore(self, ckpt: dict[str, Any]) -> int:
+        data = ckpt.get("data")  # start()'s data stream at that step: (epoch, next batch)
+        self._resumed_data = (int(data[0]), int(data[1])) if data else None
         return restore_into(ckpt, self.model, self.optimizer, self.scheduler, self.scaler,
                             self.control, self.checkpointer.dir)
 

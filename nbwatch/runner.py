@@ -27,6 +27,7 @@ from .probes.logits import NAMES as LOGIT_NAMES
 from .probes.logits import is_logits
 from .probes.loss import check_not_copying, parse_step_output
 from .recorder import Progress, RunSpec, StepRecorder
+from .records import Event
 
 __all__ = ["Progress", "RunSpec", "Runner", "run_in_thread"]
 
@@ -47,6 +48,13 @@ class Runner:
         self._pos = (0, 0)  # (epoch, index) of the batch taken last
         self._checked = False
         self._pending: Any = None  # a batch taken early (the dry run's probe samples)
+        if rw.data_at is not None:  # resumed: on from where the checkpoint's run stood
+            self._epoch, skip = rw.data_at
+            rw.skip_batches += skip
+            recorder._emit(Event(recorder.step, "state", "info",
+                                 f"resumed at epoch {self._epoch}, batch {skip} of the data: "
+                                 f"its first {skip} batches are skipped, not trained on again",
+                                 {"epoch": self._epoch, "skip": skip}))
 
     def run(self) -> None:
         self.rec.guarded(self._loop)
@@ -109,6 +117,7 @@ class Runner:
         for _ in range(min(most, rw.skip_batches)):
             rw.skip_batches -= 1
             self._take()
+        rw.data_at = (self._epoch, self._index)
 
     def _take(self) -> Any:
         if self._pending is not None:
@@ -153,6 +162,7 @@ class Runner:
                         "time/forward": micro.fwd_s})  # under DDP, before grad sync
         # from step 1 (0: the first pass), not only once the data has wrapped round
         figures["epoch"] = float(self._epoch)
+        self.rec.rewind_state.data_at = (self._epoch, self._index)
         self.rec.end_step(figures, data_s=micro.data_s, samples=micro.samples or None)
 
     def _forward_backward(self) -> _Micro:

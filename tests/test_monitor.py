@@ -453,3 +453,28 @@ def test_a_monitor_let_go_frees_its_model_and_optimizer(tmp_path):
         del model, opt, mon
     gc.collect()
     assert [r() for r in refs] == [None] * len(refs)
+
+
+def test_a_resumed_start_goes_on_from_where_its_data_stood(tmp_path):
+    """start(resume=True) trains on from the checkpoint's place in the data (its epoch and
+    batch), as the Trainer does: not the first batches again. Here 8 batches an epoch, 2 a
+    step: step 10 ends at epoch 2, batch 4; step 11 takes batches 4 and 5 of epoch 2."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = [torch.full((1, 2), float(i)) for i in range(8)]
+    seen: list[int] = []
+
+    def step(m, x):
+        seen.append(int(x[0, 0]))
+        return m(x).square().mean()
+
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False)
+    mon.start(step, data, max_steps=10, accumulate=2, checkpoint_every=10).wait()
+    assert seen == [*range(8), *range(8), 0, 1, 2, 3]
+    seen.clear()
+    mon.start(step, data, max_steps=14, accumulate=2, resume=True).wait()
+    assert seen == [4, 5, 6, 7, 0, 1, 2, 3]  # the epoch's last 4, then the next epoch's
+    df = mon.df
+    assert df.loc[11, "epoch"] == 2 and df.loc[13, "epoch"] == 3
+    assert mon.events.message.str.contains("resumed at epoch 2, batch 4 of the data").any()

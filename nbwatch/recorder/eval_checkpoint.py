@@ -49,6 +49,7 @@ class Evaluating(Protocol):
     evals: EvalState
     save_fn: Callable[[str], None] | None
     flight: InFlight
+    rewind_state: Any  # RewindState
 
     def flush_deferred(self) -> None: ...
     def _emit(self, ev: Event, level: int | None = None) -> None: ...
@@ -133,6 +134,7 @@ def state_dict(rec: Evaluating) -> dict[str, Any]:
         "scaler": rec.scaler.state_dict() if rec.scaler is not None else None,
         "rng": rng_state(),
         "controls": rec.control.to_dict(),
+        "data": list(rec.rewind_state.data_at or ()) or None,  # start()'s: where to resume
     }
 
 def checkpoint(rec: Evaluating, reason: str) -> None:

@@ -33,6 +33,9 @@ class RewindState:
     skip_batches: int = 0  # batches to skip before the next step (the loop's, or ours)
     rewinds: int = 0  # rewinds so far: the branch number of the next
     rewound_to: int | None = None  # the step a rewind went back to, until told
+    # start()'s data stream after the last step: (epoch, its next batch), which a checkpoint
+    # keeps; a resumed start() is given its checkpoint's, and skips to it
+    data_at: tuple[int, int] | None = None
 
 
 class Rewinding(Protocol):

@@ -1,11 +1,13 @@
 // Bounded, min/max-preserving downsampling on a fixed grid of steps: the same algorithm
 // as nbwatch/panels/downsample.py, so folding new points in gives what the kernel holds.
 export const MAX_POINTS = 5000;
+export const GRAIN = 4096; // the span starts at the first step rounded down to a multiple
 
-export function bucketWidth(last, maxPoints = MAX_POINTS) {
+export function bucketWidth(last, maxPoints = MAX_POINTS, first = 0) {
   const buckets = Math.max(Math.floor(maxPoints / 2), 1);
+  const start = Math.floor(Math.max(first, 0) / GRAIN) * GRAIN;
   let w = 1;
-  while (Math.floor(last / w) + 1 > buckets) w *= 2;
+  while (Math.floor(last / w) - Math.floor(start / w) + 1 > buckets) w *= 2;
   return w;
 }
 
@@ -36,21 +38,23 @@ export class Series {
   constructor(maxPoints = MAX_POINTS) {
     this.maxPoints = maxPoints;
     this.width = 1;
+    this.first = null; // the first step seen: where the span begins
     this.x = [];
     this.y = [];
   }
 
   set(xs, ys) {
-    this.x = []; this.y = []; this.width = 1;
+    this.x = []; this.y = []; this.width = 1; this.first = null;
     this.extend(xs, ys);
   }
 
   extend(xs, ys) {
     if (!xs.length) return;
-    let last = -Infinity;
-    for (let i = 0; i < xs.length; i++) last = Math.max(last, xs[i]);
+    let last = -Infinity, low = Infinity;
+    for (let i = 0; i < xs.length; i++) { last = Math.max(last, xs[i]); low = Math.min(low, xs[i]); }
     if (this.x.length) last = Math.max(last, this.x[this.x.length - 1]);
-    const w = bucketWidth(last, this.maxPoints);
+    this.first = this.first === null ? low : Math.min(this.first, low);
+    const w = bucketWidth(last, this.maxPoints, this.first);
     if (w !== this.width || !this.x.length) {
       this.width = w;
       const r = reduce(this.x.concat(Array.from(xs)), this.y.concat(Array.from(ys)), w);

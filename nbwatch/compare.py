@@ -213,10 +213,12 @@ class Comparison:
                 if d.empty:
                     continue
                 steps, v = d["step"].to_numpy(), d["value"].to_numpy()
-                s_kept, v_kept = reduce(steps, v, bucket_width(int(steps[-1]), max_points))
+                s_kept, v_kept = reduce(steps, v, bucket_width(int(steps[-1]), max_points,
+                                                                int(steps[0])))
                 xs = (s_kept if self.x == "step"
                       else pd.Series(d["wall"].to_numpy(), index=steps)[s_kept].to_numpy())
-                sparse = len(steps) < 0.2 * max(int(steps[-1]), 1)  # e.g. loss/val
+                span = int(steps[-1]) - int(steps[0]) + 1
+                sparse = len(steps) < 0.2 * span  # e.g. loss/val
                 fig.add_trace(go.Scatter(
                     x=xs, y=v_kept.astype(np.float64), name=html.escape(label),
                     legendgroup=label, showlegend=label not in shown,

@@ -18,7 +18,7 @@ export function create(root, ctx) {
   p.body.append(heatDiv, bars, line);
   const g = new Series(), c = new Series();
   let layers = [], norms = [], step = null, clip = [];
-  let heat = null; // {w, z: [layer][column]} of raw norms
+  let heat = null; // {w, c0, z: [layer][column from c0]} of raw norms
   let all = false;
   let dirty = false;
   more.onclick = () => { all = !all; dirty = true; ctx.schedule(); };
@@ -26,8 +26,9 @@ export function create(root, ctx) {
   function foldHeat(h) {
     const rows = Array.from({ length: h.z.shape[0] }, (_, i) =>
       Array.from(h.z.subarray(i * h.z.shape[1], (i + 1) * h.z.shape[1])));
-    if (!heat || heat.w !== h.w || h.c0 === 0 || rows.length !== heat.z.length) heat = { w: h.w, z: rows };
-    else heat.z = heat.z.map((r, i) => r.slice(0, h.c0).concat(rows[i]));
+    if (!heat || heat.w !== h.w || h.c0 <= heat.c0 || rows.length !== heat.z.length) {
+      heat = { w: h.w, c0: h.c0, z: rows }; // the whole map, from its first column
+    } else heat.z = heat.z.map((r, i) => r.slice(0, h.c0 - heat.c0).concat(rows[i]));
   }
 
   function drawHeat(Plotly, t) {
@@ -35,7 +36,7 @@ export function create(root, ctx) {
     heatDiv.hidden = false;
     const n = heat.z.length, cols = heat.z[0].length;
     const ax = t.axis;
-    const x = ax.x(Array.from({ length: cols }, (_, j) => j * heat.w));
+    const x = ax.x(Array.from({ length: cols }, (_, j) => (heat.c0 + j) * heat.w));
     const logz = heat.z.map((r) => r.map((v) => (v > 0 && Number.isFinite(v) ? Math.log10(v) : null)));
     const height = Math.min(Math.max(160, 12 * n + 80), 720);
     heatDiv.style.height = `${height}px`;

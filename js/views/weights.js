@@ -39,10 +39,10 @@ export function heatmap(cols) {
 }
 
 // Same as nbwatch/panels/weights.py thin(): the first column of each bucket of `w` steps
-// (a power of two, from the newest step) and the newest, so early steps stay in view.
+// (a power of two, from the span of steps) and the newest, so early steps stay in view.
 function thin(cols) {
   if (cols.length <= MAX_COLUMNS) return cols;
-  const w = bucketWidth(cols[cols.length - 1].step, 2 * (MAX_COLUMNS - 1));
+  const w = bucketWidth(cols[cols.length - 1].step, 2 * (MAX_COLUMNS - 1), cols[0].step);
   const out = [];
   let prev = null;
   for (const c of cols.slice(0, -1)) {

@@ -1,8 +1,10 @@
 """Bounded, min/max-preserving downsampling on a fixed grid of steps.
 
-Steps fall into buckets `step // width`, `width` a power of two chosen from the last step
-alone, so bucket boundaries do not move as points arrive: appending only rewrites the last
-bucket, and when the run outgrows the grid the width doubles and pairs of buckets merge.
+Steps fall into buckets `step // width`, `width` a power of two chosen from the span of
+steps (from the first step rounded down to a multiple of `GRAIN`, so that a run whose
+steps begin at 1,000,001 is not drawn in a dozen points) to the last, so bucket boundaries
+do not move as points arrive: appending only rewrites the last bucket, and when the run
+outgrows the grid the width doubles and pairs of buckets merge.
 Each bucket keeps its first minimum and first maximum (one point when they coincide), so
 spikes survive and `reduce(reduce(x, w), 2w) == reduce(x, 2w)`: the browser can fold new
 points into what it holds and end up with what a full recomputation would give
@@ -14,13 +16,19 @@ from __future__ import annotations
 import numpy as np
 
 MAX_POINTS = 5000
+# The span's start is the first step rounded down to a multiple of this: a power of two at
+# least every width in use (a span under ~10M steps), so the grid stays `step // w`, and the
+# page, which sees the first kept point (in the same first bucket), finds the same start.
+GRAIN = 4096
 
 
-def bucket_width(last_step: int, max_points: int = MAX_POINTS) -> int:
-    """Smallest power of two `w` for which steps 0..last_step fill ≤ max_points/2 buckets."""
+def bucket_width(last_step: int, max_points: int = MAX_POINTS, first_step: int = 0) -> int:
+    """Smallest power of two `w` for which the steps from `first_step` (rounded down to a
+    multiple of GRAIN) to `last_step` fill ≤ max_points/2 buckets."""
     buckets = max(max_points // 2, 1)
+    start = max(first_step, 0) // GRAIN * GRAIN
     w = 1
-    while last_step // w + 1 > buckets:
+    while last_step // w - start // w + 1 > buckets:
         w *= 2
     return w
 
@@ -71,7 +79,7 @@ def downsample(
     steps = np.asarray(steps, dtype=np.int64)
     if len(steps) == 0:
         return steps, np.asarray(values, dtype=np.float32)
-    return reduce(steps, values, bucket_width(int(steps.max()), max_points))
+    return reduce(steps, values, bucket_width(int(steps.max()), max_points, int(steps.min())))
 
 
 class Downsampler:
@@ -84,6 +92,7 @@ class Downsampler:
     def __init__(self, max_points: int = MAX_POINTS):
         self.max_points = max_points
         self.width = 1
+        self.first: int | None = None  # the first step extended: where the span begins
         self.steps = np.empty(0, dtype=np.int64)
         self.values = np.empty(0, dtype=np.float32)
 
@@ -95,10 +104,11 @@ class Downsampler:
         values = np.asarray(values, dtype=np.float32)
         if len(steps) == 0:
             return
-        last = int(steps.max())
+        last, low = int(steps.max()), int(steps.min())
         if len(self.steps):
             last = max(last, int(self.steps[-1]))
-        w = bucket_width(last, self.max_points)
+        self.first = low if self.first is None else min(self.first, low)
+        w = bucket_width(last, self.max_points, self.first)
         if w != self.width or not len(self.steps):
             self.width = w
             self.steps, self.values = reduce(

@@ -51,8 +51,9 @@ def heat(held: Series, layers: list[str], since: int | None = None,
     if not ends:
         return None
     last = max(ends)
-    w = bucket_width(last, 2 * columns)
-    c0 = 0 if since is None else max(since, 0) // w
+    first = min(int(held[k][0][0]) for k in keys if k in held and len(held[k][0]))
+    w = bucket_width(last, 2 * columns, first)
+    c0 = (first if since is None else max(since, 0)) // w
     z = np.full((len(keys), last // w + 1 - c0), np.nan, dtype=np.float32)
     for i, k in enumerate(keys):
         if k not in held:

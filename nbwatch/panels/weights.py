@@ -17,12 +17,13 @@ C = TypeVar("C", bound=tuple[Any, ...])  # a Column, or anything else led by its
 
 def thin(columns: list[C], max_columns: int = MAX_COLUMNS) -> list[C]:
     """At most `max_columns` histograms spread evenly over the run: the first of each bucket
-    of `w` steps and the newest, `w` a power of two chosen from the newest step alone (the
+    of `w` steps and the newest, `w` a power of two chosen from the span of steps (the
     downsampler's grid). Buckets only merge as the run grows, so thinning as columns arrive
     keeps early steps too (`js/views/weights.js` does the same)."""
     if len(columns) <= max_columns:
         return columns
-    w = bucket_width(int(columns[-1][0]), 2 * (max_columns - 1))  # ≤ max_columns - 1 buckets
+    w = bucket_width(int(columns[-1][0]), 2 * (max_columns - 1),  # ≤ max_columns - 1 buckets
+                     int(columns[0][0]))
     out: list[C] = []
     prev = None
     for c in columns[:-1]:

@@ -268,11 +268,14 @@ def test_alert_feed_items_say_why_a_checkpoint_was_taken():
                                                             ("checkpoint", "periodic")]
 
 
+@pytest.mark.parametrize("origin", [0, 1_000_000])
 def test_grad_heat_map_shows_a_spike_at_its_layer_and_step_and_folds_like_a_full_build(
-        tmp_path):
+        tmp_path, origin):
     """Per-layer norms of 12 layers over 3,000 steps, 100× at layer 7, step 2,345: the heat
     map's cell for that layer and bin holds the spike; the columns a live view folds in
-    refresh by refresh equal the full state a late view gets."""
+    refresh by refresh (as js/views/grads.js does) equal the full state a late view gets.
+    A run whose steps begin at 1,000,001 (a Trainer resumed into a new folder) gets as
+    many columns as one from step 1, not a few of bins sized from step 0."""
     from nbwatch.panels import Feed
     from nbwatch.records import Scalars
     from nbwatch.store import RunReader, RunStore
@@ -281,26 +284,28 @@ def test_grad_heat_map_shows_a_spike_at_its_layer_and_step_and_folds_like_a_full
     rng = np.random.default_rng(0)
     store = RunStore(tmp_path / "r")
     feed = Feed(RunReader(store.run_dir))
-    held: dict = {}  # what a live browser holds: {"w", "z" columns}
-    for step in range(1, 3001):
+    held: dict = {}  # what a live browser holds: {"w", "c0", "z" columns}
+    for step in range(origin + 1, origin + 3001):
         v = {f"grad_norm/{n}": float(0.5 + 0.1 * rng.random()) for n in layers}
-        if step == 2345:
+        if step == origin + 2345:
             v["grad_norm/h.7.attn"] = 50.0
         store.put(Scalars(step, {"loss/train": 1.0, **v}))
-        if step % 97 == 0 or step == 3000:
+        if step % 97 == 0 or step == origin + 3000:
             store.flush()
             h = feed.update()["grads"]["heat"]
             z = h["z"]
-            if held.get("w") != h["w"] or h["c0"] == 0:
-                held = {"w": h["w"], "z": z.copy()}
+            if held.get("w") != h["w"] or h["c0"] <= held["c0"]:
+                held = {"w": h["w"], "c0": h["c0"], "z": z.copy()}
             else:
-                held["z"] = np.concatenate([held["z"][:, :h["c0"]], z], axis=1)
+                held["z"] = np.concatenate([held["z"][:, :h["c0"] - held["c0"]], z], axis=1)
     full = feed.full()["grads"]["heat"]
-    assert full["c0"] == 0 and full["z"].shape == (12, 3000 // full["w"] + 1)
+    w, c0 = full["w"], full["c0"]
+    assert c0 == (origin + 1) // w and w <= 16
+    assert full["z"].shape == (12, (origin + 3000) // w + 1 - c0)
     assert full["z"].shape[1] <= grads.HEAT_COLUMNS
     np.testing.assert_array_equal(held["z"], full["z"])
     row, col = np.unravel_index(np.nanargmax(full["z"]), full["z"].shape)
-    assert (row, col) == (7, 2345 // full["w"]) and full["z"][row, col] == 50.0
+    assert (row, col) == (7, (origin + 2345) // w - c0) and full["z"][row, col] == 50.0
     assert np.nanmax(np.delete(full["z"], 7, axis=0)) < 0.61
     store.close()
 

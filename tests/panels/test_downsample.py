@@ -60,13 +60,30 @@ def test_incremental_equals_full_and_stable_between_refreshes(chunk):
     assert len(ds) <= 2000
 
 
+def test_steps_that_begin_far_from_0_keep_their_points():
+    """A run whose steps begin at 1,000,001 (a Trainer resumed into a new folder): its
+    3,000 steps keep every point, as from step 1, not the 12 of buckets sized from 0."""
+    steps, values = walk(3000, seed=4)
+    far = steps + 1_000_000
+    xs, ys = downsample(far, values)
+    np.testing.assert_array_equal(xs, far)
+    ds = Downsampler()
+    for i in range(0, 3000, 500):
+        ds.extend(far[i:i + 500], values[i:i + 500])
+    np.testing.assert_array_equal(ds.steps, far)
+    long_s, long_v = walk(200_000, seed=5)
+    xs, _ = downsample(long_s + 1_000_000, long_v, 2000)
+    assert 1000 < len(xs) <= 2000  # the whole span fills the budget, no more
+
+
 def test_width_doubling_merges_buckets():
     steps, values = walk(20_000, seed=2)
     once = reduce(steps, values, 16)
     np.testing.assert_array_equal(reduce(*once, 32)[0], reduce(steps, values, 32)[0])
 
 
-def test_the_browser_reduces_exactly_as_python():
+@pytest.mark.parametrize("origin", [0, 1_000_000])
+def test_the_browser_reduces_exactly_as_python(origin):
     """js/downsample.js folds new points into what the page holds: it must keep the same
     points as panels/downsample.py, or a reloaded page and a live one would differ."""
     import json
@@ -80,6 +97,7 @@ def test_the_browser_reduces_exactly_as_python():
     steps, values = walk(30_000, seed=3)
     values[[10, 20_000]] = [50.0, -50.0]  # spikes
     values = values.astype(np.float32)
+    steps = steps + origin
     js = Path(__file__).resolve().parents[2] / "js" / "downsample.js"
     script = (f"import {{ reduce, Series }} from {json.dumps(js.as_uri())};\n"
               "import { readFileSync } from 'node:fs';\n"

@@ -11,6 +11,8 @@ so pause, stop, clip, LR factor and checkpoint never split the replicas.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -118,6 +120,23 @@ def rank0_run_dir(own: Path, timeout_s: float = 60.0) -> Path:
             dist.destroy_process_group(group)
 
 
+def peer_errors(run_dir: Path, since: float, wait: float = 2.0) -> list[dict[str, Any]]:
+    """The errors other ranks wrote since `since` (their NullStore's), waiting up to `wait`
+    seconds for one: a rank that lost contact learns which rank failed first, and why."""
+    import time
+
+    deadline = time.monotonic() + wait
+    while True:
+        found = []
+        for f in sorted((run_dir / ERRORS).glob("rank*.json")):
+            with contextlib.suppress(OSError, ValueError):
+                if f.stat().st_mtime >= since:
+                    found.append(json.loads(f.read_text()))
+        if found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.1)
+
+
 class RankLost(RuntimeError):
     """A peer rank died or stopped answering nbwatch's collective within its timeout."""
 
@@ -166,14 +185,26 @@ def merge_ranks(per_rank: list[list[tuple[int, dict[str, float]]]]) -> list[Scal
     return out
 
 
-class NullStore:
-    """The store of ranks other than 0: the same interface, nothing written."""
+ERRORS = "rank_errors"  # the run folder's file per rank > 0 that failed: rank{r}.json
 
-    def __init__(self, run_dir: str | Path):
-        self.run_dir = Path(run_dir)
+
+class NullStore:
+    """The store of ranks other than 0: the same interface, nothing written but the rank's
+    own error (rank 0 alone writes the store: it names the error in its own record)."""
+
+    def __init__(self, run_dir: str | Path, rank: int = 1):
+        self.run_dir, self.rank = Path(run_dir), rank
 
     def put(self, record: Any) -> None:
-        pass
+        if getattr(record, "kind", None) == "error":
+            with contextlib.suppress(OSError):  # a folder this rank cannot write: said less
+                folder = self.run_dir / ERRORS
+                folder.mkdir(parents=True, exist_ok=True)
+                tmp = folder / f".rank{self.rank}.json.tmp"
+                tmp.write_text(json.dumps({
+                    "rank": self.rank, "step": record.step, "message": record.message,
+                    "traceback": (record.data or {}).get("traceback")}))
+                os.replace(tmp, folder / f"rank{self.rank}.json")
 
     def set_meta(self, key: str, value: Any) -> None:
         pass

@@ -117,7 +117,8 @@ def check_config(config: Any) -> None:
                          "values (numbers, strings, lists, dicts)") from e
 
 
-_ALLOWED_FOREIGN = {".ipynb_checkpoints", ".DS_Store", "torchrun.log"}  # launch() writes the log
+_ALLOWED_FOREIGN = {".ipynb_checkpoints", ".DS_Store", "torchrun.log",  # launch() writes the log
+                    "rank_errors"}  # a rank > 0 that failed before rank 0 opened the store
 
 
 def check_covers(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

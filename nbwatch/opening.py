@@ -159,7 +159,7 @@ class RunOpening(MonitorState):
         store: RunStore | NullStore
         try:
             if dist is not None and dist.rank != 0:
-                store = self._store = NullStore(self.run_dir)
+                store = self._store = NullStore(self.run_dir, dist.rank)
             else:
                 store = self._open_store(start_step, spec.max_steps, {
                     **run_meta, "mode": mode, "world_size": dist.world if dist else 1,

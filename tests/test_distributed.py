@@ -211,6 +211,22 @@ def test_a_monitor_on_rank_0_alone_is_refused_in_words(tmp_path):
     assert "every rank creates its Monitor" in out, out[-3000:]
 
 
+def test_the_run_says_which_rank_failed_and_why(tmp_path):
+    """rank 1's step raises: rank 0 only sees its peer gone, yet the run's error names rank
+    1's ValueError, with its traceback (it said only "lost contact with another rank")."""
+    run_dir = tmp_path / "r"
+    job = torchrun(run_dir, 40, RAISE_RANK="1", RAISE_AT="7", STEP_SLEEP="0")
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode != 0
+    run = nbwatch.open_run(run_dir)
+    assert run.state == "failed"
+    (err,) = run.events[run.events.kind == "error"].itertuples()
+    assert "ValueError: rank 1 failed on purpose at call 7" in err.message, out[-3000:]
+    assert err.message.startswith("[rank 0/2] another rank failed")
+    (peer,) = err.data["rank_errors"]
+    assert peer["rank"] == 1 and "failed on purpose" in peer["traceback"]
+
+
 def test_the_same_script_runs_alone_without_torchrun(tmp_path):
     run_dir = tmp_path / "single"
     out = subprocess.run([sys.executable, str(SCRIPT), str(run_dir), "30"], cwd=ROOT,

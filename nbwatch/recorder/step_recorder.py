@@ -30,7 +30,7 @@ from torch import nn
 from .. import controls as ctl
 from ..alerts import AlertEngine, default_rules
 from ..checkpoint import Checkpointer
-from ..distributed import Dist, NullStore, lost_peer
+from ..distributed import Dist, NullStore, lost_peer, peer_errors
 from ..probes.grads import Layers
 from ..probes.logits import TrainLogits
 from ..records import Event
@@ -308,17 +308,24 @@ class StepRecorder:
         p.move("failed")  # first: recording it below may itself fail (a dead store)
         self.ended = True
         self.train_logits.close()
-        msg = f"{type(e).__name__}: {e}"
+        msg, data = f"{type(e).__name__}: {e}", {}
         if self.dist is not None:
             if lost_peer(e):
                 msg = ("lost contact with another rank (it died or hangs), so this rank "
                        f"stops: {str(e).splitlines()[0][:300]}")
+                if self.dist.rank == 0:  # which rank failed, and why, where it could say
+                    peers = peer_errors(self.store.run_dir, self.inbox.opened_wall)
+                    if peers:
+                        msg = ("another rank failed, so this rank stops: "
+                               + "; ".join(p["message"] for p in peers))
+                        data = {"rank_errors": peers}
             msg = f"[rank {self.dist.rank}/{self.dist.world}] {msg}"
         # each part on its own: a dead store must not cost the checkpoint, nor the reverse
         # the error and the state first: the launcher may kill this process any moment now
         for record in (self.record_stepped, self.flush_deferred,
                        lambda: self._emit(Event(self.step, "error", "critical", msg,
-                                                {"traceback": p.traceback}), logging.ERROR),
+                                                {"traceback": p.traceback, **data}),
+                                          logging.ERROR),
                        lambda: self._set_state("failed"),
                        lambda: self._checkpoint("emergency"),
                        self.expire_pending):

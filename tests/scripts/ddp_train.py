@@ -6,7 +6,8 @@
 Env: STEP_SLEEP (seconds per step, default 0.01); KILL_RANK / KILL_AT (a rank that kills
 itself with SIGKILL at that step); STOP_AT (rank 0 calls `mon.stop()` in that step);
 CKPT_EVERY (a periodic checkpoint); RUN_DIR=default: `Monitor(run_dir=None)`, and rank 1
-comes to it 1.5 s after rank 0; ONLY_RANK0=1: rank 1 creates no Monitor; LOOP=own: the
+comes to it 1.5 s after rank 0; ONLY_RANK0=1: rank 1 creates no Monitor; RAISE_RANK /
+RAISE_AT: a rank whose step_fn raises ValueError at that call; LOOP=own: the
 script's own loop with `mon.log()` in the foreground instead of `mon.start()`. At the end
 each rank writes a checksum of its parameters to RUN_DIR/params_rank{r}.pt.
 """
@@ -48,11 +49,15 @@ def main() -> None:
     kill_rank, kill_at = int(os.environ.get("KILL_RANK", "-1")), int(os.environ.get("KILL_AT", "0"))
     calls = {"n": 0}
     stop_at = int(os.environ.get("STOP_AT", "0"))
+    raise_rank = int(os.environ.get("RAISE_RANK", "-1"))
+    raise_at = int(os.environ.get("RAISE_AT", "0"))
 
     def step_fn(model, batch):
         calls["n"] += 1
         if rank == kill_rank and calls["n"] == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if rank == raise_rank and calls["n"] == raise_at:
+            raise ValueError(f"rank {rank} failed on purpose at call {raise_at}")
         if rank == 0 and calls["n"] == stop_at:
             mon.stop()  # taken at the ranks' next meeting
         time.sleep(sleep * (2 if rank == 1 else 1))  # rank 1 is a straggler

@@ -50,6 +50,7 @@ class ShardedCheckpointer(Checkpointer):
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(partial),
                      process_group=self.group)
         except Exception as e:
+            shutil.rmtree(partial, ignore_errors=True)  # this rank's part of what failed
             first = (str(e).strip().splitlines() or [""])[0][:200]
             newest = self.steps()[-1][0] if self.steps() else None
             since = (f"resume=True continues from step {newest}" if newest is not None

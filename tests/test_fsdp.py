@@ -319,4 +319,5 @@ def test_a_killed_rank_ends_the_other_with_a_clear_error(tmp_path):
     ck = run.events[run.events.message.str.startswith("emergency checkpoint")]
     if len(ck):  # rank 0 had the time to try: the shards of rank 1 are gone
         assert "needs every rank" in ck.message.iloc[0], ck.message.iloc[0]
+        assert not list((run_dir / "checkpoints").glob("*.partial"))  # nothing left over
     assert not list((run_dir / "checkpoints").glob("step_*.pt"))

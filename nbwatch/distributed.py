@@ -70,20 +70,34 @@ class Dist:
                 dist.destroy_process_group(self.group)
         self.group = None
 
-    def exchange(self, rows: list[tuple[int, dict[str, float]]], commands: list[Command]
+    def exchange(self, rows: list[tuple[int, dict[str, float]]], commands: list[Command],
+                 step: int = 0, final: bool = False
                  ) -> tuple[list[list[tuple[int, dict[str, float]]]], list[Command]]:
-        """All ranks' rows, and rank 0's commands (every rank calls this at the same step)."""
+        """All ranks' rows, and rank 0's commands (every rank calls this at the same step,
+        `step`; `final`: as its loop ends)."""
         import torch.distributed as dist
 
-        payload = (rows, [c.to_wire() for c in commands] if self.rank == 0 else [])
+        payload = (rows, [c.to_wire() for c in commands] if self.rank == 0 else [], step,
+                   final)
         out: list[Any] = [None] * self.world
         try:
             dist.all_gather_object(out, payload, group=self.group)
         except RuntimeError as e:
+            why = (f"; this rank's loop had ended at step {step}, and a rank that trains more "
+                   "steps than the others (uneven data per rank) never comes to its end"
+                   if final else "")
             raise RankLost(
                 f"rank {self.rank} of {self.world}: another rank stopped answering nbwatch's "
-                f"exchange ({str(e).splitlines()[0][:200]}); a rank died or hangs"
+                f"exchange ({str(e).splitlines()[0][:200]}); a rank died or hangs{why}"
             ) from e
+        where = [(o[2], o[3]) for o in out]
+        if len(set(where)) > 1:  # not one step: a rank ended its loop while others went on
+            said = ", ".join(f"rank {r} {'ended at' if f else 'was at'} step {s}"
+                             for r, (s, f) in enumerate(where))
+            raise RanksOutOfStep(
+                f"rank {self.rank} of {self.world}: the ranks are out of step ({said}): every "
+                "rank must take the same steps; give each the same number of batches "
+                "(DistributedSampler(..., drop_last=True)) or stop at the same max_steps")
         cmds = [Command.from_wire(*c) for c in out[0][1]]
         return [o[0] for o in out], cmds
 
@@ -139,6 +153,10 @@ def peer_errors(run_dir: Path, since: float, wait: float = 2.0) -> list[dict[str
 
 class RankLost(RuntimeError):
     """A peer rank died or stopped answering nbwatch's collective within its timeout."""
+
+
+class RanksOutOfStep(RuntimeError):
+    """The ranks met at different steps: one ended its loop while the others went on."""
 
 
 def lost_peer(e: BaseException) -> bool:

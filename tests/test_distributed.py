@@ -227,6 +227,21 @@ def test_the_run_says_which_rank_failed_and_why(tmp_path):
     assert peer["rank"] == 1 and "failed on purpose" in peer["traceback"]
 
 
+def test_ranks_whose_loops_end_at_different_steps_are_told_so(tmp_path):
+    """Uneven data: rank 0's own loop ends at step 23, rank 1's goes on. The run fails
+    saying the ranks are out of step and what to do (rank 0's final meeting paired with
+    rank 1's step-25 one, and the run read finished at 23 while rank 1 failed)."""
+    run_dir = tmp_path / "r"
+    job = torchrun(run_dir, 30, LOOP="own", NO_DDP="1", R0_STEPS="23", STEP_SLEEP="0")
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode != 0
+    run = nbwatch.open_run(run_dir)
+    assert run.state == "failed" and run.step == 23
+    err = run.events[run.events.kind == "error"].message.iloc[0]
+    assert "out of step (rank 0 ended at step 23, rank 1 was at step 25)" in err, out[-3000:]
+    assert "drop_last=True" in err
+
+
 def test_the_same_script_runs_alone_without_torchrun(tmp_path):
     run_dir = tmp_path / "single"
     out = subprocess.run([sys.executable, str(SCRIPT), str(run_dir), "30"], cwd=ROOT,

@@ -126,7 +126,7 @@ def sync_ranks(rec: Steered, final: bool = False) -> None:
         # a rewind's checkpoint is chosen by rank 0, for every rank to reload the same
         cmds = [resolve_rewind(rec, c) for c in poll_commands(rec)] if d.rank == 0 else []
         t0 = time.perf_counter()
-        rows, cmds = d.exchange(rk.rows, cmds)
+        rows, cmds = d.exchange(rk.rows, cmds, rec.step, final)
         rk.sync_s = time.perf_counter() - t0
         rk.rows = []
         if d.rank == 0:

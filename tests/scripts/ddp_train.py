@@ -7,7 +7,8 @@ Env: STEP_SLEEP (seconds per step, default 0.01); KILL_RANK / KILL_AT (a rank th
 itself with SIGKILL at that step); STOP_AT (rank 0 calls `mon.stop()` in that step);
 CKPT_EVERY (a periodic checkpoint); RUN_DIR=default: `Monitor(run_dir=None)`, and rank 1
 comes to it 1.5 s after rank 0; ONLY_RANK0=1: rank 1 creates no Monitor; RAISE_RANK /
-RAISE_AT: a rank whose step_fn raises ValueError at that call; LOOP=own: the
+RAISE_AT: a rank whose step_fn raises ValueError at that call; NO_DDP=1: the model not
+wrapped; R0_STEPS: rank 0's own loop takes this many steps (uneven data); LOOP=own: the
 script's own loop with `mon.log()` in the foreground instead of `mon.start()`. At the end
 each rank writes a checksum of its parameters to RUN_DIR/params_rank{r}.pt.
 """
@@ -41,7 +42,7 @@ def main() -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)
     model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
-    if dist.is_initialized():
+    if dist.is_initialized() and not os.environ.get("NO_DDP"):
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.999**s)
@@ -70,6 +71,8 @@ def main() -> None:
             mon = nbwatch.Monitor(model, opt, sched, run_dir=run_dir, rank_every=5,
                                   dist_timeout=20, config={"script": "ddp_train", "loop": "own"})
             data = batches(rank)
+            if rank == 0 and os.environ.get("R0_STEPS"):
+                max_steps = int(os.environ["R0_STEPS"])
             with mon:
                 for i in range(max_steps):
                     out = step_fn(model, data[i % len(data)])

@@ -388,6 +388,9 @@ def compare(
     unknown = [m for m in metrics if m not in known]
     if unknown:
         cmp.close()
+        if not known:  # nothing recorded yet: no metric to name
+            raise ValueError(f"no compared run has recorded a step yet ({', '.join(cmp.labels)}"
+                             "): compare them once they have")
         shown = ", ".join(sorted(known)[:12])
         raise ValueError(f"no compared run recorded {', '.join(map(repr, unknown))}; "
                          f"known scalars include: {shown}; pass metrics=[...] to choose")

@@ -118,6 +118,11 @@ def test_clear_errors(runs, tmp_path):
         nbwatch.compare(tmp_path)
     with pytest.raises(ValueError, match="x must be"):
         nbwatch.compare(runs, x="time")
+    from nbwatch.store import RunStore
+
+    RunStore(tmp_path / "empty").close()  # a run that has recorded no step yet
+    with pytest.raises(ValueError, match="no compared run has recorded a step yet"):
+        nbwatch.compare([tmp_path / "empty"])
     one = runs / "lr0.001"
     with pytest.raises(ValueError, match="is given twice"):
         nbwatch.compare([one, f"{one}/", runs / "lr0.003"])

@@ -23,7 +23,12 @@ def nbwatch_magic(line: str) -> Any:
     """`%nbwatch`, `%nbwatch RUN_DIR`, `%nbwatch ls [ROOT]`."""
     from .widget import Dashboard
 
-    args = shlex.split(line)
+    try:
+        args = shlex.split(line)
+    except ValueError as e:  # an unclosed quote: said in a line, not a traceback
+        print(f"%nbwatch: {e} in {line!r}; quote a path with spaces whole: "
+              "%nbwatch \"runs/my run\"")
+        return None
     if not args:
         mon = latest()
         if mon is None:

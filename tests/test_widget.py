@@ -237,6 +237,8 @@ def test_magic_ls_passes_every_argument(tmp_path, capsys):
     assert "usage: %nbwatch ls" in capsys.readouterr().out
     nbwatch_magic(f"ls {tmp_path} --where lr")
     assert "--where takes KEY=VALUE" in capsys.readouterr().out
+    assert nbwatch_magic('"runs/my run') is None  # an unclosed quote: a line, no traceback
+    assert "No closing quotation" in capsys.readouterr().out
 
 
 def test_db_without_tables_yet_is_retried_not_fatal(tmp_path):

@@ -143,6 +143,9 @@ def atomic_save(obj: Any, path: Path) -> int:
     return path.stat().st_size
 
 
+KEEP_BRANCHES = 3  # rewinds whose abandoned checkpoints are kept (checkpoints/rewind/<n>/)
+
+
 class Checkpointer:
     """Writes `step_XXXXXXXX.pt` files into `directory`, keeps the newest `keep_last`,
     and keeps the one with the best val loss as `best.pt` (a hard link, or a copy)."""
@@ -192,6 +195,11 @@ class Checkpointer:
             os.replace(p, into / p.name)
             moved.append(into / p.name)
         _fsync_dir(self.dir)
+        # the newest branches' alone: rule-driven rewinds must not fill the disk
+        kept = sorted((d for d in into.parent.iterdir() if d.is_dir() and d.name.isdigit()),
+                      key=lambda d: int(d.name))
+        for old in kept[:-KEEP_BRANCHES]:
+            shutil.rmtree(old, ignore_errors=True)
         return moved
 
     def save(self, state: dict[str, Any], step: int, val_loss: float | None = None) -> Saved:

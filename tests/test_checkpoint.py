@@ -112,3 +112,23 @@ def test_a_ddp_runs_checkpoint_resumes_without_ddp_and_back(tmp_path):
     assert fit_keys(prefixed, net.state_dict().keys()).keys() == saved.keys()
     odd = {"module.x": torch.zeros(1)}  # a model whose own child is named "module"
     assert fit_keys(odd, ["module.x"]) == odd
+
+
+def test_the_checkpoints_of_only_the_newest_rewinds_are_kept(tmp_path):
+    """Each rewind sets its abandoned checkpoints aside (checkpoints/rewind/<n>/); rule
+    driven rewinds over a long run must not fill the disk: the newest 3 branches' stay."""
+    from nbwatch.checkpoint import KEEP_BRANCHES
+
+    ck = Checkpointer(tmp_path, keep_last=10)
+    model = torch.nn.Linear(2, 2)
+    step = 0
+    for n in range(1, 6):
+        for _ in range(3):
+            step += 1
+            ck.save(state(model), step)
+        ck.set_aside(step - 2, f"rewind/{n}")  # back over its last 2 checkpoints
+        step -= 2
+    kept = sorted(int(d.name) for d in (tmp_path / "rewind").iterdir())
+    assert kept == list(range(6 - KEEP_BRANCHES, 6))
+    assert all(len(list((tmp_path / "rewind" / str(n)).glob("*.pt"))) == 2 for n in kept)
+    assert [s for s, _ in ck.steps()] == [1, 2, 3, 4, 5]  # the live line's, untouched

@@ -4,6 +4,7 @@ records the ones in force (`run.meta["options"]`)."""
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -76,7 +77,7 @@ class Options:
                     update_every=self.update_every)
         for name, low, what in _COUNTS:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
                 raise ValueError(f"{name} must be an int ≥ {low}{what}, got {v!r}")
         t = self.dist_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):

@@ -54,7 +54,7 @@ class Attached(ctl.Controls):
         if not stale_after > 0:
             raise ValueError(f"stale_after must be a positive number of seconds, got "
                              f"{stale_after!r}")
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(run_dir).absolute()  # a later os.chdir (%cd) must not move it
         self.stale_after = float(stale_after)
         self._run: Run | None = None  # set once the writer has created the store
         self.source = f"attach:{socket.gethostname()}:{os.getpid()}"

@@ -143,3 +143,22 @@ def test_attach_reports_a_killed_writer_as_stale(tmp_path):
 def test_attach_timeout_names_the_folder(tmp_path):
     with pytest.raises(TimeoutError, match="no nbwatch run appeared in"):
         nbwatch.attach(tmp_path / "never", timeout=0.2, display=False)
+
+
+def test_a_relative_run_dir_survives_a_chdir(tmp_path, monkeypatch):
+    """open_run("runs/x") and attach("runs/x"), then %cd elsewhere: both still read the run
+    (they read "unable to open database file", or said the folder was deleted)."""
+    from nbwatch.records import Scalars
+    from nbwatch.store import RunStore
+
+    store = RunStore(tmp_path / "runs" / "x")
+    for step in range(1, 6):
+        store.put(Scalars(step, {"loss/train": 1.0 / step}))
+    store.set_meta("state", "finished")
+    store.close()
+    monkeypatch.chdir(tmp_path)
+    run, att = nbwatch.open_run("runs/x"), nbwatch.attach("runs/x")
+    monkeypatch.chdir(tmp_path / "runs")
+    assert run.step == 5 and len(run.df) == 5
+    assert att.step == 5 and len(att.df) == 5
+    att.close()

@@ -44,7 +44,7 @@ class RunReader(RecordReads, SystemReads):
     """
 
     def __init__(self, run_dir: str | os.PathLike[str]):
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(run_dir).absolute()  # a later os.chdir (%cd) must not move it
         self.path = self.run_dir / DB_NAME
         if not self.path.is_file():
             raise FileNotFoundError(

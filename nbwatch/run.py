@@ -234,8 +234,10 @@ class Run:
         run with no maps (a model without attention). A step or a sample without maps is a
         KeyError that names those recorded."""
         maps = self.reader.attention(step, sample)
-        steps = self.reader.attention_steps()
-        if maps or not steps:
+        if maps:
+            return maps
+        steps = self.reader.attention_steps()  # only to say why there are none
+        if not steps:
             return maps
         at = steps[-1] if step is None else step
         if at not in steps:

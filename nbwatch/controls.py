@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .counts import integral
 from .records import Command, CommandKind
 
 KINDS = tuple(k.value for k in CommandKind)
@@ -203,11 +204,10 @@ def refuse_early(command: Command, state: str, running: bool,
 
 
 def check_count(name: str, v: int, least: int, most: int | None = None) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < least or (
-            most is not None and v > most):
+    if not integral(v) or v < least or (most is not None and v > most):
         bound = f"an int ≥ {least}" + (f" and ≤ {most:,}" if most is not None else "")
         raise ValueError(f"{name} must be {bound}, got {v!r}")
-    return v
+    return int(v)
 
 
 def check_clip(max_norm: float | None) -> float | None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 import os
 import time
 import warnings
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .counts import integral, real
 from .optimizer_hooks import hooked_optimizer, inner_scheduler
 from .options import check_every
 from .probes.attention import take_samples
@@ -69,13 +69,13 @@ def check_monitor(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler:
                 "will not hold its state, and a resumed run restarts its schedule; give "
                 "it state_dict()/load_state_dict() to resume it", stacklevel=4)
     check_config(config)
-    typed = isinstance(system_interval, numbers.Real) and not isinstance(system_interval, bool)
+    typed = real(system_interval)
     if not typed or not math.isfinite(system_interval) or system_interval < 0.1:
         raise (ValueError if typed else TypeError)(
             f"system_interval must be at least 0.1 s (a number of seconds: the CPU/GPU "
             f"sampler's period), got {system_interval!r}; e.g. system_interval=1.0 (it cannot "
             "be turned off)")
-    typed = isinstance(keep_last, numbers.Integral) and not isinstance(keep_last, bool)
+    typed = integral(keep_last)
     if not typed or keep_last < 1:
         raise (ValueError if typed else TypeError)(
             f"keep_last must be an int ≥ 1 (how many periodic checkpoints to keep; the best "
@@ -188,16 +188,16 @@ def check_run_dir(run_dir: Path) -> None:
 
 def check_start(step_fn: Any, train_data: Any, max_steps: Any, val_fn: Any,
                 eval_every: int | None, checkpoint_every: int | None, accumulate: int
-                ) -> int | None:
-    """`Monitor.start()`'s loop arguments; returns `eval_every` (with a `val_fn` and none
-    given: every tenth of the run)."""
+                ) -> tuple[int, int | None, int]:
+    """`Monitor.start()`'s loop arguments; returns `max_steps`, `eval_every` (with a
+    `val_fn` and none given: every tenth of the run) and `accumulate`, as Python ints."""
     if not callable(step_fn):
         raise TypeError(f"step_fn must be callable as step_fn(model, batch), got {step_fn!r}")
-    if not isinstance(max_steps, int) or max_steps < 1:
+    if not integral(max_steps) or max_steps < 1:
         raise ValueError(f"max_steps must be a positive int, got {max_steps!r}")
     check_every(eval_every=eval_every, checkpoint_every=checkpoint_every)
-    if accumulate < 1:
-        raise ValueError(f"accumulate must be at least 1, got {accumulate}")
+    if not integral(accumulate) or accumulate < 1:
+        raise ValueError(f"accumulate must be an int ≥ 1, got {accumulate!r}")
     if val_fn is not None and eval_every is None:
         eval_every = max(max_steps // 10, 1)
     if not hasattr(train_data, "__iter__"):
@@ -205,11 +205,11 @@ def check_start(step_fn: Any, train_data: Any, max_steps: Any, val_fn: Any,
             f"train_data must be iterable (a DataLoader, a list of batches…), "
             f"got {type(train_data).__name__}"
         )
-    return eval_every
+    return int(max_steps), None if eval_every is None else int(eval_every), int(accumulate)
 
 
 def probe_samples(batch: Any, n: int) -> Any:
-    if not isinstance(n, int) or n < 0:
+    if not integral(n) or n < 0:
         raise ValueError(f"attention_samples must be an int ≥ 0 (0: no attention probe), "
                          f"got {n!r}")
     if batch is None or n == 0:
@@ -303,7 +303,7 @@ def add_figure(host: dict[str, float], names: list[str], parts: list[torch.Tenso
         if not v.is_floating_point() and v.device.type != "mps":  # (no float64 there)
             v = v.double()  # a count: exact, not rounded to float32 by the step's one copy
         parts.append(v if v.dim() == 0 else v.reshape(()))
-    elif isinstance(v, numbers.Real) and not isinstance(v, bool):
+    elif real(v):
         host[name] = float(v)
     else:
         raise TypeError(f"mon.log(): {what} is a {type(v).__name__} ({_short(v)}); {_REAL}")
@@ -330,7 +330,7 @@ def check_val(val: Any) -> Any:
                                  f"value: reduce it first (e.g. .mean()); {how}")
             if v.is_complex():
                 raise TypeError(f"mon.log(): {what} is a complex tensor ({v.dtype}); {how}")
-        elif not isinstance(v, numbers.Real) or isinstance(v, bool):
+        elif not real(v):
             raise TypeError(f"mon.log(): {what} is a {type(v).__name__} ({_short(v)}); {how}")
     if isinstance(val, dict):
         return {k: v if isinstance(v, torch.Tensor) else float(v) for k, v in val.items()}

@@ -234,8 +234,8 @@ class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
             opts = replace(opts, probe_batch=probe_samples(probe_batch, opts.attention_samples))
         if clip is not None:
             self._clip_asked = opts.clip
-        eval_every = check_start(step_fn, train_data, max_steps, val_fn, eval_every,
-                                 opts.checkpoint_every, accumulate)
+        max_steps, eval_every, accumulate = check_start(
+            step_fn, train_data, max_steps, val_fn, eval_every, opts.checkpoint_every, accumulate)
         spec = replace(
             opts.spec(), step_fn=step_fn, train_data=train_data, max_steps=max_steps,
             val_fn=val_fn, eval_every=eval_every, sample_fn=sample_fn, accumulate=accumulate,

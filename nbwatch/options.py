@@ -4,13 +4,13 @@ records the ones in force (`run.meta["options"]`)."""
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from torch import nn
 
+from .counts import integral, real
 from .recorder.spec import RunSpec
 
 
@@ -18,7 +18,7 @@ def check_peak_flops(peak: float | None) -> float | None:
     """`Monitor(peak_flops=...)`: the device's peak FLOP/s (e.g. 989e12), or None."""
     if peak is None:
         return None
-    if isinstance(peak, bool) or not isinstance(peak, (int, float)) or not (
+    if not real(peak) or not (
             0 < peak < float("inf")):
         raise ValueError(f"peak_flops must be the device's peak FLOP/s, a positive number "
                          f"such as 989e12 (an H100 SXM at bf16), or None; got {peak!r}")
@@ -37,7 +37,7 @@ _NONE_MEANS = {
 
 def check_every(**values: Any) -> None:
     for label, v in values.items():
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+        if v is not None and (not integral(v) or v < 1):
             means = _NONE_MEANS.get(label)
             raise ValueError(f"{label} must be a positive int or None, got {v!r}"
                              + (f"; {means}" if means else ""))
@@ -77,12 +77,21 @@ class Options:
                     update_every=self.update_every)
         for name, low, what in _COUNTS:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
+            if not integral(v) or v < low:
                 raise ValueError(f"{name} must be an int ≥ {low}{what}, got {v!r}")
         t = self.dist_timeout
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+        if not real(t) or not 0 < t < float("inf"):
             raise ValueError(f"dist_timeout must be seconds, a positive number such as 60, "
                              f"got {t!r}")
+        # numpy's numbers as Python's: the run's meta is JSON, and a step count compared
+        # or hashed as an np.int64 behaves as an int only almost everywhere
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if integral(v):
+                object.__setattr__(self, f.name, int(v))
+        object.__setattr__(self, "dist_timeout", float(t))
+        if self.clip is not None:
+            object.__setattr__(self, "clip", float(self.clip))
         if self.display is not None and not isinstance(self.display, bool):
             raise TypeError(f"display must be True, False or None (in a notebook), got "
                             f"{self.display!r}")
@@ -92,7 +101,7 @@ class Options:
         if self.probe_tokens is not None and not isinstance(self.probe_tokens, (list, tuple)):
             raise TypeError("probe_tokens must be one list of token strings per probe sample, "
                             f"got {type(self.probe_tokens).__name__}")
-        check_peak_flops(self.peak_flops)
+        object.__setattr__(self, "peak_flops", check_peak_flops(self.peak_flops))
 
     def merged(self, **given: Any) -> Options:
         """These options with those given overridden; None means "not given"."""

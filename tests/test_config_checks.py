@@ -350,3 +350,32 @@ def test_the_default_nonfinite_rule_pauses_an_own_loop_on_a_nan_loss(tmp_path):
     mon.wait()
     assert mon.state == "finished" and mon.step == len(batches)
     assert ev.message.str.contains("emergency").any() or (mon.events.kind == "checkpoint").any()
+
+
+def test_numbers_from_a_config_numpy_ints_and_floats_are_taken_as_python_ones(tmp_path):
+    """Counts read from a YAML/NumPy config are numpy scalars: `max_steps=np.int64(6)` was
+    refused ('must be a positive int'), and a numpy count kept as given broke the run's
+    meta (not JSON). Each is taken as the int or float it stands for."""
+    np = pytest.importorskip("numpy")
+    model, opt, batches = setup()
+    cfg = {"max_steps": np.int64(6), "eval_every": np.int64(3),
+           "checkpoint_every": np.int32(3), "hist_every": np.int64(2),
+           "update_every": np.int64(2), "log_every": np.uint8(2),
+           "dist_timeout": np.float64(30.0), "clip": np.float32(1.0)}
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False)
+    step = lambda m, b: m(b["input_ids"]).mean()  # noqa: E731
+    mon.start(step, batches, val_fn=lambda m: 1.0, display=False, **cfg).wait()
+    assert mon.state == "finished" and mon.step == 6
+    opts = nbwatch.open_run(tmp_path / "r").meta["run"]["options"]
+    assert opts["hist_every"] == 2 and type(opts["hist_every"]) is int
+    assert type(opts["dist_timeout"]) is float
+    ev = mon.events
+    assert set(ev[ev.kind == "checkpoint"].step) >= {3, 6}
+    from nbwatch.controls import _rewind
+    assert _rewind(np.int64(2), np.int64(0)) == {"steps": 2, "skip": 0}
+    mon2 = nbwatch.Monitor(model, opt, run_dir=tmp_path / "q", display=False,
+                           max_steps=np.int64(4), keep_last=np.int64(2))
+    with mon2:
+        for b in batches[:4]:
+            mon2.log(loss=train_step(model, opt, b))
+    assert nbwatch.open_run(tmp_path / "q").meta["run"]["options"]["max_steps"] == 4

@@ -459,3 +459,46 @@ def test_a_schema_3_folder_reads_and_a_writer_reopening_it_marks_it_4(tmp_path):
     store.put(Histogram(2, "weight/a", edges, counts[1]))
     store.close()
     check(RunReader(tmp_path / "run"), 2)
+
+
+def test_ctrl_c_pressed_while_close_waits_leaves_the_folder_free_and_every_record(tmp_path):
+    """Ctrl-C pressed again and again while `close()` commits a big queue: the interrupt
+    reaches the caller, the writer thread still commits everything, and the folder's
+    lock goes with it. The lock was kept, so the same kernel could not reopen or resume
+    the run ('is being written by another nbwatch run')."""
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import signal, threading, time
+        from nbwatch.records import Scalars
+        from nbwatch.store import RunInUse, RunStore
+        store = RunStore({str(run)!r})
+        names = [f"layer{{i}}/grad_norm" for i in range(300)]
+        for s in range(1, 10001):
+            store.put(Scalars(s, {{n: float(s) for n in names}}))
+        main, done = threading.main_thread().ident, threading.Event()
+        def pester():
+            while not done.wait(0.05):
+                signal.pthread_kill(main, signal.SIGINT)
+        threading.Thread(target=pester, daemon=True).start()
+        try:
+            store.close()
+            print("closed")
+        except KeyboardInterrupt:
+            print("interrupted")
+        done.set()
+        # not store._thread.join(): a join cut by Ctrl-C marks a running thread stopped
+        # (CPython 3.11); the writer's lock says when it is done
+        for _ in range(300):
+            try:
+                RunStore({str(run)!r}).close()
+                print("reopened")
+                break
+            except RunInUse:
+                time.sleep(0.1)
+    """)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["interrupted", "reopened"], out.stdout
+    reader = RunReader(run)
+    assert reader.last_step() == 10000
+    assert reader.df()["layer299/grad_norm"].iloc[-1] == 10000.0
+    reader.close()

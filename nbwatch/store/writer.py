@@ -106,6 +106,7 @@ class RunStore(RunReader):
                 unlock(lock)
                 raise
         self._lock: int = -1 if lock is None else lock
+        self._unlocking = threading.Lock()
         opened = time.time()
         for folder in (self.run_dir, self.run_dir / "checkpoints"):  # what a killed write left
             sweep_temp_files(folder, before=opened)
@@ -116,11 +117,12 @@ class RunStore(RunReader):
             raise
 
     def _unlock(self) -> None:
-        unlock(self._lock)
-        self._lock = -1
-        if self._heartbeat is not None:
-            self._heartbeat.release()
-            self._heartbeat = None
+        with self._unlocking:  # close() and the writer thread both may: close the fd once
+            unlock(self._lock)
+            self._lock = -1
+            if self._heartbeat is not None:
+                self._heartbeat.release()
+                self._heartbeat = None
 
     def _open_writer(self, flush_interval: float, max_pending: int) -> None:
         self._local = threading.local()
@@ -174,6 +176,9 @@ class RunStore(RunReader):
         # the commands not yet taken, as the writer last read them (`command_rows`)
         self._commands: list[tuple] | None = None
         self._commands_read = 0.0
+        # set as the writer thread ends: not Thread.is_alive(), which a join() cut short by
+        # Ctrl-C leaves False while the thread still writes (CPython 3.11)
+        self._ended = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="nbwatch-store", daemon=True)
         self._thread.start()
 
@@ -192,7 +197,7 @@ class RunStore(RunReader):
         with self._cond:
             if self._pending >= self.max_pending:
                 self._cond.notify_all()
-                while (self._pending >= self.max_pending and self._thread.is_alive()
+                while (self._pending >= self.max_pending and not self._ended.is_set()
                        and self.error is None):
                     self._cond.wait(1.0)
                 if self.error is not None:
@@ -217,7 +222,7 @@ class RunStore(RunReader):
         of its taking), so that the training thread's poll opens no connection of its
         own (~1-2 ms each); `fresh`, or no writer thread: read now."""
         rows = self._commands
-        if fresh or rows is None or not self._thread.is_alive():
+        if fresh or rows is None or self._ended.is_set():
             return super().command_rows(after_id)
         return [r for r in rows if r[0] > after_id]
 
@@ -233,7 +238,7 @@ class RunStore(RunReader):
             self._cond.notify_all()
             ok = self._cond.wait_for(
                 lambda: (self._written >= target or self.error is not None
-                         or not self._thread.is_alive()), timeout)
+                         or self._ended.is_set()), timeout)
         if self.error is not None:
             self._raise_error()
         if not ok:
@@ -249,14 +254,13 @@ class RunStore(RunReader):
         """Commit what is queued, fold the WAL into `nbwatch.db` and remove it. A writer that
         failed raises its error here, unless `put()` or `flush()` raised it already."""
         try:
-            if self._thread.is_alive() and not self._told:
+            if not self._ended.is_set() and not self._told:
                 self.flush(timeout=60)
         finally:  # a dead writer too: stop it, and never keep the folder locked
             self._stop.set()
             with self._cond:
                 self._cond.notify_all()
-            self._thread.join(timeout=60)
-            if not self._thread.is_alive():
+            if self._ended.wait(60):
                 self._unlock()
         if self.error is not None and not self._told:
             self._raise_error()
@@ -361,6 +365,9 @@ class RunStore(RunReader):
                                  or self._pending >= self.max_pending // 2),
                         self.flush_interval,
                     )
+                    # read with the batch: a stop set while the last batch was written
+                    # must not leave what was queued meanwhile unwritten
+                    stopping = self._stop.is_set()
                     batch, self._buf = self._buf, []
                     self._unmerged += self._pending
                     self._pending = 0
@@ -374,7 +381,7 @@ class RunStore(RunReader):
                 with self._cond:
                     self._written = max(self._written, target)
                     self._cond.notify_all()
-                if self._stop.is_set():
+                if stopping:
                     break
             with self._wcon:
                 removed = self._tables.compact() + self._tables.compact_system()
@@ -393,6 +400,11 @@ class RunStore(RunReader):
                 self._cond.notify_all()
         finally:
             self._wcon.close()
+            if self._stop.is_set():  # close() asked: the folder is free, even when a Ctrl-C
+                self._unlock()       # cut close() short while it waited for this thread
+            with self._cond:
+                self._ended.set()
+                self._cond.notify_all()
 
     def _read_commands(self, changed: bool) -> None:
         """Read the commands not yet taken (`command_rows`): when this batch wrote one or

@@ -24,6 +24,7 @@ from .alerts import AlertEngine
 from .checkpoint import load, restore_into
 from .distributed import Dist, NullStore
 from .environment import environment
+from .interrupts import finish_first
 from .lifecycle import RunState
 from .logs import open_run_log
 from .monitor_state import MonitorState
@@ -295,6 +296,11 @@ class RunOpening(MonitorState):
         if self._mode != "loop" or rec is None:
             return
         atexit.unregister(self._at_exit)
+        with finish_first("the final checkpoint and the run's last records are written",
+                          interrupted=isinstance(exc, KeyboardInterrupt)):
+            self._end_loop_now(rec, exc)
+
+    def _end_loop_now(self, rec: StepRecorder, exc: BaseException | None) -> None:
         try:
             clean_exit = isinstance(exc, SystemExit) and exc.code in (0, None)
             if rec.ended:  # stopped at log(), or failed already

@@ -382,3 +382,51 @@ def test_dataloader_workers_do_not_keep_the_run_folder_locked(tmp_path):
     again.wait()
     assert again.step == 6
     del loader
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_while_the_run_ends_lets_the_final_checkpoint_finish(tmp_path, presses):
+    """Ctrl-C pressed as a `with Monitor(...)` block writes its final checkpoint: the
+    checkpoint and the last records finish, then the KeyboardInterrupt reaches the cell;
+    the run reads finished and resumes. It was cut mid-write: the run read 'stale' with no
+    checkpoint to resume from. A second press abandons the ending, as Ctrl-C does."""
+    run = tmp_path / "run"
+    proc = script("""
+        import signal, threading
+        presses, main = int(sys.argv[2]), threading.main_thread().ident
+        save = torch.save
+        def pressed_during(obj, f, *a, **k):  # the user's Ctrl-C, as the checkpoint is written
+            for _ in range(presses):
+                signal.pthread_kill(main, signal.SIGINT)
+                time.sleep(0.01)
+            return save(obj, f, *a, **k)
+        batches = make_batches(n=8)
+        try:
+            with nbwatch.Monitor(model, opt, run_dir=run_dir, display=False) as mon:
+                for b in batches:
+                    loss = nbwatch.masked_cross_entropy(model(b["input_ids"]), b["labels"],
+                                                        b["mask"])
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    mon.log(loss=loss)
+                torch.save = pressed_during
+        except KeyboardInterrupt:
+            print("interrupted", mon.state)
+        torch.save = save
+        print("ended")
+    """, str(run), str(presses))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert out.split()[0] == "interrupted", (out, err)
+    r = nbwatch.open_run(run)
+    if presses == 1:
+        assert "Ctrl-C waits until the final checkpoint" in err
+        assert out.split()[1] == "finished"
+        assert r.state == "finished" and r.step == 8
+        model, opt = new_tiny(1)
+        mon = nbwatch.Monitor(model, opt, run_dir=run, display=False, resume=True)
+        assert mon.step == 8
+    else:
+        assert r.state == "stale"
+        nbwatch.Monitor(*new_tiny(1), run_dir=run, display=False)  # the folder is free

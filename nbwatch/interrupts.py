@@ -1,0 +1,44 @@
+"""Ctrl-C while a run ends in the foreground: the first press lets the final checkpoint
+and the store's last commit finish, then interrupts; a second press abandons them.
+
+Without it a press during the close (the cell's `with` block, the Trainer's end) cut the
+checkpoint's write or the store's last commit short: the run read 'stale' and could not
+be resumed, though every step had run."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+@contextmanager
+def finish_first(what: str, interrupted: bool = False) -> Iterator[None]:
+    """Hold Ctrl-C while `what` runs (the main thread, under Python's own handler only:
+    a handler of the user's or a framework's is left as it is); raise the held
+    KeyboardInterrupt once it is done, unless the block ends a Ctrl-C already
+    (`interrupted`)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    pressed: list[bool] = []
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if pressed:
+            raise KeyboardInterrupt
+        pressed.append(True)
+        print(f"nbwatch: Ctrl-C waits until {what} (a second or two); press Ctrl-C again "
+              "to abandon that (the run then reads 'stale' and may not resume)",
+              file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed and not interrupted:
+        raise KeyboardInterrupt

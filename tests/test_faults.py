@@ -214,6 +214,9 @@ def test_a_full_disk_says_disk_full_first(tmp_path):
             print("STATE", mon.state, flush=True)
         """, str(small / "run"), "disk" if mounted else "limit")
         out, err = proc.communicate(timeout=180)
+        on_disk = nbwatch.open_run(small / "run")
+        state, events = on_disk.state, on_disk.events
+        left = sorted(p.name for p in (small / "run").iterdir())
     finally:
         if mounted:
             subprocess.run(["umount", str(small)], check=False)
@@ -221,6 +224,11 @@ def test_a_full_disk_says_disk_full_first(tmp_path):
     assert f"RAISED StoreFailed {cause}" in out, out + err[-2000:]
     assert "STATE failed" in out
     assert "Logging error" not in err  # one clear error, not a traceback per log line
+    assert ".nbwatch-reserve" not in left
+    if mounted:  # the space set aside at the start records the end: it read 'stale'
+        assert state == "failed"
+        said = events[events.kind == "error"].message.tolist()
+        assert said and said[-1].startswith("disk full: the run store"), said
 
 
 # 6 ----------------------------------------------------------------------------------------

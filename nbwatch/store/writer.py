@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ..records import Command, Event, Histogram, Scalars, SystemSample
-from . import tamper
+from . import reserve, tamper
 from .batch import write_batch
 from .histograms import HistTables
 from .lock import (
@@ -110,9 +110,11 @@ class RunStore(RunReader):
         opened = time.time()
         for folder in (self.run_dir, self.run_dir / "checkpoints"):  # what a killed write left
             sweep_temp_files(folder, before=opened)
+        self._reserve = reserve.set_aside(self.run_dir)
         try:
             self._open_writer(flush_interval, max_pending)
         except BaseException:
+            reserve.give_back(self._reserve)
             self._unlock()
             raise
 
@@ -176,8 +178,7 @@ class RunStore(RunReader):
         # the commands not yet taken, as the writer last read them (`command_rows`)
         self._commands: list[tuple] | None = None
         self._commands_read = 0.0
-        # set as the writer thread ends: not Thread.is_alive(), which a join() cut short by
-        # Ctrl-C leaves False while the thread still writes (CPython 3.11)
+        # not Thread.is_alive(): a join() cut by Ctrl-C makes it False while the thread runs
         self._ended = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="nbwatch-store", daemon=True)
         self._thread.start()
@@ -315,10 +316,10 @@ class RunStore(RunReader):
                 log.warning("rebuilding the WAL of %s failed: %s", self.path, e)
             else:
                 self._files = self._identity()
-                self._write([Event(self._last_step(), "alert", "warning",
-                                   f"store: {what}; nbwatch wrote every record back from"
-                                   " its open copy and started a new one: nothing was lost",
-                                   {"rule": "store"})])
+                write_batch(self._wcon, self._tables, self._hists, [Event(
+                    self._last_step(), "alert", "warning", f"store: {what}; nbwatch wrote "
+                    "every record back from its open copy and started a new one: nothing was "
+                    "lost", {"rule": "store"})])
                 log.warning("%s; rebuilt from the writer's open copy, nothing lost", what)
                 return
         if kind == "deleted":
@@ -365,8 +366,7 @@ class RunStore(RunReader):
                                  or self._pending >= self.max_pending // 2),
                         self.flush_interval,
                     )
-                    # read with the batch: a stop set while the last batch was written
-                    # must not leave what was queued meanwhile unwritten
+                    # with the batch: a stop set during the last write leaves nothing behind
                     stopping = self._stop.is_set()
                     batch, self._buf = self._buf, []
                     self._unmerged += self._pending
@@ -374,7 +374,7 @@ class RunStore(RunReader):
                     target = self._queued
                     self._cond.notify_all()  # a put() waiting on back-pressure goes on
                 if batch:
-                    self._write(batch)
+                    write_batch(self._wcon, self._tables, self._hists, batch)
                     self._compact_now()
                 self._watch()
                 self._read_commands(any(isinstance(r, (Command, Taken)) for r in batch))
@@ -392,6 +392,9 @@ class RunStore(RunReader):
             self.error = StoreFailed(str(e) if isinstance(e, _Damaged)
                                      else _failure(e, self.path))
             self.error.__cause__ = e
+            if str(self.error).startswith("disk full"):  # said in the space set aside
+                reserve.last_words(self._wcon, self._tables, self._hists, self._reserve,
+                                   str(self.error))
             if isinstance(e, _Damaged):  # what happened is the message: no traceback
                 log.error("nbwatch store writer stopped: %s", e)
             else:
@@ -400,6 +403,7 @@ class RunStore(RunReader):
                 self._cond.notify_all()
         finally:
             self._wcon.close()
+            reserve.give_back(self._reserve)
             if self._stop.is_set():  # close() asked: the folder is free, even when a Ctrl-C
                 self._unlock()       # cut close() short while it waited for this thread
             with self._cond:
@@ -433,16 +437,12 @@ class RunStore(RunReader):
             self._tables.compact_system()
 
     def _fold_wal(self) -> None:
-        """Checkpoint the WAL into the database file and leave WAL mode, so the run folder's
-        `nbwatch.db` alone holds every record; through journal mode OFF, so that a kill at
-        any instant leaves a readable WAL or the finished file, never a hot journal
-        (`recover.fold`). A reader of another process that holds the file open at this
-        moment keeps the (emptied) WAL until the next open that can write folds it. In
-        network mode there is no WAL: the file is complete after every commit."""
+        """Fold the WAL into `nbwatch.db` and leave WAL mode, so that the file alone holds
+        every record, through journal mode OFF: a kill at any instant leaves a readable WAL
+        or the finished file, never a hot journal (`recover.fold`). A reader holding the
+        file open keeps the (emptied) WAL until the next writer folds it. Network mode has
+        no WAL: the file is complete after every commit."""
         if self.mode == NETWORK or fold(self._wcon):
             return
         log.warning("%s: a reader held the database open; its WAL is emptied but kept",
                     self.path)
-
-    def _write(self, batch: list[Any]) -> None:
-        write_batch(self._wcon, self._tables, self._hists, batch)

@@ -502,3 +502,25 @@ def test_ctrl_c_pressed_while_close_waits_leaves_the_folder_free_and_every_recor
     assert reader.last_step() == 10000
     assert reader.df()["layer299/grad_norm"].iloc[-1] == 10000.0
     reader.close()
+
+
+def test_a_reader_kept_across_a_folder_deleted_and_written_again_reads_the_new_run(tmp_path):
+    """A follower's reader outlives its folder: `rm -rf runs/exp1` and a new run there. Its
+    cached layouts named the old run's keys, so the new run's values came out under the
+    wrong columns (grad_norm NaN, loss/val holding another figure)."""
+    run = tmp_path / "run"
+    store = RunStore(run)
+    for s in range(1, 6):
+        store.put(Scalars(s, {"loss/train": 1.0, "lr": 0.1}))
+    store.close()
+    reader = RunReader(run)
+    assert reader.df().columns.tolist() == ["loss/train", "lr"]
+    shutil.rmtree(run)
+    store = RunStore(run)
+    for s in range(1, 4):
+        store.put(Scalars(s, {"grad_norm": 5.0, "acc": 0.5, "loss/val": 3.0}))
+    store.close()
+    df = reader.df()
+    assert df.index.tolist() == [1, 2, 3]
+    assert df.to_dict("list") == {"grad_norm": [5.0] * 3, "acc": [0.5] * 3,
+                                  "loss/val": [3.0] * 3}

@@ -53,6 +53,7 @@ class RunReader(RecordReads, SystemReads):
             )
         self._local = threading.local()
         self._layouts: dict[int, Layout] = {}
+        self._file: tuple[int, ...] | None = None  # the database file the layouts are of
         # what a writer killed mid-write left (a hot journal, an unfolded WAL): put right
         # with one read-write open when no writer holds the folder
         self._recovered = recover(self.run_dir) if leftovers(self.path) else None
@@ -87,7 +88,7 @@ class RunReader(RecordReads, SystemReads):
         if getattr(self._local, "con", None) is not None:
             yield
             return
-        con = _connect(self.path, readonly=True)
+        con = self._connect()
         con.execute("BEGIN")
         self._local.con = con
         try:
@@ -118,11 +119,24 @@ class RunReader(RecordReads, SystemReads):
         con = getattr(self._local, "con", None)
         if con is not None:
             return con.execute(sql, params).fetchall()
-        con = _connect(self.path, readonly=True)
+        con = self._connect()
         try:
             return con.execute(sql, params).fetchall()
         finally:
             con.close()
+
+    def _connect(self) -> sqlite3.Connection:
+        """A read-only connection. Where the database file changed since the last one, what
+        was cached of it is read again: the folder may have been deleted and a new run
+        written in its place, whose layout ids name other keys (the inode alone may be
+        reused; a live run's file changes only at its WAL's checkpoints)."""
+        con = _connect(self.path, readonly=True)
+        with contextlib.suppress(OSError):
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino, st.st_mtime_ns) != self._file:
+                self._layouts.clear()
+                self._file = (st.st_dev, st.st_ino, st.st_mtime_ns)
+        return con
 
     def close(self) -> None:
         """Nothing to release (connections live for one call); kept for callers."""

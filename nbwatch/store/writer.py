@@ -128,7 +128,7 @@ class RunStore(RunReader):
 
     def _open_writer(self, flush_interval: float, max_pending: int) -> None:
         self._local = threading.local()
-        self._layouts = {}
+        self._layouts, self._file = {}, None  # RunReader's, for this writer's own reads
         if self.path.is_file():
             if hot_journal(self.path):  # a writer killed mid-write: roll it back first
                 why = recover(self.run_dir, locked=True)

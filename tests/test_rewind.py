@@ -214,3 +214,30 @@ def test_a_rewind_keeps_the_steering_in_force_and_its_branch_ends_with_a_checkpo
     assert ev[ev.kind == "checkpoint"].message.str.startswith("stop checkpoint at step 8").any()
     again = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", resume=True, display=False)
     assert again.step == 8 and again.control.lr_factor == 0.5 and again.control.clip == 0.25
+
+
+def test_a_stop_right_after_a_rewind_resumes_past_the_batches_it_skipped(tmp_path):
+    """Rewind and stop pressed together (start()): the run stops at the checkpoint it went
+    back to. resume=True then trained again on the batches the rewind left behind and
+    skipped (the spike's, in practice): that checkpoint said where the data stood when it
+    was first written, and the stop wrote none of its own."""
+    demo = make_demo(d=32, layers=1, heads=2, ctx=32, max_steps=60)
+    data = [dict(b, pos=i) for i, b in enumerate(itertools.islice(itertools.cycle(demo.train),
+                                                                  200))]
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "r")
+    seen: list[int] = []
+
+    def step(model, batch):
+        seen.append(int(batch["pos"]))
+        if seen[-1] == 25 and len(seen) == 26:  # step 26: back to step 20, skip 5, stop
+            mon.rewind(steps=6, skip=5)
+            mon.stop()
+        return demo.step_fn(model, batch)
+
+    mon.start(step, data, max_steps=60, checkpoint_every=10, display=False).wait()
+    assert mon.state == "stopped" and mon.step == 20, mon.traceback
+    seen.clear()
+    mon.start(step, data, max_steps=60, resume=True, display=False).wait()
+    assert mon.state == "finished" and mon.step == 60, mon.traceback
+    assert seen[0] == 26 + 5  # batches 0–25 trained before, 26–30 skipped
+    assert len(seen) == 40 and seen == list(range(31, 71))

@@ -134,8 +134,16 @@ def state_dict(rec: Evaluating) -> dict[str, Any]:
         "scaler": rec.scaler.state_dict() if rec.scaler is not None else None,
         "rng": rng_state(),
         "controls": rec.control.to_dict(),
-        "data": list(rec.rewind_state.data_at or ()) or None,  # start()'s: where to resume
+        "data": data_at(rec.rewind_state),
     }
+
+def data_at(st: Any) -> list[int] | None:
+    """Where a resume of start()'s loop goes on in the data (`RewindState.data_at`), past
+    the batches a skip has yet to throw away (a stop pressed with a rewind and its skip)."""
+    if st.data_at is None:
+        return None
+    epoch, index = st.data_at
+    return [epoch, index + st.skip_batches]
 
 def checkpoint(rec: Evaluating, reason: str) -> None:
     rec.flush_deferred()

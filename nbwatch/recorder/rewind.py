@@ -121,8 +121,10 @@ def do_rewind(rec: Rewinding, cmd: Command) -> Outcome:
     clip, factor = c.clip, c.lr_factor  # the steering in force holds over the rewind
     restore_into(ckpt, rec.model, rec.opt, rec.sched, rec.scaler, c, rec.ckpt.dir)
     kept = keep_steering(rec, clip, factor)
-    ev = rec.evals  # the checkpoint gone back to is the newest, and no eval follows it yet
-    ev.ckpt_step, ev.last_val, ev.last_val_step = to, None, None
+    # no eval follows the checkpoint gone back to yet; nor does it say where the data now
+    # stands, nor the steering kept: a stop right here writes the checkpoint again
+    ev = rec.evals
+    ev.ckpt_step, ev.last_val, ev.last_val_step = None, None, None
     st.rewinds += 1
     aside: list = []
     if d is None or d.rank == 0:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import controls as ctl
+from .distributed import rank0_run_dir
 from .lifecycle import LIVE, RunState
 from .records import Command, Event
 from .run import Readout, Run, started_run
@@ -169,6 +170,7 @@ class Adapter:
         from .inputs import default_run_dir
 
         self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
+        self._named_here = run_dir is None  # by this rank's clock: rank 0's at the fit
         self.config = dict(config or {})
         self.monitor_kwargs = monitor_kwargs
         self.name = monitor_kwargs.get("name") or self.run_dir.name
@@ -258,8 +260,17 @@ class Adapter:
             return
         with self._taking:  # refused before anything is taken; the last fit closed
             self._settle(api, trainer)
+        self._rank0_dir()
         self._check_fresh(resuming, how)
         self._take(api, me, trainer)
+
+    def _rank0_dir(self) -> None:
+        """Under torchrun, a default run folder is rank 0's on every rank (a collective)."""
+        if self._named_here:
+            own = self.run_dir
+            self.run_dir, self._named_here = rank0_run_dir(own), False
+            if self.name == own.name:
+                self.name = self.run_dir.name
 
     def _check_fresh(self, resuming: bool, how: str) -> None:
         """A fit from step 0 must not write over the run a folder holds (the Monitor would
@@ -349,6 +360,7 @@ class Adapter:
 
         with self._taking:
             self._settle(api, trainer)  # its own stale writer lock must not refuse it
+        self._rank0_dir()
         check_run_dir(self.run_dir)
         self._check_fresh(resuming, how)
         check_no_writer(self.run_dir)

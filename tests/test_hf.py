@@ -419,6 +419,27 @@ def test_adapter_errors_name_the_fix(tmp_path):
         "loss": 2.0, "accuracy": 0.5}
 
 
+def test_torchrun_callback_without_run_dir_records_one_folder_for_both_ranks(tmp_path):
+    """`NbwatchCallback()` made on each rank of a torchrun job, rank 1's a second and a half
+    after rank 0's, which then fails: its default folder was named by its own clock, so
+    its error report went where rank 0 never looked ("lost contact with another rank").
+    Both use rank 0's folder now, and the run names rank 1's error."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "NBWATCH_RUN_DIR"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "tests" / "scripts" / "hf_ddp_train.py"), str(out), "40"],
+        cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT), "BREAK_RANK1_AT": "7"},
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    (folder,) = (tmp_path / "runs").iterdir()
+    run = nbwatch.open_run(folder)
+    assert run.state == "failed" and run.meta["run"]["world_size"] == 2
+    error = run.events[run.events.kind == "error"].message.iloc[-1]
+    assert "rank 1 broke at step 7" in error, error
+
+
 def test_torchrun_trainer_stop_from_attach_ends_both_ranks_at_one_step(tmp_path):
     run_dir, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()

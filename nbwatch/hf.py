@@ -317,7 +317,7 @@ class NbwatchCallback(Adapter, TrainerCallback):
         super()._forget()
         self.trainer, self._save_reason = None, None
         self._samples, self._saved_step, self._save_t0 = [], None, None
-        self._at_boundary = False
+        self._at_boundary = self._interrupted = False  # a Ctrl-C is its fit's alone
 
     def _close_unseen(self) -> None:
         self._unwrap()

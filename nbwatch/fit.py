@@ -167,11 +167,11 @@ class Adapter:
 
     def __init__(self, run_dir: str | os.PathLike | None = None,
                  config: dict[str, Any] | None = None, **monitor_kwargs: Any):
-        from .inputs import default_run_dir
+        from .inputs import as_config, default_run_dir
 
         self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
         self._named_here = run_dir is None  # by this rank's clock: rank 0's at the fit
-        self.config = dict(config or {})
+        self.config = as_config(config)
         self.monitor_kwargs = monitor_kwargs
         self.name = monitor_kwargs.get("name") or self.run_dir.name
         self.monitor: Monitor | None = None

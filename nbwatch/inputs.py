@@ -4,18 +4,22 @@ scheduler that a Monitor is given, the run folder, step counts, probe samples an
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import math
 import os
 import time
+import types
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .counts import integral, real
+from .counts import as_python, integral, real
 from .optimizer_hooks import hooked_optimizer, inner_scheduler
 from .options import check_every
 from .probes.attention import take_samples
@@ -29,7 +33,7 @@ from .store import is_run_dir
 
 def check_monitor(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                   config: dict[str, Any] | None, keep_last: int,
-                  system_interval: float, on_alert: Any = None) -> None:
+                  system_interval: float, on_alert: Any = None) -> dict[str, Any]:
     """Refuse what cannot work, before anything opens, with the fix in the message."""
     refuse_unsupported(model, optimizer)  # FSDP1, DeepSpeed
     if not isinstance(model, nn.Module):
@@ -68,7 +72,7 @@ def check_monitor(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler:
                 f"scheduler {type(scheduler).__name__} has no state_dict(): checkpoints "
                 "will not hold its state, and a resumed run restarts its schedule; give "
                 "it state_dict()/load_state_dict() to resume it", stacklevel=4)
-    check_config(config)
+    config = check_config(config)
     typed = real(system_interval)
     if not typed or not math.isfinite(system_interval) or system_interval < 0.1:
         raise (ValueError if typed else TypeError)(
@@ -86,18 +90,40 @@ def check_monitor(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler:
             f"{on_alert!r}; e.g. on_alert=lambda ev: print(ev.message) (alerts are in "
             "mon.events and the dashboard without one)")
     check_covers(model, optimizer)
+    return config
 
 
 CONFIG_DEPTH = 64  # nesting levels a config may have (a deeper one is refused, not truncated)
 
 
-def check_config(config: Any) -> None:
-    """A dict that can be stored as JSON (what cannot be is stored as its str()), nested at
-    most CONFIG_DEPTH levels (the store, the config table and comparisons walk it)."""
+def as_config(config: Any) -> dict[str, Any]:
+    """The run's config as a dict, from what training scripts hold it in: a dict or other
+    mapping, an argparse Namespace, a dataclass, an OmegaConf config, or an object with
+    `to_dict()` (a Hugging Face config, TrainingArguments)."""
     if config is None:
-        return
-    if not isinstance(config, dict):
-        raise TypeError(f"config must be a dict, got {type(config).__name__}")
+        return {}
+    if type(config).__module__.split(".")[0] == "omegaconf":
+        from omegaconf import OmegaConf  # type: ignore[import-not-found]
+
+        config = OmegaConf.to_container(config, resolve=True)
+    elif dataclasses.is_dataclass(config) and not isinstance(config, type):
+        config = dataclasses.asdict(config)
+    elif isinstance(config, (argparse.Namespace, types.SimpleNamespace)):
+        config = vars(config)
+    elif not isinstance(config, Mapping) and callable(getattr(config, "to_dict", None)):
+        config = config.to_dict()
+    if not isinstance(config, Mapping):
+        raise TypeError(
+            f"config must be a dict (or an argparse Namespace, a dataclass, an OmegaConf "
+            f"config, an object with to_dict()), got {type(config).__name__}")
+    return dict(config)
+
+
+def check_config(config: Any) -> dict[str, Any]:
+    """`as_config(config)`, refused unless it can be stored as JSON (what cannot be is
+    stored as its str()) and is nested at most CONFIG_DEPTH levels (the store, the config
+    table and comparisons walk it)."""
+    config = as_config(config)
     level: list[dict | list | tuple] = [config]
     depth, seen = 0, {id(config)}
     while level:  # breadth first, no recursion: a 5,000-deep dict is refused, not a crash
@@ -111,10 +137,11 @@ def check_config(config: Any) -> None:
                  if isinstance(v, (dict, list, tuple)) and id(v) not in seen]
         seen.update(id(v) for v in level)  # a config that holds itself: json says so below
     try:
-        json.dumps(config, default=str)
+        json.dumps(config, default=as_python)
     except (ValueError, TypeError, RecursionError) as e:
         raise ValueError(f"config cannot be stored as JSON ({e}); pass a dict of plain "
                          "values (numbers, strings, lists, dicts)") from e
+    return config
 
 
 _ALLOWED_FOREIGN = {".ipynb_checkpoints", ".DS_Store", "torchrun.log",  # launch() writes the log

@@ -6,6 +6,8 @@ import json
 import logging
 from pathlib import Path
 
+from .counts import as_python
+
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 
 
@@ -24,7 +26,7 @@ class JsonFormatter(logging.Formatter):
                 out[k] = v
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
+        return json.dumps(out, default=as_python)
 
 
 class _RunLog(logging.FileHandler):

@@ -57,8 +57,7 @@ log = logging.getLogger("nbwatch")
 class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
     """Train in a background thread while every step is measured into `run_dir`.
 
-    >>> mon = nbwatch.Monitor(model, optimizer, scheduler, run_dir="runs/exp1",
-    ...                       config={"lr": 3e-4})
+    >>> mon = nbwatch.Monitor(model, optimizer, scheduler, run_dir="runs/exp1", config=args)
     >>> mon.start(step_fn, loader, max_steps=2000, val_fn=val_fn, eval_every=200)
     >>> mon.pause(); mon.scale_lr(0.5); mon.resume()
     >>> mon.wait()          # blocks: in a notebook this also blocks the buttons
@@ -76,8 +75,8 @@ class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
     its own): `resume=True` loads the newest checkpoint of `run_dir` now (`mon.step` says
     where the loop stands); `probe_batch` (+ `probe_fn(model, batch)`) gives the attention
     probe its fixed samples, run at each `log(val=...)`; `checkpoint_every` steps.
-    `peak_flops`: the device's peak FLOP/s for MFU (`throughput/mfu`), where its name is
-    not in `probes.throughput.PEAK_FLOPS` (dense bf16 of the common GPUs).
+    `peak_flops`: the device's peak FLOP/s for MFU, where `probes.throughput.PEAK_FLOPS`
+    lacks its name. `config`: a dict, an argparse Namespace, a dataclass or an OmegaConf one.
     `update_every`: the update ratios ‖ΔW‖/‖W‖ per layer every N steps (default: with the
     histograms, every `hist_every`); `update_every=1` takes them every step, at the cost of
     a copy of the weights before each update.
@@ -118,7 +117,8 @@ class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
         peak_flops: float | None = None,
         baseline: str | os.PathLike | list[str | os.PathLike] | None = None,
     ):
-        check_monitor(model, optimizer, scheduler, config, keep_last, system_interval, on_alert)
+        cfg = check_monitor(model, optimizer, scheduler, config, keep_last, system_interval,
+                            on_alert)
         check_every(max_steps=max_steps, checkpoint_every=checkpoint_every,
                     update_every=update_every)
         self.rules = configure(default_rules(), alerts)  # validates the overrides now
@@ -130,7 +130,7 @@ class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
         if self.rank == 0:  # under torchrun, rank 0 alone writes the run folder
             check_run_dir(self.run_dir)
         self.name = name or self.run_dir.name
-        self.config = dict(config or {})
+        self.config = cfg
         self.baselines = check_baselines(baseline)  # drawn faded under the loss (issue 24)
         self.system_interval = system_interval
         self.on_alert = on_alert

@@ -379,3 +379,39 @@ def test_numbers_from_a_config_numpy_ints_and_floats_are_taken_as_python_ones(tm
         for b in batches[:4]:
             mon2.log(loss=train_step(model, opt, b))
     assert nbwatch.open_run(tmp_path / "q").meta["run"]["options"]["max_steps"] == 4
+
+
+def test_a_config_as_training_scripts_hold_it_is_stored_as_plain_values(tmp_path):
+    """`config=args` (argparse), a dataclass, or a Hugging Face style object with to_dict():
+    they were refused ('config must be a dict'); numpy values in them were stored as the
+    strings '12' and 'True', which compare() then diffed as text."""
+    import argparse
+    import dataclasses
+
+    np = pytest.importorskip("numpy")
+
+    @dataclasses.dataclass
+    class Train:
+        lr: float = 3e-4
+        layers: int = 12
+
+    class HFStyle:
+        def to_dict(self):
+            return {"n_layer": np.int64(12), "tie": np.bool_(True)}
+
+    args = argparse.Namespace(lr=np.float64(1e-3), layers=np.int64(12), amp=np.bool_(True),
+                              betas=(0.9, 0.95), warmup=torch.tensor(100))
+    expected = [{"lr": 1e-3, "layers": 12, "amp": True, "betas": [0.9, 0.95], "warmup": 100},
+                {"lr": 3e-4, "layers": 12}, {"n_layer": 12, "tie": True}]
+    for i, (config, want) in enumerate(zip([args, Train(), HFStyle()], expected)):
+        model, opt, batches = setup()
+        mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / str(i), config=config,
+                              display=False)
+        mon.start(lambda m, b: m(b["input_ids"]).mean(), batches, max_steps=2,
+                  display=False).wait()
+        stored = nbwatch.open_run(tmp_path / str(i)).meta["config"]
+        assert stored == want and [type(v) for v in stored.values()] == [
+            type(v) for v in want.values()]
+    with pytest.raises(TypeError, match=r"config must be a dict \(or an argparse Namespace, "
+                                        r"a dataclass.*got int"):
+        nbwatch.Monitor(*setup()[:2], run_dir=tmp_path / "x", config=3)

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ..counts import as_python
 from ..records import Attention, Command, Event, Sample
 from .schema import command_row
 
@@ -90,7 +91,8 @@ def _attention(con: sqlite3.Connection, r: Attention) -> None:
 def _event(con: sqlite3.Connection, r: Event) -> None:
     con.execute("INSERT INTO events (step, wall, kind, severity, message, data)"
                 " VALUES (?, ?, ?, ?, ?, ?)",
-                (r.step, r.wall, r.kind, r.severity, r.message, json.dumps(r.data, default=str)))
+                (r.step, r.wall, r.kind, r.severity, r.message,
+                 json.dumps(r.data, default=as_python)))
 
 
 def _sample(con: sqlite3.Connection, r: Sample) -> None:

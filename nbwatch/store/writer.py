@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ..counts import as_python
 from ..records import Command, Event, Histogram, Scalars, SystemSample
 from . import reserve, tamper
 from .batch import write_batch
@@ -209,7 +210,7 @@ class RunStore(RunReader):
                 self._cond.notify_all()  # write now, not at the next interval
 
     def set_meta(self, key: str, value: Any) -> None:
-        self.put(Meta(key, json.dumps(value, default=str)))
+        self.put(Meta(key, json.dumps(value, default=as_python)))
 
     def add_command(self, command: Command) -> None:
         self.put(command)

@@ -3,7 +3,8 @@ and the store's last commit finish, then interrupts; a second press abandons the
 
 Without it a press during the close (the cell's `with` block, the Trainer's end) cut the
 checkpoint's write or the store's last commit short: the run read 'stale' and could not
-be resumed, though every step had run."""
+be resumed, though every step had run. After a second press the run still ends a stop,
+its steps recorded, without the final checkpoint (`opening._finish`)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def finish_first(what: str, interrupted: bool = False) -> Iterator[None]:
             raise KeyboardInterrupt
         pressed.append(True)
         print(f"nbwatch: Ctrl-C waits until {what} (a second or two); press Ctrl-C again "
-              "to abandon that (the run then reads 'stale' and may not resume)",
+              "to abandon that (the run then ends without its final checkpoint)",
               file=sys.stderr, flush=True)
 
     signal.signal(signal.SIGINT, on_sigint)

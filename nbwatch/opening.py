@@ -307,9 +307,9 @@ class RunOpening(MonitorState):
                 pass
             elif exc is None or isinstance(exc, StopTraining) or clean_exit:
                 rec.take_final_stop()  # a stop the loop saw before log() took it
-                rec.finish("stopped" if rec.stopping else "finished")
+                _finish(rec, "stopped" if rec.stopping else "finished")
             elif isinstance(exc, KeyboardInterrupt):
-                rec.finish("stopped")  # the user's Ctrl-C: a stop, not a crash
+                _finish(rec, "stopped")  # the user's Ctrl-C: a stop, not a crash
             else:
                 rec.fail(exc)
             rec.store.flush()
@@ -360,3 +360,13 @@ class RunOpening(MonitorState):
     def _record_system(self, figures: dict[str, float]) -> None:
         if self._store is not None:  # on its own wall-clock timeline: a long step keeps all
             self._store.put(SystemSample(figures, self._progress.step))
+
+
+def _finish(rec: StepRecorder, outcome: str) -> None:
+    """`rec.finish(outcome)`; Ctrl-C pressed a second time while it runs (`finish_first`)
+    abandons its final checkpoint, and the run ends a stop all the same."""
+    try:
+        rec.finish(outcome)
+    except KeyboardInterrupt:
+        rec.abandon_end()
+        raise

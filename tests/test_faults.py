@@ -397,7 +397,9 @@ def test_ctrl_c_while_the_run_ends_lets_the_final_checkpoint_finish(tmp_path, pr
     """Ctrl-C pressed as a `with Monitor(...)` block writes its final checkpoint: the
     checkpoint and the last records finish, then the KeyboardInterrupt reaches the cell;
     the run reads finished and resumes. It was cut mid-write: the run read 'stale' with no
-    checkpoint to resume from. A second press abandons the ending, as Ctrl-C does."""
+    checkpoint to resume from. A second press abandons the checkpoint, as Ctrl-C does,
+    and the run still ends 'stopped' with its steps (it read 'stale', and 'running' in
+    memory)."""
     run = tmp_path / "run"
     proc = script("""
         import signal, threading
@@ -431,10 +433,14 @@ def test_ctrl_c_while_the_run_ends_lets_the_final_checkpoint_finish(tmp_path, pr
     if presses == 1:
         assert "Ctrl-C waits until the final checkpoint" in err
         assert out.split()[1] == "finished"
-        assert r.state == "finished" and r.step == 8
+        assert r.state == "finished" and r.step == 8 and list(run.rglob("step_*8.pt"))
         model, opt = new_tiny(1)
         mon = nbwatch.Monitor(model, opt, run_dir=run, display=False, resume=True)
         assert mon.step == 8
-    else:
-        assert r.state == "stale"
+    else:  # abandoned: the run ends a stop, every step recorded, no final checkpoint
+        assert out.split()[1] == "stopped"
+        assert r.state == "stopped" and r.step == 8
+        assert any("final checkpoint (step 8) was not written" in m
+                   for m in r.events["message"]), list(r.events["message"])
+        assert not list(run.rglob("step_*8.pt")), list(run.rglob("*.pt"))
         nbwatch.Monitor(*new_tiny(1), run_dir=run, display=False)  # the folder is free

@@ -277,6 +277,32 @@ class StepRecorder:
         self._set_state(outcome)
         self.ended = True
 
+    def abandon_end(self) -> None:
+        """Ctrl-C pressed again while `finish` ran: the run ends a stop without what the
+        press cut short (its final checkpoint), its steps and state recorded all the same
+        (a folder left 'running' would read 'stale')."""
+        if self.ended:
+            return
+        self.ended = True
+        for record in (self.flush_deferred,
+                       lambda: self._emit(Event(
+                           self.step, "state", "warning",
+                           "Ctrl-C pressed twice while the run ended: its final checkpoint "
+                           f"(step {self.step}) was not written; {self._resumes_from()}",
+                           {"abandoned": "checkpoint"}),
+                           logging.WARNING),
+                       lambda: self._set_state("stopped"),
+                       self.expire_pending):
+            try:
+                record()
+            except Exception as e:  # noqa: BLE001 - the rest is still worth recording
+                self.log.error("recording the run's end failed: %s", e)
+
+    def _resumes_from(self) -> str:
+        last = self.ckpt.latest()
+        return (f"a resume starts from {last.name}" if last is not None
+                else "there is no checkpoint to resume from")
+
     def record_stepped(self) -> None:
         """A step the optimizer took but the loop did not log (stopped between its
         `optimizer.step()` and `log()`): recorded now, without what `log()` brings, so

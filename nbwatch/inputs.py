@@ -221,7 +221,9 @@ def check_start(step_fn: Any, train_data: Any, max_steps: Any, val_fn: Any,
     if not callable(step_fn):
         raise TypeError(f"step_fn must be callable as step_fn(model, batch), got {step_fn!r}")
     if not integral(max_steps) or max_steps < 1:
-        raise ValueError(f"max_steps must be a positive int, got {max_steps!r}")
+        fix = (f"int({max_steps!r})" if isinstance(max_steps, str) and max_steps.isdigit()
+               else "the optimizer steps to train, e.g. max_steps=1000")
+        raise ValueError(f"max_steps must be a positive int, got {max_steps!r}; pass {fix}")
     check_every(eval_every=eval_every, checkpoint_every=checkpoint_every)
     if not integral(accumulate) or accumulate < 1:
         raise ValueError(f"accumulate must be an int ≥ 1, got {accumulate!r}")

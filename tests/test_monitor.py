@@ -349,8 +349,10 @@ def test_corrupt_checkpoint_on_resume(tiny, tmp_path):
 
 def test_empty_data_and_bad_arguments(tiny, tmp_path):
     mon = monitor(tiny, tmp_path)
-    with pytest.raises(ValueError, match="max_steps must be a positive int"):
+    with pytest.raises(ValueError, match="max_steps must be a positive int.*max_steps=1000"):
         mon.start(tiny_step, tiny[2], max_steps=0, display=False)
+    with pytest.raises(ValueError, match=r"got '10'; pass int\('10'\)"):  # read from a config
+        mon.start(tiny_step, tiny[2], max_steps="10", display=False)
     with pytest.raises(TypeError, match="train_data must be iterable"):
         mon.start(tiny_step, 5, max_steps=3, display=False)
     mon.start(tiny_step, [], max_steps=3, display=False)

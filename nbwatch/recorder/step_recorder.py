@@ -284,24 +284,22 @@ class StepRecorder:
         if self.ended:
             return
         self.ended = True
-        for record in (self.flush_deferred,
-                       lambda: self._emit(Event(
-                           self.step, "state", "warning",
-                           "Ctrl-C pressed twice while the run ended: its final checkpoint "
-                           f"(step {self.step}) was not written; {self._resumes_from()}",
-                           {"abandoned": "checkpoint"}),
-                           logging.WARNING),
-                       lambda: self._set_state("stopped"),
-                       self.expire_pending):
+        for record in (self.flush_deferred, self._say_abandoned,
+                       lambda: self._set_state("stopped"), self.expire_pending):
             try:
                 record()
             except Exception as e:  # noqa: BLE001 - the rest is still worth recording
                 self.log.error("recording the run's end failed: %s", e)
 
-    def _resumes_from(self) -> str:
-        last = self.ckpt.latest()
-        return (f"a resume starts from {last.name}" if last is not None
-                else "there is no checkpoint to resume from")
+    def _say_abandoned(self) -> None:
+        saved = self.ckpt.steps()
+        if saved and saved[-1][0] == self.step:  # the press came after the checkpoint
+            return
+        where = (f"a resume starts from {saved[-1][1].name}" if saved
+                 else "there is no checkpoint to resume from")
+        self._emit(Event(self.step, "state", "warning", "Ctrl-C pressed twice while the run "
+                         f"ended: its final checkpoint (step {self.step}) was not written; "
+                         f"{where}", {"abandoned": "checkpoint"}), logging.WARNING)
 
     def record_stepped(self) -> None:
         """A step the optimizer took but the loop did not log (stopped between its

@@ -178,7 +178,7 @@ class Dashboard(anywidget.AnyWidget):
         with self._lock:
             upd = feed.update()
             caught_up = False
-            if feed.rewound:  # the store dropped steps this mirror holds: read it anew
+            if feed.history_cut:  # the store dropped steps this mirror holds: read anew
                 feed.tail.reader.close()
                 feed = self._feed = Feed(RunReader(self._dir))
                 upd, caught_up = feed.update(), True

@@ -155,7 +155,7 @@ def test_a_refused_rewind_changes_nothing_and_the_page_does_not_take_it_for_one(
         if not feed.more:
             break
     feed.update()
-    assert not feed.rewound
+    assert not feed.history_cut
 
 
 def test_commands_sent_as_a_run_ends_expire_and_a_resume_never_replays_them(tmp_path):

@@ -388,3 +388,44 @@ def test_the_baseline_picker_draws_a_run_beside_this_one(tmp_path):
         assert unpack(content["panels"], buffers)["loss"]["baselines"] == []
     finally:
         dash.close()
+
+
+def test_a_dashboard_following_a_killed_run_through_its_resume_shows_the_resumed_history(
+        tmp_path):
+    """A job killed and resumed (a preempted torchrun job, say) drops the steps after its
+    checkpoint and records them again: a dashboard that followed it shows the history as
+    the resumed run left it, once each step (it kept the dropped steps beside the new
+    ones, until the page was reopened)."""
+    att = nbwatch.attach(tmp_path / "run", stale_after=0.5)
+    dash = Dashboard.for_monitor(att)
+    out = Outbox(dash)
+
+    def shown() -> tuple[list, list]:
+        dash._on_msg(dash, {"type": "hello", "view": "v1"}, [])
+        content, buffers = out.of("full")[-1]
+        train = unpack(content["panels"], buffers).get("loss", {}).get("train") or {}
+        return list(train.get("x", [])), list(train.get("y", []))
+
+    try:
+        first = RunStore(tmp_path / "run")  # killed at step 20: its state says "running"
+        first.set_meta("started", 1000.0)
+        first.set_meta("state", "running")
+        for s in range(1, 21):
+            first.put(Scalars(s, {"loss/train": 1.0}))
+        first.close()
+        until(lambda: shown()[0][-1:] == [20], 10, "the dashboard to show step 20")
+        resumed = RunStore(tmp_path / "run")  # from its checkpoint of step 10
+        resumed.truncate_after(10)
+        resumed.set_meta("started", 2000.0)
+        resumed.set_meta("state", "running")
+        for s in range(11, 16):
+            resumed.put(Scalars(s, {"loss/train": 5.0}))
+        resumed.set_meta("state", "finished")
+        resumed.close()
+        until(lambda: not dash.polling, 10, "the dashboard to see the run finish")
+        x, y = shown()
+        assert x == list(range(1, 16))
+        assert y == [1.0] * 10 + [5.0] * 5
+    finally:
+        dash.close()
+        att.close()

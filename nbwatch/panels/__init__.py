@@ -84,7 +84,9 @@ class Feed:
         self._ema: tuple[float, int] = (0.0, 0)
         self._heat: tuple[int, list[str]] | None = None  # (bin width, layers) last sent
         self.more = False
-        self.rewound = False  # a rewind cut the history this mirror holds: rebuild it
+        # a rewind, or a resume of the run (a new `started`), dropped steps this mirror
+        # holds: it must be read anew
+        self.history_cut = False
         self._caught_up = False  # read to the end once (a rewind read before is history)
 
     @property
@@ -137,7 +139,7 @@ class Feed:
         for e in d.events:
             if e["kind"] == "action" and (e.get("data") or {}).get("command") == "rewind" \
                     and self._caught_up:
-                self.rewound = True
+                self.history_cut = True
             if e["kind"] == "error":
                 self.error = e
             elif e["kind"] == "state" and _state_of(e) == "running":
@@ -149,6 +151,9 @@ class Feed:
         if d.attention is not None:
             self.attention = d.attention
         if d.meta is not None:
+            was = self.meta.get("started")
+            if was is not None and d.meta.get("started") != was:  # resumed: steps redone
+                self.history_cut = True
             self.meta = d.meta
         new_system = self._fold_system(d)
         new_clock = self._fold_clock(d)

@@ -1,80 +1,265 @@
-"""On a CUDA machine: a short monitored training in both modes, checked for what only a GPU
-shows. Exits 0 with a message where there is no CUDA.
+"""What watching costs on a GPU, workload by workload: one table.
 
-  1. device→host syncs per step, counted by `torch.cuda.set_sync_debug_mode("warn")`:
-     at most one a step outside histogram and eval steps, for `start()` and for a loop of
-     the user's own with `mon.log()` (whose loss is copied with the next step's norms);
-  2. the NVML gauges read real values (utilisation, memory, temperature/power);
-  3. the overhead: ms/step of the bare loop, of `mon.run(train)` and of `mon.start()`,
-     interleaved rounds, as ratios.
+Each workload trains bare and watched (a loop of your own with `mon.log`, `mon.start`, the
+HF Trainer with `NbwatchCallback`), variants interleaved in rounds, each on a fresh copy of
+the same initial model. Only steady steps are timed: a window of `--steps` steps inside
+the run, between two `torch.cuda.synchronize()` (the same in every variant), after the
+Monitor has opened and before it closes. Also, per loop, in a separate run:
 
-    python benchmarks/gpu_check.py [--steps 200] [--rounds 3]
+  - device→host syncs per steady step (`torch.cuda.set_sync_debug_mode("warn")`, any
+    thread; the target is 0 outside histogram and eval steps, which the window avoids);
+  - `time/nbwatch` (nbwatch's own host work) and `time/device_wait` against `time/step`.
+
+Workloads (all bf16 autocast, fused AdamW unless said):
+  gpt2       GPT-2 124M from `GPT2Config()` (vocab 50,304, SDPA), batch 16 × 1024
+  nanogpt    nanoGPT's shakespeare-char shape: 6 layers × 384, 6 heads, 64 × 256
+  tiny       nbwatch's TinyGPT 8 × 512, 16 × 256
+  trainer    GPT-2 124M under the HF Trainer, 16 × 512
+  compiled   `torch.compile`d GPT-2 124M, 16 × 1024, own loop
+  foreach    the nanoGPT shape with `torch.optim.AdamW(model.parameters())`: foreach, not fused
+
+    python benchmarks/gpu_check.py [--rounds 5] [--steps 30] [--only gpt2,nanogpt]
+    python benchmarks/gpu_check.py --device cpu --quick     # the script's own smoke test
+
+Fits in ~6 minutes on an H200. Exits 0 with a message where there is no CUDA device.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import statistics
 import sys
 import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 import nbwatch
-from nbwatch.demo import TinyGPT, masked_cross_entropy
+from nbwatch.demo import TinyGPT
+
+WARM = 8  # steps before the timed window (the Monitor opens at the first)
 
 
-def make(device: str, seed: int = 0):
-    torch.manual_seed(seed)
-    model = TinyGPT(vocab=512, d=512, layers=8, heads=8, ctx=256).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    batches = []
-    for _ in range(8):
-        ids = torch.randint(1, 512, (16, 256), generator=g)
-        lengths = torch.randint(64, 257, (16,), generator=g)
-        mask = (torch.arange(256)[None, :] < lengths[:, None]).long()
-        batches.append({k: v.to(device) for k, v in
-                        {"input_ids": ids, "labels": ids.roll(-1, 1), "mask": mask}.items()})
-    return model, opt, sched, batches
+@dataclass
+class Work:
+    """A workload: a model maker, a batch shape, and the loops it runs in."""
+
+    name: str
+    make: Callable[[], torch.nn.Module]
+    batch: int
+    seq: int
+    vocab: int
+    loops: tuple[str, ...] = ("log", "start")
+    fused: bool = True
+    compile: bool = False
+    rounds: int = 5
+    model: Any = None  # built once, copied for each variant
+    times: dict[str, list[float]] = field(default_factory=dict)
+    syncs: dict[str, float] = field(default_factory=dict)
+    own: dict[str, tuple[float, float, float]] = field(default_factory=dict)
 
 
-def step_fn(model, b):
-    return {"logits": model(b["input_ids"]), "labels": b["labels"], "mask": b["mask"]}
+def gpt2(layers: int = 12, heads: int = 12, d: int = 768, ctx: int = 1024,
+         vocab: int = 50304) -> Callable[[], torch.nn.Module]:
+    def make() -> torch.nn.Module:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(n_layer=layers, n_head=heads, n_embd=d, n_positions=ctx,
+                         vocab_size=vocab, attn_implementation="sdpa",
+                         bos_token_id=min(50256, vocab - 1), eos_token_id=min(50256, vocab - 1))
+        return GPT2LMHeadModel(cfg)
+    return make
 
 
-def train(model, opt, sched, batches, n, mon=None):
-    for i in range(n):
-        b = batches[i % len(batches)]
-        loss = masked_cross_entropy(model(b["input_ids"]), b["labels"], b["mask"])
+def workloads(quick: bool) -> list[Work]:
+    if quick:  # the script's own test: small shapes, on any device
+        small = gpt2(layers=2, heads=2, d=64, ctx=64, vocab=256)
+        return [Work("gpt2", small, 2, 64, 256, rounds=2),
+                Work("tiny", lambda: TinyGPT(vocab=256, d=64, layers=2, heads=2, ctx=64),
+                     2, 64, 256, rounds=2),
+                Work("trainer", small, 2, 64, 256, loops=("trainer",), rounds=2),
+                Work("foreach", small, 2, 64, 256, fused=False, rounds=2)]
+    return [
+        Work("gpt2", gpt2(), 16, 1024, 50304),
+        Work("nanogpt", gpt2(6, 6, 384, 256, 65), 64, 256, 65, rounds=7),
+        Work("tiny", lambda: TinyGPT(vocab=512, d=512, layers=8, heads=8, ctx=256),
+             16, 256, 512, rounds=7),
+        Work("trainer", gpt2(ctx=512), 16, 512, 50304, loops=("trainer",)),
+        Work("compiled", gpt2(), 16, 1024, 50304, loops=("log",), compile=True),
+        Work("foreach", gpt2(6, 6, 384, 256, 65), 64, 256, 65, fused=False, rounds=7),
+    ]
+
+
+# -- one variant ------------------------------------------------------------------------
+def batches(w: Work, device: str, n: int = 4) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(0, w.vocab, (w.batch, w.seq), generator=g).to(device)}
+            for _ in range(n)]
+
+
+def forward_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    out = model(ids)
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def fresh(w: Work, device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = copy.deepcopy(w.model)
+    if w.compile:
+        model = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4,
+                            **({"fused": True} if w.fused else {}))
+    return model, opt
+
+
+class Window:
+    """The timed window: steps WARM+1 .. WARM+steps, between two syncs."""
+
+    def __init__(self, steps: int, device: str):
+        self.steps, self.device = steps, device
+        self.t0 = self.t1 = 0.0
+
+    def at(self, done: int) -> None:
+        """Called at the start of a step, `done` steps completed."""
+        if done == WARM:
+            self.sync()
+            self.t0 = time.perf_counter()
+        elif done == WARM + self.steps:
+            self.sync()
+            self.t1 = time.perf_counter()
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    @property
+    def per_step(self) -> float:
+        return (self.t1 - self.t0) / self.steps
+
+
+def autocast(device: str) -> Any:
+    return torch.autocast(device, dtype=torch.bfloat16) if device == "cuda" \
+        else contextlib.nullcontext()
+
+
+def own_loop(w: Work, device: str, steps: int, root: Path, watched: bool,
+             window: Window | None, counter: SyncCounter | None = None) -> Any:
+    model, opt = fresh(w, device)
+    data = batches(w, device)
+    mon = (nbwatch.Monitor(model, opt, run_dir=root, display=False, hist_every=10**6)
+           if watched else None)
+    for i in range(WARM + steps + 2):
+        if window is not None:
+            window.at(i)
+        if counter is not None:
+            counter.on = WARM <= i < WARM + steps
+        with autocast(device):
+            loss = forward_loss(model, data[i % len(data)]["input_ids"])
         loss.backward()
         opt.step()
-        sched.step()
         opt.zero_grad(set_to_none=True)
         if mon is not None:
-            mon.log(loss=loss, mask=b["mask"])
+            mon.log(loss=loss)
+    if counter is not None:
+        counter.on = False
+    if mon is not None:
+        mon.close()
+    return mon
 
 
+def start_loop(w: Work, device: str, steps: int, root: Path, window: Window | None,
+               counter: SyncCounter | None = None) -> Any:
+    model, opt = fresh(w, device)
+    data = batches(w, device)
+    mon = nbwatch.Monitor(model, opt, run_dir=root, display=False, hist_every=10**6)
+
+    def step_fn(model: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        if window is not None:
+            window.at(mon.step)
+        if counter is not None:
+            counter.on = WARM <= mon.step < WARM + steps
+        with autocast(device):
+            return forward_loss(model, b["input_ids"])
+
+    mon.start(step_fn, data, max_steps=WARM + steps + 2, display=False, dry_run=False)
+    mon.wait()
+    if counter is not None:
+        counter.on = False
+    return mon
+
+
+def trainer_loop(w: Work, device: str, steps: int, root: Path, watched: bool,
+                 window: Window | None, counter: SyncCounter | None = None) -> Any:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    import nbwatch.hf
+
+    class Timing(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if window is not None:
+                window.at(state.global_step)
+            if counter is not None:
+                counter.on = WARM <= state.global_step < WARM + steps
+
+    model = copy.deepcopy(w.model)
+    data = [{"input_ids": b, "labels": b} for b in
+            batches(w, "cpu", 4)[0]["input_ids"].repeat(4, 1)]
+    args = TrainingArguments(
+        output_dir=str(root.with_name(root.name + "-out")), max_steps=WARM + steps + 2,
+        per_device_train_batch_size=w.batch, bf16=device == "cuda",
+        optim="adamw_torch_fused" if w.fused else "adamw_torch", learning_rate=3e-4,
+        logging_steps=10**6, save_strategy="no", report_to=[], disable_tqdm=True,
+        use_cpu=device == "cpu", dataloader_pin_memory=device == "cuda", seed=0)
+    callbacks: list[Any] = [Timing()]
+    if watched:
+        callbacks.append(nbwatch.hf.NbwatchCallback(run_dir=root, display=False,
+                                                    hist_every=10**6))
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # its end-of-fit dict on stdout
+    trainer.train()
+    if counter is not None:
+        counter.on = False
+    return nbwatch.open_run(root) if watched else None
+
+
+def run_variant(w: Work, variant: str, device: str, steps: int, root: Path,
+                window: Window | None = None, counter: SyncCounter | None = None) -> Any:
+    if w.loops == ("trainer",):
+        return trainer_loop(w, device, steps, root, variant != "bare", window, counter)
+    if variant == "start":
+        return start_loop(w, device, steps, root, window, counter)
+    return own_loop(w, device, steps, root, variant == "log", window, counter)
+
+
+# -- what it prints -----------------------------------------------------------------------
 class SyncCounter:
-    """Counts CUDA sync warnings per recorded step (any thread), between `start`/`stop`."""
+    """Counts CUDA sync warnings (any thread) while `on`."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.on = False
         self._lock = threading.Lock()
-        self._show = None
+        self._show: Any = None
 
     def __enter__(self) -> SyncCounter:
         self._show = warnings.showwarning
 
-        def show(message, category, *args, **kwargs):
+        def show(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
             if "synchroniz" in str(message):
-                with self._lock:
-                    self.count += 1
+                if self.on:
+                    with self._lock:
+                        self.count += 1
             else:
                 self._show(message, category, *args, **kwargs)
 
@@ -83,103 +268,106 @@ class SyncCounter:
         torch.cuda.set_sync_debug_mode("warn")
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         torch.cuda.set_sync_debug_mode("default")
         warnings.showwarning = self._show
         warnings.resetwarnings()
 
 
-def syncs_per_step(mode: str, root: Path, steps: int) -> tuple[float, nbwatch.Monitor]:
-    model, opt, sched, batches = make("cuda")
-    # no histogram or eval step inside the counted window: those copy by design
-    mon = nbwatch.Monitor(model, opt, sched, run_dir=root / f"sync-{mode}", display=False,
-                          hist_every=10**9, system_interval=0.5)
-    warm = 5
-    if mode == "log":
-        with mon:
-            train(model, opt, sched, batches, warm, mon)
-            torch.cuda.synchronize()
-            with SyncCounter() as c:
-                train(model, opt, sched, batches, steps, mon)
-        return c.count / steps, mon
-    # start(): count from the step_fn of step warm+1 to that of step warm+steps+1, so
-    # that the final checkpoint (a copy of every weight) stays outside the window
-    c = SyncCounter()
+def own_time(run: Any, steps: int) -> tuple[float, float, float]:
+    """Medians over the steady steps: (time/nbwatch, time/device_wait, time/step), ms."""
+    df = run.df if hasattr(run, "df") else run
+    df = df.loc[WARM + 1: WARM + steps]
 
-    def counting_step(model, b):
-        if mon.step == warm:
-            c.__enter__()
-        elif mon.step == warm + steps:
-            c.__exit__()
-        return step_fn(model, b)
-
-    mon.start(counting_step, batches, max_steps=warm + steps + 1, hist_every=10**9,
-              display=False)
-    mon.wait()
-    return c.count / steps, mon
+    def med(col: str) -> float:
+        return float(df[col].median()) * 1e3 if col in df and df[col].notna().any() else 0.0
+    return med("time/nbwatch"), med("time/device_wait"), med("time/step")
 
 
-def overhead(root: Path, steps: int, rounds: int) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {}
-    for r in range(rounds):
-        for name in ("bare", "run", "start"):
-            model, opt, sched, batches = make("cuda")
-            train(model, opt, sched, batches, 10)  # warm
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            if name == "bare":
-                train(model, opt, sched, batches, steps)
-            else:
-                mon = nbwatch.Monitor(model, opt, sched, run_dir=root / f"{name}{r}",
-                                      display=False)
-                if name == "run":
-                    mon.run(train, model, opt, sched, batches, steps, mon)
-                else:
-                    mon.start(step_fn, batches, max_steps=steps, display=False)
-                mon.wait()
-            torch.cuda.synchronize()
-            out.setdefault(name, []).append((time.perf_counter() - t0) / steps)
-        print(f"round {r + 1}/{rounds}: " + ", ".join(
-            f"{k} {v[-1] * 1e3:.2f} ms" for k, v in out.items()), flush=True)
-    return out
+def measure(w: Work, device: str, steps: int, root: Path, log: Callable[[str], None]) -> None:
+    torch.manual_seed(0)
+    w.model = w.make().to(device)
+    variants = ("bare", *w.loops) if w.loops != ("trainer",) else ("bare", "callback")
+    if w.compile:  # the first compile (~40 s) outside the rounds
+        run_variant(w, "bare", device, 2, root / f"{w.name}-compile")
+    for loop in variants[1:]:  # syncs and own time, one run each
+        counter = SyncCounter()
+        with counter if device == "cuda" else contextlib.nullcontext():
+            run = run_variant(w, loop, device, steps, root / f"{w.name}-{loop}-syncs",
+                              counter=counter)
+        w.syncs[loop] = counter.count / steps if device == "cuda" else float("nan")
+        w.own[loop] = own_time(run, steps)
+    for r in range(w.rounds):
+        order = variants if r % 2 == 0 else tuple(reversed(variants))
+        for v in order:
+            win = Window(steps, device)
+            run_variant(w, v, device, steps, root / f"{w.name}-{v}-{r}", window=win)
+            w.times.setdefault(v, []).append(win.per_step)
+        log(f"{w.name} round {r + 1}/{w.rounds}: " + ", ".join(
+            f"{v} {w.times[v][-1] * 1e3:.2f}" for v in variants) + " ms/step")
+    w.model = None
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def table(works: list[Work]) -> str:
+    rows = ["| workload | bare ms/step | watched | ms/step | ratio (median; min–max of rounds) "
+            "| syncs/step | time/nbwatch · device_wait · time/step (ms, medians) |",
+            "|---|---|---|---|---|---|---|"]
+    for w in works:
+        if not w.times:
+            continue
+        bare = statistics.median(w.times["bare"])
+        for v, ts in w.times.items():
+            if v == "bare":
+                continue
+            ratios = [t / b for t, b in zip(ts, w.times["bare"])]
+            nb, wait, step = w.own.get(v, (0.0, 0.0, 0.0))
+            rows.append(
+                f"| {w.name} | {bare * 1e3:.2f} | {v} | {statistics.median(ts) * 1e3:.2f} | "
+                f"{statistics.median(ts) / bare:.3f}x ({min(ratios):.3f}–{max(ratios):.3f}) | "
+                f"{w.syncs.get(v, float('nan')):.2f} | {nb:.2f} · {wait:.2f} · {step:.2f} |")
+    return "\n".join(rows)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=0, help="override each workload's")
+    ap.add_argument("--only", default="", help="comma-separated workload names")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="small shapes: the script's test")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); "
-              "nothing to check. Run it on a machine with an NVIDIA GPU.")
+              "nothing to measure. Run it on a machine with an NVIDIA GPU "
+              "(--device cpu --quick runs the script itself on small shapes).")
         return 0
-    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-    ok = True
+    if args.device == "cuda":
+        print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+        torch.backends.cuda.matmul.allow_tf32 = True
+    works = workloads(args.quick)
+    if args.only:
+        keep = set(args.only.split(","))
+        works = [w for w in works if w.name in keep]
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:6.1f} s] {msg}", flush=True)
+
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        for mode in ("log", "start"):
-            per_step, mon = syncs_per_step(mode, root, 50)
-            good = per_step <= 1.0
-            ok &= good
-            print(f"[{'ok' if good else 'FAIL'}] {mode}: {per_step:.2f} device→host syncs a step "
-                  "(target ≤ 1)")
-        df = mon.df
-        gauges = [c for c in df if c.startswith("system/gpu0/")]
-        util = df.get("system/gpu0/util")
-        mem = df.get("system/gpu0/mem_used_gb")
-        good = util is not None and mem is not None and float(mem.max()) > 0
-        ok &= good
-        print(f"[{'ok' if good else 'FAIL'}] NVML gauges: {', '.join(sorted(gauges)) or 'none'}"
-              + (f"; util max {float(util.max()):.0f}%, memory {float(mem.max()):.2f} GB"
-                 if good else ""))
-        times = overhead(root, args.steps, args.rounds)
-    base = statistics.median(times["bare"])
-    print("| variant | ms/step (median) | ratio |")
-    print("|---|---|---|")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"| {name} | {med * 1e3:.2f} | {med / base:.3f}x |")
-    return 0 if ok else 1
+        for w in works:
+            if args.rounds:
+                w.rounds = args.rounds
+            try:
+                measure(w, args.device, args.steps, Path(tmp) / w.name, log)
+            except Exception as e:  # noqa: BLE001 - one workload's failure: said, go on
+                log(f"{w.name}: FAILED: {type(e).__name__}: {e}")
+    print(table(works))
+    bad = [f"{w.name}/{v}" for w in works for v, s in w.syncs.items() if s > 0.0]
+    if bad:
+        print(f"device→host syncs in a steady step: {', '.join(bad)} (target 0)")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

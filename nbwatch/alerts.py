@@ -31,7 +31,7 @@ from .rules import (  # noqa: F401  (their home; re-exported)
     Setting,
     Window,
 )
-from .signals import _nonfinite, default_rules, straggler  # noqa: F401  (re-exported)
+from .signals import USED_LIMIT, _nonfinite, default_rules, straggler  # noqa: F401
 from .spike_score import SCORE, SpikeScore
 
 
@@ -99,6 +99,12 @@ def _override(rules: list[Rule], overrides: Mapping[str, Any] | None) -> list[Ru
                 raise ValueError(
                     f"alerts[{r.name!r}]: {late} act on the step being taken, but {r.name} "
                     "is checked after it; use pause, checkpoint or cut_lr")
+            if "skip_step" in kw["actions"] and r.name != "nonfinite":
+                raise ValueError(
+                    f"alerts[{r.name!r}]: skip_step acts on the step being taken, which "
+                    "nbwatch decides on the device, without reading it, from non-finite "
+                    f"figures only (the nonfinite rule); {r.name}'s figures are read a "
+                    "step later: use clip, pause, checkpoint or cut_lr")
         for key in COMMON:
             if key in o:
                 kw[key] = o.pop(key)
@@ -172,6 +178,8 @@ class AlertEngine:
         self._spiked_at: int | None = None  # a "grads" spike rule fired at this step
         self._by_phase = {ph: [r for r in rules if r.phase == ph] for ph in PHASES}
         self._due = {ph: Schedule(rs) for ph, rs in self._by_phase.items()}
+        self._clippers = [r for r in self._by_phase["grads"]
+                          if r.norm_limit is not None and "clip" in r.actions]
         # as long as the longest look-back a rule was given (at most rules.MAX_HISTORY)
         self.window = Window(max([window, *(r.history for r in rules)]))
         # "grads" rules that read named figures (nonfinite: the loss): a loop of the user's
@@ -192,6 +200,18 @@ class AlertEngine:
         each step it looks at needs every step before it observed (a batched record would
         keep its first alert back)."""
         return self.window.adds < self._grads_history
+
+    def norm_limits(self) -> dict[str, tuple[float, float]]:
+        """Rule name → (limit, max_norm) of each "grads" rule that clips: a step whose
+        global gradient norm is above `limit` is clipped to `max_norm` on the device, in
+        the step itself; its "grads" observation is given them back (`limits=`), so that
+        the rule's alert agrees with what the device did."""
+        out = {}
+        for r in self._clippers:
+            limit = r.norm_limit(self.window, r.params)  # type: ignore[misc]
+            if limit is not None:
+                out[r.name] = (limit, float(r.params.get("max_norm", 1.0)))
+        return out
 
     def explain_lr(self) -> None:
         """The LR of the next "step" observation moved as planned (the scheduler stepped, or
@@ -231,8 +251,12 @@ class AlertEngine:
         elif extra:
             w.extra = extra
         active = self._active
+        limits = extra.get("limits") if phase == "grads" else None
         for rule in self._due[phase].at(step):  # the rules due at this step, in order
-            msg = rule.check(w, rule.params)
+            params = rule.params
+            if limits and rule.name in limits:
+                params = {**params, USED_LIMIT: limits[rule.name][0]}
+            msg = rule.check(w, params)
             data: dict[str, Any]
             if msg is None:  # quiet (the common case: one look-up, when no episode is on)
                 if active.get(rule.name):

@@ -180,6 +180,10 @@ class Rule:
     repeats: bool = False  # fires at each occurrence, with no episode to wait out
     # the figure whose spikes the rule detects: a step it fires on counts in the spike score
     spike_of: str | None = None
+    # a "grads" rule that clips: the global gradient norm above which it fires at the next
+    # step, from the steps read so far (None: none yet). The step's clip is decided on the
+    # device against it, before its figures reach the host (recorder/optimizer_step.py)
+    norm_limit: Callable[[Window, dict[str, Any]], float | None] | None = None
     schema: dict[str, Setting] = field(default_factory=dict)
     # the params the rule was defined with (kept through `replace`): the errors' examples
     defaults: dict[str, Any] | None = field(default=None, repr=False, compare=False)

@@ -264,8 +264,10 @@ class Runner:
             scaler.update()
         else:
             opt.step()
-        if rec.sched is not None and rec.stepped and not rec.skipping:
-            rec.sched.step()  # not after a skipped or overflowed step, as the Trainer does
+        if rec.sched is not None and rec.stepped:
+            # not after a GradScaler's overflow (no optimizer step); a step nbwatch skips is
+            # skipped on the device, which the host learns later: the schedule moves on
+            rec.sched.step()
         opt.zero_grad(set_to_none=True)
 
 

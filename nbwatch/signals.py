@@ -35,6 +35,11 @@ def _nonfinite(w: Window, p: dict, skips: bool = True) -> str | None:
             return (f"non-finite {' and '.join(bad)} reported after the optimizer step "
                     "(mon.log): the gradients were finite, so the step was applied; check "
                     "how the loop computes the figure")
+        if skips and w.extra.get("skip") == "zeroed":
+            return (f"non-finite {' and '.join(bad)} at this step: its gradients were zeroed "
+                    "on the device, so the weights stay finite (this optimizer takes no "
+                    "found_inf: its momentum and weight decay still moved them once; "
+                    "fused=True skips such a step exactly)")
         if skips:
             return f"non-finite {' and '.join(bad)} at this step: step skipped, weights untouched"
         return (f"non-finite {' and '.join(bad)} at this step: the step was APPLIED (skip_step "
@@ -46,12 +51,32 @@ def _grad_explosion(w: Window, p: dict) -> str | None:
     g = w.latest.get("grad_norm/global")
     if g is None or not math.isfinite(g):
         return None
+    limit = p.get(USED_LIMIT)  # the limit its step was clipped against on the device
+    if limit is not None:
+        if not g > limit:
+            return None
+        if limit >= p["absolute"]:
+            return f"gradient norm {g:.3g} above {p['absolute']:.0e}"
+        med = limit / p["factor"]
+        return f"gradient norm {g:.3g} is {g / med:.0f}× its rolling median {med:.3g}"
     if g > p["absolute"]:
         return f"gradient norm {g:.3g} above {p['absolute']:.0e}"
     med, n = w.median("grad_norm/global", p["window"])  # earlier steps: not this one
     if n >= p["min_history"] and med > 0 and g > p["factor"] * med:
         return f"gradient norm {g:.3g} is {g / med:.0f}× its rolling median {med:.3g}"
     return None
+
+
+USED_LIMIT = "_norm_limit"  # a clipping rule's params at its check: the limit its step used
+
+
+def _explosion_limit(w: Window, p: dict) -> float | None:
+    """The norm above which `_grad_explosion` fires: its absolute limit, or `factor` × the
+    rolling median once there is enough history."""
+    med, n = w.median("grad_norm/global", p["window"])
+    if n >= p["min_history"] and med > 0:
+        return min(p["absolute"], p["factor"] * med)
+    return p["absolute"]
 
 
 def _above_level(w: Window, key: str, p: dict) -> tuple[float, float, float, float, int] | None:
@@ -332,7 +357,7 @@ def _base_rules() -> list[Rule]:
              schema={"absolute": number(0, open_lo=True, inf=True), "factor": number(1),
                      "window": window(not_below="min_history"), "min_history": count(1),
                      "max_norm": POSITIVE}, same_on_every_rank=True,
-             spike_of="grad_norm/global"),
+             spike_of="grad_norm/global", norm_limit=_explosion_limit),
         Rule("val_spike", "critical", "eval", _val_spike, {"factor": 2.0, "lr_factor": 0.5},
              ("checkpoint", "cut_lr"), 1, "val loss > 2× the best: checkpoint and cut LR ×0.5",
              schema={"factor": number(1), **ACTION_SETTINGS["cut_lr"]}),

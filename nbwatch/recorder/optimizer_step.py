@@ -1,11 +1,25 @@
-"""The optimizer step, measured from its own hooks: gradient norms and one host copy
-(measure), the "grads" rules that may skip or clip it (clip decision), a weights snapshot
-before the update and update ratios after it.
+"""The optimizer step, measured from its own hooks, without reading the device: the
+gradient norms, the clip and the skip of a non-finite step are computed and applied on
+the device; the figures are copied at the step's end (step_end.py, host_copy.py) and read
+at a later boundary, where the "grads" rules see them (`read_grads`).
 
-    optimizer.step()  pre-hook   LR factor on · grad norms · ONE host copy · "grads"
-                                 rules (skip, clip) · clip · weights snapshot
+    optimizer.step()  pre-hook   LR factor on · grad norms (one _foreach_norm) · total,
+                                 clip coefficient, non-finite flag: device tensors · clip
+                                 (_foreach_mul_) · skip (found_inf, or zeroed gradients)
+                                 · weights snapshot on update-ratio steps
                       (update)
-                      post-hook  update ratios · LR factor off for the scheduler
+                      post-hook  update ratios (on the device) · LR factor off
+    a later boundary  read_grads per-layer norms, the loop's own clips divided out, the
+                                 "grads" rules (their clip lowers the limit from the next
+                                 step)
+
+The skip of a non-finite step: an optimizer that takes `found_inf` (torch's fused Adam,
+AdamW, SGD and Adagrad, and any step a GradScaler drives) skips it in its own kernel, the
+weights and the optimizer's state untouched. Any other (the foreach default of
+`torch.optim.AdamW(model.parameters())` on CUDA) gets the step's gradients zeroed on the
+device instead: the weights stay finite, but its momentum and weight decay still move them
+once, as a zero-gradient step would. Knowing which one the step needs would take a read
+of the device before the update, which stalls the GPU.
 
 A loop that clipped the gradients itself before `optimizer.step()` hands the pre-hook
 clipped ones: `grad_norm/global` and `grad_norm/<layer>` are the norms before that clip
@@ -16,19 +30,50 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from .. import controls as ctl
 from ..probes import weights as wprobe
-from ..probes.grads import Layers, clip_, layer_norms, param_grad_norms
+from ..probes.grads import Layers, layer_norms, param_grad_norms
 from ..records import Event
 from .lr_factor import LrFactor
 from .own_clips import OwnClips
 from .own_time import OwnTime, counted
 from .spec import RunSpec
-from .state import InFlight, Taking
+from .state import InFlight
+
+# the layout of a step's flags group: [total now, total after the clip, skipped,
+# the GradScaler's found_inf, its grad_scale]
+TOTAL, CLIPPED, SKIPPED, FOUND_INF, SCALE = range(5)
+FUSED_TAKE_FOUND_INF = ("Adam", "AdamW", "SGD", "Adagrad")
+
+
+@dataclass
+class Taking:
+    """The optimizer step being taken: what its pre-hook measured (device tensors, copied
+    at the step's end) and knew on the host."""
+
+    step: int
+    host: dict[str, float]  # the LR this step used
+    groups: dict[str, list[torch.Tensor]]  # "norms" [P], "flags" [5], "clips", "staged"
+    layer_of: tuple[int, ...]
+    staged: list[str]  # names of the runner's figures in the "staged" group
+    clips: list = field(default_factory=list)  # the loop's own clips (ClipCall)
+    clip_note: str | None = None
+    present: tuple[int, ...] | None = None  # which parameters had a gradient (own clips)
+    zeroing: bool = False  # a non-finite step's skip zeroes its gradients (no found_inf)
+    limits: dict[str, tuple[float, float]] = field(default_factory=dict)  # rules' clips
+    t_pre: float = 0.0
+    t_probe: float = 0.0
+    t_post: float = 0.0
+    explicit: bool = False  # measured by a framework adapter, not the optimizer's hook
+    hist: bool = False  # a histogram step: weight histograms at its end
+    before: list | None = None  # weights snapshot on update-ratio steps
+    ratios: torch.Tensor | None = None  # update ratios [L] on device, after the update
+    skip: torch.Tensor | None = None  # a fused optimizer's skip, for its own pre-hook
 
 
 class Measuring(Protocol):
@@ -53,31 +98,32 @@ class Measuring(Protocol):
     train_logits: Any  # probes.logits.TrainLogits
 
     def _emit(self, ev: Event, level: int | None = None) -> None: ...
-    def complete(self, step: int, values: dict[str, float], alerts: list,
-                 overflow: bool = False, lr_planned: bool | None = None) -> None: ...
-    def flush_deferred(self) -> None: ...
 
 
 def overflowed(rec: Measuring) -> bool:
     """Whether the GradScaler lowered its scale since the last end of step (it skipped
-    the optimizer); True when that cannot be told (its first steps)."""
+    the optimizer); True when that cannot be told (its first steps). A read of the device:
+    only asked when the optimizer did not step."""
+    from .host_copy import values
+
     scale = getattr(rec.scaler, "_scale", None)
     ref = rec.flight.scale_ref
     if not isinstance(scale, torch.Tensor) or ref is None:
         return True
-    return bool((scale < ref.to(scale.device)).item())
+    return values((scale < ref.to(scale.device)).float().reshape(1))[0] > 0
 
 
 @counted
 def pre_step(rec: Measuring, explicit: bool = True, clips: list | None = None,
              clip_note: str | None = None, found_inf: torch.Tensor | None = None) -> None:
-    """The step's gradient figures, one host copy, the rules that can still skip or clip
-    this step, and a weights snapshot on histogram steps. Called by the optimizer's
-    pre-hook (`explicit=False`), or by a framework adapter at the moment its framework
-    has the gradients but has not clipped them yet. `clips`: the loop's own clips of
-    this step (`optimizer_hooks.ClipCall`), whose factors are divided out; `clip_note`:
-    why those of this step cannot all be ("partial", "changed"); `found_inf`: a GradScaler's
-    verdict on this step's gradients, unscaled by the caller (> 0: it skips the step)."""
+    """The step's gradient figures, its clip and its skip, all on the device, and a
+    weights snapshot on update-ratio steps. Called by the optimizer's pre-hook
+    (`explicit=False`), or by a framework adapter at the moment its framework has the
+    gradients but has not clipped them yet. `clips`: the loop's own clips of this step
+    (`optimizer_hooks.ClipCall`), whose factors are divided out when read; `clip_note`:
+    why those of this step cannot all be ("partial", "changed"); `found_inf`: a
+    GradScaler's verdict on this step's gradients, unscaled by the caller (> 0: it skips
+    the step)."""
     fl = rec.flight
     if rec.ended:  # a loop that goes on after its stop: nothing more is measured
         return
@@ -88,47 +134,45 @@ def pre_step(rec: Measuring, explicit: bool = True, clips: list | None = None,
             "mon.log(loss=...) once after every optimizer.step()"
         )
     if not explicit and fl.taking is not None and fl.taking.explicit:
-        return  # the adapter measured this step already, before its framework clipped
+        # the adapter measured this step already, before its framework clipped; a fused
+        # optimizer's skip is handed over now (a GradScaler sets its own found_inf last)
+        if fl.taking.skip is not None:
+            arm_skip(rec, fl.taking.skip)
+        return
     t0 = time.perf_counter()
     rec.lr.on()
     step = rec.step + 1
-    norms, layer_of, grads = param_grad_norms(rec.layers)
-    clips = clips or []
-    values, host_norms = copy_to_host(rec, norms, [c.total for c in clips], found_inf)
-    # the LR this step uses: read after the copy, which records a step that waited for it
-    # (a GPU's), whose alert may cut the LR
     lrs = ctl.lrs(rec.opt)
-    totals = [values.pop(f"_clip{i}") for i in range(len(clips))]
-    unscale = 1.0 / values.pop("_grad_scale", 1.0)
-    if values.pop("_found_inf", 0.0):  # the fused optimizer skips this step itself
-        values.update({"lr": lrs[0], "amp/overflow": 1.0})
-        fl.taking = Taking(step, values, [], True, None, t0, time.perf_counter(),
-                           explicit=explicit)
-        return
-    host = [n * unscale for n in host_norms]
-    if clips or clip_note:
-        total, per_layer, current = rec.own_clips.before(step, host, layer_of, clips,
-                                                        totals, clip_note)
-        said, rec.own_clips.said[:] = list(rec.own_clips.said), []
-        for ev in said:
-            rec._emit(ev)
-    else:
-        total, per_layer = layer_norms(host, layer_of, len(rec.layers))
-        current = total
-    values.update(zip(rec.grad_names, [total, *per_layer]))
-    values["lr"] = lrs[0]
-    for i, lr in enumerate(lrs[1:], start=1):
-        values[f"lr/group{i}"] = lr
-
-    alerts, skip = decide(rec, step, values)
-    clip_or_skip(rec, grads, values, skip, current)
+    host = {"lr": lrs[0], **{f"lr/group{i}": lr for i, lr in enumerate(lrs[1:], start=1)}}
+    norms, layer_of, grads = param_grad_norms(rec.layers)
+    staged_names, staged = fl.staged if fl.staged is not None else ([], [])
+    fl.staged = None
+    clips = clips or []
+    groups: dict[str, list[torch.Tensor]] = {"staged": list(staged)}
+    zeroing, fused_skip = False, None
+    limits: dict[str, tuple[float, float]] = {}
+    if norms:
+        per_param = _stack(norms)
+        loss = staged[staged_names.index("loss/train")] if "loss/train" in staged_names \
+            else None
+        if fl.limits is None:  # the run's first step
+            fl.limits = rec.engine.norm_limits()
+        limits = fl.limits
+        flags, zeroing, fused_skip = act(rec, per_param, grads, loss, found_inf, limits,
+                                         in_hook=not explicit)
+        groups["norms"] = [per_param]
+        groups["flags"] = [flags]
+        groups["clips"] = [c.total.detach().reshape(()) for c in clips]
     first = rec.step == rec.start_step
-    hist = due(rec.spec.hist_every, step, first) and not skip
+    hist = due(rec.spec.hist_every, step, first)
     every = rec.spec.update_every
-    ratios = due(rec.spec.hist_every if every is None else every, step, first) and not skip
+    ratios = due(rec.spec.hist_every if every is None else every, step, first) and bool(norms)
     before = wprobe.snapshot(rec.layers) if ratios else None
-    fl.taking = Taking(step, values, alerts, skip, before, t0, time.perf_counter(),
-                       explicit=explicit, hist=hist)
+    present = (tuple(i for i, p in enumerate(rec.layers.params) if p.grad is not None)
+               if clips else None)
+    fl.taking = Taking(step, host, groups, layer_of, list(staged_names), clips, clip_note,
+                       present, zeroing, limits, t0, time.perf_counter(),
+                       explicit=explicit, hist=hist, before=before, skip=fused_skip)
 
 
 def due(every: int, step: int, first: bool) -> bool:
@@ -137,93 +181,196 @@ def due(every: int, step: int, first: bool) -> bool:
     return every > 0 and (step % every == 0 or first)
 
 
-def copy_to_host(rec: Measuring, norms: list[torch.Tensor],
-                 clip_totals: list[torch.Tensor] | None = None,
-                 found_inf: torch.Tensor | None = None
-                 ) -> tuple[dict[str, float], list[float]]:
-    """The step's one device→host copy: the previous step's deferred figures (recorded
-    here), the runner's staged loss, the norms the loop's own clips computed
-    (`_clip<i>`), a fused optimizer's AMP flags and the gradient norms. Returns this
-    step's named figures and the norms, still scaled."""
-    fl = rec.flight
-    dev = rec.layers.params[0].device
-    names: list[str] = []
-    parts: list[torch.Tensor] = []
-    deferred, fl.deferred = fl.deferred, None
-    if deferred is not None:  # the previous step's loss: one copy for both steps
-        names += deferred.names
-        parts += deferred.parts
-    if fl.staged is not None:  # this step's loss, from the runner
-        names += fl.staged[0]
-        parts += fl.staged[1]
-        fl.staged = None
-    for i, t in enumerate(clip_totals or ()):
-        names.append(f"_clip{i}")
-        parts.append(t.detach() if t.dim() == 0 else t.detach().reshape(()))
-    # A GradScaler calls a fused optimizer's step even on an overflow, with `found_inf`
-    # set, and (unless unscale_ ran) with still-scaled gradients and their scale
-    scale = getattr(rec.opt, "grad_scale", None)
+def act(rec: Measuring, per_param: torch.Tensor, grads: list[torch.Tensor],
+        loss: torch.Tensor | None, found_inf: torch.Tensor | None,
+        limits: dict[str, tuple[float, float]], in_hook: bool = True
+        ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+    """Clip and skip this step on the device, as torch's `clip_grad_norm_` and a
+    GradScaler's fused step do: no value is read. Returns the step's flags ([total now,
+    after the clip, skipped, found_inf, grad_scale], device), whether its skip zeroes
+    the gradients (an optimizer that takes no `found_inf`), and a fused optimizer's skip
+    flag still to be handed over (measured by an adapter, before the optimizer's hook).
+
+    The clip: the Clip control's limit, and each clipping rule's `limits` (rule → (the
+    norm above which it fires, max_norm): `AlertEngine.norm_limits`; grad_explosion
+    clips a step above its limit in that step). A fused optimizer takes
+    the clip as its `grad_scale` (divided in its own kernel: no pass of nbwatch's over the
+    gradients) when measured in its own pre-hook (`in_hook`: nothing else clips after it);
+    any other gets one `_foreach_mul_`."""
+    opt, fl = rec.opt, rec.flight
+    dev = per_param.device
+    if fl.found_inf_set or fl.scale_set:  # ours, left by a step that raised before its
+        _drop_found_inf(rec)  # post-hook
+    # A GradScaler hands a fused optimizer its scale and verdict (and, unless unscale_
+    # ran, still-scaled gradients); an adapter passes its scaler's verdict
+    scale = getattr(opt, "grad_scale", None)
     if found_inf is None:
-        found_inf = getattr(rec.opt, "found_inf", None)
+        found_inf = getattr(opt, "found_inf", None)
+    total = per_param.square().sum().sqrt()
     if isinstance(scale, torch.Tensor):
-        names.append("_grad_scale")
-        parts.append(scale.reshape(()).float())
-    if isinstance(found_inf, torch.Tensor):
-        names.append("_found_inf")
-        parts.append(found_inf.reshape(()).float())
-    parts += norms
-    host = to_host(parts, dev) if parts else []  # the sync
-    k, nd = len(names), len(deferred.names) if deferred is not None else 0
-    if deferred is not None:
-        deferred.values.update(zip(deferred.names, host[:nd]))
-        rec.complete(deferred.step, deferred.values, deferred.alerts,
-                     lr_planned=deferred.lr_planned)
-    return dict(zip(names[nd:], host[nd:k])), host[k:]
+        scale = scale.reshape(()).float().to(dev, non_blocking=True)
+        total = total / scale
+    else:
+        scale = None
+    inf = (found_inf.reshape(()).float().to(dev, non_blocking=True)
+           if isinstance(found_inf, torch.Tensor) else torch.zeros((), device=dev))
+    fused = takes_found_inf(opt)
+    coef = None
+    if grads:
+        limit = rec.control.clip
+        if limit is not None:  # torch's rule: min(1, max_norm / (total + 1e-6))
+            coef = (limit / (total + 1e-6)).clamp(max=1.0)
+        for above, max_norm in limits.values():
+            c = torch.where(total > above, (max_norm / (total + 1e-6)).clamp(max=1.0), 1.0)
+            coef = c if coef is None else torch.minimum(coef, c)
+    if coef is not None:
+        coef = torch.nan_to_num(coef, nan=1.0)  # a non-finite total: skipped, not clipped
+        if fused and in_hook:  # the optimizer divides by its grad_scale: no pass of ours
+            fl.scale_set = not hasattr(opt, "grad_scale")
+            opt.grad_scale = (scale if scale is not None else 1.0) / coef
+        else:
+            for gs in _by_device(grads):
+                torch._foreach_mul_(gs, coef.to(gs[0].device, non_blocking=True))
+        clipped = total * coef
+    else:
+        clipped = total
+    skip = torch.zeros((), dtype=torch.bool, device=dev)
+    zeroing, fused_skip = False, None
+    if rec.skip_nonfinite and grads:
+        skip = ~torch.isfinite(total)
+        if loss is not None:
+            skip |= ~torch.isfinite(loss.to(dev, non_blocking=True))
+        skip &= inf == 0  # a GradScaler's overflow is its own to skip (amp/overflow)
+        if fused:  # the optimizer's own kernel skips: nothing else moves
+            if in_hook:
+                arm_skip(rec, skip)
+            else:
+                fused_skip = skip  # handed over at the optimizer's own pre-hook
+        else:  # a zero-gradient step: one masked fill per gradient, on the device
+            zeroing = True
+            for g in grads:
+                g.masked_fill_(skip.to(g.device, non_blocking=True), 0.0)
+    one = torch.ones((), device=dev)
+    return torch.stack([total, clipped, skip.float(), inf,
+                        scale if scale is not None else one]), zeroing, fused_skip
 
 
-def decide(rec: Measuring, step: int, values: dict[str, float]) -> tuple[list, bool]:
-    """The "grads" rules on this step's figures: its alerts, and whether to skip it.
-    A clip rule that fired lowers the clip limit (never raises it)."""
-    if rec.flight.pending and rec.engine.short_history():
-        rec.flush_deferred()  # the rules' first steps: they see every step before this one
-    alerts = rec.engine.observe("grads", step, values)
-    nonfinite = not (math.isfinite(values["grad_norm/global"])
-                     and math.isfinite(values.get("loss/train", 0.0)))
-    # Skipping depends on the figures, not on the alert's episode: a second non-finite
-    # step in a row is skipped too.
-    skip = (nonfinite and rec.skip_nonfinite) or any(
-        "skip_step" in a.rule.actions for a in alerts)
+def arm_skip(rec: Measuring, skip: torch.Tensor) -> None:
+    """Hand a fused optimizer this step's skip as its `found_inf` (with a GradScaler's own
+    verdict, if it set one: the scaler deletes it after the step; nbwatch deletes its own
+    in the post-hook)."""
+    opt = rec.opt
+    prior = getattr(opt, "found_inf", None)
+    rec.flight.found_inf_set = prior is None and not hasattr(opt, "found_inf")
+    flag = skip.float()
+    opt.found_inf = flag if prior is None else torch.maximum(
+        prior.float().to(flag.device, non_blocking=True), flag)
+
+
+def _drop_found_inf(rec: Measuring) -> None:
+    """The `found_inf` and `grad_scale` nbwatch gave the optimizer (where none had given
+    it one: a GradScaler deletes its own after the step) are taken back."""
+    fl, opt = rec.flight, rec.opt
+    if fl.found_inf_set and hasattr(opt, "found_inf"):
+        del opt.found_inf
+    if fl.scale_set and hasattr(opt, "grad_scale"):
+        del opt.grad_scale
+    fl.found_inf_set = fl.scale_set = False
+
+
+def takes_found_inf(opt: Any) -> bool:
+    """Whether `opt.step()` honours `opt.found_inf` (torch's fused implementations)."""
+    cached = getattr(opt, "_nbwatch_found_inf", None)
+    if cached is None:
+        cached = (type(opt).__module__.startswith("torch.optim")
+                  and type(opt).__name__ in FUSED_TAKE_FOUND_INF
+                  and all(g.get("fused") for g in opt.param_groups))
+        opt._nbwatch_found_inf = cached
+    return cached
+
+
+def _by_device(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    first = grads[0].device
+    if all(g.device == first for g in grads):
+        return [grads]
+    by: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by.setdefault(g.device, []).append(g)
+    return list(by.values())
+
+
+def _stack(norms: list[torch.Tensor]) -> torch.Tensor:
+    dev = norms[0].device
+    if any(n.device != dev for n in norms):  # a model split across devices
+        norms = [n.to(dev, non_blocking=True) for n in norms]
+    return torch.stack(norms).float()
+
+
+class Reading(Protocol):
+    """What reading a step's gradient figures uses of its run (a `StepRecorder`)."""
+
+    layers: Layers
+    grad_names: list[str]
+    engine: Any  # AlertEngine
+    control: Any  # ControlState
+    own_clips: OwnClips
+    framework_clip: float | None
+
+    def _emit(self, ev: Event, level: int | None = None) -> None: ...
+
+
+def read_grads(rec: Reading, t: Taking, got: dict[str, list[float]]
+               ) -> tuple[dict[str, float], list]:
+    """The step's gradient figures from its copy, read on the host at a later boundary:
+    per-layer norms (the loop's own clips divided out), the clip, the skip, the runner's
+    staged figures, and the "grads" rules on them (a clip they ask for lowers the limit
+    from the next step; their alerts are raised with the step's record)."""
+    values = dict(t.host)
+    values.update(zip(t.staged, got.get("staged", ())))
+    flags = got.get("flags")
+    if flags is None:  # no parameter had a gradient
+        return values, []
+    if flags[FOUND_INF] > 0:  # the GradScaler's overflow: the optimizer skipped it
+        values["amp/overflow"] = 1.0
+        return values, []
+    unscale = 1.0 / flags[SCALE]
+    norms = [n * unscale for n in got.get("norms", ())]
+    if t.clips or t.clip_note:
+        total, per_layer, current = rec.own_clips.before(
+            t.step, norms, t.layer_of, t.clips, got.get("clips", []), t.clip_note, t.present)
+        said, rec.own_clips.said[:] = list(rec.own_clips.said), []
+        for ev in said:
+            rec._emit(ev)
+    else:
+        total, per_layer = layer_norms(norms, t.layer_of, len(rec.layers))
+        current = total
+    values.update(zip(rec.grad_names, [total, *per_layer]))
+    skipped = flags[SKIPPED] > 0
+    after = current  # the device's clip factor on the host's (float64) norm
+    if flags[CLIPPED] != flags[TOTAL]:
+        after = current * (flags[CLIPPED] / flags[TOTAL]) if flags[TOTAL] > 0 else 0.0
+    if rec.framework_clip and not skipped and math.isfinite(after):
+        after = after * min(1.0, rec.framework_clip / (after + 1e-6))
+    values["grad_norm/clipped"] = after
+    if skipped:
+        values["skipped"] = 1.0
+    alerts = rec.engine.observe("grads", t.step, values, limits=t.limits,
+                                **({"skip": "zeroed"} if t.zeroing else {}))
     for a in alerts:
-        if "clip" in a.rule.actions and not skip:
+        if "clip" in a.rule.actions and not skipped:
             limit = float(a.rule.params.get("max_norm", 1.0))
             if rec.control.clip is None or rec.control.clip > limit:
                 rec.control.clip = limit
-    return alerts, skip
-
-
-def clip_or_skip(rec: Measuring, grads: list[torch.Tensor], values: dict[str, float],
-                 skip: bool, g: float) -> None:
-    """Clip the gradients, whose norm is `g` now (after the loop's own clip, if any), and
-    note the framework's own clipping; or drop them."""
-    clip = rec.control.clip
-    applied = clip and not skip and math.isfinite(g)
-    after = clip_(grads, g, clip) if applied else g
-    if rec.framework_clip and not skip and math.isfinite(after):
-        after = after * min(1.0, rec.framework_clip / (after + 1e-6))
-    values["grad_norm/clipped"] = after
-    if skip:
-        # A parameter without a gradient is left alone by every torch optimizer, its
-        # state included: the step changes nothing.
-        for group in rec.opt.param_groups:
-            for p in group["params"]:
-                p.grad = None
-        values["skipped"] = 1.0
+    return values, alerts
 
 
 @counted
 def post_step(rec: Measuring) -> None:
     """Optimizer post-hook: update ratios, and the LR factor off for the scheduler."""
-    t = rec.flight.taking
+    fl = rec.flight
+    if fl.found_inf_set or fl.scale_set:
+        _drop_found_inf(rec)
+    t = fl.taking
     if t is None:
         return
     if t.before is not None:  # on device: copied with the step's other figures
@@ -231,15 +378,4 @@ def post_step(rec: Measuring) -> None:
         t.before = None
     rec.lr.off()
     t.t_post = time.perf_counter()
-    rec.flight.stepped = True
-
-
-def to_host(parts: list[torch.Tensor], device: torch.device | None = None) -> list[float]:
-    """One device→host copy of 0-dim tensors: one stack (dtypes promoted), one tolist."""
-    if len(parts) == 1:
-        return [parts[0].item()]
-    try:
-        return torch.stack(parts).tolist()
-    except RuntimeError:  # on several devices (a model split across GPUs)
-        dev = device or parts[-1].device
-        return torch.stack([t.to(dev) for t in parts]).tolist()
+    fl.stepped = True

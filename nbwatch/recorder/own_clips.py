@@ -26,12 +26,14 @@ class OwnClips:
         self._covers: dict[tuple[int, ...], tuple[int, ...] | None] = {}
 
     def before(self, step: int, host: list[float], layer_of: tuple[int, ...],
-                      clips: list, totals: list[float], note: str | None
+                      clips: list, totals: list[float], note: str | None,
+                      present: tuple[int, ...] | None = None
                       ) -> tuple[float, list[float], float]:
         """(global, per-layer norms before the loop's own clips of this step, the global
         norm the gradients have now) from the per-parameter norms measured now (after the
         clips) and each clip's factor. Where they cannot be known, says so in an event
-        (once a run) and gives the norms measured now, or NaN for a layer."""
+        (once a run) and gives the norms measured now, or NaN for a layer. `present`: the
+        parameters `host` are the norms of (those with a gradient at the step)."""
         n_layers = len(self.layers)
         current = math.sqrt(math.fsum(n * n for n in host))
         if not self._said and clips:
@@ -69,8 +71,8 @@ class OwnClips:
         if per_param is None:
             before = [n / scale_all for n in host]
         else:
-            present = [i for i, p in enumerate(self.layers.params) if p.grad is not None]
-            before = [n / (scale_all * per_param[i]) for n, i in zip(host, present)]
+            at = present if present is not None else range(len(self.layers.params))
+            before = [n / (scale_all * per_param[i]) for n, i in zip(host, at)]
         total, per_layer = layer_norms(before, layer_of, n_layers)
         return total, per_layer, current
 

@@ -23,12 +23,13 @@ class OwnTime:
     """A clock that runs while the training thread is inside nbwatch. Entries nest (a
     `log()` records the step, which runs the rules): only the outermost one counts."""
 
-    __slots__ = ("_total", "_since", "_depth")
+    __slots__ = ("_total", "_since", "_depth", "_waited")
 
     def __init__(self) -> None:
         self._total = 0.0
         self._since = 0.0
         self._depth = 0
+        self._waited = 0.0  # waits for the device inside nbwatch: not its own work
 
     def __enter__(self) -> OwnTime:
         if not self._depth:
@@ -46,6 +47,17 @@ class OwnTime:
         """Seconds of the entries closed since the last take (what a caller outside every
         entry subtracts from its own span: a hook of nbwatch's inside a user's forward)."""
         return self._total
+
+    def exclude(self, seconds: float) -> None:
+        """`seconds` of the entry now open were a wait for the device (a copy that had not
+        landed): counted apart, as `time/device_wait`, not as nbwatch's own work."""
+        self._total -= seconds
+        self._waited += seconds
+
+    def take_wait(self) -> float:
+        """Seconds waited for the device since the last call."""
+        waited, self._waited = self._waited, 0.0
+        return waited
 
     def take(self) -> float:
         """Seconds inside nbwatch since the last take, the entry now open included up

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -14,32 +15,16 @@ from ..probes.late import Late
 
 
 @dataclass
-class Taking:
-    """The optimizer step being taken: what its pre-hook measured and decided."""
+class Landing:
+    """A step whose figures are on their way to the host (`HostCopy`): what its record
+    needs besides them."""
 
     step: int
-    values: dict[str, float]
-    alerts: list
-    skip: bool
-    before: list | None  # weights snapshot on update-ratio steps
-    t_pre: float
-    t_probe: float
-    t_post: float = 0.0
-    explicit: bool = False  # measured by a framework adapter, not the optimizer's hook
-    hist: bool = False  # a histogram step: weight histograms at its end
-    ratios: torch.Tensor | None = None  # update ratios [L] on device, after the update
-
-
-@dataclass
-class Deferred:
-    """Device figures of a step, copied to the host with the next gradient copy."""
-
-    step: int
-    names: list[str]
-    parts: list[torch.Tensor]
-    values: dict[str, float]  # host figures of that step, completed by the copy
-    alerts: list
-    lr_planned: bool = False  # its LR moved as planned, as its end saw it
+    copy: Any  # host_copy.HostCopy
+    taking: Any  # optimizer_step.Taking, or None: the optimizer did not step (overflow)
+    values: dict[str, float]  # the step's host figures (timings, the loop's floats)
+    names: list[str]  # the loop's device figures, in the copy's "figures" group
+    lr_planned: bool  # its LR moved as planned, as its end saw it
 
 
 @dataclass
@@ -61,10 +46,15 @@ class InFlight:
     """A step between its optimizer hooks (optimizer_step.py) and its record
     (step_end.py)."""
 
-    taking: Taking | None = None  # set by the pre-hook, consumed at the step's end
+    taking: Any = None  # optimizer_step.Taking: set by the pre-hook, taken at the end
     stepped: bool = False  # the optimizer stepped since the last end of step
     staged: tuple[list[str], list[torch.Tensor]] | None = None  # the runner's loss
-    deferred: Deferred | None = None  # a GPU step's figures, copied with the next
+    copies: deque[Landing] = field(default_factory=deque)  # steps whose copy is under way
+    found_inf_set: bool = False  # nbwatch gave the optimizer its `found_inf` this step
+    scale_set: bool = False  # nbwatch gave the optimizer its `grad_scale` (the clip)
+    # the clipping rules' limits for the next step (AlertEngine.norm_limits), from the
+    # steps before the last one: the same in either order of reading (step_end.end_step)
+    limits: dict[str, tuple[float, float]] | None = None
     scale_ref: torch.Tensor | None = None  # the GradScaler's scale at the last end
     t_boundary: float = field(default_factory=time.perf_counter)  # the step's clock
     seq_lens: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (step, lengths)

@@ -13,6 +13,7 @@ import math
 import time
 from typing import Any, Protocol, cast
 
+import numpy as np
 import torch
 
 from .. import controls as ctl
@@ -25,11 +26,12 @@ from ..probes.grads import Layers
 from ..probes.throughput import add_rates, timing_figures
 from ..records import Event, Histogram, Scalars
 from .batches import BatchIds
+from .host_copy import HostCopy, to_numpy
 from .lr_factor import LrFactor
-from .optimizer_step import to_host
+from .optimizer_step import read_grads
 from .own_time import OwnTime, counted
 from .spec import SMOOTHING, Progress, RunSpec
-from .state import Deferred, InFlight, Pending, RankMeeting
+from .state import InFlight, Landing, Pending, RankMeeting
 
 # A step's record (its "step" rules, its row, its alerts) waits for a batch: at most this
 # many steps, and no step longer than this many seconds. The rules' code and numpy are
@@ -38,9 +40,11 @@ from .state import Deferred, InFlight, Pending, RankMeeting
 RECORD_STEPS = 16
 RECORD_EVERY_S = 0.5
 
-# A step's device figures wait for the next step's gradient copy on an accelerator (one
-# host sync a step, not two); on a CPU a copy costs no sync and is taken at once. Tests set
-# this to run the accelerator's order on a CPU (tests/test_deferred_steps.py).
+# A step's figures are read at the next boundary (host_copy.py): on an accelerator the
+# copy lands while the next step runs, and a host more than a step ahead waits there
+# (the device is the bottleneck then: the wait idles nothing). On a CPU a copy costs no
+# wait and is read at once; tests set this to run the accelerator's order on a CPU
+# (tests/test_deferred_steps.py).
 DEFER_ON_CPU = False
 
 _FROM_ALL_RANKS = ("loss/train", "tokens/real", "throughput/tokens_per_s")
@@ -56,6 +60,11 @@ class Recording(Protocol):
     scaler: Any
     layers: Layers
     ratio_names: list[str]
+    grad_names: list[str]
+    skip_nonfinite: bool
+    control: Any  # ControlState
+    own_clips: Any  # OwnClips
+    framework_clip: float | None
     engine: Any  # AlertEngine
     store: Any  # RunStore, or NullStore on ranks > 0
     dist: Any  # Dist | None
@@ -76,29 +85,30 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
              parts: list[torch.Tensor] | None = None, *, data_s: float | None = None,
              samples: int | None = None, extra_times: dict[str, float] | None = None
              ) -> int:
-    """Close the optimizer step just taken: its record (host `values`, plus device
-    `parts` named `names`), timings, histograms. Returns the step number."""
+    """Close the optimizer step just taken: its host `values` and timings, its device
+    figures (`parts` named `names`, and what its optimizer hooks measured) sent to the
+    host in one copy, read at a later boundary (`land`). Returns the step number."""
     t_end = time.perf_counter()
     fl = rec.flight
     t = fl.taking
     fl.taking, fl.stepped = None, False
     rec.lr.on(only_if_scheduled=True)
     step = rec.step + 1
-    alerts: list
+    groups: dict[str, list[torch.Tensor]] = {}
     if t is None:  # a GradScaler found inf/NaN gradients and skipped the optimizer
-        flush_deferred(rec)  # steps are recorded in order
         values = {**values, "amp/overflow": 1.0}
         if rec.lr.repair_after_overflow():
             values["lr"] = ctl.lrs(rec.opt)[0]
-        alerts = []
-        if fl.staged is not None:  # the runner's loss, never copied: copy it now
+        if fl.staged is not None:  # the runner's loss, taken by no pre-hook
             names, parts = fl.staged[0] + (names or []), fl.staged[1] + (parts or [])
             fl.staged = None
     else:
-        values = {**t.values, **values}
-        alerts = t.alerts
+        values = dict(values)
+        groups.update(t.groups)
         values["time/probes"] = t.t_probe - t.t_pre
         values["time/optimizer"] = t.t_post - t.t_probe
+        if t.ratios is not None:
+            groups["ratios"] = [t.ratios]
     # data_s None: a loop of the user's, whose data wait nbwatch does not see
     values.update(timing_figures(t_end - fl.t_boundary, data_s))
     if samples:
@@ -108,22 +118,13 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
     rec.step = step
     rec.progress.step = step
     rec.batch_ids.end_step(step)
-    if t is not None and t.ratios is not None:
-        names = [*(names or ()), *rec.ratio_names]
-        parts = [*(parts or ()), *t.ratios.unbind()]
-    if parts:
-        on_device = parts[0].device.type != "cpu" or DEFER_ON_CPU
-        # a step whose "grads" rules fired (or that was skipped) is recorded at its end, as
-        # on a CPU: their actions (pause, cut_lr, checkpoint) act before the next step
-        if (on_device and t is not None and rec.dist is None and not alerts
-                and "skipped" not in values):
-            fl.deferred = Deferred(step, list(names or ()), list(parts), values, alerts,
-                                   rec.lr.planned())
-        else:
-            values.update(zip(names or (), to_host(parts)))
-            complete(rec, step, values, alerts, t is None)
-    else:
-        complete(rec, step, values, alerts, t is None)
+    groups["figures"] = list(parts or ())
+    fl.copies.append(Landing(step, HostCopy.launch(step, groups), t, values,
+                             list(names or ()), rec.lr.planned()))
+    land(rec)
+    fl.limits = rec.engine.norm_limits()  # from every step before this one, in either order
+    if not (DEFER_ON_CPU or any(s.event is not None for s in fl.copies[-1].copy.shares)):
+        land(rec, wait=True)  # on a CPU: read at once
     if t is not None and t.hist:
         histograms(rec, step)
     scale = getattr(rec.scaler, "_scale", None) if rec.scaler is not None else None
@@ -132,6 +133,29 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
     rec.lr.end_step()
     fl.t_boundary = time.perf_counter()
     return step
+
+
+def land(rec: Recording, wait: bool = False) -> None:
+    """Read the copies of the steps before the newest, oldest first, and complete those
+    steps (with `wait`, the newest too): each rank, each order, reads step N at the end of
+    step N + 1, so that what is decided from them (a clip limit) is the same on every
+    rank."""
+    copies = rec.flight.copies
+    while copies and (wait or len(copies) > 1):
+        if rec.flight.pending and rec.engine.short_history():
+            record_pending(rec)  # the "grads" rules' first steps see every step before
+        one = copies.popleft()
+        got = one.copy.read(rec.own)
+        values, alerts = one.values, []  # type: tuple[dict[str, float], list]
+        if one.taking is not None:
+            grads, alerts = read_grads(rec, one.taking, got)
+            values = {**grads, **values}
+            if "ratios" in got and "skipped" not in values:
+                values.update(zip(rec.ratio_names, got["ratios"]))
+        else:
+            values = dict(values)
+        values.update(zip(one.names, got.get("figures", ())))
+        complete(rec, one.step, values, alerts, one.taking is None, one.lr_planned)
 
 
 def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
@@ -151,6 +175,9 @@ def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
     # this step's watching, up to here, and its row's wall time at the same instant: a
     # pause between the two would count in one step's watching and the other's wall
     values["time/nbwatch"], wall = rec.own.take(), time.time()
+    waited = rec.own.take_wait()
+    if waited:
+        values["time/device_wait"] = waited
     if loss is not None and finite:
         p = rec.progress
         p.train_ema = SMOOTHING * p.train_ema + (1 - SMOOTHING) * loss
@@ -261,12 +288,10 @@ def record_step(rec: Recording, host: dict[str, float], names: list[str],
 
 
 def flush_deferred(rec: Recording) -> None:
-    """Record every step taken so far: copy a step whose device figures wait for the next
-    gradient copy, and record the steps waiting for their batch."""
-    d, rec.flight.deferred = rec.flight.deferred, None
-    if d is not None:
-        d.values.update(zip(d.names, to_host(d.parts)))
-        complete(rec, d.step, d.values, d.alerts, lr_planned=d.lr_planned)
+    """Record every step taken so far: read the copies under way (waiting for them: a
+    sync on a GPU) and record the steps waiting for their batch."""
+    if rec.flight.copies:
+        land(rec, wait=True)
     if rec.flight.pending:
         record_pending(rec)
 
@@ -289,20 +314,16 @@ def keep_seq_lens(rec: Recording, lengths: torch.Tensor, step: int | None = None
 def histograms(rec: Recording, step: int) -> None:
     """Weight histograms per layer (and the "hist" rules on them), and the sequence
     lengths seen since the last histogram step."""
-    if rec.flight.pending:  # the rules see the steps in order
-        record_pending(rec)
-    d = rec.flight.deferred  # a GPU step (this one) waiting for the next copy: its lengths
-    if d is not None and late_figures.KEY in d.values:
-        resolve_late(rec, [(d.step, d.values, d.values.pop(late_figures.KEY))])
+    flush_deferred(rec)  # the rules see the steps in order (a histogram step reads anyway)
     edges, counts = wprobe.layer_histograms(rec.layers, rec.spec.hist_bins)
-    e_np, c_np = edges.cpu().double().numpy(), counts.cpu().numpy()
+    e_np, c_np = to_numpy(edges.double()), to_numpy(counts)
     for i, name in enumerate(rec.layers.names):
         rec.store.put(Histogram(step, f"weight/{name}", e_np[i], c_np[i]))
     stds = {n: weight_std(e_np[i], c_np[i]) for i, n in enumerate(rec.layers.names)}
     rec._raise_alerts(rec.engine.observe("hist", step, weight_std=stds))
     seq = rec.flight.seq_lens
     if seq:
-        lens = torch.cat([t.float().cpu() for _, t in seq])
+        lens = torch.from_numpy(np.concatenate([to_numpy(t.float()) for _, t in seq]))
         seq.clear()
         hi = max(float(lens.max()), 1.0)
         e, c = wprobe.histogram(torch.cat([lens, lens.new_tensor([0.0, hi])]), 32)

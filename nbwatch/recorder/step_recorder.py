@@ -113,11 +113,6 @@ class StepRecorder:
 
     # -- the optimizer's hooks (optimizer_step.py) ----------------------------------------
     @property
-    def skipping(self) -> bool:
-        """The optimizer step just taken was skipped (non-finite figures)."""
-        return self.flight.taking is not None and self.flight.taking.skip
-
-    @property
     def stepped(self) -> bool:
         """The optimizer stepped since the last end of step."""
         return self.flight.stepped
@@ -156,10 +151,6 @@ class StepRecorder:
         """The end of a step in a loop nbwatch does not run: see `step_end.record_step`."""
         return se.record_step(self, host, names, parts, lengths=lengths, samples=samples,
                               val=val, reduction=reduction)
-
-    def complete(self, step: int, values: dict[str, float], alerts: list,
-                 overflow: bool = False, lr_planned: bool | None = None) -> None:
-        se.complete(self, step, values, alerts, overflow, lr_planned)
 
     def flush_deferred(self) -> None:
         """Record every step taken so far: see `step_end.flush_deferred`."""

@@ -1,0 +1,154 @@
+"""The step's one device→host copy, and the one function that reads a device value.
+
+A step's figures stay on the device until its end, then leave in one copy per device:
+each group (a list of 0-dim or 1-d tensors) is flattened into one buffer, copied with
+`non_blocking=True` (into pinned host memory on CUDA) behind an event, and read at a
+later step boundary, once the event has completed. Nothing on the step path waits for the
+device; a wait happens only where a figure is needed at once (an eval, a checkpoint, a
+histogram step, the run's end, a pause), and it is timed apart from nbwatch's own work
+(`time/device_wait`).
+
+    end of step N    HostCopy.launch(groups)      stack → copy_(non_blocking) → event
+    boundary N+k     copy.ready()                 event.query(): never waits
+                     copy.read(own)               the values, [float] per group
+
+`fetch` is the only place a device tensor is read on the step path (tests hold the rest
+of the code to that: tests/recorder/test_sync_audit.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_READING = threading.local()  # set while `fetch` reads: the sync audit allows it there
+
+
+def reading() -> bool:
+    """Whether this thread is inside `fetch` (the one read the sync audit allows)."""
+    return getattr(_READING, "on", False)
+
+
+def fetch(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the host: THE device→host read (a CPU-GPU sync point when `t` is on a GPU)."""
+    _READING.on = True
+    try:
+        return t.detach().cpu() if t.device.type != "cpu" else t.detach()
+    finally:
+        _READING.on = False
+
+
+def to_numpy(t: torch.Tensor) -> Any:
+    """`t` as a numpy array on the host, read through `fetch`."""
+    got = fetch(t)
+    _READING.on = True
+    try:
+        return got.numpy()
+    finally:
+        _READING.on = False
+
+
+def values(t: torch.Tensor) -> list[float]:
+    """A 1-d tensor's values as floats, read through `fetch`."""
+    got = fetch(t)
+    _READING.on = True
+    try:
+        return got.tolist()
+    finally:
+        _READING.on = False
+
+
+def flat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """0-dim or 1-d tensors as one flat float tensor, on the first one's device (one
+    stack/cat; a part on another device is moved there without a host sync)."""
+    dev = parts[0].device
+    parts = [p if p.device == dev else p.to(dev, non_blocking=True) for p in parts]
+    if all(p.dim() == 0 for p in parts):
+        out = torch.stack(parts)
+    else:
+        out = torch.cat([p.reshape(-1) for p in parts])
+    return out if out.dtype in (torch.float32, torch.float64) else out.float()
+
+
+def to_host(parts: list[torch.Tensor]) -> list[float]:
+    """0-dim tensors read at once (a sync on a GPU): where a figure is needed now."""
+    return values(flat(parts)) if parts else []
+
+
+@dataclass
+class _OnDevice:
+    """One device's share of a copy: where each group's values lie in its buffer."""
+
+    spans: list[tuple[str, int, int]]  # (group, start, stop)
+    host: torch.Tensor  # the buffer on the host (pinned on CUDA), filled by the copy
+    event: Any = None  # the CUDA event recorded after the copy; None: filled at once
+
+
+@dataclass
+class HostCopy:
+    """One step's figures on their way to the host, as named groups of floats."""
+
+    step: int
+    shares: list[_OnDevice] = field(default_factory=list)
+    sizes: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def launch(cls, step: int, groups: dict[str, list[torch.Tensor]]) -> HostCopy:
+        """Start the copy of `groups` (name → 0-dim or 1-d tensors); never waits."""
+        copy = cls(step)
+        by_device: dict[torch.device, list[tuple[str, list[torch.Tensor]]]] = {}
+        for name, parts in groups.items():
+            if parts:
+                by_device.setdefault(parts[0].device, []).append((name, parts))
+        for dev, named in by_device.items():
+            spans, flats, at = [], [], 0
+            for name, parts in named:
+                f = flat(parts)
+                spans.append((name, at, at + f.numel()))
+                copy.sizes[name] = f.numel()
+                at += f.numel()
+                flats.append(f)
+            buf = flats[0] if len(flats) == 1 else torch.cat(flats)
+            if dev.type == "cuda":
+                # pinned memory from torch's caching host allocator; the copy is queued
+                # behind the step's kernels and the event says when it has landed
+                host = buf.to("cpu", non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(dev))
+                copy.shares.append(_OnDevice(spans, host, event))
+            elif dev.type == "cpu":
+                copy.shares.append(_OnDevice(spans, buf))
+            else:  # another accelerator (mps, xpu): no event to ask; read at `read`
+                copy.shares.append(_OnDevice(spans, buf, "read"))
+        return copy
+
+    def ready(self) -> bool:
+        """Whether every share has landed on the host (asks the events; never waits)."""
+        return all(s.event is None or (s.event != "read" and s.event.query())
+                   for s in self.shares)
+
+    def read(self, own: Any = None) -> dict[str, list[float]]:
+        """The groups' values; waits for a share still under way, the wait timed apart
+        from nbwatch's own work on `own` (an `OwnTime`)."""
+        out: dict[str, list[float]] = {}
+        for s in self.shares:
+            if s.event == "read":
+                t0 = time.perf_counter()
+                host = fetch(s.host)
+                if own is not None:
+                    own.exclude(time.perf_counter() - t0)
+            else:
+                if s.event is not None and not s.event.query():
+                    t0 = time.perf_counter()
+                    s.event.synchronize()
+                    if own is not None:
+                        own.exclude(time.perf_counter() - t0)
+                host = s.host
+            got = values(host)
+            for name, a, b in s.spans:
+                out[name] = got[a:b]
+        return out

@@ -1,0 +1,188 @@
+"""The step path reads no device value outside `host_copy` (recorder/host_copy.py), and a
+step's figures are read at a later boundary, in every loop. CI has no GPU: these tests
+run the accelerator's order on the CPU (`DEFER_ON_CPU`) with torch's reading methods
+patched during steady steps, and name any nbwatch line that reads a tensor itself (on a
+GPU each would be a sync: the host waiting for the device)."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import nbwatch
+from nbwatch.demo import make_demo, masked_cross_entropy
+from nbwatch.recorder import host_copy, step_end
+
+PACKAGE = Path(nbwatch.__file__).parent
+FRAMEWORKS = {"transformers", "lightning", "accelerate"}  # their own reads: a bare fit's too
+READS = ("item", "tolist", "cpu", "numpy", "__float__", "__bool__", "__int__", "__index__")
+# Host figures by construction: CPU masks and logits rows a step keeps for its record
+# (probes/late.py), which a GPU tensor never is.
+# (probes/late.py), and the CRC of CPU token ids (recorder/batches.py): a GPU tensor never
+# is one of those.
+HOST_ONLY = {"probes/late.py", "probes/logit_rows.py", "probes/data.py", "recorder/batches.py"}
+
+
+class Audit:
+    """Reads of a tensor on the step path, by the nbwatch line that made them."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.reads: list[str] = []
+
+    def patch(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        for name in READS:
+            real = getattr(torch.Tensor, name)
+
+            def read(t, *a, _real=real, _name=name, **k):
+                if self.on and not host_copy.reading():
+                    where = _reader(sys._getframe(1))
+                    if where is not None:
+                        self.reads.append(f"{_name} at {where}")
+                return _real(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, read)
+
+
+def _reader(frame) -> str | None:
+    """The innermost caller that is nbwatch's or the user's: nbwatch's line (None: the
+    user's own read, the optimizer's own (a bare loop's too), or one of nbwatch's
+    host-only figures)."""
+    while frame is not None:
+        path = Path(frame.f_code.co_filename)
+        if path.parent.name == "optim" and path.parent.parent.name == "torch":
+            return None
+        if "site-packages" in path.parts and path.parts[path.parts.index(
+                "site-packages") + 1] in FRAMEWORKS:
+            return None
+        if PACKAGE in path.parents:
+            rel = path.relative_to(PACKAGE).as_posix()
+            return None if rel in HOST_ONLY else f"{rel}:{frame.f_lineno}"
+        if "site-packages" not in path.parts and "lib" not in path.parts[-3:-1] \
+                and not str(path).startswith(sys.prefix) and "<" not in str(path):
+            return None  # the user's code (this test) reads: not nbwatch's
+        frame = frame.f_back
+    return None
+
+
+@pytest.fixture
+def audit(monkeypatch):
+    monkeypatch.setattr(step_end, "DEFER_ON_CPU", True)
+    a = Audit()
+    a.patch(monkeypatch)
+    read_at: list[tuple[int, int]] = []  # (step, the step the run was at when it was read)
+    complete = step_end.complete
+
+    def completing(rec, step, *args, **kw):
+        if a.on:
+            read_at.append((step, rec.step))
+        return complete(rec, step, *args, **kw)
+
+    monkeypatch.setattr(step_end, "complete", completing)
+    a.read_at = read_at  # type: ignore[attr-defined]
+    return a
+
+
+STEPS, STEADY = 30, range(5, 26)  # steady: no histogram, eval or checkpoint step
+
+
+def window(a: Audit, step: int) -> None:
+    """At the start of step `step + 1`: the audit on for the steady steps."""
+    a.on = step + 1 in STEADY
+
+
+def check(a: Audit) -> None:
+    assert not a.reads, "nbwatch read a tensor on the step path:\n" + "\n".join(
+        dict.fromkeys(a.reads))
+    steps = [s for s, _ in a.read_at]
+    assert len(steps) >= len(STEADY) - 2, a.read_at
+    assert all(at > s for s, at in a.read_at), a.read_at  # each one read a step later
+
+
+def monitor(tmp_path, demo, **kw):
+    return nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "r",
+                           display=False, hist_every=10**6, **kw)
+
+
+def test_an_own_loop_reads_nothing_on_the_step_path(tmp_path, audit):
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4, max_steps=STEPS)
+    m, opt = demo.model, demo.optimizer
+    with monitor(tmp_path, demo, clip=1.0) as mon:
+        for i, b in enumerate(itertools.islice(itertools.cycle(demo.train), STEPS), 1):
+            window(audit, i - 1)
+            logits = m(b["input_ids"])
+            loss = masked_cross_entropy(logits, b["labels"], b["mask"])
+            loss.backward()
+            opt.step()
+            demo.scheduler.step()
+            opt.zero_grad(set_to_none=True)
+            mon.log(loss=loss, mask=b["mask"], logits=logits)
+        audit.on = False
+    check(audit)
+    df = nbwatch.open_run(tmp_path / "r").df
+    assert df.index.tolist() == list(range(1, STEPS + 1))
+    assert df[["loss/train", "grad_norm/global", "grad_norm/clipped"]].notna().all().all()
+    assert (df["grad_norm/clipped"] <= 1.0 + 1e-5).all()  # clipped on the device
+
+
+def test_start_reads_nothing_on_the_step_path(tmp_path, audit):
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4, max_steps=STEPS)
+    mon = monitor(tmp_path, demo)
+
+    def step_fn(model, batch):
+        window(audit, mon.step)
+        return demo.step_fn(model, batch)
+
+    mon.start(step_fn, itertools.cycle(demo.train), max_steps=STEPS, display=False).wait()
+    audit.on = False
+    assert mon.state == "finished", mon.error
+    check(audit)
+    assert mon.df.index.tolist() == list(range(1, STEPS + 1))
+
+
+def test_the_trainer_reads_nothing_on_the_step_path(tmp_path, audit):
+    pytest.importorskip("transformers")
+    from transformers import TrainerCallback
+
+    import nbwatch.hf
+    from tests.test_hf import make_trainer
+
+    class Window(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            window(audit, state.global_step)
+
+    trainer = make_trainer(tmp_path / "out", max_steps=STEPS, eval_strategy="no")
+    trainer.add_callback(Window())
+    run = nbwatch.hf.start(trainer, run_dir=tmp_path / "r", display=False,
+                           monitor={"hist_every": 10**6})
+    run.wait()
+    audit.on = False
+    assert run.state == "finished", run.error
+    check(audit)
+
+
+def test_lightning_reads_nothing_on_the_step_path(tmp_path, audit):
+    pytest.importorskip("lightning.pytorch")
+    import lightning.pytorch as L
+
+    import nbwatch.lightning
+    from tests.test_lightning import TinyModule, loader, make_trainer
+
+    class Window(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            window(audit, trainer.global_step)
+
+    torch.manual_seed(0)
+    trainer = make_trainer(tmp_path / "pl", max_steps=STEPS, val_check_interval=None,
+                           limit_val_batches=0, callbacks=[Window()])
+    run = nbwatch.lightning.start(trainer, TinyModule(), train_dataloaders=loader(STEPS),
+                                  run_dir=tmp_path / "r", display=False,
+                                  monitor={"hist_every": 10**6})
+    run.wait()
+    audit.on = False
+    assert run.state == "finished", run.error
+    check(audit)

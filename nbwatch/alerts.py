@@ -180,6 +180,7 @@ class AlertEngine:
         self._due = {ph: Schedule(rs) for ph, rs in self._by_phase.items()}
         self._clippers = [r for r in self._by_phase["grads"]
                           if r.norm_limit is not None and "clip" in r.actions]
+        self._limits: tuple[int, dict[str, tuple[float, float]]] = (-1, {})
         # as long as the longest look-back a rule was given (at most rules.MAX_HISTORY)
         self.window = Window(max([window, *(r.history for r in rules)]))
         # "grads" rules that read named figures (nonfinite: the loss): a loop of the user's
@@ -206,11 +207,14 @@ class AlertEngine:
         global gradient norm is above `limit` is clipped to `max_norm` on the device, in
         the step itself; its "grads" observation is given them back (`limits=`), so that
         the rule's alert agrees with what the device did."""
+        if self._limits[0] == self.window.adds:  # nothing recorded since
+            return self._limits[1]
         out = {}
         for r in self._clippers:
             limit = r.norm_limit(self.window, r.params)  # type: ignore[misc]
             if limit is not None:
                 out[r.name] = (limit, float(r.params.get("max_norm", 1.0)))
+        self._limits = (self.window.adds, out)
         return out
 
     def explain_lr(self) -> None:

@@ -253,7 +253,7 @@ def log_figures(loss: Any, mask: torch.Tensor | list[torch.Tensor] | None,
                 source: TrainLogits | None = None
                 ) -> tuple[dict[str, float], list[str], list[torch.Tensor], Any]:
     """Check what `log()` was given: host figures, device figures with their names
-    (copied to the host with the next gradient norms: one sync a step; `logits`: their
+    (copied to the host in the step's one copy, read at the next boundary; `logits`: their
     log Z and max |logit| over a fixed subsample, `probes.logits`; without them,
     `source`'s, the output layer's hook), and the
     sequence lengths of the mask. On the `first` step a mask is checked for 0/1 values (on

@@ -8,6 +8,7 @@ import torch
 
 import nbwatch
 from nbwatch.demo import collate, make_demo, make_samples, masked_cross_entropy, stdlib_text
+from nbwatch.recorder import host_copy
 from tests.conftest import until
 
 
@@ -20,11 +21,16 @@ def wait_state(mon, state, timeout=60):
     assert mon.state == state, mon.traceback
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_nan_step_is_skipped_and_the_run_pauses_with_one_critical_alert(tmp_path, fused):
-    """A fused optimizer skips the NaN step in its own kernel (nbwatch's `found_inf`):
-    the weights are those from before it. Any other gets the step's gradients zeroed on
-    the device: the weights stay finite, and the alert says what happened."""
+@pytest.mark.parametrize("fused,gpu_order", [(False, False), (True, True), (False, True)])
+def test_nan_step_is_skipped_and_the_run_pauses_with_one_critical_alert(
+        tmp_path, monkeypatch, fused, gpu_order):
+    """On a CPU the step is read at once and skipped exactly. In a GPU's order (decided on
+    the device, read a step later: the pause holds after step 31) a fused optimizer skips
+    the NaN step in its own kernel (nbwatch's `found_inf`): the weights are those from
+    before it; any other gets the step's gradients zeroed on the device: the weights stay
+    finite, and the alert says what happened."""
+    monkeypatch.setattr(host_copy, "DEFER_ON_CPU", gpu_order)
+    late = 1 if gpu_order else 0
     demo = small_demo(max_steps=100)
     opt = torch.optim.AdamW(demo.model.parameters(), lr=1e-3, fused=fused)
     mon = nbwatch.Monitor(demo.model, opt, run_dir=tmp_path / "r")
@@ -46,7 +52,7 @@ def test_nan_step_is_skipped_and_the_run_pauses_with_one_critical_alert(tmp_path
 
     mon.start(remember, demo.train, max_steps=100, display=False)
     wait_state(mon, "paused")
-    assert mon.step == 30
+    assert mon.step == 30 + late
     for k, v in demo.model.state_dict().items():
         assert torch.isfinite(v).all(), k
     ev = mon.events
@@ -54,12 +60,12 @@ def test_nan_step_is_skipped_and_the_run_pauses_with_one_critical_alert(tmp_path
     critical = alerts[alerts.severity == "critical"]
     assert len(critical) == 1 and critical.step.iloc[0] == 30
     assert critical.message.iloc[0].startswith("nonfinite: non-finite loss/train")
-    assert ("zeroed" in critical.message.iloc[0]) != fused
+    assert ("zeroed" in critical.message.iloc[0]) == (gpu_order and not fused)
     assert mon.df.loc[30, "skipped"] == 1.0
-    ck = ev[(ev.kind == "checkpoint") & (ev.step == 30)].iloc[0]
+    ck = ev[(ev.kind == "checkpoint") & (ev.step == 30 + late)].iloc[0]
     saved = torch.load(ck.data["path"], weights_only=True)["model"]
     assert all(torch.isfinite(v).all() for v in saved.values() if v.is_floating_point())
-    if fused:  # the emergency checkpoint holds the last good weights: from before step 30
+    if not late:  # the emergency checkpoint holds the last good weights: before step 30
         assert all(torch.equal(saved[k], before[k]) for k in ("head.weight", "tok_emb.weight"))
     mon.resume()
     wait_state(mon, "finished")

@@ -26,7 +26,7 @@ def defer_on_cpu(monkeypatch, on: bool) -> list:
     """Run the accelerator's order (`on`); returns the steps read at a later boundary than
     their own end, as they come."""
     deferred: list[int] = []
-    monkeypatch.setattr(step_end, "DEFER_ON_CPU", on)
+    monkeypatch.setattr(host_copy, "DEFER_ON_CPU", on)
     complete = step_end.complete
 
     def completing(rec, step, *a, **k):
@@ -55,7 +55,10 @@ def same(a: tuple, b: tuple, until: int | None = None) -> None:
     df_a, hist_a, ev_a, spikes_a = a
     df_b, hist_b, ev_b, spikes_b = b
     assert sorted(df_a.columns) == sorted(df_b.columns)  # in the order they came
-    np.testing.assert_array_equal(df_a.to_numpy(), df_b[df_a.columns].to_numpy())
+    # a clip's factor: a host float on the CPU, float32 on the device (the GPU's order)
+    exact = [c for c in df_a.columns if c != "grad_norm/clipped"]
+    np.testing.assert_array_equal(df_a[exact].to_numpy(), df_b[exact].to_numpy())
+    np.testing.assert_allclose(df_a["grad_norm/clipped"], df_b["grad_norm/clipped"], rtol=1e-6)
     assert hist_a.keys() == hist_b.keys()
     for name, (steps, edges, counts) in hist_a.items():
         steps_b, edges_b, counts_b = hist_b[name]

@@ -158,9 +158,9 @@ def test_a_rewind_leaves_the_steps_it_went_back_over_out_of_the_length_histogram
     """Rewound from step 55 to 50 (a histogram step): the next `data/seq_len` histogram
     counts the sequences of steps 51–60 of the branch that goes on, not those of the 5
     steps rewound over; in either order of a step's copy (tests/test_deferred_steps.py)."""
-    from nbwatch.recorder import step_end
+    from nbwatch.recorder import host_copy
 
-    monkeypatch.setattr(step_end, "DEFER_ON_CPU", defer)
+    monkeypatch.setattr(host_copy, "DEFER_ON_CPU", defer)
     demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4)
     data = [dict(b, pos=i) for i, b in
             enumerate(itertools.islice(itertools.cycle(demo.train), 100))]

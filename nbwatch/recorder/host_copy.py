@@ -25,7 +25,16 @@ from typing import Any
 
 import torch
 
+# On a CPU a read costs no wait: the step is measured and read at once, on the host
+# (optimizer_step.act_on_host). Tests set this to run the accelerator's order on a CPU.
+DEFER_ON_CPU = False
 _READING = threading.local()  # set while `fetch` reads: the sync audit allows it there
+
+
+def deferred(device: torch.device) -> bool:
+    """Whether figures on `device` take the accelerator's path: decided on the device,
+    copied at the step's end and read at the next boundary."""
+    return DEFER_ON_CPU or device.type != "cpu"
 
 
 def reading() -> bool:
@@ -76,6 +85,12 @@ def flat(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def to_host(parts: list[torch.Tensor]) -> list[float]:
     """0-dim tensors read at once (a sync on a GPU): where a figure is needed now."""
+    if len(parts) == 1 and parts[0].numel() == 1:
+        _READING.on = True
+        try:
+            return [parts[0].item()]
+        finally:
+            _READING.on = False
     return values(flat(parts)) if parts else []
 
 
@@ -95,15 +110,22 @@ class HostCopy:
     step: int
     shares: list[_OnDevice] = field(default_factory=list)
     sizes: dict[str, int] = field(default_factory=dict)
+    known: dict[str, list[float]] = field(default_factory=dict)  # groups read already
 
     @classmethod
-    def launch(cls, step: int, groups: dict[str, list[torch.Tensor]]) -> HostCopy:
-        """Start the copy of `groups` (name → 0-dim or 1-d tensors); never waits."""
-        copy = cls(step)
+    def launch(cls, step: int, groups: dict[str, list[torch.Tensor]],
+               known: dict[str, list[float]] | None = None) -> HostCopy:
+        """Start the copy of `groups` (name → 0-dim or 1-d tensors); never waits. `known`:
+        groups already on the host (a CPU step's, read at once)."""
+        copy = cls(step, known=dict(known or {}))
         by_device: dict[torch.device, list[tuple[str, list[torch.Tensor]]]] = {}
         for name, parts in groups.items():
-            if parts:
-                by_device.setdefault(parts[0].device, []).append((name, parts))
+            if not parts:
+                continue
+            if not deferred(parts[0].device):  # host memory, read once at the end anyway
+                copy.known[name] = to_host(parts)
+                continue
+            by_device.setdefault(parts[0].device, []).append((name, parts))
         for dev, named in by_device.items():
             spans, flats, at = [], [], 0
             for name, parts in named:
@@ -134,7 +156,7 @@ class HostCopy:
     def read(self, own: Any = None) -> dict[str, list[float]]:
         """The groups' values; waits for a share still under way, the wait timed apart
         from nbwatch's own work on `own` (an `OwnTime`)."""
-        out: dict[str, list[float]] = {}
+        out: dict[str, list[float]] = dict(self.known)
         for s in self.shares:
             if s.event == "read":
                 t0 = time.perf_counter()

@@ -37,8 +37,10 @@ import torch
 
 from .. import controls as ctl
 from ..probes import weights as wprobe
-from ..probes.grads import Layers, layer_norms, param_grad_norms
+from ..probes.grads import Layers, clip_factor, layer_norms, param_grad_norms
 from ..records import Event
+from . import host_copy
+from .host_copy import to_host
 from .lr_factor import LrFactor
 from .own_clips import OwnClips
 from .own_time import OwnTime, counted
@@ -74,6 +76,7 @@ class Taking:
     before: list | None = None  # weights snapshot on update-ratio steps
     ratios: torch.Tensor | None = None  # update ratios [L] on device, after the update
     skip: torch.Tensor | None = None  # a fused optimizer's skip, for its own pre-hook
+    read: dict[str, list[float]] | None = None  # on a CPU: the groups, read at once
 
 
 class Measuring(Protocol):
@@ -151,28 +154,36 @@ def pre_step(rec: Measuring, explicit: bool = True, clips: list | None = None,
     groups: dict[str, list[torch.Tensor]] = {"staged": list(staged)}
     zeroing, fused_skip = False, None
     limits: dict[str, tuple[float, float]] = {}
+    present = (tuple(i for i, p in enumerate(rec.layers.params) if p.grad is not None)
+               if clips else None)
+    read: dict[str, list[float]] | None = None
     if norms:
-        per_param = _stack(norms)
-        loss = staged[staged_names.index("loss/train")] if "loss/train" in staged_names \
-            else None
         if fl.limits is None:  # the run's first step
             fl.limits = rec.engine.norm_limits()
         limits = fl.limits
-        flags, zeroing, fused_skip = act(rec, per_param, grads, loss, found_inf, limits,
-                                         in_hook=not explicit)
-        groups["norms"] = [per_param]
-        groups["flags"] = [flags]
-        groups["clips"] = [c.total.detach().reshape(()) for c in clips]
+        totals = [c.total.detach().reshape(()) for c in clips]
+        if host_copy.deferred(norms[0].device):  # an accelerator: nothing is read here
+            per_param = _stack(norms)
+            loss = staged[staged_names.index("loss/train")] \
+                if "loss/train" in staged_names else None
+            flags, zeroing, fused_skip = act(rec, per_param, grads, loss, found_inf, limits,
+                                             in_hook=not explicit)
+            groups.update(norms=[per_param], flags=[flags], clips=totals)
+        else:  # on a CPU a read costs no wait, and a host float is cheaper than a tensor
+            read = act_on_host(rec, norms, grads, staged_names, staged, totals, found_inf,
+                               limits)
+            groups = {}
     first = rec.step == rec.start_step
     hist = due(rec.spec.hist_every, step, first)
     every = rec.spec.update_every
     ratios = due(rec.spec.hist_every if every is None else every, step, first) and bool(norms)
+    if read is not None and read["flags"][SKIPPED]:
+        ratios = False
     before = wprobe.snapshot(rec.layers) if ratios else None
-    present = (tuple(i for i, p in enumerate(rec.layers.params) if p.grad is not None)
-               if clips else None)
     fl.taking = Taking(step, host, groups, layer_of, list(staged_names), clips, clip_note,
                        present, zeroing, limits, t0, time.perf_counter(),
-                       explicit=explicit, hist=hist, before=before, skip=fused_skip)
+                       explicit=explicit, hist=hist, before=before, skip=fused_skip,
+                       read=read)
 
 
 def due(every: int, step: int, first: bool) -> bool:
@@ -253,6 +264,47 @@ def act(rec: Measuring, per_param: torch.Tensor, grads: list[torch.Tensor],
     one = torch.ones((), device=dev)
     return torch.stack([total, clipped, skip.float(), inf,
                         scale if scale is not None else one]), zeroing, fused_skip
+
+
+def act_on_host(rec: Measuring, norms: list[torch.Tensor], grads: list[torch.Tensor],
+                staged_names: list[str], staged: list[torch.Tensor],
+                totals: list[torch.Tensor], found_inf: torch.Tensor | None,
+                limits: dict[str, tuple[float, float]]) -> dict[str, list[float]]:
+    """`act` on a CPU, where reading costs no wait: the same clip and flags from one read,
+    and an exact skip for any optimizer (its gradients dropped: a parameter without one is
+    left alone, its optimizer state too). Returns the groups `act`'s copy would bring."""
+    opt = rec.opt
+    scale = getattr(opt, "grad_scale", None)
+    if found_inf is None:
+        found_inf = getattr(opt, "found_inf", None)
+    extra = [t.reshape(()) for t in (scale, found_inf) if isinstance(t, torch.Tensor)]
+    got = to_host([*norms, *staged, *totals, *extra])
+    p, k = len(norms), len(norms) + len(staged)
+    per, staged_v, rest = got[:p], got[p:k], got[k:]
+    clip_v = rest[:len(totals)]
+    rest = rest[len(totals):]
+    s = rest.pop(0) if isinstance(scale, torch.Tensor) else 1.0
+    inf = rest.pop(0) if isinstance(found_inf, torch.Tensor) else 0.0
+    total = math.sqrt(math.fsum(n * n for n in per)) / s
+    loss = staged_v[staged_names.index("loss/train")] if "loss/train" in staged_names else 0.0
+    skip = rec.skip_nonfinite and inf == 0 and not (math.isfinite(total)
+                                                      and math.isfinite(loss))
+    coef = 1.0
+    if not skip and math.isfinite(total):
+        if rec.control.clip is not None:
+            coef = clip_factor(rec.control.clip, total)
+        for above, max_norm in limits.values():
+            if total > above:
+                coef = min(coef, clip_factor(max_norm, total))
+    if coef < 1.0:
+        for gs in _by_device(grads):
+            torch._foreach_mul_(gs, coef)
+    if skip:
+        for group in opt.param_groups:
+            for param in group["params"]:
+                param.grad = None
+    return {"norms": per, "staged": staged_v, "clips": clip_v,
+            "flags": [total, total * coef, float(skip), inf, s]}
 
 
 def arm_skip(rec: Measuring, skip: torch.Tensor) -> None:

@@ -1,6 +1,6 @@
 """The end of an optimizer step: its record. Timings, derived figures (padding ratio,
 throughput), the "step" rules, the `Scalars` row, weight and sequence-length histograms;
-on a GPU the step's device figures wait to be copied with the next step's gradients.
+the step's device figures leave in one copy, read at the next step's end (host_copy.py).
 
     scheduler.step()
     end of the step   LR factor on · the step's record · "step" rules · histograms
@@ -25,6 +25,7 @@ from ..probes.data import bad_mask
 from ..probes.grads import Layers
 from ..probes.throughput import add_rates, timing_figures
 from ..records import Event, Histogram, Scalars
+from . import host_copy
 from .batches import BatchIds
 from .host_copy import HostCopy, to_numpy
 from .lr_factor import LrFactor
@@ -43,9 +44,7 @@ RECORD_EVERY_S = 0.5
 # A step's figures are read at the next boundary (host_copy.py): on an accelerator the
 # copy lands while the next step runs, and a host more than a step ahead waits there
 # (the device is the bottleneck then: the wait idles nothing). On a CPU a copy costs no
-# wait and is read at once; tests set this to run the accelerator's order on a CPU
-# (tests/test_deferred_steps.py).
-DEFER_ON_CPU = False
+# wait and is read at once (`host_copy.DEFER_ON_CPU` runs the accelerator's order there).
 
 _FROM_ALL_RANKS = ("loss/train", "tokens/real", "throughput/tokens_per_s")
 
@@ -95,6 +94,7 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
     rec.lr.on(only_if_scheduled=True)
     step = rec.step + 1
     groups: dict[str, list[torch.Tensor]] = {}
+    known = None
     if t is None:  # a GradScaler found inf/NaN gradients and skipped the optimizer
         values = {**values, "amp/overflow": 1.0}
         if rec.lr.repair_after_overflow():
@@ -105,6 +105,7 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
     else:
         values = dict(values)
         groups.update(t.groups)
+        known = t.read
         values["time/probes"] = t.t_probe - t.t_pre
         values["time/optimizer"] = t.t_post - t.t_probe
         if t.ratios is not None:
@@ -119,11 +120,12 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
     rec.progress.step = step
     rec.batch_ids.end_step(step)
     groups["figures"] = list(parts or ())
-    fl.copies.append(Landing(step, HostCopy.launch(step, groups), t, values,
+    fl.copies.append(Landing(step, HostCopy.launch(step, groups, known), t, values,
                              list(names or ()), rec.lr.planned()))
     land(rec)
     fl.limits = rec.engine.norm_limits()  # from every step before this one, in either order
-    if not (DEFER_ON_CPU or any(s.event is not None for s in fl.copies[-1].copy.shares)):
+    if not (host_copy.DEFER_ON_CPU
+            or any(s.event is not None for s in fl.copies[-1].copy.shares)):
         land(rec, wait=True)  # on a CPU: read at once
     if t is not None and t.hist:
         histograms(rec, step)

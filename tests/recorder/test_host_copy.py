@@ -71,7 +71,7 @@ def _reader(frame) -> str | None:
 
 @pytest.fixture
 def audit(monkeypatch):
-    monkeypatch.setattr(step_end, "DEFER_ON_CPU", True)
+    monkeypatch.setattr(host_copy, "DEFER_ON_CPU", True)
     a = Audit()
     a.patch(monkeypatch)
     read_at: list[tuple[int, int]] = []  # (step, the step the run was at when it was read)

@@ -10,10 +10,15 @@ from .grads import Layers, _gather, layer_sum_sq
 
 
 def snapshot(layers: Layers) -> list[torch.Tensor]:
-    """Copies of the weights before an optimizer step (for the update ratio)."""
+    """Copies of the weights before an optimizer step (for the update ratio): one
+    `_foreach` copy on the device, a few launches whatever the number of tensors."""
     if layers.shards is not None:  # FSDP2: this rank's shards (probes/sharded.py)
         return sharded.snapshot(layers)
-    return [p.detach().clone() for p in layers.params]
+    weights = [p.detach() for p in layers.params]
+    clone = getattr(torch, "_foreach_clone", None)
+    if clone is not None and weights[0].device.type != "cpu":
+        return list(clone(weights))
+    return [w.clone() for w in weights]
 
 
 def update_ratios(layers: Layers, before: list[torch.Tensor]) -> torch.Tensor:
@@ -24,12 +29,20 @@ def update_ratios(layers: Layers, before: list[torch.Tensor]) -> torch.Tensor:
     dev = after[0].device
     index = layers.index(dev)
     torch._foreach_sub_(before, after)  # the snapshot becomes the (negated) update
-    delta = _gather(list(torch._foreach_norm(before)), dev)
-    norm = _gather(list(torch._foreach_norm(after)), dev)
+    delta = _stacked(torch._foreach_norm(before), dev)
+    norm = _stacked(torch._foreach_norm(after), dev)
     n = len(layers)
     return layer_sum_sq(delta, index, n).sqrt() / layer_sum_sq(norm, index, n).sqrt().clamp_min(
         1e-12
     )
+
+
+def _stacked(norms: tuple[torch.Tensor, ...] | list[torch.Tensor], dev: torch.device
+             ) -> torch.Tensor:
+    """Per-tensor norms as one float vector on `dev`: one stack where they share it."""
+    if all(n.device == dev for n in norms):
+        return torch.stack(list(norms)).float()
+    return _gather(list(norms), dev)
 
 
 def histogram(x: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -120,7 +120,10 @@ def sync_ranks(rec: Steered, final: bool = False) -> None:
     this same step on every rank; while paused, meet again every 0.1 s."""
     d = rec.dist
     assert d is not None
-    rec.flush_deferred()
+    if final:
+        rec.flush_deferred()
+    # otherwise the rows of the steps read so far (each rank reads step N at the end of
+    # step N + 1): the exchange waits for no copy of the device
     rk = rec.ranks
     while True:
         # a rewind's checkpoint is chosen by rank 0, for every rank to reload the same
@@ -135,6 +138,7 @@ def sync_ranks(rec: Steered, final: bool = False) -> None:
             apply(rec, c)
         if final or not rec.control.paused or rec.stopping:
             return
+        rec.flush_deferred()  # paused: the page shows the step it is paused at
         if d.rank == 0:
             time.sleep(0.1)  # the others wait in the next exchange
 

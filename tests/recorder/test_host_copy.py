@@ -7,6 +7,9 @@ GPU each would be a sync: the host waiting for the device)."""
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,17 +27,24 @@ READS = ("item", "tolist", "cpu", "numpy", "__float__", "__bool__", "__int__", "
 # (probes/late.py), which a GPU tensor never is.
 # (probes/late.py), and the CRC of CPU token ids (recorder/batches.py): a GPU tensor never
 # is one of those.
-HOST_ONLY = {"probes/late.py", "probes/logit_rows.py", "probes/data.py", "recorder/batches.py"}
+# The ranks' exchange goes over nbwatch's own gloo group: host objects by construction.
+HOST_ONLY = {"probes/late.py", "probes/logit_rows.py", "probes/data.py", "recorder/batches.py",
+             "distributed.py"}
 
 
 class Audit:
-    """Reads of a tensor on the step path, by the nbwatch line that made them."""
+    """Reads of a tensor on the step path, by the nbwatch line that made them, and when
+    each step's figures were read."""
 
     def __init__(self) -> None:
         self.on = False
         self.reads: list[str] = []
+        self.read_at: list[tuple[int, int]] = []  # (step, the run's step when read)
 
-    def patch(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def install(self, set_attr) -> Audit:
+        """The GPU's order on the CPU, and the watch on torch's reading methods, set with
+        `set_attr` (a test's `monkeypatch.setattr`, or `setattr` in a script)."""
+        set_attr(host_copy, "DEFER_ON_CPU", True)
         for name in READS:
             real = getattr(torch.Tensor, name)
 
@@ -45,7 +55,19 @@ class Audit:
                         self.reads.append(f"{_name} at {where}")
                 return _real(t, *a, **k)
 
-            monkeypatch.setattr(torch.Tensor, name, read)
+            set_attr(torch.Tensor, name, read)
+        complete = step_end.complete
+
+        def completing(rec, step, *args, **kw):
+            if self.on:
+                self.read_at.append((step, rec.step))
+            return complete(rec, step, *args, **kw)
+
+        set_attr(step_end, "complete", completing)
+        return self
+
+    def save(self, path: str) -> None:
+        Path(path).write_text(json.dumps({"reads": self.reads, "read_at": self.read_at}))
 
 
 def _reader(frame) -> str | None:
@@ -71,20 +93,7 @@ def _reader(frame) -> str | None:
 
 @pytest.fixture
 def audit(monkeypatch):
-    monkeypatch.setattr(host_copy, "DEFER_ON_CPU", True)
-    a = Audit()
-    a.patch(monkeypatch)
-    read_at: list[tuple[int, int]] = []  # (step, the step the run was at when it was read)
-    complete = step_end.complete
-
-    def completing(rec, step, *args, **kw):
-        if a.on:
-            read_at.append((step, rec.step))
-        return complete(rec, step, *args, **kw)
-
-    monkeypatch.setattr(step_end, "complete", completing)
-    a.read_at = read_at  # type: ignore[attr-defined]
-    return a
+    return Audit().install(monkeypatch.setattr)
 
 
 STEPS, STEADY = 30, range(5, 26)  # steady: no histogram, eval or checkpoint step
@@ -96,11 +105,14 @@ def window(a: Audit, step: int) -> None:
 
 
 def check(a: Audit) -> None:
-    assert not a.reads, "nbwatch read a tensor on the step path:\n" + "\n".join(
-        dict.fromkeys(a.reads))
-    steps = [s for s, _ in a.read_at]
-    assert len(steps) >= len(STEADY) - 2, a.read_at
-    assert all(at > s for s, at in a.read_at), a.read_at  # each one read a step later
+    check_reads(a.reads, a.read_at)
+
+
+def check_reads(reads: list[str], read_at: list) -> None:
+    assert not reads, "nbwatch read a tensor on the step path:\n" + "\n".join(
+        dict.fromkeys(reads))
+    assert len(read_at) >= len(STEADY) - 2, read_at
+    assert all(at > s for s, at in read_at), read_at  # each one read a step later
 
 
 def monitor(tmp_path, demo, **kw):
@@ -186,3 +198,21 @@ def test_lightning_reads_nothing_on_the_step_path(tmp_path, audit):
     audit.on = False
     assert run.state == "finished", run.error
     check(audit)
+
+
+def test_torchrun_reads_nothing_on_the_step_path(tmp_path):
+    """An own loop under `torchrun --nproc_per_node=2` (DDP on gloo): neither rank reads a
+    tensor on the step path, and the ranks' exchange rides on the steps already read."""
+    root = Path(__file__).resolve().parents[2]
+    run_dir = tmp_path / "ddp"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(root / "tests" / "scripts" / "ddp_train.py"), str(run_dir), str(STEPS)],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root), "LOOP": "own", "AUDIT": "1",
+                       "STEP_SLEEP": "0"},
+        capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        got = json.loads((run_dir / f"audit_rank{rank}.json").read_text())
+        check_reads(got["reads"], got["read_at"])
+    assert nbwatch.open_run(run_dir).df.index.tolist() == list(range(1, STEPS + 1))

@@ -9,8 +9,10 @@ CKPT_EVERY (a periodic checkpoint); RUN_DIR=default: `Monitor(run_dir=None)`, an
 comes to it 1.5 s after rank 0; ONLY_RANK0=1: rank 1 creates no Monitor; RAISE_RANK /
 RAISE_AT: a rank whose step_fn raises ValueError at that call; NO_DDP=1: the model not
 wrapped; R0_STEPS: rank 0's own loop takes this many steps (uneven data); LOOP=own: the
-script's own loop with `mon.log()` in the foreground instead of `mon.start()`. At the end
-each rank writes a checksum of its parameters to RUN_DIR/params_rank{r}.pt.
+script's own loop with `mon.log()` in the foreground instead of `mon.start()`; AUDIT=1 (with
+LOOP=own): the GPU's order on the CPU, torch's reading methods watched in steps 6–25,
+what nbwatch read written to RUN_DIR/audit_rank{r}.json (tests/recorder/test_host_copy.py).
+At the end each rank writes a checksum of its parameters to RUN_DIR/params_rank{r}.pt.
 """
 
 import os
@@ -73,8 +75,15 @@ def main() -> None:
             data = batches(rank)
             if rank == 0 and os.environ.get("R0_STEPS"):
                 max_steps = int(os.environ["R0_STEPS"])
+            audit = None
+            if os.environ.get("AUDIT"):
+                from tests.recorder.test_host_copy import STEADY, Audit
+
+                audit = Audit().install(setattr)
             with mon:
                 for i in range(max_steps):
+                    if audit is not None:
+                        audit.on = i + 1 in STEADY
                     out = step_fn(model, data[i % len(data)])
                     loss = nbwatch.masked_cross_entropy(out["logits"], out["labels"],
                                                         out["mask"])
@@ -83,6 +92,9 @@ def main() -> None:
                     sched.step()
                     opt.zero_grad()
                     mon.log(loss=loss, mask=out["mask"])
+            if audit is not None:
+                audit.on = False
+                audit.save(os.path.join(run_dir, f"audit_rank{rank}.json"))
         else:
             if os.environ.get("RUN_DIR") == "default" and rank == 1:
                 time.sleep(1.5)  # each rank's clock names a default folder by the second

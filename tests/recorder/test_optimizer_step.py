@@ -1,0 +1,93 @@
+"""The clip and the skip of a step, decided where the step is taken: on the host on a CPU,
+on the device in a GPU's order (`DEFER_ON_CPU`): a fused optimizer takes nbwatch's clip as
+its `grad_scale` and its skip as its `found_inf`, any other gets `_foreach_mul_` and
+zeroed gradients. Each is held to torch's own `clip_grad_norm_` on a twin model."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+
+import pytest
+import torch
+
+import nbwatch
+from nbwatch.demo import make_demo, masked_cross_entropy
+from nbwatch.recorder import host_copy
+
+STEPS = 6
+
+
+def twins(fused: bool, kind=torch.optim.AdamW, **kw):
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4)
+    model = demo.model
+    ref = copy.deepcopy(model)
+    opts = [kind(m.parameters(), lr=1e-2, fused=fused, **kw) for m in (model, ref)]
+    data = list(itertools.islice(itertools.cycle(demo.train), STEPS))
+    return model, ref, opts, data
+
+
+def loss_of(m, b, poison: bool = False):
+    loss = masked_cross_entropy(m(b["input_ids"]), b["labels"], b["mask"])
+    return loss * math.nan if poison else loss
+
+
+@pytest.mark.parametrize("gpu_order", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_clip_equals_torchs_clip_grad_norm(tmp_path, monkeypatch, fused, gpu_order):
+    monkeypatch.setattr(host_copy, "DEFER_ON_CPU", gpu_order)
+    # SGD: an update linear in the gradient, so float32 against float64 arithmetic of the
+    # same clip factor stays at float32's precision (Adam divides by √v, and amplifies it)
+    model, ref, (opt, ref_opt), data = twins(fused, torch.optim.SGD, momentum=0.9)
+    norms = []
+    for b in data:  # torch's way, first: no Monitor watches its clips
+        loss_of(ref, b).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)))
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    with nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", clip=0.5, display=False) as mon:
+        for b in data:
+            loss = loss_of(model, b)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            mon.log(loss=loss)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    df = nbwatch.open_run(tmp_path / "r").df
+    assert df["grad_norm/global"].tolist() == pytest.approx(norms, rel=1e-5)
+    assert df["grad_norm/clipped"].tolist() == pytest.approx([min(n, 0.5) for n in norms],
+                                                             rel=1e-5)
+    assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")  # taken back
+
+
+@pytest.mark.parametrize("gpu_order", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_nonfinite_step_is_skipped_or_zeroed(tmp_path, monkeypatch, fused, gpu_order):
+    """Step 3's loss is NaN. Read at once (a CPU) or by a fused optimizer, the step is
+    skipped: the weights and the optimizer's state after it are those before it. A
+    non-fused optimizer in a GPU's order gets zeroed gradients: finite weights, moved once
+    by its momentum, and the alert says so."""
+    monkeypatch.setattr(host_copy, "DEFER_ON_CPU", gpu_order)
+    model, _, (opt, _), data = twins(fused)
+    before = None
+    with nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False,
+                         alerts={"nonfinite": {"actions": ["skip_step"]}}) as mon:
+        for i, b in enumerate(data, 1):
+            if i == 3:
+                before = [p.detach().clone() for p in model.parameters()]
+            loss = loss_of(model, b, poison=i == 3)
+            loss.backward()
+            opt.step()
+            if i == 3:
+                after = [p.detach().clone() for p in model.parameters()]
+            opt.zero_grad(set_to_none=True)
+            mon.log(loss=loss)
+    exact = fused or not gpu_order
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(torch.equal(x, y) for x, y in zip(before, after)) == exact
+    run = nbwatch.open_run(tmp_path / "r")
+    assert run.df.loc[3, "skipped"] == 1.0 and run.df["skipped"].fillna(0).sum() == 1
+    (msg,) = run.events.query("kind == 'alert'").message
+    assert ("zeroed" in msg) != exact and msg.startswith("nonfinite")

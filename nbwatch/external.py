@@ -56,6 +56,12 @@ class ExternalLoop:
         the scaler skips: recorded as `amp/overflow`, no rule fires)."""
         self._rec.pre_step(found_inf=found_inf)
 
+    def measure_in_optimizer_hook(self) -> None:
+        """This step's gradients are measured by the optimizer's own pre-hook instead (a
+        fused optimizer under a GradScaler: its gradients are still scaled where the
+        framework would measure, and the step unscales them itself)."""
+        self._rec.flight.measure_in_hook = True
+
     def logit_figures(self, mask: torch.Tensor | None = None,
                       host: dict[str, Any] | None = None
                       ) -> tuple[list[str], list[torch.Tensor]]:

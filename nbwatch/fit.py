@@ -180,6 +180,7 @@ class Adapter:
         self._commands = ctl.CommandQueue()  # shared with the handle, then the Monitor
         self._losses: list[Any] = []
         self._masks: list[Any] = []
+        self._counts: list[int] = []  # the step's micro-batches' sample counts (no mask)
         self._fitting = False  # a fit is taken: from start()'s launch, or the fit's begin
         self._owner: threading.Thread | None = None  # … in this thread (None: not begun)
         self._fit_trainer: Any = None  # … of this Trainer
@@ -235,7 +236,7 @@ class Adapter:
         sent as it ended must not stop the next), micro-batches. Subclasses add theirs."""
         self.monitor = self.handle = self.loop = None
         self._commands = ctl.CommandQueue()
-        self._losses, self._masks = [], []
+        self._losses, self._masks, self._counts = [], [], []
 
     def _close_unseen(self) -> None:
         """The last fit ended without telling us (an exception the framework passes to no
@@ -255,7 +256,7 @@ class Adapter:
         me = threading.current_thread()
         if self.handle is not None and self._fitting and self._owner is me:
             self._close_unseen()  # the framework began again inside start()'s fit
-            self._losses, self._masks = [], []
+            self._losses, self._masks, self._counts = [], [], []
             self._check_fresh(resuming, how)
             return
         with self._taking:  # refused before anything is taken; the last fit closed
@@ -317,6 +318,7 @@ class Adapter:
         rec = self._rec()
         assert rec is not None  # the adapters call it in the fit's thread, once it opened
         losses, masks, self._losses, self._masks = self._losses, self._masks, [], []
+        counts, self._counts = self._counts, []
         names: list[str] = []
         parts: list[Any] = []
         lengths = None
@@ -330,6 +332,8 @@ class Adapter:
                 if rec.first_step or not keep_masks(host, masks):
                     lengths = batch_figures(masks).into(names, parts, host)
                 samples = sum(int(m.shape[0]) for m in masks)
+            elif samples is None and counts:  # a batch of no tokens (images, audio)
+                samples = sum(counts)
             # the first micro-batch's forward: its mask leaves its padding out
             lnames, lparts = rec.logit_figures(masks[0] if masks else None, host)
             names += lnames

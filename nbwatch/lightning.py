@@ -30,9 +30,10 @@ except ImportError:  # pragma: no cover - depends on the environment
 import torch
 
 from .evaluation import GuessedForward, batch_call, describe_call
-from .fit import Adapter, FitRun, callback_of, found_inf
+from .fit import Adapter, FitRun, callback_of, found_inf, unwrap
 from .monitor import Monitor
 from .probes.attention import take_samples
+from .probes.throughput import batch_samples
 
 __all__ = ["NbwatchCallback", "start"]
 SUPPORTED = "lightning 2.2 – 2.x (tested with 2.6)"
@@ -91,12 +92,24 @@ class NbwatchCallback(Adapter, pl.Callback):
                                                                     torch.Tensor)), None)
             if mask is not None:
                 self._masks.append(mask)
+        n = batch_samples(batch)  # samples/s for any model: (x, y), pixel_values
+        if n:
+            self._counts.append(n)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any,
                                  optimizer: Any) -> None:
         rec = self._rec()
-        if rec is not None:  # after backward and a GradScaler's unscale, before clipping
-            rec.measure(found_inf(getattr(trainer.precision_plugin, "scaler", None), optimizer))
+        if rec is None:
+            return
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and getattr(unwrap(optimizer, "optimizer"),
+                                          "_step_supports_amp_scaling", False):
+            # a fused optimizer: Lightning leaves its gradients scaled, and the scaler's
+            # step unscales (and skips) inside the optimizer, whose pre-hook measures then
+            rec.measure_in_optimizer_hook()
+            return
+        # after backward and a GradScaler's unscale, before clipping
+        rec.measure(found_inf(scaler, optimizer))
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: Any,
                            checkpoint: dict[str, Any]) -> None:

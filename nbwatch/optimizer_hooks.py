@@ -112,9 +112,8 @@ class OptimizerHooks(MonitorState):
             if self._mode is not None:
                 return  # this Monitor's run has ended: later steps are not recorded
             rec = self._open_loop()
-        if rec.hook_measures:
-            clips, note = self._clip_watch.take(self.step)
-            rec.pre_step(explicit=False, clips=clips, clip_note=note)
+        clips, note = self._clip_watch.take(self.step) if rec.hook_measures else ([], None)
+        rec.pre_step(explicit=False, clips=clips, clip_note=note)  # (or hands a skip over)
 
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._inside_step = None

@@ -9,6 +9,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -256,3 +257,68 @@ def test_ddp_stop_from_attach_ends_both_ranks_at_one_step(tmp_path, monkeypatch)
     df = run.df
     assert run.meta["run"]["world_size"] == 2 and df["rank1/loss"].notna().all()
     assert df["rank0/lr"].tolist() == df["rank1/lr"].tolist()  # the cut on both, at once
+
+
+class ImageModule(L.LightningModule):
+    """A classifier on `(x, y)` batches: no mask, no tokens (a ViT's, a CNN's shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_batch_without_a_mask_gives_samples_per_second(tmp_path):
+    """`(x, y)` batches of 6 images: samples/s is the batch's own size over the step's
+    time (it was not recorded: Lightning's adapter counted samples from masks only)."""
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(6, 3, 4, 4, generator=g), torch.randint(0, 4, (6,), generator=g))
+            for _ in range(8)]
+    trainer = make_trainer(tmp_path / "pl", max_steps=8, val_check_interval=None,
+                           limit_val_batches=0)
+    run = nbwatch.lightning.start(trainer, ImageModule(),
+                                  train_dataloaders=torch.utils.data.DataLoader(
+                                      data, batch_size=None),
+                                  run_dir=tmp_path / "run", display=False)
+    run.wait()
+    assert run.state == "finished", run.error
+    df = run.df
+    rate = df["throughput/samples_per_s"]
+    assert rate.notna().all() and len(rate) == 8
+    np.testing.assert_allclose(rate, 6 / df["time/step"], rtol=1e-6)  # stored as float32
+
+
+class FusedModule(TinyModule):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+
+
+def test_a_fused_optimizer_under_16_mixed_is_measured_unscaled(tmp_path):
+    """Lightning leaves a fused optimizer's gradients scaled where its callbacks see them
+    (the scaler's step unscales inside the optimizer): nbwatch measures them in the
+    optimizer's own pre-hook, unscaled. It recorded them ×65,536 (the loss scale), so its
+    gradient rules clipped every step to 1/65,536 of the limit."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    torch.manual_seed(0)
+    scale = 2.0**16
+    trainer = make_trainer(tmp_path / "pl", max_steps=8, val_check_interval=None,
+                           limit_val_batches=0, plugins=[MixedPrecision(
+                               "16-mixed", "cpu", scaler=torch.amp.GradScaler(
+                                   "cpu", init_scale=scale))])
+    module = FusedModule()
+    run = nbwatch.lightning.start(trainer, module, train_dataloaders=loader(8),
+                                  run_dir=tmp_path / "run", display=False)
+    run.wait()
+    assert run.state == "finished", run.error
+    df = run.df
+    # the module's hook reads the scaled gradients Lightning hands its callbacks
+    np.testing.assert_allclose(df["grad_norm/global"], np.array(module.norms) / scale,
+                               rtol=1e-4)
+    assert df["grad_norm/clipped"].tolist() == df["grad_norm/global"].tolist()

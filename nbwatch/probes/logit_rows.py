@@ -57,7 +57,15 @@ RowCopy = tuple[torch.Tensor, slice, tuple[int, ...]]
 """The subsampled rows (a float32 copy), the rows taken, the logits' positions' shape."""
 
 
-def row_copy(logits: torch.Tensor, positions: int = POSITIONS) -> RowCopy | None:
+def capped(rows: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """The rows as a model that softcaps its logits computes its loss on them: cap ·
+    tanh(x / cap) (Gemma 2 and 3's `final_logit_softcapping`, applied after the output
+    layer, which a hook on that layer does not see); the rows only, never the batch."""
+    return rows if not cap else torch.tanh(rows / cap).mul_(cap)
+
+
+def row_copy(logits: torch.Tensor, positions: int = POSITIONS,
+             cap: float | None = None) -> RowCopy | None:
     """A copy of the subsampled rows of CPU logits, to reduce with the step's record
     (`probes.late`: after a backward pass the ~15 small ops run cold, a batch of steps pays
     that once); None on a GPU (its ops are queued, not run) or for rows over `ROW_BYTES`."""
@@ -66,14 +74,15 @@ def row_copy(logits: torch.Tensor, positions: int = POSITIONS) -> RowCopy | None
     x, sel = subsample(logits, positions)
     if len(range(*sel.indices(x.shape[0]))) * x.shape[-1] * 4 > ROW_BYTES:
         return None
-    return x[sel].to(torch.float32, copy=True), sel, tuple(logits.shape[:-1])
+    return capped(x[sel].to(torch.float32, copy=True), cap), sel, tuple(logits.shape[:-1])
 
 
-def row_figures(logits: torch.Tensor, positions: int = POSITIONS) -> Rows:
+def row_figures(logits: torch.Tensor, positions: int = POSITIONS,
+                cap: float | None = None) -> Rows:
     """The per-row half of `logit_parts`: what a forward hook takes while the logits are
-    warm, before the step's mask is known."""
+    warm, before the step's mask is known (`cap`: the model's logit softcap)."""
     x, rows = subsample(logits, positions)
-    lz, top = log_z_and_top(x[rows].float())  # [n] each: n rows only
+    lz, top = log_z_and_top(capped(x[rows].float(), cap))  # [n] each: n rows only
     return lz, top, rows, tuple(logits.shape[:-1])
 
 

@@ -88,6 +88,11 @@ class HeadWatch:
         if found and isinstance(inner, nn.Module):
             found = [("", model)]
         self.path = ", ".join(path for path, _ in found) or None
+        # a model that softcaps its logits after the output layer (Gemma 2 and 3): the
+        # hook's rows are capped as its loss sees them
+        config = getattr(inner if isinstance(inner, nn.Module) else model, "config", None)
+        cap = getattr(config, "final_logit_softcapping", None)
+        self.cap = float(cap) if isinstance(cap, (int, float)) and cap > 0 else None
         self._handles = [mod.register_forward_hook(self._on_head) for _, mod in found]
 
     def _on_head(self, mod: nn.Module, args: Any, out: Any) -> None:
@@ -100,7 +105,8 @@ class HeadWatch:
         with self._own:
             x = output_logits(out)
             if x is not None and is_logits(x) and self.vocab in (None, x.shape[-1]):
-                self.rows = row_copy(x, self.positions) or row_figures(x, self.positions)
+                self.rows = (row_copy(x, self.positions, self.cap)
+                             or row_figures(x, self.positions, self.cap))
                 self.armed = self.keep != "first"
 
     @property

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from .grads import norms_fp32
+
 
 @dataclass(frozen=True)
 class Shards:
@@ -97,13 +99,13 @@ def grad_norms(layers: Any) -> tuple[list[torch.Tensor], tuple[int, ...], list[t
     present = [g for g in grads if g is not None]
     if not present:
         return [], (), []
-    norms = list(torch._foreach_norm(present))
+    norms = list(norms_fp32(present))
     if len(present) == len(grads):
         sq = _sum_sq(norms, shards)
     else:  # a parameter without a gradient counts as 0, so that every rank sends [P]
         sq = torch.zeros(len(grads), device=norms[0].device)
         at = [i for i, g in enumerate(grads) if g is not None]
-        sq[torch.tensor(at, device=sq.device)] = torch.stack(
+        sq[layers.index(sq.device, tuple(at))] = torch.stack(
             [n.float() for n in norms]).square()
         w = shards.weights(sq.device)
         sq = sq if w is None else sq * w

@@ -72,9 +72,11 @@ def values(t: torch.Tensor) -> list[float]:
 
 
 def flat(parts: list[torch.Tensor]) -> torch.Tensor:
-    """0-dim or 1-d tensors as one flat float tensor, on the first one's device (one
-    stack/cat; a part on another device is moved there without a host sync)."""
-    dev = parts[0].device
+    """0-dim or 1-d tensors as one flat float tensor, on the first accelerator's device
+    among them (one stack/cat; a part elsewhere is moved there without a host sync: a
+    host part into an accelerator's stream, never the reverse, which would be read
+    before it landed)."""
+    dev = next((p.device for p in parts if p.device.type != "cpu"), parts[0].device)
     parts = [p if p.device == dev else p.to(dev, non_blocking=True) for p in parts]
     if all(p.dim() == 0 for p in parts):
         out = torch.stack(parts)
@@ -122,10 +124,11 @@ class HostCopy:
         for name, parts in groups.items():
             if not parts:
                 continue
-            if not deferred(parts[0].device):  # host memory, read once at the end anyway
+            dev = next((p.device for p in parts if p.device.type != "cpu"), parts[0].device)
+            if not deferred(dev):  # host memory, read once at the end anyway
                 copy.known[name] = to_host(parts)
                 continue
-            by_device.setdefault(parts[0].device, []).append((name, parts))
+            by_device.setdefault(dev, []).append((name, parts))
         for dev, named in by_device.items():
             spans, flats, at = [], [], 0
             for name, parts in named:

@@ -99,6 +99,7 @@ class Measuring(Protocol):
     flight: InFlight
     framework_clip: float | None
     train_logits: Any  # probes.logits.TrainLogits
+    hook_measures: bool
 
     def _emit(self, ev: Event, level: int | None = None) -> None: ...
 
@@ -130,18 +131,22 @@ def pre_step(rec: Measuring, explicit: bool = True, clips: list | None = None,
     fl = rec.flight
     if rec.ended:  # a loop that goes on after its stop: nothing more is measured
         return
+    if not explicit:  # the optimizer's own pre-hook
+        if fl.taking is not None and fl.taking.explicit:
+            # the adapter measured this step already, before its framework clipped; a fused
+            # optimizer's skip is handed over now (a GradScaler sets its own found_inf last)
+            if fl.taking.skip is not None:
+                arm_skip(rec, fl.taking.skip)
+            return
+        if not (rec.hook_measures or fl.measure_in_hook):
+            return  # the adapter measures at its framework's moment
+        fl.measure_in_hook = False
     rec.train_logits.hold()  # an own loop's last training forward is this step's batch
     if fl.stepped:
         raise RuntimeError(
             "optimizer.step() ran twice without mon.log() in between: call "
             "mon.log(loss=...) once after every optimizer.step()"
         )
-    if not explicit and fl.taking is not None and fl.taking.explicit:
-        # the adapter measured this step already, before its framework clipped; a fused
-        # optimizer's skip is handed over now (a GradScaler sets its own found_inf last)
-        if fl.taking.skip is not None:
-            arm_skip(rec, fl.taking.skip)
-        return
     t0 = time.perf_counter()
     rec.lr.on()
     step = rec.step + 1
@@ -235,13 +240,16 @@ def act(rec: Measuring, per_param: torch.Tensor, grads: list[torch.Tensor],
             c = torch.where(total > above, (max_norm / (total + 1e-6)).clamp(max=1.0), 1.0)
             coef = c if coef is None else torch.minimum(coef, c)
     if coef is not None:
-        coef = torch.nan_to_num(coef, nan=1.0)  # a non-finite total: skipped, not clipped
+        # a NaN total scales by 1 (the step is skipped); an infinite one by 0, as torch's
+        # own clip does
+        coef = torch.nan_to_num(coef, nan=1.0)
         if fused and in_hook:  # the optimizer divides by its grad_scale: no pass of ours
             fl.scale_set = not hasattr(opt, "grad_scale")
             opt.grad_scale = (scale if scale is not None else 1.0) / coef
         else:
-            for gs in _by_device(grads):
-                torch._foreach_mul_(gs, coef.to(gs[0].device, non_blocking=True))
+            for gs in _by_device(grads):  # torch's fast path: the factor in their dtype
+                torch._foreach_mul_(gs, coef.to(gs[0].device, gs[0].dtype,
+                                                non_blocking=True))
         clipped = total * coef
     else:
         clipped = total
@@ -342,12 +350,13 @@ def takes_found_inf(opt: Any) -> bool:
 
 
 def _by_device(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    first = grads[0].device
-    if all(g.device == first for g in grads):
+    """The gradients grouped by device and dtype (as `clip_grad_norm_` groups them)."""
+    first = (grads[0].device, grads[0].dtype)
+    if all((g.device, g.dtype) == first for g in grads):
         return [grads]
-    by: dict[torch.device, list[torch.Tensor]] = {}
+    by: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
-        by.setdefault(g.device, []).append(g)
+        by.setdefault((g.device, g.dtype), []).append(g)
     return list(by.values())
 
 

@@ -52,6 +52,7 @@ class InFlight:
     copies: deque[Landing] = field(default_factory=deque)  # steps whose copy is under way
     found_inf_set: bool = False  # nbwatch gave the optimizer its `found_inf` this step
     scale_set: bool = False  # nbwatch gave the optimizer its `grad_scale` (the clip)
+    measure_in_hook: bool = False  # this step is measured in the optimizer's pre-hook
     # the clipping rules' limits for the next step (AlertEngine.norm_limits), from the
     # steps before the last one: the same in either order of reading (step_end.end_step)
     limits: dict[str, tuple[float, float]] | None = None

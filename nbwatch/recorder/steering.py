@@ -70,15 +70,19 @@ def poll_commands(rec: Steered, force: bool = False) -> list[Command]:
 
 def take_final_stop(rec: Steered) -> None:
     """The loop is over: a stop sent in its last moments still says how it ended (the
-    loop may have seen `stopping` and returned); everything else expires."""
+    loop may have seen `stopping` and returned), and a checkpoint asked while its last
+    step was recorded (the poll of other processes' commands runs every 0.25 s) is taken,
+    of that last step (then the final one, of the same step, is not written twice);
+    everything else expires."""
     if rec.dist is not None:
         return  # the ranks' last meeting carries it (finish → sync_ranks)
     cmds = poll_commands(rec, force=True)
+    taken = (CommandKind.STOP, CommandKind.CHECKPOINT)
     for cmd in cmds:
-        if cmd.kind is CommandKind.STOP:
+        if cmd.kind in taken:
             apply(rec, cmd)
     for cmd in cmds:
-        if cmd.kind is not CommandKind.STOP:
+        if cmd.kind not in taken:
             record_outcome(rec, cmd, Expired(f"the run ended at step {rec.step} before "
                                              "taking it"))
 

@@ -342,7 +342,7 @@ class StepRecorder:
                                                 {"traceback": p.traceback, **data}),
                                           logging.ERROR),
                        lambda: self._set_state("failed"),
-                       lambda: self._checkpoint("emergency"),
+                       self._emergency_checkpoint,
                        self.expire_pending):
             try:
                 record()
@@ -351,6 +351,18 @@ class StepRecorder:
         with contextlib.suppress(Exception):
             self.store.flush(timeout=30)
         p.failure_recorded.set()
+
+    def _emergency_checkpoint(self) -> None:
+        """The weights the failure left, unless no optimizer step changed them since the
+        run (or its resume) began: a checkpoint of untrained weights would be clutter, and
+        a wrong point to resume from. Said in an event either way."""
+        if self.step > self.start_step:
+            self._checkpoint("emergency")
+            return
+        since = f"its resume at step {self.step}" if self.start_step else "it began"
+        self._emit(Event(self.step, "state", "info",
+                         f"no emergency checkpoint: no optimizer step had changed the "
+                         f"weights since {since}", {"checkpoint": "skipped"}))
 
     def _set_state(self, state: str) -> None:
         state = self.progress.move(state).value

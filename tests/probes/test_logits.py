@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+import pytest
 import torch
 
 from nbwatch.demo import TinyGPT
@@ -90,3 +92,44 @@ def test_the_head_hook_keeps_the_first_training_forward_and_is_removed():
     assert watch.take() == ([], [])  # taken once a step
     watch.remove()
     assert not model.head._forward_hooks
+
+
+@pytest.mark.parametrize("gpu_order", [False, True])
+def test_a_softcapping_models_log_z_is_that_of_its_capped_logits(tmp_path, monkeypatch,
+                                                                  gpu_order):
+    """Gemma 3 with `final_logit_softcapping=30` (its output layer scaled up, so that the
+    raw logits pass 30): `train_logits/*` from the output layer's hook are those of
+    `out.logits`, what its loss uses, not of the layer's raw output (126 against 30 before)."""
+    pytest.importorskip("transformers")
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    import nbwatch
+    from nbwatch.probes.logit_rows import logit_parts
+    from nbwatch.recorder import host_copy
+
+    monkeypatch.setattr(host_copy, "DEFER_ON_CPU", gpu_order)
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=32, final_logit_softcapping=30.0,
+                           max_position_embeddings=64)
+    model = Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(400.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    expected = []
+    with nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False) as mon:
+        for _ in range(4):
+            ids = torch.randint(0, 256, (2, 32))
+            mask = torch.ones(2, 32, dtype=torch.long)
+            out = model(input_ids=ids, attention_mask=mask, labels=ids)
+            expected.append([float(t) for t in logit_parts(out.logits.detach(), mask)])
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.log(loss=out.loss, mask=mask)  # no logits=: the output layer's hook
+    df = nbwatch.open_run(tmp_path / "r").df
+    # from step 2: the hook is set at the first log()
+    got = df[["train_logits/log_z", "train_logits/max_abs"]].to_numpy()[1:]
+    np.testing.assert_allclose(got, np.array(expected)[1:], rtol=1e-5)
+    assert (df["train_logits/max_abs"].dropna() <= 30.0 + 1e-4).all()

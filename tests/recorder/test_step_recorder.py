@@ -1,0 +1,56 @@
+"""A run that fails: its emergency checkpoint holds trained weights, or none is written."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+import nbwatch
+from nbwatch.demo import make_demo
+
+
+def failing_at(demo, call: int):
+    calls = itertools.count(1)
+
+    def step_fn(model, batch):
+        if next(calls) == call:
+            raise RuntimeError("a collate bug")
+        return demo.step_fn(model, batch)
+    return step_fn
+
+
+@pytest.mark.parametrize("fail_at, saved", [(1, False), (4, True)])
+def test_a_failure_before_the_first_step_writes_no_checkpoint(tmp_path, fail_at, saved):
+    """Failing at step 1 (before any optimizer step): no `step_00000000.pt` of untrained
+    weights, and an event says why; failing later: the emergency checkpoint as before."""
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4)
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, run_dir=tmp_path / "r", display=False)
+    mon.start(failing_at(demo, fail_at), itertools.cycle(demo.train), max_steps=20,
+              display=False, dry_run=False)
+    with pytest.raises(RuntimeError, match="a collate bug"):
+        mon.wait()
+    assert mon.state == "failed"
+    files = sorted(p.name for p in (tmp_path / "r" / "checkpoints").glob("*.pt"))
+    assert files == ([f"step_{fail_at - 1:08d}.pt"] if saved else [])
+    said = mon.events.message.str.startswith("no emergency checkpoint")
+    assert said.any() != saved
+
+
+def test_a_trainer_failing_at_step_0_writes_no_checkpoint_0(tmp_path):
+    pytest.importorskip("transformers")
+    import nbwatch.hf
+    from tests.test_hf import make_trainer
+
+    trainer = make_trainer(tmp_path / "out")
+
+    def compute_loss(*a, **k):
+        raise KeyError("labels: removed by remove_unused_columns")
+
+    trainer.compute_loss = compute_loss
+    run = nbwatch.hf.start(trainer, run_dir=tmp_path / "run", display=False)
+    with pytest.raises(KeyError):
+        run.wait()
+    assert run.state == "failed"
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+    assert run.events.message.str.startswith("no emergency checkpoint").any()

@@ -64,20 +64,32 @@ def _entropy_collapse(w: Window, p: dict) -> str | None:
 
 
 def _logit_growth(w: Window, p: dict) -> str | None:
+    """A module's largest attention logit rose at each of the last `probes` probes and
+    grew `factor`× over them, from at least `min_logit`: a sustained, fast growth, relative
+    to the run's own history. A healthy run's logits grow from their small initial scale
+    over its first probes, then settle (the demo's peaked at 51 and came down to 36): a
+    level alone, or one rise, is no sign."""
+    n = p["probes"]
     grown = []
     for key in w.latest:
         if not key.startswith(MAX_LOGIT) or per_head(key):
             continue
         a = w.arr(key)
-        if len(a) >= 2 and a[-1] > p["threshold"] and a[-1] > a[-2]:
-            grown.append((float(a[-1]), key[len(MAX_LOGIT):], float(a[-2])))
+        if len(a) <= n:
+            continue
+        last = a[-(n + 1):]
+        if (np.all(np.diff(last) > 0) and last[0] >= p["min_logit"]
+                and last[-1] >= p["factor"] * last[0]):
+            grown.append((float(last[-1] / last[0]), key[len(MAX_LOGIT):], float(last[0]),
+                          float(last[-1])))
     if not grown:
         return None
-    now, module, before = max(grown)
+    ratio, module, before, now = max(grown)
     more = f" (and {len(grown) - 1} more modules)" if len(grown) > 1 else ""
-    return (f"attention logits of {module} reached {now:.3g} (was {before:.3g} at the last "
-            f"probe; above {p['threshold']:g} and rising){more}: softmax turns one-hot and the "
-            "loss diverges next (Wortsman et al. 2023): lower the LR, add QK-layernorm")
+    return (f"attention logits of {module} rose at each of the last {n} probes, {ratio:.1f}× "
+            f"from {before:.3g} to {now:.3g}{more}: if this goes on, a head's softmax turns "
+            "one-hot and a loss spike or divergence can follow (Wortsman et al. 2023); lower "
+            "the LR, or add QK-layernorm")
 
 
 def _output_drift(w: Window, p: dict) -> str | None:
@@ -127,9 +139,11 @@ def rules() -> list[Rule]:
              "a head's attention entropy fell below 20% of its value at the first probe",
              schema={"fraction": FRACTION, "min_early": number(0)}),
         Rule("attention_logit_growth", "warning", "eval", _logit_growth,
-             {"threshold": 50.0}, (), 1,
-             "a module's largest pre-softmax attention logit is above 50 and rising",
-             schema={"threshold": POSITIVE}),
+             {"probes": 4, "factor": 2.0, "min_logit": 10.0}, (), 1,
+             "a module's largest pre-softmax attention logit rose at each of the last 4 "
+             "probes and doubled over them, from 10 or more",
+             schema={"probes": count(2, 50), "factor": number(1, open_lo=True),
+                     "min_logit": number(0)}),
         Rule("output_logit_drift", "warning", "eval", _output_drift, {"nats": 10.0}, (), 1,
              "the LM head's mean log-partition moved 10 nats from the first probe",
              schema={"nats": POSITIVE}),

@@ -168,3 +168,29 @@ def test_logz_drift_fires_once_on_a_rise_and_not_on_a_slow_drift_or_one_noisy_ba
     assert len(fired) == 1 and 500 < fired[0].step <= 510, [a.step for a in fired]
     a = fired[0]
     assert a.data["rise"] > 1.0 and a.data["z"] > 4 and "z-loss" in a.message
+
+
+# The largest attention logit of the demo's third block at each probe of `nbwatch demo`
+# (600 steps, a probe every 50; recorded 2026-12-04), and of an LR run past its edge
+# (the test above, a probe every 5 steps, from step 60).
+DEMO = [9.7, 29.8, 43.5, 51.4, 46.6, 41.6, 41.3, 41.6, 36.8, 36.3, 36.9, 36.3]
+RAMP = [14.6, 15.5, 17.6, 21.7, 25.9, 28.8, 32.9, 34.1, 45.0, 45.8, 59.8, 83.0, 102.9]
+
+
+def logit_growth_alerts(series: list[float], every: int) -> list[int]:
+    from nbwatch.alerts import AlertEngine
+
+    engine = AlertEngine([r for r in health.rules() if r.name == "attention_logit_growth"])
+    fired = []
+    for i, v in enumerate(series, 1):
+        if engine.observe("eval", i * every, {"attn/max_logit/blocks.2.attn": v}):
+            fired.append(i * every)
+    return fired
+
+
+def test_logit_growth_is_quiet_on_the_demo_and_fires_on_a_sustained_rise():
+    """The demo's logits grow from their initial scale and settle (they passed 50 once,
+    which the rule's level of 50 took for a divergence); a run whose logits double over 4
+    rising probes is warned."""
+    assert logit_growth_alerts(DEMO, 50) == []
+    assert logit_growth_alerts(RAMP, 5) == [60]  # its 12th probe: 83.0, 2.4× in 4 probes

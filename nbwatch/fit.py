@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from . import controls as ctl
 from .distributed import rank0_run_dir
 from .lifecycle import LIVE, RunState
+from .probes.data import decoder_mask, is_encoder_decoder
 from .records import Command, Event
 from .run import Readout, Run, started_run
 from .runner import run_in_thread
@@ -181,6 +182,8 @@ class Adapter:
         self._losses: list[Any] = []
         self._masks: list[Any] = []
         self._counts: list[int] = []  # the step's micro-batches' sample counts (no mask)
+        self._logit_mask: Any = None  # an encoder-decoder's first micro-batch's target mask
+        self._enc_dec: tuple[Any, bool] | None = None  # (model, whether it is one)
         self._fitting = False  # a fit is taken: from start()'s launch, or the fit's begin
         self._owner: threading.Thread | None = None  # … in this thread (None: not begun)
         self._fit_trainer: Any = None  # … of this Trainer
@@ -237,6 +240,7 @@ class Adapter:
         self.monitor = self.handle = self.loop = None
         self._commands = ctl.CommandQueue()
         self._losses, self._masks, self._counts = [], [], []
+        self._logit_mask = None
 
     def _close_unseen(self) -> None:
         """The last fit ended without telling us (an exception the framework passes to no
@@ -257,6 +261,7 @@ class Adapter:
         if self.handle is not None and self._fitting and self._owner is me:
             self._close_unseen()  # the framework began again inside start()'s fit
             self._losses, self._masks, self._counts = [], [], []
+            self._logit_mask = None
             self._check_fresh(resuming, how)
             return
         with self._taking:  # refused before anything is taken; the last fit closed
@@ -304,6 +309,14 @@ class Adapter:
             self.handle.monitor = mon
         return loop
 
+    def _note_logit_mask(self, model: Any, batch: Any) -> None:
+        """An encoder-decoder model's logits are the target's: the first micro-batch's
+        target mask weights them (its `attention_mask` is the source's)."""
+        if self._enc_dec is None or self._enc_dec[0] is not model:  # looked up once a fit
+            self._enc_dec = (model, is_encoder_decoder(model))
+        if self._logit_mask is None and self._enc_dec[1]:
+            self._logit_mask = decoder_mask(batch)
+
     def _record_step(self, host: dict[str, float], reduction: str,
                      samples: int | None = None) -> bool:
         """Record the optimizer step just taken from its micro-batches' losses (each
@@ -319,6 +332,7 @@ class Adapter:
         assert rec is not None  # the adapters call it in the fit's thread, once it opened
         losses, masks, self._losses, self._masks = self._losses, self._masks, [], []
         counts, self._counts = self._counts, []
+        logit_mask, self._logit_mask = self._logit_mask, None
         names: list[str] = []
         parts: list[Any] = []
         lengths = None
@@ -335,7 +349,8 @@ class Adapter:
             elif samples is None and counts:  # a batch of no tokens (images, audio)
                 samples = sum(counts)
             # the first micro-batch's forward: its mask leaves its padding out
-            lnames, lparts = rec.logit_figures(masks[0] if masks else None, host)
+            lnames, lparts = rec.logit_figures(
+                logit_mask if logit_mask is not None else masks[0] if masks else None, host)
             names += lnames
             parts += lparts
         return rec.record_step(host, names, parts, lengths=lengths, samples=samples,

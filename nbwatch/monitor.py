@@ -74,7 +74,8 @@ class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
     The keyword arguments from `resume` on configure a loop of your own (`start()` takes
     its own): `resume=True` loads the newest checkpoint of `run_dir` now (`mon.step` says
     where the loop stands); `probe_batch` (+ `probe_fn(model, batch)`) gives the attention
-    probe its fixed samples, run at each `log(val=...)`; `checkpoint_every` steps.
+    probe its fixed samples, run at each `log(val=...)` and, with `probe_every=N`, every N
+    steps without a val (nothing recorded as `loss/val`); `checkpoint_every` steps.
     `peak_flops`: the device's peak FLOP/s for MFU, where `probes.throughput.PEAK_FLOPS`
     lacks its name. `config`: a dict, an argparse Namespace, a dataclass or an OmegaConf one.
     `update_every`: the update ratios ‖ΔW‖/‖W‖ per layer every N steps (default: with the
@@ -105,6 +106,7 @@ class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
         probe_batch: Any = None,
         probe_fn: Callable[[nn.Module, Any], Any] | None = None,
         probe_tokens: list[list[str]] | None = None,
+        probe_every: int | None = None,
         attention_samples: int = 2,
         attention_tokens: int = 64,
         hist_every: int = 50,
@@ -120,7 +122,7 @@ class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
         cfg = check_monitor(model, optimizer, scheduler, config, keep_last, system_interval,
                             on_alert)
         check_every(max_steps=max_steps, checkpoint_every=checkpoint_every,
-                    update_every=update_every)
+                    update_every=update_every, probe_every=probe_every)
         self.rules = configure(default_rules(), alerts)  # validates the overrides now
         self.model, self.optimizer = model, optimizer
         self.scheduler, self.scaler = scheduler, scaler
@@ -164,7 +166,8 @@ class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
             max_steps=max_steps, hist_every=hist_every, update_every=update_every,
             checkpoint_every=checkpoint_every, log_every=log_every, clip=self._clip_asked,
             probe_batch=probe_samples(probe_batch, attention_samples), probe_fn=probe_fn,
-            probe_tokens=probe_tokens, attention_samples=attention_samples,
+            probe_tokens=probe_tokens, probe_every=probe_every,
+            attention_samples=attention_samples,
             attention_tokens=attention_tokens, rank_every=rank_every,
             dist_timeout=dist_timeout, display=display,
             peak_flops=check_peak_flops(peak_flops))

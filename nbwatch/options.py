@@ -64,6 +64,7 @@ class Options:
     probe_batch: Any = None  # the attention probe's fixed samples
     probe_fn: Callable[[nn.Module, Any], Any] | None = None  # its forward pass
     probe_tokens: list[list[str]] | None = None  # its token labels
+    probe_every: int | None = None  # a loop of your own: the probe every N steps, no val
     attention_samples: int = 2  # 0: no attention probe
     attention_tokens: int = 64
     rank_every: int = 10  # torchrun: the ranks meet every N steps
@@ -74,7 +75,7 @@ class Options:
     def __post_init__(self) -> None:
         """Each option checked where it is given, not where the training thread reads it."""
         check_every(max_steps=self.max_steps, checkpoint_every=self.checkpoint_every,
-                    update_every=self.update_every)
+                    update_every=self.update_every, probe_every=self.probe_every)
         for name, low, what in _COUNTS:
             v = getattr(self, name)
             if not integral(v) or v < low:
@@ -116,7 +117,7 @@ class Options:
                        update_every=self.update_every,
                        checkpoint_every=self.checkpoint_every, log_every=self.log_every,
                        probe_batch=self.probe_batch, probe_fn=self.probe_fn,
-                       probe_tokens=self.probe_tokens,
+                       probe_tokens=self.probe_tokens, probe_every=self.probe_every,
                        attention_samples=self.attention_samples,
                        attention_tokens=self.attention_tokens)
 

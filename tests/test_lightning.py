@@ -322,3 +322,60 @@ def test_a_fused_optimizer_under_16_mixed_is_measured_unscaled(tmp_path):
     np.testing.assert_allclose(df["grad_norm/global"], np.array(module.norms) / scale,
                                rtol=1e-4)
     assert df["grad_norm/clipped"].tolist() == df["grad_norm/global"].tolist()
+
+
+class T5Module(L.LightningModule):
+    """T5 with source and target padded to the same length: the encoder's mask and the
+    target's differ. Writes down the log Z figures of its own logits over the target's
+    real positions, as nbwatch's hook computes them."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                       num_decoder_layers=2, num_heads=4, decoder_start_token_id=0)
+        self.model = T5ForConditionalGeneration(cfg)
+        self.expected: list[list[float]] = []
+
+    def training_step(self, batch, batch_idx):
+        from nbwatch.probes.logit_rows import logit_parts
+
+        out = self.model(**batch)
+        self.expected.append([float(t) for t in logit_parts(out.logits.detach(),
+                                                             batch["labels"] != -100)])
+        return out.loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def t5_batches(n: int):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(1, 64, (4, 16), generator=g)
+        src = torch.arange(16)[None, :] < torch.tensor([[16], [12], [9], [5]])
+        labels = torch.randint(1, 64, (4, 16), generator=g)
+        tgt = torch.arange(16)[None, :] < torch.tensor([[4], [16], [7], [11]])
+        out.append({"input_ids": ids * src, "attention_mask": src.long(),
+                    "labels": labels.masked_fill(~tgt, -100)})
+    return out
+
+
+def test_an_encoder_decoders_log_z_is_weighted_by_its_target_mask(tmp_path):
+    """T5's logits are the decoder's: `train_logits/*` weight them by the labels' real
+    positions, not by the batch's `attention_mask` (the source's), which it took because
+    it has the logits' shape."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    module = T5Module()
+    trainer = make_trainer(tmp_path / "pl", max_steps=6, val_check_interval=None,
+                           limit_val_batches=0)
+    run = nbwatch.lightning.start(trainer, module, train_dataloaders=torch.utils.data.DataLoader(
+        t5_batches(6), batch_size=None), run_dir=tmp_path / "run", display=False)
+    run.wait()
+    assert run.state == "finished", run.error
+    got = run.df[["train_logits/log_z", "train_logits/max_abs"]]
+    assert got.notna().all().all()
+    np.testing.assert_allclose(got.to_numpy(), np.array(module.expected), rtol=1e-5)

@@ -243,6 +243,33 @@ def test_val_at_log_records_eval_figures_and_probes_attention(tmp_path):
     assert maps and all(w.shape[0] == 2 for w in maps.values())  # 2 heads a module
 
 
+def test_probe_every_takes_attention_maps_without_a_val(tmp_path):
+    """`Monitor(probe_every=3)`: the attention probe at steps 3 and 6 of a loop that logs no
+    val, with no `loss/val` recorded and no checkpoint written for it (the probe ran only
+    at `log(val=...)`, so a loop without one passed a dummy val, recorded as `loss/val`)."""
+    model, opt, sched, batches = setup()
+    probe = {"idx": batches[0]["input_ids"]}
+    mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False,
+                          probe_batch=probe, probe_fn=lambda m, b: m(b["idx"]), probe_every=3)
+    with mon:
+        for i in range(7):
+            b = batches[i % len(batches)]
+            loss = nbwatch.masked_cross_entropy(model(b["input_ids"]), b["labels"], b["mask"])
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            mon.log(loss=loss, mask=b["mask"])
+    run = nbwatch.open_run(tmp_path / "r")
+    assert run.reader.attention_steps() == [3, 6]
+    assert all(w.shape[0] == 2 for w in run.attention(step=3).values())
+    assert "loss/val" not in run.df
+    saved = run.events[run.events.kind == "checkpoint"].step.tolist()
+    assert saved == [7]  # the final one only
+    with pytest.raises(ValueError, match="probe_every"):
+        nbwatch.Monitor(model, opt, run_dir=tmp_path / "bad", probe_every=0)
+
+
 def test_grad_scaler_in_the_loop_norms_unscaled_overflow_routine(tmp_path):
     def train(scaler, mon, steps=4, factor=1.0):
         torch.manual_seed(0)

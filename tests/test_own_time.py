@@ -113,9 +113,9 @@ def test_start_counts_the_output_layers_hook_as_watching_not_forward(tmp_path, m
     figures inside the forward, on watching's clock, and `time/forward` leaves it out."""
     from nbwatch.probes import logits
 
-    def slow(x, positions=logits.POSITIONS):
+    def slow(x, positions=logits.POSITIONS, cap=None):
         time.sleep(0.01)
-        return real(x, positions)
+        return real(x, positions, cap)
 
     real = logits.row_copy  # the hook copies the rows of CPU logits (probes.late)
     monkeypatch.setattr(logits, "row_copy", slow)

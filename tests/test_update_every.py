@@ -18,7 +18,7 @@ def model_and_opt(seed: int = 0):
 
 def layer_ratio(before: list[torch.Tensor], after: list[torch.Tensor]) -> float:
     delta = sum(float((a - b).pow(2).sum()) for a, b in zip(after, before)) ** 0.5
-    return delta / sum(float(a.pow(2).sum()) for a in after) ** 0.5
+    return delta / sum(float(b.pow(2).sum()) for b in before) ** 0.5  # ‖W‖ before
 
 
 def train(mon, m, opt, steps: int) -> list[dict[str, float]]:

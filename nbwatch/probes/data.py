@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -168,3 +170,27 @@ def bad_mask(values: dict[str, float]) -> str | None:
         values.pop(k, None)
     return (f"the step's mask holds {n:.0f} entries other than 0 and 1: its padding ratio, "
             f"sequence lengths and tokens/s are left out of the record; {_HOW}")
+
+
+def decoder_mask(batch: Any) -> Any:
+    """The positions an encoder-decoder model's logits are for, from its batch: its
+    `decoder_attention_mask`, else its labels that are not -100 (what the loss counts);
+    None where it holds neither. Its `attention_mask` is the encoder's: the source's
+    padding, not the target's."""
+    if not isinstance(batch, Mapping):
+        return None
+    m = batch.get("decoder_attention_mask")
+    if isinstance(m, torch.Tensor):
+        return m
+    labels = batch.get("labels")
+    if isinstance(labels, torch.Tensor) and labels.dim() == 2 and not labels.is_floating_point():
+        return labels != -100
+    return None
+
+
+def is_encoder_decoder(model: Any) -> bool:
+    """A model whose logits are the decoder's (T5, BART, Whisper): its config says so, or
+    that of the Hugging Face model it holds (a LightningModule's, under DDP's wrapper)."""
+    mods = model.modules() if isinstance(model, torch.nn.Module) else [model]
+    return any(getattr(getattr(m, "config", None), "is_encoder_decoder", False) is True
+               for m in mods)

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .norms import norms_fp32
+
 
 @dataclass(frozen=True)
 class Layers:
@@ -87,16 +89,6 @@ def param_grad_norms(layers: Layers) -> tuple[list[torch.Tensor], tuple[int, ...
     grads = [g for g, _ in present]
     of = layers.layer_of if len(present) == len(layers.params) else tuple(li for _, li in present)
     return list(norms_fp32(grads)), of, grads
-
-
-def norms_fp32(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """`torch._foreach_norm` in float32, whatever the tensors' dtype: an fp16 gradient
-    still scaled by a GradScaler would overflow to inf in its own dtype (and a good step
-    read as non-finite), a bf16 one keeps 3 digits."""
-    try:
-        return tuple(torch._foreach_norm(tensors, 2, dtype=torch.float32))
-    except TypeError:  # a torch before the dtype argument
-        return tuple(n.float() for n in torch._foreach_norm(tensors))
 
 
 def layer_norms(norms: list[float], layer_of: tuple[int, ...], n_layers: int

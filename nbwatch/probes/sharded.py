@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .grads import norms_fp32
+from .norms import norms_fp32, ratio
 
 
 @dataclass(frozen=True)
@@ -119,19 +119,20 @@ def snapshot(layers: Any) -> list[torch.Tensor]:
 
 
 def update_ratios(layers: Any, before: list[torch.Tensor]) -> torch.Tensor:
-    """‖ΔW‖ / ‖W‖ per layer of the full weights, [L]: one all_reduce. Consumes `before`."""
+    """‖ΔW‖ / ‖W before‖ per layer of the full weights, [L]: one all_reduce. Consumes
+    `before`."""
     after = [local(p.detach()) for p in layers.params]
+    norm = _sum_sq(list(torch._foreach_norm(before)), layers.shards)
     torch._foreach_sub_(before, after)
     n = len(layers)
     dev = after[0].device
     index = layers.index(dev)
     delta = _sum_sq(list(torch._foreach_norm(before)), layers.shards)
-    norm = _sum_sq(list(torch._foreach_norm(after)), layers.shards)
     both = torch.zeros(2 * n, device=dev)
     both[:n].index_add_(0, index, delta)
     both[n:].index_add_(0, index, norm)
     _all_reduce(both)
-    return both[:n].sqrt() / both[n:].sqrt().clamp_min(1e-12)
+    return ratio(both[:n], both[n:])
 
 
 def layer_histograms(layers: Any, bins: int, binned: Any

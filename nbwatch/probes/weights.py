@@ -7,6 +7,7 @@ import torch
 
 from . import sharded
 from .grads import Layers, _gather, layer_sum_sq
+from .norms import ratio
 
 
 def snapshot(layers: Layers) -> list[torch.Tensor]:
@@ -22,19 +23,19 @@ def snapshot(layers: Layers) -> list[torch.Tensor]:
 
 
 def update_ratios(layers: Layers, before: list[torch.Tensor]) -> torch.Tensor:
-    """‖W_after − W_before‖ / ‖W_after‖ per layer, [L] on device. Consumes `before`."""
+    """‖W_after − W_before‖ / ‖W_before‖ per layer (cs231n's update:weight ratio), [L] on
+    device; NaN for a layer whose weights were all zero (a fresh LoRA B: no ratio).
+    Consumes `before`."""
     if layers.shards is not None:
         return sharded.update_ratios(layers, before)
     after = [p.detach() for p in layers.params]
     dev = after[0].device
     index = layers.index(dev)
+    norm = _stacked(torch._foreach_norm(before), dev)  # ‖W‖ before the update
     torch._foreach_sub_(before, after)  # the snapshot becomes the (negated) update
     delta = _stacked(torch._foreach_norm(before), dev)
-    norm = _stacked(torch._foreach_norm(after), dev)
     n = len(layers)
-    return layer_sum_sq(delta, index, n).sqrt() / layer_sum_sq(norm, index, n).sqrt().clamp_min(
-        1e-12
-    )
+    return ratio(layer_sum_sq(delta, index, n), layer_sum_sq(norm, index, n))
 
 
 def _stacked(norms: tuple[torch.Tensor, ...] | list[torch.Tensor], dev: torch.device

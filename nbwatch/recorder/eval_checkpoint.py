@@ -56,9 +56,10 @@ class Evaluating(Protocol):
     def _raise_alerts(self, alerts: list) -> None: ...
 
 
-def run_eval(rec: Evaluating, val: Any = None) -> None:
+def run_eval(rec: Evaluating, val: Any = None, probe_only: bool = False) -> None:
     """The eval of this step: `val` as given (own loop) or `val_fn`, the attention
-    probe, `sample_fn`; recorded, fed to the rules, checkpointed."""
+    probe, `sample_fn`; recorded, fed to the rules, checkpointed (`probe_only`: the probe
+    between evals, checkpointed only on a `checkpoint_every` step)."""
     rec.flush_deferred()  # loss/gap needs this step's train loss
     step = rec.step
     result: EvalResult = evaluate(rec.model, rec.spec, step,
@@ -86,17 +87,21 @@ def run_eval(rec: Evaluating, val: Any = None) -> None:
     if result.attention:
         rec._raise_alerts(rec.engine.observe("attention", step,
                                                attention=result.first_maps()))
-    every = rec.spec.checkpoint_every or rec.spec.eval_every
-    if not every or step % every == 0:
+    every = rec.spec.checkpoint_every or (None if probe_only else rec.spec.eval_every)
+    if (not every and not probe_only) or (every and step % every == 0):
         checkpoint(rec, "periodic")
     rec.flight.t_boundary = time.perf_counter()
 
-def step_done(rec: Evaluating, eval_due: bool = False, val: Any = None) -> None:
+def step_done(rec: Evaluating, eval_due: bool = False, val: Any = None,
+              probe: bool = False) -> None:
     """The one policy after a step, in every loop: an eval when one is due (`eval_due`:
     start()'s eval_every; `val`: a loop's logged figures), which checkpoints as
-    `evaluate` says; else the periodic checkpoint every `checkpoint_every` steps."""
+    `evaluate` says; the probe alone (`probe`: a loop's `probe_every`), which does not;
+    else the periodic checkpoint every `checkpoint_every` steps."""
     if eval_due or val is not None:
         run_eval(rec, val)
+    elif probe:
+        run_eval(rec, None, probe_only=True)
     elif rec.spec.checkpoint_every and rec.step % rec.spec.checkpoint_every == 0:
         checkpoint(rec, "periodic")
 

@@ -42,6 +42,7 @@ class RunSpec:
     probe_batch: Any = None
     probe_fn: Callable[[nn.Module, Any], Any] | None = None
     probe_tokens: list[list[str]] | None = None
+    probe_every: int | None = None  # the probe alone every N steps (a loop of your own)
     attention_samples: int = 2  # 0: no attention probe
     attention_tokens: int = 64
     log_every: int = 50

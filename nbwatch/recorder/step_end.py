@@ -76,7 +76,8 @@ class Recording(Protocol):
 
     def _emit(self, ev: Event, level: int | None = None) -> None: ...
     def _raise_alerts(self, alerts: list) -> None: ...
-    def step_done(self, eval_due: bool = False, val: Any = None) -> None: ...
+    def step_done(self, eval_due: bool = False, val: Any = None,
+                  probe: bool = False) -> None: ...
 
 
 @counted
@@ -285,7 +286,8 @@ def record_step(rec: Recording, host: dict[str, float], names: list[str],
         keep_seq_lens(rec, lengths)
     save_reduction(rec, reduction)
     step = end_step(rec, host, names, parts, samples=samples)
-    rec.step_done(val=val)
+    every = rec.spec.probe_every  # the probe alone, where no val comes
+    rec.step_done(val=val, probe=every is not None and val is None and step % every == 0)
     return step
 
 

@@ -197,9 +197,9 @@ class StepRecorder:
         probe, `sample_fn`; recorded, fed to the rules, checkpointed."""
         ec.run_eval(self, val)
 
-    def step_done(self, eval_due: bool = False, val: Any = None) -> None:
+    def step_done(self, eval_due: bool = False, val: Any = None, probe: bool = False) -> None:
         """The one policy after a step, in every loop: see `eval_checkpoint.step_done`."""
-        ec.step_done(self, eval_due, val)
+        ec.step_done(self, eval_due, val, probe)
 
     def probe_failed(self, message: str) -> None:
         """The attention probe cannot work on this model: said once, then off."""

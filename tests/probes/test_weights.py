@@ -53,10 +53,25 @@ def test_update_ratio_is_relative_change_per_layer(tiny):
     before = snapshot(layers)
     with torch.no_grad():
         model.head.weight.mul_(1.1)  # a 10% change of this layer only
-    j = next(k for k, p in enumerate(layers.params) if p is model.head.weight)
-    expected = (0.1 * before[j].norm()) / model.head.weight.norm()
+    expected = torch.tensor(0.1)  # ‖ΔW‖ / ‖W before‖: cs231n's ratio
     ratios = update_ratios(layers, before)  # consumes the snapshot
     i = layers.names.index("head")
     assert torch.allclose(ratios[i], expected, rtol=1e-4)
     others = torch.cat([ratios[:i], ratios[i + 1:]])
     assert torch.all(others == 0)
+
+
+def test_a_layer_of_zeros_has_no_update_ratio(tiny):
+    """A fresh LoRA `B` is all zeros: ‖ΔW‖ / ‖W before‖ is undefined, NaN (it read 1.0
+    with ‖W after‖ below, and a huge number over the 1e-12 floor of a zero denominator)."""
+    model, _, _ = tiny
+    with torch.no_grad():
+        model.head.weight.zero_()
+        if model.head.bias is not None:
+            model.head.bias.zero_()
+    layers = Layers.of(model)
+    before = snapshot(layers)
+    with torch.no_grad():
+        model.head.weight.add_(0.01)
+    ratios = update_ratios(layers, before)
+    assert torch.isnan(ratios[layers.names.index("head")])

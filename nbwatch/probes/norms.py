@@ -1,0 +1,22 @@
+"""Norms as every probe takes them: in float32 whatever the tensors' dtype, and ratios
+that are NaN, not huge, where a denominator is zero. No sync."""
+
+from __future__ import annotations
+
+import torch
+
+
+def norms_fp32(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """`torch._foreach_norm` in float32, whatever the tensors' dtype: an fp16 gradient
+    still scaled by a GradScaler would overflow to inf in its own dtype (and a good step
+    read as non-finite), a bf16 one keeps 3 digits."""
+    try:
+        return tuple(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    except TypeError:  # a torch before the dtype argument
+        return tuple(n.float() for n in torch._foreach_norm(tensors))
+
+
+def ratio(delta_sq: torch.Tensor, weight_sq: torch.Tensor) -> torch.Tensor:
+    """√delta_sq / √weight_sq, NaN where the weights' norm is 0 (no sync)."""
+    den = weight_sq.sqrt()
+    return delta_sq.sqrt() / torch.where(den > 0, den, torch.nan)

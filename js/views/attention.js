@@ -155,6 +155,8 @@ export function create(root, ctx) {
   return {
     box: p.box,
     update(d) {
+      // the probe is off (a model without attention weights): say why, not "no probe yet"
+      if (d.note && !data) empty.textContent = d.note;
       if (!d.samples) return;
       data = d;
       empty.style.display = "none";

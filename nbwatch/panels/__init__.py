@@ -257,7 +257,7 @@ class Feed:
             "ranks": ranks.build(series, recent, events),
             "grads": grads.build(series, self.latest, events, heat),
             "weights": weights.build(columns, series),
-            "attention": attention.build(att, self.latest, self.maps),
+            "attention": attention.build(att, self.latest, self.maps, events),
             "health": health.build(series, events),
             "system": system.build(self.latest, system_new, self.system_t0),
             "data": data.build(series, seq_len),

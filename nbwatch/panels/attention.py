@@ -13,14 +13,19 @@ import numpy as np
 
 def build(att: Mapping[str, Any] | None,
           latest: Mapping[str, tuple[int, float]] | None = None,
-          maps: bool = False) -> dict[str, Any]:
+          maps: bool = False, events: list[Mapping[str, Any]] | None = None
+          ) -> dict[str, Any]:
     """`att`: {step, samples: [{tokens, maps: {module: [heads, T, S]}}]} → the overview:
     {step, modules, heads, samples: [{tokens, shapes, entropy, peak}], logit?}.
     `latest` {key: (step, value)}: each head's largest logit at that probe, for the
     overview. `maps=True` adds each sample's maps as one uint8 [L, H, T, S] block (×255:
-    attention rows sum to 1, so 1/255 resolution is what a colour scale shows)."""
+    attention rows sum to 1, so 1/255 resolution is what a colour scale shows).
+    `events`: the run's events, among which a probe event saying the probe is off (a model
+    without attention weights) gives the panel its `note`, shown where no map comes."""
     if not att or not att["samples"]:
-        return {}
+        note = next((str(e["message"]) for e in events or () if e.get("kind") == "probe"
+                     and not (e.get("data") or {}).get("missing")), None)
+        return {"note": note} if note else {}
     samples = []
     # one module list for every sample (a sample may lack a module another has)
     modules = module_list(att)

@@ -230,3 +230,41 @@ def test_export_x_axis_switch_baseline_and_labels(browser, tmp_path):
         page.screenshot(path=str(ARTIFACTS / "export_x_axis.png"), full_page=True)
     finally:
         page.close()
+
+
+def test_export_of_a_model_without_attention_says_why_there_are_no_maps(browser, tmp_path):
+    """An LSTM through start() with a probe batch and three evals: the exported page's
+    Attention panel says the probe saw no attention weights (it said "no probe yet")."""
+    import itertools
+
+    import torch
+
+    import nbwatch
+
+    class Lstm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, 16)
+            self.rnn = torch.nn.LSTM(16, 16, batch_first=True)
+            self.head = torch.nn.Linear(16, 32)
+
+        def forward(self, ids):
+            return self.head(self.rnn(self.emb(ids))[0])
+
+    torch.manual_seed(0)
+    model = Lstm()
+    ids = torch.randint(0, 32, (4, 12))
+    mon = nbwatch.Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          run_dir=tmp_path / "r", display=False)
+    mon.start(lambda m, b: torch.nn.functional.cross_entropy(m(b).flatten(0, 1), b.flatten()),
+              itertools.repeat(ids), max_steps=6, eval_every=2, probe_batch=ids,
+              display=False).wait()
+    path = export_html(tmp_path / "r", tmp_path / "lstm.html")
+    page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    try:
+        page.goto(path.as_uri())
+        page.wait_for_selector(".nbw-root[data-ready]", timeout=30_000)
+        said = page.locator("[data-panel=attention] .nbw-empty").text_content()
+        assert "saw no attention weights" in said and "no probe yet" not in said, said
+    finally:
+        page.context.close()

@@ -413,3 +413,41 @@ def test_feed_draws_the_baselines_its_meta_names_found_beside_it_when_moved(tmp_
     feed.update(now=0.0)
     assert feed.full(now=0.0)["loss"]["baselines"][0]["path"] == str(tmp_path / "new" / "exp0")
     assert baseline.beside(tmp_path / "new" / "exp1") == ["exp0"]
+
+
+def test_a_model_without_attention_says_so_in_the_attention_panel(tmp_path):
+    """An LSTM through start() with a probe batch and three evals: the attention panel (live
+    and exported) carries the probe's reason there are no maps, which the page shows in
+    place of "no probe yet: attention maps come with the first eval"."""
+    import itertools
+
+    import torch
+
+    import nbwatch
+    from nbwatch.export import snapshot
+    from nbwatch.panels import Feed
+    from nbwatch.store import RunReader
+
+    class Lstm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, 16)
+            self.rnn = torch.nn.LSTM(16, 16, batch_first=True)
+            self.head = torch.nn.Linear(16, 32)
+
+        def forward(self, ids):
+            return self.head(self.rnn(self.emb(ids))[0])
+
+    torch.manual_seed(0)
+    model = Lstm()
+    ids = torch.randint(0, 32, (4, 12))
+    mon = nbwatch.Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          run_dir=tmp_path / "r", display=False)
+    mon.start(lambda m, b: torch.nn.functional.cross_entropy(m(b).flatten(0, 1), b.flatten()),
+              itertools.repeat(ids), max_steps=6, eval_every=2, probe_batch=ids,
+              display=False).wait()
+    assert mon.state == "finished", mon.error
+    feed = Feed(RunReader(tmp_path / "r"))
+    for panels in (feed.update(), feed.full(), snapshot(RunReader(tmp_path / "r"))["panels"]):
+        note = panels["attention"].get("note", "")
+        assert "saw no attention weights" in note, panels["attention"]

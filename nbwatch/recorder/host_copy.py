@@ -53,20 +53,20 @@ def fetch(t: torch.Tensor) -> torch.Tensor:
 
 def to_numpy(t: torch.Tensor) -> Any:
     """`t` as a numpy array on the host, read through `fetch`."""
-    got = fetch(t)
-    _READING.on = True
-    try:
-        return got.numpy()
-    finally:
-        _READING.on = False
+    return _host(t, "numpy")
 
 
 def values(t: torch.Tensor) -> list[float]:
     """A 1-d tensor's values as floats, read through `fetch`."""
+    return _host(t, "tolist")
+
+
+def _host(t: torch.Tensor, how: str) -> Any:
+    """`fetch(t)` turned into a host value by its method `how`, inside the one read."""
     got = fetch(t)
     _READING.on = True
     try:
-        return got.tolist()
+        return getattr(got, how)()
     finally:
         _READING.on = False
 

@@ -127,6 +127,20 @@ def make_command(kind: str | CommandKind, source: str = "api", **args: Any) -> C
     return Command(k, payload, source)
 
 
+def checked(command: Command) -> Command:
+    """`command` with its payload checked as `make_command` checks it, where it is applied:
+    a row another process wrote into the store, or a framework's exchange, never went
+    through `make_command`. Raises ValueError or TypeError naming what is wrong."""
+    if not isinstance(command.payload, dict):
+        raise TypeError(f"{command.kind.value}: its arguments must be a dict, got "
+                        f"{type(command.payload).__name__}")
+    try:
+        payload = PAYLOADS[command.kind](**command.payload)
+    except TypeError as e:
+        raise TypeError(f"{command.kind.value}: {e}") from None
+    return Command(command.kind, payload, command.source, command.id)
+
+
 class Controls:
     """The control surface shared by `Monitor`, the framework handles and `Attached` (what
     the buttons call). Each method returns the command's id: its one outcome event
@@ -231,10 +245,15 @@ def check_factor(factor: float) -> float:
 def scale_lrs(optimizer: torch.optim.Optimizer, factor: float) -> None:
     """Multiply every param group's LR by `factor` (a tensor LR is scaled in place)."""
     for g in optimizer.param_groups:
-        if isinstance(g["lr"], torch.Tensor):
-            g["lr"].mul_(factor)
-        else:
-            g["lr"] *= factor
+        scale_group_lr(g, factor)
+
+
+def scale_group_lr(group: dict[str, Any], factor: float) -> None:
+    """Multiply one param group's LR by `factor` (a tensor LR in place)."""
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].mul_(factor)
+    else:
+        group["lr"] *= factor
 
 
 def lrs(optimizer: torch.optim.Optimizer) -> list[float]:

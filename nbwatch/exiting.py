@@ -16,6 +16,7 @@ from typing import Any
 from .distributed import NullStore
 from .monitor_state import MonitorState
 from .notebook import in_notebook
+from .ownership import forked_from
 from .records import Event
 from .store import RunStore
 
@@ -34,6 +35,8 @@ class RunExiting(MonitorState):
         a notebook's kernel shut down or restarted): stop it as the Stop button does — a
         stop checkpoint, state `stopped` — and say so, rather than let the process abort
         under a running thread."""
+        if forked_from(self._pid):
+            return
         done = self._done
         if done is None or done.is_set():
             if self._finalizer is not None:  # it may be folding the store's WAL right now
@@ -84,6 +87,8 @@ class RunExiting(MonitorState):
         """A script's loop that ended without `with`/close(): record how the process ended.
         A loop still running in another thread (a framework's fit) is stopped instead: it
         did not end, so it must not read `finished`."""
+        if forked_from(self._pid):
+            return
         loop = self._loop_thread
         if (loop is not None and loop is not threading.main_thread() and loop.is_alive()
                 and self._recorder is not None and not self._recorder.ended):
@@ -103,6 +108,10 @@ class RunExiting(MonitorState):
         previous = signal.getsignal(signal.SIGTERM)
 
         def on_sigterm(signum: int, frame: Any) -> None:
+            if forked_from(self._pid):  # a DataLoader worker, ended by its parent
+                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
             if self.running and self._progress.error is None:
                 self._progress.move("failed")
                 with contextlib.suppress(Exception):

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from . import controls as ctl
 from .distributed import rank0_run_dir
 from .lifecycle import LIVE, RunState
+from .ownership import forked_from, refuse_in_training_thread
 from .probes.data import decoder_mask, is_encoder_decoder
 from .records import Command, Event
 from .run import Readout, Run, started_run
@@ -47,6 +48,7 @@ class FitRun(ctl.Controls, Readout):
         self._error: BaseException | None = None
         self._error_tb: Any = None
         self._done = threading.Event()
+        self._pid = os.getpid()  # a forked child never ends this fit's run
         self._thread: threading.Thread | None = None
         self._placeholder = False  # this handle wrote the folder's first records
 
@@ -99,7 +101,7 @@ class FitRun(ctl.Controls, Readout):
     def _at_exit(self) -> None:
         """The process ends while the fit has not opened its run yet (a kernel shut down
         during the Trainer's setup); once open, the Monitor's own exit hook stops it."""
-        if self._done.is_set():
+        if self._done.is_set() or forked_from(self._pid):
             return
         from .notebook import in_notebook
 
@@ -141,6 +143,7 @@ class FitRun(ctl.Controls, Readout):
 
     def wait(self, timeout: float | None = None) -> FitRun:
         """Block until the fit returns; re-raise its exception, if any."""
+        refuse_in_training_thread("wait()", (self._thread,))
         if not self._done.wait(timeout):
             raise TimeoutError(f"the fit is still running at step {self.step} after {timeout}s")
         if self._thread is not None:

@@ -42,6 +42,7 @@ from .notebook import in_notebook
 from .opening import RunOpening
 from .optimizer_hooks import OptimizerHooks
 from .options import Options, check_every, check_peak_flops
+from .ownership import refuse_in_training_thread
 from .panels.baseline import check as check_baselines
 from .probes.system import SystemSampler
 from .recorder import Progress, Rewound, StepRecorder, StopTraining
@@ -145,6 +146,7 @@ class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
         self._store: RunStore | None = None
         self._thread: threading.Thread | None = None
         self._done: threading.Event | None = None  # set when the training thread ends
+        self._pid = os.getpid()  # a forked child never ends this Monitor's run
         self._closed = threading.Event()  # set when the run's store and sampler are closed
         self._closed.set()
         self._sampler: SystemSampler | None = None
@@ -346,6 +348,7 @@ class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
         """
         if self._done is None:
             raise RuntimeError("wait() before start() or run(): nothing runs in the background")
+        refuse_in_training_thread("wait()", (self._thread, self._finalizer))
         deadline = None if timeout is None else time.monotonic() + timeout
         # Event.wait, not Thread.join: an interrupted join can mark a live thread stopped
         while not self._done.wait(0.1 if deadline is None
@@ -403,6 +406,7 @@ class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
 
     def wait_closed(self, timeout: float | None = None) -> bool:
         """Block until the run's store and sampler are closed; False on a timeout."""
+        refuse_in_training_thread("wait_closed()", (self._thread, self._finalizer))
         return self._closed.wait(timeout)
 
     # -- what the caller reads ----------------------------------------------------------

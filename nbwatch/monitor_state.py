@@ -58,6 +58,7 @@ class MonitorState:
     _log_handler: logging.Handler | None
     _thread: threading.Thread | None
     _done: threading.Event | None  # set when the training thread ends
+    _pid: int  # the process that owns the run (not a forked child of it)
     _closed: threading.Event  # set when the run's store and sampler are closed
     _finalizer: threading.Thread | None
     _stop_asked: bool

@@ -258,3 +258,35 @@ def test_lr_change_is_quiet_for_the_schedule_and_controls_and_reports_a_hand_set
     fired = lr_alerts(own)
     assert list(fired.step) == [20], list(fired.message)
     assert "not by the scheduler or a control" in fired.message.iloc[0]
+
+
+def test_wait_called_from_on_alert_is_refused_not_a_deadlock(tmp_path):
+    """`mon.wait()` inside `on_alert` runs on the training thread: it would wait for itself.
+    It raises at once, the callback's failure is an event the dashboard shows, and the run
+    goes on to finish (it used to hang, then read `stale`)."""
+    demo = small_demo(max_steps=20)
+    errors = []
+
+    def poison(model, batch):
+        out = demo.step_fn(model, batch)
+        if poison.calls == 5:
+            out["logits"] = out["logits"] * math.nan
+        poison.calls += 1
+        return out
+
+    poison.calls = 0
+
+    def waits(ev):
+        try:
+            mon.wait()
+        except RuntimeError as e:
+            errors.append(str(e))
+            raise
+
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "r",
+                          alerts={"nonfinite": {"actions": ["skip_step"]}}, on_alert=waits)
+    mon.start(poison, demo.train, max_steps=20, display=False).wait(timeout=120)
+    assert mon.state == "finished"
+    assert errors and "training thread" in errors[0] and "mon.stop()" in errors[0], errors
+    said = mon.events[mon.events.kind == "callback"].message.tolist()
+    assert said and "on_alert callback failed for nonfinite" in said[0], said

@@ -145,3 +145,49 @@ def test_a_run_killed_before_its_first_checkpoint_says_what_to_do(tmp_path):
         assert "before its first checkpoint" in str(err)
         assert "new run_dir" in str(err) and "delete this folder" in str(err)
         assert "resume=True to continue" not in str(err) and "without resume" not in str(err)
+
+
+FORK = textwrap.dedent("""
+    import os, sys, time, torch
+    import nbwatch
+    from nbwatch.demo import TinyGPT
+    from tests.conftest import make_batches, tiny_step
+
+    def step(model, batch):
+        time.sleep(0.01)
+        return tiny_step(model, batch)
+
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = nbwatch.Monitor(model, opt, run_dir=sys.argv[1])
+    mon.start(step, make_batches(), max_steps=100_000, display=False)
+    while mon.step < 3:
+        time.sleep(0.05)
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)  # the child's exit: nbwatch's exit hook must not wait for the parent's run
+    t0 = time.monotonic()
+    os.waitpid(pid, 0)
+    print(f"child exited in {time.monotonic() - t0:.1f} s", flush=True)
+    mon.stop()
+    mon.wait()
+    print("parent", mon.state, flush=True)
+""")
+
+
+def test_a_forked_child_exits_at_once_and_leaves_the_parents_run_alone(tmp_path):
+    """After `os.fork()` (DataLoader workers fork too) a child's `sys.exit(0)` used to wait
+    in nbwatch's exit hook for a training thread it does not have (up to 300 s) and try to
+    record the parent's run as stopped. Now the child exits at once and the parent's run
+    trains on, to the stop it is asked."""
+    run = tmp_path / "run"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", FORK, str(run)], cwd=root, timeout=120,
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr
+    waited = float(out.stdout.split("child exited in ")[1].split(" s")[0])
+    assert waited < 10, out.stdout
+    assert "parent stopped" in out.stdout, out.stdout + out.stderr
+    assert "the program exited" not in out.stderr, out.stderr
+    run_ = nbwatch.open_run(run)
+    assert run_.meta.get("stopped_by") is None and run_.meta["state"] == "stopped"

@@ -3,7 +3,9 @@
 The factor is divided out after the optimizer step and put back once the scheduler has
 stepped: closed-form schedules (recomputed from base_lrs) and chainable ones (×gamma of
 the current LR) both yield factor × schedule, and the scheduler's own object and
-state_dict stay untouched.
+state_dict stay untouched. A loop without a scheduler that sets `g["lr"]` itself (nanoGPT's
+`get_lr(it)`) is seen at the optimizer's pre-hook: a group's LR that is not the one left
+there is the loop's new value, and the factor goes on it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class LrFactor:
         self._sched_count: int | None = None  # the scheduler's step count at the post-hook
         self._sched_at_end: int | None = None  # … and at the last end of step
         self.explained = False  # a control moved the LR: the next step's change is planned
+        self._left: list[float] | None = None  # the LRs as the factor left them (no scheduler)
 
     def off(self) -> None:
         """The optimizer stepped: take the factor off, so the scheduler steps the plain
@@ -46,6 +49,8 @@ class LrFactor:
         stepped where `only_if_scheduled`)."""
         c = self.control
         if not c.lr_raw:
+            if self.sched is None and not only_if_scheduled and c.lr_factor != 1.0:
+                self._onto_loops_lrs()
             return
         if only_if_scheduled:
             n = ctl.steps_taken(self.sched)
@@ -53,6 +58,23 @@ class LrFactor:
                 return  # the loop steps its scheduler after log(): the next step puts it on
         ctl.scale_lrs(self.opt, c.lr_factor)
         c.lr_raw = False
+
+    def remember(self) -> None:
+        """The LRs now carry the factor (it was just applied, or a checkpoint loaded)."""
+        self._left = ctl.lrs(self.opt) if self.sched is None else None
+
+    def _onto_loops_lrs(self) -> None:
+        """No scheduler: put the factor on each group whose LR the loop set since the
+        factor was last applied (an LR the loop sets to exactly the value left there reads
+        as unchanged)."""
+        now = ctl.lrs(self.opt)
+        left = self._left
+        if left is not None and len(left) == len(now):
+            f = self.control.lr_factor
+            for g, was, lr in zip(self.opt.param_groups, left, now, strict=True):
+                if lr != was:
+                    ctl.scale_group_lr(g, f)
+        self.remember()
 
     def end_step(self) -> None:
         """The step's end: the scheduler's count, to tell whether it stepped by the next."""

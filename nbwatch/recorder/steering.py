@@ -167,6 +167,11 @@ def record_ranks(rec: Steered, rows: list) -> None:
 def apply(rec: Steered, cmd: Command) -> None:
     """Apply one command through the dispatch table; record its one outcome."""
     step = rec.step  # where it was taken (a rewind moves the step)
+    try:
+        cmd = ctl.checked(cmd)
+    except (TypeError, ValueError) as e:  # written into the store by hand: said, not done
+        record_outcome(rec, cmd, Refused(str(e)), step)
+        return
     if rec.stopping and cmd.kind is not CommandKind.STOP:
         outcome: Outcome = Refused(f"the run is stopping at step {rec.step}")
     else:
@@ -241,6 +246,7 @@ def do_scale_lr(rec: Steered, cmd: Command) -> Outcome:
     if not c.lr_raw:  # else the factor goes on when the scheduler has stepped
         ctl.scale_lrs(rec.opt, f)
     c.lr_factor *= f
+    rec.lr.remember()
     rec.lr.explained = True  # the next step's record says the change was asked for
     return Applied(f"LR scaled ×{f:g} (factor now {c.lr_factor:g}): "
                    f"{before:.3g} → {before * f:.3g}")
@@ -256,8 +262,12 @@ def raise_alerts(rec: Steered, alerts: list) -> None:
         if rec.on_alert is not None:
             try:
                 rec.on_alert(a.event)
-            except Exception:  # a user's callback must not kill the run
+            except Exception as e:  # a user's callback must not kill the run
                 rec.log.exception("on_alert callback failed for %s", a.rule.name)
+                rec._emit(Event(rec.step, "callback", "warning",
+                                f"on_alert callback failed for {a.rule.name}: "
+                                f"{type(e).__name__}: {e} (the run goes on)",
+                                {"rule": a.rule.name, "error": repr(e)}))
     if rec.ended:  # a batch recorded as the run ends: its alerts said, nothing more done
         return
     for a in alerts:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import time
+
+import torch
 
 import nbwatch
 from nbwatch.demo import make_demo, masked_cross_entropy
@@ -35,3 +38,79 @@ def test_a_checkpoint_asked_as_the_last_step_is_recorded_is_taken(tmp_path):
     assert outcome.data.iloc[0]["outcome"] == "applied", outcome.message.tolist()
     saved = ev[ev.kind == "checkpoint"]
     assert saved.step.tolist() == [20], saved.message.tolist()  # one checkpoint of step 20
+
+
+def _own_loop_run(tmp_path, steps, at_step=None, lr_of=None):
+    """A small own-loop run: `at_step(mon, step)` after each log(); `lr_of(step)`, where
+    given, is set into every param group before each step, as nanoGPT's loop does."""
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4)
+    m, opt = demo.model, torch.optim.SGD(demo.model.parameters(), lr=0.01)
+    mon = nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", display=False)
+
+    def train():
+        for step, b in enumerate(itertools.islice(itertools.cycle(demo.train), steps), 1):
+            if lr_of is not None:
+                for g in opt.param_groups:
+                    g["lr"] = lr_of(step)
+            loss = masked_cross_entropy(m(b["input_ids"]), b["labels"], b["mask"])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.log(loss=loss)
+            if at_step is not None:
+                at_step(mon, step)
+
+    mon.run(train).wait()
+    assert mon.state == "finished", mon.error
+    return mon
+
+
+def test_commands_written_into_the_store_by_hand_are_checked_where_they_are_applied(tmp_path):
+    """Rows another process writes into a live run's `commands` table never went through
+    `make_command`: a negative or NaN LR factor, a negative clip and a skip past the cap
+    are refused where the run applies them, each with an outcome naming the argument."""
+    from nbwatch.records import Command, CommandKind
+    from nbwatch.store.schema import send_command
+
+    bad = [Command(CommandKind.SCALE_LR, {"factor": -1}),
+           Command(CommandKind.SCALE_LR, {"factor": "nan"}),
+           Command(CommandKind.CLIP, {"max_norm": -5}),
+           Command(CommandKind.SKIP, {"batches": 10**12}),
+           Command(CommandKind.REWIND, {"steps": "x"})]
+
+    def at_step(mon, step):
+        if step == 3:
+            for c in bad:
+                send_command(mon.run_dir, c)
+            time.sleep(0.4)  # the run polls the store every 0.25 s
+
+    mon = _own_loop_run(tmp_path, 8, at_step)
+    ev = mon.events
+    for c in bad:
+        out = ev[ev.data.map(lambda d, c=c: isinstance(d, dict) and d.get("id") == c.id)]
+        assert out.data.tolist() and out.data.iloc[0]["outcome"] == "refused", (c, out)
+        reason = out.data.iloc[0]["reason"]
+        assert str(next(iter(c.payload.values()))) in reason, reason
+    df = mon.df
+    assert (df["lr"].dropna() == 0.01).all(), df["lr"].tolist()
+    assert "grad_norm/clipped" not in df or df["grad_norm/clipped"].dropna().ge(0).all()
+    assert len(df["loss/train"].dropna()) == 8
+
+
+def test_a_cut_lr_holds_in_a_loop_that_sets_the_lr_itself(tmp_path):
+    """nanoGPT's loop sets `g["lr"] = get_lr(it)` before every step, with no scheduler: a
+    Cut LR ×0.5 (queued after step 4's log(), applied at the next boundary, step 5's) holds
+    on the loop's schedule from step 6 on (the LR recorded is the one the optimizer used),
+    rather than being said and then overwritten."""
+    def lr_of(step):
+        return 0.01 * (1 + step / 10)
+
+    def at_step(mon, step):
+        if step == 4:
+            mon.scale_lr(0.5)
+
+    mon = _own_loop_run(tmp_path, 10, at_step, lr_of)
+    lr = mon.df["lr"].dropna()
+    for step in range(1, 11):
+        want = lr_of(step) * (0.5 if step > 5 else 1.0)
+        assert abs(lr.loc[step] - want) < 1e-12, (step, lr.loc[step], want)

@@ -1,0 +1,24 @@
+"""Which process and thread own a run: a forked child does not, and the training thread
+may not wait for the run's own end."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+
+def forked_from(owner_pid: int) -> bool:
+    """This process is a fork of the one that owns the run (a DataLoader worker, an
+    `os.fork()`): its exit must not stop, record or wait for the parent's run, whose
+    training thread it does not have."""
+    return os.getpid() != owner_pid
+
+
+def refuse_in_training_thread(what: str, threads: tuple[threading.Thread | None, ...]) -> None:
+    """A wait for the run's end from the thread that runs it (an `on_alert` callback, a
+    `step_fn`) would wait for itself: refuse it."""
+    if threading.current_thread() in threads:
+        raise RuntimeError(
+            f"{what} was called from the run's own training thread (in on_alert, step_fn, "
+            f"val_fn or sample_fn?): it would wait for itself for ever. Call it from the "
+            f"thread that started the run; to end the run from there, call mon.stop()")

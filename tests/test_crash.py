@@ -191,3 +191,56 @@ def test_a_forked_child_exits_at_once_and_leaves_the_parents_run_alone(tmp_path)
     assert "the program exited" not in out.stderr, out.stderr
     run_ = nbwatch.open_run(run)
     assert run_.meta.get("stopped_by") is None and run_.meta["state"] == "stopped"
+
+
+NAN_PAUSE = textwrap.dedent("""
+    import math, sys, time, torch
+    import nbwatch
+    from nbwatch.demo import TinyGPT
+    from tests.conftest import make_batches, tiny_step
+
+    calls = 0
+
+    def step(model, batch):
+        global calls
+        calls += 1
+        out = tiny_step(model, batch)
+        if calls == 4:
+            out["logits"] = out["logits"] * math.nan
+        return out
+
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = nbwatch.Monitor(model, opt, run_dir=sys.argv[1])
+    mon.start(step, make_batches(), max_steps=100_000, display=False)
+    mon.wait()
+    print("ended", mon.state, flush=True)
+""")
+
+
+def test_a_script_paused_by_an_alert_says_so_on_stderr_and_how_to_go_on(tmp_path):
+    """The default `nonfinite` rule pauses a run whose loss goes NaN. In a script nobody
+    sees a dashboard: `wait()` used to block for ever without a word. The pause is said on
+    stderr with how to go on, and following it (attach from another process, stop) ends
+    the script."""
+    run = tmp_path / "run"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", NAN_PAUSE, str(run)], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": root})
+    try:
+        line = ""
+        deadline = time.monotonic() + 90
+        while "paused run" not in line and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "the script ended before it paused"
+        assert "alert nonfinite paused run" in line and "attach(" in line, line
+        att = nbwatch.attach(run, display=False)
+        att.stop()
+        att.close()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "ended stopped" in out, out + err

@@ -60,6 +60,16 @@ class Layers:
         return cache[key]
 
 
+def grad_names(layers: Layers) -> list[str]:
+    """The step record's names of the global and per-layer gradient norms."""
+    return ["grad_norm/global"] + [f"grad_norm/{n}" for n in layers.names]
+
+
+def ratio_names(layers: Layers) -> list[str]:
+    """The step record's names of the per-layer update ratios."""
+    return [f"update_ratio/{n}" for n in layers.names]
+
+
 def _gather(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.stack([t.float().to(device, non_blocking=True) for t in tensors])
 

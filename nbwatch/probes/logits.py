@@ -205,6 +205,13 @@ class TrainLogits:
             self.say("train_logits", UNSEEN.format(path=self.head.path, fix=self.fix))
         return got
 
+    def rehook(self) -> None:
+        """The model changed (a new output layer?): the hook is set again at the next take,
+        on the output layer there is then."""
+        head, self.head, self._empty = self.head, None, 0
+        if head is not None:
+            head.remove()
+
     def close(self) -> None:
         self.closed = True
         head, self.head = self.head, None

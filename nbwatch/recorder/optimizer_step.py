@@ -37,7 +37,7 @@ import torch
 
 from .. import controls as ctl
 from ..probes import weights as wprobe
-from ..probes.grads import Layers, clip_factor, layer_norms, param_grad_norms
+from ..probes.grads import Layers, clip_factor, grad_names, layer_norms, param_grad_norms
 from ..records import Event
 from . import host_copy
 from .host_copy import to_host
@@ -77,6 +77,7 @@ class Taking:
     ratios: torch.Tensor | None = None  # update ratios [L] on device, after the update
     skip: torch.Tensor | None = None  # a fused optimizer's skip, for its own pre-hook
     read: dict[str, list[float]] | None = None  # on a CPU: the groups, read at once
+    layers: Layers | None = None  # what `layer_of` indexes, where the model changed since
 
 
 class Measuring(Protocol):
@@ -102,6 +103,7 @@ class Measuring(Protocol):
     hook_measures: bool
 
     def _emit(self, ev: Event, level: int | None = None) -> None: ...
+    def relayer(self, step: int) -> None: ...
 
 
 def overflowed(rec: Measuring) -> bool:
@@ -150,6 +152,7 @@ def pre_step(rec: Measuring, explicit: bool = True, clips: list | None = None,
     t0 = time.perf_counter()
     rec.lr.on()
     step = rec.step + 1
+    rec.relayer(step)
     lrs = ctl.lrs(rec.opt)
     host = {"lr": lrs[0], **{f"lr/group{i}": lr for i, lr in enumerate(lrs[1:], start=1)}}
     norms, layer_of, grads = param_grad_norms(rec.layers)
@@ -188,7 +191,7 @@ def pre_step(rec: Measuring, explicit: bool = True, clips: list | None = None,
     fl.taking = Taking(step, host, groups, layer_of, list(staged_names), clips, clip_note,
                        present, zeroing, limits, t0, time.perf_counter(),
                        explicit=explicit, hist=hist, before=before, skip=fused_skip,
-                       read=read)
+                       read=read, layers=rec.layers)
 
 
 def due(every: int, step: int, first: bool) -> bool:
@@ -396,16 +399,19 @@ def read_grads(rec: Reading, t: Taking, got: dict[str, list[float]]
         return values, []
     unscale = 1.0 / flags[SCALE]
     norms = [n * unscale for n in got.get("norms", ())]
+    layers = t.layers if t.layers is not None else rec.layers
+    names = rec.grad_names if layers is rec.layers else grad_names(layers)
     if t.clips or t.clip_note:
         total, per_layer, current = rec.own_clips.before(
-            t.step, norms, t.layer_of, t.clips, got.get("clips", []), t.clip_note, t.present)
+            t.step, norms, t.layer_of, t.clips, got.get("clips", []), t.clip_note, t.present,
+            layers)
         said, rec.own_clips.said[:] = list(rec.own_clips.said), []
         for ev in said:
             rec._emit(ev)
     else:
-        total, per_layer = layer_norms(norms, t.layer_of, len(rec.layers))
+        total, per_layer = layer_norms(norms, t.layer_of, len(layers))
         current = total
-    values.update(zip(rec.grad_names, [total, *per_layer]))
+    values.update(zip(names, [total, *per_layer]))
     skipped = flags[SKIPPED] > 0
     after = current  # the device's clip factor on the host's (float64) norm
     if flags[CLIPPED] != flags[TOTAL]:

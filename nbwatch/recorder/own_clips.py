@@ -23,18 +23,20 @@ class OwnClips:
         self.emit = self.said.append
         self._said = False  # the loop's own clipping was said
         self._notes: set[str] = set()  # why norms before it could not be known, said
-        self._covers: dict[tuple[int, ...], tuple[int, ...] | None] = {}
+        self._covers: dict[tuple[int, tuple[int, ...]], tuple[int, ...] | None] = {}
 
     def before(self, step: int, host: list[float], layer_of: tuple[int, ...],
                       clips: list, totals: list[float], note: str | None,
-                      present: tuple[int, ...] | None = None
+                      present: tuple[int, ...] | None = None, layers: Layers | None = None
                       ) -> tuple[float, list[float], float]:
         """(global, per-layer norms before the loop's own clips of this step, the global
         norm the gradients have now) from the per-parameter norms measured now (after the
         clips) and each clip's factor. Where they cannot be known, says so in an event
         (once a run) and gives the norms measured now, or NaN for a layer. `present`: the
-        parameters `host` are the norms of (those with a gradient at the step)."""
-        n_layers = len(self.layers)
+        parameters `host` are the norms of (those with a gradient at the step); `layers`:
+        those the step measured, where the model changed since."""
+        layers = layers if layers is not None else self.layers
+        n_layers = len(layers)
         current = math.sqrt(math.fsum(n * n for n in host))
         if not self._said and clips:
             self._said = True
@@ -60,33 +62,33 @@ class OwnClips:
                 self._say(step, "zeroed")
                 total, per_layer = layer_norms(host, layer_of, n_layers)
                 return total, per_layer, current
-            covered = self._cover(c.ids)
+            covered = self._cover(c.ids, layers)
             if covered is None:
                 scale_all *= f
                 continue
             if per_param is None:
-                per_param = [1.0] * len(self.layers.params)
+                per_param = [1.0] * len(layers.params)
             for i in covered:
                 per_param[i] *= f
         if per_param is None:
             before = [n / scale_all for n in host]
         else:
-            at = present if present is not None else range(len(self.layers.params))
+            at = present if present is not None else range(len(layers.params))
             before = [n / (scale_all * per_param[i]) for n, i in zip(host, at)]
         total, per_layer = layer_norms(before, layer_of, n_layers)
         return total, per_layer, current
 
-    def _cover(self, ids: tuple[int, ...]) -> tuple[int, ...] | None:
+    def _cover(self, ids: tuple[int, ...], layers: Layers) -> tuple[int, ...] | None:
         """The monitored parameters a clip covered (indices into `layers.params`), None
         for all of them; kept per parameter list (a loop passes the same one each step)."""
-        cache = self._covers
-        if ids not in cache:
+        cache, key = self._covers, (id(layers), ids)
+        if key not in cache:
             if len(cache) > 16:
                 cache.clear()
             held = set(ids)
-            covered = tuple(i for i, p in enumerate(self.layers.params) if id(p) in held)
-            cache[ids] = None if len(covered) == len(self.layers.params) else covered
-        return cache[ids]
+            covered = tuple(i for i, p in enumerate(layers.params) if id(p) in held)
+            cache[key] = None if len(covered) == len(layers.params) else covered
+        return cache[key]
 
     def _say(self, step: int, note: str) -> None:
         """Why this step's norms before the loop's own clip are not what they would be

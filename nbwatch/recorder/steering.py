@@ -5,6 +5,7 @@ rank 0's commands to all, and the actions of alerts."""
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -204,7 +205,20 @@ def do_pause(rec: Steered, cmd: Command) -> Outcome:
         return Refused(f"the run is paused already (at step {rec.step})")
     rec.control.paused = True
     rec._set_state("paused")
+    if cmd.source.startswith("alert:") and (rec.dist is None or rec.dist.rank == 0):
+        say_alert_pause(rec, cmd.source.removeprefix("alert:"))
     return Applied(f"paused at step {rec.step}")
+
+
+def say_alert_pause(rec: Steered, rule: str) -> None:
+    """An alert paused the run: no one asked, and a script (or a cell in `wait()` without
+    a dashboard) would wait for ever without a word. Say it on stderr, and how to go on."""
+    where = str(rec.store.run_dir)
+    print(f"nbwatch: alert {rule} paused run {rec.store.run_dir.name!r} at step {rec.step}; "
+          f"it waits for a resume or a stop: mon.resume() / mon.stop() (or the dashboard's "
+          f"buttons), or from another process nbwatch.attach({where!r}).resume(). "
+          f"Alerts that should not pause: Monitor(alerts={{{rule!r}: "
+          f"{{'actions': [...]}}}}) without 'pause'", file=sys.stderr, flush=True)
 
 
 def do_resume(rec: Steered, cmd: Command) -> Outcome:

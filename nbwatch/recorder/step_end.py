@@ -22,7 +22,7 @@ from ..distributed import rank_figures
 from ..probes import late as late_figures
 from ..probes import weights as wprobe
 from ..probes.data import bad_mask
-from ..probes.grads import Layers
+from ..probes.grads import Layers, ratio_names
 from ..probes.throughput import add_rates, timing_figures
 from ..records import Event, Histogram, Scalars
 from . import host_copy
@@ -154,7 +154,10 @@ def land(rec: Recording, wait: bool = False) -> None:
             grads, alerts = read_grads(rec, one.taking, got)
             values = {**grads, **values}
             if "ratios" in got and "skipped" not in values:
-                values.update(zip(rec.ratio_names, got["ratios"]))
+                taken = one.taking.layers
+                names = (rec.ratio_names if taken is None or taken is rec.layers
+                         else ratio_names(taken))
+                values.update(zip(names, got["ratios"]))
         else:
             values = dict(values)
         values.update(zip(one.names, got.get("figures", ())))

@@ -31,7 +31,7 @@ from .. import controls as ctl
 from ..alerts import AlertEngine, default_rules
 from ..checkpoint import Checkpointer
 from ..distributed import Dist, NullStore, lost_peer, peer_errors
-from ..probes.grads import Layers
+from ..probes.grads import grad_names, ratio_names
 from ..probes.logits import TrainLogits
 from ..records import Event
 from ..store import RunStore
@@ -41,6 +41,7 @@ from . import steering as st
 from . import step_end as se
 from .batches import BatchIds
 from .eval_checkpoint import EvalState
+from .layer_changes import LayerWatch, describe, of_run
 from .lr_factor import LrFactor
 from .own_clips import OwnClips
 from .own_time import OwnTime
@@ -82,9 +83,9 @@ class StepRecorder:
         self.on_alert = on_alert
         self.dist = dist
         self.step = self.start_step = start_step
-        self.layers = Layers.of(model)
-        self.grad_names = ["grad_norm/global"] + [f"grad_norm/{n}" for n in self.layers.names]
-        self.ratio_names = [f"update_ratio/{n}" for n in self.layers.names]
+        self.layers = of_run(model, optimizer)
+        self.grad_names, self.ratio_names = grad_names(self.layers), ratio_names(self.layers)
+        self.layer_watch = LayerWatch(model, optimizer, self.layers)  # a model changed mid-run
         self.stopping = False
         self.ended = False
         self.log = logging.getLogger(f"nbwatch.run.{store.run_dir.name}.{next(_RUN_IDS)}")
@@ -112,6 +113,20 @@ class StepRecorder:
         self.framework_clip: float | None = None
 
     # -- the optimizer's hooks (optimizer_step.py) ----------------------------------------
+    def relayer(self, step: int) -> None:
+        """At the optimizer's pre-hook: measure the layers there are now, where a param
+        group was added or a layer replaced since the last step, and say so."""
+        new = self.layer_watch.changed(self.layers)
+        if new is None:
+            return
+        said = describe(step, self.layers, new, len(self.opt.param_groups))
+        self.layers = new
+        self.grad_names, self.ratio_names = grad_names(new), ratio_names(new)
+        self.own_clips.layers = new
+        self.train_logits.rehook()  # the output layer may be a new module
+        self._emit(Event(step, "probe", "warning", said,
+                         {"layers": list(new.names), "tensors": len(new.params)}))
+
     @property
     def stepped(self) -> bool:
         """The optimizer stepped since the last end of step."""
@@ -258,6 +273,7 @@ class StepRecorder:
         if self.ended:
             return
         self.train_logits.close()  # first: a failing checkpoint below must not leave it
+        self.layer_watch.close()
         self.record_stepped()
         self.flush_deferred()
         if self.dist is not None:

@@ -1,0 +1,88 @@
+"""A model or optimizer changed in the middle of a run (progressive unfreezing, a new head)
+is measured as it is now: the norms, the clip and the non-finite skip cover it."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+from torch import nn
+
+import nbwatch
+from nbwatch.demo import make_demo, masked_cross_entropy
+
+
+def true_norm(model: nn.Module) -> float:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:  # a skipped step's gradients are dropped
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+
+
+def run_loop(tmp_path, change, steps=12, clip=None, poison_at=None):
+    """An own loop whose model (a TinyGPT) has its output layer frozen and left out of the
+    optimizer; `change(model, opt)` runs before step 6. Returns the Monitor and, per step,
+    the loop's own norm of the gradients before the step and after it (after the clip)."""
+    torch.manual_seed(0)
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4)
+    m = demo.model
+    m.head.weight.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05)
+    mon = nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", display=False, clip=clip,
+                          alerts={"nonfinite": {"actions": ["skip_step"]}})
+    before, after = {}, {}
+
+    def train():
+        for step, b in enumerate(itertools.islice(itertools.cycle(demo.train), steps), 1):
+            if step == 6:
+                change(m, opt)
+            loss = masked_cross_entropy(m(b["input_ids"]), b["labels"], b["mask"])
+            loss.backward()
+            if step == poison_at:
+                m.head.weight.grad[0, 0] = math.nan
+            before[step] = true_norm(m)
+            opt.step()
+            after[step] = true_norm(m)
+            opt.zero_grad()
+            mon.log(loss=loss)
+
+    mon.run(train).wait()
+    assert mon.state == "finished", mon.error
+    return mon, before, after
+
+
+def unfreeze(m, opt):
+    m.head.weight.requires_grad_(True)
+    opt.add_param_group({"params": [m.head.weight], "lr": 0.01})
+
+
+def test_a_param_group_added_mid_run_is_measured_clipped_and_skipped(tmp_path):
+    mon, before, after = run_loop(tmp_path, unfreeze, clip=0.3, poison_at=9)
+    df = mon.df
+    for step in (6, 7, 8, 10):
+        assert math.isclose(df["grad_norm/global"][step], before[step], rel_tol=1e-4), step
+        assert after[step] <= 0.3 * (1 + 1e-4), (step, after[step])  # the clip covers it
+        assert df["grad_norm/head"][step] > 0, step
+    assert df["grad_norm/head"].loc[:5].isna().all()  # not measured while frozen
+    assert torch.isfinite(mon.model.head.weight).all()  # step 9's NaN was skipped
+    said = mon.events[mon.events.message.str.contains("changed before step 6")]
+    assert len(said) == 1 and "head" in said.message.iloc[0], mon.events.message.tolist()
+
+
+def test_a_layer_replaced_mid_run_is_measured_as_the_new_one(tmp_path):
+    def new_head(m, opt):
+        m.head = nn.Linear(m.head.in_features, m.head.out_features, bias=False)
+        opt.add_param_group({"params": list(m.head.parameters())})
+
+    mon, before, _ = run_loop(tmp_path, new_head)
+    df = mon.df
+    for step in range(6, 13):
+        assert math.isclose(df["grad_norm/global"][step], before[step], rel_tol=1e-4), step
+        assert df["grad_norm/head"][step] > 0, step
+    said = mon.events[mon.events.message.str.contains("changed before step 6")]
+    assert len(said) == 1 and "head" in said.message.iloc[0], mon.events.message.tolist()
+    # the new output layer's logits are watched from the step after the change (step 6's
+    # forward ran before the pre-hook saw it): no note blaming compile or a fused loss
+    assert df["train_logits/log_z"].loc[7:].notna().all()
+    assert not mon.events.message.str.contains("torch.compile").any()

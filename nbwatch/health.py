@@ -65,10 +65,12 @@ def _entropy_collapse(w: Window, p: dict) -> str | None:
 
 def _logit_growth(w: Window, p: dict) -> str | None:
     """A module's largest attention logit rose at each of the last `probes` probes and
-    grew `factor`× over them, from at least `min_logit`: a sustained, fast growth, relative
-    to the run's own history. A healthy run's logits grow from their small initial scale
-    over its first probes, then settle (the demo's peaked at 51 and came down to 36): a
-    level alone, or one rise, is no sign."""
+    grew `factor`× over them, from at least `min_logit`, no slower in the second half of
+    those probes than in the first: a sustained growth that is not settling, relative to
+    the run's own history. A healthy run's logits grow from their small initial scale over
+    its first probes and slow down (a 12 × 12 GPT-2 went 10.6 → 31.1 at a falling rate),
+    or peak and come down (the demo's peaked at 51 and settled at 36): a level alone, one
+    rise, or a rise that slows is no sign."""
     n = p["probes"]
     grown = []
     for key in w.latest:
@@ -78,8 +80,10 @@ def _logit_growth(w: Window, p: dict) -> str | None:
         if len(a) <= n:
             continue
         last = a[-(n + 1):]
+        mid = last[n // 2]
         if (np.all(np.diff(last) > 0) and last[0] >= p["min_logit"]
-                and last[-1] >= p["factor"] * last[0]):
+                and last[-1] >= p["factor"] * last[0]
+                and last[-1] / mid >= mid / last[0]):
             grown.append((float(last[-1] / last[0]), key[len(MAX_LOGIT):], float(last[0]),
                           float(last[-1])))
     if not grown:

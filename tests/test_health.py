@@ -175,6 +175,14 @@ def test_logz_drift_fires_once_on_a_rise_and_not_on_a_slow_drift_or_one_noisy_ba
 # (the test above, a probe every 5 steps, from step 60).
 DEMO = [9.7, 29.8, 43.5, 51.4, 46.6, 41.6, 41.3, 41.6, 36.8, 36.3, 36.9, 36.3]
 RAMP = [14.6, 15.5, 17.6, 21.7, 25.9, 28.8, 32.9, 34.1, 45.0, 45.8, 59.8, 83.0, 102.9]
+# A healthy 12 × 12 Hugging Face GPT-2 (d=192, eager attention, AdamW 3e-3, 30 warm-up
+# steps then cosine, 300 steps on the demo's data, a probe every 25; loss 3.19 → 2.53;
+# recorded 2026-12-05): its blocks' logits climb 3-4× over 4 probes, each climb slowing.
+HEALTHY_12X12 = {
+    "h.1": [2.9, 10.6, 12.2, 11.6, 22.0, 32.3, 39.7, 40.4, 42.6, 44.2, 44.7, 44.8],
+    "h.2": [2.4, 14.5, 21.3, 19.2, 25.3, 34.2, 37.2, 42.6, 47.3, 46.3, 46.8, 46.5],
+    "h.4": [0.4, 14.0, 13.2, 21.0, 29.5, 45.4, 45.5, 47.0, 51.8, 54.2, 51.8, 51.8],
+}
 
 
 def logit_growth_alerts(series: list[float], every: int) -> list[int]:
@@ -194,3 +202,11 @@ def test_logit_growth_is_quiet_on_the_demo_and_fires_on_a_sustained_rise():
     rising probes is warned."""
     assert logit_growth_alerts(DEMO, 50) == []
     assert logit_growth_alerts(RAMP, 5) == [60]  # its 12th probe: 83.0, 2.4× in 4 probes
+
+
+def test_logit_growth_is_quiet_on_a_healthy_run_whose_logits_climb_and_slow_down():
+    """A healthy 12 × 12 GPT-2's logits double (and more) over 4 rising probes early on,
+    but each rise is smaller than the one before: the rule waits for a growth that does
+    not slow (the ramp's last probes rose faster than its first)."""
+    for block, series in HEALTHY_12X12.items():
+        assert logit_growth_alerts(series, 25) == [], block

@@ -145,7 +145,7 @@ def rules() -> list[Rule]:
         Rule("attention_logit_growth", "warning", "eval", _logit_growth,
              {"probes": 4, "factor": 2.0, "min_logit": 10.0}, (), 1,
              "a module's largest pre-softmax attention logit rose at each of the last 4 "
-             "probes and doubled over them, from 10 or more",
+             "probes, doubled over them from 10 or more, and did not slow",
              schema={"probes": count(2, 50), "factor": number(1, open_lo=True),
                      "min_logit": number(0)}),
         Rule("output_logit_drift", "warning", "eval", _output_drift, {"nats": 10.0}, (), 1,

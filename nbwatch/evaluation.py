@@ -11,16 +11,18 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import nn
 
 from . import health
+from .counts import real
 from .probes.activations import capture_block_rms, capture_outputs, logit_figures
 from .probes.attention import capture_attention
 from .records import Attention
+from .samples import capped_text
 
 
 @dataclass
@@ -52,6 +54,61 @@ def val_figures(v: Any) -> dict[str, float]:
             out["loss/val" if k in ("loss", "loss/val") else f"val/{k}"] = x
         return out
     raise TypeError(f"val_fn returned a {type(v).__name__}; return a float or a dict of floats")
+
+
+_VAL_SOURCES = {  # who gave the val figures: (prefix, name, what it may be)
+    "log": ("mon.log(): ", "val", "pass the val loss (a real number or a one-element real "
+            "tensor) or a dict of val figures, e.g. mon.log(loss=loss, val={'loss': 2.31, "
+            "'accuracy': 0.41})"),
+    "val_fn": ("", "val_fn()", "return the val loss (a real number or a one-element real "
+               "tensor) or a dict of val figures, e.g. return {'loss': 2.31, 'accuracy': 0.41}"),
+}
+
+
+def check_val(val: Any, source: Literal["log", "val_fn"] = "log") -> Any:
+    """The val figures of `log(val=...)` (`source` "log") or of `val_fn` ("val_fn"): the val
+    loss (a real number or one-element tensor) or a dict of val figures named by str
+    ('loss' is the val loss); returned with numbers as floats."""
+    if val is None:
+        return None
+    prefix, name, how = _VAL_SOURCES[source]
+    items = val.items() if isinstance(val, dict) else [(None, val)]
+    if isinstance(val, dict) and not val:
+        raise ValueError(f"{prefix}{name} is an empty dict; {how}")
+    for k, v in items:
+        what = name if k is None else f"{name}[{k!r}]"
+        if k is not None and not isinstance(k, str):
+            raise TypeError(f"{prefix}{name}'s key {k!r} is a {type(k).__name__}; name each "
+                            f"val figure by a str; {how}")
+        if isinstance(v, torch.Tensor):
+            if v.numel() != 1:
+                raise ValueError(f"{prefix}{what} has shape {tuple(v.shape)}, not one "
+                                 f"value: reduce it first (e.g. .mean()); {how}")
+            if v.is_complex():
+                raise TypeError(f"{prefix}{what} is a complex tensor ({v.dtype}); {how}")
+        elif not real(v):
+            raise TypeError(f"{prefix}{what} is a {type(v).__name__} ({short_repr(v)}); {how}")
+    if isinstance(val, dict):
+        return {k: v if isinstance(v, torch.Tensor) else float(v) for k, v in val.items()}
+    return val if isinstance(val, torch.Tensor) else float(val)
+
+
+def short_repr(v: Any) -> str:
+    """repr(v), cut to 60 characters for a message."""
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _sample(sample_fn: Callable[[nn.Module], Any], model: nn.Module, step: int) -> Any:
+    """What `sample_fn(model)` returned (text capped); its error, raised as sample_fn's."""
+    try:
+        with torch.no_grad():
+            got = sample_fn(model)
+    except Exception as e:
+        raise RuntimeError(f"sample_fn raised at the eval of step {step}: "
+                           f"{type(e).__name__}: {e}; fix sample_fn, or start() without "
+                           "it") from e
+    return capped_text(got) if isinstance(got, str) else got
 
 
 @contextmanager
@@ -185,7 +242,8 @@ def evaluate(model: nn.Module, spec: Any, step: int, train_loss: float | None,
         elif spec.val_fn is not None:
             t0 = time.perf_counter()
             with torch.no_grad():
-                out.values.update(val_figures(spec.val_fn(model)))
+                got = spec.val_fn(model)
+            out.values.update(val_figures(check_val(got, "val_fn")))
             out.values["time/eval"] = time.perf_counter() - t0
         if "loss/val" in out.values and train_loss is not None:
             out.values["loss/gap"] = out.values["loss/val"] - train_loss
@@ -228,8 +286,7 @@ def evaluate(model: nn.Module, spec: Any, step: int, train_loss: float | None,
                         toks = tuple(spec.probe_tokens[i][: w.shape[-1]])
                     out.attention.append(Attention(step, module, i, w[i].numpy(), toks))
         if spec.sample_fn is not None:
-            with torch.no_grad():
-                out.sample = spec.sample_fn(model)
+            out.sample = _sample(spec.sample_fn, model, step)
     finally:
         model.train(was_training)
     return out

@@ -18,6 +18,7 @@ import contextlib
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -94,6 +95,7 @@ class NbwatchCallback(Adapter, TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
                        optimizer: Any = None, lr_scheduler: Any = None, **kw: Any) -> None:
         trainer = calling_trainer() or (self._fit_trainer if self.handle is not None else None)
+        _drop_repeats(trainer, self)
         retry, self._retry = self._retry, None
         if retry is not None and (trainer is not retry.trainer or not (
                 (train_batch_size(trainer) or 0) < (retry.batch_size or 0))):
@@ -338,7 +340,10 @@ def start(trainer: Trainer, run_dir: str | os.PathLike | None = None, *,
     api = "nbwatch.hf.start"
     if not isinstance(trainer, Trainer):
         raise TypeError(f"{api} takes a transformers.Trainer, got {type(trainer).__name__}")
-    found = [c for c in trainer.callback_handler.callbacks if isinstance(c, NbwatchCallback)]
+    found = list({id(c): c for c in trainer.callback_handler.callbacks
+                  if isinstance(c, NbwatchCallback)}.values())
+    for c in found:  # one callback added twice records once
+        _drop_repeats(trainer, c)
     cb, new = callback_of(found, lambda: NbwatchCallback(run_dir, config, **(monitor or {})),
                           api=api, detach="trainer.remove_callback(cb)", run_dir=run_dir,
                           config=config, monitor=monitor)
@@ -354,6 +359,24 @@ def start(trainer: Trainer, run_dir: str | os.PathLike | None = None, *,
                 trainer.remove_callback(cb)
 
     return cb._launch(api, trainer, fit, display)
+
+
+def _drop_repeats(trainer: Trainer | None, cb: NbwatchCallback) -> None:
+    """Keep one registration of `cb` in `trainer` (`callbacks=[cb, cb]`, or a cell run twice
+    that adds it again: the Trainer would call it twice an event, a step recorded twice);
+    say so. Called from an event of the first one, it deletes later ones only, which the
+    Trainer's loop over its callbacks then skips."""
+    callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", None)
+    if not isinstance(callbacks, list):
+        return
+    at = [i for i, c in enumerate(callbacks) if c is cb]
+    for i in reversed(at[1:]):
+        del callbacks[i]
+    if len(at) > 1:
+        warnings.warn(
+            f"this NbwatchCallback was given to this Trainer {len(at)} times; it records each "
+            "step once (the repeats were removed from the Trainer's callbacks): add it once, "
+            "e.g. guard a cell run twice with trainer.remove_callback(cb)", stacklevel=3)
 
 
 def eval_figures(metrics: Mapping[str, Any]) -> dict[str, float]:

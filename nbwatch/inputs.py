@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from .counts import as_python, integral, real
+from .evaluation import check_val as check_val  # log(val=...)'s check, val_fn's too
+from .evaluation import short_repr
 from .optimizer_hooks import hooked_optimizer, inner_scheduler
 from .options import check_every
 from .probes.attention import take_samples
@@ -335,37 +337,4 @@ def add_figure(host: dict[str, float], names: list[str], parts: list[torch.Tenso
     elif real(v):
         host[name] = float(v)
     else:
-        raise TypeError(f"mon.log(): {what} is a {type(v).__name__} ({_short(v)}); {_REAL}")
-
-
-def check_val(val: Any) -> Any:
-    """`log(val=...)`: the val loss (a real number or one-element tensor) or a dict of val
-    figures named by str ('loss' is the val loss); returned with numbers as floats."""
-    if val is None:
-        return None
-    how = ("pass the val loss (a real number or a one-element real tensor) or a dict of val "
-           "figures, e.g. mon.log(loss=loss, val={'loss': 2.31, 'accuracy': 0.41})")
-    items = val.items() if isinstance(val, dict) else [(None, val)]
-    if isinstance(val, dict) and not val:
-        raise ValueError(f"mon.log(): val is an empty dict; {how}")
-    for k, v in items:
-        what = "val" if k is None else f"val[{k!r}]"
-        if k is not None and not isinstance(k, str):
-            raise TypeError(f"mon.log(): val's key {k!r} is a {type(k).__name__}; name each "
-                            f"val figure by a str; {how}")
-        if isinstance(v, torch.Tensor):
-            if v.numel() != 1:
-                raise ValueError(f"mon.log(): {what} has shape {tuple(v.shape)}, not one "
-                                 f"value: reduce it first (e.g. .mean()); {how}")
-            if v.is_complex():
-                raise TypeError(f"mon.log(): {what} is a complex tensor ({v.dtype}); {how}")
-        elif not real(v):
-            raise TypeError(f"mon.log(): {what} is a {type(v).__name__} ({_short(v)}); {how}")
-    if isinstance(val, dict):
-        return {k: v if isinstance(v, torch.Tensor) else float(v) for k, v in val.items()}
-    return val if isinstance(val, torch.Tensor) else float(val)
-
-
-def _short(v: Any) -> str:
-    r = repr(v)
-    return r if len(r) <= 60 else r[:57] + "..."
+        raise TypeError(f"mon.log(): {what} is a {type(v).__name__} ({short_repr(v)}); {_REAL}")

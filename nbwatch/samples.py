@@ -18,6 +18,16 @@ MAX_SIDE = 256  # larger images are subsampled to this: the page keeps the last 
 MAX_ROWS, MAX_COLS, MAX_CELL = 50, 20, 200  # a table's shown part
 
 
+MAX_SAMPLE_TEXT = 64 * 1024  # characters of a text sample kept: the page and export show them
+
+
+def capped_text(text: str) -> str:
+    """`text`, cut to MAX_SAMPLE_TEXT characters with a note of how many were left out."""
+    if len(text) <= MAX_SAMPLE_TEXT:
+        return text
+    return text[:MAX_SAMPLE_TEXT] + f"… [truncated {len(text) - MAX_SAMPLE_TEXT} chars]"
+
+
 def sample_content(x: Any) -> tuple[str, dict[str, Any] | None]:
     """(text, content) for a `Sample`: the text of a string (content None); for an image
     or a table a one-line summary and what the samples panel draws. Anything else is
@@ -36,7 +46,7 @@ def sample_content(x: Any) -> tuple[str, dict[str, Any] | None]:
         named = [{str(k): v for k, v in r.items()} for r in x[:MAX_ROWS]]
         cols = list(dict.fromkeys(k for r in named for k in r))
         return _table(cols, [[r.get(c) for c in cols] for r in named], len(x))
-    return str(x), None
+    return capped_text(str(x)), None
 
 
 def _is_pil(x: Any) -> bool:

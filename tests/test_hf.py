@@ -384,6 +384,28 @@ def test_the_callback_alone_in_a_script(tmp_path):
     assert "ZeroDivisionError" in " ".join(failed.events.message)
 
 
+@pytest.mark.parametrize("how", ["train", "start"])
+def test_one_callback_given_twice_records_each_step_once(tmp_path, how):
+    """`callbacks=[cb, cb]`, or a cell run twice that adds the same callback again: the
+    Trainer calls it twice at each event; the run is still recorded once."""
+    trainer = make_trainer(tmp_path / "out", max_steps=10, eval_steps=5)
+    cb = nbwatch.hf.NbwatchCallback(run_dir=tmp_path / "run")
+    trainer.add_callback(cb)
+    trainer.add_callback(cb)  # what Trainer(callbacks=[cb, cb]) does too
+    with pytest.warns(UserWarning, match="given to this Trainer 2 times"):
+        if how == "train":
+            trainer.train()
+        else:
+            nbwatch.hf.start(trainer, display=False).wait()
+    run = nbwatch.open_run(tmp_path / "run")
+    assert (run.state, run.step) == ("finished", 10)
+    assert run.df.index.tolist() == list(range(1, 11))
+    assert run.df["loss/val"].dropna().index.tolist() == [5, 10]
+    ev = run.events
+    assert not (ev.kind == "error").any(), ev.message.tolist()
+    assert not ev.message.str.contains("lr_change|without telling").any()
+
+
 @pytest.mark.parametrize("arch,attn", [("gpt2", "eager"), ("bert", "sdpa"), ("t5", "eager"),
                                        ("t5", "sdpa")])
 def test_attention_maps_of_every_attention_module(tmp_path, arch, attn):

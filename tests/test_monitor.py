@@ -480,3 +480,22 @@ def test_a_resumed_start_goes_on_from_where_its_data_stood(tmp_path):
     df = mon.df
     assert df.loc[11, "epoch"] == 2 and df.loc[13, "epoch"] == 3
     assert mon.events.message.str.contains("resumed at epoch 2, batch 4 of the data").any()
+
+
+@pytest.mark.parametrize("returned, error, match", [
+    ({"loss": {"a": 1.0}}, TypeError, r"val_fn\(\)\['loss'\] is a dict .*a real number"),
+    (torch.tensor([1.0, 2.0]), ValueError, r"val_fn\(\) has shape \(2,\).*reduce it first"),
+    ({3: 1.0}, TypeError, r"val_fn\(\)'s key 3 is a int.*name each val figure by a str"),
+])
+def test_a_bad_val_fn_result_fails_at_step_0_naming_val_fn_and_the_key(
+        tiny, tmp_path, returned, error, match):
+    """val_fn's result is checked as `mon.log(val=...)` is: start()'s dry run before step 1
+    fails the run with the one line that names val_fn, the key and what it may return."""
+    mon = monitor(tiny, tmp_path)
+    mon.start(tiny_step, tiny[2], max_steps=4, val_fn=lambda m: returned, eval_every=2,
+              display=False)
+    with pytest.raises(RuntimeError, match=match) as got:
+        mon.wait()
+    assert isinstance(got.value.__cause__, error)
+    assert (mon.state, mon.step) == ("failed", 0)
+    assert "dry run before step 1" in str(mon.error)

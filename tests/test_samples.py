@@ -13,6 +13,7 @@ import torch
 
 import nbwatch
 from nbwatch.demo import make_demo
+from nbwatch.samples import MAX_SAMPLE_TEXT
 from nbwatch.panels import samples as samples_panel
 from nbwatch.samples import MAX_SIDE, sample_content
 
@@ -87,3 +88,48 @@ def test_a_bad_sample_is_said_and_the_run_goes_on(tmp_path):
     assert mon.state == "finished" and mon.step == 4
     said = mon.events.query("kind == 'probe'").message
     assert said.str.contains("a float image is in").any()
+
+
+def test_text_and_image_samples_of_one_run_read_back_each_by_its_kind(tmp_path):
+    demo = make_demo(d=32, layers=1, heads=2, ctx=32, max_steps=4)
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "r")
+    calls = iter(range(100))  # the dry run's eval calls sample_fn too
+
+    def sample_fn(model):  # text at one eval, an image at the next
+        return "said hello" if next(calls) % 2 else np.zeros((4, 4), np.uint8)
+
+    mon.start(demo.step_fn, demo.train, 4, eval_every=1, sample_fn=sample_fn,
+              display=False).wait()
+    got = nbwatch.open_run(tmp_path / "r").samples
+    assert list(got.step) == [1, 2, 3, 4]
+    assert list(got.text) == ["said hello", "image 4×4"] * 2
+    assert [c is None for c in got.content] == [True, False, True, False]
+    assert decoded(got.content[1]).shape == (4, 4)
+
+
+def test_a_huge_text_sample_is_cut_and_says_so(tmp_path):
+    demo = make_demo(d=32, layers=1, heads=2, ctx=32, max_steps=2)
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "r")
+    mon.start(demo.step_fn, demo.train, 2, eval_every=2, display=False,
+              sample_fn=lambda m: "x" * 1_000_000).wait()
+    (text,) = nbwatch.open_run(tmp_path / "r").samples.text
+    note = f"… [truncated {1_000_000 - MAX_SAMPLE_TEXT} chars]"
+    assert len(text) == MAX_SAMPLE_TEXT + len(note) and text.endswith(note)
+
+
+def test_a_sample_fn_that_raises_fails_the_run_naming_sample_fn(tmp_path):
+    demo = make_demo(d=32, layers=1, heads=2, ctx=32, max_steps=4)
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "r")
+    calls = iter(range(100))
+
+    def sample_fn(model):  # fine in the dry run, raises at step 2's eval
+        if next(calls) == 1:
+            raise KeyError("prompt")
+        return "ok"
+
+    mon.start(demo.step_fn, demo.train, 4, eval_every=2, sample_fn=sample_fn, display=False)
+    with pytest.raises(RuntimeError, match=r"sample_fn raised at the eval of step 2: "
+                                           r"KeyError: 'prompt'") as got:
+        mon.wait()
+    assert isinstance(got.value.__cause__, KeyError)
+    assert (mon.state, mon.step) == ("failed", 2)

@@ -49,8 +49,11 @@ class RecordReads:
         """What `sample_fn` returned at each eval: step, wall, text, and `content` (an
         image's PNG or a table's rows, as a dict; None for text)."""
         rows = self.query(f"SELECT step, wall, text, {self._content()} FROM samples ORDER BY id")
-        df = pd.DataFrame(rows, columns=["step", "wall", "text", "content"])
-        df["content"] = [json.loads(c) if c is not None else None for c in df["content"]]
+        df = pd.DataFrame([r[:3] for r in rows], columns=["step", "wall", "text"])
+        # each row by its kind, from the rows themselves: a column of text rows' NULLs and
+        # JSON strings would read the NULLs as NaN
+        df["content"] = pd.Series([json.loads(r[3]) if r[3] is not None else None
+                                   for r in rows], dtype=object)
         return df
 
     def _content(self) -> str:

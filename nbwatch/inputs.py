@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -215,6 +216,23 @@ def check_run_dir(run_dir: Path) -> None:
         ) from e
 
 
+def check_closure_free(optimizer: torch.optim.Optimizer) -> None:
+    """`start()` calls `optimizer.step()` without a closure: refuse an optimizer whose step
+    needs one (LBFGS) before the run opens."""
+    import inspect
+
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise TypeError(
+            f"start() calls optimizer.step() without a closure, which "
+            f"{type(optimizer).__name__}.step needs: run it in a loop of your own "
+            "(loss = optimizer.step(closure); mon.log(loss=loss)), or pick an optimizer "
+            "that steps without one (AdamW, SGD)")
+
+
 def check_start(step_fn: Any, train_data: Any, max_steps: Any, val_fn: Any,
                 eval_every: int | None, checkpoint_every: int | None, accumulate: int
                 ) -> tuple[int, int | None, int]:
@@ -334,7 +352,26 @@ def add_figure(host: dict[str, float], names: list[str], parts: list[torch.Tenso
         if not v.is_floating_point() and v.device.type != "mps":  # (no float64 there)
             v = v.double()  # a count: exact, not rounded to float32 by the step's one copy
         parts.append(v if v.dim() == 0 else v.reshape(()))
-    elif real(v):
-        host[name] = float(v)
     else:
+        host[name] = host_number(v, what)
+
+
+def host_number(v: Any, what: str) -> float:
+    """A host value given to `log()` as a float: a number, a bool (as a bool tensor is:
+    0 or 1) or a one-element numpy array; anything else refused, naming `what`."""
+    if isinstance(v, (np.ndarray, np.generic)):
+        if v.size != 1:
+            raise ValueError(f"mon.log(): {what} has shape {v.shape}, not one value: reduce "
+                             "it first (e.g. .mean())")
+        if v.dtype.kind not in "biuf":
+            raise TypeError(f"mon.log(): {what} is a numpy {v.dtype} value; {_REAL}")
+        v = v.item()
+    if isinstance(v, bool):
+        return float(v)
+    if not real(v):
         raise TypeError(f"mon.log(): {what} is a {type(v).__name__} ({short_repr(v)}); {_REAL}")
+    try:
+        return float(v)
+    except OverflowError:
+        raise ValueError(f"mon.log(): {what} is {short_repr(v)}, too large for a float "
+                         "(at most ~1.8e308); log its logarithm, or a scaled value") from None

@@ -27,6 +27,7 @@ from .controls import refuse_early
 from .exiting import RunExiting
 from .external import ExternalLoop
 from .inputs import (
+    check_closure_free,
     check_monitor,
     check_run_dir,
     check_start,
@@ -227,6 +228,7 @@ class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
         Monitor's hold.
         """
         self._check_can_open(resume)
+        check_closure_free(self.optimizer)
         check_every(update_every=update_every)
         opts = self.options.merged(
             clip=None if clip is None else ctl.check_clip(clip), hist_every=hist_every,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -415,3 +416,34 @@ def test_a_config_as_training_scripts_hold_it_is_stored_as_plain_values(tmp_path
     with pytest.raises(TypeError, match=r"config must be a dict \(or an argparse Namespace, "
                                         r"a dataclass.*got int"):
         nbwatch.Monitor(*setup()[:2], run_dir=tmp_path / "x", config=3)
+
+
+def test_log_takes_host_scalars_as_it_takes_tensors(tmp_path):
+    """A bool tensor was taken as 0/1 while `True`, `np.bool_` and a numpy 0-d array were
+    refused; an int past float's range was a bare OverflowError. The host forms are taken
+    as the tensors are, and the too-large int is refused naming the keyword."""
+    model, opt, batches = setup()
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False)
+    with mon:
+        loss = train_step(model, opt, batches[0])
+        with pytest.raises(ValueError, match=r"huge= is 1000.*too large for a float"):
+            mon.log(loss=loss, huge=10**400)
+        with pytest.raises(ValueError, match=r"arr= has shape \(2,\), not one value"):
+            mon.log(loss=loss, arr=np.ones(2))
+        mon.log(loss=loss, flag=True, npflag=np.bool_(False), zero_d=np.array(2.5),
+                t=torch.tensor(True))
+    df = mon.df
+    assert df.loc[1, "train/flag"] == 1.0 and df.loc[1, "train/npflag"] == 0.0
+    assert df.loc[1, "train/zero_d"] == 2.5 and df.loc[1, "train/t"] == 1.0
+
+
+def test_start_refuses_an_optimizer_that_needs_a_closure(tmp_path):
+    """LBFGS's step needs a closure, which `start()` does not pass: refused before the run
+    opens, with the way that works (a loop of your own), not torch's 'missing closure' at
+    step 1."""
+    model, _, batches = setup()
+    opt = torch.optim.LBFGS(model.parameters())
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False)
+    with pytest.raises(TypeError, match=r"without a closure, which LBFGS.step needs.*own"):
+        mon.start(lambda m, b: m(b["input_ids"]).mean(), batches, max_steps=3)
+    assert not (tmp_path / "r" / "nbwatch.db").exists()

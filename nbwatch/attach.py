@@ -250,6 +250,10 @@ def attach(
     >>> att.scale_lr(0.5)                   # applied by that process between two steps
     >>> att.df["loss/train"].tail()
     """
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise NotADirectoryError(
+            f"attach() takes a run folder (the run_dir a Monitor writes into), and {run_dir} "
+            "is a file; pass the folder that holds nbwatch.db")
     att = Attached(run_dir, stale_after=stale_after)
     if timeout is not None:
         att.wait_started(timeout)

@@ -162,3 +162,14 @@ def test_a_relative_run_dir_survives_a_chdir(tmp_path, monkeypatch):
     assert run.step == 5 and len(run.df) == 5
     assert att.step == 5 and len(att.df) == 5
     att.close()
+
+
+def test_attach_to_a_file_says_it_takes_a_folder_at_once(tmp_path):
+    """`attach("runs/exp1/nbwatch.db")` used to wait out its timeout as if the run had not
+    started yet: it is refused at once, naming what to pass."""
+    db = tmp_path / "nbwatch.db"
+    db.write_bytes(b"")
+    t0 = time.monotonic()
+    with pytest.raises(NotADirectoryError, match="takes a run folder.*is a file"):
+        nbwatch.attach(db, timeout=30, display=False)
+    assert time.monotonic() - t0 < 5

@@ -162,3 +162,40 @@ def test_a_fit_that_fails_before_its_first_step_reads_failed(tmp_path):
     run = nbwatch.open_run(tmp_path / "f")
     assert run.state == "failed" and handle.state == "failed"
     assert run.events.message.iloc[-1] == "KeyError: 'input_ids'"
+
+
+@pytest.mark.slow
+def test_a_stop_checkpoint_cut_short_by_the_shutdown_leaves_the_run_stopped(tmp_path):
+    """The shutdown's grace (2.5 s before SIGTERM) can end before the stop checkpoint is
+    written (a big model, a slow disk; 1 of 12 headless quickstart runs). The stop taken at
+    the step boundary used to write `stopping` over the `stopped` recorded at once, and the
+    folder read `stopping`, then `stale`. It reads `stopped`, with the reason."""
+    run_dir = tmp_path / "slow"
+    k = in_kernel(tmp_path, f"""
+        import time
+        import nbwatch
+        from nbwatch.demo import make_demo
+        demo = make_demo(d=32, layers=2, heads=2, ctx=32, max_steps=100_000)
+        slow = [False]
+        plain = demo.model.state_dict
+
+        def state_dict(*a, **kw):  # a checkpoint that takes longer than the grace
+            if slow[0]:
+                time.sleep(8)
+            return plain(*a, **kw)
+
+        demo.model.state_dict = state_dict
+        mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler,
+                              run_dir={str(run_dir)!r})
+        mon.start(max_steps=100_000, eval_every=10_000, display=False, **demo.start_kwargs())
+    """)
+    try:
+        until(lambda: (run_dir / "nbwatch.db").exists() and nbwatch.open_run(run_dir).step >= 5,
+              120, "the run in the kernel to take 5 steps")
+        k.run("slow[0] = True")
+    finally:
+        k.shut_down()
+    run = nbwatch.open_run(run_dir)
+    assert run.meta["state"] == "stopped", (run.meta["state"], list(run.events.message))
+    assert run.state == "stopped"
+    assert run.meta["stopped_by"].startswith("kernel shut down at step ")

@@ -233,7 +233,13 @@ def do_stop(rec: Steered, cmd: Command) -> Outcome:
     if rec.stopping:
         return Refused(f"a stop was taken already (step {rec.step})")
     rec.stopping = True
-    rec._set_state("stopping")
+    if cmd.source == "exit":
+        # the process is ending: `stopped` is recorded already (exiting.py), and the stop
+        # checkpoint may not finish before the kernel's SIGTERM: writing `stopping` now
+        # would leave the folder reading `stopping`, then `stale`
+        rec.progress.move("stopping")
+    else:
+        rec._set_state("stopping")
     return Applied(f"stop requested at step {rec.step}")
 
 

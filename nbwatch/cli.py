@@ -2,29 +2,76 @@
 
 A mistake of the user's (a bad argument, a missing or damaged run, a refused output path)
 is one line on stderr and a nonzero exit status (2 for what argparse rejects), never a
-traceback; set NBWATCH_TRACEBACK=1 to see one. Nothing heavy (torch, pandas) is imported until a
-subcommand runs, so `nbwatch --help` and `nbwatch --version` answer at once.
+traceback; set NBWATCH_TRACEBACK=1 to see one. Every line it prints shows control characters
+as escapes (`\\x1b`, `\\n`): a run folder's name and meta may come from someone else. Nothing
+heavy (torch, pandas) is imported until a subcommand runs, so `nbwatch --help` and
+`nbwatch --version` answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import os
+import re
 import sqlite3
+import stat
 import sys
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
 from .text import duration
 
 MISSING = "–"  # a value a run does not have, in every column (the same as `duration`'s)
+# C0 and C1 controls, DEL and the bidirectional overrides (a terminal acts on them), and the
+# lone surrogates that stand for a file name's undecodable bytes (no stream can encode them)
+_CONTROL = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 class UserError(Exception):
     """A mistake the user can fix: printed as one line, exit status 1."""
+
+
+def visible(text: object) -> str:
+    """`text` with its control characters written as escapes (`\\x1b`, `\\n`): a run folder's
+    name, meta or error (which may come from someone else) cannot clear the screen, write
+    the clipboard (OSC 52) or break a table row."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], str(text))
+
+
+def say(text: object, err: bool = False) -> None:
+    """Print one line of the CLI's, its control characters visible."""
+    print(visible(text), file=sys.stderr if err else sys.stdout, flush=True)
+
+
+class _Lines(logging.Handler):
+    """nbwatch's log warnings while a command runs: one visible line each on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        say(record.getMessage(), err=True)
+
+
+@contextlib.contextmanager
+def _warnings_said() -> Iterator[None]:
+    """Warnings and nbwatch's log warnings raised inside, each one line on stderr (not
+    Python's two-line form with a source line, nor raw)."""
+    logger, handler = logging.getLogger("nbwatch"), _Lines(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        logger.removeHandler(handler)
+        for w in caught:
+            say(w.message, err=True)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -41,7 +88,7 @@ def _demo(args: argparse.Namespace) -> int:
     demo = make_demo(max_steps=args.steps)
     mon = Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=run_dir,
                   config=demo.config, name=run_dir.name)
-    print(f"nbwatch demo: TinyGPT on Python's own source, {args.steps} steps -> {run_dir}")
+    say(f"nbwatch demo: TinyGPT on Python's own source, {args.steps} steps -> {run_dir}")
     mon.start(max_steps=args.steps, eval_every=args.eval_every, display=False,
               **demo.start_kwargs())
     try:
@@ -49,8 +96,7 @@ def _demo(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         mon.stop()
         mon.wait()
-        print(f"interrupted: stopped at step {mon.step}; run folder: {run_dir}",
-              file=sys.stderr)
+        say(f"interrupted: stopped at step {mon.step}; run folder: {run_dir}", err=True)
         return 130
     try:
         mon.wait()
@@ -60,13 +106,13 @@ def _demo(args: argparse.Namespace) -> int:
     df = mon.df
     first = df["loss/train"].iloc[:20].mean()
     final = df["loss/train"].iloc[-20:].mean()
-    print(f"done: {mon.state} at step {mon.step}; train loss {first:.3f} -> {final:.3f}")
+    say(f"done: {mon.state} at step {mon.step}; train loss {first:.3f} -> {final:.3f}")
     samples = open_run(run_dir).samples
     if not samples.empty:
-        print(f"sample at step {samples.step.iloc[-1]}: {samples.text.iloc[-1]!r}")
-    print(f"run folder: {run_dir}  (nbwatch.open_run({str(run_dir)!r}))")
+        say(f"sample at step {samples.step.iloc[-1]}: {samples.text.iloc[-1]!r}")
+    say(f"run folder: {run_dir}  (nbwatch.open_run({str(run_dir)!r}))")
     report = mon.export_html(run_dir / "report.html")
-    print(f"snapshot: {report}  ({report.stat().st_size / 2**20:.1f} MB, opens offline)")
+    say(f"snapshot: {report}  ({report.stat().st_size / 2**20:.1f} MB, opens offline)")
     return 0
 
 
@@ -87,7 +133,7 @@ def _follow(mon: Any, args: argparse.Namespace) -> None:
         for e in reader.events_since(event_id):
             event_id = e["id"]
             if e["kind"] == "alert" and e["severity"] != "info":
-                print(f"  {e['severity']} at step {e['step']}: {e['message']}", flush=True)
+                say(f"  {e['severity']} at step {e['step']}: {e['message']}")
         step = reader.last_step()
         if step <= 0 or step == last:
             continue
@@ -98,10 +144,10 @@ def _follow(mon: Any, args: argparse.Namespace) -> None:
         val = reader.last_value("loss/val")
         row = df.mean(numeric_only=True)
         shown = f"val {val:.3f}" if val is not None else f"val {MISSING:5s}"  # before an eval
-        print(f"step {step:5d}/{args.steps}  loss {row['loss/train']:.3f}  "
-              f"{shown}  lr {row.get('lr', math.nan):.2e}  "
-              f"grad {row.get('grad_norm/global', math.nan):.2f}  "
-              f"{row.get('throughput/tokens_per_s', math.nan):,.0f} tok/s", flush=True)
+        say(f"step {step:5d}/{args.steps}  loss {row['loss/train']:.3f}  "
+            f"{shown}  lr {row.get('lr', math.nan):.2e}  "
+            f"grad {row.get('grad_norm/global', math.nan):.2f}  "
+            f"{row.get('throughput/tokens_per_s', math.nan):,.0f} tok/s")
     if reader is not None:
         reader.close()
 
@@ -116,9 +162,26 @@ def _export(args: argparse.Namespace) -> int:
                         "./runs")
     out = _output(run_dir, args.output)
     t0 = time.perf_counter()
-    out = export_html(run_dir, out, environment=not args.no_environment)
-    print(f"{out}  ({out.stat().st_size / 2**20:.1f} MB in {time.perf_counter() - t0:.1f} s)")
+    with _warnings_said():
+        out = export_html(run_dir, out, environment=not args.no_environment)
+    seconds = time.perf_counter() - t0
+    try:
+        st = out.stat()
+    except OSError:  # a pipe's /proc link, gone with its reader
+        st = None
+    size = f"{st.st_size / 2**20:.1f} MB in " if st and stat.S_ISREG(st.st_mode) else ""
+    # the page went to stdout (-o /dev/stdout): the line must not land after it
+    say(f"{out}  ({size}{seconds:.1f} s)", err=_is_stdout(st))
     return 0
+
+
+def _is_stdout(st: os.stat_result | None) -> bool:
+    """Whether `st` (of the file an export wrote) is that of this process's stdout."""
+    try:
+        own = os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real stdout (a notebook's)
+        return False
+    return st is not None and (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 def _output(run_dir: Path, output: str | None) -> Path:
@@ -176,36 +239,32 @@ def _first_line(e: BaseException | str, limit: int = 200) -> str:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    import warnings
-
     from .compare import LS_COLUMNS, list_runs
     from .liveness import STALE_AFTER
 
     where = _parse_where(args.where)
     stale_after = STALE_AFTER if args.stale_after is None else args.stale_after
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with _warnings_said():
         runs = list_runs(args.root, where, args.sort,
                          args.keys.split(",") if args.keys else None, args.max_keys,
                          stale_after)
-    for w in caught:
-        print(w.message, file=sys.stderr)
     if runs.empty:
-        print(f"no nbwatch runs under {args.root}" + (f" matching {where}" if where else ""))
+        say(f"no nbwatch runs under {args.root}" + (f" matching {where}" if where else ""))
         return 0
     keys = [c for c in runs.columns if c not in LS_COLUMNS]
+    runs["run"] = runs["run"].map(visible)  # as printed: a name's escapes widen its column
     width = max(len("run"), *(len(r) for r in runs["run"]))
-    print(f"{'run':{width}s}  {'state':9s} {'steps':>13s} {'best val':>9s} {'@step':>7s} "
-          f"{'last train':>10s} {'wall':>6s}  config")
+    say(f"{'run':{width}s}  {'state':9s} {'steps':>13s} {'best val':>9s} {'@step':>7s} "
+        f"{'last train':>10s} {'wall':>6s}  config")
     for r in runs.to_dict("records"):
         r = {k: _plain(v) for k, v in r.items()}  # pandas' NaN for a missing value, 3.0 for 3
         steps = f"{r['steps']}/{r['max_steps']}" if r["max_steps"] else str(r["steps"])
         cfg = "  ".join(f"{k}={r[k]!r}" if isinstance(r[k], str) else f"{k}={r[k]}"
                         for k in keys if r[k] is not None)
         why = f"  ({_first_line(r['error'], 120)})" if r.get("error") else ""
-        print(f"{r['run']:{width}s}  {r['state']:9s} {steps:>13s} {_fmt(r['best_val'], '9.4f')} "
-              f"{_fmt(r['best_val_step'], '7d')} {_fmt(r['last_train'], '10.4f')} "
-              f"{duration(r['wall_s']):>6s}  {cfg}{why}".rstrip())
+        say(f"{r['run']:{width}s}  {r['state']:9s} {steps:>13s} {_fmt(r['best_val'], '9.4f')} "
+            f"{_fmt(r['best_val_step'], '7d')} {_fmt(r['last_train'], '10.4f')} "
+            f"{duration(r['wall_s']):>6s}  {cfg}{why}".rstrip())
     return 0
 
 
@@ -238,7 +297,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse whose usage errors are one line (with where to look) rather than two."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+        self.exit(2, visible(f"{self.prog}: error: {message} (see `{self.prog} --help`)") + "\n")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -298,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except KeyboardInterrupt:
-        print(f"nbwatch {args.cmd}: interrupted", file=sys.stderr)
+        say(f"nbwatch {args.cmd}: interrupted", err=True)
         return 130
     except USER_ERRORS as e:
         if os.environ.get("NBWATCH_TRACEBACK"):
@@ -308,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             where = Path(getattr(args, "run_dir", None) or "a run") / "nbwatch.db"
             msg = (f"{where} cannot be read ({msg}): the file is damaged; its run's "
                    "checkpoints/ folder, if any, still holds the weights")
-        print(f"nbwatch {args.cmd}: {msg}", file=sys.stderr)
+        say(f"nbwatch {args.cmd}: {msg}", err=True)
         return 1
 
 

@@ -146,7 +146,7 @@ class Comparison:
 
     @property
     def configs(self) -> dict[str, dict[str, Any]]:
-        return {lab: r.meta().get("config", {}) for lab, r in zip(self.labels, self._readers)}
+        return {lab: r.config() for lab, r in zip(self.labels, self._readers)}
 
     @property
     def df(self) -> pd.DataFrame:
@@ -273,7 +273,8 @@ def list_runs(root: str | os.PathLike = "runs", where: Where = None, sort: str =
     max_steps, best_val, best_val_step, last_train, wall_s, error (the first line of a
     failed run's error, else None), then config columns: `keys`,
     else those that differ between runs (all of them for one run), at most `max_keys`.
-    What `nbwatch ls` and `%nbwatch ls` print. A damaged run is skipped with a warning."""
+    What `nbwatch ls` and `%nbwatch ls` print. A damaged run is skipped with a warning; one
+    whose config is not a JSON object is listed without it, with a warning."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a folder; nbwatch ls ROOT lists the runs "
@@ -284,7 +285,7 @@ def list_runs(root: str | os.PathLike = "runs", where: Where = None, sort: str =
     for d in find_runs(root):
         try:
             reader = RunReader(d)
-            config = reader.meta().get("config", {})
+            config = reader.config()
             if not matches(config, where or None):
                 continue
             row = summarize(reader, stale_after=stale_after)
@@ -361,7 +362,7 @@ def compare(
     configs = {}
     for d in dirs:
         try:
-            configs[d] = RunReader(d).meta().get("config", {})
+            configs[d] = RunReader(d).config()
         except Exception as e:  # noqa: BLE001 - one damaged run must not hide the others
             warnings.warn(f"compare: skipped {d}: {type(e).__name__}: {e}", stacklevel=2)
     kept = [d for d in dirs if d in configs and matches(configs[d], where)]

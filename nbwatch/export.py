@@ -21,6 +21,7 @@ import json
 import os
 import re
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -56,18 +57,44 @@ def export_html(run_dir: str | os.PathLike, path: str | os.PathLike, *,
     out = _target(Path(run_dir), Path(path))
     reader = RunReader(run_dir)
     try:
+        reader.meta()  # crafted or damaged meta: an error naming the file, before any page
         state = snapshot(reader, environment=environment)
     finally:
         reader.close()
     name = str(state["name"]) or Path(run_dir).name
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
+    _write(out, render(state, name), Path(run_dir).absolute().resolve())
+    return out
+
+
+def _write(out: Path, text: str, run: Path) -> None:
+    """Write the page at `out`: a new or regular file through a temporary file and a
+    rename (a reader never sees half a file); a symlink, a FIFO, a device or a pipe
+    (`-o /dev/stdout`) written through, so that it stays what it is."""
+    if _through(out, run):
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(text)
+        return
+    # a new name, created exclusively: a link planted at a fixed name is not followed
+    tmp = out.with_name(f"{out.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
-        tmp.write_text(render(state, name), encoding="utf-8")
-        tmp.replace(out)  # a reader never sees half a file
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w",
+                  encoding="utf-8") as f:
+            f.write(text)
+        tmp.replace(out)
     finally:
         tmp.unlink(missing_ok=True)
-    return out
+
+
+def _through(out: Path, run: Path) -> bool:
+    """Whether `out` is written through (a symlink, or not a regular file) rather than
+    replaced. Never inside the run folder: a folder from someone else may hold a link or a
+    FIFO named report.html, and its default export must not write where that leads (nor
+    wait on it)."""
+    folder = out.parent.resolve()
+    if folder == run or run in folder.parents:
+        return False
+    return out.is_symlink() or (out.exists() and not out.is_file())
 
 
 def _target(run_dir: Path, path: Path) -> Path:
@@ -80,7 +107,7 @@ def _target(run_dir: Path, path: Path) -> Path:
         raise ValueError(
             f"refusing to export over {path}: it holds the run itself; write the export"
             f" beside it, e.g. {run / 'report.html'}")
-    if full.exists() and full.suffix.lower() not in (".html", ".htm"):
+    if full.is_file() and full.suffix.lower() not in (".html", ".htm"):
         raise FileExistsError(
             f"refusing to overwrite {path}: it is not an .html file; pass a path ending in"
             " .html (an existing .html export is replaced)")

@@ -24,7 +24,7 @@ from .counts import as_python, integral, real
 from .evaluation import check_val as check_val  # log(val=...)'s check, val_fn's too
 from .evaluation import short_repr
 from .optimizer_hooks import hooked_optimizer, inner_scheduler
-from .options import check_every
+from .options import check_every, check_run_dir_length
 from .probes.attention import take_samples
 from .probes.data import batch_figures, check_mask
 from .probes.late import keep_masks
@@ -194,6 +194,7 @@ def rank() -> int:
 
 def check_run_dir(run_dir: Path) -> None:
     """Refuse a folder that cannot be written or that holds another tool's files."""
+    check_run_dir_length(run_dir)  # SQLite would refuse it only at the run's first write
     if run_dir.exists() and not run_dir.is_dir():
         raise NotADirectoryError(f"run_dir {run_dir} is a file; pass a folder path")
     if run_dir.is_dir() and not is_run_dir(run_dir):

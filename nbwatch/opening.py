@@ -30,6 +30,7 @@ from .logs import open_run_log
 from .monitor_state import MonitorState
 from .notebook import after_each_cell, in_notebook, remember
 from .options import Options
+from .panels.baseline import allow as allow_baselines
 from .probes.system import SystemSampler, close_nvml, gpu_names, open_nvml
 from .probes.throughput import Mfu, peak_flops
 from .recorder import Progress, RunSpec, StepRecorder, StopTraining
@@ -337,7 +338,9 @@ class RunOpening(MonitorState):
         if self.control.clip is not None:  # a setting of the run: compare() shows it
             config.setdefault("clip", self.control.clip)
         store.set_meta("config", config)
-        store.set_meta("baselines", [str(p) for p in getattr(self, "baselines", [])])
+        baselines = getattr(self, "baselines", [])
+        store.set_meta("baselines", [str(p) for p in baselines])
+        allow_baselines(self.run_dir, baselines)  # given here: drawn even if not beside it
         store.set_meta("environment", environment(names))
         store.set_meta("max_steps", max_steps)
         store.set_meta("started", time.time())

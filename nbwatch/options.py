@@ -4,14 +4,35 @@ records the ones in force (`run.meta["options"]`)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from .counts import integral, real
 from .recorder.spec import RunSpec
+
+SQLITE_MAX_PATH = 512  # bytes: SQLite (its unix VFS) opens no file whose full path is longer
+# The longest path a run folder may have: SQLite's limit less its longest file there,
+# "/nbwatch.db-journal", and a margin (a 493-byte folder was the longest that opened here).
+MAX_RUN_DIR_BYTES = SQLITE_MAX_PATH - len("/nbwatch.db-journal") - 8
+
+
+def check_run_dir_length(run_dir: Path) -> None:
+    """Refuse a run folder whose path (or real path: SQLite follows links) SQLite cannot
+    open files in, where it is given rather than at the run's first write."""
+    for path in dict.fromkeys((run_dir, Path(os.path.realpath(run_dir)))):
+        n = len(os.fsencode(path))
+        if n > MAX_RUN_DIR_BYTES:
+            real = "" if path == run_dir else " (its real path, links followed)"
+            raise ValueError(
+                f"run_dir is too long for SQLite: {n} bytes{real}, over the "
+                f"{MAX_RUN_DIR_BYTES} a run folder may have (SQLite opens no file whose path "
+                f"passes {SQLITE_MAX_PATH} bytes); pass a shorter path, e.g. "
+                "run_dir='runs/exp1' under your project")
 
 
 def check_peak_flops(peak: float | None) -> float | None:

@@ -130,7 +130,7 @@ class Run:
 
     @property
     def config(self) -> dict[str, Any]:
-        return self.meta.get("config", {})
+        return self.reader.config()
 
     @property
     def environment(self) -> dict[str, Any]:

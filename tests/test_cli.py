@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -205,3 +206,62 @@ def test_ctrl_c_stops_the_demo_in_one_line(tmp_path):
     assert "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1].startswith("interrupted: stopped at step"), stderr
     assert nbwatch.open_run(tmp_path / "demo").state == "stopped"
+
+
+def read_fifo_during(fifo: Path, *args: object) -> tuple[str, subprocess.CompletedProcess]:
+    """What `nbwatch *args` writes into `fifo` (its reader end held open meanwhile, so a
+    process that never opens it cannot block the test), and how the process ended."""
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    proc = subprocess.Popen([sys.executable, "-m", "nbwatch.cli", *map(str, args)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    got, deadline = b"", time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            ended = proc.poll() is not None
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:  # a writer holds it open, nothing new yet
+                chunk = None
+            if chunk:
+                got += chunk
+            elif ended:
+                break
+            else:
+                time.sleep(0.01)
+        out, err = proc.communicate(timeout=10)
+    finally:
+        os.close(fd)
+        if proc.poll() is None:
+            proc.kill()
+    return got.decode("utf-8"), subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_export_writes_through_a_link_or_a_pipe_and_leaves_them_in_place(runs, tmp_path):
+    """`-o` naming a symlink (to a file, a FIFO, or stdout) or a FIFO writes through it:
+    the link and the FIFO are still there afterwards, and the page went where they lead."""
+    page = tmp_path / "kept" / "page.html"
+    page.parent.mkdir()
+    page.write_text("old")
+    (tmp_path / "link.html").symlink_to(page)
+    out = nbwatch_cli("export", runs / "ok", "-o", tmp_path / "link.html")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "link.html").is_symlink() and page.read_text().startswith("<!DOCTYPE")
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "to-fifo.html").symlink_to(fifo)
+    for target in (fifo, tmp_path / "to-fifo.html"):
+        got, done = read_fifo_during(fifo, "export", runs / "ok", "-o", target)
+        assert done.returncode == 0, done.stderr
+        assert got.startswith("<!DOCTYPE html>") and got.endswith("</html>\n"), got[-200:]
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert (tmp_path / "to-fifo.html").is_symlink()
+
+    # stdout a pipe, through a link to /dev/stdout: the page alone on stdout
+    (tmp_path / "out.html").symlink_to("/dev/stdout")
+    out = nbwatch_cli("export", runs / "ok", "-o", tmp_path / "out.html")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("<!DOCTYPE html>") and out.stdout.endswith("</html>\n")
+    assert (tmp_path / "out.html").is_symlink()
+    assert os.readlink(tmp_path / "out.html") == "/dev/stdout"

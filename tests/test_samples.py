@@ -13,9 +13,8 @@ import torch
 
 import nbwatch
 from nbwatch.demo import make_demo
-from nbwatch.samples import MAX_SAMPLE_TEXT
 from nbwatch.panels import samples as samples_panel
-from nbwatch.samples import MAX_SIDE, sample_content
+from nbwatch.samples import MAX_SAMPLE_TEXT, MAX_SIDE, sample_content
 
 PIL = pytest.importorskip("PIL.Image", reason="Pillow decodes the PNGs to check them")
 

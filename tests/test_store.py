@@ -1,3 +1,4 @@
+import os
 import shutil
 import sqlite3
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import nbwatch
 from nbwatch import blocks
@@ -524,3 +526,33 @@ def test_a_reader_kept_across_a_folder_deleted_and_written_again_reads_the_new_r
     assert df.index.tolist() == [1, 2, 3]
     assert df.to_dict("list") == {"grad_norm": [5.0] * 3, "acc": [0.5] * 3,
                                   "loss/val": [3.0] * 3}
+
+
+def test_a_run_dir_too_long_for_sqlite_is_refused_when_the_monitor_is_made(tmp_path):
+    """SQLite opens no file whose path passes its limit (512 bytes, the journal's name
+    included): Monitor(...) refuses such a run_dir at once, naming its length and the
+    limit; the longest one it accepts records, reopens and exports."""
+    from nbwatch.demo import TinyGPT
+    from nbwatch.options import MAX_RUN_DIR_BYTES
+    from tests.conftest import make_batches, tiny_step
+
+    def path_of(n: int) -> Path:  # a folder path of exactly n bytes, in parts of ≤ 200
+        p = tmp_path
+        while len(os.fsencode(p)) < n:
+            p = p / ("d" * min(200, n - len(os.fsencode(p)) - 1))
+        return p
+
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for n in (MAX_RUN_DIR_BYTES + 1, 600, 3000):
+        long = path_of(n)
+        with pytest.raises(ValueError, match=rf"run_dir is too long for SQLite: {n} bytes"
+                                             rf".*{MAX_RUN_DIR_BYTES}.*shorter"):
+            nbwatch.Monitor(model, opt, run_dir=long)
+        assert not long.exists()  # refused before anything is made
+    longest = path_of(MAX_RUN_DIR_BYTES)
+    mon = nbwatch.Monitor(model, opt, run_dir=longest, config={"lr": 1e-3})
+    mon.start(tiny_step, make_batches(4), max_steps=3, display=False).wait()
+    run = nbwatch.open_run(longest)
+    assert run.step == 3 and run.state == "finished"
+    assert run.export_html(tmp_path / "long.html").stat().st_size > 100_000

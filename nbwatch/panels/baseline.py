@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,16 +44,47 @@ def check(baseline: str | os.PathLike | Sequence[str | os.PathLike] | None) -> l
     return out
 
 
+# Baselines given to a Monitor of this process, by the run folder they were given for: the
+# only ones taken from outside that folder's own parent (see `resolve`).
+_ASKED: dict[Path, set[Path]] = {}
+
+
+def allow(run_dir: Path, baselines: Sequence[Path]) -> None:
+    """Let `run_dir`'s dashboard and export, in this process, draw `baselines` (those that
+    `Monitor(baseline=...)` was given) wherever they lie."""
+    _ASKED[run_dir.resolve()] = {Path(b).resolve() for b in baselines}
+
+
 def resolve(path: str, run_dir: Path) -> Path | None:
-    """Where a baseline named in a run's meta is now: the path itself, else a folder of the
-    same name beside the run (a copied or moved `runs/` folder); None when neither holds one."""
-    p = Path(path)
-    if not p.is_absolute():
-        p = run_dir.parent / p
-    for cand in (p, run_dir.parent / p.name):
-        if is_run_dir(cand) and cand.resolve() != run_dir.resolve():
-            return cand
+    """Where a baseline named in a run's meta is: the run of that folder name beside
+    `run_dir` (in its own `runs/` folder, also once that is copied or moved), or one given
+    to this process's Monitor for `run_dir`. A run folder may come from someone else: a
+    name that leads anywhere else (an absolute path, `..`, a link out of the folder) is
+    dropped with a warning, so that a received run cannot draw (or export) the receiver's
+    own runs. None when nothing is drawn."""
+    try:
+        found = _found(path, run_dir)
+    except (OSError, ValueError):  # a crafted name: too long, a NUL byte in it
+        found = None
+    if found is not None:
+        return found
+    warnings.warn(f"nbwatch: baseline {path!r} named by {run_dir / 'nbwatch.db'} dropped: no run"
+                  f" of that name beside it in {run_dir.parent} (a run folder may name only the"
+                  " runs beside it, so one received from elsewhere cannot draw yours); copy the"
+                  " baseline there to draw it", stacklevel=2)
     return None
+
+
+def _found(path: str, run_dir: Path) -> Path | None:
+    """The run `path` leads to under `resolve`'s rule, or None."""
+    here = run_dir.resolve()
+    asked = Path(path).resolve() if Path(path).is_absolute() else None
+    if asked is not None and asked in _ASKED.get(here, ()):
+        return Path(path) if is_run_dir(asked) else None
+    name = Path(path).name
+    cand = run_dir.parent / name
+    beside = name not in ("", ".", "..") and cand.resolve().parent == here.parent
+    return cand if beside and is_run_dir(cand) and cand.resolve() != here else None
 
 
 def _text(v: Any) -> str:

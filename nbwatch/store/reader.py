@@ -7,6 +7,7 @@ import json
 import os
 import sqlite3
 import threading
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,6 +32,19 @@ def _prefetched(cur: sqlite3.Cursor, n: int = 4) -> Iterator[tuple]:
         while rows := nxt.result():
             nxt = pool.submit(cur.fetchmany, n)
             yield from rows
+
+
+def _cannot_write(e: sqlite3.OperationalError) -> bool:
+    """True for SQLite's refusals to write (a read-only mount or file, a folder where the
+    journal cannot be made), as against a damaged file."""
+    name = getattr(e, "sqlite_errorname", "")
+    return name.startswith(("SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM")) or (
+        "readonly database" in str(e))
+
+
+def _json_kind(v: Any) -> str:
+    kinds = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if v is None else kinds.get(type(v), type(v).__name__)
 
 
 class RunReader(RecordReads, SystemReads):
@@ -76,7 +90,15 @@ class RunReader(RecordReads, SystemReads):
         if version == 1:
             from .migrate import migrate_v1
 
-            migrate_v1(self.path)
+            try:
+                migrate_v1(self.path)
+            except sqlite3.OperationalError as e:  # the mount or the file is read-only
+                if not _cannot_write(e):
+                    raise
+                raise RuntimeError(
+                    f"{self.path} is an nbwatch 0.1.0 run (schema 1) that must be migrated once"
+                    f" before it can be read, but it cannot be written here ({e}): copy the run"
+                    " folder somewhere writable and open the copy") from e
         elif version > SCHEMA_VERSION:
             raise RuntimeError(
                 f"{self.path} was written by a newer nbwatch (schema {version}; this one reads"
@@ -143,7 +165,28 @@ class RunReader(RecordReads, SystemReads):
 
     # -- metadata -----------------------------------------------------------------------
     def meta(self) -> dict[str, Any]:
-        return {k: json.loads(v) for k, v in self.query("SELECT key, value FROM meta")}
+        return {k: self._decoded(k, v) for k, v in self.query("SELECT key, value FROM meta")}
+
+    def _decoded(self, key: str, text: str) -> Any:
+        """One meta value; one not JSON (an edited or crafted file) is a ValueError naming
+        the file and the key, not a bare JSONDecodeError or RecursionError."""
+        try:
+            return json.loads(text)
+        except (ValueError, TypeError, RecursionError) as e:
+            why = "nested too deep" if isinstance(e, RecursionError) else str(e)
+            raise ValueError(
+                f"{self.path}: its meta value {key[:80]!r} is not readable JSON ({why}): the"
+                " file was edited or damaged; ask for a fresh copy of the run folder") from None
+
+    def config(self, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The run's config (from `meta` when given): a JSON object; anything else, which
+        nbwatch never writes, is read as no config, with a warning naming the file."""
+        config = (self.meta() if meta is None else meta).get("config", {})
+        if isinstance(config, dict):
+            return config
+        warnings.warn(f"nbwatch: {self.path}: its config is a JSON {_json_kind(config)}, not "
+                      "an object of settings; read as no config", stacklevel=2)
+        return {}
 
     def store_mode(self) -> str:
         """How the folder's newest writer wrote it: "local" (WAL, one host) or "network"

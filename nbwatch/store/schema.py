@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 import sqlite3
 import time
@@ -107,7 +108,8 @@ def _connect(path: Path, readonly: bool, network: bool = False) -> sqlite3.Conne
     """A connection to a run's store; a writer's (`readonly=False`) in WAL mode, or with
     `network` (a shared filesystem, `mode.py`) with a rollback journal and full syncs."""
     if readonly:
-        uri = f"file:{quote(str(path.resolve()))}?mode=ro"  # `#` and `?` are legal in paths
+        # `#` and `?` are legal in paths, and so are bytes that are not UTF-8 (as bytes)
+        uri = f"file:{quote(os.fsencode(path.resolve()))}?mode=ro"
         return sqlite3.connect(uri, uri=True, timeout=10, check_same_thread=False)
     con = sqlite3.connect(path, timeout=10, check_same_thread=False)
     # a new file only, before WAL writes its header: lets a closing writer give the pages

@@ -95,6 +95,11 @@ class Dashboard(anywidget.AnyWidget):
         """A read-only dashboard of a run folder (finished, or written by another process)."""
         if not is_run_dir(run_dir):
             raise FileNotFoundError(f"{run_dir} holds no nbwatch run; pass a Monitor's run_dir")
+        reader = RunReader(run_dir)
+        try:
+            reader.meta()  # crafted or damaged meta: said here, naming the file
+        finally:
+            reader.close()
         return cls(run_dir, **kwargs)
 
     # -- the poll thread ----------------------------------------------------------------

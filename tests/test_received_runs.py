@@ -125,6 +125,11 @@ def test_ls_lists_every_run_when_one_has_crafted_meta(made, tmp_path):
         assert str(root / bad / "nbwatch.db") in out.stderr.strip(), out.stderr
     with pytest.warns(UserWarning, match="JSON list"):
         assert nbwatch.open_run(root / "listed").config == {}
+    # the dashboard of a run (`%nbwatch RUN`) reads the meta through the same check
+    from nbwatch.widget import Dashboard
+
+    with pytest.raises(ValueError, match=str(root / "notjson" / "nbwatch.db")):
+        Dashboard.for_run(root / "notjson")
     with pytest.warns(UserWarning) as got:
         assert nbwatch.compare(root).config_diff.loc["z", "lr"] == 3e-4
     said = [str(w.message) for w in got]

@@ -8,7 +8,6 @@ written by another process is read the same way.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,7 +116,7 @@ class Tail:
         meta = r.meta_rows()
         if meta != self._meta_raw:
             self._meta_raw = meta
-            d.meta = {k: json.loads(v) for k, v in meta}
+            d.meta = {k: r.decoded(k, v) for k, v in meta}
         self.scalar_id, self.event_id, self.hist_id, self.attn_id, self.sample_id = (
             scalar_id, event_id, hist_id, attn_id, sample_id)
         self.system_id, self.wall_id = system_id, wall_id

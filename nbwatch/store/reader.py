@@ -165,9 +165,9 @@ class RunReader(RecordReads, SystemReads):
 
     # -- metadata -----------------------------------------------------------------------
     def meta(self) -> dict[str, Any]:
-        return {k: self._decoded(k, v) for k, v in self.query("SELECT key, value FROM meta")}
+        return {k: self.decoded(k, v) for k, v in self.query("SELECT key, value FROM meta")}
 
-    def _decoded(self, key: str, text: str) -> Any:
+    def decoded(self, key: str, text: str) -> Any:
         """One meta value; one not JSON (an edited or crafted file) is a ValueError naming
         the file and the key, not a bare JSONDecodeError or RecursionError."""
         try:

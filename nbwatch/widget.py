@@ -98,6 +98,8 @@ class Dashboard(anywidget.AnyWidget):
         reader = RunReader(run_dir)
         try:
             reader.meta()  # crafted or damaged meta: said here, naming the file
+        except sqlite3.OperationalError:
+            pass  # the writer is still making the schema: the poll retries
         finally:
             reader.close()
         return cls(run_dir, **kwargs)

@@ -42,6 +42,17 @@ from .store import RunStore, StoreFailed, check_no_writer, is_run_dir
 log = logging.getLogger("nbwatch")
 
 
+def refuse_other_thread(loop: threading.Thread | None) -> None:
+    """`log()` records the optimizer step the loop just took: from another thread (a
+    logger, a callback's thread) it would be taken as that step's record."""
+    here = threading.current_thread()
+    if loop is not None and loop is not here and loop.is_alive():
+        raise RuntimeError(
+            f"mon.log() was called from thread {here.name!r} while the training loop runs in "
+            f"{loop.name!r}: log() records the optimizer step the loop just took, so call it "
+            "in the loop, once after each optimizer.step()")
+
+
 class RunOpening(MonitorState):
     """Opening and closing one run of a Monitor (see `Monitor` for the attributes)."""
 
@@ -116,6 +127,8 @@ class RunOpening(MonitorState):
             raise RuntimeError(f"mon.log(): this run is {self.state} at step {self.step}"
                                + ("; create a new Monitor (resume=True to continue it)"
                                   if rec is None else ""))
+        refuse_other_thread(self._loop_thread if self._mode == "loop" else
+                            self._thread if self._mode == "run" else None)
         if not rec.stepped and (self.scaler is None or not rec.overflowed()):
             amp = "" if self.scaler is not None else (
                 "; with a GradScaler (whose overflow skips optimizer.step()), pass it as "

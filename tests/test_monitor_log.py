@@ -353,3 +353,37 @@ def test_each_steps_lengths_count_once_when_an_alert_checkpoints_mid_batch(tmp_p
     at, _, counts = nbwatch.open_run(tmp_path / "r").histograms("data/seq_len")
     assert at.tolist() == [1, steps]
     assert counts.sum(axis=1).tolist() == [batch, (steps - 1) * batch]
+
+
+def test_log_from_a_second_thread_is_refused_not_taken_as_the_loops_step(tmp_path):
+    """A figure logged from another thread (a logger, a callback's thread) used to be taken
+    as the loop's step record: refused, naming both threads; the loop's steps are intact."""
+    import threading
+
+    from nbwatch.demo import make_demo, masked_cross_entropy
+
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4)
+    m, opt = demo.model, demo.optimizer
+    mon = nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", display=False)
+    errors = []
+
+    def other():
+        try:
+            mon.log(loss=1.0)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    with mon:
+        for i, b in enumerate(itertools.islice(iter(demo.train), 4)):
+            loss = masked_cross_entropy(m(b["input_ids"]), b["labels"], b["mask"])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 2:
+                t = threading.Thread(target=other, name="side-logger")
+                t.start()
+                t.join()
+            mon.log(loss=loss)
+    assert errors and "'side-logger'" in errors[0] and "MainThread" in errors[0], errors
+    assert list(mon.df.index) == [1, 2, 3, 4]
+    assert mon.df["loss/train"].notna().all()

@@ -206,7 +206,10 @@ def check_run_dir(run_dir: Path) -> None:
                 "pass a new or empty folder so that nothing of yours is mixed up or overwritten"
             )
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        # a link to a folder not made yet: make where it leads (mkdir of the link would
+        # say "File exists")
+        target = Path(os.path.realpath(run_dir)) if run_dir.is_symlink() else run_dir
+        target.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".nbwatch-write-test-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
@@ -348,6 +351,10 @@ def add_figure(host: dict[str, float], names: list[str], parts: list[torch.Tenso
         if v.is_complex():
             raise TypeError(f"mon.log(): {what} is a complex tensor ({v.dtype}); {_REAL} "
                             "(e.g. its .real or .abs())")
+        if v.is_meta:
+            raise ValueError(f"mon.log(): {what} is a meta tensor (a shape without data, from "
+                             "a model still on the meta device?); pass the value the step "
+                             "computed on real data")
         names.append(name)
         v = v.detach()
         if not v.is_floating_point() and v.device.type != "mps":  # (no float64 there)

@@ -86,10 +86,14 @@ def _image(a: np.ndarray) -> tuple[str, dict[str, Any]]:
 
 
 def _table(cols: list[str], rows: list[list[Any]], n: int) -> tuple[str, dict[str, Any]]:
+    n_cols = len(cols)
     cols, rows = cols[:MAX_COLS], [r[:MAX_COLS] for r in rows]
     cells = [[_cell(v) for v in r] for r in rows]
-    return (f"table {n} × {len(cols)}" + (f" (first {len(rows)} rows)" if n > len(rows) else ""),
-            {"kind": "table", "columns": cols, "rows": cells, "n_rows": n})
+    shown = [f"first {len(rows)} rows" if n > len(rows) else "",
+             f"first {len(cols)} columns" if n_cols > len(cols) else ""]
+    part = " and ".join(x for x in shown if x)
+    return (f"table {n} × {n_cols}" + (f" ({part})" if part else ""),
+            {"kind": "table", "columns": cols, "rows": cells, "n_rows": n, "n_cols": n_cols})
 
 
 def _cell(v: Any) -> str | float | None:

@@ -430,6 +430,8 @@ def test_log_takes_host_scalars_as_it_takes_tensors(tmp_path):
             mon.log(loss=loss, huge=10**400)
         with pytest.raises(ValueError, match=r"arr= has shape \(2,\), not one value"):
             mon.log(loss=loss, arr=np.ones(2))
+        with pytest.raises(ValueError, match=r"loss is a meta tensor"):
+            mon.log(loss=torch.tensor(1.0, device="meta"))
         mon.log(loss=loss, flag=True, npflag=np.bool_(False), zero_d=np.array(2.5),
                 t=torch.tensor(True))
     df = mon.df
@@ -447,3 +449,17 @@ def test_start_refuses_an_optimizer_that_needs_a_closure(tmp_path):
     with pytest.raises(TypeError, match=r"without a closure, which LBFGS.step needs.*own"):
         mon.start(lambda m, b: m(b["input_ids"]).mean(), batches, max_steps=3)
     assert not (tmp_path / "r" / "nbwatch.db").exists()
+
+
+def test_a_run_dir_that_is_a_link_to_a_folder_not_made_yet_is_made_there(tmp_path):
+    """`runs/exp1 -> /scratch/exp1` before /scratch/exp1 exists: the run is written where the
+    link leads (it was refused as "not writable (File exists)")."""
+    model, opt, batches = setup()
+    link = tmp_path / "exp1"
+    link.symlink_to(tmp_path / "scratch" / "exp1")
+    mon = nbwatch.Monitor(model, opt, run_dir=link, display=False)
+    with mon:
+        train_step(model, opt, batches[0])
+        mon.log(loss=1.0)
+    assert (tmp_path / "scratch" / "exp1" / "nbwatch.db").is_file() and link.is_symlink()
+    assert nbwatch.open_run(link).step == 1

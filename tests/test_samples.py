@@ -48,6 +48,10 @@ def test_tables_from_a_dataframe_or_a_list_of_dicts():
     assert c["columns"] == ["prompt", "score"] and c["rows"] == [["a", 0.5], ["b", 1.0]]
     _, c = sample_content([{"p": "hi", "s": 0.5}, {"p": "yo", "t": 1}])
     assert c["columns"] == ["p", "s", "t"] and c["rows"][1] == ["yo", None, 1.0]
+    # a wide, long table says its whole size and which part is shown (it read "5000 × 20")
+    text, c = sample_content(pd.DataFrame(np.zeros((5000, 100))))
+    assert text == "table 5000 × 100 (first 50 rows and first 20 columns)", text
+    assert len(c["columns"]) == 20 and c["n_cols"] == 100
 
 
 def test_text_stays_text_and_a_bad_image_names_the_fix():

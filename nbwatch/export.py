@@ -136,8 +136,26 @@ def snapshot(reader: RunReader, max_points: int = MAX_POINTS,
             b["path"] = Path(b["path"]).name
     _cap_columns(panels.get("weights", {}), max_columns)
     meta = feed.meta
-    return {"name": str(meta.get("name", reader.run_dir.name)), "panels": panels,
-            "report": _report(reader, meta, feed.step, panels["header"].get("elapsed_s"))}
+    state = {"name": str(meta.get("name", reader.run_dir.name)), "panels": panels,
+             "report": _report(reader, meta, feed.step, panels["header"].get("elapsed_s"))}
+    return state if environment else _unplaced(state, reader.run_dir)
+
+
+_TRACE_FILE = re.compile(r'File "([^"]+)"')
+
+
+def _unplaced(obj: Any, run_dir: Path) -> Any:
+    """`obj` with where the run ran taken out of its text: a traceback's file paths cut to
+    their file names, the run folder's path to its name (the environment left out)."""
+    where = str(run_dir.absolute())
+    if isinstance(obj, str):
+        obj = _TRACE_FILE.sub(lambda m: f'File "{Path(m.group(1)).name}"', obj)
+        return obj.replace(where, run_dir.name) if where in obj else obj
+    if isinstance(obj, dict):
+        return {k: _unplaced(v, run_dir) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_unplaced(v, run_dir) for v in obj]
+    return obj
 
 
 def _cap_columns(weights: dict[str, Any], budget: int) -> None:

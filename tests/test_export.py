@@ -214,3 +214,28 @@ def test_a_baseline_run_is_drawn_in_the_export_with_its_config_difference(tiny, 
     state = state_of(Page(mon.export_html(tmp_path / "exp1.html").read_text(encoding="utf-8")))
     assert state["panels"]["loss"].get("baselines") in (None, [])  # left out; the run drawn
     assert state["panels"]["header"]["step"] == 10
+
+
+def test_no_environment_leaves_out_where_a_failed_run_ran(tiny, tmp_path):
+    """`environment=False` (`nbwatch export --no-environment`) left the script's path in the
+    failure's traceback: its file paths are cut to file names, the run folder to its name."""
+    model, opt, batches = tiny
+
+    def broken(m, b):
+        if broken.calls == 3:
+            raise RuntimeError("a collate bug")
+        broken.calls += 1
+        return tiny_step(m, b)
+
+    broken.calls = 0
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "deep" / "where" / "r")
+    mon.start(broken, batches, max_steps=10, display=False)
+    with pytest.raises(RuntimeError, match="a collate bug"):
+        mon.wait()
+    here = str(Path(__file__).parent)
+    text = export_html(mon.run_dir, tmp_path / "x.html").read_text(encoding="utf-8")
+    assert here in text  # the traceback, with its paths, by default
+    text = export_html(mon.run_dir, tmp_path / "y.html", environment=False).read_text(
+        encoding="utf-8")
+    assert here not in text and str(tmp_path) not in text
+    assert "a collate bug" in text and "test_export.py" in text

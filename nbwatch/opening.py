@@ -239,6 +239,7 @@ class RunOpening(MonitorState):
             return self._restore_latest()
         held = self._recorded_step()
         if held:
+            check_no_writer(self.run_dir)  # a live run there: RunInUse, not "resume=True"
             if self.checkpointer.latest() is None:
                 raise FileExistsError(
                     f"run_dir {self.run_dir} already holds a run at step {held} that ended "

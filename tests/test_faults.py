@@ -156,6 +156,12 @@ def test_two_monitors_of_one_process_cannot_write_one_folder(tmp_path):
         with pytest.raises(RunInUse):
             nbwatch.Monitor(m2, o2, run_dir=tmp_path / "run").start(
                 tiny_step, make_batches(), max_steps=10, resume=True, display=False)
+        # a loop of one's own, without resume: told the folder is in use, not "resume=True"
+        b = nbwatch.Monitor(m2, o2, run_dir=tmp_path / "run", display=False)
+        with pytest.raises(RunInUse, match="one writer at a time"):
+            tiny_step(m2, next(iter(make_batches())))["logits"].sum().backward()
+            o2.step()
+        assert b.state != "running"
     finally:
         a.stop()
         a.wait()

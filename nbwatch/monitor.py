@@ -42,7 +42,7 @@ from .lifecycle import LIVE, RunState
 from .notebook import in_notebook
 from .opening import RunOpening
 from .optimizer_hooks import OptimizerHooks
-from .options import Options, check_every, check_peak_flops
+from .options import NOT_GIVEN, Options, check_every, check_peak_flops
 from .ownership import refuse_in_training_thread
 from .panels.baseline import check as check_baselines
 from .probes.system import SystemSampler
@@ -141,7 +141,8 @@ class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
         self.checkpointer = make_checkpointer(self.run_dir / "checkpoints", keep_last, model,
                                               optimizer)  # FSDP2: sharded, by every rank
         self.control = ctl.ControlState()
-        self._clip_asked = ctl.check_clip(clip)  # wins over a resumed checkpoint's
+        # clip= given: wins over a resumed checkpoint's (NOT_GIVEN: the checkpoint's holds)
+        self._clip_asked = ctl.check_clip(clip) if clip is not None else NOT_GIVEN
         self._commands = ctl.CommandQueue()
         self._progress = Progress()
         self._store: RunStore | None = None
@@ -167,7 +168,7 @@ class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
         # one home for the run's options: start() overrides them one by one
         self.options = Options(
             max_steps=max_steps, hist_every=hist_every, update_every=update_every,
-            checkpoint_every=checkpoint_every, log_every=log_every, clip=self._clip_asked,
+            checkpoint_every=checkpoint_every, log_every=log_every, clip=clip,
             probe_batch=probe_samples(probe_batch, attention_samples), probe_fn=probe_fn,
             probe_tokens=probe_tokens, probe_every=probe_every,
             attention_samples=attention_samples,
@@ -192,20 +193,20 @@ class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
         resume: bool = False,
         *,
         accumulate: int = 1,
-        clip: float | None = None,
-        hist_every: int | None = None,
-        update_every: int | None = None,
-        checkpoint_every: int | None = None,
-        probe_batch: Any = None,
-        probe_fn: Callable[[nn.Module, Any], Any] | None = None,
+        clip: float | None = NOT_GIVEN,
+        hist_every: int = NOT_GIVEN,
+        update_every: int | None = NOT_GIVEN,
+        checkpoint_every: int | None = NOT_GIVEN,
+        probe_batch: Any = NOT_GIVEN,
+        probe_fn: Callable[[nn.Module, Any], Any] | None = NOT_GIVEN,
         dry_run: bool = True,
-        probe_tokens: list[list[str]] | None = None,
-        attention_samples: int | None = None,
-        attention_tokens: int | None = None,
-        log_every: int | None = None,
-        rank_every: int | None = None,
-        dist_timeout: float | None = None,
-        display: bool | None = None,
+        probe_tokens: list[list[str]] | None = NOT_GIVEN,
+        attention_samples: int = NOT_GIVEN,
+        attention_tokens: int = NOT_GIVEN,
+        log_every: int = NOT_GIVEN,
+        rank_every: int = NOT_GIVEN,
+        dist_timeout: float = NOT_GIVEN,
+        display: bool | None = NOT_GIVEN,
     ) -> Monitor:
         """Start training in a background thread and return at once.
 
@@ -229,17 +230,16 @@ class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
         """
         self._check_can_open(resume)
         check_closure_free(self.optimizer)
-        check_every(update_every=update_every)
         opts = self.options.merged(
-            clip=None if clip is None else ctl.check_clip(clip), hist_every=hist_every,
+            clip=clip if clip is NOT_GIVEN else ctl.check_clip(clip), hist_every=hist_every,
             update_every=update_every,
             checkpoint_every=checkpoint_every, probe_fn=probe_fn, probe_tokens=probe_tokens,
             attention_samples=attention_samples, attention_tokens=attention_tokens,
             log_every=log_every, rank_every=rank_every, dist_timeout=dist_timeout,
             display=display)
-        if probe_batch is not None:
+        if probe_batch is not NOT_GIVEN:
             opts = replace(opts, probe_batch=probe_samples(probe_batch, opts.attention_samples))
-        if clip is not None:
+        if clip is not NOT_GIVEN:  # None given turns a Monitor's clip off for this run
             self._clip_asked = opts.clip
         max_steps, eval_every, accumulate = check_start(
             step_fn, train_data, max_steps, val_fn, eval_every, opts.checkpoint_every, accumulate)

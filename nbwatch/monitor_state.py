@@ -45,7 +45,7 @@ class MonitorState:
     options: Options  # the run's options: start() overrides them one by one
     rewound: Rewound | None  # set by log() after a rewind (own loop)
     skip_batches: int  # set by log(): batches the own loop is asked to skip now
-    _clip_asked: float | None  # clip= given: wins over a resumed checkpoint's
+    _clip_asked: Any  # float | None given (wins over a resumed checkpoint's), or NOT_GIVEN
     _commands: ctl.CommandQueue
     _resumed_step: int | None  # restored when the Monitor was created
     # one run of it, while open (opening.py)

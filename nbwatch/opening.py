@@ -29,7 +29,7 @@ from .lifecycle import RunState
 from .logs import open_run_log
 from .monitor_state import MonitorState
 from .notebook import after_each_cell, in_notebook, remember
-from .options import Options
+from .options import NOT_GIVEN, Options
 from .panels.baseline import allow as allow_baselines
 from .probes.system import SystemSampler, close_nvml, gpu_names, open_nvml
 from .probes.throughput import Mfu, peak_flops
@@ -153,8 +153,8 @@ class RunOpening(MonitorState):
         run_meta = {**run_meta, "options": opts.record()}  # the options in force
         if start_step is None:
             start_step = self._start_step(resume)
-        if self._clip_asked is not None:  # from step 1, and over a resumed checkpoint's
-            self.control.clip, self._clip_asked = self._clip_asked, None  # once
+        if self._clip_asked is not NOT_GIVEN:  # from step 1, and over a resumed checkpoint's
+            self.control.clip, self._clip_asked = self._clip_asked, NOT_GIVEN  # once
         self.control.paused = False  # a run stopped (or interrupted) while paused ended so
         rules = self.rules
         mfu = self._mfu(opts)

@@ -64,6 +64,27 @@ def check_every(**values: Any) -> None:
                              + (f"; {means}" if means else ""))
 
 
+class NotGiven:
+    """The default of `start()`'s options: "not given", so the Monitor's stands; `None`
+    given is a value (`start(clip=None)` turns off a `Monitor(clip=1.0)`)."""
+
+    _one: NotGiven | None = None
+
+    def __new__(cls) -> NotGiven:
+        if cls._one is None:
+            cls._one = super().__new__(cls)
+        return cls._one
+
+    def __repr__(self) -> str:
+        return "NOT_GIVEN"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+NOT_GIVEN: Any = NotGiven()
+
+
 # (option, least value, what its least value means): the counts of Options
 _COUNTS = (("hist_every", 0, " (0: no histograms)"),
            ("log_every", 0, " (0: no step lines in the run log)"),
@@ -126,11 +147,12 @@ class Options:
         object.__setattr__(self, "peak_flops", check_peak_flops(self.peak_flops))
 
     def merged(self, **given: Any) -> Options:
-        """These options with those given overridden; None means "not given"."""
+        """These options with those given overridden (`NOT_GIVEN` leaves one as it is;
+        None given is a value)."""
         unknown = set(given) - {f.name for f in fields(self)}
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}")
-        return replace(self, **{k: v for k, v in given.items() if v is not None})
+        return replace(self, **{k: v for k, v in given.items() if v is not NOT_GIVEN})
 
     def spec(self) -> RunSpec:
         """What a run records, from these options (start() adds its step_fn, data, evals)."""

@@ -104,13 +104,32 @@ def _skip(batches: int) -> dict[str, Any]:
     return {"batches": check_count("batches", batches, 1, MAX_SKIP)}
 
 
-# The one table of what each command takes: the API, the widget and attach all build their
-# commands through it, and the recorder's dispatch table (recorder/steering.py) applies them.
-PAYLOADS: dict[CommandKind, Callable[..., dict[str, Any]]] = {
-    CommandKind.PAUSE: _no_args, CommandKind.RESUME: _no_args, CommandKind.STOP: _no_args,
-    CommandKind.CHECKPOINT: _no_args, CommandKind.CLIP: _clip,
-    CommandKind.SCALE_LR: _scale_lr, CommandKind.REWIND: _rewind, CommandKind.SKIP: _skip,
+@dataclass(frozen=True)
+class CommandSpec:
+    """One command of the table: the arguments it takes (checked, they make its payload),
+    the `Controls` method that sends it, and its button on the page (None: none)."""
+
+    args: Callable[..., dict[str, Any]]
+    method: str
+    button: str | None
+
+
+# The one table of the commands: the API's methods, `send`, the widget's buttons (which send
+# these arguments by name) and attach all build their commands through it; the recorder's
+# dispatch table (recorder/steering.py) applies each kind; tests/test_controls.py holds the
+# enum, the methods, the dispatch and the page's buttons to it.
+COMMANDS: dict[CommandKind, CommandSpec] = {
+    CommandKind.PAUSE: CommandSpec(_no_args, "pause", "Pause"),
+    CommandKind.RESUME: CommandSpec(_no_args, "resume", "Resume"),
+    CommandKind.STOP: CommandSpec(_no_args, "stop", "Stop"),
+    CommandKind.CHECKPOINT: CommandSpec(_no_args, "checkpoint", "Checkpoint"),
+    CommandKind.CLIP: CommandSpec(_clip, "set_clip", "Clip"),
+    CommandKind.SCALE_LR: CommandSpec(_scale_lr, "scale_lr", "Cut LR"),
+    CommandKind.REWIND: CommandSpec(_rewind, "rewind", "Rewind"),
+    CommandKind.SKIP: CommandSpec(_skip, "skip", None),
 }
+PAYLOADS: dict[CommandKind, Callable[..., dict[str, Any]]] = {
+    k: c.args for k, c in COMMANDS.items()}
 
 
 def make_command(kind: str | CommandKind, source: str = "api", **args: Any) -> Command:
@@ -122,9 +141,18 @@ def make_command(kind: str | CommandKind, source: str = "api", **args: Any) -> C
         raise ValueError(f"unknown command {kind!r}; known: {', '.join(KINDS)}") from None
     try:
         payload = PAYLOADS[k](**args)
-    except TypeError as e:
-        raise TypeError(f"{k.value}: {e}") from None
+    except TypeError:
+        raise TypeError(takes(k, args)) from None
     return Command(k, payload, source)
+
+
+def takes(kind: CommandKind, args: dict[str, Any]) -> str:
+    """What `kind` takes, against the arguments it was given (for a TypeError)."""
+    import inspect
+
+    params = inspect.signature(PAYLOADS[kind]).parameters
+    named = ", ".join(f"{n}=" for n in params) or "no arguments"
+    return f"{kind.value} takes {named}; got {', '.join(f'{a}=' for a in args) or 'none'}"
 
 
 def checked(command: Command) -> Command:
@@ -134,11 +162,18 @@ def checked(command: Command) -> Command:
     if not isinstance(command.payload, dict):
         raise TypeError(f"{command.kind.value}: its arguments must be a dict, got "
                         f"{type(command.payload).__name__}")
+    # what the recorder decided of a rewind (rank 0, before it goes to every rank) is kept
+    decided = {k: v for k, v in command.payload.items()
+               if command.kind is CommandKind.REWIND and k in REWIND_DECIDED}
+    given = {k: v for k, v in command.payload.items() if k not in decided}
     try:
-        payload = PAYLOADS[command.kind](**command.payload)
-    except TypeError as e:
-        raise TypeError(f"{command.kind.value}: {e}") from None
-    return Command(command.kind, payload, command.source, command.id)
+        payload = PAYLOADS[command.kind](**given)
+    except TypeError:
+        raise TypeError(takes(command.kind, given)) from None
+    return Command(command.kind, {**payload, **decided}, command.source, command.id)
+
+
+REWIND_DECIDED = ("to", "refused")  # recorder/rewind.py's resolve_rewind adds them
 
 
 class Controls:

@@ -244,7 +244,10 @@ class Dashboard(anywidget.AnyWidget):
             self._send_head_map(view, content)
         elif kind == "command":
             try:
-                self.command(str(content.get("kind")), content.get("value"))
+                args = content.get("args") or {}
+                if not isinstance(args, dict):
+                    raise TypeError(f"a command's args are a dict, got {args!r}")
+                self.command(str(content.get("kind")), **{str(k): v for k, v in args.items()})
             except (RuntimeError, ValueError, TypeError, OverflowError) as e:
                 self.send({"type": "refused", "to": view, "kind": content.get("kind"),
                            "message": str(e)})
@@ -276,13 +279,13 @@ class Dashboard(anywidget.AnyWidget):
         self._post({"type": "attention", "to": view, "step": step, "sample": sample,
                     "layer": layer, "head": head, "module": module, "map": got})
 
-    def command(self, kind: str, value: Any = None) -> str:
-        """Apply a button: the handle's `send`, as its control method of the same name would
-        (one table of what each command takes: nbwatch.controls.PAYLOADS). Returns its id."""
+    def command(self, kind: str, **args: Any) -> str:
+        """Apply a button: the handle's `send`, with the arguments the command takes, by
+        their names in the one table (`nbwatch.controls.COMMANDS`). Returns its id."""
         mon = self._monitor
         if mon is None:
             raise RuntimeError("this dashboard is read-only: it shows a run from its folder")
-        return mon.send(kind, "dashboard", **button_args(kind, value))
+        return mon.send(kind, "dashboard", **args)
 
     # -- lifecycle ----------------------------------------------------------------------
     @property
@@ -303,20 +306,3 @@ class Dashboard(anywidget.AnyWidget):
 
 def _keep_xaxis(change: dict[str, Any]) -> None:
     Dashboard._kept_xaxis = str(change["new"])
-
-
-def button_args(kind: str, value: Any) -> dict[str, Any]:
-    """A button's one `value` as the command's arguments."""
-    if kind == "clip":
-        return {"max_norm": None if value is None else float(value)}
-    if kind == "scale_lr":
-        return {"factor": float(value if value is not None else 0.5)}
-    if kind == "rewind":  # never the defaults for a value the page sent malformed
-        if not (isinstance(value, (list, tuple)) and len(value) == 2):
-            raise ValueError(f"rewind takes [steps, skip], got {value!r}")
-        return {"steps": int(value[0]), "skip": int(value[1])}
-    if kind == "skip":
-        if value is None:
-            raise ValueError("skip takes a number of batches, got none")
-        return {"batches": int(value)}
-    return {}

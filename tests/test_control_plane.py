@@ -104,10 +104,10 @@ def test_every_command_of_the_api_the_dashboard_and_attach_has_one_outcome(tmp_p
         sent = []
         for entry in (mon, dash, att):
             def send(kind, value=None, entry=entry):
-                if entry is dash:
-                    return dash.command(kind, value)
                 args = {"clip": {"max_norm": value}, "scale_lr": {"factor": value},
                         "rewind": {"steps": 3, "skip": 1}, "skip": {"batches": 2}}.get(kind, {})
+                if entry is dash:  # a button sends its command's arguments by name
+                    return dash.command(kind, **args)
                 return entry.send(kind, **args)
             for kind, value in (("pause", None), ("resume", None), ("checkpoint", None),
                                 ("clip", 5.0), ("scale_lr", 0.9), ("skip", 2),

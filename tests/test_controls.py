@@ -63,7 +63,7 @@ def test_queue_and_value_checks():
     assert [c.kind for c in q.drain()] == ["pause", "scale_lr"] and q.drain() == []
     with pytest.raises(ValueError, match="unknown command 'explode'"):
         make_command("explode")
-    with pytest.raises(TypeError, match="rewind: .*'step'"):
+    with pytest.raises(TypeError, match="rewind takes steps=, skip=; got step="):
         make_command("rewind", step=10)  # a misspelt argument names itself
     for bad in (10**9, -1, 2.5):
         with pytest.raises(ValueError, match="batches must be an int ≥ 1 and ≤ 100,000"):
@@ -98,3 +98,34 @@ def test_chains_tells_closed_form_from_chainable_schedulers_and_restores_the_lr(
         assert chains(scheduler) is expected, type(scheduler).__name__
         assert [g["lr"] for g in opt.param_groups] == before
         assert "_nbwatch" not in str(scheduler.state_dict())
+
+
+def test_one_command_table_makes_the_api_the_dispatch_and_the_buttons():
+    """`controls.COMMANDS` is the one table: every kind of the enum is in it, its method on
+    every handle takes the arguments its payload takes, the recorder dispatches each kind,
+    and the page's buttons send exactly the table's arguments by name."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    from nbwatch.attach import Attached
+    from nbwatch.controls import COMMANDS, Controls
+    from nbwatch.fit import FitRun
+    from nbwatch.recorder.steering import DISPATCH
+    from nbwatch.records import CommandKind
+
+    assert set(COMMANDS) == set(CommandKind) == set(DISPATCH)
+    for kind, spec in COMMANDS.items():
+        takes = list(inspect.signature(spec.args).parameters)
+        for handle in (Controls, nbwatch.Monitor, Attached, FitRun):
+            method = getattr(handle, spec.method)
+            assert list(inspect.signature(method).parameters)[1:] == takes, (handle, kind)
+    page = (Path(__file__).parents[1] / "js" / "views" / "controls.js").read_text()
+    sent = dict(re.findall(r'kind: "(\w+)"(?:, args: \{ ([^}]*) \})?', page))
+    dynamic = {"pause", "resume"}  # one button: its label and kind follow the state
+    assert set(sent) | dynamic == {k.value for k, c in COMMANDS.items() if c.button}
+    for kind, args in sent.items():
+        names = [a.split(":")[0].strip() for a in args.split(",") if a.strip()]
+        assert names == list(inspect.signature(COMMANDS[CommandKind(kind)].args).parameters)
+    for spec in COMMANDS.values():
+        assert spec.button is None or f'"{spec.button}"' in page, spec.button

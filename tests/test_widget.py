@@ -124,8 +124,8 @@ def test_buttons_call_the_monitor_and_the_ack_comes_back(tiny, tmp_path):
     mon = start(tiny, tmp_path, steps=2000, fn=slow_step)
     dash = Dashboard.for_monitor(mon)
     out = Outbox(dash)
-    click = lambda kind, value=None: dash._on_msg(
-        dash, {"type": "command", "view": "v", "kind": kind, "value": value}, [])
+    click = lambda kind, **args: dash._on_msg(  # a button sends its arguments by name
+        dash, {"type": "command", "view": "v", "kind": kind, "args": args}, [])
     try:
         until(lambda: mon.step >= 5)
         click("pause")
@@ -133,8 +133,8 @@ def test_buttons_call_the_monitor_and_the_ack_comes_back(tiny, tmp_path):
         at = mon.step
         time.sleep(0.5)
         assert mon.step == at
-        click("scale_lr", 0.5)
-        click("clip", 0.05)
+        click("scale_lr", factor=0.5)
+        click("clip", max_norm=0.05)
         click("checkpoint")
         click("resume")
         until(lambda: mon.step >= at + 5)
@@ -144,16 +144,18 @@ def test_buttons_call_the_monitor_and_the_ack_comes_back(tiny, tmp_path):
         assert list((mon.run_dir / "checkpoints").glob("*.pt"))
         df = mon.df
         assert df["grad_norm/clipped"].iloc[-1] <= 0.05 * (1 + 1e-4)
-        click("clip", None)
+        click("clip", max_norm=None)
         click("bogus")
         assert out.of("refused")[-1][0]["message"].startswith("unknown command")
-        # a malformed value is refused, never taken as the defaults (a 100-step rewind)
-        for kind, value, says in (("rewind", [5], "rewind takes [steps, skip]"),
-                                  ("rewind", None, "rewind takes [steps, skip]"),
-                                  ("rewind", [1e999, 0], "infinity"),
-                                  ("skip", None, "skip takes a number")):
-            click(kind, value)
-            assert says in out.of("refused")[-1][0]["message"], (kind, value)
+        # malformed arguments are refused, never taken as the defaults (a 100-step rewind)
+        for kind, args, says in (("rewind", {"steps": "5", "skip": 0}, "steps must be an int"),
+                                 ("rewind", {"steps": 1e999, "skip": 0}, "steps must be an int"),
+                                 ("rewind", {"step": 5}, "rewind takes steps=, skip=; got step="),
+                                 ("skip", {}, "skip takes batches=; got none")):
+            click(kind, **args)
+            assert says in out.of("refused")[-1][0]["message"], (kind, args)
+        dash._on_msg(dash, {"type": "command", "view": "v", "kind": "rewind", "args": [5]}, [])
+        assert "args are a dict" in out.of("refused")[-1][0]["message"]
         assert not mon.events.message.str.contains("rewound|skipping").any()
     finally:
         click("stop")

@@ -60,18 +60,18 @@ export function create(root, ctx) {
   clip.onclick = () => {
     const v = parseFloat(clipVal.value);
     const value = clipOn.checked && v > 0 ? v : null;
-    ctx.send({ type: "command", kind: "clip", value });
+    ctx.send({ type: "command", kind: "clip", args: { max_norm: value } });
     pending("clip sent…");
   };
   lr.onclick = () => {
     const f = parseFloat(lrVal.value);
-    ctx.send({ type: "command", kind: "scale_lr", value: f > 0 ? f : 0.5 });
+    ctx.send({ type: "command", kind: "scale_lr", args: { factor: f > 0 ? f : 0.5 } });
     pending("Cut LR sent…");
   };
   rw.onclick = () => {
     const steps = Math.max(1, parseInt(rwSteps.value, 10) || 100);
     const skip = Math.max(0, parseInt(rwSkip.value, 10) || 0);
-    ctx.send({ type: "command", kind: "rewind", value: [steps, skip] });
+    ctx.send({ type: "command", kind: "rewind", args: { steps, skip } });
     pending("rewind sent…");
   };
   const all = [pause, stop, ckpt, clip, lr, clipVal, clipOn, lrVal, rw, rwSteps, rwSkip];

@@ -21,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nbwatch import health  # noqa: E402
+from nbwatch.alerts import health  # noqa: E402
 from nbwatch.demo import TinyGPT  # noqa: E402
 from nbwatch.evaluation import _eager_weights_returned  # noqa: E402
 from nbwatch.probes.activations import capture_block_rms, logit_figures, output_logits  # noqa: E402

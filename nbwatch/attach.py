@@ -5,7 +5,7 @@ go the other way as one `commands` row each, written with a short-lived connecti
 writer's runner polls that table every 0.25 s, applies the command between steps and
 records an `action` event, which is the acknowledgement.
 
-Liveness (`liveness.py`) is read from the store: a run whose meta still says running but
+Liveness (`store/liveness.py`) is read from the store: a run whose meta still says running but
 whose writer is gone, or that nothing has touched for `stale_after` seconds, is "stale".
 """
 
@@ -24,10 +24,10 @@ from typing import Any, TypeVar
 import pandas as pd
 
 from . import controls as ctl
-from .liveness import ENDED, LIVE, STALE_AFTER, RunFailed, last_write, run_state
 from .records import Command
 from .run import Run, started_run
 from .store import DB_NAME, is_run_dir, send_command
+from .store.liveness import ENDED, LIVE, STALE_AFTER, RunFailed, last_write, run_state
 from .text import duration
 
 T = TypeVar("T")

@@ -240,7 +240,7 @@ def _first_line(e: BaseException | str, limit: int = 200) -> str:
 
 def _ls(args: argparse.Namespace) -> int:
     from .compare import LS_COLUMNS, list_runs
-    from .liveness import STALE_AFTER
+    from .store.liveness import STALE_AFTER
 
     where = _parse_where(args.where)
     stale_after = STALE_AFTER if args.stale_after is None else args.stale_after

@@ -19,8 +19,8 @@ import numpy as np
 import pandas as pd
 
 from ._flat import flatten
-from .liveness import STALE_AFTER, run_state
 from .store import RunReader, is_run_dir
+from .store.liveness import STALE_AFTER, run_state
 
 Where = Mapping[str, Any] | Callable[[dict[str, Any]], bool] | None
 DEFAULT_METRICS = ("loss/train", "loss/val")  # compare()'s, less those no run recorded

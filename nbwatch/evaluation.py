@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import health
+from .alerts import health
 from .counts import real
 from .probes.activations import capture_block_rms, capture_outputs, logit_figures
 from .probes.attention import capture_attention

@@ -28,12 +28,12 @@ from typing import Any
 
 import numpy as np
 
+from .alerts.postmortem import from_reader as spikes_from
 from .panels import Feed
 from .panels import report as rpt
 from .panels.downsample import MAX_POINTS
 from .panels.weights import thin
 from .panels.wire import pack
-from .postmortem import from_reader as spikes_from
 from .store import DB_NAME, RunReader
 
 _STATIC = Path(__file__).parent / "static"

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from . import controls as ctl
-from .alerts import configure, default_rules
+from .adapters.port import ExternalLoop
+from .alerts.engine import configure, default_rules
 from .controls import refuse_early
 from .exiting import RunExiting
-from .external import ExternalLoop
 from .inputs import (
     check_closure_free,
     check_monitor,
@@ -384,7 +384,7 @@ class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
             self._stop_asked = True
         self._commands.put(command)
 
-    # -- a loop nbwatch does not run (nbwatch/external.py) ---------------------------------
+    # -- a loop nbwatch does not run (nbwatch/adapters/port.py) ---------------------------------
     def open_external(self, framework: str, start_step: int | None = None, *,
                       save: Callable[[str], None] | None = None, clip: float | None = None,
                       measure_in_hook: bool = True,

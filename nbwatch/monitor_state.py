@@ -14,13 +14,13 @@ import torch
 from torch import nn
 
 from . import controls as ctl
+from .alerts.rules import Rule
 from .distributed import NullStore
 from .lifecycle import RunState
 from .options import Options
 from .probes.system import SystemSampler
 from .recorder import Progress, Rewound, StepRecorder
 from .records import CommandKind
-from .rules import Rule
 from .store import RunStore
 
 

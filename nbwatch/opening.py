@@ -20,7 +20,7 @@ from typing import Any
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._omp import release_caller_pool
-from .alerts import AlertEngine
+from .alerts.engine import AlertEngine
 from .checkpoint import load, restore_into
 from .distributed import Dist, NullStore
 from .environment import environment

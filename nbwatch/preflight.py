@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from . import controls as ctl
-from .alerts import AlertEngine
+from .alerts.engine import AlertEngine
 from .checkpoint import Checkpointer, rng_state, set_rng_state
 from .recorder import Progress, RunSpec, StepRecorder
 from .run import Run

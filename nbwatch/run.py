@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .liveness import STALE_AFTER, run_state
-from .postmortem import SPIKE_COLUMNS, spikes_of  # noqa: F401  (their home; re-exported)
-from .postmortem import from_reader as _spikes
+from .alerts.postmortem import SPIKE_COLUMNS, spikes_of  # noqa: F401  (their home; re-exported)
+from .alerts.postmortem import from_reader as _spikes
 from .store import DB_NAME, RunReader
+from .store.liveness import STALE_AFTER, run_state
 
 
 class Readout:
@@ -73,7 +73,7 @@ class Readout:
 
         >>> print(mon.diagnose())
         """
-        from .diagnostics import diagnose
+        from .alerts.diagnostics import diagnose
 
         return diagnose(self.df, self.spikes)
 
@@ -202,7 +202,7 @@ class Run:
         it was judged against, and batches: the identities (`{"step", "epoch", "index",
         "hash"}`, as far as known) of the batches of the spike step and the steps before.
         Then its post-mortem, from the recorded series of the steps before it
-        (`nbwatch.postmortem`): `first` (the signals that moved first) and `lead` (how many
+        (`nbwatch.alerts.postmortem`): `first` (the signals that moved first) and `lead` (how many
         steps before), `first_layers` (the layers whose gradient norm rose earliest above 3×
         its rolling median, within the 20 steps before), `first_updates` (the same for the
         update ratios, where they are recorded every step, `update_every=1`; else None),
@@ -221,7 +221,7 @@ class Run:
 
     def diagnose(self) -> list:
         """As `Monitor.diagnose()`: findings, and each loss spike's post-mortem timeline."""
-        from .diagnostics import diagnose
+        from .alerts.diagnostics import diagnose
 
         return diagnose(self.df, self.spikes)
 

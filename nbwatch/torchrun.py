@@ -11,8 +11,8 @@ from typing import Any
 
 from .attach import Attached
 from .counts import integral
-from .liveness import ENDED, RunFailed
 from .store import check_no_writer, is_run_dir
+from .store.liveness import ENDED, RunFailed
 
 TAIL_LINES = 15  # lines of the job's output a failure before its run opened shows
 _TAIL_BYTES = 64 * 1024

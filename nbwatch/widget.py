@@ -169,7 +169,7 @@ class Dashboard(anywidget.AnyWidget):
         if feed.ended:
             return mon is None or not mon.running
         if mon is None and not feed.more:  # read-only view of a run whose writer was killed
-            from .liveness import STALE_AFTER, run_state
+            from .store.liveness import STALE_AFTER, run_state
 
             return run_state(self._dir, feed.meta, None, STALE_AFTER) == "stale"
         return False

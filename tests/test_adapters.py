@@ -342,7 +342,7 @@ def test_transformers_logs_the_schedulers_last_lr_which_nbwatch_sets_after_a_cut
     nh, th = hf()
     from transformers import TrainerCallback
 
-    from nbwatch.fit import unwrap
+    from nbwatch.adapters.base import unwrap
 
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=1.0)
@@ -470,7 +470,7 @@ def test_adapters_use_no_private_attribute_of_the_monitor_or_the_recorder():
     core = _privates_of_the_core()
     pkg = Path(nbwatch.__file__).parent
     found = []
-    for name in ("fit.py", "hf.py", "lightning.py"):
+    for name in ("adapters/base.py", "adapters/hf.py", "adapters/lightning.py"):
         tree = _ast.parse((pkg / name).read_text())
         for node in _ast.walk(tree):
             if (isinstance(node, _ast.Attribute) and node.attr in core

@@ -201,7 +201,7 @@ def test_loss_spike_fires_once_per_episode_and_re_arms():
 
 
 def test_window_mad_leaves_out_the_newest_value_and_is_cached():
-    from nbwatch.rules import Window
+    from nbwatch.alerts.rules import Window
 
     w = Window(1000)
     for v in [1.0, 2.0, 3.0, 4.0, 100.0]:

@@ -70,7 +70,7 @@ def test_window_add_keeps_every_number_as_before():
 
     import numpy as np
 
-    from nbwatch.rules import Window
+    from nbwatch.alerts.rules import Window
 
     def reference(steps, size):
         series = {}

@@ -116,7 +116,7 @@ def test_every_option_has_help():
             assert a.help, f"nbwatch {name} {'/'.join(a.option_strings) or a.dest} has no help"
     text = nbwatch_cli("demo", "--help").stdout
     assert "optimizer steps to train (default: 1000)" in text and "seconds between" in text
-    from nbwatch.liveness import STALE_AFTER
+    from nbwatch.store.liveness import STALE_AFTER
 
     assert f"(default: {STALE_AFTER:g})" in " ".join(nbwatch_cli("ls", "--help").stdout.split())
 

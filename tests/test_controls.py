@@ -108,9 +108,9 @@ def test_one_command_table_makes_the_api_the_dispatch_and_the_buttons():
     import re
     from pathlib import Path
 
+    from nbwatch.adapters.base import FitRun
     from nbwatch.attach import Attached
     from nbwatch.controls import COMMANDS, Controls
-    from nbwatch.fit import FitRun
     from nbwatch.recorder.steering import DISPATCH
     from nbwatch.records import CommandKind
 

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 import nbwatch
-from nbwatch import blocks
 from nbwatch.demo import TinyGPT
-from nbwatch.store import RunReader
+from nbwatch.store import RunReader, blocks
 from tests.conftest import until
 
 SCRIPT = textwrap.dedent("""

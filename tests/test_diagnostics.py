@@ -1,7 +1,7 @@
 import numpy as np
 import pandas as pd
 
-from nbwatch.diagnostics import autocorrelation, step_time_breakdown, val_periodicity
+from nbwatch.alerts.diagnostics import autocorrelation, step_time_breakdown, val_periodicity
 
 
 def sorted_val_stream(n_evals=40, period=4, seed=0):

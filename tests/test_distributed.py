@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import nbwatch
+from nbwatch.alerts.signals import straggler
 from nbwatch.distributed import merge_ranks
 from nbwatch.run import RunNotStarted
-from nbwatch.signals import straggler
 from tests.conftest import until
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import nbwatch
-from nbwatch import health
+from nbwatch.alerts import health
 from nbwatch.demo import TinyGPT, make_demo
 from nbwatch.probes.activations import blocks, capture_block_rms, logit_figures
 from nbwatch.probes.attention import capture_attention

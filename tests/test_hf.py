@@ -307,7 +307,7 @@ def test_auto_find_batch_size_that_gives_up_leaves_a_failed_run(tmp_path):
 def fp16_on_cpu(trainer):
     """The Trainer's accelerator given a GradScaler, as fp16 on a GPU has (on the CPU: the
     same scaling, unscaling and overflow skips)."""
-    from nbwatch.fit import unwrap
+    from nbwatch.adapters.base import unwrap
 
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     trainer.accelerator.scaler = scaler

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import nbwatch
-from nbwatch.liveness import RunFailed
 from nbwatch.store import RunInUse
+from nbwatch.store.liveness import RunFailed
 from tests.conftest import until
 
 CRASH = """\

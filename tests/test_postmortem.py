@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import nbwatch
+from nbwatch.alerts.postmortem import lr_change, postmortem, timeline
 from nbwatch.demo import VOCAB, make_demo
-from nbwatch.postmortem import lr_change, postmortem, timeline
 
 QUIET: dict = {r: {"actions": []} for r in ("nonfinite", "grad_explosion", "val_spike")}
 # the rules on wall time fire with the machine's load, not the model: the post-mortems

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from nbwatch.alerts import AlertEngine, default_rules
-from nbwatch.spike_score import Rolling, SpikeScore, olmo_spikes
+from nbwatch.alerts.spike_score import Rolling, SpikeScore, olmo_spikes
 
 REPLAY = Path(__file__).parent / "data" / "healthy_demo.npz"
 

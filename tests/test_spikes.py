@@ -133,7 +133,7 @@ def test_the_baseline_follows_a_falling_series_and_its_noise_is_what_is_left():
     """What the spike rules compare with: the median of the 10 values before (not of the
     window, which lags a descent), and the MAD around the trend line (not around the
     median, which counts the descent as noise)."""
-    from nbwatch.rules import Window
+    from nbwatch.alerts.rules import Window
 
     w = Window(1000)
     for s in range(201):

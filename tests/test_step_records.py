@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import nbwatch
+from nbwatch.alerts.rules import Rule
 from nbwatch.recorder.step_end import RECORD_EVERY_S, RECORD_STEPS
-from nbwatch.rules import Rule
 from tests.conftest import until
 
 

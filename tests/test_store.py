@@ -13,10 +13,9 @@ import pytest
 import torch
 
 import nbwatch
-from nbwatch import blocks
 from nbwatch.panels.tail import Tail
 from nbwatch.records import Attention, Command, Event, Histogram, Sample, Scalars
-from nbwatch.store import SCHEMA_VERSION, RunReader, RunStore
+from nbwatch.store import SCHEMA_VERSION, RunReader, RunStore, blocks
 from tests.conftest import until
 
 

@@ -21,9 +21,8 @@ import numpy as np
 import pytest
 
 import nbwatch
-from nbwatch import blocks
-from nbwatch.liveness import run_state
-from nbwatch.store import RunInUse, RunReader, RunStore, check_no_writer, writer_alive
+from nbwatch.store import RunInUse, RunReader, RunStore, blocks, check_no_writer, writer_alive
+from nbwatch.store.liveness import run_state
 from nbwatch.store.lock import DEAD_AFTER, HEARTBEAT_NAME, _lock_dir, read_heartbeat, unlock
 from nbwatch.store.mode import ENV, choose, fs_type, is_network_type, mount_of, probe
 from nbwatch.store.recover import hot_journal, journal_of

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..health import ENTROPY, MAX_LOGIT, RMS, per_head
+from ..alerts.health import ENTROPY, MAX_LOGIT, RMS, per_head
 from ..probes.logit_rows import LOG_Z, MAX_ABS
 from ._common import Series, trace
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..postmortem import is_spike
+from ..alerts.postmortem import is_spike
 from ._common import Series, trace
 
 MARKER_KINDS = ("action", "alert", "error")

@@ -10,7 +10,7 @@ from pathlib import PurePath
 from typing import Any
 
 from .._flat import flatten
-from ..postmortem import timeline
+from ..alerts.postmortem import timeline
 from ..text import duration
 
 MAX_ROWS = 1000

@@ -12,7 +12,7 @@ import sqlite3
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..postmortem import from_reader, is_spike, timeline
+from ..alerts.postmortem import from_reader, is_spike, timeline
 from ..store import RunReader
 
 log = logging.getLogger("nbwatch.panels")

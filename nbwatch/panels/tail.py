@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ..blocks import decode
 from ..store import RunReader
+from ..store.blocks import decode
 
 
 @dataclass

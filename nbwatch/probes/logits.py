@@ -7,7 +7,7 @@ The figures are 0-dim tensors on the logits' device, staged with the step's othe
 figures: they cross to the host in the step's one copy, never a sync of their own. On a
 CPU the rows are copied and reduced with the step's record instead (`probes/late.py`).
 
-The probe pass's `logits/z_mean` and `logits/max_abs` (health.py) are the same figures
+The probe pass's `logits/z_mean` and `logits/max_abs` (alerts/health.py) are the same figures
 on two fixed probe samples once per eval; these are on the training batch every step.
 """
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .. import controls as ctl
-from ..alerts import weight_std
+from ..alerts.engine import weight_std
 from ..distributed import rank_figures
 from ..probes import late as late_figures
 from ..probes import weights as wprobe

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .. import controls as ctl
-from ..alerts import AlertEngine, default_rules
+from ..alerts.engine import AlertEngine, default_rules
 from ..checkpoint import Checkpointer
 from ..distributed import Dist, NullStore, lost_peer, peer_errors
 from ..probes.grads import grad_names, ratio_names

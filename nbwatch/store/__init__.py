@@ -3,7 +3,7 @@
 One writer thread per run (`RunStore`) batches records into a transaction at least every
 `flush_interval` seconds, so a `kill -9` loses at most that much; any number of readers
 (`RunReader`, this process or another) see every committed transaction while the run
-writes. Scalars are stored as blocks (`nbwatch/blocks.py`): one row holds one key family's
+writes. Scalars are stored as blocks (`nbwatch/store/blocks.py`): one row holds one key family's
 values for the steps of one commit. The system sampler's readings are kept apart, on their
 own wall-clock timeline (`system_samples`: wall, step and figures of every sample), so a
 long step keeps all of them. Row ids are never reused (AUTOINCREMENT), so a

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .. import blocks
-from ..blocks import Layout
+from . import blocks
+from .blocks import Layout
 from .record_reads import RecordReads
 from .recover import hot_journal, leftovers, recover, unreadable
 from .schema import DB_NAME, SCHEMA_VERSION, StoreFailed, _connect, _failure, _version

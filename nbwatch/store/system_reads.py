@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..blocks import Layout
+from .blocks import Layout
 from .tables import decode_system
 
 

@@ -1,4 +1,4 @@
-"""Scalars as blocks in SQLite: the writer's and the migration's side of `blocks.py`."""
+"""Scalars as blocks in SQLite: the writer's and the migration's side of `blocks.py` (here, in store/)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sqlite3
 
 import numpy as np
 
-from .. import blocks
-from ..blocks import Layout, Part
+from . import blocks
+from .blocks import Layout, Part
 from .schema import inserted_id
 
 

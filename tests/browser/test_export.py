@@ -165,7 +165,7 @@ def test_export_x_axis_switch_baseline_and_labels(browser, tmp_path):
     stall showing as a gap."""
     import time as _time
 
-    from nbwatch.health import ENTROPY
+    from nbwatch.alerts.health import ENTROPY
     from nbwatch.records import Scalars
     from nbwatch.store import RunStore
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from nbwatch.alerts.postmortem import timeline
 from nbwatch.demo import make_demo
 from nbwatch.export import export_html
-from nbwatch.postmortem import timeline
 from nbwatch.records import Event
 from nbwatch.store import RunStore
 from tests.panels.test_postmortems import ROSE, SPIKE, _steps

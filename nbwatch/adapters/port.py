@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .probes.logits import FIX
-from .recorder import RunSpec
+from ..probes.logits import FIX
+from ..recorder import RunSpec
 
 if TYPE_CHECKING:
-    from .recorder import StepRecorder
+    from ..recorder import StepRecorder
 
 
 class ExternalLoop:
@@ -163,7 +163,7 @@ class ExternalLoop:
 
     def note(self, message: str) -> None:
         """Record `message` in the run's events (a warning at the current step)."""
-        from .records import Event
+        from ..records import Event
 
         self._rec._emit(Event(self._rec.step, "state", "warning", message, {}),
                         logging.WARNING)

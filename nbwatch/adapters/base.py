@@ -18,21 +18,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import controls as ctl
-from .distributed import rank0_run_dir
-from .lifecycle import LIVE, RunState
-from .ownership import forked_from, refuse_in_training_thread
-from .probes.data import decoder_mask, is_encoder_decoder
-from .records import Command, Event
-from .run import Readout, Run, started_run
-from .runner import run_in_thread
-from .store import RunStore, is_run_dir
+from .. import controls as ctl
+from ..distributed import rank0_run_dir
+from ..lifecycle import LIVE, RunState
+from ..ownership import forked_from, refuse_in_training_thread
+from ..probes.data import decoder_mask, is_encoder_decoder
+from ..records import Command, Event
+from ..run import Readout, Run, started_run
+from ..runner import run_in_thread
+from ..store import RunStore, is_run_dir
 
 if TYPE_CHECKING:
     import torch
 
-    from .external import ExternalLoop
-    from .monitor import Monitor
+    from ..monitor import Monitor
+    from .port import ExternalLoop
 
 class FitRun(ctl.Controls, Readout):
     """A framework's fit running in a background thread, watched by nbwatch.
@@ -54,7 +54,7 @@ class FitRun(ctl.Controls, Readout):
 
     def _start(self, fit: Callable[[], Any], end: Callable[[BaseException | None], None]
                ) -> FitRun:
-        from ._omp import release_caller_pool
+        from .._omp import release_caller_pool
 
         def body() -> None:
             err: BaseException | None = None
@@ -103,7 +103,7 @@ class FitRun(ctl.Controls, Readout):
         during the Trainer's setup); once open, the Monitor's own exit hook stops it."""
         if self._done.is_set() or forked_from(self._pid):
             return
-        from .notebook import in_notebook
+        from ..notebook import in_notebook
 
         why = "kernel shut down" if in_notebook() else "the program exited"
         self._ended_unopened(None, f"{why} before the first step")
@@ -171,7 +171,7 @@ class Adapter:
 
     def __init__(self, run_dir: str | os.PathLike | None = None,
                  config: dict[str, Any] | None = None, **monitor_kwargs: Any):
-        from .inputs import as_config, default_run_dir
+        from ..inputs import as_config, default_run_dir
 
         self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
         self._named_here = run_dir is None  # by this rank's clock: rank 0's at the fit
@@ -284,7 +284,7 @@ class Adapter:
     def _check_fresh(self, resuming: bool, how: str) -> None:
         """A fit from step 0 must not write over the run a folder holds (the Monitor would
         refuse it too, naming its own way to resume, not the framework's)."""
-        from .inputs import rank
+        from ..inputs import rank
 
         if resuming or rank() != 0:
             return
@@ -328,8 +328,8 @@ class Adapter:
         blocks here). True once the fit should stop."""
         import torch
 
-        from .probes.data import batch_figures
-        from .probes.late import keep_masks
+        from ..probes.data import batch_figures
+        from ..probes.late import keep_masks
 
         rec = self._rec()
         assert rec is not None  # the adapters call it in the fit's thread, once it opened
@@ -377,8 +377,8 @@ class Adapter:
     def _prepare(self, api: str, trainer: Any, resuming: bool, how: str) -> None:
         """start()'s checks, all before anything is taken: no fit of this callback running,
         a folder it may write, no run there it would write over, no other writer."""
-        from .inputs import check_run_dir
-        from .store import check_no_writer
+        from ..inputs import check_run_dir
+        from ..store import check_no_writer
 
         with self._taking:
             self._settle(api, trainer)  # its own stale writer lock must not refuse it
@@ -390,7 +390,7 @@ class Adapter:
     def _launch(self, api: str, trainer: Any, fit: Callable[[], Any],
                 display: bool | None) -> FitRun:
         """Run `fit` in a background thread; return its handle (and show the dashboard)."""
-        from .notebook import in_notebook as _in_notebook
+        from ..notebook import in_notebook as _in_notebook
 
         self._take(api, None, trainer)
 

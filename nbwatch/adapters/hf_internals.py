@@ -13,7 +13,7 @@ from typing import Any
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .fit import found_inf
+from .base import found_inf
 
 
 def calling_trainer() -> Trainer | None:

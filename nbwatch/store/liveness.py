@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .lifecycle import ENDED, LIVE
-from .store import DB_NAME, RunReader, writer_alive
-from .store.lock import heartbeat_alive, read_heartbeat
+from ..lifecycle import ENDED, LIVE
+from . import DB_NAME, RunReader, writer_alive
+from .lock import heartbeat_alive, read_heartbeat
 
 __all__ = ["ENDED", "LIVE", "STALE_AFTER", "RunFailed", "last_write", "run_state"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .records import SEVERITIES
+from ..records import SEVERITIES
 
 ACTIONS = ("none", "checkpoint", "pause", "cut_lr", "clip", "skip_step", "rewind")
 # "grads": after the gradient probes, before the optimizer step (the rule can still skip or

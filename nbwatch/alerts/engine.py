@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .records import Event
+from ..records import Event
 from .rules import (  # noqa: F401  (their home; re-exported)
     ACTION_SETTINGS,
     ACTIONS,

@@ -1,6 +1,6 @@
 """The training signals: each built-in rule's check (pure: a window of recent figures and
 the rule's settings in, a message or None out) and the default rule set. The engine that
-turns them into alerts is in `alerts.py`; the Transformer-health rules are in `health.py`."""
+turns them into alerts is in `engine.py`; the Transformer-health rules are in `health.py`."""
 
 from __future__ import annotations
 

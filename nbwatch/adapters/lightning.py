@@ -1,0 +1,316 @@
+"""Lightning: watch and steer `trainer.fit(...)` with one line.
+
+    mon = nbwatch.lightning.start(trainer, module, train_dataloaders=..., run_dir="runs/pl")
+    L.Trainer(..., callbacks=[nbwatch.lightning.NbwatchCallback(run_dir="runs/pl")])
+
+Built on the step recorder of `Monitor.log()`. Lightning runs backward inside
+`optimizer.step(closure)`, so the gradient figures are taken at its
+`on_before_optimizer_step` (after backward, before its clipping), not in the optimizer's
+pre-hook. Stop sets `trainer.should_stop`; checkpoint is `trainer.save_checkpoint` (a
+`.ckpt` that `fit(ckpt_path=...)` takes); pause blocks between optimizer steps.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.trainer.states import TrainerStatus
+except ImportError:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "nbwatch.lightning needs the lightning package: pip install 'nbwatch[lightning]'"
+    ) from None
+
+import torch
+
+from ..evaluation import GuessedForward, batch_call, describe_call
+from ..monitor import Monitor
+from ..probes.attention import take_samples
+from ..probes.throughput import batch_samples
+from .base import Adapter, FitRun, callback_of, found_inf, unwrap
+
+__all__ = ["NbwatchCallback", "start"]
+SUPPORTED = "lightning 2.2 – 2.x (tested with 2.6)"
+_MASK_KEYS = ("attention_mask", "mask")
+_RESUME = "trainer.fit(..., ckpt_path=...)"
+
+
+class NbwatchCallback(Adapter, pl.Callback):
+    """Records every optimizer step of a Lightning fit into `run_dir`, and takes the
+    controls. Keyword arguments are the Monitor's (`name`, `alerts`, `probe_batch`,
+    `probe_fn`, `hist_every`, `rank_every`, …).
+
+    One fit at a time: while its fit runs, another Trainer given the same callback is
+    refused at its `fit()`; once that fit ended, the callback may record the next one
+    (into the same run_dir: a continuation, `fit(..., ckpt_path=...)`)."""
+
+    # -- Lightning's events -------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._begin("nbwatch.lightning", trainer, bool(trainer.global_step), _RESUME)
+        self._steps_seen = trainer.global_step  # Lightning's count, which overflows move too
+        if not trainer.optimizers:
+            raise RuntimeError("nbwatch.lightning: the module configured no optimizer")
+        if len(trainer.optimizers) > 1:
+            raise RuntimeError(
+                "nbwatch.lightning measures and steers one optimizer; this module configures "
+                f"{len(trainer.optimizers)}: put their parameter groups in one optimizer")
+        opt = trainer.optimizers[0]
+        sched = None
+        for cfg in trainer.lr_scheduler_configs:
+            s = cfg.scheduler
+            if not isinstance(s, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                sched = s
+        hparams = dict(pl_module.hparams) if getattr(pl_module, "hparams", None) else {}
+        config = {"hparams": hparams, "max_steps": trainer.max_steps,
+                  "max_epochs": trainer.max_epochs,
+                  "accumulate_grad_batches": trainer.accumulate_grad_batches,
+                  "precision": str(trainer.precision), **self.config}
+        max_steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        kwargs = {"display": False, **self.monitor_kwargs}
+        mon = Monitor(pl_module, opt, sched, self.run_dir, config, max_steps=max_steps,
+                      **kwargs)
+        clip = (trainer.gradient_clip_val or None
+                if trainer.gradient_clip_algorithm in (None, "norm") else None)
+        # measure_in_hook=False: the closure's backward runs inside optimizer.step
+        self._open(mon, "lightning", trainer.global_step or None,
+                   save=lambda reason: self._save(trainer, reason), clip=clip,
+                   measure_in_hook=False)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any,
+                             batch_idx: int) -> None:
+        rec = self._rec()
+        if rec is not None:  # which batch; hashed only where it is on the CPU
+            rec.note_batch(batch, trainer.current_epoch, batch_idx)
+        if isinstance(batch, Mapping):
+            mask = next((batch[k] for k in _MASK_KEYS if isinstance(batch.get(k),
+                                                                    torch.Tensor)), None)
+            if mask is not None:
+                self._masks.append(mask)
+        self._note_logit_mask(pl_module, batch)
+        n = batch_samples(batch)  # samples/s for any model: (x, y), pixel_values
+        if n:
+            self._counts.append(n)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any,
+                                 optimizer: Any) -> None:
+        rec = self._rec()
+        if rec is None:
+            return
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and getattr(unwrap(optimizer, "optimizer"),
+                                          "_step_supports_amp_scaling", False):
+            # a fused optimizer: Lightning leaves its gradients scaled, and the scaler's
+            # step unscales (and skips) inside the optimizer, whose pre-hook measures then
+            rec.measure_in_optimizer_hook()
+            return
+        # after backward and a GradScaler's unscale, before clipping
+        rec.measure(found_inf(scaler, optimizer))
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: Any,
+                           checkpoint: dict[str, Any]) -> None:
+        """Any checkpoint, Lightning's or ours: the store must not lag behind it."""
+        rec = self._rec()
+        if rec is not None:
+            rec.commit()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        rec = self._rec()
+        if rec is None:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, torch.Tensor):
+            with rec.own:
+                self._losses.append(loss.detach())
+        # an overflow's step: the GradScaler skipped optimizer.step(), Lightning counts it
+        stepped, self._steps_seen = (rec.stepped or trainer.global_step > self._steps_seen,
+                                     trainer.global_step)
+        if not stepped:
+            return  # accumulating: the optimizer steps at a later batch
+        every, k = trainer.accumulate_grad_batches, len(self._losses)
+        if 0 < k < every:  # an epoch's last, shorter step: each loss was divided by `every`
+            self._losses = [x * (every / k) for x in self._losses]
+        host = {"epoch": float(trainer.current_epoch)}
+        if self._record_step(host, "training_step's loss, mean over accumulation micro-batches"):
+            trainer.should_stop = True  # stopped between two optimizer steps
+            self._save(trainer, "stop")
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        rec = self._rec()
+        if rec is None or trainer.sanity_checking or rec.ended:
+            return
+        val = val_figures(trainer.callback_metrics)
+        if not val:
+            return
+        spec = rec.spec
+        if spec.probe_batch is None and spec.attention_samples > 0:
+            spec.probe_batch = _probe_batch(trainer, pl_module, spec.attention_samples)
+        if spec.probe_fn is None and spec.probe_batch is not None and spec.attention_samples:
+            found = probe_forward(pl_module, spec.probe_batch)
+            if isinstance(found, str):
+                rec.probe_failed(found)
+            else:
+                spec.probe_fn = found
+        rec.evaluate(val)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if self._ends_here():  # a script: the callback alone ends the run
+            self._end(None)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException
+                     ) -> None:
+        if self._ends_here():  # not a refused fit of another Trainer sharing the callback
+            self._end(exception)
+
+    # -- nbwatch's side -----------------------------------------------------------------
+    def _save(self, trainer: pl.Trainer, reason: str) -> None:
+        """The recorder's checkpoints, Lightning's way: `trainer.save_checkpoint`."""
+        if reason in ("final", "periodic", "emergency"):
+            return  # Lightning's own checkpointing; after a failure its state may be torn
+        rec = self._rec()
+        cb = trainer.checkpoint_callback
+        folder = Path(getattr(cb, "dirpath", None) or Path(trainer.default_root_dir) /
+                      "checkpoints")
+        path = folder / f"nbwatch-step={trainer.global_step}.ckpt"
+        t0 = time.perf_counter()
+        trainer.save_checkpoint(path)  # every rank calls it; rank 0 writes
+        if rec is not None:
+            rec.note_checkpoint(reason, path, time.perf_counter() - t0)
+
+
+def start(trainer: pl.Trainer, module: pl.LightningModule, *args: Any,
+          run_dir: str | os.PathLike | None = None, config: dict[str, Any] | None = None,
+          display: bool | None = None, monitor: dict[str, Any] | None = None,
+          **fit_kwargs: Any) -> FitRun:
+    """Run `trainer.fit(module, *args, **fit_kwargs)` in a background thread, recorded
+    into `run_dir`; return at once (in a notebook, the dashboard shows)."""
+    api = "nbwatch.lightning.start"
+    if not isinstance(trainer, pl.Trainer):
+        raise TypeError(f"{api} takes a lightning Trainer, got {type(trainer).__name__}")
+    # ignore[attr-defined]: lightning sets `Trainer.callbacks` from its CallbackConnector
+    # and declares no such attribute on the Trainer
+    found = [c for c in trainer.callbacks  # type: ignore[attr-defined]
+             if isinstance(c, NbwatchCallback)]
+    cb, new = callback_of(found, lambda: NbwatchCallback(run_dir, config, **(monitor or {})),
+                          api=api, detach="trainer.callbacks.remove(cb)", run_dir=run_dir,
+                          config=config, monitor=monitor)
+    if cb._fit_running():
+        raise RuntimeError(cb._busy(api, trainer))
+    if fit_running(trainer):
+        raise RuntimeError(f"{api}: this Trainer is already fitting, without nbwatch (a "
+                           "fit() in another thread): wait for it to end first")
+    ckpt = fit_kwargs.get("ckpt_path", args[3] if len(args) > 3 else None)
+    cb._prepare(api, trainer, ckpt is not None, _RESUME)
+    if new:
+        trainer.callbacks.append(cb)  # type: ignore[attr-defined]
+
+    def fit() -> None:
+        try:
+            trainer.fit(module, *args, **fit_kwargs)
+        finally:
+            # start()'s callback records this fit only
+            if new and cb in trainer.callbacks:  # type: ignore[attr-defined]
+                trainer.callbacks.remove(cb)  # type: ignore[attr-defined]
+
+    return cb._launch(api, trainer, fit, display)
+
+
+def val_figures(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Lightning's logged validation metrics: `val_loss`/`val/loss` → `loss`, `val_x` → `x`."""
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        for prefix in ("val_", "val/", "validation_", "validation/", "eval_"):
+            if k.startswith(prefix):
+                name = k[len(prefix):]
+                break
+        else:
+            continue
+        try:
+            out[name] = float(v)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+_PROBE_FIX = ('NbwatchCallback(probe_fn={fn}), or nbwatch.lightning.start(..., '
+              'monitor={{"probe_fn": {fn}}})')
+# the attribute names users give the model a LightningModule wraps, in order of preference
+_INNER = ("model", "net", "backbone", "transformer", "network", "encoder", "lm", "module")
+
+
+def probe_forward(module: Any, batch: Any) -> GuessedForward | str:
+    """How the probe pass calls a LightningModule without a `probe_fn`: its own forward, or,
+    where it has none (its `training_step` calls `self.model(...)`), the inner model's;
+    with the batch's entries that forward names (`batch_call`). A str, the exact line to
+    add, where no forward can be found."""
+    if type(module).forward is not pl.LightningModule.forward:
+        return GuessedForward(_call(None), describe_call("module", batch, module), _PROBE_FIX,
+                              "module")
+    name, kids = inner_model(module)
+    if name is not None:
+        return GuessedForward(_call(name), describe_call(f"module.{name}", batch,
+                                                         getattr(module, name)),
+                              _PROBE_FIX, "module")
+    example = f"module.{kids[0]}" if kids else "module.<your model>"
+    arg = ('batch["input_ids"]' if isinstance(batch, Mapping) and "input_ids" in batch
+           else "batch[0]" if isinstance(batch, (list, tuple)) else "batch")
+    has = (f"several inner models ({', '.join(kids)})" if kids
+           else "no inner model with parameters and a forward")
+    return (f"the attention probe found no forward to call: {type(module).__name__} has no "
+            f"forward() and {has}; attention maps and the health figures are off for this "
+            "run. Say how the probe batch goes through the model: "
+            + _PROBE_FIX.format(fn=f"lambda module, batch: {example}({arg})"))
+
+
+def inner_model(module: Any) -> tuple[str | None, list[str]]:
+    """(the attribute name of the model a forward-less LightningModule wraps, or None; the
+    candidates): its one Hugging Face `PreTrainedModel` child, else its one child with
+    parameters and a forward, else the first of those named model, net, backbone, ..."""
+    kids = [(n, c) for n, c in module.named_children()
+            if type(c).forward is not torch.nn.Module.forward
+            and next(c.parameters(), None) is not None]
+    names = [n for n, _ in kids]
+    hf = getattr(sys.modules.get("transformers"), "PreTrainedModel", None)
+    pre = [n for n, c in kids if hf is not None and isinstance(c, hf)]
+    if len(pre) == 1:
+        return pre[0], names
+    if len(kids) == 1:
+        return names[0], names
+    return next((n for n in _INNER if n in names), None), names
+
+
+def _call(name: str | None) -> Any:
+    def forward(module: Any, batch: Any) -> Any:
+        inner = module if name is None else getattr(module, name)
+        args, kwargs = batch_call(inner, batch)
+        return inner(*args, **kwargs)
+    return forward
+
+
+def _probe_batch(trainer: pl.Trainer, module: Any, n: int) -> Any:
+    loaders = trainer.val_dataloaders
+    if isinstance(loaders, (list, tuple)):
+        loaders = loaders[0] if loaders else None
+    if loaders is None:
+        return None
+    batch = take_samples(next(iter(loaders)), n)
+    return module.transfer_batch_to_device(batch, module.device, 0) if hasattr(
+        module, "transfer_batch_to_device") else batch
+
+
+# -- what we take from Lightning beyond its callbacks -----------------------------------
+# Nothing private: the Trainer's public properties (optimizers, lr_scheduler_configs,
+# gradient_clip_val, checkpoint_callback, save_checkpoint, should_stop, callback_metrics,
+# val_dataloaders) and the one below. tests/test_adapters.py checks it against the
+# installed Lightning, so that a release that changes it fails there by name.
+
+def fit_running(trainer: pl.Trainer) -> bool:
+    """A fit (or validate, test, predict) of `trainer` runs now, in some thread. Takes
+    `Trainer.state.status` and `TrainerStatus.RUNNING`."""
+    return trainer.state.status == TrainerStatus.RUNNING

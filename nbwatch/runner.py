@@ -218,6 +218,15 @@ class Runner:
         `_measure`: a bad mask fails the step after its backward, which frees its graph
         (an error raised before it would hold the activations through its traceback)."""
         logits = raw.get("logits") if isinstance(raw, dict) else None
+        if (isinstance(logits, torch.Tensor) and not is_logits(logits)
+                and not self.rec.train_logits.closed):
+            # one output (a regression head), or not logits at all: said once, and no hook
+            # on an output layer that would blame torch.compile for what it cannot see
+            self.rec.train_logits.close()
+            self.rec.probe_note("train_logits", (
+                f"train_logits/* are not recorded: the step_fn's 'logits' are a tensor of "
+                f"shape {tuple(logits.shape)} ({logits.dtype}), not [..., vocab] scores over "
+                "two or more classes (log Z of a single output is that output)"))
         with self.rec.own:
             _, parts = self.rec.train_logits.parts(logits if is_logits(logits) else None,
                                                    mask, rearm=False, host=m.host)

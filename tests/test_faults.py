@@ -197,6 +197,25 @@ def test_a_deleted_run_folder_fails_the_run_and_says_so(tmp_path):
     assert mon.state == "failed"
 
 
+def test_a_run_folder_renamed_mid_run_says_where_it_went_and_reads_failed_there(tmp_path):
+    """`mv runs/exp1 runs/exp1-old` under a live run used to be reported as "deleted" and the
+    folder then read `stale`: the run stops naming where its records went, and the moved
+    folder reads `failed` with that reason."""
+    run, moved = tmp_path / "run", tmp_path / "run-old"
+    model, opt = new_tiny()
+    mon = nbwatch.Monitor(model, opt, run_dir=run)
+    mon.start(lambda m, b: (time.sleep(0.01), tiny_step(m, b))[1], make_batches(),
+              max_steps=10_000, display=False)
+    until(lambda: mon.step >= 5)
+    run.rename(moved)
+    with pytest.raises(StoreFailed, match=f"run folder {run} was moved to {moved}"):
+        mon.wait(timeout=60)
+    assert mon.state == "failed"
+    there = nbwatch.open_run(moved)
+    assert there.state == "failed" and there.step >= 5
+    assert there.events.message.str.contains(f"was moved to {moved}").any()
+
+
 def test_a_full_disk_says_disk_full_first(tmp_path):
     """A real full filesystem (a 3 MiB tmpfs) where mounting is allowed; else the
     process's file size limit, which SQLite meets as an I/O error."""

@@ -1,4 +1,4 @@
-"""Scalars as blocks in SQLite: the writer's and the migration's side of `blocks.py` (here, in store/)."""
+"""Scalars as blocks in SQLite: the writer's and the migration's side of `blocks.py`."""
 
 from __future__ import annotations
 

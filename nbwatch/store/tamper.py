@@ -40,6 +40,10 @@ def damage(path: Path, was: Identity) -> tuple[str, str] | None:
     store at `path`, or deleted its WAL or its folder, since the identity `was`."""
     run_dir = path.parent
     if not run_dir.exists():  # writes still go through, to the unlinked files
+        now = moved_to(was[0])
+        if now is not None:
+            return "moved", (f"the run folder {run_dir} was moved to {now.parent} while the "
+                             "run wrote to it")
         return "folder", f"the run folder {run_dir} was deleted while the run wrote to it"
     (db, wal), (old, old_wal) = identity(path), was
     if db is None:
@@ -54,6 +58,22 @@ def damage(path: Path, was: Identity) -> tuple[str, str] | None:
     if old_wal is not None and wal != old_wal:
         return "wal", (f"the run store's write-ahead log {path.name}-wal in "
                        f"{run_dir} was deleted while the run wrote to it")
+    return None
+
+
+def moved_to(db: tuple[int, int, int] | None) -> Path | None:
+    """Where the store file of identity `db` is now, read from this process's own open
+    files (Linux's /proc/self/fd): a folder renamed under a live run, not deleted."""
+    fds = Path("/proc/self/fd")
+    if db is None or not fds.is_dir():
+        return None
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):
+            st = os.stat(fd)
+            if (st.st_dev, st.st_ino) == db[:2]:
+                target = os.readlink(fd)
+                if not target.endswith(" (deleted)") and os.path.exists(target):
+                    return Path(target)
     return None
 
 

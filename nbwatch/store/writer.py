@@ -310,6 +310,15 @@ class RunStore(RunReader):
         kind, what = damage
         if kind == "folder":  # nothing left to save
             raise _Damaged(f"{what}; later records are lost")
+        if kind == "moved":  # its records are there: say so in it, so it reads failed
+            new = what.rsplit(" was moved to ", 1)[1].split(" while ")[0]
+            said = (f"{what}; the run stops, and what it recorded is in {new}: open_run "
+                    f"there, or resume from its checkpoints (run_dir={new!r}, resume=True)")
+            with contextlib.suppress(sqlite3.Error):
+                write_batch(self._wcon, self._tables, self._hists, [
+                    Event(self._last_step(), "error", "critical", said, {"moved_to": new}),
+                    Meta("state", json.dumps("failed"))])
+            raise _Damaged(said)
         if kind == "wal":
             try:
                 self._rebuild_wal()

@@ -133,3 +133,25 @@ def test_a_softcapping_models_log_z_is_that_of_its_capped_logits(tmp_path, monke
     got = df[["train_logits/log_z", "train_logits/max_abs"]].to_numpy()[1:]
     np.testing.assert_allclose(got, np.array(expected)[1:], rtol=1e-5)
     assert (df["train_logits/max_abs"].dropna() <= 30.0 + 1e-4).all()
+
+
+def test_one_output_logits_from_a_step_fn_are_said_not_blamed_on_compile(tmp_path):
+    """A step_fn whose 'logits' have one entry on their last axis (a regression head) has no
+    log Z to take: one probe event says so, and nothing blames torch.compile or a fused loss
+    (the hook that would look for them is not set)."""
+    import nbwatch
+    from nbwatch.demo import make_demo
+
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, max_steps=6)
+
+    def step_fn(model, batch):
+        out = demo.step_fn(model, batch)
+        loss = nbwatch.masked_cross_entropy(out["logits"], out["labels"], out["mask"])
+        return {"loss": loss, "logits": out["logits"][..., :1]}
+
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "r")
+    mon.start(step_fn, demo.train, max_steps=6, display=False).wait()
+    said = mon.events.message
+    assert said.str.contains("not \\[..., vocab\\] scores over two or more classes").sum() == 1
+    assert not said.str.contains("torch.compile").any(), said.tolist()
+    assert "train_logits/log_z" not in mon.df

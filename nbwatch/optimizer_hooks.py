@@ -294,14 +294,34 @@ def _wrap_clip_norm(torch_fn: Any) -> Any:
     return clip_grad_norm_
 
 
+def _clips_through(module: Any, name: str) -> bool:
+    """Whether this torch's `clip_grad_norm_` scales the gradients through `module.name`
+    (the function nbwatch then watches): asked of torch itself, by one clip of a one-element
+    gradient with that name spied on, not read from its code."""
+    real = getattr(module, name)
+    called: list[bool] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        called.append(True)
+        return real(*args, **kwargs)
+
+    p = torch.zeros(1, requires_grad=True)
+    p.grad = torch.ones(1)
+    setattr(module, name, spy)
+    try:
+        module.clip_grad_norm_([p], 1.0)
+    finally:
+        setattr(module, name, real)
+    return bool(called)
+
+
 def _targets() -> list[tuple[Any, str, Any]]:
     """(module, name, wrapper factory) of the functions to wrap in this torch."""
     import torch.nn.utils as nn_utils
     import torch.nn.utils.clip_grad as clip_grad
 
     inner = getattr(clip_grad, "_clip_grads_with_norm_", None)
-    code = getattr(getattr(clip_grad.clip_grad_norm_, "__wrapped__", None), "__code__", None)
-    if inner is not None and code is not None and "_clip_grads_with_norm_" in code.co_names:
+    if inner is not None and _clips_through(clip_grad, "_clip_grads_with_norm_"):
         out = [(clip_grad, "_clip_grads_with_norm_", _wrap_with_norm)]
         if getattr(nn_utils, "clip_grads_with_norm_", None) is inner:
             out.append((nn_utils, "clip_grads_with_norm_", _wrap_with_norm))

@@ -276,22 +276,27 @@ def test_transformers_runs_each_epoch_through_its_epoch_loop(tmp_path):
     nh, th = hf()
     from transformers import Trainer
 
-    assert callable(getattr(Trainer, nh.EPOCH_LOOP, None)), (
+    from nbwatch.adapters.hf_internals import PRIVATE_STEPS
+
+    epoch_loop = PRIVATE_STEPS[-1]
+    for name in PRIVATE_STEPS:  # each private step nbwatch guards is there
+        assert callable(getattr(Trainer, name, None)), name
+    assert callable(getattr(Trainer, epoch_loop, None)), (
         f"transformers {sys.modules['transformers'].__version__} has no "
-        f"Trainer.{nh.EPOCH_LOOP}: nbwatch.hf guards it to see every error of a step")
+        f"Trainer.{epoch_loop}: nbwatch.hf guards it to see every error of a step")
     trainer = th.make_trainer(tmp_path / "out", max_steps=-1, num_train_epochs=2,
                               eval_strategy="no")
     epochs = []
-    run_epoch = getattr(trainer, nh.EPOCH_LOOP)
+    run_epoch = getattr(trainer, epoch_loop)
 
     def counted(*a, **k):
         epochs.append(trainer.state.global_step)
         return run_epoch(*a, **k)
 
-    setattr(trainer, nh.EPOCH_LOOP, counted)
+    setattr(trainer, epoch_loop, counted)
     trainer.train()
     assert epochs == [0, 16], (
-        f"Trainer.{nh.EPOCH_LOOP} is no longer looked up on the Trainer once per epoch: "
+        f"Trainer.{epoch_loop} is no longer looked up on the Trainer once per epoch: "
         "nbwatch.hf guards it there")
 
 

@@ -314,3 +314,17 @@ def test_clip_watch_alone_tells_usable_clips_from_partial_and_changed_ones():
     assert [float(c.total) for c in clips] == [2.0] and note == "partial"
     watch.saw(8, [w], 1.0, torch.tensor(1.0))
     assert watch.take(9) == ([], None)  # an earlier step's clip: its optimizer step skipped
+
+
+def test_which_torch_function_to_watch_is_asked_of_torch_not_read_from_its_code():
+    """nbwatch watches the function `clip_grad_norm_` scales the gradients through: found by
+    one spied clip in this torch (the spy is gone after), never by reading bytecode names."""
+    import torch.nn.utils.clip_grad as clip_grad
+
+    from nbwatch.optimizer_hooks import _clips_through, _targets
+
+    real = clip_grad._clip_grads_with_norm_
+    assert _clips_through(clip_grad, "_clip_grads_with_norm_")  # torch ≥ 2.6 does
+    assert clip_grad._clip_grads_with_norm_ is real
+    assert not _clips_through(clip_grad, "clip_grad_value_")  # a function it never calls
+    assert [name for _, name, _ in _targets()][0] == "_clip_grads_with_norm_"

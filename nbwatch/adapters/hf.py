@@ -36,6 +36,7 @@ from ..probes.attention import take_samples
 from ..probes.throughput import batch_samples
 from .base import Adapter, FitRun, callback_of, unwrap
 from .hf_internals import (  # noqa: F401 - wrap_clip_grad_norm: part of nbwatch.hf
+    PRIVATE_STEPS,
     attention_implementation,
     calling_trainer,
     retries_at_smaller_batch,
@@ -50,10 +51,6 @@ SUPPORTED = "transformers 4.46 – 5.x (tested with 5.24)"
 _NOT_METRICS = ("runtime", "samples_per_second", "steps_per_second", "epoch")
 _RESUME = "trainer.train(resume_from_checkpoint=...)"
 _GUARDED = ("get_batch_samples", "evaluate")  # public: where a fit's data and eval fail
-# The Trainer's loop over one epoch's steps (transformers' `_inner_training_loop` calls it
-# each epoch, after on_train_begin): an error anywhere in a step (the optimizer's step, the
-# scheduler's, the Trainer's save, another callback) passes through it
-EPOCH_LOOP = "_run_epoch"
 
 
 class _Retry(NamedTuple):
@@ -167,8 +164,8 @@ class NbwatchCallback(Adapter, TrainerCallback):
             return
         if (rec.spec.probe_batch is None and rec.spec.attention_samples > 0
                 and eval_dataloader is not None and model is not None):
-            rec.spec.probe_batch = _probe_batch(eval_dataloader, model,
-                                                rec.spec.attention_samples)
+            rec.set_probe(batch=_probe_batch(eval_dataloader, model,
+                                             rec.spec.attention_samples))
         rec.evaluate(eval_figures(metrics))
 
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -276,12 +273,12 @@ class NbwatchCallback(Adapter, TrainerCallback):
 
         trainer.training_step = training_step  # type: ignore[method-assign]  # this instance's
         wrap_clip_grad_norm(trainer, before_clip)
-        names = ["training_step", "_clip_grad_norm"]
-        for name in (*names, *_GUARDED, EPOCH_LOOP):
+        names = ["training_step", *_GUARDED, *PRIVATE_STEPS]
+        for name in names:
             fn = getattr(trainer, name, None)
             if callable(fn):
                 setattr(trainer, name, self._guarded(fn))
-        self._wrapped = (trainer, [*names, *_GUARDED, EPOCH_LOOP])
+        self._wrapped = (trainer, names)
 
     def _guarded(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def guarded(*args: Any, **kwargs: Any) -> Any:

@@ -15,6 +15,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .base import found_inf
 
+# The Trainer's own steps an error passes through, guarded so that it is recorded as the
+# run's: its clip of the gradients, and its loop over one epoch's steps (transformers'
+# `_inner_training_loop` calls it each epoch, after on_train_begin: an error anywhere in a
+# step, the optimizer's, the scheduler's, the Trainer's save, another callback's, passes
+# through it). Absent in a transformers that has no such method: nothing is wrapped then.
+PRIVATE_STEPS = ("_clip_grad_norm", "_run_epoch")
+
 
 def calling_trainer() -> Trainer | None:
     """The Trainer whose method calls us now, e.g. a callback's event (callbacks get no

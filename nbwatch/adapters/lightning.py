@@ -150,13 +150,13 @@ class NbwatchCallback(Adapter, pl.Callback):
             return
         spec = rec.spec
         if spec.probe_batch is None and spec.attention_samples > 0:
-            spec.probe_batch = _probe_batch(trainer, pl_module, spec.attention_samples)
+            rec.set_probe(batch=_probe_batch(trainer, pl_module, spec.attention_samples))
         if spec.probe_fn is None and spec.probe_batch is not None and spec.attention_samples:
             found = probe_forward(pl_module, spec.probe_batch)
             if isinstance(found, str):
                 rec.probe_failed(found)
             else:
-                spec.probe_fn = found
+                rec.set_probe(fn=found)
         rec.evaluate(val)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:

@@ -104,9 +104,13 @@ class ExternalLoop:
     # -- evals ---------------------------------------------------------------------------
     @property
     def spec(self) -> RunSpec:
-        """What the evals measure; an adapter fills `probe_batch` and `probe_fn` where the
-        framework holds them."""
+        """What the evals measure (read it; `set_probe` gives what the framework holds)."""
         return self._rec.spec
+
+    def set_probe(self, batch: Any = None, fn: Callable[..., Any] | None = None) -> None:
+        """The attention probe's fixed samples and forward pass, where the framework holds
+        them (its eval data, its module's forward); None leaves one as it is."""
+        self._rec.set_probe(batch, fn)
 
     def evaluate(self, figures: dict[str, float] | None) -> None:
         """The framework evaluated: its figures, the attention probe, the sample."""
@@ -165,8 +169,8 @@ class ExternalLoop:
         """Record `message` in the run's events (a warning at the current step)."""
         from ..records import Event
 
-        self._rec._emit(Event(self._rec.step, "state", "warning", message, {}),
-                        logging.WARNING)
+        self._rec.record_event(Event(self._rec.step, "state", "warning", message, {}),
+                               logging.WARNING)
 
 
 def _no_checkpoint(reason: str) -> None:

@@ -388,6 +388,18 @@ class StepRecorder:
             self._emit(Event(self.step, "state", "info", f"run {state} at step {self.step}",
                              {"state": state}))
 
+    def record_event(self, ev: Event, level: int | None = None) -> None:
+        """Record `ev` in the run's events and its log (what an adapter tells)."""
+        self._emit(ev, level)
+
+    def set_probe(self, batch: Any = None, fn: Callable[..., Any] | None = None) -> None:
+        """The attention probe's samples and forward pass, given by a framework's adapter
+        (its eval data, its module): what the next evals probe with."""
+        if batch is not None:
+            self.spec.probe_batch = batch
+        if fn is not None:
+            self.spec.probe_fn = fn
+
     def _emit(self, ev: Event, level: int | None = None) -> None:
         self.store.put(ev)
         lvl = level if level is not None else {

@@ -41,7 +41,7 @@ from .inputs import (
 from .lifecycle import LIVE, RunState
 from .notebook import in_notebook
 from .opening import RunOpening
-from .optimizer_hooks import OptimizerHooks
+from .optimizer_hooks import OptimizerWatch, hooked_optimizer, inner_scheduler
 from .options import NOT_GIVEN, Options, check_every, check_peak_flops
 from .ownership import refuse_in_training_thread
 from .panels.baseline import check as check_baselines
@@ -56,7 +56,7 @@ from .store import RunStore, check_no_writer
 log = logging.getLogger("nbwatch")
 
 
-class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
+class Monitor(RunOpening, RunExiting, ctl.Controls, Readout):
     """Train in a background thread while every step is measured into `run_dir`.
 
     >>> mon = nbwatch.Monitor(model, optimizer, scheduler, run_dir="runs/exp1", config=args)
@@ -175,7 +175,14 @@ class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
             attention_tokens=attention_tokens, rank_every=rank_every,
             dist_timeout=dist_timeout, display=display,
             peak_flops=check_peak_flops(peak_flops))
-        self._hook_optimizer()
+        # the hooks go on the optimizer behind a framework's wrapper (accelerate's), and the
+        # scheduler read is the one behind its wrapper; with it, accelerate's GradScaler
+        given = self.optimizer
+        self.optimizer = hooked_optimizer(given)
+        self.scheduler = inner_scheduler(self.scheduler)
+        if self.optimizer is not given and self.scaler is None:
+            self.scaler = getattr(given, "scaler", None)
+        self._optimizer_watch = OptimizerWatch(self.optimizer, self.model, self)
         if resume:
             if self.rank == 0:
                 check_no_writer(self.run_dir)  # not another live run's checkpoint
@@ -341,6 +348,26 @@ class Monitor(OptimizerHooks, RunOpening, RunExiting, ctl.Controls, Readout):
         elif self._done is not None and exc is None:
             self.wait()
         return isinstance(exc, StopTraining)  # a stop ends the block cleanly
+
+    # -- what the optimizer's hooks ask (optimizer_hooks.OptimizerWatch) ---------------
+    def _recorder_for_step(self, open_loop: bool = True) -> StepRecorder | None:
+        """The recorder an optimizer step goes to: the run's; with `open_loop`, a loop of
+        your own opens its run at its first step; None once this Monitor's run ended."""
+        rec = self._recorder
+        if rec is None and open_loop and self._mode is None:
+            rec = self._open_loop()
+        return rec
+
+    def _clips_are_the_loops(self) -> bool:
+        """A clip of this model's gradients is the loop's own: no framework adapter (which
+        measures before its framework clips) and not nbwatch's runner (which clips itself),
+        and a run that is open, or opens at the loop's first optimizer step."""
+        if self._framework is not None or self._mode == "start":
+            return False
+        if self._mode is None:
+            return True
+        rec = self._recorder
+        return rec is not None and not rec.ended
 
     def wait(self, timeout: float | None = None) -> Monitor:
         """Block until training ends; re-raise the exception that ended it, if any.

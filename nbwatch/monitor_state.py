@@ -1,6 +1,7 @@
 """The state of a `Monitor` that its parts share, declared once with its types: what
-`Monitor.__init__` sets, what opening a run sets (opening.py), and the optimizer's hooks
-(optimizer_hooks.py). mypy checks every part against these declarations."""
+`Monitor.__init__` sets and what opening a run sets (opening.py); its hooks on the
+optimizer are a part of their own (optimizer_hooks.OptimizerWatch). mypy checks every part
+against these declarations."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from . import controls as ctl
 from .alerts.rules import Rule
 from .distributed import NullStore
 from .lifecycle import RunState
+from .optimizer_hooks import OptimizerWatch
 from .options import Options
 from .probes.system import SystemSampler
 from .recorder import Progress, Rewound, StepRecorder
@@ -67,12 +69,7 @@ class MonitorState:
     _cell_hook: Callable[[], None] | None  # unregisters the own loop's after-cell record
     _framework: str | None  # an adapter's loop ("hf", "lightning")
     _resumed_data: tuple[int, int] | None = None  # a restored checkpoint's data position
-    # the optimizer's hooks (optimizer_hooks.py)
-    _param_ids: set[int]
-    _hooks: list[Any]  # torch's RemovableHandles
-    _global_hook: Any  # the check on other optimizers, while a run is open
-    _inside_step: int | None  # the thread inside optimizer.step, if any
-    _clip_watch: Any  # ClipWatch: the loop's own clips since the last step
+    _optimizer_watch: OptimizerWatch  # its hooks on the optimizer (optimizer_hooks.py)
 
     if TYPE_CHECKING:  # provided by Monitor and its other parts
         @property
@@ -85,9 +82,6 @@ class MonitorState:
         def show(self) -> Any: ...
         def _open_loop(self, start_step: int | None = None,
                        framework: str | None = None) -> StepRecorder: ...
-        def _foreign_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None: ...
-        def _end_clip_watch(self) -> None: ...
-        def _take_optimizer(self) -> None: ...
         def _at_exit(self) -> None: ...
         def _stop_at_exit(self) -> None: ...
         def _stop_for_exit(self, ended: threading.Event,

@@ -17,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-
 from ._omp import release_caller_pool
 from .alerts.engine import AlertEngine
 from .checkpoint import load, restore_into
@@ -62,7 +60,7 @@ class RunOpening(MonitorState):
                 f"this Monitor is already {self.state} at step {self.step}; call stop() and "
                 "wait() first, or create another Monitor with its own run_dir")
         self._closed.wait()  # the previous run's store and sampler are closed
-        self._take_optimizer()  # from a Monitor created on it since, not running
+        self._optimizer_watch.take()  # from a Monitor created on it since, not running
         if self.rank == 0:
             check_no_writer(self.run_dir)  # before a resume touches the model
         if self._mode is not None and not resume:
@@ -187,7 +185,7 @@ class RunOpening(MonitorState):
             self._recorder, self._mode = rec, mode
             if mode == "start" and start_step:  # the runner skips to where the data stood
                 rec.rewind_state.data_at = self._resumed_data
-            self._global_hook = register_optimizer_step_pre_hook(self._foreign_hook)
+            self._optimizer_watch.open_run()
             if self.rank == 0:
                 self._log_handler = open_run_log(rec.log, self.run_dir)
                 self._sampler = SystemSampler(self._record_system,
@@ -285,10 +283,7 @@ class RunOpening(MonitorState):
         if self._cell_hook is not None:
             self._cell_hook()
             self._cell_hook = None
-        if self._global_hook is not None:
-            self._global_hook.remove()
-            self._global_hook = None
-        self._end_clip_watch()  # torch's clipping is torch's again (optimizer_hooks.py)
+        self._optimizer_watch.close_run()  # other optimizers free; torch's clipping torch's
         if rec is not None:
             rec.train_logits.close()  # the output layer's hook, if the run's end left it
         try:

@@ -28,15 +28,14 @@ import functools
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-
-from .monitor_state import MonitorState
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 # The Monitor whose hooks are on each optimizer: one at a time (a cell run twice makes a
 # second Monitor on the same optimizer; the first one's hooks must go).
-_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer → ref(Monitor)
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer → ref(watch)
 
 
 def hooked_optimizer(optimizer: Any) -> Any:
@@ -64,67 +63,93 @@ def inner_scheduler(scheduler: Any) -> Any:
     return scheduler
 
 
-class OptimizerHooks(MonitorState):
-    """Part of `Monitor`: `_hook_optimizer()` runs in its `__init__`."""
+class Owner(Protocol):
+    """What the hooks ask of the Monitor they serve."""
 
-    def _hook_optimizer(self) -> None:
-        """Put this Monitor's hooks on its optimizer, taking it from an ended Monitor; look
-        through a framework's wrappers of the optimizer and scheduler (and take the
-        GradScaler accelerate's wrapper steps with, if none was given)."""
-        given = self.optimizer
-        self.optimizer = hooked_optimizer(given)
-        self.scheduler = inner_scheduler(self.scheduler)
-        if self.optimizer is not given and self.scaler is None:
-            self.scaler = getattr(given, "scaler", None)  # accelerate's fp16 GradScaler
-        model = self.model
-        self._param_ids = {id(p) for p in model.parameters()}
+    name: str
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def state(self) -> Any: ...
+    @property
+    def running(self) -> bool: ...
+    def _recorder_for_step(self, open_loop: bool = True) -> Any:
+        """The recorder this optimizer step goes to (with `open_loop`, a loop's run opens
+        at its first), or None (the Monitor's run has ended, or none is open)."""
+    def _clips_are_the_loops(self) -> bool:
+        """Whether a clip of the model's gradients now is the loop's own."""
+
+
+class OptimizerWatch:
+    """A Monitor's hooks on its optimizer, one part of it that owns its state: the pre- and
+    post-hooks that hand each step to the recorder, the optimizer taken from another Monitor
+    that held it, the check that no second optimizer steps the model while a run is open,
+    and the loop's own clips since the last step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                 owner: Owner):
+        self.optimizer, self.owner = optimizer, owner
+        self.param_ids = {id(p) for p in model.parameters()}
+        self.clips = ClipWatch()  # the loop's own clips since the last step
         self._foreign_ok: weakref.WeakSet = weakref.WeakSet()
         self._inside_step: int | None = None  # the thread inside optimizer.step, if any
         self._hooks: list[Any] = []
         self._global_hook: Any = None  # the check on other optimizers, while a run is open
-        self._clip_watch = ClipWatch()  # the loop's own clips since the last step
-        self._take_optimizer()
+        self.take()
 
-    def _take_optimizer(self) -> None:
-        """This Monitor's hooks on its optimizer, taken from the Monitor that holds them (an
-        ended one, or one created on it since, which must not be running), if not its own."""
+    def take(self) -> None:
+        """Put the hooks on the optimizer, taken from the Monitor that holds them (an ended
+        one, or one created on it since, which must not be running), if not already."""
         optimizer = self.optimizer
         ref = _OWNERS.get(optimizer)
         previous = ref() if ref is not None else None
         if previous is self and self._hooks:
             return
         if previous is not None and previous is not self:
-            if previous.running:
+            other = previous.owner
+            if other.running:
                 raise RuntimeError(
-                    f"this optimizer is watched by a running Monitor ({previous.name!r}, "
-                    f"{previous.state} at step {previous.step}); stop() and wait() it first")
-            previous._remove_hooks()
+                    f"this optimizer is watched by a running Monitor ({other.name!r}, "
+                    f"{other.state} at step {other.step}); stop() and wait() it first")
+            previous.remove()
         _OWNERS[optimizer] = weakref.ref(self)  # never strong: the Monitor holds the
         # optimizer, so a strong value would keep both (and the model) alive for ever
         self._hooks = [optimizer.register_step_pre_hook(self._pre_hook),
                        optimizer.register_step_post_hook(self._post_hook)]
         _watch_clips(self)
 
-    def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._inside_step = threading.get_ident()
-        rec = self._recorder
-        if rec is None:
-            if self._mode is not None:
-                return  # this Monitor's run has ended: later steps are not recorded
-            rec = self._open_loop()
-        clips, note = self._clip_watch.take(self.step) if rec.hook_measures else ([], None)
-        rec.pre_step(explicit=False, clips=clips, clip_note=note)  # (or hands a skip over)
-
-    def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._inside_step = None
-        if self._recorder is not None:
-            self._recorder.post_step()
-
-    def _remove_hooks(self) -> None:
+    def remove(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
         _unwatch_clips(self)
+
+    def open_run(self) -> None:
+        """A run opens: refuse a second optimizer on the model from now on."""
+        self._global_hook = register_optimizer_step_pre_hook(self._foreign_hook)
+
+    def close_run(self) -> None:
+        """The run closed: other optimizers are free, and its loop's clips no longer this
+        Monitor's to note (torch's clipping is torch's again)."""
+        if self._global_hook is not None:
+            self._global_hook.remove()
+            self._global_hook = None
+        _unwatch_clips(self)
+
+    def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._inside_step = threading.get_ident()
+        rec = self.owner._recorder_for_step()
+        if rec is None:
+            return  # this Monitor's run has ended: later steps are not recorded
+        clips, note = self.clips.take(self.owner.step) if rec.hook_measures else ([], None)
+        rec.pre_step(explicit=False, clips=clips, clip_note=note)  # (or hands a skip over)
+
+    def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._inside_step = None
+        rec = self.owner._recorder_for_step(open_loop=False)
+        if rec is not None:
+            rec.post_step()
 
     def _foreign_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Global pre-hook while a run is open: refuse a second optimizer on the model."""
@@ -132,7 +157,7 @@ class OptimizerHooks(MonitorState):
             return
         if self._inside_step == threading.get_ident():
             return  # a wrapper's inner optimizer (ZeroRedundancyOptimizer, Lookahead…)
-        if any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"]):
+        if any(id(p) in self.param_ids for g in optimizer.param_groups for p in g["params"]):
             raise RuntimeError(
                 f"a second optimizer ({type(optimizer).__name__}) steps parameters of the "
                 f"monitored model, but the Monitor was given {type(self.optimizer).__name__}; "
@@ -141,28 +166,12 @@ class OptimizerHooks(MonitorState):
             )
         self._foreign_ok.add(optimizer)
 
-    # -- the loop's own clipping --------------------------------------------------------
-    def _watches_clips(self) -> bool:
-        """A clip of this model's gradients is the loop's own: no framework adapter (which
-        measures before its framework clips) and not nbwatch's runner (which clips itself),
-        and a run that is open, or opens at the loop's first optimizer step."""
-        if self._framework is not None or self._mode == "start":
-            return False
-        if self._mode is None:
-            return True
-        rec = self._recorder
-        return rec is not None and not rec.ended
-
-    def _saw_clip(self, params: list, max_norm: float, total: torch.Tensor) -> None:
+    def saw_clip(self, params: list, max_norm: float, total: torch.Tensor) -> None:
         """A clip of this model's gradients just scaled them: noted for the next step (on
         the run's clock of nbwatch's own time, once it is open)."""
-        rec = self._recorder
+        rec = self.owner._recorder_for_step(open_loop=False)
         with rec.own if rec is not None else contextlib.nullcontext():
-            self._clip_watch.saw(self.step, params, max_norm, total)
-
-    def _end_clip_watch(self) -> None:
-        """The run closed: its loop's clips are no longer this Monitor's to note."""
-        _unwatch_clips(self)
+            self.clips.saw(self.owner.step, params, max_norm, total)
 
 
 class ClipWatch:
@@ -236,7 +245,7 @@ def _unchanged(marks: tuple) -> bool:
 
 
 # -- the wrap of torch's clipping (see the module's docstring) ----------------------------
-_WATCHERS: weakref.WeakSet = weakref.WeakSet()  # Monitors whose loop's clips are noted
+_WATCHERS: weakref.WeakSet = weakref.WeakSet()  # OptimizerWatches whose loop's clips are noted
 _WRAPPED: list[tuple[Any, str, Any, Any]] = []  # (module, name, torch's, ours) while wrapped
 _LOCK = threading.Lock()
 _MAX_CLIPS = 64  # clips noted for one optimizer step (a loop that clips and never steps)
@@ -254,12 +263,10 @@ def _observe(params: list, max_norm: Any, total: Any) -> None:
     first = next((p for p in params if p.grad is not None), None)
     if first is None:
         return
-    for mon in list(_WATCHERS):
-        if id(first) in mon._param_ids:
-            if mon._watches_clips():
-                mon._saw_clip(params, max_norm, total)
-            elif mon._mode is not None and mon._mode != "start" and mon._framework is None:
-                _unwatch_clips(mon)  # its run ended
+    for watch in list(_WATCHERS):
+        if id(first) in watch.param_ids:
+            if watch.owner._clips_are_the_loops():
+                watch.saw_clip(params, max_norm, total)
             return
 
 
@@ -330,10 +337,10 @@ def _targets() -> list[tuple[Any, str, Any]]:
             (nn_utils, "clip_grad_norm_", _wrap_clip_norm)]
 
 
-def _watch_clips(mon: Any) -> None:
+def _watch_clips(watch: OptimizerWatch) -> None:
     with _LOCK:
-        _WATCHERS.add(mon)
-        weakref.finalize(mon, _collected)  # a Monitor dropped unused: it watches no more
+        _WATCHERS.add(watch)
+        weakref.finalize(watch, _collected)  # a Monitor dropped unused: it watches no more
         if _WRAPPED:
             return
         made: dict[int, Any] = {}  # one wrapper per torch function, whatever its names
@@ -344,13 +351,13 @@ def _watch_clips(mon: Any) -> None:
             setattr(module, name, ours)
 
 
-def _unwatch_clips(mon: Any | None) -> None:
+def _unwatch_clips(watch: OptimizerWatch | None) -> None:
     """This Monitor's loop clips no more; the last one gone, torch's functions are back
     (a name someone else wrapped after us is left to them)."""
     with _LOCK:
-        if mon is not None:
-            _WATCHERS.discard(mon)
-            mon._clip_watch.clear()
+        if watch is not None:
+            _WATCHERS.discard(watch)
+            watch.clips.clear()
         if next(iter(_WATCHERS), None) is not None or not _WRAPPED:  # a live one (a
             return  # collected Monitor's reference may not have left the set yet)
         for module, name, fn, ours in _WRAPPED:

@@ -379,3 +379,17 @@ def test_an_encoder_decoders_log_z_is_weighted_by_its_target_mask(tmp_path):
     got = run.df[["train_logits/log_z", "train_logits/max_abs"]]
     assert got.notna().all().all()
     np.testing.assert_allclose(got.to_numpy(), np.array(module.expected), rtol=1e-5)
+
+
+def test_one_callback_given_twice_records_each_step_once(tmp_path):
+    """`L.Trainer(callbacks=[cb, cb])`: Lightning calls it twice at each event; the run is
+    recorded once, with no error about a fit that "ended without telling nbwatch"."""
+    cb = nbwatch.lightning.NbwatchCallback(run_dir=tmp_path / "run")
+    trainer = make_trainer(tmp_path / "pl", max_steps=10, callbacks=[cb, cb])
+    with pytest.warns(UserWarning, match="given to this Trainer 2 times"):
+        trainer.fit(TinyModule(), train_dataloaders=loader(16))
+    run = nbwatch.open_run(tmp_path / "run")
+    assert (run.state, run.step) == ("finished", 10)
+    assert run.df.index.tolist() == list(range(1, 11))
+    ev = run.events
+    assert not (ev.kind == "error").any(), ev.message.tolist()

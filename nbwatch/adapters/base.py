@@ -14,6 +14,7 @@ import os
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -470,3 +471,20 @@ def found_inf(scaler: Any, optimizer: Any) -> torch.Tensor | None:
 
     return found[0] if len(found) == 1 else torch.stack(
         [f.to(found[0].device) for f in found]).sum()
+
+
+def drop_repeats(callbacks: Any, cb: Any, framework: str, remove: str) -> None:
+    """Keep one registration of `cb` in a framework's list of callbacks (`callbacks=[cb,
+    cb]`, or a cell run twice that adds it again: each event would reach it twice, each
+    step recorded twice), and say so. Called from an event of the first one, it deletes
+    later ones only, which the framework's loop over its callbacks then skips."""
+    if not isinstance(callbacks, list):
+        return
+    at = [i for i, c in enumerate(callbacks) if c is cb]
+    for i in reversed(at[1:]):
+        del callbacks[i]
+    if len(at) > 1:
+        warnings.warn(
+            f"this NbwatchCallback was given to this {framework} {len(at)} times; it records "
+            f"each step once (the repeats were removed from the {framework}'s callbacks): "
+            f"add it once, e.g. guard a cell run twice with {remove}", stacklevel=3)

@@ -18,7 +18,6 @@ import contextlib
 import math
 import os
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -34,7 +33,7 @@ import torch
 from ..monitor import Monitor
 from ..probes.attention import take_samples
 from ..probes.throughput import batch_samples
-from .base import Adapter, FitRun, callback_of, unwrap
+from .base import Adapter, FitRun, callback_of, drop_repeats, unwrap
 from .hf_internals import (  # noqa: F401 - wrap_clip_grad_norm: part of nbwatch.hf
     PRIVATE_STEPS,
     attention_implementation,
@@ -359,21 +358,9 @@ def start(trainer: Trainer, run_dir: str | os.PathLike | None = None, *,
 
 
 def _drop_repeats(trainer: Trainer | None, cb: NbwatchCallback) -> None:
-    """Keep one registration of `cb` in `trainer` (`callbacks=[cb, cb]`, or a cell run twice
-    that adds it again: the Trainer would call it twice an event, a step recorded twice);
-    say so. Called from an event of the first one, it deletes later ones only, which the
-    Trainer's loop over its callbacks then skips."""
+    """One registration of `cb` in the Trainer's callbacks (`drop_repeats`)."""
     callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", None)
-    if not isinstance(callbacks, list):
-        return
-    at = [i for i, c in enumerate(callbacks) if c is cb]
-    for i in reversed(at[1:]):
-        del callbacks[i]
-    if len(at) > 1:
-        warnings.warn(
-            f"this NbwatchCallback was given to this Trainer {len(at)} times; it records each "
-            "step once (the repeats were removed from the Trainer's callbacks): add it once, "
-            "e.g. guard a cell run twice with trainer.remove_callback(cb)", stacklevel=3)
+    drop_repeats(callbacks, cb, "Trainer", "trainer.remove_callback(cb)")
 
 
 def eval_figures(metrics: Mapping[str, Any]) -> dict[str, float]:

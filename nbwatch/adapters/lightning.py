@@ -33,7 +33,7 @@ from ..evaluation import GuessedForward, batch_call, describe_call
 from ..monitor import Monitor
 from ..probes.attention import take_samples
 from ..probes.throughput import batch_samples
-from .base import Adapter, FitRun, callback_of, found_inf, unwrap
+from .base import Adapter, FitRun, callback_of, drop_repeats, found_inf, unwrap
 
 __all__ = ["NbwatchCallback", "start"]
 SUPPORTED = "lightning 2.2 – 2.x (tested with 2.6)"
@@ -52,6 +52,8 @@ class NbwatchCallback(Adapter, pl.Callback):
 
     # -- Lightning's events -------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        drop_repeats(getattr(trainer, "callbacks", None), self, "Trainer",
+                     "trainer.callbacks.remove(cb) before fit()")
         self._begin("nbwatch.lightning", trainer, bool(trainer.global_step), _RESUME)
         self._steps_seen = trainer.global_step  # Lightning's count, which overflows move too
         if not trainer.optimizers:

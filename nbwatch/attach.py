@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import pandas as pd
 
 from . import controls as ctl
+from .lifecycle import STALE, WAITING
 from .records import Command
 from .run import Run, started_run
 from .store import DB_NAME, is_run_dir, send_command
@@ -113,7 +114,7 @@ class Attached(ctl.Controls):
         'finished', 'failed', or 'stale' (meta says live, but nothing was written for
         `stale_after` seconds or the writer process is gone)."""
         if not self.exists:
-            return "waiting"
+            return WAITING
         run = self._live_run()
         return run_state(self.run_dir, self.meta, run.reader if run is not None else None,
                          self.stale_after)
@@ -127,14 +128,14 @@ class Attached(ctl.Controls):
     def message(self) -> str:
         """One line saying where the run stands, for people."""
         state = self.state
-        if state == "waiting":
+        if state == WAITING:
             return (f"waiting for a run in {self.run_dir} (no {DB_NAME} yet): start the "
                     "training process with this run_dir")
         meta, step = self.meta, self.step
         of = f" of {meta['max_steps']}" if meta.get("max_steps") else ""
         age = self.seconds_since_write
         ago = f"{duration(age)} ago" if age is not None else "never"
-        if state == "stale":
+        if state == STALE:
             was = meta.get("state", "running")
             return (f"stale: the writer has written nothing for {ago.removesuffix(' ago')} "
                     f"(its meta still says {was} at step {step}{of}); the process has "
@@ -184,7 +185,7 @@ class Attached(ctl.Controls):
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             state = self.state
-            if state in ENDED or state == "stale":
+            if state in ENDED or state == STALE:
                 break
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"the run is still {state} at step {self.step} after "
@@ -192,7 +193,7 @@ class Attached(ctl.Controls):
             time.sleep(poll)
         if state == "failed":
             raise self.error or RunFailed(f"the run in {self.run_dir} failed")
-        if state == "stale":
+        if state == STALE:
             raise RuntimeError(self.message)
         return self
 
@@ -200,8 +201,8 @@ class Attached(ctl.Controls):
     def submit(self, command: Command) -> None:
         state, kind = self.state, command.kind.value
         if state not in LIVE or state == "stopping":
-            why = {"waiting": "has not started yet (no store in the folder)",
-                   "stale": "is stale (its writer stopped writing)"}.get(state, f"is {state}")
+            why = ("has not started yet (no store in the folder)" if state == WAITING else
+                   "is stale (its writer stopped writing)" if state == STALE else f"is {state}")
             raise RuntimeError(f"cannot {kind}: the run in {self.run_dir} {why}")
         command = dataclasses.replace(command, source=self.source if command.source == "api"
                                       else f"{self.source}:{command.source}")

@@ -8,6 +8,10 @@ that moves a run from one state to the next (refusing a move that cannot happen)
                   │           └─► finished        (max_steps, or the loop returned)
                   └─────────────► failed          (from any live state: an exception)
 
+A reader of a run folder (attach, launch, open_run, the dashboard) can say two things
+more, never recorded by a writer: `waiting` (no run in the folder yet) and `stale` (the
+folder says live, but its writer is gone). `FolderState` holds them, here beside the rest.
+
 A leaf module: everything that reads or shows a run's state (Monitor, the framework
 handles, Attached, Run, the dashboard) takes the states and the sets from here.
 """
@@ -36,6 +40,25 @@ class RunState(str, Enum):
 
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
+
+
+class FolderState(str, Enum):
+    """What a reader of a run folder says beyond its writer's `RunState`."""
+
+    WAITING = "waiting"  # no run in the folder yet (attach, launch before the job opens it)
+    STALE = "stale"      # its meta says live, but the writer is gone or silent too long
+    UNKNOWN = "unknown"  # a folder whose meta holds no state
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+WAITING, STALE = FolderState.WAITING, FolderState.STALE
 
 
 LIVE: frozenset[RunState] = frozenset(

@@ -11,6 +11,7 @@ import pandas as pd
 
 from .alerts.postmortem import SPIKE_COLUMNS, spikes_of  # noqa: F401  (their home; re-exported)
 from .alerts.postmortem import from_reader as _spikes
+from .lifecycle import FolderState
 from .store import DB_NAME, RunReader
 from .store.liveness import STALE_AFTER, run_state
 
@@ -142,7 +143,7 @@ class Run:
         gone (killed: its folder lock is free) or silent for `STALE_AFTER` seconds."""
         meta = self.meta
         if "state" not in meta:
-            return "unknown"
+            return FolderState.UNKNOWN
         return run_state(self.run_dir, meta, self.reader, STALE_AFTER)
 
     @property

@@ -11,6 +11,7 @@ from typing import Any
 
 from .attach import Attached
 from .counts import integral
+from .lifecycle import WAITING, RunState
 from .store import check_no_writer, is_run_dir
 from .store.liveness import ENDED, RunFailed
 
@@ -45,7 +46,7 @@ class Launched(Attached):
     def state(self) -> str:
         code = self.process.poll()
         if not self.exists:
-            return "waiting" if code is None else "failed"
+            return WAITING if code is None else RunState.FAILED
         state = super().state
         return "failed" if code not in (None, 0) and state not in ENDED else state
 

@@ -20,7 +20,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from .lifecycle import is_ended
+from .lifecycle import STALE, is_ended
 from .notebook import enable_colab_widgets, remember
 from .panels import Feed, attention
 from .panels.baseline import beside
@@ -171,7 +171,7 @@ class Dashboard(anywidget.AnyWidget):
         if mon is None and not feed.more:  # read-only view of a run whose writer was killed
             from .store.liveness import STALE_AFTER, run_state
 
-            return run_state(self._dir, feed.meta, None, STALE_AFTER) == "stale"
+            return run_state(self._dir, feed.meta, None, STALE_AFTER) == STALE
         return False
 
     def refresh(self) -> bool:

@@ -70,6 +70,31 @@ def test_the_state_sets_and_command_kinds_are_written_once():
     assert not copies, copies
 
 
+def test_the_readers_states_are_words_of_the_same_vocabulary():
+    """'waiting' and 'stale' (what a reader of a folder says beyond its writer's state) are
+    spelled once, in nbwatch/lifecycle.py, beside the run's own states; no module compares
+    with or returns the bare word."""
+    import ast
+
+    from nbwatch.lifecycle import STALE, WAITING, FolderState
+
+    assert {WAITING, STALE} <= set(FolderState) and STALE == "stale"
+    assert not {s.value for s in FolderState} & {s.value for s in RunState}
+    spelled = []
+    for p in (ROOT / "nbwatch").rglob("*.py"):
+        if p.name == "lifecycle.py":
+            continue
+        tree = ast.parse(p.read_text(encoding="utf-8"))
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and n.body
+                and isinstance(n.body[0], ast.Expr)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and node.value in ("waiting", "stale")
+                    and id(node) not in docs):
+                spelled.append(f"{p.relative_to(ROOT)}:{node.lineno}")
+    assert not spelled, spelled
+
+
 # -- one set of options -----------------------------------------------------------------
 def test_options_given_to_the_monitor_hold_in_start_and_start_overrides_them(tmp_path):
     demo = tiny(20)

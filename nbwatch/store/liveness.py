@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..lifecycle import ENDED, LIVE
+from ..lifecycle import ENDED, LIVE, STALE
 from . import DB_NAME, RunReader, writer_alive
 from .lock import heartbeat_alive, read_heartbeat
 
@@ -79,11 +79,11 @@ def run_state(run_dir: Path, meta: dict[str, Any], reader: RunReader | None,
     if state in LIVE:
         alive = _writer_alive(run_dir, meta)
         if alive is not None:
-            return state if alive else "stale"
+            return state if alive else STALE
         try:
             t = last_write(run_dir, reader)
         except sqlite3.OperationalError:  # the writer is creating the schema right now
             t = last_write(run_dir)
         if t is not None and time.time() - t > stale_after:
-            return "stale"
+            return STALE
     return state

@@ -165,6 +165,10 @@ def checked(command: Command) -> Command:
     # what the recorder decided of a rewind (rank 0, before it goes to every rank) is kept
     decided = {k: v for k, v in command.payload.items()
                if command.kind is CommandKind.REWIND and k in REWIND_DECIDED}
+    if "to" in decided:
+        decided["to"] = check_count("to", decided["to"], 0)
+    if "refused" in decided and not isinstance(decided["refused"], str):
+        raise TypeError(f"rewind: refused is a reason (a str), got {decided['refused']!r}")
     given = {k: v for k, v in command.payload.items() if k not in decided}
     try:
         payload = PAYLOADS[command.kind](**given)

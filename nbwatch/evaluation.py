@@ -86,6 +86,8 @@ def check_val(val: Any, source: Literal["log", "val_fn"] = "log") -> Any:
                                  f"value: reduce it first (e.g. .mean()); {how}")
             if v.is_complex():
                 raise TypeError(f"{prefix}{what} is a complex tensor ({v.dtype}); {how}")
+        elif isinstance(v, np.ndarray) and v.size == 1 and v.dtype.kind in "iuf":
+            pass  # a one-element numpy value, as float() takes it (log()'s scalars too)
         elif not real(v):
             raise TypeError(f"{prefix}{what} is a {type(v).__name__} ({short_repr(v)}); {how}")
     if isinstance(val, dict):

@@ -499,3 +499,16 @@ def test_a_bad_val_fn_result_fails_at_step_0_naming_val_fn_and_the_key(
     assert isinstance(got.value.__cause__, error)
     assert (mon.state, mon.step) == ("failed", 0)
     assert "dry run before step 1" in str(mon.error)
+
+
+def test_a_val_fn_returning_numpy_values_is_taken(tiny, tmp_path):
+    """A one-element numpy value (what `np.mean` returns) is a val figure, as `float()` and
+    `log()`'s scalars take it."""
+    import numpy as np
+
+    mon = monitor(tiny, tmp_path)
+    mon.start(tiny_step, tiny[2], max_steps=4, eval_every=2, display=False,
+              val_fn=lambda m: {"loss": np.array(2.5), "acc": np.float32(0.5)})
+    mon.wait()
+    assert mon.df["loss/val"].dropna().tolist() == [2.5, 2.5]
+    assert mon.df["val/acc"].dropna().tolist() == [0.5, 0.5]

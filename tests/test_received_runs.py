@@ -175,6 +175,20 @@ def test_a_baseline_given_from_elsewhere_is_drawn_by_its_monitor_only(tmp_path):
     assert "OTHER-CONFIG-1" not in (tmp_path / "later.html").read_text(encoding="utf-8")
 
 
+def test_a_baseline_beside_a_run_folder_that_is_a_link_is_drawn(made, tmp_path):
+    """`runs/exp1 -> /scratch/exp1` (a run_dir that is a link) with its baseline `runs/exp0`
+    beside the link: that baseline is beside the run, and is drawn."""
+    runs, scratch = tmp_path / "runs", tmp_path / "scratch"
+    runs.mkdir()
+    scratch.mkdir()
+    base = copy_run(made, runs / "exp0")
+    real = copy_run(made, scratch / "exp1", baselines=[str(base)])
+    (runs / "exp1").symlink_to(real)
+    from nbwatch.panels.baseline import resolve
+
+    assert resolve(str(base), runs / "exp1") == runs / "exp0"
+
+
 # 16 -- control characters in what the CLI prints -------------------------------------------
 OSC52 = "\x1b]52;c;cm0gLXJmIH4=\x07"
 CLEAR = "\x1b[2J"

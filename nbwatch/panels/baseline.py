@@ -83,7 +83,10 @@ def _found(path: str, run_dir: Path) -> Path | None:
         return Path(path) if is_run_dir(asked) else None
     name = Path(path).name
     cand = run_dir.parent / name
-    beside = name not in ("", ".", "..") and cand.resolve().parent == here.parent
+    # beside the run as named (runs/exp1, a link to /scratch/exp1) or as it lies: a link
+    # that leads out of those folders is not beside it
+    folders = {here.parent, run_dir.absolute().parent.resolve()}
+    beside = name not in ("", ".", "..") and cand.resolve().parent in folders
     return cand if beside and is_run_dir(cand) and cand.resolve() != here else None
 
 

@@ -7,7 +7,10 @@ Comparing the module tree costs ~0.7 ms for a 12-layer GPT-2 on two CPU cores: t
 for every step. It is compared when something may have changed: torch's global hooks
 mark a module or parameter registered anywhere (`model.head = nn.Linear(...)`), the
 optimizer's groups are counted at every step (cheap), and every `RESCAN_EVERY` seconds
-(a `requires_grad` flipped on, which no hook tells).
+(a `requires_grad` flipped on, which no hook tells). Under torchrun only the optimizer's
+groups are compared: every rank sees them change at the same step, where a clock or a hook
+of one process would re-layer the ranks at different steps (FSDP2's all-reduce of the
+per-parameter norms would then mismatch).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from ..probes.grads import Layers
+from ..probes.sharded import shards_of
 
 RESCAN_EVERY = 30.0  # s: catches a requires_grad switched on with no registration
 
@@ -46,7 +50,7 @@ def of_run(model: nn.Module, optimizer: torch.optim.Optimizer) -> Layers:
             names.append(name)
         params.append(p)
         layer_of.append(names.index(name))
-    return Layers(tuple(names), tuple(params), tuple(layer_of), layers.shards)
+    return Layers(tuple(names), tuple(params), tuple(layer_of), shards_of(tuple(params)))
 
 
 def _groups(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
@@ -56,8 +60,9 @@ def _groups(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
 class LayerWatch:
     """Tells, at a step's pre-hook, whether the layers a run measures changed."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, layers: Layers):
-        self.model, self.opt = model, optimizer
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, layers: Layers,
+                 distributed: bool = False):
+        self.model, self.opt, self.distributed = model, optimizer, distributed
         self._groups = _groups(optimizer)
         self._ids = tuple(id(p) for p in layers.params)
         self._dirty = False
@@ -76,7 +81,8 @@ class LayerWatch:
         """The layers now, where they are not `layers`' (else None)."""
         groups = _groups(self.opt)
         now = time.monotonic()
-        if not (self._dirty or groups != self._groups or now >= self._next):
+        own = not self.distributed and (self._dirty or now >= self._next)
+        if not (own or groups != self._groups):
             return None
         self._dirty, self._groups, self._next = False, groups, now + RESCAN_EVERY
         new = of_run(self.model, self.opt)

@@ -3,9 +3,10 @@
 The factor is divided out after the optimizer step and put back once the scheduler has
 stepped: closed-form schedules (recomputed from base_lrs) and chainable ones (×gamma of
 the current LR) both yield factor × schedule, and the scheduler's own object and
-state_dict stay untouched. A loop without a scheduler that sets `g["lr"]` itself (nanoGPT's
-`get_lr(it)`) is seen at the optimizer's pre-hook: a group's LR that is not the one left
-there is the loop's new value, and the factor goes on it.
+state_dict stay untouched. A loop without a scheduler nbwatch knows does the same between
+its steps: the factor is off after the optimizer's step and back on at its next pre-hook,
+so whatever the loop does to `g["lr"]` in between (nanoGPT's `g["lr"] = get_lr(it)`, a
+`*= gamma`, a scheduler it did not pass) gets the factor once.
 """
 
 from __future__ import annotations
@@ -26,14 +27,13 @@ class LrFactor:
         self._sched_count: int | None = None  # the scheduler's step count at the post-hook
         self._sched_at_end: int | None = None  # … and at the last end of step
         self.explained = False  # a control moved the LR: the next step's change is planned
-        self._left: list[float] | None = None  # the LRs as the factor left them (no scheduler)
 
     def off(self) -> None:
-        """The optimizer stepped: take the factor off, so the scheduler steps the plain
-        schedule."""
+        """The optimizer stepped: take the factor off, so the scheduler (or the loop, without
+        one) moves the plain LR."""
         self._sched_count = ctl.steps_taken(self.sched) if self.sched is not None else None
         c = self.control
-        if self.sched is not None and c.lr_factor != 1.0 and not c.lr_raw:
+        if c.lr_factor != 1.0 and not c.lr_raw:
             ctl.scale_lrs(self.opt, 1.0 / c.lr_factor)
             c.lr_raw = True
 
@@ -46,35 +46,24 @@ class LrFactor:
 
     def on(self, only_if_scheduled: bool = False) -> None:
         """Put the factor back on (at the next step's start, or once the scheduler has
-        stepped where `only_if_scheduled`)."""
+        stepped where `only_if_scheduled`; without a scheduler, only at the step's start:
+        the loop may set the LR in between)."""
         c = self.control
         if not c.lr_raw:
-            if self.sched is None and not only_if_scheduled and c.lr_factor != 1.0:
-                self._onto_loops_lrs()
             return
         if only_if_scheduled:
+            if self.sched is None:
+                return
             n = ctl.steps_taken(self.sched)
             if n is not None and n == self._sched_count:
                 return  # the loop steps its scheduler after log(): the next step puts it on
         ctl.scale_lrs(self.opt, c.lr_factor)
         c.lr_raw = False
 
-    def remember(self) -> None:
-        """The LRs now carry the factor (it was just applied, or a checkpoint loaded)."""
-        self._left = ctl.lrs(self.opt) if self.sched is None else None
-
-    def _onto_loops_lrs(self) -> None:
-        """No scheduler: put the factor on each group whose LR the loop set since the
-        factor was last applied (an LR the loop sets to exactly the value left there reads
-        as unchanged)."""
-        now = ctl.lrs(self.opt)
-        left = self._left
-        if left is not None and len(left) == len(now):
-            f = self.control.lr_factor
-            for g, was, lr in zip(self.opt.param_groups, left, now, strict=True):
-                if lr != was:
-                    ctl.scale_group_lr(g, f)
-        self.remember()
+    def raw_until_next_step(self) -> bool:
+        """Whether a new factor goes on at the next step's start rather than now (no
+        scheduler nbwatch knows: the loop may set the LR before then)."""
+        return self.sched is None
 
     def end_step(self) -> None:
         """The step's end: the scheduler's count, to tell whether it stepped by the next."""

@@ -25,6 +25,12 @@ class OwnClips:
         self._notes: set[str] = set()  # why norms before it could not be known, said
         self._covers: dict[tuple[int, tuple[int, ...]], tuple[int, ...] | None] = {}
 
+    def relayer(self, layers: Layers) -> None:
+        """The run measures these layers from now on (its cache of which parameters a clip
+        covered is of the layers before)."""
+        self.layers = layers
+        self._covers.clear()
+
     def before(self, step: int, host: list[float], layer_of: tuple[int, ...],
                       clips: list, totals: list[float], note: str | None,
                       present: tuple[int, ...] | None = None, layers: Layers | None = None

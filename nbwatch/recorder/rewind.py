@@ -159,7 +159,6 @@ def keep_steering(rec: Rewinding, clip: float | None, factor: float) -> str:
         c.lr_factor = factor
         rec.lr.explained = True
     c.clip = clip
-    rec.lr.remember()
     said = [f"LR ×{factor:g}" if factor != 1.0 else "",
             f"clip {clip:g}" if clip is not None else ""]
     said = [x for x in said if x]

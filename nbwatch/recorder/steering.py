@@ -132,7 +132,8 @@ def sync_ranks(rec: Steered, final: bool = False) -> None:
     rk = rec.ranks
     while True:
         # a rewind's checkpoint is chosen by rank 0, for every rank to reload the same
-        cmds = [resolve_rewind(rec, c) for c in poll_commands(rec)] if d.rank == 0 else []
+        cmds = ([resolve_rewind(rec, c) for c in checked_only(rec, poll_commands(rec))]
+                if d.rank == 0 else [])
         t0 = time.perf_counter()
         rows, cmds = d.exchange(rk.rows, cmds, rec.step, final)
         rk.sync_s = time.perf_counter() - t0
@@ -163,6 +164,18 @@ def record_ranks(rec: Steered, rows: list) -> None:
                 times.setdefault(r, deque(maxlen=50)).append(fwd + data)
     recent = {r: float(np.median(ts)) for r, ts in times.items() if len(ts) >= 20}
     raise_alerts(rec, rec.engine.observe("ranks", rec.step, None, rank_step_times=recent))
+
+
+def checked_only(rec: Steered, cmds: list[Command]) -> list[Command]:
+    """The commands whose arguments check (`controls.checked`); each other one refused now,
+    with its outcome (before rank 0 resolves a rewind and sends it to every rank)."""
+    out = []
+    for cmd in cmds:
+        try:
+            out.append(ctl.checked(cmd))
+        except (TypeError, ValueError) as e:
+            record_outcome(rec, cmd, Refused(str(e)))
+    return out
 
 
 def apply(rec: Steered, cmd: Command) -> None:
@@ -259,14 +272,14 @@ def do_clip(rec: Steered, cmd: Command) -> Outcome:
 def do_scale_lr(rec: Steered, cmd: Command) -> Outcome:
     c, f = rec.control, float(cmd.payload["factor"])
     before = ctl.lrs(rec.opt)[0] * (c.lr_factor if c.lr_raw else 1.0)
-    if not c.lr_raw and rec.lr.scheduler_pending():
-        # the loop steps its scheduler after log(): let it step the plain schedule
+    if not c.lr_raw and (rec.lr.scheduler_pending() or rec.lr.raw_until_next_step()):
+        # the loop steps its scheduler after log(), or sets the LR itself before its next
+        # step: let it move the plain LR; the factor goes on at the next pre-hook
         ctl.scale_lrs(rec.opt, 1.0 / c.lr_factor)
         c.lr_raw = True
     if not c.lr_raw:  # else the factor goes on when the scheduler has stepped
         ctl.scale_lrs(rec.opt, f)
     c.lr_factor *= f
-    rec.lr.remember()
     rec.lr.explained = True  # the next step's record says the change was asked for
     return Applied(f"LR scaled ×{f:g} (factor now {c.lr_factor:g}): "
                    f"{before:.3g} → {before * f:.3g}")

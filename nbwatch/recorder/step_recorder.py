@@ -85,7 +85,8 @@ class StepRecorder:
         self.step = self.start_step = start_step
         self.layers = of_run(model, optimizer)
         self.grad_names, self.ratio_names = grad_names(self.layers), ratio_names(self.layers)
-        self.layer_watch = LayerWatch(model, optimizer, self.layers)  # a model changed mid-run
+        # a model changed mid-run (under torchrun, only where every rank sees it at one step)
+        self.layer_watch = LayerWatch(model, optimizer, self.layers, distributed=dist is not None)
         self.stopping = False
         self.ended = False
         self.log = logging.getLogger(f"nbwatch.run.{store.run_dir.name}.{next(_RUN_IDS)}")
@@ -122,7 +123,7 @@ class StepRecorder:
         said = describe(step, self.layers, new, len(self.opt.param_groups))
         self.layers = new
         self.grad_names, self.ratio_names = grad_names(new), ratio_names(new)
-        self.own_clips.layers = new
+        self.own_clips.relayer(new)
         self.train_logits.rehook()  # the output layer may be a new module
         self._emit(Event(step, "probe", "warning", said,
                          {"layers": list(new.names), "tensors": len(new.params)}))
@@ -291,6 +292,7 @@ class StepRecorder:
         if self.ended:
             return
         self.ended = True
+        self.layer_watch.close()
         for record in (self.flush_deferred, self._say_abandoned,
                        lambda: self._set_state("stopped"), self.expire_pending):
             try:
@@ -339,6 +341,7 @@ class StepRecorder:
         p.move("failed")  # first: recording it below may itself fail (a dead store)
         self.ended = True
         self.train_logits.close()
+        self.layer_watch.close()
         msg, data = f"{type(e).__name__}: {e}", {}
         if self.dist is not None:
             if lost_peer(e):

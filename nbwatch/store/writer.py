@@ -311,7 +311,8 @@ class RunStore(RunReader):
         if kind == "folder":  # nothing left to save
             raise _Damaged(f"{what}; later records are lost")
         if kind == "moved":  # its records are there: say so in it, so it reads failed
-            new = what.rsplit(" was moved to ", 1)[1].split(" while ")[0]
+            now = tamper.moved_to(self._files[0])
+            new = str(now.parent) if now is not None else "another folder"
             said = (f"{what}; the run stops, and what it recorded is in {new}: open_run "
                     f"there, or resume from its checkpoints (run_dir={new!r}, resume=True)")
             with contextlib.suppress(sqlite3.Error):

@@ -114,3 +114,56 @@ def test_a_cut_lr_holds_in_a_loop_that_sets_the_lr_itself(tmp_path):
     for step in range(1, 11):
         want = lr_of(step) * (0.5 if step > 5 else 1.0)
         assert abs(lr.loc[step] - want) < 1e-12, (step, lr.loc[step], want)
+
+
+def test_a_cut_lr_holds_once_under_a_scheduler_the_monitor_was_not_given(tmp_path):
+    """A loop that steps a scheduler of its own (not passed to the Monitor: it scales the
+    current LR, as CosineAnnealingLR does) and is cut ×0.5: the LR used is 0.5 × the plain
+    schedule at every later step, never compounded step after step."""
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4)
+    m, opt = demo.model, torch.optim.SGD(demo.model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=50)
+    plain_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    plain = torch.optim.lr_scheduler.CosineAnnealingLR(plain_opt, T_max=50)
+    want = {}
+    for step in range(1, 13):
+        want[step] = plain_opt.param_groups[0]["lr"]
+        plain_opt.step()
+        plain.step()
+    mon = nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", display=False)
+
+    def train():
+        for step, b in enumerate(itertools.islice(itertools.cycle(demo.train), 12), 1):
+            loss = masked_cross_entropy(m(b["input_ids"]), b["labels"], b["mask"])
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            mon.log(loss=loss)
+            if step == 4:
+                mon.scale_lr(0.5)
+
+    mon.run(train).wait()
+    lr = mon.df["lr"].dropna()
+    for step in range(1, 13):
+        factor = 0.5 if step > 5 else 1.0
+        assert abs(lr.loc[step] - factor * want[step]) < 1e-9, (step, lr.loc[step], want[step])
+
+
+def test_a_rewind_row_with_a_malformed_decided_target_is_refused_not_fatal(tmp_path):
+    """A row that carries what only the recorder decides (`to`, the checkpoint's step) is
+    checked too: a `to` that is not a step is refused, and the run goes on."""
+    from nbwatch.records import Command, CommandKind
+    from nbwatch.store.schema import send_command
+
+    bad = Command(CommandKind.REWIND, {"steps": 1, "skip": 0, "to": "x"})
+
+    def at_step(mon, step):
+        if step == 3:
+            send_command(mon.run_dir, bad)
+            time.sleep(0.4)
+
+    mon = _own_loop_run(tmp_path, 8, at_step)
+    ev = mon.events
+    out = ev[ev.data.map(lambda d: isinstance(d, dict) and d.get("id") == bad.id)]
+    assert out.data.iloc[0]["outcome"] == "refused" and "to must be" in out.data.iloc[0]["reason"]

@@ -167,3 +167,31 @@ def test_a_rewind_row_with_a_malformed_decided_target_is_refused_not_fatal(tmp_p
     ev = mon.events
     out = ev[ev.data.map(lambda d: isinstance(d, dict) and d.get("id") == bad.id)]
     assert out.data.iloc[0]["outcome"] == "refused" and "to must be" in out.data.iloc[0]["reason"]
+
+
+def test_a_cut_lr_still_holds_after_a_resume_in_a_loop_that_sets_the_lr(tmp_path):
+    """A loop that writes the same LR every step, cut ×0.5, stopped and resumed: the resumed
+    run keeps using half the loop's LR (the checkpoint carries the factor and whether it is
+    on the optimizer's LRs)."""
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4)
+    m, opt = demo.model, torch.optim.SGD(demo.model.parameters(), lr=0.1)
+
+    def loop(mon, steps, cut_at=None):
+        for step, b in enumerate(itertools.islice(itertools.cycle(demo.train), steps), 1):
+            for g in opt.param_groups:
+                g["lr"] = 0.1
+            loss = masked_cross_entropy(m(b["input_ids"]), b["labels"], b["mask"])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.log(loss=loss)
+            if step == cut_at:
+                mon.scale_lr(0.5)
+
+    mon = nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", display=False)
+    mon.run(loop, mon, 6, 2).wait()
+    mon2 = nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", display=False, resume=True)
+    mon2.run(loop, mon2, 4).wait()
+    lr = nbwatch.open_run(tmp_path / "r").df["lr"]
+    assert lr.loc[1:3].tolist() == [0.1, 0.1, 0.1]
+    assert lr.loc[4:10].tolist() == [0.05] * 7, lr.tolist()

@@ -8,8 +8,6 @@
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -21,8 +19,8 @@ _LAZY = {
     "Monitor": ".monitor",
     "Run": ".run",
     "open_run": ".run",
-    "attach": ".attach",
-    "compare": ".compare",
+    "attach": ".attached",
+    "compare": ".comparison",
     "launch": ".torchrun",
     "export_html": ".export",
     "to_tensorboard": ".tensorboard",
@@ -35,8 +33,8 @@ __all__ = ["Monitor", "Run", "open_run", "attach", "compare", "export_html", "to
            "masked_cross_entropy", "StopTraining", "load_ipython_extension"]
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the names as if imported eagerly
-    from .attach import attach
-    from .compare import compare
+    from .attached import attach
+    from .comparison import compare
     from .export import export_html
     from .monitor import Monitor
     from .probes.loss import masked_cross_entropy
@@ -61,21 +59,6 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-class _Package(types.ModuleType):
-    """`nbwatch.compare` and `nbwatch.attach` are functions, though `nbwatch/compare.py`
-    and `nbwatch/attach.py` are modules of the same name: importing those modules must not
-    rebind the package's attribute to the module (the import system's `setattr`)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if (name in _LAZY and isinstance(value, types.ModuleType)
-                and value.__name__ == f"{__name__}.{name}"):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def load_ipython_extension(ipython):  # noqa: ANN001 - IPython's own type, imported lazily

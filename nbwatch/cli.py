@@ -239,7 +239,7 @@ def _first_line(e: BaseException | str, limit: int = 200) -> str:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from .compare import LS_COLUMNS, list_runs
+    from .comparison import LS_COLUMNS, list_runs
     from .store.liveness import STALE_AFTER
 
     where = _parse_where(args.where)

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .attach import Attached
+from .attached import Attached
 from .counts import integral
 from .lifecycle import WAITING, RunState
 from .store import check_no_writer, is_run_dir

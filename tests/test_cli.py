@@ -95,11 +95,11 @@ def test_help_and_version_do_not_import_torch():
     lazy = subprocess.run(
         [sys.executable, "-c",
          "import sys, nbwatch; light = 'torch' not in sys.modules\n"
-         "import nbwatch.compare, nbwatch.attach  # the modules of the same names\n"
+         "import nbwatch.comparison, nbwatch.attached  # the modules that define them\n"
          "names = [n for n in nbwatch.__all__ if not callable(getattr(nbwatch, n))]\n"
          "print(light, names, nbwatch.compare.__module__, nbwatch.attach.__module__)"],
         capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert lazy.stdout.split() == ["True", "[]", "nbwatch.compare", "nbwatch.attach"], lazy
+    assert lazy.stdout.split() == ["True", "[]", "nbwatch.comparison", "nbwatch.attached"], lazy
 
 
 def test_version_is_the_installed_one():

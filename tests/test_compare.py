@@ -10,7 +10,7 @@ import torch
 
 import nbwatch
 from nbwatch.cli import main
-from nbwatch.compare import list_runs
+from nbwatch.comparison import list_runs
 from nbwatch.demo import TinyGPT
 from tests.conftest import make_batches, tiny_step
 
@@ -180,7 +180,7 @@ def test_ls_lists_state_steps_best_val_and_config(runs, capsys):
 
 
 def test_list_runs_is_the_frame_ls_prints(runs):
-    from nbwatch.compare import list_runs
+    from nbwatch.comparison import list_runs
 
     df = list_runs(runs, sort="best")
     assert list(df.columns[:9]) == ["run", "state", "steps", "max_steps", "best_val",

@@ -109,7 +109,7 @@ def test_one_command_table_makes_the_api_the_dispatch_and_the_buttons():
     from pathlib import Path
 
     from nbwatch.adapters.base import FitRun
-    from nbwatch.attach import Attached
+    from nbwatch.attached import Attached
     from nbwatch.controls import COMMANDS, Controls
     from nbwatch.recorder.steering import DISPATCH
     from nbwatch.records import CommandKind

@@ -74,7 +74,7 @@ class RunExiting(MonitorState):
         """Say now, before the stop is taken, why the run ends and that it is stopped: the
         process may be killed before the training thread gets to record it."""
         store = self._store
-        if store is None or self.rank != 0:
+        if store is None or self._rank != 0:
             return
         with contextlib.suppress(Exception):  # a dead store: the stop still goes ahead
             store.set_meta("stopped_by", why)

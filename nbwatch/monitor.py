@@ -130,14 +130,14 @@ class Monitor(RunOpening, RunExiting, ctl.Controls, Readout):
         self.scheduler, self.scaler = scheduler, scaler
         # absolute now: a later os.chdir must not send the run (or mon.df) elsewhere
         self.run_dir = (Path(run_dir) if run_dir is not None else default_run_dir(True)).absolute()
-        self.rank = rank()
-        if self.rank == 0:  # under torchrun, rank 0 alone writes the run folder
+        self._rank = rank()
+        if self._rank == 0:  # under torchrun, rank 0 alone writes the run folder
             check_run_dir(self.run_dir)
         self.name = name or self.run_dir.name
         self.config = cfg
-        self.baselines = check_baselines(baseline)  # drawn faded under the loss (issue 24)
-        self.system_interval = system_interval
-        self.on_alert = on_alert
+        self._baselines = check_baselines(baseline)  # drawn faded under the loss (issue 24)
+        self._system_interval = system_interval
+        self._on_alert = on_alert
         self.checkpointer = make_checkpointer(self.run_dir / "checkpoints", keep_last, model,
                                               optimizer)  # FSDP2: sharded, by every rank
         self.control = ctl.ControlState()
@@ -166,7 +166,7 @@ class Monitor(RunOpening, RunExiting, ctl.Controls, Readout):
         self.rewound: Rewound | None = None  # set by log() after a rewind (own loop)
         self.skip_batches = 0  # set by log(): batches the own loop is asked to skip now
         # one home for the run's options: start() overrides them one by one
-        self.options = Options(
+        self._options = Options(
             max_steps=max_steps, hist_every=hist_every, update_every=update_every,
             checkpoint_every=checkpoint_every, log_every=log_every, clip=clip,
             probe_batch=probe_samples(probe_batch, attention_samples), probe_fn=probe_fn,
@@ -184,7 +184,7 @@ class Monitor(RunOpening, RunExiting, ctl.Controls, Readout):
             self.scaler = getattr(given, "scaler", None)
         self._optimizer_watch = OptimizerWatch(self.optimizer, self.model, self)
         if resume:
-            if self.rank == 0:
+            if self._rank == 0:
                 check_no_writer(self.run_dir)  # not another live run's checkpoint
             self._progress.step = self._resumed_step = self._restore_latest()
 
@@ -237,7 +237,7 @@ class Monitor(RunOpening, RunExiting, ctl.Controls, Readout):
         """
         self._check_can_open(resume)
         check_closure_free(self.optimizer)
-        opts = self.options.merged(
+        opts = self._options.merged(
             clip=clip if clip is NOT_GIVEN else ctl.check_clip(clip), hist_every=hist_every,
             update_every=update_every,
             checkpoint_every=checkpoint_every, probe_fn=probe_fn, probe_tokens=probe_tokens,
@@ -272,10 +272,10 @@ class Monitor(RunOpening, RunExiting, ctl.Controls, Readout):
         if not callable(fn):
             raise TypeError(f"run() takes your training loop as a function, got {fn!r}")
         self._check_can_open(resume=self._resumed_step is not None)
-        rec = self._open("run", self.options.spec(), False, self.options, {})
+        rec = self._open("run", self._options.spec(), False, self._options, {})
         rec.rewind_state.can_rewind = True  # the loop and its steps are the user's
         self._in_thread(lambda: rec.guarded(lambda: fn(*args, **kwargs)))
-        return self._after_open(self.options.display)
+        return self._after_open(self._options.display)
 
     def log(self, loss: Any = None, *, mask: torch.Tensor | list[torch.Tensor] | None = None,
             val: Any = None, batch: Any = None, logits: torch.Tensor | None = None,

@@ -35,16 +35,16 @@ class MonitorState:
     scheduler: Any
     scaler: Any
     run_dir: Path
-    rank: int
+    _rank: int
     name: str
     config: dict[str, Any]
-    baselines: list[Path]  # earlier runs the dashboard draws under this one's loss
-    system_interval: float
-    on_alert: Callable[[Any], Any] | None
+    _baselines: list[Path]  # earlier runs the dashboard draws under this one's loss
+    _system_interval: float
+    _on_alert: Callable[[Any], Any] | None
     checkpointer: Any  # Checkpointer, or ShardedCheckpointer under FSDP2
     control: ctl.ControlState
     rules: list[Rule]
-    options: Options  # the run's options: start() overrides them one by one
+    _options: Options  # the run's options: start() overrides them one by one
     rewound: Rewound | None  # set by log() after a rewind (own loop)
     skip_batches: int  # set by log(): batches the own loop is asked to skip now
     _clip_asked: Any  # float | None given (wins over a resumed checkpoint's), or NOT_GIVEN

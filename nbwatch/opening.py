@@ -61,7 +61,7 @@ class RunOpening(MonitorState):
                 "wait() first, or create another Monitor with its own run_dir")
         self._closed.wait()  # the previous run's store and sampler are closed
         self._optimizer_watch.take()  # from a Monitor created on it since, not running
-        if self.rank == 0:
+        if self._rank == 0:
             check_no_writer(self.run_dir)  # before a resume touches the model
         if self._mode is not None and not resume:
             raise RuntimeError(
@@ -73,7 +73,7 @@ class RunOpening(MonitorState):
                    framework: str | None = None) -> StepRecorder:
         """A loop of the user's own, in the foreground: opened at its first optimizer step
         (or by a framework adapter, at the framework's step `start_step`)."""
-        rec = self._open("loop", self.options.spec(), False, self.options,
+        rec = self._open("loop", self._options.spec(), False, self._options,
                          {"framework": framework} if framework else {}, start_step)
         rec.rewind_state.can_rewind = framework is None  # a framework keeps its own step count
         self._framework = framework
@@ -85,7 +85,7 @@ class RunOpening(MonitorState):
         rec.begin()
         self._exc_at_open = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
         atexit.register(self._at_exit)
-        self._after_open(self.options.display)
+        self._after_open(self._options.display)
         return rec
 
     def _record_waiting(self) -> None:
@@ -180,17 +180,17 @@ class RunOpening(MonitorState):
             rec = StepRecorder(
                 spec, self.model, self.optimizer, self.scheduler, self.scaler, store,
                 self.checkpointer, self._commands, self.control, self._progress, start_step,
-                AlertEngine(rules, derive=[mfu]), self.on_alert, dist,
+                AlertEngine(rules, derive=[mfu]), self._on_alert, dist,
             )
             self._recorder, self._mode = rec, mode
             if mode == "start" and start_step:  # the runner skips to where the data stood
                 rec.rewind_state.data_at = self._resumed_data
             self._optimizer_watch.open_run()
-            if self.rank == 0:
+            if self._rank == 0:
                 self._log_handler = open_run_log(rec.log, self.run_dir)
                 self._sampler = SystemSampler(self._record_system,
-                                              self.system_interval).start()
-            if dist is not None and self.rank == 0:
+                                              self._system_interval).start()
+            if dist is not None and self._rank == 0:
                 self._record_sigterm(store)
         except BaseException:  # nothing opened may outlive a start that failed
             self._close_run()
@@ -220,7 +220,7 @@ class RunOpening(MonitorState):
         atexit.register(self._stop_at_exit)
 
     def _after_open(self, display: bool | None) -> Any:
-        if self.rank != 0:
+        if self._rank != 0:
             return self
         remember(self)  # `%nbwatch` shows the newest run
         if display is None:
@@ -251,7 +251,7 @@ class RunOpening(MonitorState):
 
     def _recorded_step(self) -> int:
         """The last step the run folder holds (0 for a new or empty folder; rank 0 reads)."""
-        if self.rank != 0 or not is_run_dir(self.run_dir):
+        if self._rank != 0 or not is_run_dir(self.run_dir):
             return 0
         return Run(self.run_dir).step
 
@@ -347,7 +347,7 @@ class RunOpening(MonitorState):
         if self.control.clip is not None:  # a setting of the run: compare() shows it
             config.setdefault("clip", self.control.clip)
         store.set_meta("config", config)
-        baselines = getattr(self, "baselines", [])
+        baselines = getattr(self, "_baselines", [])
         store.set_meta("baselines", [str(p) for p in baselines])
         allow_baselines(self.run_dir, baselines)  # given here: drawn even if not beside it
         store.set_meta("environment", environment(names))

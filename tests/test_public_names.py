@@ -17,11 +17,11 @@ MONITOR = ["branches", "checkpoint", "close", "closed", "df", "diagnose", "error
            "start", "state", "step", "stop", "stopping", "submit", "system", "traceback",
            "wait", "wait_closed"]
 
-# what a Monitor holds (the README documents model, optimizer, run_dir, name, config,
-# rewound, skip_batches; the others serve the adapters and the widget)
-MONITOR_DATA = ["baselines", "checkpointer", "config", "control", "model", "name",
-                "on_alert", "optimizer", "options", "rank", "rewound", "rules", "run_dir",
-                "scaler", "scheduler", "skip_batches", "system_interval"]
+# what a Monitor holds (the guide documents model, optimizer, run_dir, name, config,
+# rewound, skip_batches; checkpointer, control, rules, scheduler and scaler serve the
+# adapters, the widget and tests; the rest of its state is private)
+MONITOR_DATA = ["checkpointer", "config", "control", "model", "name", "optimizer",
+                "rewound", "rules", "run_dir", "scaler", "scheduler", "skip_batches"]
 
 
 def test_the_package_exports_what_it_documents():

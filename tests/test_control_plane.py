@@ -206,12 +206,12 @@ def test_a_command_that_passes_the_state_check_as_the_run_ends_is_refused(tmp_pa
     """stop() read `running` a moment before the run ended (its state check passed): the
     run's queue is closed by then, so it is refused at the call, never kept for the next
     run (which stopped at once, with nobody pressing Stop)."""
-    import nbwatch.monitor
+    import nbwatch.monitor.session
 
     demo = tiny(40)
     mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "r")
     mon.start(demo.step_fn, demo.train, 20, display=False).wait()
-    monkeypatch.setattr(nbwatch.monitor, "refuse_early", lambda *a: None)  # the window
+    monkeypatch.setattr(nbwatch.monitor.session, "refuse_early", lambda *a: None)  # the window
     with pytest.raises(RuntimeError, match="stop refused: the run has just ended"):
         mon.stop()
     monkeypatch.undo()

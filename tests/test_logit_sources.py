@@ -174,7 +174,7 @@ def test_the_hook_goes_when_the_final_checkpoint_fails(tmp_path):
             opt.step()
             opt.zero_grad()
             mon.log(loss=1.0)
-        mon._recorder.ckpt.save = full_disk
+        mon._session.recorder.ckpt.save = full_disk
     assert not model.head._forward_hooks
 
 

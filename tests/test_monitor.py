@@ -386,10 +386,10 @@ def test_a_store_that_stops_writing_fails_the_run_loudly(tiny, tmp_path):
     mon.start(slow_step, tiny[2], max_steps=10_000, display=False)
     # steps are recorded in batches (within RECORD_EVERY_S of their end): wait for some
     until(lambda: len(nbwatch.open_run(mon.run_dir).df) >= 3, what="3 steps committed")
-    mon._store.flush()
+    mon._session.store.flush()
     with pytest.raises(TypeError, match="cannot store a object"):
-        mon._store.put(object())  # refused at once, not lost with a whole batch
-    mon._store._wcon.close()  # the disk goes away: the writer thread fails
+        mon._session.store.put(object())  # refused at once, not lost with a whole batch
+    mon._session.store._wcon.close()  # the disk goes away: the writer thread fails
     # closing the last connection also deletes the WAL: the writer may see that first
     with pytest.raises(RuntimeError, match="stopped writing|write-ahead log .* was deleted"):
         mon.wait()

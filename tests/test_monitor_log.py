@@ -16,7 +16,7 @@ import torch
 
 import nbwatch
 from nbwatch.demo import TinyGPT
-from nbwatch.inputs import log_figures
+from nbwatch.monitor.inputs import log_figures
 
 from .conftest import make_batches, until
 

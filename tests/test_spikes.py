@@ -201,7 +201,7 @@ def test_batch_identity_hash_accumulation_and_ring(tmp_path):
     recorders = []
 
     def step_fn(m, b):
-        recorders.append(mon._recorder)  # the run's recorder, read after it ends
+        recorders.append(mon._session.recorder)  # the run's recorder, read after it ends
         return m(b % 12).square().mean()
 
     mon.start(step_fn, batches, max_steps=40, accumulate=2, display=False)

@@ -532,7 +532,7 @@ def test_a_run_dir_too_long_for_sqlite_is_refused_when_the_monitor_is_made(tmp_p
     included): Monitor(...) refuses such a run_dir at once, naming its length and the
     limit; the longest one it accepts records, reopens and exports."""
     from nbwatch.demo import TinyGPT
-    from nbwatch.options import MAX_RUN_DIR_BYTES
+    from nbwatch.monitor.options import MAX_RUN_DIR_BYTES
     from tests.conftest import make_batches, tiny_step
 
     def path_of(n: int) -> Path:  # a folder path of exactly n bytes, in parts of ≤ 200

@@ -172,7 +172,7 @@ class Adapter:
 
     def __init__(self, run_dir: str | os.PathLike | None = None,
                  config: dict[str, Any] | None = None, **monitor_kwargs: Any):
-        from ..inputs import as_config, default_run_dir
+        from ..monitor.inputs import as_config, default_run_dir
 
         self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
         self._named_here = run_dir is None  # by this rank's clock: rank 0's at the fit
@@ -285,7 +285,7 @@ class Adapter:
     def _check_fresh(self, resuming: bool, how: str) -> None:
         """A fit from step 0 must not write over the run a folder holds (the Monitor would
         refuse it too, naming its own way to resume, not the framework's)."""
-        from ..inputs import rank
+        from ..monitor.inputs import rank
 
         if resuming or rank() != 0:
             return
@@ -378,7 +378,7 @@ class Adapter:
     def _prepare(self, api: str, trainer: Any, resuming: bool, how: str) -> None:
         """start()'s checks, all before anything is taken: no fit of this callback running,
         a folder it may write, no run there it would write over, no other writer."""
-        from ..inputs import check_run_dir
+        from ..monitor.inputs import check_run_dir
         from ..store import check_no_writer
 
         with self._taking:

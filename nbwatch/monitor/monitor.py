@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -21,42 +19,36 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import controls as ctl
-from .adapters.port import ExternalLoop
-from .alerts.engine import configure, default_rules
-from .controls import refuse_early
-from .exiting import RunExiting
+from .. import controls as ctl
+from ..adapters.port import ExternalLoop
+from ..checkpoint import Checkpointer
+from ..distributed import NullStore
+from ..lifecycle import RunState
+from ..notebook import in_notebook, remember
+from ..ownership import refuse_in_training_thread
+from ..recorder import Rewound, StopTraining
+from ..records import Command
+from ..run import Readout, Run, started_run
+from ..runner import Runner
+from ..store import RunStore
+from .background import TrainingThread
+from .exiting import ProcessExit
 from .inputs import (
     check_closure_free,
-    check_monitor,
-    check_run_dir,
     check_start,
     check_val,
-    default_run_dir,
     log_figures,
     mask_samples,
     probe_samples,
-    rank,
 )
-from .lifecycle import LIVE, RunState
-from .notebook import in_notebook
-from .opening import RunOpening
-from .optimizer_hooks import OptimizerWatch, hooked_optimizer, inner_scheduler
 from .options import NOT_GIVEN, Options, check_every, check_peak_flops
-from .ownership import refuse_in_training_thread
-from .panels.baseline import check as check_baselines
-from .probes.system import SystemSampler
-from .recorder import Progress, Rewound, StepRecorder, StopTraining
-from .records import Command, CommandKind
-from .run import Readout, Run, started_run
-from .runner import Runner
-from .sharded_checkpoint import make_checkpointer
-from .store import RunStore, check_no_writer
+from .session import RunSession
+from .setup import Setup
 
 log = logging.getLogger("nbwatch")
 
 
-class Monitor(RunOpening, RunExiting, ctl.Controls, Readout):
+class Monitor(ctl.Controls, Readout):
     """Train in a background thread while every step is measured into `run_dir`.
 
     >>> mon = nbwatch.Monitor(model, optimizer, scheduler, run_dir="runs/exp1", config=args)
@@ -121,52 +113,14 @@ class Monitor(RunOpening, RunExiting, ctl.Controls, Readout):
         peak_flops: float | None = None,
         baseline: str | os.PathLike | list[str | os.PathLike] | None = None,
     ):
-        cfg = check_monitor(model, optimizer, scheduler, config, keep_last, system_interval,
-                            on_alert)
         check_every(max_steps=max_steps, checkpoint_every=checkpoint_every,
                     update_every=update_every, probe_every=probe_every)
-        self.rules = configure(default_rules(), alerts)  # validates the overrides now
-        self.model, self.optimizer = model, optimizer
-        self.scheduler, self.scaler = scheduler, scaler
-        # absolute now: a later os.chdir must not send the run (or mon.df) elsewhere
-        self.run_dir = (Path(run_dir) if run_dir is not None else default_run_dir(True)).absolute()
-        self._rank = rank()
-        if self._rank == 0:  # under torchrun, rank 0 alone writes the run folder
-            check_run_dir(self.run_dir)
-        self.name = name or self.run_dir.name
-        self.config = cfg
-        self._baselines = check_baselines(baseline)  # drawn faded under the loss (issue 24)
-        self._system_interval = system_interval
-        self._on_alert = on_alert
-        self.checkpointer = make_checkpointer(self.run_dir / "checkpoints", keep_last, model,
-                                              optimizer)  # FSDP2: sharded, by every rank
-        self.control = ctl.ControlState()
-        # clip= given: wins over a resumed checkpoint's (NOT_GIVEN: the checkpoint's holds)
-        self._clip_asked = ctl.check_clip(clip) if clip is not None else NOT_GIVEN
-        self._commands = ctl.CommandQueue()
-        self._progress = Progress()
-        self._store: RunStore | None = None
-        self._thread: threading.Thread | None = None
-        self._done: threading.Event | None = None  # set when the training thread ends
-        self._pid = os.getpid()  # a forked child never ends this Monitor's run
-        self._closed = threading.Event()  # set when the run's store and sampler are closed
-        self._closed.set()
-        self._sampler: SystemSampler | None = None
-        self._log_handler: logging.Handler | None = None
-        self._finalizer: threading.Thread | None = None
-        self._recorder: StepRecorder | None = None
-        self._mode: str | None = None  # "start" | "run" | "loop" once a run was opened
-        self._stop_asked = False
-        self._resumed_step: int | None = None
-        self._progress_start = 0
-        self._exc_at_open: BaseException | None = None
-        self._loop_thread: threading.Thread | None = None  # where an own loop's log() runs
-        self._cell_hook: Callable[[], None] | None = None  # see opening._open_loop
-        self._framework: str | None = None  # an adapter's loop ("hf", "lightning")
-        self.rewound: Rewound | None = None  # set by log() after a rewind (own loop)
-        self.skip_batches = 0  # set by log(): batches the own loop is asked to skip now
+        self._setup = setup = Setup.of(
+            model, optimizer, scheduler, run_dir, config, scaler=scaler, name=name,
+            keep_last=keep_last, system_interval=system_interval, alerts=alerts,
+            on_alert=on_alert, baseline=baseline)
         # one home for the run's options: start() overrides them one by one
-        self._options = Options(
+        options = Options(
             max_steps=max_steps, hist_every=hist_every, update_every=update_every,
             checkpoint_every=checkpoint_every, log_every=log_every, clip=clip,
             probe_batch=probe_samples(probe_batch, attention_samples), probe_fn=probe_fn,
@@ -175,18 +129,60 @@ class Monitor(RunOpening, RunExiting, ctl.Controls, Readout):
             attention_tokens=attention_tokens, rank_every=rank_every,
             dist_timeout=dist_timeout, display=display,
             peak_flops=check_peak_flops(peak_flops))
-        # the hooks go on the optimizer behind a framework's wrapper (accelerate's), and the
-        # scheduler read is the one behind its wrapper; with it, accelerate's GradScaler
-        given = self.optimizer
-        self.optimizer = hooked_optimizer(given)
-        self.scheduler = inner_scheduler(self.scheduler)
-        if self.optimizer is not given and self.scaler is None:
-            self.scaler = getattr(given, "scaler", None)
-        self._optimizer_watch = OptimizerWatch(self.optimizer, self.model, self)
+        self._session = session = RunSession(setup, options, on_loop_open=self._loop_opened,
+                                             on_distributed=self._distributed_opened)
+        if clip is not None:  # wins over a resumed checkpoint's
+            session.clip_asked = ctl.check_clip(clip)
+        self._thread = TrainingThread()
+        self._exit = ProcessExit(session, self._thread, self.send)
+        self.rewound: Rewound | None = None  # set by log() after a rewind (own loop)
+        self.skip_batches = 0  # set by log(): batches the own loop is asked to skip now
         if resume:
-            if self._rank == 0:
-                check_no_writer(self.run_dir)  # not another live run's checkpoint
-            self._progress.step = self._resumed_step = self._restore_latest()
+            session.resume_now()
+
+    # -- what it was given (read-only) ---------------------------------------------------
+    @property
+    def model(self) -> nn.Module:
+        return self._setup.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer that takes nbwatch's hooks (the one behind a framework's wrapper)."""
+        return self._setup.optimizer
+
+    @property
+    def scheduler(self) -> Any:
+        return self._setup.scheduler
+
+    @property
+    def scaler(self) -> Any:
+        return self._setup.scaler
+
+    @property
+    def run_dir(self) -> Path:  # type: ignore[override]
+        return self._setup.run_dir
+
+    @property
+    def name(self) -> str:
+        return self._setup.name
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self._setup.config
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        return self._setup.checkpointer
+
+    @property
+    def control(self) -> ctl.ControlState:
+        """What the controls have set (clip, LR factor, paused); saved in checkpoints."""
+        return self._setup.control
+
+    @property
+    def rules(self) -> list:
+        """The alert rules in force (the defaults with `alerts=` applied)."""
+        return self._setup.rules
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(
@@ -235,9 +231,10 @@ class Monitor(RunOpening, RunExiting, ctl.Controls, Readout):
         `display`): given here, they override the Monitor's for this run; left out, the
         Monitor's hold.
         """
-        self._check_can_open(resume)
+        session = self._session
+        session.check_can_open(resume)
         check_closure_free(self.optimizer)
-        opts = self._options.merged(
+        opts = session.options.merged(
             clip=clip if clip is NOT_GIVEN else ctl.check_clip(clip), hist_every=hist_every,
             update_every=update_every,
             checkpoint_every=checkpoint_every, probe_fn=probe_fn, probe_tokens=probe_tokens,
@@ -247,19 +244,19 @@ class Monitor(RunOpening, RunExiting, ctl.Controls, Readout):
         if probe_batch is not NOT_GIVEN:
             opts = replace(opts, probe_batch=probe_samples(probe_batch, opts.attention_samples))
         if clip is not NOT_GIVEN:  # None given turns a Monitor's clip off for this run
-            self._clip_asked = opts.clip
+            session.clip_asked = opts.clip
         max_steps, eval_every, accumulate = check_start(
             step_fn, train_data, max_steps, val_fn, eval_every, opts.checkpoint_every, accumulate)
         spec = replace(
             opts.spec(), step_fn=step_fn, train_data=train_data, max_steps=max_steps,
             val_fn=val_fn, eval_every=eval_every, sample_fn=sample_fn, accumulate=accumulate,
             dry_run=dry_run)
-        rec = self._open("start", spec, resume, opts,
+        rec = session.open("start", spec, resume, opts,
                          {"eval_every": eval_every, "accumulate": accumulate,
                           "hist_every": opts.hist_every})
         self.model.train()
         self._in_thread(Runner(spec, rec).run)
-        return self._after_open(opts.display)
+        return self._shown(opts.display)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Monitor:
         """Run `fn(*args, **kwargs)`, a training loop of your own that calls `log()` once
@@ -271,11 +268,12 @@ class Monitor(RunOpening, RunExiting, ctl.Controls, Readout):
         """
         if not callable(fn):
             raise TypeError(f"run() takes your training loop as a function, got {fn!r}")
-        self._check_can_open(resume=self._resumed_step is not None)
-        rec = self._open("run", self._options.spec(), False, self._options, {})
+        session = self._session
+        session.check_can_open(resume=session.resumed_step is not None)
+        rec = session.open("run", session.options.spec(), False, session.options, {})
         rec.rewind_state.can_rewind = True  # the loop and its steps are the user's
         self._in_thread(lambda: rec.guarded(lambda: fn(*args, **kwargs)))
-        return self._after_open(self._options.display)
+        return self._shown(session.options.display)
 
     def log(self, loss: Any = None, *, mask: torch.Tensor | list[torch.Tensor] | None = None,
             val: Any = None, batch: Any = None, logits: torch.Tensor | None = None,
@@ -298,11 +296,12 @@ class Monitor(RunOpening, RunExiting, ctl.Controls, Readout):
         raises `nbwatch.StopTraining` (after a final checkpoint) to end the loop.
         Returns the step number recorded, or after a rewind the checkpoint's step the
         weights are now at (`mon.rewound` then says it, and how many batches to skip)."""
-        rec = self._recorder_for_log()
+        session = self._session
+        rec = session.recorder_for_log(self._thread.thread)
         with rec.own:
             rec.note_logged_batch(batch, scalars)  # takes epoch=/index= given with a batch
             host, names, parts, lengths = log_figures(loss, mask, scalars,
-                                                      first=rec.step == self._progress_start,
+                                                      first=rec.step == session.progress_start,
                                                       logits=logits, source=rec.train_logits)
             val = check_val(val)
         samples = mask_samples(mask)
@@ -310,7 +309,7 @@ class Monitor(RunOpening, RunExiting, ctl.Controls, Readout):
                                reduction="as computed by the training loop (mon.log)")
         if rec.boundary():
             rec.finish("stopped")
-            if self._mode == "loop":
+            if session.mode == "loop":
                 self._end_loop(None)  # closed now, not at exit: a new run can start
             raise StopTraining(f"run {self.name!r} stopped at step {step}, final checkpoint "
                                "written (mon.run() and `with mon:` end the loop cleanly)")
@@ -326,8 +325,7 @@ class Monitor(RunOpening, RunExiting, ctl.Controls, Readout):
     @property
     def stopping(self) -> bool:
         """True once a stop was asked: a loop may check it to clean up and return."""
-        rec = self._recorder
-        return self._stop_asked or (rec is not None and rec.stopping)
+        return self._session.stopping
 
     def close(self) -> None:
         """End a loop run in the foreground (finished, or stopped if a stop was asked),
@@ -335,7 +333,7 @@ class Monitor(RunOpening, RunExiting, ctl.Controls, Readout):
         self._end_loop(None)
 
     def __enter__(self) -> Monitor:
-        if self._mode == "loop" and self._recorder is None:  # its run ended: no second one
+        if self._session.mode == "loop" and self._session.recorder is None:  # it ended
             raise RuntimeError(
                 f"this Monitor's run is {self.state} at step {self.step}, and a loop of your "
                 "own records one run a Monitor: create a new Monitor (with resume=True and "
@@ -343,31 +341,44 @@ class Monitor(RunOpening, RunExiting, ctl.Controls, Readout):
         return self
 
     def __exit__(self, et: Any, exc: BaseException | None, tb: Any) -> bool:
-        if self._mode == "loop":
+        if self._session.mode == "loop":
             self._end_loop(exc)
-        elif self._done is not None and exc is None:
+        elif self._thread.started and exc is None:
             self.wait()
         return isinstance(exc, StopTraining)  # a stop ends the block cleanly
 
-    # -- what the optimizer's hooks ask (optimizer_hooks.OptimizerWatch) ---------------
-    def _recorder_for_step(self, open_loop: bool = True) -> StepRecorder | None:
-        """The recorder an optimizer step goes to: the run's; with `open_loop`, a loop of
-        your own opens its run at its first step; None once this Monitor's run ended."""
-        rec = self._recorder
-        if rec is None and open_loop and self._mode is None:
-            rec = self._open_loop()
-        return rec
+    # -- how the parts are tied together ------------------------------------------------
+    def _in_thread(self, target: Callable[[], Any]) -> None:
+        self._thread.start(target, f"nbwatch-train-{self.name}", on_end=self._thread_ended)
+        self._exit.arm_thread()
 
-    def _clips_are_the_loops(self) -> bool:
-        """A clip of this model's gradients is the loop's own: no framework adapter (which
-        measures before its framework clips) and not nbwatch's runner (which clips itself),
-        and a run that is open, or opens at the loop's first optimizer step."""
-        if self._framework is not None or self._mode == "start":
-            return False
-        if self._mode is None:
-            return True
-        rec = self._recorder
-        return rec is not None and not rec.ended
+    def _thread_ended(self) -> None:
+        """The training thread ended: close what its run opened (in the finisher thread)."""
+        self._session.close_run()
+        self._exit.disarm_thread()
+
+    def _loop_opened(self) -> None:
+        self._exit.arm_loop()
+        self._shown(self._session.options.display)
+
+    def _distributed_opened(self, store: RunStore | NullStore) -> None:
+        self._exit.record_sigterm(store)
+
+    def _end_loop(self, exc: BaseException | None) -> None:
+        """End a foreground loop run: finished, stopped, or failed with `exc`."""
+        if self._session.mode == "loop" and self._session.recorder is not None:
+            self._exit.disarm_loop()
+        self._session.end_loop(exc)
+
+    def _shown(self, display: bool | None) -> Monitor:
+        if self._setup.rank != 0:
+            return self
+        remember(self)  # `%nbwatch` shows the newest run
+        if display is None:
+            display = in_notebook()
+        if display:
+            self.show()
+        return self
 
     def wait(self, timeout: float | None = None) -> Monitor:
         """Block until training ends; re-raise the exception that ended it, if any.
@@ -375,41 +386,24 @@ class Monitor(RunOpening, RunExiting, ctl.Controls, Readout):
         In a notebook this blocks the cell, and widget clicks wait until it returns.
         Ctrl-C ("Interrupt kernel") ends the wait, not the run.
         """
-        if self._done is None:
-            raise RuntimeError("wait() before start() or run(): nothing runs in the background")
-        refuse_in_training_thread("wait()", (self._thread, self._finalizer))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        # Event.wait, not Thread.join: an interrupted join can mark a live thread stopped
-        while not self._done.wait(0.1 if deadline is None
-                                  else max(0.0, min(0.1, deadline - time.monotonic()))):
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"training still running at step {self.step} after {timeout}s")
-        # The thread has finished its work: join it so that nothing of it runs while the
-        # interpreter shuts down (torch aborts a process whose thread outlives it).
-        for t in (self._thread, self._finalizer):
-            if t is not None:
-                t.join()
-        if self._progress.error is not None:
-            raise self._progress.error.with_traceback(self._progress.error_tb)
+        self._thread.wait(timeout, lambda: self.step)
+        progress = self._session.progress
+        if progress.error is not None:
+            raise progress.error.with_traceback(progress.error_tb)
         return self
 
     # -- controls (applied by the recorder between steps) ----------------------------------
     def set_clip(self, max_norm: float | None) -> str | None:
         """Clip the global gradient norm to `max_norm` from the next step (None: no
         clipping). Before the run starts, it applies from step 1 (and returns None)."""
-        if not self.running and self._mode is None:
-            self._clip_asked = ctl.check_clip(max_norm)
-            self.control.clip = self._clip_asked
+        if not self.running and self._session.mode is None:
+            self._session.clip_asked = self.control.clip = ctl.check_clip(max_norm)
             return None
         return super().set_clip(max_norm)
 
     def submit(self, command: Command) -> None:
         """Queue `command` for the next step boundary (refused now if it cannot apply)."""
-        refuse_early(command, self.state, self.running, self._framework)
-        if command.kind == CommandKind.STOP:
-            self._stop_asked = True
-        self._commands.put(command)
+        self._session.submit(command)
 
     # -- a loop nbwatch does not run (nbwatch/adapters/port.py) ---------------------------------
     def open_external(self, framework: str, start_step: int | None = None, *,
@@ -423,51 +417,52 @@ class Monitor(RunOpening, RunExiting, ctl.Controls, Readout):
         adapter calls `measure()`); `commands`: the queue a handle filled before the fit
         began."""
         if commands is not None:
-            self._commands = commands
-        rec = self._open_loop(start_step, framework)
+            self._session.commands = commands
+        rec = self._session.open_loop(start_step, framework)
         rec.save_fn, rec.framework_clip, rec.hook_measures = save, clip, measure_in_hook
         return ExternalLoop(rec, self._end_loop)
 
     @property
     def closed(self) -> bool:
         """No run is open: the store, the sampler and the folder's writer lock are given back."""
-        return self._closed.is_set()
+        return self._session.closed.is_set()
 
     def wait_closed(self, timeout: float | None = None) -> bool:
         """Block until the run's store and sampler are closed; False on a timeout."""
-        refuse_in_training_thread("wait_closed()", (self._thread, self._finalizer))
-        return self._closed.wait(timeout)
+        refuse_in_training_thread("wait_closed()", self._thread.threads)
+        return self._session.closed.wait(timeout)
 
     # -- what the caller reads ----------------------------------------------------------
     @property
     def step(self) -> int:
         """Steps completed so far."""
-        return self._progress.step
+        return self._session.step
 
     @property
     def state(self) -> RunState:
         """A `RunState` (compares equal to its name): 'created', 'starting', 'running',
         'paused', 'stopping', 'stopped', 'finished' or 'failed'."""
-        return self._progress.state
+        return self._session.state
 
     @property
     def running(self) -> bool:
         """The run is open and neither ended nor failed (paused counts as running)."""
-        return self._recorder is not None and self._progress.state in LIVE
+        return self._session.running
 
     @property
     def error(self) -> BaseException | None:
-        return self._progress.error
+        return self._session.progress.error
 
     @property
     def traceback(self) -> str | None:
-        return self._progress.traceback
+        return self._session.progress.traceback
 
     def _run(self) -> Run | None:
-        self._record_waiting()
-        if self._store is not None:
+        self._session.record_waiting()
+        store = self._session.store
+        if store is not None:
             with contextlib.suppress(RuntimeError):  # a failed writer: read what it committed
-                self._store.flush()
+                store.flush()
         return started_run(self.run_dir)
 
     def preflight(self, step_fn: Callable[[nn.Module, Any], Any], data: Iterable,
@@ -482,5 +477,3 @@ class Monitor(RunOpening, RunExiting, ctl.Controls, Readout):
     def __repr__(self) -> str:
         return f"<nbwatch.Monitor {self.name!r} {self.state} at step {self.step} in {self.run_dir}>"
 
-
-_in_notebook = in_notebook  # the name older code imports

@@ -64,20 +64,20 @@ def inner_scheduler(scheduler: Any) -> Any:
 
 
 class Owner(Protocol):
-    """What the hooks ask of the Monitor they serve."""
+    """What the hooks ask of the run they serve (a Monitor's `RunSession`)."""
 
-    name: str
-
+    @property
+    def name(self) -> str: ...
     @property
     def step(self) -> int: ...
     @property
     def state(self) -> Any: ...
     @property
     def running(self) -> bool: ...
-    def _recorder_for_step(self, open_loop: bool = True) -> Any:
+    def recorder_for_step(self, open_loop: bool = True) -> Any:
         """The recorder this optimizer step goes to (with `open_loop`, a loop's run opens
         at its first), or None (the Monitor's run has ended, or none is open)."""
-    def _clips_are_the_loops(self) -> bool:
+    def clips_are_the_loops(self) -> bool:
         """Whether a clip of the model's gradients now is the loop's own."""
 
 
@@ -139,7 +139,7 @@ class OptimizerWatch:
 
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._inside_step = threading.get_ident()
-        rec = self.owner._recorder_for_step()
+        rec = self.owner.recorder_for_step()
         if rec is None:
             return  # this Monitor's run has ended: later steps are not recorded
         clips, note = self.clips.take(self.owner.step) if rec.hook_measures else ([], None)
@@ -147,7 +147,7 @@ class OptimizerWatch:
 
     def _post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._inside_step = None
-        rec = self.owner._recorder_for_step(open_loop=False)
+        rec = self.owner.recorder_for_step(open_loop=False)
         if rec is not None:
             rec.post_step()
 
@@ -169,7 +169,7 @@ class OptimizerWatch:
     def saw_clip(self, params: list, max_norm: float, total: torch.Tensor) -> None:
         """A clip of this model's gradients just scaled them: noted for the next step (on
         the run's clock of nbwatch's own time, once it is open)."""
-        rec = self.owner._recorder_for_step(open_loop=False)
+        rec = self.owner.recorder_for_step(open_loop=False)
         with rec.own if rec is not None else contextlib.nullcontext():
             self.clips.saw(self.owner.step, params, max_norm, total)
 
@@ -265,7 +265,7 @@ def _observe(params: list, max_norm: Any, total: Any) -> None:
         return
     for watch in list(_WATCHERS):
         if id(first) in watch.param_ids:
-            if watch.owner._clips_are_the_loops():
+            if watch.owner.clips_are_the_loops():
                 watch.saw_clip(params, max_norm, total)
             return
 

@@ -1,24 +1,27 @@
 """How a run ends when its process does: the interpreter's exit under a running
 training thread, a script's loop that ended without `with`/close(), and torchrun's
-SIGTERM. A part of `Monitor`: the state it reads and sets is declared in
-monitor_state.py."""
+SIGTERM. A part of `Monitor`: it reads the run's session and training thread, and registers
+itself with `atexit` while a run may need it."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-from .distributed import NullStore
-from .monitor_state import MonitorState
-from .notebook import in_notebook
-from .ownership import forked_from
-from .records import Event
-from .store import RunStore
+from ..distributed import NullStore
+from ..notebook import in_notebook
+from ..ownership import forked_from
+from ..records import Event
+from ..store import RunStore
+from .background import TrainingThread
+from .session import RunSession
 
 
 def exit_budget() -> float:
@@ -27,22 +30,43 @@ def exit_budget() -> float:
     return 2.0 if in_notebook() else 300.0
 
 
-class RunExiting(MonitorState):
-    """Ending a Monitor's run as its process ends (see `Monitor` for the attributes)."""
+class ProcessExit:
+    """Ending a Monitor's run as its process ends. `send(kind, source=...)` sends a command
+    as the Monitor's API does."""
 
-    def _stop_at_exit(self) -> None:
+    def __init__(self, session: RunSession, thread: TrainingThread,
+                 send: Callable[..., str]) -> None:
+        self._session = session
+        self._thread = thread
+        self._send = send
+        self._pid = os.getpid()  # a forked child never ends this Monitor's run
+
+    def arm_thread(self) -> None:
+        """A run trains in the background: stop it if the interpreter exits under it."""
+        atexit.register(self.stop_at_exit)
+
+    def disarm_thread(self) -> None:
+        atexit.unregister(self.stop_at_exit)
+
+    def arm_loop(self) -> None:
+        """A loop of one's own opened its run: record how the process ends it."""
+        atexit.register(self.at_exit)
+
+    def disarm_loop(self) -> None:
+        atexit.unregister(self.at_exit)
+
+    def stop_at_exit(self) -> None:
         """The interpreter is exiting while the run trains (a script that did not wait(),
         a notebook's kernel shut down or restarted): stop it as the Stop button does — a
         stop checkpoint, state `stopped` — and say so, rather than let the process abort
         under a running thread."""
         if forked_from(self._pid):
             return
-        done = self._done
+        done = self._thread.done
         if done is None or done.is_set():
-            if self._finalizer is not None:  # it may be folding the store's WAL right now
-                self._finalizer.join(exit_budget())
+            self._thread.join_finisher(exit_budget())
             return
-        self._stop_for_exit(done, (self._thread, self._finalizer))
+        self._stop_for_exit(done, self._thread.threads)
 
     def _stop_for_exit(self, ended: threading.Event,
                        threads: tuple[threading.Thread | None, ...] = ()) -> None:
@@ -53,54 +77,57 @@ class RunExiting(MonitorState):
         the stop checkpoint and the store's close get what is left of `exit_budget()`."""
         kernel = in_notebook()
         what = "the kernel shut down" if kernel else "the program exited"
-        why = f"{what.removeprefix('the ')} at step {self.step}"
+        run = self._session
+        why = f"{what.removeprefix('the ')} at step {run.step}"
         self._record_ending(why)
         with contextlib.suppress(RuntimeError):  # it ended a moment ago
-            self.send("stop", source="exit")
+            self._send("stop", source="exit")
         deadline = time.monotonic() + exit_budget()
         ended.wait(max(0.0, deadline - time.monotonic()))
         for t in threads:
             if t is not None:
                 t.join(max(0.0, deadline - time.monotonic()))
         done = ended.is_set()
-        print(f"nbwatch: {what} while run {self.name!r} was training; it was stopped at step "
-              f"{self.step} ({self.state}), "
+        print(f"nbwatch: {what} while run {run.setup.name!r} was training; it was stopped at "
+              f"step {run.step} ({run.state}), "
               f"{'with a checkpoint' if done else 'before its stop checkpoint was written'}, "
-              f"in {self.run_dir}. "
+              f"in {run.setup.run_dir}. "
               + ("A last cell with mon.wait() lets a notebook run headless to its end."
                  if kernel else "Call mon.wait() to let a run finish."), file=sys.stderr)
 
     def _record_ending(self, why: str) -> None:
         """Say now, before the stop is taken, why the run ends and that it is stopped: the
         process may be killed before the training thread gets to record it."""
-        store = self._store
-        if store is None or self._rank != 0:
+        run = self._session
+        store = run.store
+        if store is None or run.setup.rank != 0:
             return
         with contextlib.suppress(Exception):  # a dead store: the stop still goes ahead
             store.set_meta("stopped_by", why)
             store.set_meta("state", "stopped")
-            store.put(Event(self.step, "state", "warning", f"{why}: the run stops there",
+            store.put(Event(run.step, "state", "warning", f"{why}: the run stops there",
                             {"state": "stopped", "reason": why}))
             store.flush(timeout=0.5)
 
-    def _at_exit(self) -> None:
+    def at_exit(self) -> None:
         """A script's loop that ended without `with`/close(): record how the process ended.
         A loop still running in another thread (a framework's fit) is stopped instead: it
         did not end, so it must not read `finished`."""
         if forked_from(self._pid):
             return
-        loop = self._loop_thread
+        run = self._session
+        loop, rec = run.loop_thread, run.recorder
         if (loop is not None and loop is not threading.main_thread() and loop.is_alive()
-                and self._recorder is not None and not self._recorder.ended):
-            self._stop_for_exit(self._closed)
+                and rec is not None and not rec.ended):
+            self._stop_for_exit(run.closed)
             return
         exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-        if exc is self._exc_at_open:  # e.g. an earlier notebook cell's error: not this loop's
+        if exc is run.exc_at_open:  # e.g. an earlier notebook cell's error: not this loop's
             exc = None
         with contextlib.suppress(Exception):
-            self._end_loop(exc)
+            run.end_loop(exc)
 
-    def _record_sigterm(self, store: RunStore | NullStore) -> None:
+    def record_sigterm(self, store: RunStore | NullStore) -> None:
         """torchrun ends the survivors with SIGTERM when a rank dies, sometimes before the
         lost connection reaches the training thread: record the failure, then die as asked."""
         if threading.current_thread() is not threading.main_thread():
@@ -112,15 +139,16 @@ class RunExiting(MonitorState):
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
                 os.kill(os.getpid(), signum)
                 return
-            if self.running and self._progress.error is None:
-                self._progress.move("failed")
+            run = self._session
+            if run.running and run.progress.error is None:
+                run.progress.move("failed")
                 with contextlib.suppress(Exception):
-                    store.put(Event(self.step, "error", "critical",
-                                    f"[rank 0] terminated by SIGTERM at step {self.step}: "
+                    store.put(Event(run.step, "error", "critical",
+                                    f"[rank 0] terminated by SIGTERM at step {run.step}: "
                                     "the launcher stops the job when a rank fails", {}))
                     store.set_meta("state", "failed")
-            elif self._progress.error is not None:  # the training thread is recording it
-                self._progress.failure_recorded.wait(20)  # torchrun kills after 30 s
+            elif run.progress.error is not None:  # the training thread is recording it
+                run.progress.failure_recorded.wait(20)  # torchrun kills after 30 s
             with contextlib.suppress(Exception):
                 store.flush(timeout=5)
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)

@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from . import controls as ctl
-from .alerts.engine import AlertEngine
-from .checkpoint import Checkpointer, rng_state, set_rng_state
-from .recorder import Progress, RunSpec, StepRecorder
-from .run import Run
-from .runner import Runner
-from .store import RunStore
+from .. import controls as ctl
+from ..alerts.engine import AlertEngine
+from ..checkpoint import Checkpointer, rng_state, set_rng_state
+from ..recorder import Progress, RunSpec, StepRecorder
+from ..run import Run
+from ..runner import Runner
+from ..store import RunStore
 
 
 @dataclass(frozen=True)
@@ -165,12 +165,12 @@ def preflight(mon: Any, step_fn: Any, data: Any, steps: int = 200, **kw: Any) ->
         rec = StepRecorder(spec, mon.model, mon.optimizer, mon.scheduler, mon.scaler, store,
                            Checkpointer(Path(tmp) / "checkpoints"), ctl.CommandQueue(), control,
                            progress, 0, engine)
-        mon._recorder = rec  # the Monitor's optimizer hooks measure the trial's steps
+        mon._session.recorder = rec  # the Monitor's optimizer hooks measure the trial's steps
         try:
             mon.model.train()
             Runner(spec, rec).run()
         finally:
-            mon._recorder = None
+            mon._session.recorder = None
             store.close()
             mon.model.load_state_dict(saved["model"])
             mon.optimizer.load_state_dict(saved["optimizer"])

@@ -11,7 +11,7 @@ import gc
 import pytest
 import torch
 
-from nbwatch.optimizer_hooks import OptimizerWatch, clips_watched
+from nbwatch.monitor.optimizer_hooks import OptimizerWatch, clips_watched
 
 
 class Recorder:
@@ -29,19 +29,19 @@ class Recorder:
 
 
 class Owner:
-    """What OptimizerWatch asks of its Monitor, and nothing else."""
+    """What OptimizerWatch asks of its run session, and nothing else."""
 
     def __init__(self, name="owner"):
         self.name, self.step, self.state, self.running = name, 0, "created", False
         self.rec: Recorder | None = None
         self.opened = 0
 
-    def _recorder_for_step(self, open_loop=True):
+    def recorder_for_step(self, open_loop=True):
         if self.rec is None and open_loop:
             self.rec, self.running, self.opened = Recorder(), True, self.opened + 1
         return self.rec
 
-    def _clips_are_the_loops(self):
+    def clips_are_the_loops(self):
         return self.running
 
 

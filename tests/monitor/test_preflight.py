@@ -3,7 +3,7 @@
 import numpy as np
 import pandas as pd
 
-from nbwatch.preflight import evaluate
+from nbwatch.monitor.preflight import evaluate
 
 
 def frame(loss, grad=1.0, lr=None, pad=0.2):

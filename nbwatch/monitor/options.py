@@ -12,8 +12,8 @@ from typing import Any
 
 from torch import nn
 
-from .counts import integral, real
-from .recorder.spec import RunSpec
+from ..counts import integral, real
+from ..recorder.spec import RunSpec
 
 SQLITE_MAX_PATH = 512  # bytes: SQLite (its unix VFS) opens no file whose full path is longer
 # The longest path a run folder may have: SQLite's limit less its longest file there,

@@ -20,18 +20,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from .counts import as_python, integral, real
-from .evaluation import check_val as check_val  # log(val=...)'s check, val_fn's too
-from .evaluation import short_repr
+from ..counts import as_python, integral, real
+from ..evaluation import check_val as check_val  # log(val=...)'s check, val_fn's too
+from ..evaluation import short_repr
+from ..probes.attention import take_samples
+from ..probes.data import batch_figures, check_mask
+from ..probes.late import keep_masks
+from ..probes.logits import NAMES as LOGIT_NAMES
+from ..probes.logits import TrainLogits, is_logits, logit_parts
+from ..sharding import refuse_unsupported
+from ..store import is_run_dir
 from .optimizer_hooks import hooked_optimizer, inner_scheduler
 from .options import check_every, check_run_dir_length
-from .probes.attention import take_samples
-from .probes.data import batch_figures, check_mask
-from .probes.late import keep_masks
-from .probes.logits import NAMES as LOGIT_NAMES
-from .probes.logits import TrainLogits, is_logits, logit_parts
-from .sharding import refuse_unsupported
-from .store import is_run_dir
 
 
 def check_monitor(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -180,7 +180,7 @@ def default_run_dir(every_rank: bool = False) -> Path:
         return Path(env)
     own = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     if every_rank:
-        from .distributed import rank0_run_dir
+        from ..distributed import rank0_run_dir
 
         return rank0_run_dir(own)
     return own

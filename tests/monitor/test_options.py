@@ -1,4 +1,4 @@
-"""The one table of options (`nbwatch.options.Options`): `Monitor(...)` takes every one
+"""The one table of options (`nbwatch.monitor.options.Options`): `Monitor(...)` takes every one
 with the table's default, `start()` overrides any of them for one run, and an option left
 out of `start()` is "not given" (a sentinel), so that None given is a value."""
 
@@ -8,7 +8,7 @@ import inspect
 from dataclasses import MISSING, fields
 
 import nbwatch
-from nbwatch.options import NOT_GIVEN, Options
+from nbwatch.monitor.options import NOT_GIVEN, Options
 from tests.conftest import make_batches, tiny_step
 
 

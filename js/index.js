@@ -25,7 +25,7 @@ function render({ model, el }) {
       if (frame === null && alive) frame = requestAnimationFrame(draw);
     },
   };
-  const board = mount(root, ctx, { live: model.get("live") });
+  const board = mount(root, ctx, { live: model.get("live"), commands: model.get("commands") });
   const ctl = board.ctl;
   const status = document.createElement("div");
   status.className = "nbw-status";

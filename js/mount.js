@@ -43,11 +43,12 @@ const MAX_DEBT_MS = 400;
 const FRAME_MS = 16;
 const SHARE = { loss: 4, on: 1, off: 0.25 };
 
-// Build the header, the controls bar (when `live`) and one view per panel under `root`.
+// Build the header, the controls bar (when `live`, from the kernel's command table
+// `commands`) and one view per panel under `root`.
 // `ctx`: {send(msg), schedule(), xaxis (the x axis to start with), saveAxis(mode) (where
 // the choice is kept)}. Returns {apply(panels, full), draw(Plotly), restyle(), axis,
 // charge(ms) (main-thread time spent outside draw, off the budget), pending()}.
-export function mount(root, ctx, { live }) {
+export function mount(root, ctx, { live, commands = [] }) {
   const head = header.create(root, ctx);
   // One x axis switch for every trend panel (step, relative or wall time, tokens seen).
   const axis = createAxis(ctx.xaxis || "step");
@@ -73,7 +74,7 @@ export function mount(root, ctx, { live }) {
     ctx.schedule();
   };
   root.dataset.xaxis = axis.active();
-  const ctl = live ? controls.create(root, ctx) : null;
+  const ctl = live ? controls.create(root, ctx, commands) : null;
   const grid = document.createElement("div");
   grid.className = "nbw-grid";
   root.appendChild(grid);

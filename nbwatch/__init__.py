@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 # Public name -> the module that defines it. Imported on first use (PEP 562), so that
 # `import nbwatch` and `nbwatch --help` do not pay for torch; `nbwatch.Monitor` etc. work

@@ -288,7 +288,7 @@ def _version() -> str:
     try:
         return version("nbwatch")
     except PackageNotFoundError:  # a source tree on sys.path, not installed
-        from . import __version__
+        from ._version import __version__
 
         return __version__
 

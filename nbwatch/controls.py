@@ -7,6 +7,7 @@ between steps and records each one's outcome as an event naming its id.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import warnings
@@ -105,31 +106,75 @@ def _skip(batches: int) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class Field:
+    """One argument's input beside its button on the page: a number, starting at `value`
+    (`integer`: a whole one); `switch`: a checkbox beside it, unchecked sends None."""
+
+    name: str  # the argument's name: the page sends it by this name
+    css: str  # the input's class on the page, nbw-<css>
+    value: float
+    step: float
+    note: str = ""  # a word after the input
+    integer: bool = False
+    switch: bool = False
+
+
+@dataclass(frozen=True)
 class CommandSpec:
     """One command of the table: the arguments it takes (checked, they make its payload),
-    the `Controls` method that sends it, and its button on the page (None: none)."""
+    the `Controls` method that sends it, and its button on the page (None: none): its label,
+    class (nbw-<css>), the inputs of its arguments and its tooltip. `instead_of`: the
+    button this command takes over while the run is paused (Resume on Pause's)."""
 
     args: Callable[..., dict[str, Any]]
     method: str
     button: str | None
+    css: str = ""
+    fields: tuple[Field, ...] = ()
+    title: str = ""
+    instead_of: CommandKind | None = None
 
 
-# The one table of the commands: the API's methods, `send`, the widget's buttons (which send
-# these arguments by name) and attach all build their commands through it; the recorder's
-# dispatch table (recorder/steering.py) applies each kind; tests/test_controls.py holds the
-# enum, the methods, the dispatch and the page's buttons to it.
+# The one table of the commands: the API's methods, `send`, the widget's buttons (the page
+# receives the table and builds its buttons from it: `page_table()`) and attach all build
+# their commands through it; the recorder's dispatch table (recorder/steering.py) applies
+# each kind; tests/test_controls.py holds the enum, the methods, the dispatch and the page
+# to it.
 COMMANDS: dict[CommandKind, CommandSpec] = {
-    CommandKind.PAUSE: CommandSpec(_no_args, "pause", "Pause"),
-    CommandKind.RESUME: CommandSpec(_no_args, "resume", "Resume"),
-    CommandKind.STOP: CommandSpec(_no_args, "stop", "Stop"),
-    CommandKind.CHECKPOINT: CommandSpec(_no_args, "checkpoint", "Checkpoint"),
-    CommandKind.CLIP: CommandSpec(_clip, "set_clip", "Clip"),
-    CommandKind.SCALE_LR: CommandSpec(_scale_lr, "scale_lr", "Cut LR"),
-    CommandKind.REWIND: CommandSpec(_rewind, "rewind", "Rewind"),
+    CommandKind.PAUSE: CommandSpec(_no_args, "pause", "Pause", "pause",
+                                   title="pause at the next step boundary"),
+    CommandKind.RESUME: CommandSpec(_no_args, "resume", "Resume", "pause",
+                                    instead_of=CommandKind.PAUSE),
+    CommandKind.STOP: CommandSpec(_no_args, "stop", "Stop", "stop",
+                                  title="stop after a final checkpoint"),
+    CommandKind.CHECKPOINT: CommandSpec(_no_args, "checkpoint", "Checkpoint", "checkpoint",
+                                        title="write a checkpoint at the next step"),
+    CommandKind.CLIP: CommandSpec(
+        _clip, "set_clip", "Clip", "clip",
+        (Field("max_norm", "clip-value", 1.0, 0.1, "on", switch=True),),
+        "clip the global gradient norm to this value from the next step (off: no clipping)"),
+    CommandKind.SCALE_LR: CommandSpec(
+        _scale_lr, "scale_lr", "Cut LR", "lr", (Field("factor", "lr-factor", 0.5, 0.05, "× LR"),),
+        "multiply the learning rate by this factor, over the scheduler's"),
+    CommandKind.REWIND: CommandSpec(
+        _rewind, "rewind", "Rewind", "rewind",
+        (Field("steps", "rewind-steps", 100, 10, "steps back", integer=True),
+         Field("skip", "rewind-skip", 200, 50, "batches skipped", integer=True)),
+        "reload the newest checkpoint at least this many steps back, and skip this many "
+        "batches"),
     CommandKind.SKIP: CommandSpec(_skip, "skip", None),
 }
 PAYLOADS: dict[CommandKind, Callable[..., dict[str, Any]]] = {
     k: c.args for k, c in COMMANDS.items()}
+
+
+def page_table() -> list[dict[str, Any]]:
+    """The commands that have a button, as the page receives them (it builds its bar from
+    this): kind, label, class, tooltip, the inputs of the arguments, and `instead_of`."""
+    return [{"kind": k.value, "label": c.button, "css": c.css, "title": c.title,
+             "instead_of": c.instead_of.value if c.instead_of else None,
+             "fields": [dataclasses.asdict(f) for f in c.fields]}
+            for k, c in COMMANDS.items() if c.button is not None]
 
 
 def make_command(kind: str | CommandKind, source: str = "api", **args: Any) -> Command:

@@ -25,7 +25,7 @@ def git_commit(cwd: str | None = None) -> str | None:
 
 
 def environment(gpu_names: list[str]) -> dict[str, Any]:
-    from . import __version__
+    from ._version import __version__
 
     return {
         "nbwatch": __version__,

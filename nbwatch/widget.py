@@ -20,6 +20,7 @@ from typing import Any
 import anywidget
 import traitlets
 
+from .controls import page_table
 from .lifecycle import STALE, is_ended
 from .notebook import enable_colab_widgets, remember
 from .panels import Feed, attention
@@ -54,6 +55,8 @@ class Dashboard(anywidget.AnyWidget):
     _css = _STATIC / "dashboard.css"
     live = traitlets.Bool(False).tag(sync=True)
     run_dir = traitlets.Unicode("").tag(sync=True)
+    # the commands that have a button (controls.page_table()): the page builds its bar from it
+    commands = traitlets.List([]).tag(sync=True)
     # the trend panels' x axis ("step", "relative", "wall", "tokens"), set by the page's
     # switch; a new dashboard starts with the kernel's last choice (one kernel: one notebook)
     xaxis = traitlets.Unicode("step").tag(sync=True)
@@ -63,7 +66,8 @@ class Dashboard(anywidget.AnyWidget):
                  interval: float = 0.25, **kwargs: Any):
         enable_colab_widgets()  # a dashboard shown without `%load_ext nbwatch`
         kwargs.setdefault("xaxis", Dashboard._kept_xaxis)
-        super().__init__(live=monitor is not None, run_dir=str(run_dir), **kwargs)
+        super().__init__(live=monitor is not None, run_dir=str(run_dir),
+                         commands=page_table() if monitor is not None else [], **kwargs)
         self.observe(_keep_xaxis, names="xaxis")
         self._dir = Path(run_dir)
         self._monitor = monitor

@@ -100,7 +100,7 @@ def test_chains_tells_closed_form_from_chainable_schedulers_and_restores_the_lr(
         assert "_nbwatch" not in str(scheduler.state_dict())
 
 
-def test_one_command_table_makes_the_api_the_dispatch_and_the_buttons():
+def test_one_command_table_makes_the_api_the_dispatch_and_the_buttons(tmp_path):
     """`controls.COMMANDS` is the one table: every kind of the enum is in it, its method on
     every handle takes the arguments its payload takes, the recorder dispatches each kind,
     and the page's buttons send exactly the table's arguments by name."""
@@ -110,9 +110,10 @@ def test_one_command_table_makes_the_api_the_dispatch_and_the_buttons():
 
     from nbwatch.adapters.base import FitRun
     from nbwatch.attached import Attached
-    from nbwatch.controls import COMMANDS, Controls
+    from nbwatch.controls import COMMANDS, Controls, make_command, page_table
     from nbwatch.recorder.steering import DISPATCH
     from nbwatch.records import CommandKind
+    from nbwatch.widget import Dashboard
 
     assert set(COMMANDS) == set(CommandKind) == set(DISPATCH)
     for kind, spec in COMMANDS.items():
@@ -120,12 +121,24 @@ def test_one_command_table_makes_the_api_the_dispatch_and_the_buttons():
         for handle in (Controls, nbwatch.Monitor, Attached, FitRun):
             method = getattr(handle, spec.method)
             assert list(inspect.signature(method).parameters)[1:] == takes, (handle, kind)
+    # the page builds its bar from the table it receives, and spells no command itself
+    table = page_table()
+    assert [c["kind"] for c in table] == [k.value for k, c in COMMANDS.items() if c.button]
+    for c in table:
+        takes = list(inspect.signature(COMMANDS[CommandKind(c["kind"])].args).parameters)
+        assert [f["name"] for f in c["fields"]] == (takes if not c["instead_of"] else [])
+        for f in c["fields"]:  # the page's starting value is one the command takes
+            make_command(c["kind"], **{f["name"]: f["value"]})
+    assert {c["instead_of"] for c in table} == {None, "pause"}
     page = (Path(__file__).parents[1] / "js" / "views" / "controls.js").read_text()
-    sent = dict(re.findall(r'kind: "(\w+)"(?:, args: \{ ([^}]*) \})?', page))
-    dynamic = {"pause", "resume"}  # one button: its label and kind follow the state
-    assert set(sent) | dynamic == {k.value for k, c in COMMANDS.items() if c.button}
-    for kind, args in sent.items():
-        names = [a.split(":")[0].strip() for a in args.split(",") if a.strip()]
-        assert names == list(inspect.signature(COMMANDS[CommandKind(kind)].args).parameters)
+    assert not re.findall(r'kind: "\w+"', page), "the page spells a command of its own"
     for spec in COMMANDS.values():
-        assert spec.button is None or f'"{spec.button}"' in page, spec.button
+        assert spec.button is None or f'"{spec.button}"' not in page, spec.button
+    model = torch.nn.Linear(2, 2)
+    mon = nbwatch.Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          run_dir=tmp_path / "r", display=False)
+    dashboard = Dashboard.for_monitor(mon)  # what the widget sends the page
+    try:
+        assert dashboard.commands == table
+    finally:
+        dashboard.close()

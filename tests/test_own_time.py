@@ -139,7 +139,7 @@ def test_start_counts_the_output_layers_hook_as_watching_not_forward(tmp_path, m
 def test_own_loop_counts_noting_its_own_clips(tmp_path, monkeypatch):
     """The loop's own `clip_grad_norm_`: what nbwatch notes of each clip (for the norms
     before it) is watching's time."""
-    from nbwatch import optimizer_hooks
+    from nbwatch.monitor import optimizer_hooks
 
     real = optimizer_hooks.ClipWatch.saw
 

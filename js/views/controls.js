@@ -1,86 +1,85 @@
-// Controls bar: Pause/Resume, Stop, Checkpoint, Clip (value + on/off), Cut LR (factor),
-// Rewind (steps back, batches to skip).
-// A click sends one command; what the bar shows as done is the runner's event coming back.
+// Controls bar, built from the kernel's command table (nbwatch.controls.page_table()): a
+// button per command, an input per argument (a checkbox beside one whose "off" sends
+// null), and one button for a command and the one that stands in for it while the run is
+// paused (Pause / Resume). A click sends one command, its arguments by name; what the bar
+// shows as done is the runner's event coming back.
 import { el } from "../plot.js";
 
-export function create(root, ctx) {
+// One argument's input (and its on/off checkbox, nbw-<command>-on), with its note.
+function input(field, cmd) {
+  const box = el("span", "nbw-field");
+  const value = el("input", `nbw-${field.css}`);
+  value.type = "number";
+  value.step = String(field.step);
+  value.value = String(field.value);
+  value.dataset.arg = field.name;
+  box.appendChild(value);
+  let on = null;
+  if (field.switch) {
+    on = el("input", `nbw-${cmd.css}-on`);
+    on.type = "checkbox";
+    on.checked = true;
+    on.title = `on: ${field.name} is the value; off: none`;
+    box.appendChild(on);
+  }
+  if (field.note) box.appendChild(el("span", "nbw-small", field.note));
+  // what the user typed, as typed: the kernel checks it and says what is wrong
+  const read = () => {
+    if (on && !on.checked) return null;
+    const v = field.integer ? parseInt(value.value, 10) : parseFloat(value.value);
+    return Number.isFinite(v) ? v : value.value;
+  };
+  return { box, read, inputs: on ? [value, on] : [value] };
+}
+
+export function create(root, ctx, table) {
   const bar = el("div", "nbw-controls");
   bar.dataset.panel = "controls";
-  const button = (label, cls) => {
-    const b = el("button", `nbw-btn ${cls}`, label);
-    b.type = "button";
-    bar.appendChild(b);
-    return b;
-  };
-  const pause = button("Pause", "nbw-pause");
-  const stop = button("Stop", "nbw-stop");
-  const ckpt = button("Checkpoint", "nbw-checkpoint");
-  const clipBox = el("span", "nbw-group");
-  const clipOn = el("input", "nbw-clip-on");
-  clipOn.type = "checkbox";
-  clipOn.checked = true;
-  clipOn.title = "on: clip to the value; off: no clipping";
-  const clipVal = el("input", "nbw-clip-value");
-  clipVal.type = "number"; clipVal.min = "0"; clipVal.step = "0.1"; clipVal.value = "1.0";
-  const clip = el("button", "nbw-btn nbw-clip", "Clip");
-  clip.type = "button";
-  clipBox.append(clip, clipVal, clipOn, el("span", "nbw-small", "on"));
-  bar.appendChild(clipBox);
-  const lrBox = el("span", "nbw-group");
-  const lr = el("button", "nbw-btn nbw-lr", "Cut LR");
-  lr.type = "button";
-  const lrVal = el("input", "nbw-lr-factor");
-  lrVal.type = "number"; lrVal.min = "0"; lrVal.step = "0.05"; lrVal.value = "0.5";
-  lrBox.append(lr, el("span", "nbw-small", "×"), lrVal);
-  bar.appendChild(lrBox);
-  const rwBox = el("span", "nbw-group");
-  const rw = el("button", "nbw-btn nbw-rewind", "Rewind");
-  rw.type = "button";
-  rw.title = "reload the newest checkpoint at least this many steps back, and skip this many batches";
-  const rwSteps = el("input", "nbw-rewind-steps");
-  rwSteps.type = "number"; rwSteps.min = "1"; rwSteps.step = "10"; rwSteps.value = "100";
-  const rwSkip = el("input", "nbw-rewind-skip");
-  rwSkip.type = "number"; rwSkip.min = "0"; rwSkip.step = "50"; rwSkip.value = "200";
-  rwBox.append(rw, rwSteps, el("span", "nbw-small", "steps, skip"), rwSkip);
-  bar.appendChild(rwBox);
-  const ack = el("span", "nbw-ack");
-  bar.appendChild(ack);
-  root.appendChild(bar);
-
   let state = "starting";
   let seen = 0;
+  const ack = el("span", "nbw-ack");
   const pending = (text) => { ack.textContent = text; ack.dataset.pending = "1"; };
-  pause.onclick = () => {
-    const kind = state === "paused" ? "resume" : "pause";
-    ctx.send({ type: "command", kind });
-    pending(`${kind} sent…`);
-  };
-  stop.onclick = () => { ctx.send({ type: "command", kind: "stop" }); pending("stop sent…"); };
-  ckpt.onclick = () => { ctx.send({ type: "command", kind: "checkpoint" }); pending("checkpoint sent…"); };
-  clip.onclick = () => {
-    const v = parseFloat(clipVal.value);
-    const value = clipOn.checked && v > 0 ? v : null;
-    ctx.send({ type: "command", kind: "clip", args: { max_norm: value } });
-    pending("clip sent…");
-  };
-  lr.onclick = () => {
-    const f = parseFloat(lrVal.value);
-    ctx.send({ type: "command", kind: "scale_lr", args: { factor: f > 0 ? f : 0.5 } });
-    pending("Cut LR sent…");
-  };
-  rw.onclick = () => {
-    const steps = Math.max(1, parseInt(rwSteps.value, 10) || 100);
-    const skip = Math.max(0, parseInt(rwSkip.value, 10) || 0);
-    ctx.send({ type: "command", kind: "rewind", args: { steps, skip } });
-    pending("rewind sent…");
-  };
-  const all = [pause, stop, ckpt, clip, lr, clipVal, clipOn, lrVal, rw, rwSteps, rwSkip];
+  const all = [];
+  const toggles = []; // [button, its command, the one it becomes while paused]
+  for (const cmd of table || []) {
+    if (cmd.instead_of) continue; // shown on the button it stands in for
+    const b = el("button", `nbw-btn nbw-${cmd.css}`, cmd.label);
+    b.type = "button";
+    b.dataset.kind = cmd.kind;
+    if (cmd.title) b.title = cmd.title;
+    const fields = (cmd.fields || []).map((f) => input(f, cmd));
+    const paused = (table || []).find((o) => o.instead_of === cmd.kind);
+    if (paused) toggles.push([b, cmd, paused]);
+    b.onclick = () => {
+      const now = paused && state === "paused" ? paused : cmd;
+      const args = {};
+      (cmd.fields || []).forEach((f, i) => { args[f.name] = fields[i].read(); });
+      const msg = { type: "command", kind: now.kind };
+      if (fields.length) msg.args = args;
+      ctx.send(msg);
+      pending(`${now.label} sent…`);
+    };
+    all.push(b, ...fields.flatMap((f) => f.inputs));
+    if (fields.length) {
+      const group = el("span", "nbw-group");
+      group.append(b, ...fields.map((f) => f.box));
+      bar.appendChild(group);
+    } else {
+      bar.appendChild(b);
+    }
+  }
+  bar.appendChild(ack);
+  root.appendChild(bar);
 
   return {
     box: bar,
     setState(s, ended) {  // `ended`: the kernel's word, from nbwatch.lifecycle
       state = s;
-      pause.textContent = s === "paused" ? "Resume" : "Pause";
+      for (const [b, cmd, paused] of toggles) {
+        const now = s === "paused" ? paused : cmd;
+        b.textContent = now.label;
+        b.dataset.kind = now.kind;
+      }
       for (const b of all) b.disabled = !!ended;
       bar.dataset.state = s;
     },

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..monitor import Monitor
-    from .port import ExternalLoop
+    from ..monitor.port import ExternalLoop
 
 class FitRun(ctl.Controls, Readout):
     """A framework's fit running in a background thread, watched by nbwatch.

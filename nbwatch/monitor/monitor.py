@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from .. import controls as ctl
-from ..adapters.port import ExternalLoop
 from ..checkpoint import Checkpointer
 from ..distributed import NullStore
 from ..lifecycle import RunState
@@ -42,6 +41,7 @@ from .inputs import (
     probe_samples,
 )
 from .options import NOT_GIVEN, Options, check_every, check_peak_flops
+from .port import ExternalLoop
 from .session import RunSession
 from .setup import Setup
 
@@ -405,7 +405,7 @@ class Monitor(ctl.Controls, Readout):
         """Queue `command` for the next step boundary (refused now if it cannot apply)."""
         self._session.submit(command)
 
-    # -- a loop nbwatch does not run (nbwatch/adapters/port.py) ---------------------------------
+    # -- a loop nbwatch does not run (monitor/port.py) --------------------------------------------
     def open_external(self, framework: str, start_step: int | None = None, *,
                       save: Callable[[str], None] | None = None, clip: float | None = None,
                       measure_in_hook: bool = True,

@@ -56,7 +56,7 @@ class Dashboard(anywidget.AnyWidget):
     live = traitlets.Bool(False).tag(sync=True)
     run_dir = traitlets.Unicode("").tag(sync=True)
     # the commands that have a button (controls.page_table()): the page builds its bar from it
-    commands = traitlets.List([]).tag(sync=True)
+    commands: traitlets.List[dict] = traitlets.List([]).tag(sync=True)
     # the trend panels' x axis ("step", "relative", "wall", "tokens"), set by the page's
     # switch; a new dashboard starts with the kernel's last choice (one kernel: one notebook)
     xaxis = traitlets.Unicode("step").tag(sync=True)

@@ -67,3 +67,44 @@ def test_every_sql_statement_is_in_the_store():
     leaks = [str(p.relative_to(PKG.parent)) for m, p in modules().items()
              if not m.startswith("nbwatch.store") and SQL.search(p.read_text(encoding="utf-8"))]
     assert not leaks, f"SQL outside nbwatch/store/: {leaks}"
+
+
+def rooms() -> dict[str, set[str]]:
+    """The imports between the package's rooms: a top-level module, or a sub-package as one
+    (nbwatch.store.writer is in nbwatch.store); the package's face left out."""
+    mods = modules()
+
+    def room(m: str) -> str:
+        return ".".join(m.split(".")[:2])
+
+    graph: dict[str, set[str]] = {}
+    for m, p in mods.items():
+        if m == "nbwatch":
+            continue
+        graph.setdefault(room(m), set()).update(
+            room(t) for t in imports(m, p, mods) if room(t) != room(m) and t != "nbwatch")
+    return graph
+
+
+def test_the_rooms_stand_in_layers_at_most_ten_deep():
+    """No two sub-packages (or a sub-package and a module) import each other, even through
+    others: the layers read one way, down; and the longest chain of rooms is short enough
+    to hold in one's head (a newcomer follows it from an entry point to the records)."""
+    graph = rooms()
+    depth: dict[str, list[str]] = {}
+    on_path: list[str] = []
+
+    def chain(r: str) -> list[str]:
+        if r in on_path:
+            raise AssertionError("rooms in a circle: " + " -> ".join(on_path[on_path.index(r):]
+                                                                     + [r]))
+        if r not in depth:
+            on_path.append(r)
+            depth[r] = [r] + max((chain(t) for t in sorted(graph.get(r, ()))), key=len,
+                                 default=[])
+            on_path.pop()
+        return depth[r]
+
+    longest = max((chain(r) for r in sorted(graph)), key=len)
+    assert len(longest) <= 10, " -> ".join(longest)
+    assert "nbwatch.records" in longest  # the scan follows the chain to the ground floor

@@ -32,7 +32,6 @@ class ControlState:
 
     clip: float | None = None
     lr_factor: float = 1.0
-    paused: bool = False
     lr_raw: bool = False  # the optimizer's LRs hold the plain schedule (factor divided out)
 
     def to_dict(self) -> dict:
@@ -113,6 +112,7 @@ class Field:
     name: str  # the argument's name: the page sends it by this name
     css: str  # the input's class on the page, nbw-<css>
     value: float
+    least: float  # the input's least value (its arrows stop there; the check says why)
     step: float
     note: str = ""  # a word after the input
     integer: bool = False
@@ -144,6 +144,7 @@ COMMANDS: dict[CommandKind, CommandSpec] = {
     CommandKind.PAUSE: CommandSpec(_no_args, "pause", "Pause", "pause",
                                    title="pause at the next step boundary"),
     CommandKind.RESUME: CommandSpec(_no_args, "resume", "Resume", "pause",
+                                    title="go on from the step it is paused at",
                                     instead_of=CommandKind.PAUSE),
     CommandKind.STOP: CommandSpec(_no_args, "stop", "Stop", "stop",
                                   title="stop after a final checkpoint"),
@@ -151,15 +152,17 @@ COMMANDS: dict[CommandKind, CommandSpec] = {
                                         title="write a checkpoint at the next step"),
     CommandKind.CLIP: CommandSpec(
         _clip, "set_clip", "Clip", "clip",
-        (Field("max_norm", "clip-value", 1.0, 0.1, "on", switch=True),),
-        "clip the global gradient norm to this value from the next step (off: no clipping)"),
+        (Field("max_norm", "clip-value", 1.0, 0.01, 0.1, "on", switch=True),),
+        "clip the global gradient norm to this value from the next step (unticked: no "
+        "clipping)"),
     CommandKind.SCALE_LR: CommandSpec(
-        _scale_lr, "scale_lr", "Cut LR", "lr", (Field("factor", "lr-factor", 0.5, 0.05, "× LR"),),
+        _scale_lr, "scale_lr", "Cut LR", "lr",
+        (Field("factor", "lr-factor", 0.5, 0.05, 0.05, "× LR"),),
         "multiply the learning rate by this factor, over the scheduler's"),
     CommandKind.REWIND: CommandSpec(
         _rewind, "rewind", "Rewind", "rewind",
-        (Field("steps", "rewind-steps", 100, 10, "steps back", integer=True),
-         Field("skip", "rewind-skip", 200, 50, "batches skipped", integer=True)),
+        (Field("steps", "rewind-steps", 100, 1, 10, "steps back", integer=True),
+         Field("skip", "rewind-skip", 200, 0, 50, "batches skipped", integer=True)),
         "reload the newest checkpoint at least this many steps back, and skip this many "
         "batches"),
     CommandKind.SKIP: CommandSpec(_skip, "skip", None),
@@ -308,11 +311,21 @@ def check_count(name: str, v: int, least: int, most: int | None = None) -> int:
     return int(v)
 
 
+def _number(v: Any) -> float:
+    """`v` as a float, or NaN where it is none (an empty box, a word): the check names it."""
+    if isinstance(v, bool):
+        return float("nan")
+    try:
+        return float(v)
+    except (TypeError, ValueError, OverflowError):
+        return float("nan")
+
+
 def check_clip(max_norm: float | None) -> float | None:
     if max_norm is None:
         return None
-    v = float(max_norm)
-    if not v > 0 or v != v or v == float("inf"):
+    v = _number(max_norm)
+    if not v > 0 or v == float("inf"):
         raise ValueError(
             f"clip max_norm must be a positive finite number or None, got {max_norm!r}"
         )
@@ -320,8 +333,8 @@ def check_clip(max_norm: float | None) -> float | None:
 
 
 def check_factor(factor: float) -> float:
-    v = float(factor)
-    if not v > 0 or v != v or v == float("inf"):
+    v = _number(factor)
+    if not v > 0 or v == float("inf"):
         raise ValueError(f"LR factor must be a positive finite number, got {factor!r}")
     return v
 

@@ -11,6 +11,7 @@ function input(field, cmd) {
   const value = el("input", `nbw-${field.css}`);
   value.type = "number";
   value.step = String(field.step);
+  value.min = String(field.least);
   value.value = String(field.value);
   value.dataset.arg = field.name;
   box.appendChild(value);
@@ -23,7 +24,8 @@ function input(field, cmd) {
     box.appendChild(on);
   }
   if (field.note) box.appendChild(el("span", "nbw-small", field.note));
-  // what the user typed, as typed: the kernel checks it and says what is wrong
+  // what the user typed, as typed (an empty box too): the kernel checks it and says what
+  // is wrong, naming the argument
   const read = () => {
     if (on && !on.checked) return null;
     const v = field.integer ? parseInt(value.value, 10) : parseFloat(value.value);
@@ -78,6 +80,7 @@ export function create(root, ctx, table) {
       for (const [b, cmd, paused] of toggles) {
         const now = s === "paused" ? paused : cmd;
         b.textContent = now.label;
+        b.title = now.title || "";
         b.dataset.kind = now.kind;
       }
       for (const b of all) b.disabled = !!ended;

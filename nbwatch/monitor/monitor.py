@@ -176,7 +176,7 @@ class Monitor(ctl.Controls, Readout):
 
     @property
     def control(self) -> ctl.ControlState:
-        """What the controls have set (clip, LR factor, paused); saved in checkpoints."""
+        """What the controls have set (clip, LR factor); saved in checkpoints."""
         return self._setup.control
 
     @property

@@ -246,7 +246,6 @@ class RunSession:
             start_step = self.start_step(resume)
         if self.clip_asked is not NOT_GIVEN:  # from step 1, and over a resumed checkpoint's
             self.setup.control.clip, self.clip_asked = self.clip_asked, NOT_GIVEN  # once
-        given.control.paused = False  # a run stopped (or interrupted) while paused ended so
         rules = self.setup.rules
         mfu = self.mfu(opts)
         run_meta = {**run_meta, "flops": {"n_params": mfu.n, "layers": mfu.layers,

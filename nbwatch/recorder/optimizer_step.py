@@ -44,7 +44,7 @@ from .host_copy import to_host
 from .lr_factor import LrFactor
 from .own_clips import OwnClips
 from .own_time import OwnTime, counted
-from .spec import RunSpec
+from .spec import Progress, RunSpec
 from .state import InFlight
 
 # the layout of a step's flags group: [total now, total after the clip, skipped,
@@ -86,7 +86,7 @@ class Measuring(Protocol):
     own: OwnTime
     step: int
     start_step: int
-    ended: bool
+    progress: Progress
     spec: RunSpec
     opt: Any  # torch.optim.Optimizer
     scaler: Any
@@ -131,7 +131,7 @@ def pre_step(rec: Measuring, explicit: bool = True, clips: list | None = None,
     GradScaler's verdict on this step's gradients, unscaled by the caller (> 0: it skips
     the step)."""
     fl = rec.flight
-    if rec.ended:  # a loop that goes on after its stop: nothing more is measured
+    if rec.progress.ended:  # a loop that goes on after its stop: nothing more is measured
         return
     if not explicit:  # the optimizer's own pre-hook
         if fl.taking is not None and fl.taking.explicit:

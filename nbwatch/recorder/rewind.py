@@ -11,6 +11,7 @@ from ..controls import scale_lrs
 from ..records import Command, CommandKind, Scalars
 from ..store import RunReader
 from .outcomes import Applied, Outcome, Refused
+from .spec import Progress
 from .state import InFlight
 
 BRANCH_KEYS = ("loss/train", "loss/val")  # kept per rewind as rewind/<n>/<key>
@@ -50,7 +51,7 @@ class Rewinding(Protocol):
     control: Any
     ckpt: Any  # Checkpointer
     store: Any  # RunStore, or NullStore on ranks > 0
-    progress: Any  # Progress
+    progress: Progress
     dist: Any  # Dist | None
     flight: InFlight
     evals: Any  # EvalState

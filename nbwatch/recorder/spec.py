@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from ..lifecycle import RunState, transition
+from ..lifecycle import ENDED, RunState, transition
 
 
 class StopTraining(BaseException):  # noqa: N818 - reads as what it does, like SystemExit
@@ -67,6 +67,22 @@ class Progress:
     train_ema_n: int = 0
     # set when a failure is fully recorded (error, state, emergency checkpoint)
     failure_recorded: threading.Event = field(default_factory=threading.Event)
+
+    # The run's flags, each read off its one state (lifecycle.py), never kept beside it
+    @property
+    def paused(self) -> bool:
+        """The training thread waits at a step boundary for a resume or a stop."""
+        return self.state is RunState.PAUSED
+
+    @property
+    def stopping(self) -> bool:
+        """A stop was taken: the run is stopping, or has stopped by it."""
+        return self.state in (RunState.STOPPING, RunState.STOPPED)
+
+    @property
+    def ended(self) -> bool:
+        """The run finished, stopped or failed: nothing more is recorded of it."""
+        return self.state in ENDED
 
     def move(self, target: RunState | str) -> RunState:
         """Move the run to `target` (`IllegalTransition` where the lifecycle forbids it)."""

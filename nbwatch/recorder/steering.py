@@ -30,8 +30,6 @@ class Steered(Rewinding, Protocol):
 
     own: Any  # OwnTime
     start_step: int
-    stopping: bool
-    ended: bool
     spec: RunSpec
     engine: Any  # AlertEngine
     commands: ctl.CommandQueue
@@ -99,10 +97,10 @@ def expire_pending(rec: Steered) -> None:
 
 def apply_commands(rec: Steered, block: bool = True) -> None:
     """Apply queued commands; while paused (and `block`), wait here for more."""
-    c = rec.control
+    p = rec.progress
     if rec.dist is not None:
         d = rec.dist
-        if c.paused or (rec.step > rec.start_step and rec.step % d.every == 0):
+        if p.paused or (rec.step > rec.start_step and rec.step % d.every == 0):
             sync_ranks(rec)
         return
     with rec.own:  # the poll is watching's cost; what a command does is the user's
@@ -111,10 +109,10 @@ def apply_commands(rec: Steered, block: bool = True) -> None:
             rec.flush_deferred()
     for cmd in cmds:
         apply(rec, cmd)
-    if c.paused and block and not rec.stopping and not rec.spec.trial:
+    if p.paused and block and not rec.spec.trial:
         rec.flush_deferred()  # the page shows the step it is paused at
         rec.store.flush()
-    while c.paused and block and not rec.stopping and not rec.spec.trial:
+    while p.paused and block and not rec.spec.trial:
         got = rec.commands.get(timeout=0.1)
         for one in ([got] if got else []) + poll_commands(rec):
             apply(rec, one)
@@ -142,7 +140,7 @@ def sync_ranks(rec: Steered, final: bool = False) -> None:
             record_ranks(rec, rows)
         for c in cmds:
             apply(rec, c)
-        if final or not rec.control.paused or rec.stopping:
+        if final or not rec.progress.paused:
             return
         rec.flush_deferred()  # paused: the page shows the step it is paused at
         if d.rank == 0:
@@ -186,7 +184,7 @@ def apply(rec: Steered, cmd: Command) -> None:
     except (TypeError, ValueError) as e:  # written into the store by hand: said, not done
         record_outcome(rec, cmd, Refused(str(e)), step)
         return
-    if rec.stopping and cmd.kind is not CommandKind.STOP:
+    if rec.progress.stopping and cmd.kind is not CommandKind.STOP:
         outcome: Outcome = Refused(f"the run is stopping at step {rec.step}")
     else:
         outcome = DISPATCH[cmd.kind](rec, cmd)
@@ -214,9 +212,8 @@ def record_outcome(rec: Steered, cmd: Command, outcome: Outcome,
 
 # -- the dispatch table's handlers: each changes the run, or refuses and changes nothing --
 def do_pause(rec: Steered, cmd: Command) -> Outcome:
-    if rec.control.paused:
+    if rec.progress.paused:
         return Refused(f"the run is paused already (at step {rec.step})")
-    rec.control.paused = True
     rec._set_state("paused")
     if cmd.source.startswith("alert:") and (rec.dist is None or rec.dist.rank == 0):
         say_alert_pause(rec, cmd.source.removeprefix("alert:"))
@@ -235,17 +232,15 @@ def say_alert_pause(rec: Steered, rule: str) -> None:
 
 
 def do_resume(rec: Steered, cmd: Command) -> Outcome:
-    if not rec.control.paused:
+    if not rec.progress.paused:
         return Refused(f"the run is not paused (step {rec.step})")
-    rec.control.paused = False
     rec._set_state("running")
     return Applied(f"resumed at step {rec.step}")
 
 
 def do_stop(rec: Steered, cmd: Command) -> Outcome:
-    if rec.stopping:
+    if rec.progress.stopping:
         return Refused(f"a stop was taken already (step {rec.step})")
-    rec.stopping = True
     if cmd.source == "exit":
         # the process is ending: `stopped` is recorded already (exiting.py), and the stop
         # checkpoint may not finish before the kernel's SIGTERM: writing `stopping` now
@@ -301,7 +296,7 @@ def raise_alerts(rec: Steered, alerts: list) -> None:
                                 f"on_alert callback failed for {a.rule.name}: "
                                 f"{type(e).__name__}: {e} (the run goes on)",
                                 {"rule": a.rule.name, "error": repr(e)}))
-    if rec.ended:  # a batch recorded as the run ends: its alerts said, nothing more done
+    if rec.progress.ended:  # a batch recorded as the run ends: its alerts said, nothing more done
         return
     for a in alerts:
         acts = a.rule.actions
@@ -329,7 +324,7 @@ def raise_alerts(rec: Steered, alerts: list) -> None:
                                                 "source": src}))
         if "checkpoint" in acts:
             rec._checkpoint(f"emergency ({a.rule.name})")
-        if "pause" in acts and not rec.control.paused:
+        if "pause" in acts and not rec.progress.paused:
             apply(rec, make_command("pause", src))
 
 

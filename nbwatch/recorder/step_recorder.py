@@ -87,8 +87,7 @@ class StepRecorder:
         self.grad_names, self.ratio_names = grad_names(self.layers), ratio_names(self.layers)
         # a model changed mid-run (under torchrun, only where every rank sees it at one step)
         self.layer_watch = LayerWatch(model, optimizer, self.layers, distributed=dist is not None)
-        self.stopping = False
-        self.ended = False
+        self._end_recorded = False  # the store holds the run's end state (`_set_state`)
         self.log = logging.getLogger(f"nbwatch.run.{store.run_dir.name}.{next(_RUN_IDS)}")
         self.skip_nonfinite = any(r.name == "nonfinite" and "skip_step" in r.actions
                                   for r in self.engine.rules)
@@ -177,6 +176,16 @@ class StepRecorder:
 
     def keep_seq_lens(self, lengths: torch.Tensor) -> None:
         se.keep_seq_lens(self, lengths)
+
+    @property
+    def stopping(self) -> bool:
+        """A stop was taken (read off the run's state: `Progress.stopping`)."""
+        return self.progress.stopping
+
+    @property
+    def ended(self) -> bool:
+        """The run finished, stopped or failed (read off its state: `Progress.ended`)."""
+        return self.progress.ended
 
     # -- steering (steering.py) ----------------------------------------------------------
     def boundary(self) -> bool:
@@ -283,18 +292,19 @@ class StepRecorder:
         self._checkpoint("stop" if outcome == "stopped" else "final")
         self.expire_pending()
         self._set_state(outcome)
-        self.ended = True
 
     def abandon_end(self) -> None:
         """Ctrl-C pressed again while `finish` ran: the run ends a stop without what the
         press cut short (its final checkpoint), its steps and state recorded all the same
         (a folder left 'running' would read 'stale')."""
-        if self.ended:
+        if self._end_recorded:
             return
-        self.ended = True
+        # ended from here (the press may have come after the move, before its record): what
+        # is recorded below acts on nothing
+        end = self.progress.state.value if self.ended else self.progress.move("stopped").value
         self.layer_watch.close()
         for record in (self.flush_deferred, self._say_abandoned,
-                       lambda: self._set_state("stopped"), self.expire_pending):
+                       lambda: self._set_state(end), self.expire_pending):
             try:
                 record()
             except Exception as e:  # noqa: BLE001 - the rest is still worth recording
@@ -338,8 +348,7 @@ class StepRecorder:
                                  {"traceback": p.traceback}), logging.ERROR)
             p.failure_recorded.set()
             return
-        p.move("failed")  # first: recording it below may itself fail (a dead store)
-        self.ended = True
+        p.move("failed")  # first (the run has ended): recording it may itself fail
         self.train_logits.close()
         self.layer_watch.close()
         msg, data = f"{type(e).__name__}: {e}", {}
@@ -387,6 +396,7 @@ class StepRecorder:
         state = self.progress.move(state).value
         self.store.set_meta("state", state)
         self.store.set_meta("step", self.step)
+        self._end_recorded = self.progress.ended  # the folder says how the run ended
         if state != "running" or self.step:
             self._emit(Event(self.step, "state", "info", f"run {state} at step {self.step}",
                              {"state": state}))

@@ -283,5 +283,9 @@ def test_notebook7_live_pause_resume(page, nb7_server, workdir):
     ack(page, "resumed at step")
     wait_step(page, at + 5)
     shot(page, "nb7_dashboard")
+    page.fill(".nbw-lr-factor", "")  # an empty box: refused, naming what it takes
+    page.click(".nbw-lr")
+    ack(page, "✗ LR factor must be a positive finite number")
+    assert page.locator(".nbw-pause").get_attribute("title") == "pause at the next step boundary"
     page.click(".nbw-stop")
     ack(page, "stop")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 import nbwatch
 from nbwatch.demo import make_demo
@@ -54,3 +55,35 @@ def test_a_trainer_failing_at_step_0_writes_no_checkpoint_0(tmp_path):
     assert run.state == "failed"
     assert not list((tmp_path / "out").glob("checkpoint-*"))
     assert run.events.message.str.startswith("no emergency checkpoint").any()
+
+
+def test_a_second_ctrl_c_between_the_end_state_and_its_record_still_records_it(tmp_path):
+    """Ctrl-C ends a loop of one's own as a stop; a second press that lands after the run
+    moved to `stopped` but before the folder says so must not leave it reading `running`
+    (then `stale`): the abandoned end records the state all the same."""
+    import nbwatch
+    from nbwatch import Run
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False, hist_every=0,
+                          attention_samples=0)
+    for _ in range(3):
+        model(torch.randn(3, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        mon.log(loss=1.0)
+    store = mon._session.recorder.store
+    real, pressed = store.set_meta, []
+
+    def set_meta(key, value):
+        if key == "state" and value == "stopped" and not pressed:
+            pressed.append(1)
+            raise KeyboardInterrupt  # the second press, as the end state is written
+        return real(key, value)
+
+    store.set_meta = set_meta
+    with pytest.raises(KeyboardInterrupt):
+        mon.__exit__(KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert pressed and mon.state == "stopped"
+    assert Run(tmp_path / "r").meta["state"] == "stopped"

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from torch import nn
 
@@ -19,6 +19,14 @@ from ..records import Event, Sample, Scalars
 from ..samples import sample_content
 from .spec import Progress, RunSpec
 from .state import InFlight
+
+if TYPE_CHECKING:
+    from ..alerts.engine import AlertEngine
+    from ..checkpoint import Checkpointer
+    from ..controls import ControlState
+    from ..distributed import Dist, NullStore
+    from ..store import RunStore
+    from .rewind import RewindState
 
 
 @dataclass
@@ -40,16 +48,16 @@ class Evaluating(Protocol):
     opt: Any
     sched: Any
     scaler: Any
-    control: Any  # ControlState
-    store: Any  # RunStore, or NullStore on ranks > 0
-    ckpt: Any  # Checkpointer
-    dist: Any  # Dist | None
-    engine: Any  # AlertEngine
+    control: ControlState
+    store: RunStore | NullStore  # NullStore on ranks > 0
+    ckpt: Checkpointer
+    dist: Dist | None
+    engine: AlertEngine
     progress: Progress
     evals: EvalState
     save_fn: Callable[[str], None] | None
     flight: InFlight
-    rewind_state: Any  # RewindState
+    rewind_state: RewindState
 
     def flush_deferred(self) -> None: ...
     def _emit(self, ev: Event, level: int | None = None) -> None: ...

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -46,6 +46,11 @@ from .own_clips import OwnClips
 from .own_time import OwnTime, counted
 from .spec import Progress, RunSpec
 from .state import InFlight
+
+if TYPE_CHECKING:
+    from ..alerts.engine import AlertEngine
+    from ..controls import ControlState
+    from ..probes.logits import TrainLogits
 
 # the layout of a step's flags group: [total now, total after the clip, skipped,
 # the GradScaler's found_inf, its grad_scale]
@@ -88,18 +93,18 @@ class Measuring(Protocol):
     start_step: int
     progress: Progress
     spec: RunSpec
-    opt: Any  # torch.optim.Optimizer
+    opt: torch.optim.Optimizer
     scaler: Any
     layers: Layers
     grad_names: list[str]
     skip_nonfinite: bool
-    engine: Any  # AlertEngine
-    control: Any  # ControlState
+    engine: AlertEngine
+    control: ControlState
     lr: LrFactor
     own_clips: OwnClips
     flight: InFlight
     framework_clip: float | None
-    train_logits: Any  # probes.logits.TrainLogits
+    train_logits: TrainLogits
     hook_measures: bool
 
     def _emit(self, ev: Event, level: int | None = None) -> None: ...
@@ -248,7 +253,10 @@ def act(rec: Measuring, per_param: torch.Tensor, grads: list[torch.Tensor],
         coef = torch.nan_to_num(coef, nan=1.0)
         if fused and in_hook:  # the optimizer divides by its grad_scale: no pass of ours
             fl.scale_set = not hasattr(opt, "grad_scale")
-            opt.grad_scale = (scale if scale is not None else 1.0) / coef
+            # the fused kernels' own inputs, set on the optimizer as torch's GradScaler does
+            # (no attribute an Optimizer declares: hence setattr)
+            value = (scale if scale is not None else 1.0) / coef
+            setattr(opt, "grad_scale", value)  # noqa: B010
         else:
             for gs in _by_device(grads):  # torch's fast path: the factor in their dtype
                 torch._foreach_mul_(gs, coef.to(gs[0].device, gs[0].dtype,
@@ -326,8 +334,8 @@ def arm_skip(rec: Measuring, skip: torch.Tensor) -> None:
     prior = getattr(opt, "found_inf", None)
     rec.flight.found_inf_set = prior is None and not hasattr(opt, "found_inf")
     flag = skip.float()
-    opt.found_inf = flag if prior is None else torch.maximum(
-        prior.float().to(flag.device, non_blocking=True), flag)
+    setattr(opt, "found_inf", flag if prior is None else torch.maximum(  # noqa: B010
+        prior.float().to(flag.device, non_blocking=True), flag))
 
 
 def _drop_found_inf(rec: Measuring) -> None:
@@ -375,8 +383,8 @@ class Reading(Protocol):
 
     layers: Layers
     grad_names: list[str]
-    engine: Any  # AlertEngine
-    control: Any  # ControlState
+    engine: AlertEngine
+    control: ControlState
     own_clips: OwnClips
     framework_clip: float | None
 

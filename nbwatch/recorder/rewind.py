@@ -4,7 +4,7 @@ rewound-over steps as a branch, and skip batches of the data stream."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from ..checkpoint import CheckpointError, load, restore_into
 from ..controls import scale_lrs
@@ -13,6 +13,13 @@ from ..store import RunReader
 from .outcomes import Applied, Outcome, Refused
 from .spec import Progress
 from .state import InFlight
+
+if TYPE_CHECKING:
+    from ..checkpoint import Checkpointer
+    from ..distributed import Dist, NullStore
+    from ..store import RunStore
+    from .eval_checkpoint import EvalState
+    from .lr_factor import LrFactor
 
 BRANCH_KEYS = ("loss/train", "loss/val")  # kept per rewind as rewind/<n>/<key>
 
@@ -49,13 +56,13 @@ class Rewinding(Protocol):
     sched: Any
     scaler: Any
     control: Any
-    ckpt: Any  # Checkpointer
-    store: Any  # RunStore, or NullStore on ranks > 0
+    ckpt: Checkpointer
+    store: RunStore | NullStore  # NullStore on ranks > 0
     progress: Progress
-    dist: Any  # Dist | None
+    dist: Dist | None
     flight: InFlight
-    evals: Any  # EvalState
-    lr: Any  # LrFactor
+    evals: EvalState
+    lr: LrFactor
 
     def flush_deferred(self) -> None: ...
 

@@ -7,11 +7,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..probes.late import Late
+
+if TYPE_CHECKING:
+    from .host_copy import HostCopy
+    from .optimizer_step import Taking
 
 
 @dataclass
@@ -20,8 +24,8 @@ class Landing:
     needs besides them."""
 
     step: int
-    copy: Any  # host_copy.HostCopy
-    taking: Any  # optimizer_step.Taking, or None: the optimizer did not step (overflow)
+    copy: HostCopy
+    taking: Taking | None  # None: the optimizer did not step (overflow)
     values: dict[str, float]  # the step's host figures (timings, the loop's floats)
     names: list[str]  # the loop's device figures, in the copy's "figures" group
     lr_planned: bool  # its LR moved as planned, as its end saw it

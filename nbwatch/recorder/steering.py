@@ -9,7 +9,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -23,19 +23,24 @@ from .rewind import Rewinding, do_rewind, do_skip, resolve_rewind
 from .spec import RunSpec
 from .state import Inbox, RankMeeting
 
+if TYPE_CHECKING:
+    from ..alerts.engine import AlertEngine
+    from .batches import BatchIds
+    from .own_time import OwnTime
+
 
 class Steered(Rewinding, Protocol):
     """What steering reads and moves of the run it steers (a `StepRecorder`); a command
     may rewind it."""
 
-    own: Any  # OwnTime
+    own: OwnTime
     start_step: int
     spec: RunSpec
-    engine: Any  # AlertEngine
+    engine: AlertEngine
     commands: ctl.CommandQueue
     control: ctl.ControlState
     lr: LrFactor
-    batch_ids: Any  # BatchIds
+    batch_ids: BatchIds
     inbox: Inbox
     ranks: RankMeeting
     on_alert: Callable[[Event], Any] | None
@@ -150,10 +155,11 @@ def sync_ranks(rec: Steered, final: bool = False) -> None:
 def record_ranks(rec: Steered, rows: list) -> None:
     """Rank 0: every rank's figures of the steps since the last exchange, and the
     straggler rule on their recent step times."""
-    times = rec.ranks.step_times
+    times, d = rec.ranks.step_times, rec.dist
+    assert d is not None  # ranks meet only under torchrun
     for sc in merge_ranks(rows):
         rec.store.put(sc)
-        for r in range(rec.dist.world):
+        for r in range(d.world):
             # busy time outside collectives: a fast rank's step also holds its wait for
             # the slow one (inside backward), so step time alone hides a straggler
             fwd = sc.values.get(f"rank{r}/time/forward")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -34,6 +34,13 @@ from .own_time import OwnTime, counted
 from .spec import SMOOTHING, Progress, RunSpec
 from .state import InFlight, Landing, Pending, RankMeeting
 
+if TYPE_CHECKING:
+    from ..alerts.engine import AlertEngine
+    from ..controls import ControlState
+    from ..distributed import Dist, NullStore
+    from ..store import RunStore
+    from .own_clips import OwnClips
+
 # A step's record (its "step" rules, its row, its alerts) waits for a batch: at most this
 # many steps, and no step longer than this many seconds. The rules' code and numpy are
 # cold after a backward pass (the loss_spike check: 188 µs a call in a live run, ~15 fed
@@ -55,18 +62,18 @@ class Recording(Protocol):
     own: OwnTime
     step: int
     spec: RunSpec
-    opt: Any  # torch.optim.Optimizer
+    opt: torch.optim.Optimizer
     scaler: Any
     layers: Layers
     ratio_names: list[str]
     grad_names: list[str]
     skip_nonfinite: bool
-    control: Any  # ControlState
-    own_clips: Any  # OwnClips
+    control: ControlState
+    own_clips: OwnClips
     framework_clip: float | None
-    engine: Any  # AlertEngine
-    store: Any  # RunStore, or NullStore on ranks > 0
-    dist: Any  # Dist | None
+    engine: AlertEngine
+    store: RunStore | NullStore  # NullStore on ranks > 0
+    dist: Dist | None
     progress: Progress
     lr: LrFactor
     batch_ids: BatchIds

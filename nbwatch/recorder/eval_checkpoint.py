@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ..controls import ControlState
     from ..distributed import Dist, NullStore
     from ..store import RunStore
-    from .rewind import RewindState
+    from .state import RewindState
 
 
 @dataclass

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -45,7 +44,7 @@ from .lr_factor import LrFactor
 from .own_clips import OwnClips
 from .own_time import OwnTime, counted
 from .spec import Progress, RunSpec
-from .state import InFlight
+from .state import InFlight, Taking
 
 if TYPE_CHECKING:
     from ..alerts.engine import AlertEngine
@@ -56,33 +55,6 @@ if TYPE_CHECKING:
 # the GradScaler's found_inf, its grad_scale]
 TOTAL, CLIPPED, SKIPPED, FOUND_INF, SCALE = range(5)
 FUSED_TAKE_FOUND_INF = ("Adam", "AdamW", "SGD", "Adagrad")
-
-
-@dataclass
-class Taking:
-    """The optimizer step being taken: what its pre-hook measured (device tensors, copied
-    at the step's end) and knew on the host."""
-
-    step: int
-    host: dict[str, float]  # the LR this step used
-    groups: dict[str, list[torch.Tensor]]  # "norms" [P], "flags" [5], "clips", "staged"
-    layer_of: tuple[int, ...]
-    staged: list[str]  # names of the runner's figures in the "staged" group
-    clips: list = field(default_factory=list)  # the loop's own clips (ClipCall)
-    clip_note: str | None = None
-    present: tuple[int, ...] | None = None  # which parameters had a gradient (own clips)
-    zeroing: bool = False  # a non-finite step's skip zeroes its gradients (no found_inf)
-    limits: dict[str, tuple[float, float]] = field(default_factory=dict)  # rules' clips
-    t_pre: float = 0.0
-    t_probe: float = 0.0
-    t_post: float = 0.0
-    explicit: bool = False  # measured by a framework adapter, not the optimizer's hook
-    hist: bool = False  # a histogram step: weight histograms at its end
-    before: list | None = None  # weights snapshot on update-ratio steps
-    ratios: torch.Tensor | None = None  # update ratios [L] on device, after the update
-    skip: torch.Tensor | None = None  # a fused optimizer's skip, for its own pre-hook
-    read: dict[str, list[float]] | None = None  # on a CPU: the groups, read at once
-    layers: Layers | None = None  # what `layer_of` indexes, where the model changed since
 
 
 class Measuring(Protocol):

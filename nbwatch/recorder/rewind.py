@@ -3,7 +3,7 @@ rewound-over steps as a branch, and skip batches of the data stream."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from ..checkpoint import CheckpointError, load, restore_into
@@ -12,7 +12,7 @@ from ..records import Command, CommandKind, Scalars
 from ..store import RunReader
 from .outcomes import Applied, Outcome, Refused
 from .spec import Progress
-from .state import InFlight
+from .state import InFlight, RewindState
 
 if TYPE_CHECKING:
     from ..checkpoint import Checkpointer
@@ -30,20 +30,6 @@ class Rewound(NamedTuple):
 
     step: int
     skip: int
-
-
-@dataclass
-class RewindState:
-    """Who may rewind and skip, and what the loop must still be told."""
-
-    can_rewind: bool = False  # set by who opens the run: its step count is nbwatch's
-    runs_loop: bool = False  # start()'s runner: the data stream is nbwatch's to skip
-    skip_batches: int = 0  # batches to skip before the next step (the loop's, or ours)
-    rewinds: int = 0  # rewinds so far: the branch number of the next
-    rewound_to: int | None = None  # the step a rewind went back to, until told
-    # start()'s data stream after the last step: (epoch, its next batch), which a checkpoint
-    # keeps; a resumed start() is given its checkpoint's, and skips to it
-    data_at: tuple[int, int] | None = None
 
 
 class Rewinding(Protocol):

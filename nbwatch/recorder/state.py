@@ -1,21 +1,63 @@
 """What the recorder's parts carry between the moments of a step, each in one object that
 its part owns: the step in flight between the optimizer's hooks and its record
-(`InFlight`), the ranks' meeting (`RankMeeting`) and the command inbox (`Inbox`)."""
+(`InFlight`, what its pre-hook measured: `Taking`), the ranks' meeting (`RankMeeting`),
+the command inbox (`Inbox`) and who may rewind and skip (`RewindState`)."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..probes.late import Late
 
 if TYPE_CHECKING:
+    from ..probes.grads import Layers
     from .host_copy import HostCopy
-    from .optimizer_step import Taking
+
+
+@dataclass
+class Taking:
+    """The optimizer step being taken: what its pre-hook measured (device tensors, copied
+    at the step's end) and knew on the host."""
+
+    step: int
+    host: dict[str, float]  # the LR this step used
+    groups: dict[str, list[torch.Tensor]]  # "norms" [P], "flags" [5], "clips", "staged"
+    layer_of: tuple[int, ...]
+    staged: list[str]  # names of the runner's figures in the "staged" group
+    clips: list = field(default_factory=list)  # the loop's own clips (ClipCall)
+    clip_note: str | None = None
+    present: tuple[int, ...] | None = None  # which parameters had a gradient (own clips)
+    zeroing: bool = False  # a non-finite step's skip zeroes its gradients (no found_inf)
+    limits: dict[str, tuple[float, float]] = field(default_factory=dict)  # rules' clips
+    t_pre: float = 0.0
+    t_probe: float = 0.0
+    t_post: float = 0.0
+    explicit: bool = False  # measured by a framework adapter, not the optimizer's hook
+    hist: bool = False  # a histogram step: weight histograms at its end
+    before: list | None = None  # weights snapshot on update-ratio steps
+    ratios: torch.Tensor | None = None  # update ratios [L] on device, after the update
+    skip: torch.Tensor | None = None  # a fused optimizer's skip, for its own pre-hook
+    read: dict[str, list[float]] | None = None  # on a CPU: the groups, read at once
+    layers: Layers | None = None  # what `layer_of` indexes, where the model changed since
+
+
+@dataclass
+class RewindState:
+    """Who may rewind and skip, and what the loop must still be told."""
+
+    can_rewind: bool = False  # set by who opens the run: its step count is nbwatch's
+    runs_loop: bool = False  # start()'s runner: the data stream is nbwatch's to skip
+    skip_batches: int = 0  # batches to skip before the next step (the loop's, or ours)
+    rewinds: int = 0  # rewinds so far: the branch number of the next
+    rewound_to: int | None = None  # the step a rewind went back to, until told
+    # start()'s data stream after the last step: (epoch, its next batch), which a checkpoint
+    # keeps; a resumed start() is given its checkpoint's, and skips to it
+    data_at: tuple[int, int] | None = None
 
 
 @dataclass
@@ -50,7 +92,7 @@ class InFlight:
     """A step between its optimizer hooks (optimizer_step.py) and its record
     (step_end.py)."""
 
-    taking: Any = None  # optimizer_step.Taking: set by the pre-hook, taken at the end
+    taking: Taking | None = None  # set by the pre-hook, taken at the end
     stepped: bool = False  # the optimizer stepped since the last end of step
     staged: tuple[list[str], list[torch.Tensor]] | None = None  # the runner's loss
     copies: deque[Landing] = field(default_factory=deque)  # steps whose copy is under way

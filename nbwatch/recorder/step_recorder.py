@@ -45,9 +45,8 @@ from .layer_changes import LayerWatch, describe, of_run
 from .lr_factor import LrFactor
 from .own_clips import OwnClips
 from .own_time import OwnTime
-from .rewind import RewindState
 from .spec import Progress, RunSpec, StopTraining
-from .state import Inbox, InFlight, RankMeeting
+from .state import Inbox, InFlight, RankMeeting, RewindState
 
 log = logging.getLogger("nbwatch.recorder")
 _RUN_IDS = itertools.count(1)  # each run's logger is its own, whatever its folder's name

@@ -28,10 +28,15 @@ import functools
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..lifecycle import RunState
+
+if TYPE_CHECKING:
+    from ..recorder import StepRecorder
 
 # The Monitor whose hooks are on each optimizer: one at a time (a cell run twice makes a
 # second Monitor on the same optimizer; the first one's hooks must go).
@@ -71,10 +76,10 @@ class Owner(Protocol):
     @property
     def step(self) -> int: ...
     @property
-    def state(self) -> Any: ...
+    def state(self) -> RunState: ...
     @property
     def running(self) -> bool: ...
-    def recorder_for_step(self, open_loop: bool = True) -> Any:
+    def recorder_for_step(self, open_loop: bool = True) -> StepRecorder | None:
         """The recorder this optimizer step goes to (with `open_loop`, a loop's run opens
         at its first), or None (the Monitor's run has ended, or none is open)."""
     def clips_are_the_loops(self) -> bool:

@@ -1,5 +1,5 @@
-"""Which process and thread own a run: a forked child does not, and the training thread
-may not wait for the run's own end."""
+"""Which process and thread own a run: a forked child does not, the training thread may
+not wait for the run's own end, and a loop's step is logged from the loop's thread."""
 
 from __future__ import annotations
 
@@ -22,3 +22,14 @@ def refuse_in_training_thread(what: str, threads: tuple[threading.Thread | None,
             f"{what} was called from the run's own training thread (in on_alert, step_fn, "
             f"val_fn or sample_fn?): it would wait for itself for ever. Call it from the "
             f"thread that started the run; to end the run from there, call mon.stop()")
+
+
+def refuse_other_thread(loop: threading.Thread | None) -> None:
+    """`log()` records the optimizer step the loop just took: from another thread (a
+    logger, a callback's thread) it would be taken as that step's record."""
+    here = threading.current_thread()
+    if loop is not None and loop is not here and loop.is_alive():
+        raise RuntimeError(
+            f"mon.log() was called from thread {here.name!r} while the training loop runs in "
+            f"{loop.name!r}: log() records the optimizer step the loop just took, so call it "
+            "in the loop, once after each optimizer.step()")

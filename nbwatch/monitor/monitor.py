@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .. import controls as ctl
+from ..alerts.rules import Rule
 from ..checkpoint import Checkpointer
 from ..distributed import NullStore
 from ..lifecycle import RunState
@@ -180,7 +181,7 @@ class Monitor(ctl.Controls, Readout):
         return self._setup.control
 
     @property
-    def rules(self) -> list:
+    def rules(self) -> list[Rule]:
         """The alert rules in force (the defaults with `alerts=` applied)."""
         return self._setup.rules
 

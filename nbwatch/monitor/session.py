@@ -25,6 +25,7 @@ from ..interrupts import finish_first
 from ..lifecycle import LIVE, RunState
 from ..logs import open_run_log
 from ..notebook import after_each_cell
+from ..ownership import refuse_other_thread
 from ..panels.baseline import allow as allow_baselines
 from ..probes.system import SystemSampler, close_nvml, gpu_names, open_nvml
 from ..probes.throughput import Mfu, peak_flops
@@ -38,17 +39,6 @@ from .options import NOT_GIVEN, Options
 from .setup import Setup
 
 log = logging.getLogger("nbwatch")
-
-
-def refuse_other_thread(loop: threading.Thread | None) -> None:
-    """`log()` records the optimizer step the loop just took: from another thread (a
-    logger, a callback's thread) it would be taken as that step's record."""
-    here = threading.current_thread()
-    if loop is not None and loop is not here and loop.is_alive():
-        raise RuntimeError(
-            f"mon.log() was called from thread {here.name!r} while the training loop runs in "
-            f"{loop.name!r}: log() records the optimizer step the loop just took, so call it "
-            "in the loop, once after each optimizer.step()")
 
 
 class RunSession:

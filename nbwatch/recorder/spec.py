@@ -50,6 +50,9 @@ class RunSpec:
     dry_run: bool = True  # start(): an eval and a checkpoint's state before step 1
 
 
+_PAUSED = RunState.PAUSED  # read every step: a module constant, not an Enum lookup
+_STOP_TAKEN = frozenset({RunState.STOPPING, RunState.STOPPED})
+
 SMOOTHING = 0.9  # panels/loss.py smooth()'s weight: the gap is measured on the drawn curve
 
 
@@ -72,12 +75,12 @@ class Progress:
     @property
     def paused(self) -> bool:
         """The training thread waits at a step boundary for a resume or a stop."""
-        return self.state is RunState.PAUSED
+        return self.state is _PAUSED
 
     @property
     def stopping(self) -> bool:
         """A stop was taken: the run is stopping, or has stopped by it."""
-        return self.state in (RunState.STOPPING, RunState.STOPPED)
+        return self.state in _STOP_TAKEN
 
     @property
     def ended(self) -> bool:

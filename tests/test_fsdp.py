@@ -176,6 +176,24 @@ def test_fsdp2_own_loop_stop_at_one_step_then_resume_with_the_same_weights(tmp_p
     assert [s["step"] for s in steps] == list(range(held + 1, held + 5))
 
 
+def test_fsdp2_a_nan_step_in_the_gpus_order_is_zeroed_on_every_ranks_shards(tmp_path):
+    """In the GPU's order (the skip decided on the device, nothing read before the
+    optimizer), a step whose loss is NaN on both ranks is zeroed on each rank's gradient
+    shards (AdamW without `fused` takes no found_inf): the full weights stay finite, the
+    step reads `skipped`, and training goes on."""
+    run_dir = tmp_path / "nan"
+    finish(torchrun(run_dir, 10, LOOP="own", DEFER=1, NAN_AT=5))
+    run = nbwatch.open_run(run_dir)
+    assert run.state == "finished" and run.step == 10
+    df = run.df
+    assert df.loc[5, "skipped"] == 1.0 and df["skipped"].fillna(0).sum() == 1
+    assert df.loc[6:, "loss/train"].between(0, 100).all()  # finite, training on
+    end = torch.load(run_dir / "ref_full_end.pt")["state"]
+    assert end and all(torch.isfinite(v).all() for v in end.values())
+    (msg,) = run.events.query("kind == 'alert'").message
+    assert msg.startswith("nonfinite") and "zeroed" in msg
+
+
 def test_fsdp2_hugging_face_gpt2(tmp_path):
     """A tiny GPT2LMHeadModel (no download; tied embeddings; eager attention) sharded per
     block: the same figures as torch's, and its attention maps at the evals."""

@@ -248,10 +248,9 @@ def act(rec: Measuring, per_param: torch.Tensor, grads: list[torch.Tensor],
                 arm_skip(rec, skip)
             else:
                 fused_skip = skip  # handed over at the optimizer's own pre-hook
-        else:  # a zero-gradient step: one masked fill per gradient, on the device
+        else:  # a zero-gradient step, decided on the device
             zeroing = True
-            for g in grads:
-                g.masked_fill_(skip.to(g.device, non_blocking=True), 0.0)
+            zero_where(grads, skip)
     one = torch.ones((), device=dev)
     return torch.stack([total, clipped, skip.float(), inf,
                         scale if scale is not None else one]), zeroing, fused_skip
@@ -330,6 +329,30 @@ def takes_found_inf(opt: Any) -> bool:
                   and all(g.get("fused") for g in opt.param_groups))
         opt._nbwatch_found_inf = cached
     return cached
+
+
+# Integer types as wide as each float: a gradient's bits, to zero it by a multiply
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def zero_where(grads: list[torch.Tensor], skip: torch.Tensor) -> None:
+    """Zero every gradient where `skip` (a 0-dim bool on the device) holds, NaN and inf
+    included, without a read: their bits multiplied by 0 or 1 in one `_foreach_mul_` per
+    device and width (a float's NaN · 0 is NaN; its bits · 0 are +0.0, and · 1 leave it
+    as it was), where a fill per gradient costs a launch each (~150 for GPT-2)."""
+    by: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        g = g._values() if g.is_sparse else g  # a sparse one: its values
+        bits = _BITS.get(g.element_size())
+        if bits is not None:
+            try:
+                by.setdefault((g.device, bits), []).append(g.view(bits))
+                continue
+            except RuntimeError:  # a tensor subclass without dtype views
+                pass
+        g.masked_fill_(skip.to(g.device, non_blocking=True), 0)
+    for (dev, bits), views in by.items():
+        torch._foreach_mul_(views, (~skip).to(dev, bits, non_blocking=True))
 
 
 def _by_device(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -6,6 +6,7 @@ GPU each would be a sync: the host waiting for the device)."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import nbwatch
 from nbwatch.demo import make_demo, masked_cross_entropy
@@ -216,3 +218,78 @@ def test_torchrun_reads_nothing_on_the_step_path(tmp_path):
         got = json.loads((run_dir / f"audit_rank{rank}.json").read_text())
         check_reads(got["reads"], got["read_at"])
     assert nbwatch.open_run(run_dir).df.index.tolist() == list(range(1, STEPS + 1))
+
+
+class Launches(TorchDispatchMode):
+    """The ops nbwatch's own lines dispatch during steady steps: those that launch a
+    kernel on a GPU (not views), and those that would make the host wait there (a read,
+    an output sized by the data, host data made into a tensor: an upload)."""
+
+    WAITS = {"aten._local_scalar_dense.default", "aten.nonzero.default",
+             "aten.masked_select.default", "aten._unique2.default",
+             "aten.unique_consecutive.default", "aten.unique_dim.default",
+             "aten.lift_fresh.default", "aten.repeat_interleave.Tensor"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on = False
+        self.launches: collections.Counter[str] = collections.Counter()
+        self.waits: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.on:
+            where = _launcher(sys._getframe(1))
+            name = str(func)
+            bool_index = func is torch.ops.aten.index.Tensor and any(
+                i is not None and i.dtype == torch.bool for i in args[1])
+            if where is not None and (name in self.WAITS or bool_index):
+                self.waits.append(f"{name} at {where}")
+            elif where is not None and not func.is_view:
+                self.launches[where] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _launcher(frame) -> str | None:
+    """The innermost nbwatch line under `frame`, unless it is the demo's model or the
+    loss the loop calls (the user's work) or one of nbwatch's host-only figures."""
+    while frame is not None:
+        path = Path(frame.f_code.co_filename)
+        if PACKAGE in path.parents:
+            rel = path.relative_to(PACKAGE).as_posix()
+            users = rel in ("demo.py", "probes/loss.py")
+            return None if rel in HOST_ONLY or users else f"{rel}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def launches_a_step(tmp_path, layers: int, monkeypatch) -> tuple[float, list[str]]:
+    """nbwatch's kernel launches a steady step in the GPU's order (foreach optimizer,
+    clip on, the non-finite skip armed), and the ops that would wait."""
+    monkeypatch.setattr(host_copy, "DEFER_ON_CPU", True)
+    demo = make_demo(d=32, layers=layers, heads=2, ctx=32, batch_size=4, max_steps=STEPS)
+    m, opt = demo.model, torch.optim.AdamW(demo.model.parameters(), lr=1e-3, foreach=True)
+    mode = Launches()
+    with nbwatch.Monitor(m, opt, run_dir=tmp_path / str(layers), display=False,
+                         hist_every=10**6, clip=1.0) as mon, mode:
+        for i, b in enumerate(itertools.islice(itertools.cycle(demo.train), STEPS), 1):
+            mode.on = i in STEADY
+            logits = m(b["input_ids"])
+            loss = masked_cross_entropy(logits, b["labels"], b["mask"])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            mon.log(loss=loss, mask=b["mask"], logits=logits)
+            mode.on = False
+    return mode.launches.total() / len(STEADY), mode.waits
+
+
+def test_the_step_launches_the_same_ops_whatever_the_model_depth(tmp_path, monkeypatch):
+    """On a GPU each op nbwatch adds to a step costs the host a launch (~5 µs): its
+    number a step must not grow with the model's parameters (~150 for GPT-2: a fill
+    per gradient was ~0.75 ms a step), and none of them may wait for the device."""
+    shallow, waits = launches_a_step(tmp_path, 1, monkeypatch)
+    deep, deep_waits = launches_a_step(tmp_path, 6, monkeypatch)
+    assert not waits + deep_waits, "would wait on a GPU:\n" + "\n".join(
+        dict.fromkeys(waits + deep_waits))
+    assert shallow > 0
+    assert deep == shallow, (shallow, deep)

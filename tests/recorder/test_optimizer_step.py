@@ -91,3 +91,30 @@ def test_a_nonfinite_step_is_skipped_or_zeroed(tmp_path, monkeypatch, fused, gpu
     assert run.df.loc[3, "skipped"] == 1.0 and run.df["skipped"].fillna(0).sum() == 1
     (msg,) = run.events.query("kind == 'alert'").message
     assert ("zeroed" in msg) != exact and msg.startswith("nonfinite")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_device_skip_zeroes_nan_and_inf_and_leaves_a_good_step_bit_for_bit(dtype):
+    """The foreach path's skip (`zero_where`, decided on the device): a bad step's
+    gradients become +0.0, NaN and inf included (NaN · 0 would stay NaN); a good step's
+    are left exactly as they were, -0.0 and a transposed gradient included."""
+    from nbwatch.recorder.optimizer_step import zero_where
+
+    def grads():
+        torch.manual_seed(0)
+        odd = torch.tensor([1.5, math.nan, math.inf, -math.inf, -0.0, -2.25, 1e-40])
+        return [odd.to(dtype), torch.randn(3, 4).to(dtype).t(),
+                torch.randn(5, 5).to_sparse().to(dtype)]
+
+    def bits(t):
+        t = t.to_dense() if t.is_sparse else t
+        return t.contiguous().view(torch.uint8)
+
+    kept = grads()
+    zero_where(kept, torch.tensor(False))
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(kept, grads()))
+    zeroed = grads()
+    zero_where(zeroed, torch.tensor(True))
+    for g in zeroed:
+        g = g.to_dense() if g.is_sparse else g
+        assert torch.equal(bits(g), torch.zeros_like(bits(g)))  # +0.0: no NaN, no -0.0

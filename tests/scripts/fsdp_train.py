@@ -9,7 +9,9 @@ optimizer.step() (then the reference is taken before that clip); RESUME=1:
 `Monitor(..., resume=True)` (own loop); EVAL_EVERY (default 4); STEP_SLEEP (seconds per
 step); REF: the reference files' name; KILL_RANK / KILL_AT: that rank kills itself
 (SIGKILL) at that step; RAISE_AT: every rank raises there; CKPT_EVERY: a periodic
-checkpoint; REWIND_AT: (start()) rank 0 asks `mon.rewind(steps=3, skip=0)` at that step.
+checkpoint; REWIND_AT: (start()) rank 0 asks `mon.rewind(steps=3, skip=0)` at that step;
+DEFER=1: the GPU's order on the CPU (host_copy.DEFER_ON_CPU); NAN_AT: (own loop) the loss
+times NaN at that step on every rank, the nonfinite rule's action the skip only.
 
 Each rank writes RUN_DIR/{REF}_rank{r}.json: at each optimizer step, torch's own figures
 on the sharded model before nbwatch sees the gradients (`clip_grad_norm_(...)
@@ -137,13 +139,19 @@ def main() -> None:
         return float(nbwatch.masked_cross_entropy(out["logits"], out["labels"], out["mask"]))
 
     own = os.environ.get("LOOP") == "own"
+    if os.environ.get("DEFER"):
+        from nbwatch.recorder import host_copy
+
+        host_copy.DEFER_ON_CPU = True
+    nan_at = int(os.environ.get("NAN_AT", "0"))
     mon = nbwatch.Monitor(model, opt, sched, run_dir=run_dir, clip=clip, rank_every=2,
                           dist_timeout=30, hist_every=3,
                           resume=own and os.environ.get("RESUME") == "1",
                           probe_batch=val_batch if own else None,
                           checkpoint_every=int(os.environ.get("CKPT_EVERY", "0")) or (
                               4 if own else None),
-                          config={"script": "fsdp_train"})
+                          config={"script": "fsdp_train"},
+                          alerts={"nonfinite": {"actions": ["skip_step"]}} if nan_at else None)
     opt.register_step_pre_hook(after)  # behind nbwatch's hook: after its clip
     taken["mon"] = mon
     start = full_state(model)
@@ -157,6 +165,8 @@ def main() -> None:
                     out = step_fn(model, data[i % len(data)])
                     loss = nbwatch.masked_cross_entropy(out["logits"], out["labels"],
                                                         out["mask"])
+                    if i + 1 == nan_at:
+                        loss = loss * math.nan
                     loss.backward()
                     if loop_clip is not None:  # the loop clips itself, as users do
                         measure(loop_clip)

@@ -19,7 +19,7 @@ Workloads (all bf16 autocast, fused AdamW unless said):
   foreach    the nanoGPT shape with `torch.optim.AdamW(model.parameters())`: foreach, not fused
 
     python benchmarks/gpu_check.py [--rounds 5] [--steps 30] [--only gpt2,nanogpt]
-    python benchmarks/gpu_check.py --device cpu --quick     # the script's own smoke test
+    python benchmarks/gpu_check.py --device cpu --quick [--gpu-order]  # the script's test
 
 Fits in ~6 minutes on an H200. Exits 0 with a message where there is no CUDA device.
 """
@@ -87,7 +87,8 @@ def workloads(quick: bool) -> list[Work]:
                 Work("tiny", lambda: TinyGPT(vocab=256, d=64, layers=2, heads=2, ctx=64),
                      2, 64, 256, rounds=2),
                 Work("trainer", small, 2, 64, 256, loops=("trainer",), rounds=2),
-                Work("foreach", small, 2, 64, 256, fused=False, rounds=2)]
+                Work("foreach", small, 2, 64, 256, fused=False, rounds=2),
+                Work("compiled", small, 2, 64, 256, loops=("log",), compile=True, rounds=2)]
     return [
         Work("gpt2", gpt2(), 16, 1024, 50304),
         Work("nanogpt", gpt2(6, 6, 384, 256, 65), 64, 256, 65, rounds=7),
@@ -337,7 +338,13 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated workload names")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="small shapes: the script's test")
+    ap.add_argument("--gpu-order", action="store_true",
+                    help="on a CPU, the GPU's path: decided on the device, read a step later")
     args = ap.parse_args()
+    if args.gpu_order:
+        from nbwatch.recorder import host_copy
+
+        host_copy.DEFER_ON_CPU = True
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); "
               "nothing to measure. Run it on a machine with an NVIDIA GPU "

@@ -337,9 +337,8 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def zero_where(grads: list[torch.Tensor], skip: torch.Tensor) -> None:
     """Zero every gradient where `skip` (a 0-dim bool on the device) holds, NaN and inf
-    included, without a read: their bits multiplied by 0 or 1 in one `_foreach_mul_` per
-    device and width (a float's NaN · 0 is NaN; its bits · 0 are +0.0, and · 1 leave it
-    as it was), where a fill per gradient costs a launch each (~150 for GPT-2)."""
+    included, without a read: their bits times 0 or 1 (a NaN · 0 is NaN; its bits · 0
+    are +0.0), one `_foreach_mul_` per device and width, not a launch per gradient."""
     by: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
         g = g._values() if g.is_sparse else g  # a sparse one: its values

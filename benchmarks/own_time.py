@@ -2,7 +2,7 @@
 the demo model under `start()` (default probes): each part's time a step, from timers put
 around nbwatch's functions for this run only.
 
-    python benchmarks/own_time.py [--steps 200]
+    python benchmarks/own_time.py [--steps 200] [--gpu-order]
 
 Prints `time/nbwatch` (the recorder's own clock: median and mean a step, and its share of
 the step) and, per part, the mean µs a step, its calls and its median a call. The parts
@@ -26,6 +26,7 @@ import nbwatch
 from nbwatch import alerts, runner
 from nbwatch.demo import make_demo
 from nbwatch.probes import late, logits
+from nbwatch.recorder import host_copy
 from nbwatch.recorder import optimizer_step as ost
 from nbwatch.recorder import steering as st
 from nbwatch.recorder import step_end as se
@@ -36,8 +37,9 @@ import overhead  # noqa: E402
 
 PARTS = [
     (ost, "param_grad_norms", "pre-hook: gradient norms (_foreach_norm)"),
-    (ost, "copy_to_host", "pre-hook: the one device→host copy"),
-    (ost, "decide", "pre-hook: the gradient rules"),
+    (ost, "act_on_host", "pre-hook: one read, the clip and the skip (CPU)"),
+    (ost, "act", "pre-hook: the clip and the skip on the device"),
+    (se, "read_grads", "record: the step's gradient figures, grads rules"),
     (ost, "layer_norms", "pre-hook: per-layer sums"),
     (ost.wprobe, "snapshot", "pre-hook: weight copy (update-ratio steps)"),
     (ost.wprobe, "update_ratios", "post-hook: update ratios"),
@@ -71,7 +73,11 @@ def timed(times: dict[str, list[float]], owner, name: str, label: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200)
-    n = ap.parse_args().steps
+    ap.add_argument("--gpu-order", action="store_true",
+                    help="the GPU's path on the CPU: decided on tensors, read a step later")
+    args = ap.parse_args()
+    n = args.steps
+    host_copy.DEFER_ON_CPU = args.gpu_order
     times: dict[str, list[float]] = collections.defaultdict(list)
     for owner, name, label in PARTS:
         timed(times, owner, name, label)

@@ -9,6 +9,12 @@ Variants run interleaved in one process, several rounds each:
   start       `mon.start(step_fn, ...)`: nbwatch's own loop
 
     python benchmarks/step_cost.py [--steps 3000] [--rounds 5] [--profile]
+                                   [--gpu-order] [--clip 1.0]
+
+`--gpu-order` runs a GPU's step path on the CPU (every decision on tensors, the figures
+copied at the step's end and read at a later boundary): on a CPU each of its small ops
+costs about what a kernel launch costs a GPU's host, so its own time is the host work a
+GPU's step pays. `--clip` turns the clip on (its coefficient is computed on the device).
 
 Prints, per variant, the steady µs a step and what it adds over bare (and how much of
 that is nbwatch's own time on the training thread, `time/nbwatch`: the rest is torch's
@@ -33,6 +39,9 @@ import torch
 from torch import nn
 
 import nbwatch
+from nbwatch.recorder import host_copy
+
+KW: dict = {}  # the Monitor's options of this run (--clip)
 
 
 def make(seed: int = 0):
@@ -86,7 +95,7 @@ def log_foreground(n: int, root: Path, warm: int = 50) -> Timing:
     model, opt, x, y = make()
     run_dir = root / f"log{time.monotonic_ns()}"
     t0 = time.time()
-    with nbwatch.Monitor(model, opt, run_dir=run_dir, display=False) as mon:
+    with nbwatch.Monitor(model, opt, run_dir=run_dir, display=False, **KW) as mon:
         loop(model, opt, x, y, warm + n, mon)
     return _timing(run_dir, warm, n, t0, time.time())
 
@@ -95,7 +104,7 @@ def log_thread(n: int, root: Path, warm: int = 50) -> Timing:
     model, opt, x, y = make()
     run_dir = root / f"run{time.monotonic_ns()}"
     t0 = time.time()
-    mon = nbwatch.Monitor(model, opt, run_dir=run_dir, display=False)
+    mon = nbwatch.Monitor(model, opt, run_dir=run_dir, display=False, **KW)
     mon.run(loop, model, opt, x, y, warm + n, mon).wait()
     return _timing(run_dir, warm, n, t0, time.time())
 
@@ -104,7 +113,7 @@ def start(n: int, root: Path, warm: int = 50) -> Timing:
     model, opt, x, y = make()
     run_dir = root / f"start{time.monotonic_ns()}"
     t0 = time.time()
-    mon = nbwatch.Monitor(model, opt, run_dir=run_dir)
+    mon = nbwatch.Monitor(model, opt, run_dir=run_dir, **KW)
     mon.start(lambda m, b: (m(b[0]) - b[1]).square().mean(), itertools.repeat((x, y)),
               max_steps=warm + n, display=False).wait()
     return _timing(run_dir, warm, n, t0, time.time())
@@ -120,7 +129,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--gpu-order", action="store_true")
+    ap.add_argument("--clip", type=float, default=None)
     args = ap.parse_args()
+    host_copy.DEFER_ON_CPU = args.gpu_order
+    if args.clip is not None:
+        KW["clip"] = args.clip
     torch.set_num_threads(1)
     variants = {"bare": bare_timing, "log": log_foreground, "run": log_thread, "start": start}
     results: dict[str, list[Timing]] = {}
@@ -133,7 +147,9 @@ def main() -> None:
                 f"{k} {v[-1].steady * 1e6:.0f} µs" for k, v in results.items()), flush=True)
         base = statistics.median(t.steady for t in results["bare"])
         print(f"\n{args.steps} steps (+50 warm-up) x {args.rounds} rounds, median over rounds "
-              "(a 16-32-1 MLP, SGD, 1 thread)")
+              "(a 16-32-1 MLP, SGD, 1 thread"
+              + (", the GPU's order" if args.gpu_order else "")
+              + (f", clip {args.clip}" if args.clip is not None else "") + ")")
         print("| variant | steady µs/step | added over bare | of it nbwatch's own time "
               "(time/nbwatch) | ratio | whole run µs/step (added) | start-up s | close s |")
         print("|---|---|---|---|---|---|---|---|")

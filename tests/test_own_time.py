@@ -158,3 +158,24 @@ def test_own_loop_counts_noting_its_own_clips(tmp_path, monkeypatch):
             mon.log()
     own = nbwatch.open_run(tmp_path / "r").df["time/nbwatch"]
     assert (own.iloc[1:] >= 0.01).all(), own  # from step 2: the run opens at step 1's step
+
+
+def test_the_own_time_benchmark_times_every_part_it_names_in_the_gpus_order():
+    """`benchmarks/own_time.py` times nbwatch's functions by name: a renamed one must fail
+    it here, not in the session that next needs it, and its GPU-order run times the
+    device's clip and skip."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/own_time.py", "--steps", "4", "--gpu-order"],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
+        text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    timed = {line.split("  ")[1].strip() for line in proc.stdout.splitlines()
+             if " calls, median " in line}
+    assert "pre-hook: the clip and the skip on the device" in timed, proc.stdout
+    assert "pre-hook: one read, the clip and the skip (CPU)" not in timed, proc.stdout

@@ -19,10 +19,10 @@ accelerator nothing on the step reads the device (host_copy.py):
                                  commands (pause blocks here, stop ends the loop here)
 
 Its parts: spec.py (RunSpec, Progress, StopTraining), step_recorder.py (the recorder and
-its lifecycle), optimizer_step.py (the hooks: measure, clip, skip), lr_factor.py,
-own_clips.py, host_copy.py (the one copy, the one read), step_end.py (the record),
-steering.py (commands, ranks, alert actions), outcomes.py, eval_checkpoint.py,
-batches.py (which batch), rewind.py (rewind, skip).
+its lifecycle), optimizer_step.py (the hooks: measure), clip_skip.py (the clip and the
+skip), lr_factor.py, own_clips.py, host_copy.py (the one copy, the one read),
+step_end.py (the record), steering.py (commands, ranks, alert actions), outcomes.py,
+eval_checkpoint.py, batches.py (which batch), rewind.py (rewind, skip).
 """
 
 from .eval_checkpoint import plain

@@ -129,15 +129,15 @@ class HostCopy:
                 copy.known[name] = to_host(parts)
                 continue
             by_device.setdefault(dev, []).append((name, parts))
-        for dev, named in by_device.items():
-            spans, flats, at = [], [], 0
-            for name, parts in named:
-                f = flat(parts)
-                spans.append((name, at, at + f.numel()))
-                copy.sizes[name] = f.numel()
-                at += f.numel()
-                flats.append(f)
-            buf = flats[0] if len(flats) == 1 else torch.cat(flats)
+        for dev, named in by_device.items():  # one stack or cat per device: one launch
+            spans, parts, at = [], [], 0
+            for name, group in named:
+                n = sum(p.numel() for p in group)
+                spans.append((name, at, at + n))
+                copy.sizes[name] = n
+                at += n
+                parts.extend(group)
+            buf = flat(parts)
             if dev.type == "cuda":
                 # pinned memory from torch's caching host allocator; the copy is queued
                 # behind the step's kernels and the event says when it has landed

@@ -3,7 +3,8 @@ fail). What it does at each moment of a step lives in its parts, each a module o
 functions over the protocol it declares (what it reads and moves of the run, checked by
 mypy against this class), with its state in an object it owns:
 
-    optimizer_step.py  the optimizer's hooks: measure, clip decision   Measuring · InFlight
+    optimizer_step.py  the optimizer's hooks: measure                  Measuring · InFlight
+    clip_skip.py       the clip and the skip, on the device or host     Deciding · InFlight
     step_end.py        the step's record, histograms                    Recording · InFlight
     steering.py        commands, the ranks' meeting, alert actions      Steered · Inbox,
                                                                         RankMeeting

@@ -26,7 +26,6 @@ PACKAGE = Path(nbwatch.__file__).parent
 FRAMEWORKS = {"transformers", "lightning", "accelerate"}  # their own reads: a bare fit's too
 READS = ("item", "tolist", "cpu", "numpy", "__float__", "__bool__", "__int__", "__index__")
 # Host figures by construction: CPU masks and logits rows a step keeps for its record
-# (probes/late.py), which a GPU tensor never is.
 # (probes/late.py), and the CRC of CPU token ids (recorder/batches.py): a GPU tensor never
 # is one of those.
 # The ranks' exchange goes over nbwatch's own gloo group: host objects by construction.
@@ -262,15 +261,16 @@ def _launcher(frame) -> str | None:
     return None
 
 
-def launches_a_step(tmp_path, layers: int, monkeypatch) -> tuple[float, list[str]]:
+def launches_a_step(tmp_path, layers: int, monkeypatch, **kw) -> tuple[float, list[str]]:
     """nbwatch's kernel launches a steady step in the GPU's order (foreach optimizer,
-    clip on, the non-finite skip armed), and the ops that would wait."""
+    clip on, the non-finite skip armed unless `kw` says otherwise), and the ops that
+    would wait."""
     monkeypatch.setattr(host_copy, "DEFER_ON_CPU", True)
     demo = make_demo(d=32, layers=layers, heads=2, ctx=32, batch_size=4, max_steps=STEPS)
     m, opt = demo.model, torch.optim.AdamW(demo.model.parameters(), lr=1e-3, foreach=True)
     mode = Launches()
-    with nbwatch.Monitor(m, opt, run_dir=tmp_path / str(layers), display=False,
-                         hist_every=10**6, clip=1.0) as mon, mode:
+    with nbwatch.Monitor(m, opt, run_dir=tmp_path / f"{layers}{sorted(kw)}", display=False,
+                         hist_every=10**6, clip=1.0, **kw) as mon, mode:
         for i, b in enumerate(itertools.islice(itertools.cycle(demo.train), STEPS), 1):
             mode.on = i in STEADY
             logits = m(b["input_ids"])
@@ -293,3 +293,26 @@ def test_the_step_launches_the_same_ops_whatever_the_model_depth(tmp_path, monke
         dict.fromkeys(waits + deep_waits))
     assert shallow > 0
     assert deep == shallow, (shallow, deep)
+
+
+def test_the_clip_alone_launches_what_torchs_own_clip_does_and_the_copy(tmp_path, monkeypatch):
+    """With the skip and the clipping rules off, a watched step with the Clip control on
+    launches torch's own `clip_grad_norm_` (per-parameter norms, their total, the factor,
+    one `_foreach_mul_`) and the one copy to the host: every layer's norm is watched for
+    what the clip costs anyway."""
+    watched, waits = launches_a_step(
+        tmp_path, 2, monkeypatch, alerts={"nonfinite": False, "grad_explosion": False})
+    assert not waits
+    model = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4).model
+    model(torch.randint(0, 8, (2, 8))).float().sum().backward()
+    ops: collections.Counter[str] = collections.Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+    assert watched == ops.total() + 1, (watched, ops)

@@ -95,10 +95,10 @@ def test_a_nonfinite_step_is_skipped_or_zeroed(tmp_path, monkeypatch, fused, gpu
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_the_device_skip_zeroes_nan_and_inf_and_leaves_a_good_step_bit_for_bit(dtype):
-    """The foreach path's skip (`zero_where`, decided on the device): a bad step's
+    """The foreach path's skip (`zero_unless`, decided on the device): a bad step's
     gradients become +0.0, NaN and inf included (NaN · 0 would stay NaN); a good step's
     are left exactly as they were, -0.0 and a transposed gradient included."""
-    from nbwatch.recorder.optimizer_step import zero_where
+    from nbwatch.recorder.clip_skip import zero_unless
 
     def grads():
         torch.manual_seed(0)
@@ -111,10 +111,10 @@ def test_the_device_skip_zeroes_nan_and_inf_and_leaves_a_good_step_bit_for_bit(d
         return t.contiguous().view(torch.uint8)
 
     kept = grads()
-    zero_where(kept, torch.tensor(False))
+    zero_unless(kept, torch.tensor(True))
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(kept, grads()))
     zeroed = grads()
-    zero_where(zeroed, torch.tensor(True))
+    zero_unless(zeroed, torch.tensor(False))
     for g in zeroed:
         g = g.to_dense() if g.is_sparse else g
         assert torch.equal(bits(g), torch.zeros_like(bits(g)))  # +0.0: no NaN, no -0.0

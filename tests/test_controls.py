@@ -110,7 +110,7 @@ def test_one_command_table_makes_the_api_the_dispatch_and_the_buttons(tmp_path):
     import re
     from pathlib import Path
 
-    from nbwatch.adapters.base import FitRun
+    from nbwatch.adapters.fit_run import FitRun
     from nbwatch.attached import Attached
     from nbwatch.controls import COMMANDS, Controls, make_command, page_table
     from nbwatch.recorder.steering import DISPATCH

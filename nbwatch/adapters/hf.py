@@ -33,7 +33,8 @@ import torch
 from ..monitor import Monitor
 from ..probes.attention import take_samples
 from ..probes.throughput import batch_samples
-from .base import Adapter, FitRun, callback_of, drop_repeats, unwrap
+from .base import Adapter, callback_of, drop_repeats, unwrap
+from .fit_run import FitRun
 from .hf_internals import (  # noqa: F401 - wrap_clip_grad_norm: part of nbwatch.hf
     PRIVATE_STEPS,
     attention_implementation,

@@ -33,7 +33,8 @@ from ..evaluation import GuessedForward, batch_call, describe_call
 from ..monitor import Monitor
 from ..probes.attention import take_samples
 from ..probes.throughput import batch_samples
-from .base import Adapter, FitRun, callback_of, drop_repeats, found_inf, unwrap
+from .base import Adapter, callback_of, drop_repeats, found_inf, unwrap
+from .fit_run import FitRun
 
 __all__ = ["NbwatchCallback", "start"]
 SUPPORTED = "lightning 2.2 – 2.x (tested with 2.6)"

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 # the GradScaler's found_inf, its grad_scale], and the values of a tail left out
 TOTAL, COEF, KEPT, FOUND_INF, SCALE = range(5)
 FLAG_DEFAULTS = (math.nan, 1.0, 1.0, 0.0, 1.0)
-_ONE = torch.ones(())  # a CPU scalar: a GPU's kernel takes it as an argument, no copy
+# a CPU scalar (whatever the default device): a GPU's kernel takes it as an argument
+_ONE = torch.ones((), dtype=torch.float32, device="cpu")
 FUSED_TAKE_FOUND_INF = ("Adam", "AdamW", "SGD", "Adagrad")
 
 
@@ -231,7 +232,7 @@ def zero_unless(grads: list[torch.Tensor], keep: torch.Tensor) -> None:
 def _constant(value: float, device: torch.device) -> torch.Tensor:
     """`value` as a 0-dim float32 on `device`, made once (a `where` given a Python float
     fills a new tensor on the device each step: a launch)."""
-    return torch.full((), value, device=device)
+    return torch.full((), value, dtype=torch.float32, device=device)
 
 
 def _by_device(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:

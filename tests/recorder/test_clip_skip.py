@@ -5,6 +5,7 @@ zeroed gradients. Each is held to torch's own `clip_grad_norm_` on a twin model.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import math
@@ -118,3 +119,41 @@ def test_the_device_skip_zeroes_nan_and_inf_and_leaves_a_good_step_bit_for_bit(d
     for g in zeroed:
         g = g.to_dense() if g.is_sparse else g
         assert torch.equal(bits(g), torch.zeros_like(bits(g)))  # +0.0: no NaN, no -0.0
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_device_clip_and_skip_keep_to_a_gpus_device_rules(fused):
+    """CI has no GPU, and on a CPU every tensor shares one device, so a CPU tensor given to
+    a CUDA kernel (or a CUDA one read where a CPU one was meant) fails only on a GPU. Torch's
+    FakeTensorMode applies CUDA's device rules without one: `act` on fake CUDA gradients,
+    the clip, a clipping rule and the skip armed, a loss given, leaves every flag, the
+    clip's `grad_scale` and the skip's `found_inf` on the gradients' device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from nbwatch.controls import ControlState
+    from nbwatch.recorder import clip_skip
+    from nbwatch.recorder.clip_skip import act
+    from nbwatch.recorder.state import InFlight
+
+    clip_skip._constant.cache_clear()  # no fake constant outlives its mode
+    with FakeTensorMode(allow_non_fake_inputs=True), contextlib.ExitStack() as undo:
+        undo.callback(clip_skip._constant.cache_clear)
+        dev = torch.device("cuda:0")
+        params = [torch.nn.Parameter(torch.randn(8, 8, device=dev)),
+                  torch.nn.Parameter(torch.randn(8, device=dev))]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3, fused=fused)
+        grads = [p.grad for p in params]
+        per_param = torch.stack(torch._foreach_norm(grads)).float()
+        rec = type("Rec", (), {"opt": opt, "flight": InFlight(), "skip_nonfinite": True,
+                               "control": ControlState(clip=1.0)})()
+        flags, zeroing, handed = act(rec, per_param, grads, torch.tensor(2.0, device=dev),
+                                     None, {"grad_explosion": (0.5, 0.25)})
+        assert zeroing is not fused and handed is None
+        assert {f.device for f in flags} == {dev}, [f.device for f in flags]
+        assert len(flags) == 3  # total, the clip's factor, kept
+        if fused:
+            assert opt.grad_scale.device == dev and opt.found_inf.device == dev
+        copied = host_copy.flat(flags)  # the copy's one cat, on the same device
+        assert copied.device == dev and copied.dtype == torch.float32

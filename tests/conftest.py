@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.nn.modules import module as nn_module
 
-from nbwatch.demo import TinyGPT, collate
+from nbwatch.demo import TinyGPT, collate, masked_cross_entropy
 
 # Tiny models gain nothing from a second thread, and on a shared 2-core machine an
 # OpenMP pool per test process turns contention into 100× slower steps.
@@ -57,6 +57,20 @@ def make_batches(n: int = 16, batch: int = 4, T: int = 24, seed: int = 0) -> lis
         lengths = torch.randint(6, T + 2, (batch,), generator=g).tolist()
         out.append(collate([torch.randint(1, 60, (L,), generator=g).tolist() for L in lengths]))
     return out
+
+
+def own_step(mon, model, opt, batch, scheduler=None):
+    """One step of a loop of the user's own on a demo batch, logged with its mask and
+    logits (`mon.log`); returns the loss."""
+    logits = model(batch["input_ids"])
+    loss = masked_cross_entropy(logits, batch["labels"], batch["mask"])
+    loss.backward()
+    opt.step()
+    if scheduler is not None:
+        scheduler.step()
+    opt.zero_grad(set_to_none=True)
+    mon.log(loss=loss, mask=batch["mask"], logits=logits)
+    return loss
 
 
 def tiny_step(model, batch):

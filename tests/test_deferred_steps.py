@@ -17,7 +17,7 @@ import torch
 import nbwatch
 from nbwatch.demo import make_demo, masked_cross_entropy
 from nbwatch.recorder import host_copy, step_end
-from tests.conftest import until
+from tests.conftest import own_step, until
 
 TIMED = ("time/", "throughput/", "system/")  # wall-clock figures: never equal twice
 # the rules on those clocks: whether they fire depends on the machine's load, not the run
@@ -193,12 +193,7 @@ def test_an_own_loop_copied_a_step_later_records_the_same(tmp_path, monkeypatch)
         with nbwatch.Monitor(m, opt, run_dir=tmp_path / f"d{defer}", hist_every=10,
                              display=False) as mon:
             for b in itertools.islice(itertools.cycle(demo.train), 30):
-                logits = m(b["input_ids"])
-                loss = masked_cross_entropy(logits, b["labels"], b["mask"])
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                mon.log(loss=loss, mask=b["mask"], logits=logits)
+                own_step(mon, m, opt, b)
         runs.append(figures(nbwatch.open_run(tmp_path / f"d{defer}")))
         assert deferred == ([s for s in range(2, 30) if s % 10] if defer else [])
     assert runs[1][0].index.tolist() == list(range(1, 31))

@@ -19,8 +19,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nbwatch
-from nbwatch.demo import make_demo, masked_cross_entropy
+from nbwatch.demo import make_demo
 from nbwatch.recorder import host_copy, step_end
+from tests.conftest import own_step
 
 PACKAGE = Path(nbwatch.__file__).parent
 FRAMEWORKS = {"transformers", "lightning", "accelerate"}  # their own reads: a bare fit's too
@@ -127,13 +128,7 @@ def test_an_own_loop_reads_nothing_on_the_step_path(tmp_path, audit):
     with monitor(tmp_path, demo, clip=1.0) as mon:
         for i, b in enumerate(itertools.islice(itertools.cycle(demo.train), STEPS), 1):
             window(audit, i - 1)
-            logits = m(b["input_ids"])
-            loss = masked_cross_entropy(logits, b["labels"], b["mask"])
-            loss.backward()
-            opt.step()
-            demo.scheduler.step()
-            opt.zero_grad(set_to_none=True)
-            mon.log(loss=loss, mask=b["mask"], logits=logits)
+            own_step(mon, m, opt, b, demo.scheduler)
         audit.on = False
     check(audit)
     df = nbwatch.open_run(tmp_path / "r").df
@@ -273,12 +268,7 @@ def launches_a_step(tmp_path, layers: int, monkeypatch, **kw) -> tuple[float, li
                          hist_every=10**6, clip=1.0, **kw) as mon, mode:
         for i, b in enumerate(itertools.islice(itertools.cycle(demo.train), STEPS), 1):
             mode.on = i in STEADY
-            logits = m(b["input_ids"])
-            loss = masked_cross_entropy(logits, b["labels"], b["mask"])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            mon.log(loss=loss, mask=b["mask"], logits=logits)
+            own_step(mon, m, opt, b)
             mode.on = False
     return mode.launches.total() / len(STEADY), mode.waits
 

@@ -17,9 +17,16 @@ Workloads (all bf16 autocast, fused AdamW unless said):
   trainer    GPT-2 124M under the HF Trainer, 16 × 512
   compiled   `torch.compile`d GPT-2 124M, 16 × 1024, own loop
   foreach    the nanoGPT shape with `torch.optim.AdamW(model.parameters())`: foreach, not fused
+  clip       the nanoGPT shape in nanoGPT's own loop: `clip_grad_norm_(params, 1.0)` before
+             each step, bare and watched (nbwatch records the norms before it)
 
     python benchmarks/gpu_check.py [--rounds 5] [--steps 30] [--only gpt2,nanogpt]
+                                   [--trace DIR]
     python benchmarks/gpu_check.py --device cpu --quick [--gpu-order]  # the script's test
+
+`--trace DIR` also profiles 6 steady steps of each own loop, bare and watched
+(`torch.profiler`, CPU and CUDA): a Chrome trace (`<workload>-<variant>.json`, open it in
+Perfetto) and the ops by their host time (`.txt`), to see where a GPU waits for its host.
 
 Fits in ~6 minutes on an H200. Exits 0 with a message where there is no CUDA device.
 """
@@ -61,6 +68,7 @@ class Work:
     loops: tuple[str, ...] = ("log", "start")
     fused: bool = True
     compile: bool = False
+    clip: float | None = None  # the loop's own clip_grad_norm_, bare and watched
     rounds: int = 5
     model: Any = None  # built once, copied for each variant
     times: dict[str, list[float]] = field(default_factory=dict)
@@ -88,7 +96,8 @@ def workloads(quick: bool) -> list[Work]:
                      2, 64, 256, rounds=2),
                 Work("trainer", small, 2, 64, 256, loops=("trainer",), rounds=2),
                 Work("foreach", small, 2, 64, 256, fused=False, rounds=2),
-                Work("compiled", small, 2, 64, 256, loops=("log",), compile=True, rounds=2)]
+                Work("compiled", small, 2, 64, 256, loops=("log",), compile=True, rounds=2),
+                Work("clip", small, 2, 64, 256, loops=("log",), clip=1.0, rounds=2)]
     return [
         Work("gpt2", gpt2(), 16, 1024, 50304),
         Work("nanogpt", gpt2(6, 6, 384, 256, 65), 64, 256, 65, rounds=7),
@@ -97,6 +106,7 @@ def workloads(quick: bool) -> list[Work]:
         Work("trainer", gpt2(ctx=512), 16, 512, 50304, loops=("trainer",)),
         Work("compiled", gpt2(), 16, 1024, 50304, loops=("log",), compile=True),
         Work("foreach", gpt2(6, 6, 384, 256, 65), 64, 256, 65, fused=False, rounds=7),
+        Work("clip", gpt2(6, 6, 384, 256, 65), 64, 256, 65, loops=("log",), clip=1.0),
     ]
 
 
@@ -147,6 +157,33 @@ class Window:
         return (self.t1 - self.t0) / self.steps
 
 
+class Trace(Window):
+    """Profiles the window's steps instead of timing them; writes what it saw to `out`."""
+
+    def __init__(self, steps: int, device: str, out: Path):
+        super().__init__(steps, device)
+        self.out = out
+        self.prof: Any = None
+
+    def at(self, done: int) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        if done == WARM:
+            self.sync()
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                             if self.device == "cuda" else [])
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+        elif done == WARM + self.steps and self.prof is not None:
+            self.sync()
+            self.prof.__exit__(None, None, None)
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.prof.export_chrome_trace(str(self.out.with_suffix(".json")))
+            self.out.with_suffix(".txt").write_text(self.prof.key_averages().table(
+                sort_by="self_cpu_time_total", row_limit=40))
+            self.prof = None
+
+
 def autocast(device: str) -> Any:
     return torch.autocast(device, dtype=torch.bfloat16) if device == "cuda" \
         else contextlib.nullcontext()
@@ -166,6 +203,8 @@ def own_loop(w: Work, device: str, steps: int, root: Path, watched: bool,
         with autocast(device):
             loss = forward_loss(model, data[i % len(data)]["input_ids"])
         loss.backward()
+        if w.clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), w.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if mon is not None:
@@ -285,7 +324,8 @@ def own_time(run: Any, steps: int) -> tuple[float, float, float]:
     return med("time/nbwatch"), med("time/device_wait"), med("time/step")
 
 
-def measure(w: Work, device: str, steps: int, root: Path, log: Callable[[str], None]) -> None:
+def measure(w: Work, device: str, steps: int, root: Path, log: Callable[[str], None],
+            trace: Path | None = None) -> None:
     torch.manual_seed(0)
     w.model = w.make().to(device)
     variants = ("bare", *w.loops) if w.loops != ("trainer",) else ("bare", "callback")
@@ -306,6 +346,11 @@ def measure(w: Work, device: str, steps: int, root: Path, log: Callable[[str], N
             w.times.setdefault(v, []).append(win.per_step)
         log(f"{w.name} round {r + 1}/{w.rounds}: " + ", ".join(
             f"{v} {w.times[v][-1] * 1e3:.2f}" for v in variants) + " ms/step")
+    if trace is not None and "log" in variants:
+        for v in ("bare", "log"):
+            run_variant(w, v, device, 6, root / f"{w.name}-{v}-trace",
+                        window=Trace(6, device, trace / f"{w.name}-{v}"))
+        log(f"{w.name}: traces in {trace}")
     w.model = None
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -338,6 +383,8 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated workload names")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="small shapes: the script's test")
+    ap.add_argument("--trace", type=Path, default=None,
+                    help="a folder: a profiler trace of each own loop, bare and watched")
     ap.add_argument("--gpu-order", action="store_true",
                     help="on a CPU, the GPU's path: decided on the device, read a step later")
     args = ap.parse_args()
@@ -367,7 +414,7 @@ def main() -> int:
             if args.rounds:
                 w.rounds = args.rounds
             try:
-                measure(w, args.device, args.steps, Path(tmp) / w.name, log)
+                measure(w, args.device, args.steps, Path(tmp) / w.name, log, args.trace)
             except Exception as e:  # noqa: BLE001 - one workload's failure: said, go on
                 log(f"{w.name}: FAILED: {type(e).__name__}: {e}")
     print(table(works))

@@ -59,12 +59,15 @@ def make_batches(n: int = 16, batch: int = 4, T: int = 24, seed: int = 0) -> lis
     return out
 
 
-def own_step(mon, model, opt, batch, scheduler=None):
-    """One step of a loop of the user's own on a demo batch, logged with its mask and
-    logits (`mon.log`); returns the loss."""
+def own_step(mon, model, opt, batch, scheduler=None, clip=None):
+    """One step of a loop of the user's own on a demo batch (`clip()`: the loop's own clip,
+    before the optimizer's step), logged with its mask and logits (`mon.log`); returns the
+    loss."""
     logits = model(batch["input_ids"])
     loss = masked_cross_entropy(logits, batch["labels"], batch["mask"])
     loss.backward()
+    if clip is not None:
+        clip()
     opt.step()
     if scheduler is not None:
         scheduler.step()

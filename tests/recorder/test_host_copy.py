@@ -137,6 +137,25 @@ def test_an_own_loop_reads_nothing_on_the_step_path(tmp_path, audit):
     assert (df["grad_norm/clipped"] <= 1.0 + 1e-5).all()  # clipped on the device
 
 
+def test_an_own_loop_that_clips_itself_reads_nothing_on_the_step_path(tmp_path, audit):
+    """nanoGPT's loop: `clip_grad_norm_(model.parameters(), 1.0)` of its own before each
+    `optimizer.step()` (nbwatch records the norms before that clip, and divides it out)."""
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4, max_steps=STEPS)
+    m, opt = demo.model, demo.optimizer
+    with monitor(tmp_path, demo) as mon:
+        for i, b in enumerate(itertools.islice(itertools.cycle(demo.train), STEPS), 1):
+            window(audit, i - 1)
+            own_step(mon, m, opt, b, demo.scheduler,
+                     clip=lambda: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5))
+        audit.on = False
+    check(audit)
+    df = nbwatch.open_run(tmp_path / "r").df
+    assert df.index.tolist() == list(range(1, STEPS + 1))
+    assert df[["grad_norm/global", "grad_norm/clipped"]].notna().all().all()
+    assert (df["grad_norm/clipped"] <= 0.5 + 1e-5).all()
+    assert (df["grad_norm/global"] > 0.5).any()  # the norms before the loop's own clip
+
+
 def test_start_reads_nothing_on_the_step_path(tmp_path, audit):
     demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4, max_steps=STEPS)
     mon = monitor(tmp_path, demo)

@@ -72,11 +72,13 @@ def act(rec: Deciding, per_param: torch.Tensor, grads: list[torch.Tensor],
     total = torch.linalg.vector_norm(per_param)  # clip_grad_norm_'s total of its norms
     extra: list[torch.Tensor] = []  # [found_inf, grad_scale], where a GradScaler gave any
     if isinstance(scale, torch.Tensor) or isinstance(found_inf, torch.Tensor):
-        scale = (scale.reshape(()).float().to(dev, non_blocking=True)
+        # copies: the scaler changes its own in place (update()) before the step's end,
+        # where these are copied to the host
+        scale = (scale.reshape(()).to(dev, torch.float32, non_blocking=True, copy=True)
                  if isinstance(scale, torch.Tensor) else None)
         if scale is not None:
             total = total / scale
-        inf = (found_inf.reshape(()).float().to(dev, non_blocking=True)
+        inf = (found_inf.reshape(()).to(dev, torch.float32, non_blocking=True, copy=True)
                if isinstance(found_inf, torch.Tensor) else _constant(0.0, dev))
         extra = [inf, scale if scale is not None else _constant(1.0, dev)]
     fused = takes_found_inf(opt)
@@ -87,10 +89,13 @@ def act(rec: Deciding, per_param: torch.Tensor, grads: list[torch.Tensor],
         # (a product rounds monotonically: min(d·a, d·b) = d·min(a, b), bit for bit)
         limit = math.inf if rec.control.clip is None else rec.control.clip
         max_norm: float | torch.Tensor = limit
-        for above, m in limits.values():
-            max_norm = torch.where(total > above, _constant(min(m, limit), dev),
-                                   _constant(max_norm, dev) if isinstance(max_norm, float)
-                                   else max_norm)
+        for above, m in limits.values():  # the smallest of those whose rule fires
+            if isinstance(max_norm, float):
+                max_norm = torch.where(total > above, _constant(min(m, limit), dev),
+                                       _constant(max_norm, dev))
+            else:
+                max_norm = torch.where(total > above,
+                                       torch.fmin(max_norm, _constant(m, dev)), max_norm)
         # fmin: a NaN total scales by 1 (the step is skipped); an infinite one by 0, as
         # torch's own clip does
         coef = torch.fmin((total + 1e-6).reciprocal() * max_norm, _ONE)

@@ -26,7 +26,7 @@ class Taking:
 
     step: int
     host: dict[str, float]  # the LR this step used
-    groups: dict[str, list[torch.Tensor]]  # "norms" [P], "flags" [5], "clips", "staged"
+    groups: dict[str, list[torch.Tensor]]  # "norms" [P], "flags" [≤5], "clips", "staged"
     layer_of: tuple[int, ...]
     staged: list[str]  # names of the runner's figures in the "staged" group
     clips: list = field(default_factory=list)  # the loop's own clips (ClipCall)

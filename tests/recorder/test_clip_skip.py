@@ -157,3 +157,42 @@ def test_the_device_clip_and_skip_keep_to_a_gpus_device_rules(fused):
             assert opt.grad_scale.device == dev and opt.found_inf.device == dev
         copied = host_copy.flat(flags)  # the copy's one cat, on the same device
         assert copied.device == dev and copied.dtype == torch.float32
+
+
+@pytest.mark.parametrize("control", [None, 0.7])
+def test_the_device_clip_takes_the_smallest_limit_of_every_rule_that_fires(control):
+    """Two clipping rules fire on one step: the clip is the tighter one's, in either order
+    of the rules (and the Clip control's where it is tighter still), as torch's own clip
+    to that max_norm would be."""
+    from types import SimpleNamespace as NS
+
+    from nbwatch.recorder.clip_skip import COEF, act
+
+    total = 10.0
+    want = min(0.5, 3.0, control or math.inf) / (total + 1e-6)
+    for limits in ({"a": (1.0, 0.5), "b": (2.0, 3.0)}, {"b": (2.0, 3.0), "a": (1.0, 0.5)},
+                   {"a": (1.0, 0.5), "quiet": (20.0, 0.1)}):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+        rec = NS(opt=opt, flight=NS(found_inf_set=False, scale_set=False),
+                 control=NS(clip=control), skip_nonfinite=False)
+        flags, _, _ = act(rec, torch.tensor([total]), [torch.ones(3)], None, None, limits)
+        assert float(flags[COEF]) == pytest.approx(want, rel=1e-6), limits
+
+
+def test_the_scalers_figures_are_those_of_the_step_not_of_its_end():
+    """A GradScaler changes its scale and found_inf in place (`update()`) before the step's
+    end copies its flags to the host: the flags hold the values `act` was given."""
+    from types import SimpleNamespace as NS
+
+    from nbwatch.recorder.clip_skip import FOUND_INF, SCALE, act
+
+    scale, found = torch.tensor(1024.0), torch.tensor(0.0)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    opt.grad_scale = scale
+    rec = NS(opt=opt, flight=NS(found_inf_set=False, scale_set=False),
+             control=NS(clip=None), skip_nonfinite=True)
+    flags, _, _ = act(rec, torch.tensor([2048.0]), [torch.ones(3)], None, found, {})
+    scale *= 2  # what update() does in place
+    found += 1
+    read = host_copy.flat(flags).tolist()
+    assert read[SCALE] == 1024.0 and read[FOUND_INF] == 0.0

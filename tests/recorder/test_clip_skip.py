@@ -29,6 +29,17 @@ def twins(fused: bool, kind=torch.optim.AdamW, **kw):
     return model, ref, opts, data
 
 
+def deciding(opt, clip: float | None = None, skip: bool = True):
+    """What `act` uses of a run (`clip_skip.Deciding`), with the run's own state objects."""
+    from types import SimpleNamespace
+
+    from nbwatch.controls import ControlState
+    from nbwatch.recorder.state import InFlight
+
+    return SimpleNamespace(opt=opt, flight=InFlight(), control=ControlState(clip=clip),
+                           skip_nonfinite=skip)
+
+
 def loss_of(m, b, poison: bool = False):
     loss = masked_cross_entropy(m(b["input_ids"]), b["labels"], b["mask"])
     return loss * math.nan if poison else loss
@@ -130,10 +141,8 @@ def test_the_device_clip_and_skip_keep_to_a_gpus_device_rules(fused):
     clip's `grad_scale` and the skip's `found_inf` on the gradients' device."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from nbwatch.controls import ControlState
     from nbwatch.recorder import clip_skip
     from nbwatch.recorder.clip_skip import act
-    from nbwatch.recorder.state import InFlight
 
     clip_skip._constant.cache_clear()  # no fake constant outlives its mode
     with FakeTensorMode(allow_non_fake_inputs=True), contextlib.ExitStack() as undo:
@@ -146,8 +155,7 @@ def test_the_device_clip_and_skip_keep_to_a_gpus_device_rules(fused):
         opt = torch.optim.AdamW(params, lr=1e-3, fused=fused)
         grads = [p.grad for p in params]
         per_param = torch.stack(torch._foreach_norm(grads)).float()
-        rec = type("Rec", (), {"opt": opt, "flight": InFlight(), "skip_nonfinite": True,
-                               "control": ControlState(clip=1.0)})()
+        rec = deciding(opt, clip=1.0)
         flags, zeroing, handed = act(rec, per_param, grads, torch.tensor(2.0, device=dev),
                                      None, {"grad_explosion": (0.5, 0.25)})
         assert zeroing is not fused and handed is None
@@ -164,8 +172,6 @@ def test_the_device_clip_takes_the_smallest_limit_of_every_rule_that_fires(contr
     """Two clipping rules fire on one step: the clip is the tighter one's, in either order
     of the rules (and the Clip control's where it is tighter still), as torch's own clip
     to that max_norm would be."""
-    from types import SimpleNamespace as NS
-
     from nbwatch.recorder.clip_skip import COEF, act
 
     total = 10.0
@@ -173,8 +179,7 @@ def test_the_device_clip_takes_the_smallest_limit_of_every_rule_that_fires(contr
     for limits in ({"a": (1.0, 0.5), "b": (2.0, 3.0)}, {"b": (2.0, 3.0), "a": (1.0, 0.5)},
                    {"a": (1.0, 0.5), "quiet": (20.0, 0.1)}):
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
-        rec = NS(opt=opt, flight=NS(found_inf_set=False, scale_set=False),
-                 control=NS(clip=control), skip_nonfinite=False)
+        rec = deciding(opt, clip=control, skip=False)
         flags, _, _ = act(rec, torch.tensor([total]), [torch.ones(3)], None, None, limits)
         assert float(flags[COEF]) == pytest.approx(want, rel=1e-6), limits
 
@@ -182,15 +187,12 @@ def test_the_device_clip_takes_the_smallest_limit_of_every_rule_that_fires(contr
 def test_the_scalers_figures_are_those_of_the_step_not_of_its_end():
     """A GradScaler changes its scale and found_inf in place (`update()`) before the step's
     end copies its flags to the host: the flags hold the values `act` was given."""
-    from types import SimpleNamespace as NS
-
     from nbwatch.recorder.clip_skip import FOUND_INF, SCALE, act
 
     scale, found = torch.tensor(1024.0), torch.tensor(0.0)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
     opt.grad_scale = scale
-    rec = NS(opt=opt, flight=NS(found_inf_set=False, scale_set=False),
-             control=NS(clip=None), skip_nonfinite=True)
+    rec = deciding(opt)
     flags, _, _ = act(rec, torch.tensor([2048.0]), [torch.ones(3)], None, found, {})
     scale *= 2  # what update() does in place
     found += 1

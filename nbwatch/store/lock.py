@@ -274,3 +274,31 @@ def _in_use(run_dir: Path, who: str | None = None) -> str:
             " it first, or choose another run_dir")
 
 
+
+
+def take_folder(run_dir: Path, network: bool) -> tuple[int, Heartbeat | None]:
+    """The run folder's writer lock: `(flock fd, None)` on a local disk, `(-1, heartbeat)`
+    in network mode. Waits a moment for a reader's probe or a closing writer to let go;
+    raises `RunInUse`, naming the holder, after that."""
+    if network:  # no flock: it may be missing, other hosts do not see it
+        if flock_held(run_dir):  # a local-mode writer of another process
+            raise RunInUse(_in_use(run_dir, _writer_named(run_dir)))
+        for _ in range(20):  # a closing writer's heartbeat, for a moment
+            try:
+                return -1, Heartbeat(run_dir)
+            except RunInUse:
+                time.sleep(0.05)
+        return -1, Heartbeat(run_dir)  # raises RunInUse, naming it
+    for _ in range(20):  # a reader's probe holds a shared lock for a moment
+        lock = _lock_dir(run_dir, exclusive=True)
+        if lock is not None:
+            break
+        time.sleep(0.05)
+    else:
+        raise RunInUse(_in_use(run_dir))
+    try:
+        drop_dead_heartbeat(run_dir)  # a network-mode writer's, before this one
+    except RunInUse:
+        unlock(lock)
+        raise
+    return lock, None

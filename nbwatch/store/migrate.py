@@ -12,6 +12,7 @@ from pathlib import Path
 
 from . import schema
 from .histograms import migrate_histograms
+from .mode import probe
 from .recover import fold
 from .tables import ScalarTables
 
@@ -89,3 +90,29 @@ def migrate_v2(con: sqlite3.Connection) -> None:
         migrate_histograms(con)
         con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)",
                     (json.dumps(schema.SCHEMA_VERSION),))
+
+
+def open_for_writing(run_dir: Path, path: Path, network: bool) -> sqlite3.Connection:
+    """The writer's connection to `path`, its tables made or brought up to this schema
+    (schema 2's histograms rewritten, schema 3 relabelled: its records are schema 4's too).
+    A filesystem without the locks SQLite needs is named, with what to do."""
+    try:
+        con = schema._connect(path, readonly=False, network=network)
+        con.executescript(schema._SCHEMA)
+    except sqlite3.OperationalError as e:
+        failed = probe(run_dir)
+        if failed is None:
+            raise
+        raise schema.StoreFailed(
+            f"the run store {path} cannot be opened: {failed}, and SQLite locks its"
+            f" file with them ({e}). Mount the filesystem with locking (Lustre: -o flock;"
+            " NFS: without nolock), or give run_dir on a local disk (and copy the folder"
+            " to the shared one once the run ends)") from e
+    schema.add_columns(con)
+    if schema._version(con) == 2:
+        migrate_v2(con)
+    version = json.dumps(schema.SCHEMA_VERSION)
+    if schema._version(con) == 3:
+        con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (version,))
+    con.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (version,))
+    return con

@@ -17,33 +17,14 @@ from ..records import Command, Event, Histogram, Scalars, SystemSample
 from . import reserve, tamper
 from .batch import write_batch
 from .histograms import HistTables
-from .lock import (
-    Heartbeat,
-    RunInUse,
-    _in_use,
-    _lock_dir,
-    _writer_named,
-    drop_dead_heartbeat,
-    flock_held,
-    unlock,
-)
-from .migrate import migrate_v2
-from .mode import NETWORK, choose, probe
+from .lock import take_folder, unlock
+from .migrate import open_for_writing
+from .mode import NETWORK, choose
 from .reader import RunReader
 from .record_reads import COMMANDS_SQL
 from .recover import fold, hot_journal, recover, sweep_temp_files, unreadable
 from .rows import WRITE, Meta, Taken, Truncate
-from .schema import (
-    _SCHEMA,
-    DB_NAME,
-    MAX_PENDING,
-    SCHEMA_VERSION,
-    StoreFailed,
-    _connect,
-    _failure,
-    _version,
-    add_columns,
-)
+from .schema import DB_NAME, MAX_PENDING, StoreFailed, _failure
 from .tables import ScalarTables
 
 COMPACT_EVERY = 30.0  # s: a live run's small blocks merged this often (and at close)
@@ -79,34 +60,7 @@ class RunStore(RunReader):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / DB_NAME
         self.mode, self.mode_why = choose(self.run_dir, mode)
-        self._heartbeat: Heartbeat | None = None
-        lock: int | None = -1  # -1: no flock (network mode)
-        if self.mode == NETWORK:  # no flock: it may be missing, other hosts do not see it
-            if flock_held(self.run_dir):  # a local-mode writer of another process
-                raise RunInUse(_in_use(self.run_dir, _writer_named(self.run_dir)))
-            for _ in range(20):  # a closing writer's heartbeat, for a moment
-                try:
-                    self._heartbeat = Heartbeat(self.run_dir)
-                    break
-                except RunInUse:
-                    time.sleep(0.05)
-            else:
-                self._heartbeat = Heartbeat(self.run_dir)  # raises RunInUse, naming it
-        else:
-            for _ in range(20):  # a reader's probe holds a shared lock for a moment
-                lock = _lock_dir(self.run_dir, exclusive=True)
-                if lock is not None:
-                    break
-                time.sleep(0.05)
-            else:
-                raise RunInUse(_in_use(self.run_dir))
-            assert lock is not None  # the loop breaks only with a lock taken
-            try:
-                drop_dead_heartbeat(self.run_dir)  # a network-mode writer's, before this one
-            except RunInUse:
-                unlock(lock)
-                raise
-        self._lock: int = -1 if lock is None else lock
+        self._lock, self._heartbeat = take_folder(self.run_dir, self.mode == NETWORK)
         self._unlocking = threading.Lock()
         opened = time.time()
         for folder in (self.run_dir, self.run_dir / "checkpoints"):  # what a killed write left
@@ -136,27 +90,7 @@ class RunStore(RunReader):
                 if why is not None:
                     raise StoreFailed(unreadable(self.path, why))
             self._migrate_if_old()
-        try:
-            con = _connect(self.path, readonly=False, network=self.mode == NETWORK)
-            con.executescript(_SCHEMA)
-        except sqlite3.OperationalError as e:
-            failed = probe(self.run_dir)
-            if failed is None:
-                raise
-            raise StoreFailed(
-                f"the run store {self.path} cannot be opened: {failed}, and SQLite locks its"
-                f" file with them ({e}). Mount the filesystem with locking (Lustre: -o flock;"
-                " NFS: without nolock), or give run_dir on a local disk (and copy the folder"
-                " to the shared one once the run ends)") from e
-        add_columns(con)
-        if _version(con) == 2:
-            migrate_v2(con)
-        if _version(con) == 3:  # its records are schema 4's too; the new ones packed tighter
-            con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)",
-                        (json.dumps(SCHEMA_VERSION),))
-        con.execute(
-            "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (json.dumps(SCHEMA_VERSION),)
-        )
+        con = open_for_writing(self.run_dir, self.path, self.mode == NETWORK)
         con.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
                         [("store_mode", json.dumps(self.mode)),
                          ("store_mode_why", json.dumps(self.mode_why))])

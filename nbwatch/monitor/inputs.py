@@ -23,7 +23,6 @@ from torch import nn
 from ..counts import as_python, integral, real
 from ..evaluation import check_val as check_val  # log(val=...)'s check, val_fn's too
 from ..evaluation import short_repr
-from ..probes.attention import take_samples
 from ..probes.data import batch_figures, check_mask
 from ..probes.late import keep_masks
 from ..probes.logits import NAMES as LOGIT_NAMES
@@ -259,16 +258,6 @@ def check_start(step_fn: Any, train_data: Any, max_steps: Any, val_fn: Any,
             f"got {type(train_data).__name__}"
         )
     return int(max_steps), None if eval_every is None else int(eval_every), int(accumulate)
-
-
-def probe_samples(batch: Any, n: int) -> Any:
-    if not integral(n) or n < 0:
-        raise ValueError(f"attention_samples must be an int ≥ 0 (0: no attention probe), "
-                         f"got {n!r}")
-    if batch is None or n == 0:
-        return None
-
-    return take_samples(batch, n)
 
 
 def log_figures(loss: Any, mask: torch.Tensor | list[torch.Tensor] | None,

@@ -33,15 +33,9 @@ from ..runner import Runner
 from ..store import RunStore
 from .background import TrainingThread
 from .exiting import ProcessExit
-from .inputs import (
-    check_closure_free,
-    check_start,
-    check_val,
-    log_figures,
-    mask_samples,
-    probe_samples,
-)
-from .options import NOT_GIVEN, Options, check_every, check_peak_flops
+from .inputs import check_closure_free, check_start
+from .options import NOT_GIVEN, Options, check_every, check_peak_flops, probe_samples
+from .own_loop import log_step
 from .port import ExternalLoop
 from .session import RunSession
 from .setup import Setup
@@ -236,14 +230,11 @@ class Monitor(ctl.Controls, Readout):
         session.check_can_open(resume)
         check_closure_free(self.optimizer)
         opts = session.options.merged(
-            clip=clip if clip is NOT_GIVEN else ctl.check_clip(clip), hist_every=hist_every,
-            update_every=update_every,
-            checkpoint_every=checkpoint_every, probe_fn=probe_fn, probe_tokens=probe_tokens,
-            attention_samples=attention_samples, attention_tokens=attention_tokens,
-            log_every=log_every, rank_every=rank_every, dist_timeout=dist_timeout,
-            display=display)
-        if probe_batch is not NOT_GIVEN:
-            opts = replace(opts, probe_batch=probe_samples(probe_batch, opts.attention_samples))
+            clip=clip, hist_every=hist_every, update_every=update_every,
+            checkpoint_every=checkpoint_every, probe_batch=probe_batch, probe_fn=probe_fn,
+            probe_tokens=probe_tokens, attention_samples=attention_samples,
+            attention_tokens=attention_tokens, log_every=log_every, rank_every=rank_every,
+            dist_timeout=dist_timeout, display=display)
         if clip is not NOT_GIVEN:  # None given turns a Monitor's clip off for this run
             session.clip_asked = opts.clip
         max_steps, eval_every, accumulate = check_start(
@@ -297,31 +288,10 @@ class Monitor(ctl.Controls, Readout):
         raises `nbwatch.StopTraining` (after a final checkpoint) to end the loop.
         Returns the step number recorded, or after a rewind the checkpoint's step the
         weights are now at (`mon.rewound` then says it, and how many batches to skip)."""
-        session = self._session
-        rec = session.recorder_for_log(self._thread.thread)
-        with rec.own:
-            rec.note_logged_batch(batch, scalars)  # takes epoch=/index= given with a batch
-            host, names, parts, lengths = log_figures(loss, mask, scalars,
-                                                      first=rec.step == session.progress_start,
-                                                      logits=logits, source=rec.train_logits)
-            val = check_val(val)
-        samples = mask_samples(mask)
-        step = rec.record_step(host, names, parts, lengths=lengths, samples=samples, val=val,
-                               reduction="as computed by the training loop (mon.log)")
-        if rec.boundary():
-            rec.finish("stopped")
-            if session.mode == "loop":
-                self._end_loop(None)  # closed now, not at exit: a new run can start
-            raise StopTraining(f"run {self.name!r} stopped at step {step}, final checkpoint "
-                               "written (mon.run() and `with mon:` end the loop cleanly)")
-        # what a rewind or a skip asks of the loop: said once, at this log(), never merged
-        # into a later one
-        rw = rec.rewind_state
-        self.rewound, self.skip_batches, rw.skip_batches = None, rw.skip_batches, 0
-        if rw.rewound_to is not None:  # the weights are a checkpoint's: tell the loop
-            self.rewound = Rewound(rw.rewound_to, self.skip_batches)
-            step, rw.rewound_to = rw.rewound_to, None
-        return step
+        logged = log_step(self._session, self._thread.thread, loss, mask, val, batch, logits,
+                          scalars, self._end_loop)
+        self.rewound, self.skip_batches = logged.rewound, logged.skip_batches
+        return logged.step
 
     @property
     def stopping(self) -> bool:

@@ -12,7 +12,9 @@ from typing import Any
 
 from torch import nn
 
+from ..controls import check_clip
 from ..counts import integral, real
+from ..probes.attention import take_samples
 from ..recorder.spec import RunSpec
 
 SQLITE_MAX_PATH = 512  # bytes: SQLite (its unix VFS) opens no file whose full path is longer
@@ -148,11 +150,17 @@ class Options:
 
     def merged(self, **given: Any) -> Options:
         """These options with those given overridden (`NOT_GIVEN` leaves one as it is;
-        None given is a value)."""
+        None given is a value), `clip` checked and `probe_batch` cut to the samples kept."""
         unknown = set(given) - {f.name for f in fields(self)}
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}")
-        return replace(self, **{k: v for k, v in given.items() if v is not NOT_GIVEN})
+        given = {k: v for k, v in given.items() if v is not NOT_GIVEN}
+        if "clip" in given:
+            given["clip"] = check_clip(given["clip"])
+        out = replace(self, **given)
+        if "probe_batch" in given:
+            out = replace(out, probe_batch=probe_samples(out.probe_batch, out.attention_samples))
+        return out
 
     def spec(self) -> RunSpec:
         """What a run records, from these options (start() adds its step_fn, data, evals)."""
@@ -176,3 +184,13 @@ class Options:
                 v = None if v is None else len(v)
             out[k] = v
         return out
+
+
+def probe_samples(batch: Any, n: int) -> Any:
+    """The attention probe's samples: the first `n` of `batch` (None: no probe)."""
+    if not integral(n) or n < 0:
+        raise ValueError(f"attention_samples must be an int ≥ 0 (0: no attention probe), "
+                         f"got {n!r}")
+    if batch is None or n == 0:
+        return None
+    return take_samples(batch, n)

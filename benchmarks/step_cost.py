@@ -42,13 +42,18 @@ import nbwatch
 from nbwatch.recorder import host_copy
 
 KW: dict = {}  # the Monitor's options of this run (--clip)
+LAYERS = [0]  # --tensors: 0, the 16-32-1 MLP; else this many 8 x 8 Linear layers
 
 
 def make(seed: int = 0):
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    if LAYERS[0]:  # as many parameter tensors as a real model, each nearly free to compute
+        model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(LAYERS[0])])
+        x, y = torch.randn(8, 8), torch.randn(8, 8)
+    else:
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+        x, y = torch.randn(8, 16), torch.randn(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x, y = torch.randn(8, 16), torch.randn(8, 1)
     return model, opt, x, y
 
 
@@ -131,7 +136,11 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--gpu-order", action="store_true")
     ap.add_argument("--clip", type=float, default=None)
+    ap.add_argument("--tensors", type=int, default=0,
+                    help="a model of this many parameter tensors (8 x 8 Linear layers, "
+                         "GPT-2 124M has 148): what nbwatch does per tensor")
     args = ap.parse_args()
+    LAYERS[0] = (args.tensors + 1) // 2
     host_copy.DEFER_ON_CPU = args.gpu_order
     if args.clip is not None:
         KW["clip"] = args.clip
@@ -147,7 +156,8 @@ def main() -> None:
                 f"{k} {v[-1].steady * 1e6:.0f} µs" for k, v in results.items()), flush=True)
         base = statistics.median(t.steady for t in results["bare"])
         print(f"\n{args.steps} steps (+50 warm-up) x {args.rounds} rounds, median over rounds "
-              "(a 16-32-1 MLP, SGD, 1 thread"
+              + (f"({LAYERS[0]} 8 x 8 Linear layers" if LAYERS[0] else "(a 16-32-1 MLP")
+              + ", SGD, 1 thread"
               + (", the GPU's order" if args.gpu_order else "")
               + (f", clip {args.clip}" if args.clip is not None else "") + ")")
         print("| variant | steady µs/step | added over bare | of it nbwatch's own time "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -93,11 +93,15 @@ def param_grad_norms(layers: Layers) -> tuple[list[torch.Tensor], tuple[int, ...
         from .sharded import grad_norms
 
         return grad_norms(layers)
-    present = [(p.grad, li) for p, li in zip(layers.params, layers.layer_of) if p.grad is not None]
-    if not present:
-        return [], (), []
-    grads = [g for g, _ in present]
-    of = layers.layer_of if len(present) == len(layers.params) else tuple(li for _, li in present)
+    each = [p.grad for p in layers.params]  # each read once: a property in C
+    of = layers.layer_of
+    if all(g is not None for g in each):
+        grads = cast("list[torch.Tensor]", each)
+    else:  # some parameters have none this step
+        of = tuple(li for g, li in zip(each, of) if g is not None)
+        grads = [g for g in each if g is not None]
+        if not grads:
+            return [], (), []
     return list(norms_fp32(grads)), of, grads
 
 

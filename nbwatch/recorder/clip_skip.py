@@ -43,12 +43,13 @@ class Deciding(Protocol):
     skip_nonfinite: bool
 
 
-def act(rec: Deciding, per_param: torch.Tensor, grads: list[torch.Tensor],
+def act(rec: Deciding, per_param: torch.Tensor, groups: list[list[torch.Tensor]],
         loss: torch.Tensor | None, found_inf: torch.Tensor | None,
         limits: dict[str, tuple[float, float]], in_hook: bool = True
         ) -> tuple[list[torch.Tensor], bool, torch.Tensor | None]:
     """Clip and skip this step on the device, as torch's `clip_grad_norm_` and a
-    GradScaler's fused step do: no value is read. Returns the step's flags (0-dim device
+    GradScaler's fused step do: no value is read. `groups`: the gradients, as `by_device`
+    groups them. Returns the step's flags (0-dim device
     tensors laid out as `TOTAL`...`SCALE`, a tail of defaults left out), whether its skip
     zeroes the gradients (an optimizer that takes no `found_inf`), and a fused optimizer's
     skip flag still to be handed over (measured by an adapter, before the optimizer's hook).
@@ -83,7 +84,7 @@ def act(rec: Deciding, per_param: torch.Tensor, grads: list[torch.Tensor],
         extra = [inf, scale if scale is not None else _constant(1.0, dev)]
     fused = takes_found_inf(opt)
     coef = None
-    if grads and (rec.control.clip is not None or limits):
+    if groups and (rec.control.clip is not None or limits):
         # torch's rule, min(1, max_norm / (total + 1e-6)), for every limit at once: the
         # smallest max_norm of the Clip control's and of the rules whose norm is passed
         # (a product rounds monotonically: min(d·a, d·b) = d·min(a, b), bit for bit)
@@ -106,12 +107,12 @@ def act(rec: Deciding, per_param: torch.Tensor, grads: list[torch.Tensor],
             value = (scale if scale is not None else 1.0) / coef
             setattr(opt, "grad_scale", value)  # noqa: B010
         else:
-            for gs in _by_device(grads):  # torch's fast path: the factor in their dtype
+            for gs in groups:  # torch's fast path: the factor in their dtype
                 torch._foreach_mul_(gs, coef.to(gs[0].device, gs[0].dtype,
                                                 non_blocking=True))
     kept: torch.Tensor | None = None
     zeroing, fused_skip = False, None
-    if rec.skip_nonfinite and grads:
+    if rec.skip_nonfinite and groups:
         # a norm is ≥ 0 or NaN, so it is finite where it is < inf; a loss · 0 is 0 where
         # the loss is finite, NaN where not
         checked = total if loss is None else total + loss.to(dev, non_blocking=True) * 0
@@ -126,7 +127,7 @@ def act(rec: Deciding, per_param: torch.Tensor, grads: list[torch.Tensor],
                 fused_skip = skip  # handed over at the optimizer's own pre-hook
         else:  # a zero-gradient step, decided on the device
             zeroing = True
-            zero_unless(grads, kept)
+            zero_unless(kept, groups)
     flags = [total]  # the tail that holds only defaults is left out: no launch for it
     if coef is not None or kept is not None or extra:
         flags.append(coef if coef is not None else _constant(1.0, dev))
@@ -166,7 +167,7 @@ def act_on_host(rec: Deciding, norms: list[torch.Tensor], grads: list[torch.Tens
             if total > above:
                 coef = min(coef, clip_factor(max_norm, total))
     if coef < 1.0:
-        for gs in _by_device(grads):
+        for gs in by_device(grads):
             torch._foreach_mul_(gs, coef)
     if skip:
         for group in opt.param_groups:
@@ -214,23 +215,36 @@ def takes_found_inf(opt: Any) -> bool:
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def zero_unless(grads: list[torch.Tensor], keep: torch.Tensor) -> None:
+def zero_unless(keep: torch.Tensor, groups: list[list[torch.Tensor]]) -> None:
     """Zero every gradient unless `keep` (a 0-dim bool on the device) holds, NaN and inf
     included, without a read: their bits times 0 or 1 (a NaN · 0 is NaN; its bits · 0
-    are +0.0), one `_foreach_mul_` per device and width, not a launch per gradient."""
-    by: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    are +0.0), one `_foreach_mul_` per device and dtype, not a launch per gradient.
+    `groups`: the gradients, as `by_device` groups them."""
+    for gs in groups:
+        bits = _BITS.get(gs[0].element_size())
+        try:  # one view a gradient is all the host does for it (~0.5 µs)
+            views = [g.view(bits) for g in gs] if bits is not None else None
+        except (RuntimeError, NotImplementedError):  # sparse; a subclass without views
+            views = None
+        if views is None:
+            _zero_each(gs, keep)
+        else:
+            torch._foreach_mul_(views, keep.to(gs[0].device, bits, non_blocking=True))
+
+
+def _zero_each(grads: list[torch.Tensor], keep: torch.Tensor) -> None:
+    """`zero_unless` one gradient at a time: a sparse one's values, else its bits, else a
+    `masked_fill_`."""
     for g in grads:
-        g = g._values() if g.is_sparse else g  # a sparse one: its values
+        g = g._values() if g.is_sparse else g
         bits = _BITS.get(g.element_size())
-        if bits is not None:
-            try:
-                by.setdefault((g.device, bits), []).append(g.view(bits))
+        try:
+            if bits is not None:
+                g.view(bits).mul_(keep.to(g.device, bits, non_blocking=True))
                 continue
-            except RuntimeError:  # a tensor subclass without dtype views
-                pass
+        except (RuntimeError, NotImplementedError):
+            pass
         g.masked_fill_(~keep.to(g.device, non_blocking=True), 0)
-    for (dev, bits), views in by.items():
-        torch._foreach_mul_(views, keep.to(dev, bits, non_blocking=True))
 
 
 @functools.lru_cache(maxsize=64)
@@ -240,10 +254,10 @@ def _constant(value: float, device: torch.device) -> torch.Tensor:
     return torch.full((), value, dtype=torch.float32, device=device)
 
 
-def _by_device(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+def by_device(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """The gradients grouped by device and dtype (as `clip_grad_norm_` groups them)."""
-    first = (grads[0].device, grads[0].dtype)
-    if all((g.device, g.dtype) == first for g in grads):
+    device, dtype = grads[0].device, grads[0].dtype
+    if all(g.dtype == dtype and g.device == device for g in grads):
         return [grads]
     by: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:

@@ -48,6 +48,7 @@ from .clip_skip import (
     act,
     act_on_host,
     arm_skip,
+    by_device,
     drop_found_inf,
 )
 from .lr_factor import LrFactor
@@ -152,10 +153,11 @@ def pre_step(rec: Measuring, explicit: bool = True, clips: list | None = None,
         limits = fl.limits
         totals = [c.total.detach().reshape(()) for c in clips]
         if host_copy.deferred(norms[0].device):  # an accelerator: nothing is read here
-            per_param = _stack(norms)
+            grouped = by_device(grads)  # one device and dtype each
+            per_param = _stack(norms, single=len(grouped) == 1)
             loss = staged[staged_names.index("loss/train")] \
                 if "loss/train" in staged_names else None
-            flags, zeroing, fused_skip = act(rec, per_param, grads, loss, found_inf, limits,
+            flags, zeroing, fused_skip = act(rec, per_param, grouped, loss, found_inf, limits,
                                              in_hook=not explicit)
             groups.update(norms=[per_param], flags=flags, clips=totals)
         else:  # on a CPU a read costs no wait, and a host float is cheaper than a tensor
@@ -181,9 +183,10 @@ def due(every: int, step: int, first: bool) -> bool:
     return every > 0 and (step % every == 0 or first)
 
 
-def _stack(norms: list[torch.Tensor]) -> torch.Tensor:
+def _stack(norms: list[torch.Tensor], single: bool) -> torch.Tensor:
+    """The norms as one float32 tensor; `single`: all on one device."""
     dev = norms[0].device
-    if any(n.device != dev for n in norms):  # a model split across devices
+    if not single and any(n.device != dev for n in norms):  # a model split across devices
         norms = [n.to(dev, non_blocking=True) for n in norms]
     return torch.stack(norms).float()
 

@@ -110,7 +110,7 @@ def test_the_device_skip_zeroes_nan_and_inf_and_leaves_a_good_step_bit_for_bit(d
     """The foreach path's skip (`zero_unless`, decided on the device): a bad step's
     gradients become +0.0, NaN and inf included (NaN · 0 would stay NaN); a good step's
     are left exactly as they were, -0.0 and a transposed gradient included."""
-    from nbwatch.recorder.clip_skip import zero_unless
+    from nbwatch.recorder.clip_skip import by_device, zero_unless
 
     def grads():
         torch.manual_seed(0)
@@ -123,10 +123,10 @@ def test_the_device_skip_zeroes_nan_and_inf_and_leaves_a_good_step_bit_for_bit(d
         return t.contiguous().view(torch.uint8)
 
     kept = grads()
-    zero_unless(kept, torch.tensor(True))
+    zero_unless(torch.tensor(True), by_device(kept))
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(kept, grads()))
     zeroed = grads()
-    zero_unless(zeroed, torch.tensor(False))
+    zero_unless(torch.tensor(False), by_device(zeroed))
     for g in zeroed:
         g = g.to_dense() if g.is_sparse else g
         assert torch.equal(bits(g), torch.zeros_like(bits(g)))  # +0.0: no NaN, no -0.0
@@ -142,7 +142,7 @@ def test_the_device_clip_and_skip_keep_to_a_gpus_device_rules(fused):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from nbwatch.recorder import clip_skip
-    from nbwatch.recorder.clip_skip import act
+    from nbwatch.recorder.clip_skip import act, by_device
 
     clip_skip._constant.cache_clear()  # no fake constant outlives its mode
     with FakeTensorMode(allow_non_fake_inputs=True), contextlib.ExitStack() as undo:
@@ -156,8 +156,9 @@ def test_the_device_clip_and_skip_keep_to_a_gpus_device_rules(fused):
         grads = [p.grad for p in params]
         per_param = torch.stack(torch._foreach_norm(grads)).float()
         rec = deciding(opt, clip=1.0)
-        flags, zeroing, handed = act(rec, per_param, grads, torch.tensor(2.0, device=dev),
-                                     None, {"grad_explosion": (0.5, 0.25)})
+        flags, zeroing, handed = act(rec, per_param, by_device(grads),
+                                     torch.tensor(2.0, device=dev), None,
+                                     {"grad_explosion": (0.5, 0.25)})
         assert zeroing is not fused and handed is None
         assert {f.device for f in flags} == {dev}, [f.device for f in flags]
         assert len(flags) == 3  # total, the clip's factor, kept
@@ -180,7 +181,7 @@ def test_the_device_clip_takes_the_smallest_limit_of_every_rule_that_fires(contr
                    {"a": (1.0, 0.5), "quiet": (20.0, 0.1)}):
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
         rec = deciding(opt, clip=control, skip=False)
-        flags, _, _ = act(rec, torch.tensor([total]), [torch.ones(3)], None, None, limits)
+        flags, _, _ = act(rec, torch.tensor([total]), [[torch.ones(3)]], None, None, limits)
         assert float(flags[COEF]) == pytest.approx(want, rel=1e-6), limits
 
 
@@ -193,7 +194,7 @@ def test_the_scalers_figures_are_those_of_the_step_not_of_its_end():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
     opt.grad_scale = scale
     rec = deciding(opt)
-    flags, _, _ = act(rec, torch.tensor([2048.0]), [torch.ones(3)], None, found, {})
+    flags, _, _ = act(rec, torch.tensor([2048.0]), [[torch.ones(3)]], None, found, {})
     scale *= 2  # what update() does in place
     found += 1
     read = host_copy.flat(flags).tolist()

@@ -8,7 +8,7 @@ Variants run interleaved in one process, several rounds each:
   run         the same loop with `mon.log`, in nbwatch's thread (`mon.run(train)`)
   start       `mon.start(step_fn, ...)`: nbwatch's own loop
 
-    python benchmarks/step_cost.py [--steps 3000] [--rounds 5] [--profile]
+    python benchmarks/step_cost.py [--steps 3000] [--rounds 5] [--profile] [--tensors 148]
                                    [--gpu-order] [--clip 1.0]
 
 `--gpu-order` runs a GPU's step path on the CPU (every decision on tensors, the figures

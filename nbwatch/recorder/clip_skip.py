@@ -227,24 +227,28 @@ def zero_unless(keep: torch.Tensor, groups: list[list[torch.Tensor]]) -> None:
         except (RuntimeError, NotImplementedError):  # sparse; a subclass without views
             views = None
         if views is None:
-            _zero_each(gs, keep)
+            _zero_mixed(gs, keep)
         else:
             torch._foreach_mul_(views, keep.to(gs[0].device, bits, non_blocking=True))
 
 
-def _zero_each(grads: list[torch.Tensor], keep: torch.Tensor) -> None:
-    """`zero_unless` one gradient at a time: a sparse one's values, else its bits, else a
-    `masked_fill_`."""
+def _zero_mixed(grads: list[torch.Tensor], keep: torch.Tensor) -> None:
+    """`zero_unless` for a group where some gradient has no bit view of its own: a sparse
+    one's values are viewed instead, one without any view (a subclass) is
+    `masked_fill_`ed; the views still take one `_foreach_mul_`."""
+    bits = _BITS.get(grads[0].element_size())
+    views = []
     for g in grads:
         g = g._values() if g.is_sparse else g
-        bits = _BITS.get(g.element_size())
         try:
             if bits is not None:
-                g.view(bits).mul_(keep.to(g.device, bits, non_blocking=True))
+                views.append(g.view(bits))
                 continue
         except (RuntimeError, NotImplementedError):
             pass
         g.masked_fill_(~keep.to(g.device, non_blocking=True), 0)
+    if views:
+        torch._foreach_mul_(views, keep.to(grads[0].device, bits, non_blocking=True))
 
 
 @functools.lru_cache(maxsize=64)

@@ -132,6 +132,35 @@ def test_the_device_skip_zeroes_nan_and_inf_and_leaves_a_good_step_bit_for_bit(d
         assert torch.equal(bits(g), torch.zeros_like(bits(g)))  # +0.0: no NaN, no -0.0
 
 
+def test_a_sparse_gradient_among_dense_ones_still_zeroes_them_in_one_op():
+    """A group with a sparse gradient (`nn.Embedding(sparse=True)`) cannot view all its
+    gradients' bits at once: the dense ones and the sparse one's values still go through
+    one `_foreach_mul_`, not an op per gradient, and all of them are zeroed."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nbwatch.recorder.clip_skip import by_device, zero_unless
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    grads = [torch.full((3, 4), math.nan), torch.randn(5, 5).to_sparse(),
+             *[torch.full((8,), math.inf) for _ in range(10)]]
+    with Ops() as ops:
+        zero_unless(torch.tensor(False), by_device(grads))
+    muls = [n for n in ops.names if "mul" in n]
+    assert muls == ["aten._foreach_mul_.Tensor"], ops.names
+    for g in grads:
+        g = g.to_dense() if g.is_sparse else g
+        assert torch.equal(g, torch.zeros_like(g))
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_the_device_clip_and_skip_keep_to_a_gpus_device_rules(fused):
     """CI has no GPU, and on a CPU every tensor shares one device, so a CPU tensor given to

@@ -7,7 +7,8 @@ the run, between two `torch.cuda.synchronize()` (the same in every variant), aft
 Monitor has opened and before it closes. Also, per loop, in a separate run:
 
   - device→host syncs per steady step (`torch.cuda.set_sync_debug_mode("warn")`, any
-    thread; the target is 0 outside histogram and eval steps, which the window avoids);
+    thread; the target is 0 outside eval steps, which the window avoids; histograms are
+    off here, and their steps read nothing either: tests/recorder/test_host_copy.py);
   - `time/nbwatch` (nbwatch's own host work) and `time/device_wait` against `time/step`.
 
 Workloads (all bf16 autocast, fused AdamW unless said):

@@ -119,9 +119,10 @@ def test_a_run_copied_a_step_later_records_what_one_copied_at_once_does(
         mon, deferred = demo_run(tmp_path, f"d{defer}", defer, monkeypatch, spike_at=spike_at)
         mon.wait()
         assert mon.state == "finished", mon.error
-        # every step is read at the next boundary, but those that read the device at
-        # their own end: a histogram (1, every 10), an eval (every 20), a checkpoint (25)
-        reads_at_once = {1, *range(10, 61, 10), 25, 50}
+        # every step is read at the next boundary, a histogram step's (1, every 10)
+        # included, but those that read the device at their own end: an eval (every 20),
+        # a checkpoint (every 25)
+        reads_at_once = {*range(20, 61, 20), 25, 50}
         assert deferred == ([s for s in range(1, 60) if s not in reads_at_once]
                             if defer else [])
         runs.append(figures(nbwatch.open_run(tmp_path / f"d{defer}")))
@@ -177,8 +178,8 @@ def test_a_stopped_run_records_each_step_once(tmp_path, monkeypatch):
     assert mon.state == "stopped", mon.error
     df = nbwatch.open_run(tmp_path / "r").df
     assert df.index.tolist() == list(range(1, stop_at + 1))
-    # all but the first (a histogram step) and the last (the stop reads it at once)
-    assert deferred == list(range(2, stop_at))
+    # all but the last (the stop reads it at once), the first (a histogram step) included
+    assert deferred == list(range(1, stop_at))
     assert df[["loss/train", "update_ratio/head", "tokens/real"]].notna().all().all()
 
 
@@ -195,7 +196,7 @@ def test_an_own_loop_copied_a_step_later_records_the_same(tmp_path, monkeypatch)
             for b in itertools.islice(itertools.cycle(demo.train), 30):
                 own_step(mon, m, opt, b)
         runs.append(figures(nbwatch.open_run(tmp_path / f"d{defer}")))
-        assert deferred == ([s for s in range(2, 30) if s % 10] if defer else [])
+        assert deferred == (list(range(1, 30)) if defer else [])  # histogram steps too
     assert runs[1][0].index.tolist() == list(range(1, 31))
     assert runs[1][0]["train_logits/log_z"].notna().all()
     same(*runs)

@@ -4,9 +4,8 @@ A step's figures stay on the device until its end, then leave in one copy per de
 each group (a list of 0-dim or 1-d tensors) is flattened into one buffer, copied with
 `non_blocking=True` (into pinned host memory on CUDA) behind an event, and read at a
 later step boundary, once the event has completed. Nothing on the step path waits for the
-device; a wait happens only where a figure is needed at once (an eval, a checkpoint, a
-histogram step, the run's end, a pause), and it is timed apart from nbwatch's own work
-(`time/device_wait`).
+device; a wait happens only where a figure is needed at once (an eval, a checkpoint, the
+run's end, a pause), and it is timed apart from nbwatch's own work (`time/device_wait`).
 
     end of step N    HostCopy.launch(groups)      stack → copy_(non_blocking) → event
     boundary N+k     copy.ready()                 event.query(): never waits

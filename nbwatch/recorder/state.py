@@ -104,7 +104,10 @@ class InFlight:
     limits: dict[str, tuple[float, float]] | None = None
     scale_ref: torch.Tensor | None = None  # the GradScaler's scale at the last end
     t_boundary: float = field(default_factory=time.perf_counter)  # the step's clock
-    seq_lens: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (step, lengths)
+    # (step, lengths) on the host, for the next histogram step; a device tensor's ride the
+    # step's copy (`lengths`, the step being taken's) and join them when it is read
+    seq_lens: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    lengths: list[torch.Tensor] = field(default_factory=list)
     reduction_saved: bool = False
     mask_said: bool = False  # a bad GPU mask was said (once a run)
     pending: deque[Pending] = field(default_factory=deque)  # steps not recorded yet, in order

@@ -3,7 +3,10 @@ throughput), the "step" rules, the `Scalars` row, weight and sequence-length his
 the step's device figures leave in one copy, read at the next step's end (host_copy.py).
 
     scheduler.step()
-    end of the step   LR factor on · the step's record · "step" rules · histograms
+    end of step N     LR factor on · the copy launched (weight histograms binned on the
+                      device on a histogram step) · step N - 1's copy read (`land`)
+    its read          its gradient figures · its record, batched ("step" rules, the
+                      `Scalars` row) · its histograms ("hist" rules)
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ RECORD_EVERY_S = 0.5
 # wait and is read at once (`host_copy.DEFER_ON_CPU` runs the accelerator's order there).
 
 _FROM_ALL_RANKS = ("loss/train", "tokens/real", "throughput/tokens_per_s")
+HIST_EDGES, HIST_COUNTS = "hist_edges", "hist_counts"  # a histogram step's copy's groups
 
 
 class Recording(Protocol):
@@ -128,6 +132,10 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
     rec.progress.step = step
     rec.batch_ids.end_step(step)
     groups["figures"] = list(parts or ())
+    if fl.lengths:  # the batch's sequence lengths on the device, for the histogram
+        groups["seq_lens"], fl.lengths = fl.lengths, []
+    if t is not None and t.hist:
+        groups.update(histogram_groups(rec))
     fl.copies.append(Landing(step, HostCopy.launch(step, groups, known), t, values,
                              list(names or ()), rec.lr.planned()))
     land(rec)
@@ -135,8 +143,6 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
     if not (host_copy.DEFER_ON_CPU
             or any(s.event is not None for s in fl.copies[-1].copy.shares)):
         land(rec, wait=True)  # on a CPU: read at once
-    if t is not None and t.hist:
-        histograms(rec, step)
     scale = getattr(rec.scaler, "_scale", None) if rec.scaler is not None else None
     if isinstance(scale, torch.Tensor):
         fl.scale_ref = scale.clone()  # no sync: compared on overflow only
@@ -168,7 +174,12 @@ def land(rec: Recording, wait: bool = False) -> None:
         else:
             values = dict(values)
         values.update(zip(one.names, got.get("figures", ())))
+        if "seq_lens" in got:
+            keep_seq_lens(rec, torch.tensor(got["seq_lens"]), one.step)
         complete(rec, one.step, values, alerts, one.taking is None, one.lr_planned)
+        if HIST_EDGES in got and one.taking is not None:
+            layers = one.taking.layers
+            record_histograms(rec, one.step, rec.layers if layers is None else layers, got)
 
 
 def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
@@ -321,26 +332,45 @@ def keep_seq_lens(rec: Recording, lengths: torch.Tensor, step: int | None = None
     """A batch's sequence lengths, for the next histogram step's `data/seq_len`; `step`:
     its step (default: the one being taken), so that a rewind drops those it goes back
     over."""
-    if rec.spec.hist_every > 0:
+    if rec.spec.hist_every <= 0:
+        return
+    if step is None and host_copy.deferred(lengths.device):  # read with the step's copy
+        rec.flight.lengths.append(lengths.reshape(-1))
+    else:
         rec.flight.seq_lens.append((rec.step + 1 if step is None else step, lengths))
 
 
-def histograms(rec: Recording, step: int) -> None:
-    """Weight histograms per layer (and the "hist" rules on them), and the sequence
-    lengths seen since the last histogram step."""
-    flush_deferred(rec)  # the rules see the steps in order (a histogram step reads anyway)
-    edges, counts = wprobe.layer_histograms(rec.layers, rec.spec.hist_bins)
-    e_np, c_np = to_numpy(edges.double()), to_numpy(counts)
-    for i, name in enumerate(rec.layers.names):
+def histogram_groups(rec: Recording) -> dict[str, list[torch.Tensor]]:
+    """A histogram step's weight histograms per layer, computed on the device and sent
+    with the step's copy (`record_histograms` takes them when it is read: no wait). The
+    counts in float64, and so the whole copy: exact to 2^53, not float32's 2^24."""
+    layers = rec.layers
+    host = not host_copy.deferred(layers.params[0].device)
+    edges, counts = wprobe.layer_histograms(layers, rec.spec.hist_bins, host=host)
+    return {HIST_EDGES: [edges], HIST_COUNTS: [counts.double()]}
+
+
+def record_histograms(rec: Recording, step: int, layers: Layers,
+                      got: dict[str, list[float]]) -> None:
+    """The weight histograms of `step` (its `layers`), read from its copy, and the "hist"
+    rules on them; the sequence lengths of the steps up to it as one histogram. The steps
+    before it are recorded first: the rules see the steps in order."""
+    record_pending(rec)
+    n, bins = len(layers.names), rec.spec.hist_bins
+    e_np = np.asarray(got[HIST_EDGES], dtype=np.float64).reshape(n, bins + 1)
+    c_np = np.asarray(got[HIST_COUNTS], dtype=np.float64).reshape(n, bins).astype(np.int64)
+    for i, name in enumerate(layers.names):
         rec.store.put(Histogram(step, f"weight/{name}", e_np[i], c_np[i]))
-    stds = {n: weight_std(e_np[i], c_np[i]) for i, n in enumerate(rec.layers.names)}
+    stds = {name: weight_std(e_np[i], c_np[i]) for i, name in enumerate(layers.names)}
     rec._raise_alerts(rec.engine.observe("hist", step, weight_std=stds))
-    seq = rec.flight.seq_lens
-    if seq:
-        lens = torch.from_numpy(np.concatenate([to_numpy(t.float()) for _, t in seq]))
-        seq.clear()
+    fl = rec.flight
+    seq = [t for s, t in fl.seq_lens if s <= step]
+    fl.seq_lens[:] = [(s, t) for s, t in fl.seq_lens if s > step]
+    if seq:  # on the host, all of them (a device's came with their step's copy)
+        lens = np.concatenate([to_numpy(t).astype(np.float32).reshape(-1) for t in seq])
         hi = max(float(lens.max()), 1.0)
-        e, c = wprobe.histogram(torch.cat([lens, lens.new_tensor([0.0, hi])]), 32)
+        anchors = np.array([0.0, hi], dtype=np.float32)
+        e, c = wprobe.histogram_np(np.concatenate([lens, anchors]), 32)
         c[0] -= 1  # the two range anchors are not data: pin the range at [0, max]
         c[-1] -= 1
-        rec.store.put(Histogram(step, "data/seq_len", e.double().numpy(), c.numpy()))
+        rec.store.put(Histogram(step, "data/seq_len", e.astype(np.float64), c))

@@ -98,7 +98,7 @@ def audit(monkeypatch):
     return Audit().install(monkeypatch.setattr)
 
 
-STEPS, STEADY = 30, range(5, 26)  # steady: no histogram, eval or checkpoint step
+STEPS, STEADY = 30, range(5, 26)  # steady: no eval or checkpoint step
 
 
 def window(a: Audit, step: int) -> None:
@@ -117,20 +117,32 @@ def check_reads(reads: list[str], read_at: list) -> None:
     assert all(at > s for s, at in read_at), read_at  # each one read a step later
 
 
-def monitor(tmp_path, demo, **kw):
+def monitor(tmp_path, demo, hist_every=10**6, **kw):
     return nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "r",
-                           display=False, hist_every=10**6, **kw)
+                           display=False, hist_every=hist_every, **kw)
+
+
+def has_histograms(run_dir, every: int) -> None:
+    """Every histogram step in the window was recorded: its weight histograms (computed
+    on the device, read with its copy), its sequence lengths and its update ratios."""
+    run = nbwatch.open_run(run_dir)
+    due = [s for s in STEADY if s % every == 0]
+    steps, _, _ = run.histograms("weight/head")
+    assert set(due) <= set(steps.tolist()), steps
+    assert set(due) <= set(run.histograms("data/seq_len")[0].tolist())
+    assert run.df.loc[due, "update_ratio/head"].notna().all()
 
 
 def test_an_own_loop_reads_nothing_on_the_step_path(tmp_path, audit):
     demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4, max_steps=STEPS)
     m, opt = demo.model, demo.optimizer
-    with monitor(tmp_path, demo, clip=1.0) as mon:
+    with monitor(tmp_path, demo, hist_every=5, clip=1.0) as mon:  # histogram steps too
         for i, b in enumerate(itertools.islice(itertools.cycle(demo.train), STEPS), 1):
             window(audit, i - 1)
             own_step(mon, m, opt, b, demo.scheduler)
         audit.on = False
     check(audit)
+    has_histograms(tmp_path / "r", 5)
     df = nbwatch.open_run(tmp_path / "r").df
     assert df.index.tolist() == list(range(1, STEPS + 1))
     assert df[["loss/train", "grad_norm/global", "grad_norm/clipped"]].notna().all().all()
@@ -158,7 +170,7 @@ def test_an_own_loop_that_clips_itself_reads_nothing_on_the_step_path(tmp_path, 
 
 def test_start_reads_nothing_on_the_step_path(tmp_path, audit):
     demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4, max_steps=STEPS)
-    mon = monitor(tmp_path, demo)
+    mon = monitor(tmp_path, demo, hist_every=5)  # histogram steps too
 
     def step_fn(model, batch):
         window(audit, mon.step)
@@ -168,6 +180,7 @@ def test_start_reads_nothing_on_the_step_path(tmp_path, audit):
     audit.on = False
     assert mon.state == "finished", mon.error
     check(audit)
+    has_histograms(tmp_path / "r", 5)
     assert mon.df.index.tolist() == list(range(1, STEPS + 1))
 
 

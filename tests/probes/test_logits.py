@@ -59,6 +59,24 @@ def test_a_large_vocabulary_gives_the_same_bits_as_logsumexp_and_abs_max():
         assert all(math.isnan(f.item()) for f in logit_parts(nan))  # a NaN is not hidden
 
 
+@pytest.mark.parametrize("V", [2, 65, 1000, LARGE_V])
+def test_the_lean_path_an_accelerator_takes_gives_the_same_bits_at_any_vocabulary(V):
+    """On a GPU every vocabulary takes the lean path (fewer launches): the same bits as
+    torch.logsumexp and |x|.max(), per row, an inf, a -inf row and a NaN row included."""
+    from nbwatch.probes.logit_rows import log_z_and_top
+
+    g = torch.Generator().manual_seed(V)
+    rows = torch.randn(12, V, generator=g) * 5
+    rows[1, 0] = math.inf
+    rows[2, :] = -math.inf
+    rows[3, -1] = -math.inf
+    rows[4, 0] = math.nan
+    lz, top = log_z_and_top(rows, lean=True)
+    want_lz, want_top = torch.logsumexp(rows, -1), rows.abs().amax(-1)
+    for i in range(len(rows)):
+        assert same(lz[i], want_lz[i]) and same(top[i], want_top[i]), (i, lz[i], want_lz[i])
+
+
 def test_a_mask_leaves_padding_out_and_a_half_precision_head_is_read_in_float():
     logits = torch.zeros(2, 4, 8, dtype=torch.bfloat16)
     logits[:, 2:] = 1000.0  # padding positions with wild logits (never trained on)

@@ -122,15 +122,15 @@ def monitor(tmp_path, demo, hist_every=10**6, **kw):
                            display=False, hist_every=hist_every, **kw)
 
 
-def has_histograms(run_dir, every: int) -> None:
+def has_histograms(run_dir, every: int, layer: str = "head") -> None:
     """Every histogram step in the window was recorded: its weight histograms (computed
     on the device, read with its copy), its sequence lengths and its update ratios."""
     run = nbwatch.open_run(run_dir)
     due = [s for s in STEADY if s % every == 0]
-    steps, _, _ = run.histograms("weight/head")
+    steps, _, _ = run.histograms(f"weight/{layer}")
     assert set(due) <= set(steps.tolist()), steps
     assert set(due) <= set(run.histograms("data/seq_len")[0].tolist())
-    assert run.df.loc[due, "update_ratio/head"].notna().all()
+    assert run.df.loc[due, f"update_ratio/{layer}"].notna().all()
 
 
 def test_an_own_loop_reads_nothing_on_the_step_path(tmp_path, audit):
@@ -244,6 +244,7 @@ def test_torchrun_reads_nothing_on_the_step_path(tmp_path):
         got = json.loads((run_dir / f"audit_rank{rank}.json").read_text())
         check_reads(got["reads"], got["read_at"])
     assert nbwatch.open_run(run_dir).df.index.tolist() == list(range(1, STEPS + 1))
+    has_histograms(run_dir, 5, "module.head")  # histogram steps in the window too
 
 
 class Launches(TorchDispatchMode):

@@ -10,7 +10,8 @@ comes to it 1.5 s after rank 0; ONLY_RANK0=1: rank 1 creates no Monitor; RAISE_R
 RAISE_AT: a rank whose step_fn raises ValueError at that call; NO_DDP=1: the model not
 wrapped; R0_STEPS: rank 0's own loop takes this many steps (uneven data); LOOP=own: the
 script's own loop with `mon.log()` in the foreground instead of `mon.start()`; AUDIT=1 (with
-LOOP=own): the GPU's order on the CPU, torch's reading methods watched in steps 6–25,
+LOOP=own): the GPU's order on the CPU, a histogram every 5 steps, torch's reading methods
+watched in steps 6–25,
 what nbwatch read written to RUN_DIR/audit_rank{r}.json (tests/recorder/test_host_copy.py).
 At the end each rank writes a checksum of its parameters to RUN_DIR/params_rank{r}.pt.
 """
@@ -71,7 +72,8 @@ def main() -> None:
     try:
         if os.environ.get("LOOP") == "own":
             mon = nbwatch.Monitor(model, opt, sched, run_dir=run_dir, rank_every=5,
-                                  dist_timeout=20, config={"script": "ddp_train", "loop": "own"})
+                                  dist_timeout=20, config={"script": "ddp_train", "loop": "own"},
+                                  hist_every=5 if os.environ.get("AUDIT") else 50)
             data = batches(rank)
             if rank == 0 and os.environ.get("R0_STEPS"):
                 max_steps = int(os.environ["R0_STEPS"])

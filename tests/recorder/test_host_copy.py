@@ -122,15 +122,19 @@ def monitor(tmp_path, demo, hist_every=10**6, **kw):
                            display=False, hist_every=hist_every, **kw)
 
 
-def has_histograms(run_dir, every: int, layer: str = "head") -> None:
+def has_histograms(run_dir, every: int, lengths: bool = True) -> None:
     """Every histogram step in the window was recorded: its weight histograms (computed
-    on the device, read with its copy), its sequence lengths and its update ratios."""
+    on the device, read with its copy), its update ratios and (`lengths`: the loop gave
+    a mask) its sequence lengths."""
     run = nbwatch.open_run(run_dir)
     due = [s for s in STEADY if s % every == 0]
-    steps, _, _ = run.histograms(f"weight/{layer}")
-    assert set(due) <= set(steps.tolist()), steps
-    assert set(due) <= set(run.histograms("data/seq_len")[0].tolist())
-    assert run.df.loc[due, f"update_ratio/{layer}"].notna().all()
+    ratios = [c for c in run.df.columns if c.startswith("update_ratio/")]
+    assert ratios and run.df.loc[due, ratios].notna().all().all()
+    for name in ratios[:2]:
+        steps, _, _ = run.histograms(name.replace("update_ratio/", "weight/"))
+        assert set(due) <= set(steps.tolist()), (name, steps)
+    if lengths:
+        assert set(due) <= set(run.histograms("data/seq_len")[0].tolist())
 
 
 def test_an_own_loop_reads_nothing_on_the_step_path(tmp_path, audit):
@@ -198,11 +202,12 @@ def test_the_trainer_reads_nothing_on_the_step_path(tmp_path, audit):
     trainer = make_trainer(tmp_path / "out", max_steps=STEPS, eval_strategy="no")
     trainer.add_callback(Window())
     run = nbwatch.hf.start(trainer, run_dir=tmp_path / "r", display=False,
-                           monitor={"hist_every": 10**6})
+                           monitor={"hist_every": 5})  # histogram steps too
     run.wait()
     audit.on = False
     assert run.state == "finished", run.error
     check(audit)
+    has_histograms(tmp_path / "r", 5, lengths=False)
 
 
 def test_lightning_reads_nothing_on_the_step_path(tmp_path, audit):
@@ -221,11 +226,12 @@ def test_lightning_reads_nothing_on_the_step_path(tmp_path, audit):
                            limit_val_batches=0, callbacks=[Window()])
     run = nbwatch.lightning.start(trainer, TinyModule(), train_dataloaders=loader(STEPS),
                                   run_dir=tmp_path / "r", display=False,
-                                  monitor={"hist_every": 10**6})
+                                  monitor={"hist_every": 5})  # histogram steps too
     run.wait()
     audit.on = False
     assert run.state == "finished", run.error
     check(audit)
+    has_histograms(tmp_path / "r", 5, lengths=False)
 
 
 def test_torchrun_reads_nothing_on_the_step_path(tmp_path):
@@ -244,7 +250,7 @@ def test_torchrun_reads_nothing_on_the_step_path(tmp_path):
         got = json.loads((run_dir / f"audit_rank{rank}.json").read_text())
         check_reads(got["reads"], got["read_at"])
     assert nbwatch.open_run(run_dir).df.index.tolist() == list(range(1, STEPS + 1))
-    has_histograms(run_dir, 5, "module.head")  # histogram steps in the window too
+    has_histograms(run_dir, 5)  # histogram steps in the window too
 
 
 class Launches(TorchDispatchMode):

@@ -27,9 +27,14 @@ class Layers:
 
     @classmethod
     def of(cls, model: nn.Module) -> Layers:
+        """The layers of `model`, named as the model names them: a (Distributed)DataParallel
+        wrapper's `module.` and torch.compile's `_orig_mod.` left out, so that a run under
+        torchrun names its layers as the same model trained alone does."""
         names: list[str] = []
         index: dict[str, int] = {}
         params, layer_of = [], []
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
         for pname, p in model.named_parameters():
             if not p.requires_grad:
                 continue

@@ -28,6 +28,18 @@ def test_layers_are_owning_module_paths_in_model_order(tiny):
     assert len(layers.params) == sum(1 for p in model.parameters() if p.requires_grad)
 
 
+def test_a_wrapped_model_names_its_layers_as_the_model_alone_does(tiny):
+    """Under torchrun a loop wraps the model in DistributedDataParallel (DataParallel
+    here: the same `module.` prefix, no process group); torch.compile in `_orig_mod.`.
+    The layers keep the model's own names, so a run compares with one trained alone."""
+    model, _, _ = tiny
+    alone = Layers.of(model)
+    for wrapped in (torch.nn.DataParallel(model), torch.compile(model)):
+        got = Layers.of(wrapped)
+        assert got.names == alone.names, got.names[:3]
+        assert got.params == alone.params and got.layer_of == alone.layer_of
+
+
 def test_layer_norms_square_sum_to_global_norm_equal_to_torch(tiny):
     model, _, batches = tiny
     backward(model, batches)

@@ -19,11 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from .paths import unwrapped
+
 
 def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(path, module) of the repeated blocks, in depth order."""
     out = []
-    for name, mod in model.named_modules():
+    for name, mod in unwrapped(model).named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) >= 2 and len({type(m) for m in mod}) == 1:
             out += [(f"{name}.{i}" if name else str(i), m) for i, m in enumerate(mod)]
     return out
@@ -88,6 +90,7 @@ def output_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     (a char-level model as wide as its vocabulary, d = V, has such Linears in each block);
     else, outside a Hugging Face model, onto a smaller embedding's rows from outside the
     blocks (learned positions outnumbering a char-level vocabulary: 256 against 65)."""
+    model = unwrapped(model)
     paths = {id(m): n for n, m in model.named_modules()}
     hf = False
     for _, mod in model.named_modules():

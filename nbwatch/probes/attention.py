@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .paths import unwrapped
+
 
 def sdpa_scores(
     q: torch.Tensor,
@@ -193,7 +195,7 @@ def capture_attention(
     largest logit beside it. Every hook is removed on exit.
     """
     captured = Captured()
-    names = {m: n for n, m in model.named_modules()}
+    names = {m: n for n, m in unwrapped(model).named_modules()}
     stack: list[str] = []
     handles = []
 

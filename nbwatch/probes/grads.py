@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .norms import norms_fp32
+from .paths import unwrapped
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,7 @@ class Layers:
         names: list[str] = []
         index: dict[str, int] = {}
         params, layer_of = [], []
-        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            model = model.module
-        for pname, p in model.named_parameters():
+        for pname, p in unwrapped(model).named_parameters():
             if not p.requires_grad:
                 continue
             # torch.compile wraps the model: its layers are the model's own

@@ -103,7 +103,10 @@ def model_shape(model: object) -> tuple[int, int, int, int | None]:
     attribute. layers or d_model 0 where they cannot be told: 6·N alone."""
     from torch import nn
 
+    from .paths import unwrapped
+
     assert isinstance(model, nn.Module)
+    model = unwrapped(model)  # a DDP wrapper has no config
     params = {id(p): p.numel() for p in model.parameters()}
     looked_up = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     in_matmul = {id(m.weight) for m in model.modules()

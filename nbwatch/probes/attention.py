@@ -195,7 +195,8 @@ def capture_attention(
     largest logit beside it. Every hook is removed on exit.
     """
     captured = Captured()
-    names = {m: n for n, m in unwrapped(model).named_modules()}
+    model = unwrapped(model)  # a DDP wrapper calls these modules: named, hooked as alone
+    names = {m: n for n, m in model.named_modules()}
     stack: list[str] = []
     handles = []
 

@@ -88,11 +88,15 @@ def mine(events, cid):
     return [d for d in events.data if isinstance(d, dict) and d.get("id") == cid]
 
 
-def test_rewind_under_torchrun_reloads_the_same_checkpoint_on_every_rank(tmp_path):
+@pytest.mark.parametrize("gpu_order", [False, True])
+def test_rewind_under_torchrun_reloads_the_same_checkpoint_on_every_rank(tmp_path, gpu_order):
     """A rewind from an attached process: rank 0 picks the checkpoint, every rank reloads it
-    at the same step, the replicas stay identical, the rewound-over steps are a branch."""
+    at the same step, the replicas stay identical, the rewound-over steps are a branch (in
+    a GPU's order too, where the step the rewind is taken at is still under way when the
+    ranks meet: its rows meet again before the branch is set aside)."""
     run_dir = tmp_path / "ddp"
-    proc = torchrun(run_dir, 90, CKPT_EVERY="10", STEP_SLEEP="0.02")
+    proc = torchrun(run_dir, 90, CKPT_EVERY="10", STEP_SLEEP="0.02",
+                    NBWATCH_GPU_ORDER="1" if gpu_order else "0")
     try:
         until(lambda: recorded_step(run_dir) >= 36, timeout=90, what="step 36", poll=0.2)
         with nbwatch.attach(run_dir) as job:

@@ -8,6 +8,7 @@ import itertools
 import threading
 import time
 
+import pytest
 import torch
 from torch import nn
 
@@ -158,6 +159,47 @@ def test_own_loop_counts_noting_its_own_clips(tmp_path, monkeypatch):
             mon.log()
     own = nbwatch.open_run(tmp_path / "r").df["time/nbwatch"]
     assert (own.iloc[1:] >= 0.01).all(), own  # from step 2: the run opens at step 1's step
+
+
+@pytest.mark.parametrize("gpu_order", [False, True])
+def test_a_step_read_later_keeps_its_own_watching_and_wall_time(tmp_path, monkeypatch,
+                                                                gpu_order):
+    """In a GPU's order step N is read at step N + 1's end, and its row still holds its
+    own watching and the wall time of its own end: a slow note of step 3's clip counts
+    in step 3, the last step's watching is its own, and a sleep between steps falls
+    between two rows' wall times."""
+    from nbwatch.monitor import optimizer_hooks
+    from nbwatch.recorder import host_copy
+
+    monkeypatch.setattr(host_copy, "DEFER_ON_CPU", gpu_order)
+    real, at = optimizer_hooks.ClipWatch.saw, []
+
+    def slow(self, *a):
+        if len(at) in (3, 6):  # steps 3 and 6 (the last)
+            time.sleep(0.02)
+        return real(self, *a)
+
+    monkeypatch.setattr(optimizer_hooks.ClipWatch, "saw", slow)
+    m, opt = tiny()
+    logged: dict[int, tuple[float, float]] = {}  # step → wall time before and after log()
+    with nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", display=False) as mon:
+        for step in range(1, 7):
+            m(torch.randn(4, 8)).pow(2).mean().backward()
+            at.append(step)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01)
+            opt.step()
+            opt.zero_grad()
+            before = time.time()
+            mon.log()
+            logged[step] = (before, time.time())
+            time.sleep(0.03)
+    run = nbwatch.open_run(tmp_path / "r")
+    own = run.df["time/nbwatch"]
+    assert own[3] >= 0.02 and own[6] >= 0.02, own
+    assert own[[2, 4, 5]].max() < 0.02, own
+    walls = run.reader.walls()
+    for step, (before, after) in logged.items():
+        assert before <= walls[step] <= after, (step, walls[step], logged)
 
 
 def test_the_own_time_benchmark_times_every_part_it_names_in_the_gpus_order():

@@ -8,11 +8,13 @@ from __future__ import annotations
 import itertools
 import time
 
+import pytest
 import torch
 from torch import nn
 
 import nbwatch
 from nbwatch.alerts.rules import Rule
+from nbwatch.recorder import host_copy
 from nbwatch.recorder.step_end import RECORD_EVERY_S, RECORD_STEPS
 from tests.conftest import until
 
@@ -77,9 +79,13 @@ def test_a_step_rules_alert_names_its_step_and_its_pause_follows_within_a_batch(
     assert nbwatch.open_run(tmp_path / "r").df.index.tolist() == list(range(1, mon.step + 1))
 
 
-def test_a_slow_step_is_recorded_at_its_end_not_at_the_next(tmp_path):
+@pytest.mark.parametrize("gpu_order", [False, True])
+def test_a_slow_step_is_recorded_when_read_not_with_a_later_batch(tmp_path, monkeypatch,
+                                                                 gpu_order):
     """A step longer than a batch's time is its own batch: its row reaches the store (and a
-    reader, a killed process's survivors) without waiting for the next step."""
+    reader, a killed process's survivors) as soon as it is read, without waiting for the
+    steps after it: at its own end on a CPU, at the next step's end in a GPU's order."""
+    monkeypatch.setattr(host_copy, "DEFER_ON_CPU", gpu_order)
     m, opt = tiny()
     mon = nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", display=False)
     try:
@@ -90,6 +96,8 @@ def test_a_slow_step_is_recorded_at_its_end_not_at_the_next(tmp_path):
         opt.zero_grad()
         time.sleep(RECORD_EVERY_S * 1.2)  # step 2 takes longer than a batch may wait
         mon.log(loss=loss)
+        if gpu_order:
+            own_steps(mon, m, opt, 1)  # step 3, whose end reads step 2's copy
         until(lambda: len(nbwatch.open_run(tmp_path / "r").df) == 2, 5, "step 2's row")
     finally:
         mon.close()

@@ -17,6 +17,7 @@ of the code to that: tests/recorder/test_sync_audit.py).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,8 +26,10 @@ from typing import Any
 import torch
 
 # On a CPU a read costs no wait: the step is measured and read at once, on the host
-# (optimizer_step.act_on_host). Tests set this to run the accelerator's order on a CPU.
-DEFER_ON_CPU = False
+# (optimizer_step.act_on_host). Tests set this to run the accelerator's order on a CPU;
+# NBWATCH_GPU_ORDER=1 sets it for a whole process (the suite, its subprocesses included,
+# run in a GPU's order: docs/performance.md).
+DEFER_ON_CPU = os.environ.get("NBWATCH_GPU_ORDER", "") == "1"
 _READING = threading.local()  # set while `fetch` reads: the sync audit allows it there
 
 

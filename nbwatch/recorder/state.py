@@ -71,6 +71,9 @@ class Landing:
     values: dict[str, float]  # the step's host figures (timings, the loop's floats)
     names: list[str]  # the loop's device figures, in the copy's "figures" group
     lr_planned: bool  # its LR moved as planned, as its end saw it
+    # (own, waited, wall): its watching, its waits for the device and its row's wall time,
+    # taken at its end when it is read later (None: read at once, taken then)
+    clock: tuple[float, float, float] | None = None
 
 
 @dataclass

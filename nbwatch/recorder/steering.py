@@ -141,6 +141,14 @@ def sync_ranks(rec: Steered, final: bool = False) -> None:
         rows, cmds = d.exchange(rk.rows, cmds, rec.step, final)
         rk.sync_s = time.perf_counter() - t0
         rk.rows = []
+        if cmds and not final:  # (the same on every rank) a command acts after every step
+            # before it is recorded: the steps still under way are read, and their rows meet
+            rec.flush_deferred()
+            t0 = time.perf_counter()
+            more, _ = d.exchange(rk.rows, [], rec.step, final)
+            rk.sync_s += time.perf_counter() - t0
+            rk.rows = []
+            rows = [a + b for a, b in zip(rows, more)]  # per rank
         if d.rank == 0:
             record_ranks(rec, rows)
         for c in cmds:

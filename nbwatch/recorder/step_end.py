@@ -136,13 +136,16 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
         groups["seq_lens"], fl.lengths = fl.lengths, []
     if t is not None and t.hist:
         groups.update(histogram_groups(rec))
-    fl.copies.append(Landing(step, HostCopy.launch(step, groups, known), t, values,
-                             list(names or ()), rec.lr.planned()))
+    this = Landing(step, HostCopy.launch(step, groups, known), t, values, list(names or ()),
+                   rec.lr.planned())
+    fl.copies.append(this)
     land(rec)
     fl.limits = rec.engine.norm_limits()  # from every step before this one, in either order
-    if not (host_copy.DEFER_ON_CPU
-            or any(s.event is not None for s in fl.copies[-1].copy.shares)):
+    if not (host_copy.DEFER_ON_CPU or any(s.event is not None for s in this.copy.shares)):
         land(rec, wait=True)  # on a CPU: read at once
+    elif fl.copies and fl.copies[-1] is this:  # read later (unless an action read it now):
+        # its watching, the landing of the steps before it included, ends here
+        this.clock = (rec.own.take(), rec.own.take_wait(), time.time())
     scale = getattr(rec.scaler, "_scale", None) if rec.scaler is not None else None
     if isinstance(scale, torch.Tensor):
         fl.scale_ref = scale.clone()  # no sync: compared on overflow only
@@ -176,19 +179,22 @@ def land(rec: Recording, wait: bool = False) -> None:
         values.update(zip(one.names, got.get("figures", ())))
         if "seq_lens" in got:
             keep_seq_lens(rec, torch.tensor(got["seq_lens"]), one.step)
-        complete(rec, one.step, values, alerts, one.taking is None, one.lr_planned)
+        complete(rec, one.step, values, alerts, one.taking is None, one.lr_planned,
+                 one.clock)
         if HIST_EDGES in got and one.taking is not None:
             layers = one.taking.layers
             record_histograms(rec, one.step, rec.layers if layers is None else layers, got)
 
 
 def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
-             overflow: bool = False, lr_planned: bool | None = None) -> None:
+             overflow: bool = False, lr_planned: bool | None = None,
+             clock: tuple[float, float, float] | None = None) -> None:
     """The step's figures are all on the host (or kept for its record: `probes.late`): its
     record (derived figures, the "step" rules, the store's row, the alerts) waits for the
     next batch (`record_pending`).
     `lr_planned`: its LR moved as planned, as the step's end saw it (a GPU step completes
-    at the next step's copy, after the scheduler's count was taken)."""
+    at the next step's copy, after the scheduler's count was taken); `clock`: its
+    (watching, device wait, wall time), taken at its end (None: now, at its end too)."""
     fl = rec.flight
     # a CPU batch's figures, kept among the host figures till here, taken at the record
     late = cast("late_figures.Late | None", values.pop(late_figures.KEY, None))
@@ -196,10 +202,10 @@ def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
     finite = loss is None or math.isfinite(loss)
     if overflow and finite:
         values.pop("grad_norm/global", None)
-    # this step's watching, up to here, and its row's wall time at the same instant: a
+    # this step's watching, up to its end, and its row's wall time at the same instant: a
     # pause between the two would count in one step's watching and the other's wall
-    values["time/nbwatch"], wall = rec.own.take(), time.time()
-    waited = rec.own.take_wait()
+    own, waited, wall = clock or (rec.own.take(), rec.own.take_wait(), time.time())
+    values["time/nbwatch"] = own
     if waited:
         values["time/device_wait"] = waited
     if loss is not None and finite:

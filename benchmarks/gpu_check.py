@@ -29,7 +29,9 @@ Workloads (all bf16 autocast, fused AdamW unless said):
 (`torch.profiler`, CPU and CUDA): a Chrome trace (`<workload>-<variant>.json`, open it in
 Perfetto) and the ops by their host time (`.txt`), to see where a GPU waits for its host.
 
-Fits in ~6 minutes on an H200. Exits 0 with a message where there is no CUDA device.
+Fits in ~6 minutes on an H200. Each workload's rows are printed as it ends (a run cut off
+by a time limit keeps them), then the whole table. Exits 0 with a message where there is
+no CUDA device.
 """
 
 from __future__ import annotations
@@ -418,6 +420,8 @@ def main() -> int:
                 measure(w, args.device, args.steps, Path(tmp) / w.name, log, args.trace)
             except Exception as e:  # noqa: BLE001 - one workload's failure: said, go on
                 log(f"{w.name}: FAILED: {type(e).__name__}: {e}")
+            else:  # its rows at once: a run cut off by a time limit keeps what it measured
+                log(f"{w.name} done:\n" + table([w]))
     print(table(works))
     bad = [f"{w.name}/{v}" for w in works for v, s in w.syncs.items() if s > 0.0]
     if bad:

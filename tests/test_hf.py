@@ -436,6 +436,22 @@ def test_attention_maps_of_every_attention_module(tmp_path, arch, attn):
 def test_adapter_errors_name_the_fix(tmp_path):
     with pytest.raises(TypeError, match="transformers.Trainer"):
         nbwatch.hf.start(object(), run_dir=tmp_path / "r")
+    # a run's option given to start() as the Trainer's, or misspelt: refused at the call,
+    # not in the fit's thread once it began; nothing is added to the Trainer
+    trainer = make_trainer(tmp_path / "out")
+    with pytest.raises(TypeError, match=r"alerts= is an option of the run, not of "
+                                        r"Trainer.train\(\): pass monitor=\{'alerts'"):
+        nbwatch.hf.start(trainer, run_dir=tmp_path / "r", alerts={"plateau": False})
+    with pytest.raises(TypeError, match="Trainer.train\\(\\) would refuse"):
+        nbwatch.hf.start(trainer, run_dir=tmp_path / "r", resume_from=True)
+    with pytest.raises(TypeError, match="'hist_evry' is no option of the run; did you mean "
+                                        "'hist_every'"):
+        nbwatch.hf.start(trainer, run_dir=tmp_path / "r", monitor={"hist_evry": 5})
+    with pytest.raises(TypeError, match="'alertz' is no option"):
+        nbwatch.hf.NbwatchCallback(tmp_path / "r", alertz={})
+    assert not any(isinstance(c, nbwatch.hf.NbwatchCallback)
+                   for c in trainer.callback_handler.callbacks)
+    assert not (tmp_path / "r").exists()
     assert nbwatch.hf.eval_figures({"eval_loss": 2.0, "eval_accuracy": 0.5,
                                     "eval_runtime": 0.1, "epoch": 1.0}) == {
         "loss": 2.0, "accuracy": 0.5}

@@ -223,6 +223,16 @@ def test_the_callback_alone_in_a_script(tmp_path):
 def test_adapter_errors_name_the_fix(tmp_path):
     with pytest.raises(TypeError, match="lightning Trainer"):
         nbwatch.lightning.start(object(), TinyModule(), run_dir=tmp_path / "r")
+    trainer = make_trainer(tmp_path)
+    with pytest.raises(TypeError, match="hist_every= is an option of the run, not of "
+                                        r"Trainer.fit\(\): pass monitor="):
+        nbwatch.lightning.start(trainer, TinyModule(), loader(8), run_dir=tmp_path / "r",
+                                hist_every=5)
+    with pytest.raises(TypeError, match="'displya' is no option of the run; did you mean "
+                                        "'display'"):
+        nbwatch.lightning.NbwatchCallback(tmp_path / "r", displya=False)
+    assert not any(isinstance(c, nbwatch.lightning.NbwatchCallback) for c in trainer.callbacks)
+    assert not (tmp_path / "r").exists()
     assert nbwatch.lightning.val_figures({"val_loss": 2.0, "val/acc": 0.5,
                                           "train_loss": 3.0}) == {"loss": 2.0, "acc": 0.5}
 

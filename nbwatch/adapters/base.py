@@ -6,6 +6,8 @@ behind their wrappers. The handle `start()` returns is fit_run.py's `FitRun`.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
 import threading
 import warnings
@@ -40,6 +42,8 @@ class Adapter:
         self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir()
         self._named_here = run_dir is None  # by this rank's clock: rank 0's at the fit
         self.config = as_config(config)
+        check_run_options(type(self).__module__.replace("nbwatch.adapters.", "nbwatch.")
+                          + ".NbwatchCallback", monitor_kwargs)
         self.monitor_kwargs = monitor_kwargs
         self.name = monitor_kwargs.get("name") or self.run_dir.name
         self.monitor: Monitor | None = None
@@ -273,6 +277,42 @@ class Adapter:
         if display:
             handle.show()
         return handle
+
+
+def run_options() -> list[str]:
+    """The keywords of the run a callback records (the Monitor's, less what the callback
+    and its framework give it)."""
+    from ..monitor import Monitor
+
+    return [n for n in inspect.signature(Monitor.__init__).parameters
+            if n not in ("self", "model", "optimizer", "scheduler", "run_dir", "config")]
+
+
+def check_run_options(api: str, options: dict[str, Any]) -> None:
+    """Refuse, where they are given, keywords that are no option of the run (rather than
+    in the fit's first step)."""
+    known = run_options()
+    for k in options:
+        if k not in known:
+            near = difflib.get_close_matches(k, known, n=1)
+            raise TypeError(f"{api}: {k!r} is no option of the run"
+                            + (f"; did you mean {near[0]!r}?" if near else "")
+                            + f" Its options: {', '.join(known)}")
+
+
+def check_fit_arguments(api: str, fit: Callable[..., Any], args: tuple, kwargs: dict[str, Any]
+                        ) -> None:
+    """Refuse, at the call, arguments the framework's fit would refuse in its thread once
+    the run had begun; one of the run's own options is named as `monitor={...}`."""
+    try:
+        inspect.signature(fit).bind(*args, **kwargs)
+    except TypeError as e:
+        name = getattr(fit, "__qualname__", "fit")
+        ours = [k for k in kwargs if k in run_options()]
+        if ours:
+            raise TypeError(f"{api}: {ours[0]}= is an option of the run, not of {name}(): "
+                            f"pass monitor={{{ours[0]!r}: ...}}") from None
+        raise TypeError(f"{api}: {name}() would refuse these arguments: {e}") from None
 
 
 def callback_of(found: list[Any], make: Callable[[], Any], *, api: str, detach: str,

@@ -33,7 +33,7 @@ import torch
 from ..monitor import Monitor
 from ..probes.attention import take_samples
 from ..probes.throughput import batch_samples
-from .base import Adapter, callback_of, drop_repeats, unwrap
+from .base import Adapter, callback_of, check_fit_arguments, drop_repeats, unwrap
 from .fit_run import FitRun
 from .hf_internals import (  # noqa: F401 - wrap_clip_grad_norm: part of nbwatch.hf
     PRIVATE_STEPS,
@@ -337,6 +337,7 @@ def start(trainer: Trainer, run_dir: str | os.PathLike | None = None, *,
     api = "nbwatch.hf.start"
     if not isinstance(trainer, Trainer):
         raise TypeError(f"{api} takes a transformers.Trainer, got {type(trainer).__name__}")
+    check_fit_arguments(api, trainer.train, (), train_kwargs)
     found = list({id(c): c for c in trainer.callback_handler.callbacks
                   if isinstance(c, NbwatchCallback)}.values())
     for c in found:  # one callback added twice records once

@@ -33,7 +33,7 @@ from ..evaluation import GuessedForward, batch_call, describe_call
 from ..monitor import Monitor
 from ..probes.attention import take_samples
 from ..probes.throughput import batch_samples
-from .base import Adapter, callback_of, drop_repeats, found_inf, unwrap
+from .base import Adapter, callback_of, check_fit_arguments, drop_repeats, found_inf, unwrap
 from .fit_run import FitRun
 
 __all__ = ["NbwatchCallback", "start"]
@@ -196,6 +196,7 @@ def start(trainer: pl.Trainer, module: pl.LightningModule, *args: Any,
     api = "nbwatch.lightning.start"
     if not isinstance(trainer, pl.Trainer):
         raise TypeError(f"{api} takes a lightning Trainer, got {type(trainer).__name__}")
+    check_fit_arguments(api, trainer.fit, (module, *args), fit_kwargs)
     # ignore[attr-defined]: lightning sets `Trainer.callbacks` from its CallbackConnector
     # and declares no such attribute on the Trainer
     found = [c for c in trainer.callbacks  # type: ignore[attr-defined]

@@ -95,7 +95,7 @@ def test_rewind_under_torchrun_reloads_the_same_checkpoint_on_every_rank(tmp_pat
     a GPU's order too, where the step the rewind is taken at is still under way when the
     ranks meet: its rows meet again before the branch is set aside)."""
     run_dir = tmp_path / "ddp"
-    proc = torchrun(run_dir, 90, CKPT_EVERY="10", STEP_SLEEP="0.02",
+    proc = torchrun(run_dir, 90, CKPT_EVERY="10", STEP_SLEEP="0.04",
                     NBWATCH_GPU_ORDER="1" if gpu_order else "0")
     try:
         until(lambda: recorded_step(run_dir) >= 36, timeout=90, what="step 36", poll=0.2)

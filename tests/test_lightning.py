@@ -231,6 +231,9 @@ def test_adapter_errors_name_the_fix(tmp_path):
     with pytest.raises(TypeError, match="'displya' is no option of the run; did you mean "
                                         "'display'"):
         nbwatch.lightning.NbwatchCallback(tmp_path / "r", displya=False)
+    with pytest.raises(TypeError, match=r"'resume' is the framework's to give the run: "
+                                        r"trainer.fit\(\.\.\., ckpt_path="):
+        nbwatch.lightning.NbwatchCallback(tmp_path / "r", resume=True)
     assert not any(isinstance(c, nbwatch.lightning.NbwatchCallback) for c in trainer.callbacks)
     assert not (tmp_path / "r").exists()
     assert nbwatch.lightning.val_figures({"val_loss": 2.0, "val/acc": 0.5,

@@ -11,7 +11,7 @@ import inspect
 import os
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,9 @@ class Adapter:
     second one while that fit runs (another Trainer given the same callback, a second
     `start()`), and forgets all of a fit that ended before it records the next one."""
 
+    # the run's options its framework gives it (name → where a user sets them)
+    TAKEN: Mapping[str, str] = {}
+
     def __init__(self, run_dir: str | os.PathLike | None = None,
                  config: dict[str, Any] | None = None, **monitor_kwargs: Any):
         from ..monitor.inputs import as_config, default_run_dir
@@ -43,7 +46,7 @@ class Adapter:
         self._named_here = run_dir is None  # by this rank's clock: rank 0's at the fit
         self.config = as_config(config)
         check_run_options(type(self).__module__.replace("nbwatch.adapters.", "nbwatch.")
-                          + ".NbwatchCallback", monitor_kwargs)
+                          + ".NbwatchCallback", monitor_kwargs, self.TAKEN)
         self.monitor_kwargs = monitor_kwargs
         self.name = monitor_kwargs.get("name") or self.run_dir.name
         self.monitor: Monitor | None = None
@@ -279,20 +282,23 @@ class Adapter:
         return handle
 
 
-def run_options() -> list[str]:
-    """The keywords of the run a callback records (the Monitor's, less what the callback
-    and its framework give it)."""
+def run_options(taken: Mapping[str, str]) -> list[str]:
+    """The keywords of the run a callback records: the Monitor's, less what the callback
+    and its framework give it (`taken`: name → where the framework sets it)."""
     from ..monitor import Monitor
 
     return [n for n in inspect.signature(Monitor.__init__).parameters
-            if n not in ("self", "model", "optimizer", "scheduler", "run_dir", "config")]
+            if n not in ("self", "model", "optimizer", "scheduler", "run_dir", "config")
+            and n not in taken]
 
 
-def check_run_options(api: str, options: dict[str, Any]) -> None:
+def check_run_options(api: str, options: Mapping[str, Any], taken: Mapping[str, str]) -> None:
     """Refuse, where they are given, keywords that are no option of the run (rather than
     in the fit's first step)."""
-    known = run_options()
+    known = run_options(taken)
     for k in options:
+        if k in taken:
+            raise TypeError(f"{api}: {k!r} is the framework's to give the run: {taken[k]}")
         if k not in known:
             near = difflib.get_close_matches(k, known, n=1)
             raise TypeError(f"{api}: {k!r} is no option of the run"
@@ -300,18 +306,20 @@ def check_run_options(api: str, options: dict[str, Any]) -> None:
                             + f" Its options: {', '.join(known)}")
 
 
-def check_fit_arguments(api: str, fit: Callable[..., Any], args: tuple, kwargs: dict[str, Any]
-                        ) -> None:
+def check_fit_arguments(api: str, fit: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
+                        taken: Mapping[str, str]) -> None:
     """Refuse, at the call, arguments the framework's fit would refuse in its thread once
-    the run had begun; one of the run's own options is named as `monitor={...}`."""
+    the run had begun; one of the run's own options is named as `monitor={...}` (a fit
+    that takes any keyword, as transformers 4's `train(**kwargs)`, is left to refuse the
+    others itself)."""
+    name = getattr(fit, "__qualname__", "fit")
+    ours = [k for k in kwargs if k in run_options(taken)]
+    if ours:
+        raise TypeError(f"{api}: {ours[0]}= is an option of the run, not of {name}(): "
+                        f"pass monitor={{{ours[0]!r}: ...}}")
     try:
         inspect.signature(fit).bind(*args, **kwargs)
     except TypeError as e:
-        name = getattr(fit, "__qualname__", "fit")
-        ours = [k for k in kwargs if k in run_options()]
-        if ours:
-            raise TypeError(f"{api}: {ours[0]}= is an option of the run, not of {name}(): "
-                            f"pass monitor={{{ours[0]!r}: ...}}") from None
         raise TypeError(f"{api}: {name}() would refuse these arguments: {e}") from None
 
 

@@ -75,6 +75,10 @@ class NbwatchCallback(Adapter, TrainerCallback):
     (into the same run_dir: a continuation, `train(resume_from_checkpoint=...)`).
     """
 
+    TAKEN = {"max_steps": "TrainingArguments(max_steps=...)",
+             "scaler": "the Trainer's own GradScaler, found by nbwatch",
+             "resume": "trainer.train(resume_from_checkpoint=...) resumes the run too"}
+
     def __init__(self, run_dir: str | os.PathLike | None = None,
                  config: dict[str, Any] | None = None, **monitor_kwargs: Any):
         super().__init__(run_dir, config, **monitor_kwargs)
@@ -337,7 +341,7 @@ def start(trainer: Trainer, run_dir: str | os.PathLike | None = None, *,
     api = "nbwatch.hf.start"
     if not isinstance(trainer, Trainer):
         raise TypeError(f"{api} takes a transformers.Trainer, got {type(trainer).__name__}")
-    check_fit_arguments(api, trainer.train, (), train_kwargs)
+    check_fit_arguments(api, trainer.train, (), train_kwargs, NbwatchCallback.TAKEN)
     found = list({id(c): c for c in trainer.callback_handler.callbacks
                   if isinstance(c, NbwatchCallback)}.values())
     for c in found:  # one callback added twice records once

@@ -51,6 +51,10 @@ class NbwatchCallback(Adapter, pl.Callback):
     refused at its `fit()`; once that fit ended, the callback may record the next one
     (into the same run_dir: a continuation, `fit(..., ckpt_path=...)`)."""
 
+    TAKEN = {"max_steps": "L.Trainer(max_steps=...)",
+             "scaler": "Lightning's precision plugin's own GradScaler, found by nbwatch",
+             "resume": "trainer.fit(..., ckpt_path=...) resumes the run too"}
+
     # -- Lightning's events -------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         drop_repeats(getattr(trainer, "callbacks", None), self, "Trainer",
@@ -196,7 +200,8 @@ def start(trainer: pl.Trainer, module: pl.LightningModule, *args: Any,
     api = "nbwatch.lightning.start"
     if not isinstance(trainer, pl.Trainer):
         raise TypeError(f"{api} takes a lightning Trainer, got {type(trainer).__name__}")
-    check_fit_arguments(api, trainer.fit, (module, *args), fit_kwargs)
+    check_fit_arguments(api, trainer.fit, (module, *args), fit_kwargs,
+                        NbwatchCallback.TAKEN)
     # ignore[attr-defined]: lightning sets `Trainer.callbacks` from its CallbackConnector
     # and declares no such attribute on the Trainer
     found = [c for c in trainer.callbacks  # type: ignore[attr-defined]

@@ -50,9 +50,12 @@ class OwnTime:
 
     def exclude(self, seconds: float) -> None:
         """`seconds` of the entry now open were a wait for the device (a copy that had not
-        landed): counted apart, as `time/device_wait`, not as nbwatch's own work."""
-        self._total -= seconds
-        self._waited += seconds
+        landed): counted apart, as `time/device_wait`, not as nbwatch's own work. Outside
+        every entry (a copy read for an eval or a checkpoint, which are the user's time)
+        the wait was never counted, and is not."""
+        if self._depth:
+            self._total -= seconds
+            self._waited += seconds
 
     def take_wait(self) -> float:
         """Seconds waited for the device since the last call."""

@@ -143,7 +143,8 @@ def sync_ranks(rec: Steered, final: bool = False) -> None:
         rk.rows = []
         if cmds and not final:  # (the same on every rank) a command acts after every step
             # before it is recorded: the steps still under way are read, and their rows meet
-            rec.flush_deferred()
+            with rec.own:
+                rec.flush_deferred()
             t0 = time.perf_counter()
             more, _ = d.exchange(rk.rows, [], rec.step, final)
             rk.sync_s += time.perf_counter() - t0

@@ -313,7 +313,8 @@ def check_fit_arguments(api: str, fit: Callable[..., Any], args: tuple, kwargs: 
     that takes any keyword, as transformers 4's `train(**kwargs)`, is left to refuse the
     others itself)."""
     name = getattr(fit, "__qualname__", "fit")
-    ours = [k for k in kwargs if k in run_options(taken)]
+    known = run_options(taken)
+    ours = [k for k in kwargs if k in known]
     if ours:
         raise TypeError(f"{api}: {ours[0]}= is an option of the run, not of {name}(): "
                         f"pass monitor={{{ours[0]!r}: ...}}")

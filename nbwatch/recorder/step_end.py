@@ -145,7 +145,7 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
         land(rec, wait=True)  # on a CPU: read at once
     elif fl.copies and fl.copies[-1] is this:  # read later (unless an action read it now):
         # its watching, the landing of the steps before it included, ends here
-        this.clock = (rec.own.take(), rec.own.take_wait(), time.time())
+        this.clock = step_clock(rec)
     scale = getattr(rec.scaler, "_scale", None) if rec.scaler is not None else None
     if isinstance(scale, torch.Tensor):
         fl.scale_ref = scale.clone()  # no sync: compared on overflow only
@@ -186,6 +186,11 @@ def land(rec: Recording, wait: bool = False) -> None:
             record_histograms(rec, one.step, rec.layers if layers is None else layers, got)
 
 
+def step_clock(rec: Recording) -> tuple[float, float, float]:
+    """The step ending now: its watching, its waits for the device, its row's wall time."""
+    return rec.own.take(), rec.own.take_wait(), time.time()
+
+
 def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
              overflow: bool = False, lr_planned: bool | None = None,
              clock: tuple[float, float, float] | None = None) -> None:
@@ -204,7 +209,7 @@ def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
         values.pop("grad_norm/global", None)
     # this step's watching, up to its end, and its row's wall time at the same instant: a
     # pause between the two would count in one step's watching and the other's wall
-    own, waited, wall = clock or (rec.own.take(), rec.own.take_wait(), time.time())
+    own, waited, wall = clock or step_clock(rec)
     values["time/nbwatch"] = own
     if waited:
         values["time/device_wait"] = waited

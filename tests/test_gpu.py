@@ -1,0 +1,224 @@
+"""The step path on a real accelerator: CUDA where there is one, else the CPU in a GPU's
+order (`DEFER_ON_CPU`), so that CI keeps these tests true and a GPU session
+(benchmarks/gpu_session.sh) runs them as they are. On CUDA each steady step is also
+watched by torch's own sync detector (`torch.cuda.set_sync_debug_mode`), in every
+thread: a device→host wait anywhere on the step path fails the test with the line that
+made it, whether or not it went through a tensor method the CPU audit patches."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import threading
+import traceback
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import nbwatch
+from nbwatch.demo import make_demo, masked_cross_entropy
+from nbwatch.recorder import host_copy
+from nbwatch.recorder.host_copy import HostCopy
+from tests.recorder.test_host_copy import Audit, has_histograms
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+PACKAGE = Path(nbwatch.__file__).parent
+STEPS, STEADY = 30, range(5, 26)  # no eval, checkpoint or start-up step among the steady
+
+
+class Syncs:
+    """CUDA syncs while `on`, any thread, each named by the innermost nbwatch line under
+    it ("user" where none is: the test's own loop). A no-op without CUDA."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.where: list[str] = []
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> Syncs:
+        if not CUDA:
+            return self
+        self._show = warnings.showwarning
+
+        def show(message, category, *args, **kwargs):
+            if "synchroniz" not in str(message):
+                return self._show(message, category, *args, **kwargs)
+            if self.on:
+                here = [f for f in traceback.extract_stack()
+                        if PACKAGE in Path(f.filename).parents]
+                with self._lock:
+                    self.where.append(f"{here[-1].filename}:{here[-1].lineno}"
+                                      if here else "user")
+            return None
+
+        self._filters = warnings.catch_warnings()
+        self._filters.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if CUDA:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = self._show
+            self._filters.__exit__(*exc)
+
+    def check(self) -> None:
+        nbwatch_syncs = [w for w in self.where if w != "user"]
+        assert not nbwatch_syncs, "nbwatch synced on the step path:\n" + "\n".join(
+            sorted(set(nbwatch_syncs)))
+
+
+@pytest.fixture
+def audit(monkeypatch):
+    """The CPU's audit of tensor reads (the GPU's order, on any device)."""
+    return Audit().install(monkeypatch.setattr)
+
+
+def on_device(demo, fused: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, list]:
+    model = demo.model.to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=fused, foreach=not fused)
+    batches = [{k: v.to(DEVICE) for k, v in b.items()}  # staged: a copy in is a sync
+               for b in itertools.islice(itertools.cycle(demo.train), 8)]
+    return model, opt, batches
+
+
+def autocast():
+    return torch.autocast(DEVICE.type, dtype=torch.bfloat16)
+
+
+def test_a_copy_lands_on_the_host_as_the_device_held_it(monkeypatch):
+    """Groups of mixed widths leave in one copy per device, into pinned memory behind an
+    event on CUDA, and read back as the device held them."""
+    monkeypatch.setattr(host_copy, "DEFER_ON_CPU", True)
+    torch.manual_seed(0)
+    groups = {"loss": [torch.randn((), device=DEVICE)],
+              "norms": [torch.rand(5, device=DEVICE), torch.rand(3, device=DEVICE)],
+              "half": [torch.randn(4, device=DEVICE, dtype=torch.bfloat16)],
+              "lengths": [torch.randint(0, 1000, (6,), device=DEVICE)]}
+    copy = HostCopy.launch(7, groups)
+    (share,) = copy.shares
+    if CUDA:
+        assert share.host.is_pinned() and share.event is not None
+        torch.cuda.synchronize()
+        assert copy.ready()
+    got = copy.read()
+    for name, parts in groups.items():
+        want = torch.cat([p.reshape(-1).float() for p in parts]).cpu().tolist()
+        assert got[name] == pytest.approx(want, rel=1e-6), name
+    assert copy.sizes == {"loss": 1, "norms": 8, "half": 4, "lengths": 6}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_an_own_loop_records_its_norms_clip_and_skip_without_a_sync(tmp_path, audit, fused):
+    """nanoGPT's loop on the device (bf16 autocast, AdamW, nbwatch's clip at 1.0,
+    histograms every 5 steps), step 22's loss NaN: `grad_norm/global` is the loop's own
+    norm of each step, `grad_norm/clipped` ≤ 1, step 22 is skipped (a fused AdamW leaves
+    the weights as they were; a foreach one keeps them finite), and no steady step syncs
+    or reads a tensor outside `host_copy`."""
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4, max_steps=STEPS)
+    model, opt, batches = on_device(demo, fused)
+    params = list(model.parameters())
+    own: list[torch.Tensor] = []
+    with Syncs() as syncs, nbwatch.Monitor(
+            model, opt, run_dir=tmp_path / "r", display=False, hist_every=5, clip=1.0,
+            alerts={"nonfinite": {"actions": ["skip_step"]}}) as mon:
+        for i in range(1, STEPS + 1):
+            syncs.on = audit.on = i in STEADY
+            b = batches[i % len(batches)]
+            with autocast():
+                logits = model(b["input_ids"])
+                loss = masked_cross_entropy(logits, b["labels"], b["mask"])
+            if i == 22:
+                loss = loss * math.nan
+            loss.backward()
+            own.append(torch.nn.utils.get_total_norm([p.grad for p in params]))
+            if i == 22:
+                before = [p.detach().clone() for p in params]
+            opt.step()
+            if i == 22:
+                after = [p.detach().clone() for p in params]
+            opt.zero_grad(set_to_none=True)
+            mon.log(loss=loss, mask=b["mask"], logits=logits)
+        syncs.on = audit.on = False
+    syncs.check()
+    assert not audit.reads, "nbwatch read a tensor on the step path:\n" + "\n".join(
+        dict.fromkeys(audit.reads))
+    assert all(at > s for s, at in audit.read_at)  # each step read at a later boundary
+    df = nbwatch.open_run(tmp_path / "r").df
+    assert df.index.tolist() == list(range(1, STEPS + 1))
+    mine = torch.stack(own).cpu().tolist()
+    good = [s for s in df.index if s != 22]
+    assert df.loc[good, "grad_norm/global"].tolist() == pytest.approx(
+        [mine[s - 1] for s in good], rel=1e-5)
+    assert (df.loc[good, "grad_norm/clipped"] <= 1.0 + 1e-5).all()
+    assert df.loc[22, "skipped"] == 1.0 and df["skipped"].fillna(0).sum() == 1
+    assert all(torch.isfinite(p).all() for p in params)
+    assert all(torch.equal(x, y) for x, y in zip(before, after)) == fused
+    has_histograms(tmp_path / "r", 5)  # binned on the device, read with their copy
+
+
+def test_start_trains_on_the_device_without_a_sync(tmp_path, audit):
+    """`start()`'s runner thread on the device: every step recorded with its norms, and
+    no steady step syncs or reads a tensor outside `host_copy`."""
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4, max_steps=STEPS)
+    model, opt, batches = on_device(demo, fused=False)
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False, hist_every=5)
+
+    def step_fn(m, b):
+        syncs.on = audit.on = mon.step + 1 in STEADY
+        with autocast():
+            return demo.step_fn(m, b)
+
+    with Syncs() as syncs:
+        mon.start(step_fn, itertools.cycle(batches), max_steps=STEPS, display=False).wait()
+        syncs.on = audit.on = False
+    assert mon.state == "finished", mon.error
+    syncs.check()
+    assert not audit.reads, "\n".join(dict.fromkeys(audit.reads))
+    df = mon.df
+    assert df.index.tolist() == list(range(1, STEPS + 1))
+    assert df[["loss/train", "grad_norm/global"]].notna().all().all()
+
+
+def test_a_grad_scalers_overflow_is_its_own_skip(tmp_path, monkeypatch):
+    """float16 autocast under a GradScaler, step 10's loss infinite: the scaler skips
+    it (`amp/overflow`), nbwatch's norms are the unscaled ones, the weights stay finite."""
+    monkeypatch.setattr(host_copy, "DEFER_ON_CPU", True)
+    try:
+        scaler = torch.amp.GradScaler(DEVICE.type, init_scale=2.0**10)
+    except (AttributeError, RuntimeError, TypeError) as e:  # pragma: no cover: old torch
+        pytest.skip(f"no GradScaler on {DEVICE.type}: {e}")
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4, max_steps=16)
+    model, opt, batches = on_device(demo, fused=False)
+    params = list(model.parameters())
+    own = []
+    with nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False,
+                         scaler=scaler, alerts={"nonfinite": {"actions": []}}) as mon:
+        for i in range(1, 17):
+            b = batches[i % len(batches)]
+            with torch.autocast(DEVICE.type, dtype=torch.float16) if CUDA \
+                    else contextlib.nullcontext():
+                loss = masked_cross_entropy(model(b["input_ids"]), b["labels"], b["mask"])
+            if i == 10:
+                loss = loss * math.inf
+            scaler.scale(loss).backward()
+            own.append(torch.nn.utils.get_total_norm([p.grad for p in params])
+                       / scaler.get_scale())
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            mon.log(loss=loss)
+    df = nbwatch.open_run(tmp_path / "r").df
+    assert df.index.tolist() == list(range(1, 17))
+    assert df.loc[10, "amp/overflow"] == 1.0 and df["amp/overflow"].fillna(0).sum() == 1
+    mine = torch.stack(own).cpu().tolist()
+    good = [s for s in df.index if s != 10]
+    assert df.loc[good, "grad_norm/global"].tolist() == pytest.approx(
+        [mine[s - 1] for s in good], rel=1e-4)
+    assert all(torch.isfinite(p).all() for p in params)

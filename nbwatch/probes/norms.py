@@ -14,6 +14,10 @@ def norms_fp32(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return tuple(torch._foreach_norm(tensors, 2, dtype=torch.float32))
     except TypeError:  # a torch before the dtype argument
         return tuple(n.float() for n in torch._foreach_norm(tensors))
+    except NotImplementedError:  # a sparse gradient (nn.Embedding(sparse=True)): the
+        if not any(t.is_sparse for t in tensors):  # norm of its coalesced values; asked
+            raise  # only then, so that a dense step pays nothing for it
+        return norms_fp32([t.coalesce()._values() if t.is_sparse else t for t in tensors])
 
 
 def ratio(delta_sq: torch.Tensor, weight_sq: torch.Tensor) -> torch.Tensor:

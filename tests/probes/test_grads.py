@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+import nbwatch
 from nbwatch.probes.grads import Layers, clip_, layer_norms, param_grad_norms
 from tests.conftest import tiny_step
 
@@ -94,3 +95,33 @@ def test_clip_leaves_small_gradients_alone(tiny):
     after = clip_(grads, float(total), float(total) * 10)
     assert after == pytest.approx(float(total))
     assert all(torch.equal(a, b) for a, b in zip(before, grads))
+
+
+@pytest.mark.parametrize("gpu_order", [False, True])
+def test_a_sparse_gradient_is_measured_and_clipped_not_a_crash(tmp_path, monkeypatch,
+                                                               gpu_order):
+    """`nn.Embedding(sparse=True)` beside a dense layer, SGD: the norms are those of the
+    gradients' coalesced values (the loop's own figure), nbwatch's clip holds, and the
+    run trains to its end (it used to fail inside `optimizer.step()`)."""
+    from nbwatch.recorder import host_copy
+
+    monkeypatch.setattr(host_copy, "DEFER_ON_CPU", gpu_order)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mine = []
+    with nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False, clip=0.05) as mon:
+        for _ in range(6):
+            loss = model(torch.randint(0, 50, (4, 6))).pow(2).mean()
+            loss.backward()
+            grads = [p.grad.coalesce().values() if p.grad.is_sparse else p.grad
+                     for p in model.parameters()]
+            mine.append(float(torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(g) for g in grads]))))
+            opt.step()
+            opt.zero_grad()
+            mon.log(loss=loss)
+    df = nbwatch.open_run(tmp_path / "r").df
+    assert df.index.tolist() == list(range(1, 7))
+    assert df["grad_norm/global"].tolist() == pytest.approx(mine, rel=1e-5)
+    assert (df["grad_norm/clipped"] <= 0.05 + 1e-6).all() and max(mine) > 0.05

@@ -27,6 +27,7 @@ import contextlib
 import functools
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -142,11 +143,19 @@ class OptimizerWatch:
             self._global_hook = None
         _unwatch_clips(self)
 
-    def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> tuple | None:
         self._inside_step = threading.get_ident()
         rec = self.owner.recorder_for_step()
         if rec is None:
-            return  # this Monitor's run has ended: later steps are not recorded
+            return None  # this Monitor's run has ended: later steps are not recorded
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if callable(closure) and rec.hook_measures:
+            # LBFGS and the like: the gradients are made inside step(), by the closure
+            return _measured_after(closure, args, kwargs, lambda: self._measure(rec))
+        self._measure(rec)
+        return None
+
+    def _measure(self, rec: StepRecorder) -> None:
         clips, note = self.clips.take(self.owner.step) if rec.hook_measures else ([], None)
         rec.pre_step(explicit=False, clips=clips, clip_note=note)  # (or hands a skip over)
 
@@ -177,6 +186,27 @@ class OptimizerWatch:
         rec = self.owner.recorder_for_step(open_loop=False)
         with rec.own if rec is not None else contextlib.nullcontext():
             self.clips.saw(self.owner.step, params, max_norm, total)
+
+
+def _measured_after(closure: Callable[[], Any], args: tuple, kwargs: dict,
+                    measure: Callable[[], None]) -> tuple[tuple, dict]:
+    """`step(closure)`'s arguments with the closure wrapped to `measure` the step once its
+    first call has made the gradients: those at the weights the step starts from, as a
+    loop without a closure hands them over (LBFGS calls it again as it searches). A clip
+    or a skip then acts on those gradients: zeroed, they end LBFGS's step at once."""
+    measured = False
+
+    def closure_then_measure() -> Any:
+        nonlocal measured
+        loss = closure()
+        if not measured:
+            measured = True
+            measure()
+        return loss
+
+    if len(args) > 1:
+        return (args[0], closure_then_measure, *args[2:]), kwargs
+    return args, {**kwargs, "closure": closure_then_measure}
 
 
 class ClipWatch:

@@ -115,3 +115,49 @@ def test_the_loops_own_clip_is_noted_for_the_next_step_and_torch_is_given_back()
     watch.remove()
     gc.collect()  # Monitors of earlier tests in this process, made and dropped unused
     assert not clips_watched()
+
+
+@pytest.mark.parametrize("gpu_order", [False, True])
+def test_a_closure_optimizers_step_is_measured_after_its_closure_made_the_gradients(
+        tmp_path, monkeypatch, gpu_order):
+    """LBFGS makes a step's gradients inside `step(closure)`, after the pre-hook: the
+    figures are those of the closure's first call (the gradients at the weights the step
+    starts from, as the loop computes them), from the first step; the update ratios are
+    taken; a non-finite step is skipped with the weights untouched. They used to be the
+    previous step's last closure's gradients, and none at step 1."""
+    import nbwatch
+    from nbwatch.recorder import host_copy
+
+    monkeypatch.setattr(host_copy, "DEFER_ON_CPU", gpu_order)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    x, y = torch.randn(64, 4), torch.randn(64, 1)
+    mine, untouched = [], []
+    with nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False, hist_every=2,
+                         alerts={"nonfinite": {"actions": ["skip_step"]}}) as mon:
+        for step in range(6):
+            first: list[float] = []
+
+            def closure(step=step, first=first):
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                if step == 3:
+                    loss = loss * float("nan")
+                loss.backward()
+                if not first:
+                    first.append(float(torch.nn.utils.get_total_norm(
+                        [p.grad for p in model.parameters()])))
+                return loss
+
+            before = [p.detach().clone() for p in model.parameters()]
+            loss = opt.step(closure)
+            untouched.append(all(torch.equal(b, p) for b, p in zip(before, model.parameters())))
+            mine.append(first[0])
+            mon.log(loss=loss)
+    df = nbwatch.open_run(tmp_path / "r").df
+    kept = [i for i in range(6) if i != 3]
+    assert df["grad_norm/global"].iloc[kept].tolist() == pytest.approx(
+        [mine[i] for i in kept], rel=1e-5)
+    assert df["update_ratio/0"].notna().loc[[1, 2, 6]].all()  # 4 was skipped
+    assert df.loc[4, "skipped"] == 1.0 and untouched == [False, False, False, True, False, False]

@@ -1,5 +1,6 @@
 """Ctrl-C while a run ends in the foreground: the first press lets the final checkpoint
-and the store's last commit finish, then interrupts; a second press abandons them.
+and the store's last commit finish, then interrupts; a second press abandons them. And
+`Terminated`: how a script's SIGTERM unwinds its loop (monitor/exiting.py).
 
 Without it a press during the close (the cell's `with` block, the Trainer's end) cut the
 checkpoint's write or the store's last commit short: the run read 'stale' and could not
@@ -14,6 +15,17 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+
+class Terminated(SystemExit):
+    """SIGTERM while a script's run trains (`kill`, a scheduler's preemption, `docker
+    stop`): raised in the main thread, it unwinds the loop as Ctrl-C does (the run ends
+    `stopped` with a stop checkpoint, every step recorded) and exits the process with
+    status 143, as the signal would have."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(128 + signal.SIGTERM)
+        self.why = why
 
 
 @contextmanager

@@ -1,5 +1,5 @@
 """`kill -9` of a real training subprocess: the store keeps all but the last second, and
-every checkpoint left on disk loads."""
+every checkpoint left on disk loads. SIGTERM: the run stops with every step it took."""
 
 import os
 import signal
@@ -243,3 +243,99 @@ def test_a_script_paused_by_an_alert_says_so_on_stderr_and_how_to_go_on(tmp_path
             proc.kill()
     assert proc.returncode == 0, err
     assert "ended stopped" in out, out + err
+
+
+TERMINATED = textwrap.dedent("""
+    import signal, sys, time, torch
+    import nbwatch
+    from nbwatch.demo import TinyGPT
+    from tests.conftest import make_batches, tiny_step
+
+    run_dir, how, logged = sys.argv[1], sys.argv[2], open(sys.argv[3], "w")
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = torch.utils.data.DataLoader(make_batches(), batch_size=None, num_workers=1)
+    asked = []
+    if how == "own handler":
+        signal.signal(signal.SIGTERM, lambda *a: asked.append(True))
+
+    def step(model, batch):
+        time.sleep(0.01)
+        return tiny_step(model, batch)
+
+    def loop(mon):
+        while not asked:
+            for batch in batches:  # a worker forked and ended each epoch
+                out = step(model, batch)
+                loss = nbwatch.masked_cross_entropy(out["logits"], out["labels"], out["mask"])
+                loss.backward(); opt.step(); opt.zero_grad()
+                mon.log(loss=loss)
+                print(mon.step, file=logged, flush=True)
+                if asked:
+                    break
+
+    mon = nbwatch.Monitor(model, opt, run_dir=run_dir, display=False)
+    if how == "start":
+        mon.start(step, make_batches(), max_steps=100_000, display=False)
+        mon.wait()
+    elif how == "own loop, no with":
+        loop(mon)
+    else:
+        with mon:
+            loop(mon)
+    print("the script went on", flush=True)
+""")
+
+
+@pytest.mark.parametrize("how", ["own loop", "own loop, no with", "start"])
+def test_sigterm_stops_a_scripts_run_with_every_step_and_a_checkpoint(tmp_path, how):
+    """`kill`, a scheduler's preemption or time limit, `docker stop`: a script's SIGTERM
+    used to end the process at once, its last steps lost in the store's queue and the run
+    read `stale`. Now it ends as Ctrl-C does: `stopped`, said why and at which step, every
+    step the loop logged recorded, a stop checkpoint that resumes; the process exits 143
+    as the signal asks, without running on past the loop."""
+    run, logged = tmp_path / "run", tmp_path / "logged.txt"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", TERMINATED, str(run), how, str(logged)],
+                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": root})
+    try:
+        until(lambda: reached(run, proc, 20), 90, "the subprocess to reach step 20", poll=0.1)
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    # (a DataLoader's resource sharer may print its own reset connection as the worker goes)
+    assert "the script went on" not in out and "nbwatch/" not in err, err
+    assert "terminated by SIGTERM at step" in err, err
+    r = nbwatch.open_run(run)
+    assert r.state == "stopped" and r.meta["stopped_by"].startswith("terminated by SIGTERM")
+    steps = r.df.index.tolist()
+    assert steps == list(range(1, r.step + 1)) and r.step >= 20
+    if how != "start":  # every step the loop logged is in the folder
+        assert r.step - 1 <= int(logged.read_text().split()[-1]) <= r.step
+    ck = torch.load(run / "checkpoints" / f"step_{r.step:08d}.pt", weights_only=True)
+    assert ck["step"] == r.step
+
+
+def test_a_scripts_own_sigterm_handler_is_left_as_it_is(tmp_path):
+    """A script that handles SIGTERM itself (to end its loop its own way) keeps its
+    handler: the loop ends as it decides, the run `finished`, the script goes on."""
+    run, logged = tmp_path / "run", tmp_path / "logged.txt"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", TERMINATED, str(run), "own handler",
+                             str(logged)], cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": root})
+    try:
+        until(lambda: reached(run, proc, 10), 90, "the subprocess to reach step 10", poll=0.1)
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "the script went on" in out and "SIGTERM" not in err, err
+    r = nbwatch.open_run(run)
+    assert r.state == "finished" and int(logged.read_text().split()[-1]) == r.step

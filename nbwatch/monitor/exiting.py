@@ -1,7 +1,16 @@
 """How a run ends when its process does: the interpreter's exit under a running
-training thread, a script's loop that ended without `with`/close(), and torchrun's
-SIGTERM. A part of `Monitor`: it reads the run's session and training thread, and registers
-itself with `atexit` while a run may need it."""
+training thread, a script's loop that ended without `with`/close(), a script's SIGTERM and
+torchrun's. A part of `Monitor`: it reads the run's session and training thread, and
+registers itself with `atexit` (and a script's SIGTERM handler) while a run may need it.
+
+A script's SIGTERM (`kill`, a scheduler's preemption or time limit, `docker stop`) would
+end the process at once, its last steps still in the store's queue and the run read
+`stale`. While a run trains in a script whose SIGTERM is Python's default, it raises
+`Terminated` in the main thread instead: a loop there unwinds as Ctrl-C does, a training
+thread is stopped as at the interpreter's exit, the run ends `stopped` ("terminated by
+SIGTERM at step N", said before the stop checkpoint), and the process exits 143. A second
+SIGTERM ends it at once. A handler of the user's, IPython's (a notebook's kernel), and
+torchrun's (whose SIGTERM says a rank failed) are left as they are."""
 
 from __future__ import annotations
 
@@ -16,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..distributed import NullStore
+from ..interrupts import Terminated
 from ..notebook import in_notebook
 from ..ownership import forked_from
 from ..records import Event
@@ -40,20 +50,33 @@ class ProcessExit:
         self._thread = thread
         self._send = send
         self._pid = os.getpid()  # a forked child never ends this Monitor's run
+        self.terminated: str | None = None  # why, once a SIGTERM ends the run
 
     def arm_thread(self) -> None:
         """A run trains in the background: stop it if the interpreter exits under it."""
         atexit.register(self.stop_at_exit)
+        _arm_sigterm(self)
 
     def disarm_thread(self) -> None:
         atexit.unregister(self.stop_at_exit)
+        _disarm_sigterm(self)
 
     def arm_loop(self) -> None:
         """A loop of one's own opened its run: record how the process ends it."""
         atexit.register(self.at_exit)
+        _arm_sigterm(self)
 
     def disarm_loop(self) -> None:
         atexit.unregister(self.at_exit)
+        _disarm_sigterm(self)
+
+    def ends_on_sigterm(self) -> bool:
+        """Whether a SIGTERM now ends this Monitor's run (one that trains, in the process
+        that opened it, not under torchrun)."""
+        run = self._session
+        rec = run.recorder
+        return (not forked_from(self._pid) and run.running
+                and (rec is None or rec.dist is None))
 
     def stop_at_exit(self) -> None:
         """The interpreter is exiting while the run trains (a script that did not wait(),
@@ -75,11 +98,13 @@ class ProcessExit:
         The reason and the state `stopped` are recorded first, at once: a kernel that is
         shut down is sent SIGTERM after 2.5 s (jupyter_client's shutdown_wait_time / 2), so
         the stop checkpoint and the store's close get what is left of `exit_budget()`."""
+        _disarm_sigterm(self)  # from here a SIGTERM ends the process as it would
         kernel = in_notebook()
-        what = "the kernel shut down" if kernel else "the program exited"
+        what = ("SIGTERM" if self.terminated else
+                "the kernel shut down" if kernel else "the program exited")
         run = self._session
-        why = f"{what.removeprefix('the ')} at step {run.step}"
-        self._record_ending(why)
+        why = self.terminated or f"{what.removeprefix('the ')} at step {run.step}"
+        run.record_ending(why)
         with contextlib.suppress(RuntimeError):  # it ended a moment ago
             self._send("stop", source="exit")
         deadline = time.monotonic() + exit_budget()
@@ -92,22 +117,9 @@ class ProcessExit:
               f"step {run.step} ({run.state}), "
               f"{'with a checkpoint' if done else 'before its stop checkpoint was written'}, "
               f"in {run.setup.run_dir}. "
-              + ("A last cell with mon.wait() lets a notebook run headless to its end."
+              + ("" if self.terminated else
+                 "A last cell with mon.wait() lets a notebook run headless to its end."
                  if kernel else "Call mon.wait() to let a run finish."), file=sys.stderr)
-
-    def _record_ending(self, why: str) -> None:
-        """Say now, before the stop is taken, why the run ends and that it is stopped: the
-        process may be killed before the training thread gets to record it."""
-        run = self._session
-        store = run.store
-        if store is None or run.setup.rank != 0:
-            return
-        with contextlib.suppress(Exception):  # a dead store: the stop still goes ahead
-            store.set_meta("stopped_by", why)
-            store.set_meta("state", "stopped")
-            store.put(Event(run.step, "state", "warning", f"{why}: the run stops there",
-                            {"state": "stopped", "reason": why}))
-            store.flush(timeout=0.5)
 
     def at_exit(self) -> None:
         """A script's loop that ended without `with`/close(): record how the process ended.
@@ -124,6 +136,8 @@ class ProcessExit:
         exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
         if exc is run.exc_at_open:  # e.g. an earlier notebook cell's error: not this loop's
             exc = None
+        if self.terminated:  # a SystemExit leaves no sys.last_exc
+            exc = Terminated(self.terminated)
         with contextlib.suppress(Exception):
             run.end_loop(exc)
 
@@ -155,3 +169,49 @@ class ProcessExit:
             os.kill(os.getpid(), signum)
 
         signal.signal(signal.SIGTERM, on_sigterm)
+
+
+# The runs a script's SIGTERM ends now (their ProcessExit), while `_on_sigterm` is the
+# process's handler: one handler for all of a script's Monitors.
+_ENDED_BY_SIGTERM: list[ProcessExit] = []
+
+
+def _arm_sigterm(exit_: ProcessExit) -> None:
+    """Let a SIGTERM end `exit_`'s run, where SIGTERM is Python's default: in a script's
+    main thread (a kernel's and torchrun's are their own, IPython would catch the exit, a
+    user's handler is kept)."""
+    ipython = sys.modules.get("IPython")
+    if ((ipython is not None and ipython.get_ipython() is not None)
+            or threading.current_thread() is not threading.main_thread()):
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    if handler is not _on_sigterm:
+        if handler is not signal.SIG_DFL:
+            return
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    if exit_ not in _ENDED_BY_SIGTERM:
+        _ENDED_BY_SIGTERM.append(exit_)
+
+
+def _disarm_sigterm(exit_: ProcessExit) -> None:
+    """`exit_`'s run ended: SIGTERM is Python's default again once no run needs it (only
+    the main thread may set it; elsewhere the handler acts as the default would)."""
+    if exit_ in _ENDED_BY_SIGTERM:
+        _ENDED_BY_SIGTERM.remove(exit_)
+    if (not _ENDED_BY_SIGTERM and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is _on_sigterm):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    ending = [e for e in _ENDED_BY_SIGTERM if e.ends_on_sigterm()]
+    signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    if not ending:  # no run to end (a DataLoader worker forked from here, torchrun's rank)
+        os.kill(os.getpid(), signum)
+        return
+    why = f"terminated by SIGTERM at step {max(e._session.step for e in ending)}"
+    for e in ending:
+        e.terminated = why
+    print(f"nbwatch: {why}: the run stops there, its steps recorded (a second SIGTERM "
+          "ends the process at once)", file=sys.stderr, flush=True)
+    raise Terminated(why)

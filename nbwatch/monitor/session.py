@@ -21,7 +21,7 @@ from ..checkpoint import load, restore_into
 from ..controls import refuse_early
 from ..distributed import Dist, NullStore
 from ..environment import environment
-from ..interrupts import finish_first
+from ..interrupts import Terminated, finish_first
 from ..lifecycle import LIVE, RunState
 from ..logs import open_run_log
 from ..notebook import after_each_cell
@@ -30,7 +30,7 @@ from ..panels.baseline import allow as allow_baselines
 from ..probes.system import SystemSampler, close_nvml, gpu_names, open_nvml
 from ..probes.throughput import Mfu, peak_flops
 from ..recorder import Progress, RunSpec, StepRecorder, StopTraining
-from ..records import Command, CommandKind, SystemSample
+from ..records import Command, CommandKind, Event, SystemSample
 from ..run import Run
 from ..sharded_checkpoint import ShardedCheckpointer
 from ..store import RunStore, StoreFailed, check_no_writer, is_run_dir
@@ -375,6 +375,9 @@ class RunSession:
                 _finish(rec, "stopped" if rec.stopping else "finished")
             elif isinstance(exc, KeyboardInterrupt):
                 _finish(rec, "stopped")  # the user's Ctrl-C: a stop, not a crash
+            elif isinstance(exc, Terminated):  # a SIGTERM: said first, before the checkpoint
+                self.record_ending(exc.why)
+                _finish(rec, "stopped")
             else:
                 rec.fail(exc)
             rec.store.flush()
@@ -387,6 +390,19 @@ class RunSession:
             log.error("ending the run %s failed: %s", self.setup.name, e)
         finally:
             self.close_run()
+
+    def record_ending(self, why: str) -> None:
+        """Say now, before the stop is taken, why the run ends and that it is stopped: the
+        process may be killed before the run gets to record it."""
+        store = self.store
+        if store is None or self.setup.rank != 0:
+            return
+        with contextlib.suppress(Exception):  # a dead store: the stop still goes ahead
+            store.set_meta("stopped_by", why)
+            store.set_meta("state", "stopped")
+            store.put(Event(self.step, "state", "warning", f"{why}: the run stops there",
+                            {"state": "stopped", "reason": why}))
+            store.flush(timeout=0.5)
 
     def open_store(self, start_step: int, max_steps: int | None,
                    run: dict[str, Any]) -> RunStore:

@@ -443,8 +443,17 @@ class RunSession:
                             given.control, given.checkpointer.dir)
 
     def record_system(self, figures: dict[str, float]) -> None:
+        """The sampler's reading (its thread); and the steps a quiet loop left waiting for
+        their batch, recorded (an eval of the loop's own, a slow batch: readers see them,
+        a kill does not lose them)."""
         if self.store is not None:  # on its own wall-clock timeline: a long step keeps all
             self.store.put(SystemSample(figures, self.progress.step))
+        rec = self.recorder
+        if rec is not None:
+            try:
+                rec.record_if_quiet()
+            except Exception as e:  # a dead store: the loop's next step raises it
+                log.warning("recording the steps of a quiet loop failed: %s", e)
 
 
 def _finish(rec: StepRecorder, outcome: str) -> None:

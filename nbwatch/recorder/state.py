@@ -5,6 +5,7 @@ the command inbox (`Inbox`) and who may rewind and skip (`RewindState`)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -115,6 +116,10 @@ class InFlight:
     mask_said: bool = False  # a bad GPU mask was said (once a run)
     pending: deque[Pending] = field(default_factory=deque)  # steps not recorded yet, in order
     pending_since: float = 0.0  # monotonic time the oldest of them began
+    # held by the loop's thread while it ends a step or records, and by the system
+    # sampler's thread while it records the steps of a quiet loop (step_end.record_if_quiet)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    held_alerts: list = field(default_factory=list)  # raised at the loop's next boundary
 
 
 @dataclass

@@ -7,6 +7,9 @@ the step's device figures leave in one copy, read at the next step's end (host_c
                       device on a histogram step) · step N - 1's copy read (`land`)
     its read          its gradient figures · its record, batched ("step" rules, the
                       `Scalars` row) · its histograms ("hist" rules)
+    a quiet loop      the steps waiting for their batch recorded from the system
+                      sampler's thread (`record_if_quiet`), their alerts raised by the
+                      loop at its next step
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ if TYPE_CHECKING:
 # in a loop), and a batch pays that once (benchmarks/README.md).
 RECORD_STEPS = 16
 RECORD_EVERY_S = 0.5
+# A loop that has not ended a step for this long is quiet (an eval of its own, a slow
+# batch, a hang): the steps waiting are recorded from the system sampler's thread, so that
+# readers see them and a kill does not lose them (`record_if_quiet`).
+QUIET_S = 0.5
 
 # A step's figures are read at the next boundary (host_copy.py): on an accelerator the
 # copy lands while the next step runs, and a host more than a step ahead waits there
@@ -99,6 +106,14 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
     """Close the optimizer step just taken: its host `values` and timings, its device
     figures (`parts` named `names`, and what its optimizer hooks measured) sent to the
     host in one copy, read at a later boundary (`land`). Returns the step number."""
+    with rec.flight.lock:
+        return _end_step(rec, values, names, parts, data_s=data_s, samples=samples,
+                         extra_times=extra_times)
+
+
+def _end_step(rec: Recording, values: dict[str, float], names: list[str] | None,
+              parts: list[torch.Tensor] | None, *, data_s: float | None,
+              samples: int | None, extra_times: dict[str, float] | None) -> int:
     t_end = time.perf_counter()
     fl = rec.flight
     t = fl.taking
@@ -139,6 +154,7 @@ def end_step(rec: Recording, values: dict[str, float], names: list[str] | None =
     this = Landing(step, HostCopy.launch(step, groups, known), t, values, list(names or ()),
                    rec.lr.planned())
     fl.copies.append(this)
+    raise_held(rec)  # where this step's own alerts would be: after its copy is taken
     land(rec)
     fl.limits = rec.engine.norm_limits()  # from every step before this one, in either order
     if not (host_copy.DEFER_ON_CPU or any(s.event is not None for s in this.copy.shares)):
@@ -245,6 +261,12 @@ def _finite(values: dict[str, float]) -> bool:
 def record_pending(rec: Recording) -> None:
     """Record the steps waiting, oldest first: each one's "step" rules, its row in the
     store, its alerts and their actions (which may checkpoint, and so come back here)."""
+    with rec.flight.lock:
+        raise_held(rec)
+        _record_pending(rec)
+
+
+def _record_pending(rec: Recording, hold_alerts: bool = False) -> None:
     pending = rec.flight.pending
     late = []
     for p in pending:  # taken once: an alert's action below may come back here
@@ -253,7 +275,36 @@ def record_pending(rec: Recording) -> None:
             p.late = None
     resolve_late(rec, late)
     while pending:
-        record(rec, pending.popleft())
+        record(rec, pending.popleft(), hold_alerts)
+
+
+def record_if_quiet(rec: Recording) -> bool:
+    """Record the steps waiting for their batch if the loop has ended no step for
+    `QUIET_S` (called from another thread: the system sampler's). Their "step" rules run
+    here; their alerts and actions are the loop's, at its next boundary (`raise_held`).
+    Nothing is done while the loop's thread is recording, nor under torchrun (whose ranks
+    record each step at once). Returns whether it recorded."""
+    fl = rec.flight
+    if (not fl.pending or rec.dist is not None or rec.progress.ended
+            or time.perf_counter() - fl.t_boundary < QUIET_S):
+        return False
+    if not fl.lock.acquire(blocking=False):
+        return False
+    try:
+        if not fl.pending or time.perf_counter() - fl.t_boundary < QUIET_S:
+            return False  # the loop came back meanwhile
+        _record_pending(rec, hold_alerts=True)
+        return True
+    finally:
+        fl.lock.release()
+
+
+def raise_held(rec: Recording) -> None:
+    """On the loop's thread: the alerts of steps a quiet loop had recorded for it."""
+    held = rec.flight.held_alerts
+    if held:
+        alerts, held[:] = list(held), []
+        rec._raise_alerts(alerts)
 
 
 def resolve_late(rec: Recording, steps: list) -> None:
@@ -281,9 +332,10 @@ def derive(rec: Recording, step: int, values: dict[str, float]) -> None:
     add_rates(values, int(samples) if samples else None)
 
 
-def record(rec: Recording, p: Pending) -> None:
+def record(rec: Recording, p: Pending, hold_alerts: bool = False) -> None:
     """One step's record: its derived figures, the "step" rules on its figures (which add
-    the spike score and MFU to them), its row in the store, its alerts."""
+    the spike score and MFU to them), its row in the store, its alerts (`hold_alerts`:
+    kept for the loop's thread to raise)."""
     step, values, alerts = p.step, p.values, p.alerts
     derive(rec, step, values)
     if p.late_nan:
@@ -300,7 +352,10 @@ def record(rec: Recording, p: Pending) -> None:
     else:
         stored = values
     rec.store.put(Scalars(step, stored, p.wall))
-    rec._raise_alerts(alerts)
+    if hold_alerts:
+        rec.flight.held_alerts.extend(alerts)
+    else:
+        rec._raise_alerts(alerts)
     every = rec.spec.log_every
     if every and step % every == 0:
         rec.log.info("step", extra={"step": step, "data": {
@@ -326,10 +381,11 @@ def record_step(rec: Recording, host: dict[str, float], names: list[str],
 def flush_deferred(rec: Recording) -> None:
     """Record every step taken so far: read the copies under way (waiting for them: a
     sync on a GPU) and record the steps waiting for their batch."""
-    if rec.flight.copies:
-        land(rec, wait=True)
-    if rec.flight.pending:
-        record_pending(rec)
+    with rec.flight.lock:
+        if rec.flight.copies:
+            land(rec, wait=True)
+        if rec.flight.pending or rec.flight.held_alerts:
+            record_pending(rec)
 
 
 def save_reduction(rec: Recording, reduction: str | None) -> None:

@@ -171,6 +171,10 @@ class StepRecorder:
         """Record every step taken so far: see `step_end.flush_deferred`."""
         se.flush_deferred(self)
 
+    def record_if_quiet(self) -> bool:
+        """From another thread: record the steps of a quiet loop (`step_end.record_if_quiet`)."""
+        return se.record_if_quiet(self)
+
     def save_reduction(self, reduction: str | None) -> None:
         se.save_reduction(self, reduction)
 

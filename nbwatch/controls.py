@@ -385,6 +385,12 @@ def chains(scheduler: Any) -> bool:
 _CHAINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def on_metric(scheduler: Any) -> bool:
+    """Whether `scheduler` steps on a metric the loop hands it, at its evals
+    (ReduceLROnPlateau), not once per optimizer step."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
 def steps_taken(scheduler: Any) -> Any:
     """A counter that moves when the scheduler steps (None if it has none)."""
     for attr in ("_step_count", "last_epoch"):

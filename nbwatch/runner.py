@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from . import controls as ctl
 from .checkpoint import rng_state, set_rng_state
 from .evaluation import evaluate
 from .probes.attention import clone_samples
@@ -85,9 +86,12 @@ class Runner:
     def _dry_run(self) -> None:
         """Before step 1, what would otherwise fail only at the first eval or checkpoint:
         `val_fn`, the attention probe on its batch, `sample_fn`, and a checkpoint's state
-        (all but the tensors, serialised to memory). Nothing is recorded, and the RNG is
-        restored after, so training goes exactly as without it."""
+        (all but the tensors, serialised to memory). Nothing is recorded, and the RNG (and
+        a ReduceLROnPlateau that val_fn steps, with the LRs) is restored after, so
+        training goes exactly as without it."""
         spec, rec = self.spec, self.rec
+        plateau = rec.sched.state_dict() if ctl.on_metric(rec.sched) else None
+        lrs = [g["lr"] for g in rec.opt.param_groups]
         if spec.eval_every and spec.probe_batch is None and spec.attention_samples > 0:
             self._pending = self._take()  # step 1's batch: the default probe samples
             spec.probe_batch = clone_samples(self._pending, spec.attention_samples)
@@ -110,6 +114,10 @@ class Runner:
             ) from e
         finally:
             set_rng_state(saved)
+            if plateau is not None:
+                rec.sched.load_state_dict(plateau)
+                for g, lr in zip(rec.opt.param_groups, lrs):
+                    g["lr"] = lr
 
     def _skip(self, most: int) -> None:
         """Throw away up to `most` of the batches a skip asked for: never trained on."""
@@ -273,9 +281,10 @@ class Runner:
             scaler.update()
         else:
             opt.step()
-        if rec.sched is not None and rec.stepped:
+        if rec.sched is not None and rec.stepped and not ctl.on_metric(rec.sched):
             # not after a GradScaler's overflow (no optimizer step); a step nbwatch skips is
-            # skipped on the device, which the host learns later: the schedule moves on
+            # skipped on the device, which the host learns later: the schedule moves on.
+            # ReduceLROnPlateau is stepped by val_fn, with its val loss
             rec.sched.step()
         opt.zero_grad(set_to_none=True)
 

@@ -125,6 +125,29 @@ def test_scale_lr_holds_under_the_schedule(tiny, tmp_path):
     assert ratio.loc[at + 1:].tolist() == pytest.approx([0.5] * (len(df) - at))
 
 
+def test_reduce_lr_on_plateau_is_stepped_by_val_fn_not_the_runner(tiny, tmp_path):
+    """start() steps a scheduler after each optimizer step; ReduceLROnPlateau takes a
+    metric, so val_fn steps it with its val loss (the runner's step() without one used
+    to be refused before the run opened). The dry run's call of val_fn before step 1
+    leaves it as it was."""
+    model, opt, batches = tiny
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+    worse = iter(range(100))
+
+    def val_fn(m):
+        loss = 3.0 + next(worse)  # never better: a cut at each eval but the first
+        sched.step(loss)
+        return {"loss": loss}
+
+    mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "run")
+    mon.start(tiny_step, batches, max_steps=12, val_fn=val_fn, eval_every=4, display=False)
+    mon.wait()
+    lrs = mon.df["lr"]
+    # evals after steps 4, 8 (and 12): the first sets the best, each later one cuts
+    assert lrs.tolist() == pytest.approx([1e-3] * 8 + [5e-4] * 4)
+    assert not mon.events.message.str.contains("LR changed").any()
+
+
 def test_clip_bounds_the_post_clip_norm(tiny, tmp_path):
     mon = monitor(tiny, tmp_path)
     mon.start(slow_step, tiny[2], max_steps=10_000, display=False)

@@ -417,3 +417,39 @@ def test_a_second_with_block_on_an_ended_run_is_refused_before_a_step(tmp_path):
             again.log(loss=loss)
     assert again.step == 5
     assert nbwatch.open_run(tmp_path / "r").df.index.tolist() == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("stepped", ["before log", "after log"])
+def test_reduce_lr_on_plateau_is_the_runs_scheduler_its_cuts_expected(tmp_path, stepped):
+    """ReduceLROnPlateau, stepped with a val loss at the loop's evals (before or after
+    that step's log()): taken as the run's scheduler (it was refused, and left out its
+    cuts each fired lr_change, "not by the scheduler"), its cuts recorded as the LR used
+    and said by no alert, a Cut LR on top of them, its state in the checkpoints."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+    vals = iter([3.0, 3.1, 3.2, 2.0, 2.5, 2.6])  # no better: a cut at each but the 4th
+    used = []
+    with nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False) as mon:
+        for step in range(1, 25):
+            model(torch.randn(8, 4)).square().mean().backward()
+            used.append(opt.param_groups[0]["lr"] * (0.5 if step > 13 else 1.0))
+            opt.step()
+            opt.zero_grad()
+            val = next(vals) if step % 4 == 0 else None
+            if val is not None and stepped == "before log":
+                sched.step(val)
+            mon.log(loss=0.0, **({"val": val} if val is not None else {}))
+            if val is not None and stepped == "after log":
+                sched.step(val)
+            if step == 12:
+                mon.scale_lr(0.5)  # taken at step 13's log(), used from step 14
+    df = mon.df
+    assert df["lr"].tolist() == pytest.approx(used, rel=1e-9)
+    assert df["lr"].nunique() >= 5  # four cuts of its own and ours
+    assert not mon.events.message.str.contains("LR changed").any(), mon.events.message.tolist()
+    ck = torch.load(sorted((tmp_path / "r" / "checkpoints").glob("step_*.pt"))[-1],
+                    weights_only=False)
+    assert ck["scheduler"]["num_bad_epochs"] == sched.num_bad_epochs
+    assert ck["scheduler"]["best"] == 2.0

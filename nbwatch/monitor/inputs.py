@@ -64,11 +64,6 @@ def check_monitor(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler:
             )
         if not callable(getattr(scheduler, "step", None)):
             raise TypeError("scheduler must have a step() method (a torch LR scheduler)")
-        if isinstance(inner, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            raise TypeError(
-                "ReduceLROnPlateau needs a metric at each step; call scheduler.step(val) "
-                "in your val_fn and pass scheduler=None to the Monitor"
-            )
         if not callable(getattr(scheduler, "state_dict", None)):
             warnings.warn(
                 f"scheduler {type(scheduler).__name__} has no state_dict(): checkpoints "

@@ -6,7 +6,8 @@ the current LR) both yield factor × schedule, and the scheduler's own object an
 state_dict stay untouched. A loop without a scheduler nbwatch knows does the same between
 its steps: the factor is off after the optimizer's step and back on at its next pre-hook,
 so whatever the loop does to `g["lr"]` in between (nanoGPT's `g["lr"] = get_lr(it)`, a
-`*= gamma`, a scheduler it did not pass) gets the factor once.
+`*= gamma`, a scheduler it did not pass) gets the factor once. ReduceLROnPlateau, which the
+loop steps at its evals with a metric, is timed as no scheduler, and its cuts are planned.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ class LrFactor:
 
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any,
                  control: ctl.ControlState):
-        self.opt, self.sched, self.control = optimizer, scheduler, control
+        # one that steps on a metric at the loop's evals: its steps are not the optimizer's
+        self.on_metric = scheduler if ctl.on_metric(scheduler) else None
+        self.opt, self.control = optimizer, control
+        self.sched = None if self.on_metric is not None else scheduler
+        # its step count at the last two ends of step: stepped before or after the log() of
+        # an eval's step, its cut shows in the LR of the step after
+        self._metric_ends: list[Any] = [None, None]
         self._sched_count: int | None = None  # the scheduler's step count at the post-hook
         self._sched_at_end: int | None = None  # … and at the last end of step
         self.explained = False  # a control moved the LR: the next step's change is planned
@@ -69,6 +76,8 @@ class LrFactor:
         """The step's end: the scheduler's count, to tell whether it stepped by the next."""
         if self.sched is not None:
             self._sched_at_end = ctl.steps_taken(self.sched)
+        if self.on_metric is not None:
+            self._metric_ends = [self._metric_ends[1], ctl.steps_taken(self.on_metric)]
 
     def planned(self) -> bool:
         """The LR of the step just ended moved as planned: the scheduler stepped since the
@@ -78,6 +87,8 @@ class LrFactor:
 
     def scheduler_moved(self) -> bool:
         """The scheduler stepped since the last end of step (or cannot tell: no counter)."""
+        if self.on_metric is not None:
+            return ctl.steps_taken(self.on_metric) != self._metric_ends[0]
         if self.sched is None:
             return False
         n = ctl.steps_taken(self.sched)

@@ -102,6 +102,23 @@ def test_recorded_figures_equal_the_trainers_own_log(tmp_path):
         capture_output=True, text=True, cwd=ROOT).stdout  # import nbwatch stays light
 
 
+def test_the_trainers_reduce_lr_on_plateau_is_the_runs_scheduler(tmp_path):
+    """`lr_scheduler_type="reduce_lr_on_plateau"`: the Trainer steps it at its evals, with
+    the eval loss. Its cuts are the run's own (each used to fire lr_change, "not by the
+    scheduler"), and the LR recorded is the Trainer's."""
+    trainer = make_trainer(tmp_path / "out", max_steps=40, learning_rate=1e-2, warmup_steps=0,
+                           lr_scheduler_type="reduce_lr_on_plateau",
+                           lr_scheduler_kwargs={"patience": 0, "factor": 0.5, "threshold": 10})
+    run = nbwatch.hf.start(trainer, run_dir=tmp_path / "run", display=False)
+    run.wait()
+    assert run.state == "finished", run.error
+    lr = run.df["lr"]
+    assert lr.nunique() >= 3, lr.drop_duplicates()  # no eval beats the best by 10×: cuts
+    for step, v in trainer_log(trainer, "learning_rate").items():
+        assert lr[step] == pytest.approx(v, rel=1e-9), step
+    assert not run.events.message.str.contains("LR changed").any(), run.events.message
+
+
 def test_pause_cut_lr_checkpoint_stop_through_the_trainer(tmp_path):
     out = tmp_path / "out"
     trainer = make_trainer(out, max_steps=10_000, delay=0.02, eval_steps=10_000)

@@ -106,9 +106,8 @@ class NbwatchCallback(Adapter, TrainerCallback):
         self.trainer = trainer
         opt = unwrap(optimizer, "optimizer")
         sched = unwrap(lr_scheduler, "scheduler")
-        if not callable(getattr(sched, "step", None)) or isinstance(
-                sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            sched = None
+        if not callable(getattr(sched, "step", None)):
+            sched = None  # (ReduceLROnPlateau, stepped at the Trainer's evals, is kept)
         scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)
         kwargs = {"display": False, "probe_fn": probe_forward, **self.monitor_kwargs}
         config = {"trainer": args.to_sanitized_dict(), **self.config}

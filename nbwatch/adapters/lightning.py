@@ -29,6 +29,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 import torch
 
+from .. import controls as ctl
 from ..evaluation import GuessedForward, batch_call, describe_call
 from ..monitor import Monitor
 from ..probes.attention import take_samples
@@ -68,10 +69,10 @@ class NbwatchCallback(Adapter, pl.Callback):
                 "nbwatch.lightning measures and steers one optimizer; this module configures "
                 f"{len(trainer.optimizers)}: put their parameter groups in one optimizer")
         opt = trainer.optimizers[0]
-        sched = None
+        sched = None  # one stepped with the optimizer, else a ReduceLROnPlateau
         for cfg in trainer.lr_scheduler_configs:
             s = cfg.scheduler
-            if not isinstance(s, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            if sched is None or ctl.on_metric(sched):
                 sched = s
         hparams = dict(pl_module.hparams) if getattr(pl_module, "hparams", None) else {}
         config = {"hparams": hparams, "max_steps": trainer.max_steps,

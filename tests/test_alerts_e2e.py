@@ -112,9 +112,11 @@ def test_lr_spike_explosion_rule_clips_and_the_run_recovers(tmp_path):
     peak = df.loc[150:, "loss/train"].max()
     end = df["loss/train"].iloc[-20:].mean()
     print(f"pre-spike loss {pre:.3f}, peak {peak:.1f}, last 20 steps {end:.3f}")
-    # back within 2% of the spike's excursion, and still falling
+    # back within 2% of the spike's excursion, and well below where it stood after it (how
+    # it falls in between is the machine's float trajectory, and the order's: a GPU's
+    # clips a step later)
     assert math.isfinite(end) and end < pre + 0.02 * (peak - pre)
-    assert df["loss/train"].iloc[-20:].mean() < df["loss/train"].iloc[-70:-50].mean()
+    assert end < 0.5 * df.loc[at:at + 50, "loss/train"].mean()
     # the same spike without the rule diverges: that is what the rule bought
     bare = spiked_run(tmp_path, {"grad_explosion": False})
     assert not math.isfinite(bare.df["loss/train"].iloc[-1]) or (

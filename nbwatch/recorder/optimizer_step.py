@@ -208,8 +208,9 @@ def read_grads(rec: Reading, t: Taking, got: dict[str, list[float]]
                ) -> tuple[dict[str, float], list]:
     """The step's gradient figures from its copy, read on the host at a later boundary:
     per-layer norms (the loop's own clips divided out), the clip, the skip, the runner's
-    staged figures, and the "grads" rules on them (a clip they ask for lowers the limit
-    from the next step; their alerts are raised with the step's record)."""
+    staged figures, and the "grads" rules on them (a clip they ask for, `lasting_clip`,
+    lowers the limit from the next step; their alerts are raised with the step's
+    record)."""
     values = dict(t.host)
     values.update(zip(t.staged, got.get("staged", ())))
     flags = got.get("flags")
@@ -244,12 +245,23 @@ def read_grads(rec: Reading, t: Taking, got: dict[str, list[float]]
         values["skipped"] = 1.0
     alerts = rec.engine.observe("grads", t.step, values, limits=t.limits,
                                 **({"skip": "zeroed"} if t.zeroing else {}))
-    for a in alerts:
-        if "clip" in a.rule.actions and not skipped:
-            limit = float(a.rule.params.get("max_norm", 1.0))
-            if rec.control.clip is None or rec.control.clip > limit:
-                rec.control.clip = limit
     return values, alerts
+
+
+def lasting_clip(alerts: list, values: dict[str, float]) -> float | None:
+    """The clip the "grads" rules' alerts of a step ask for from the next step on (the
+    smallest max_norm; none for a skipped step), to lower the Clip control's to."""
+    if "skipped" in values:
+        return None
+    limits = [float(a.rule.params.get("max_norm", 1.0)) for a in alerts
+              if "clip" in a.rule.actions]
+    return min(limits) if limits else None
+
+
+def lower_clip(control: ControlState, limit: float | None) -> None:
+    """The Clip control's limit lowered to `limit` (a rule's lasting clip)."""
+    if limit is not None and (control.clip is None or control.clip > limit):
+        control.clip = limit
 
 
 @counted

@@ -120,6 +120,7 @@ class InFlight:
     # sampler's thread while it records the steps of a quiet loop (step_end.record_if_quiet)
     lock: threading.RLock = field(default_factory=threading.RLock)
     held_alerts: list = field(default_factory=list)  # raised at the loop's next boundary
+    held_clips: list[float] = field(default_factory=list)  # and these clips applied
 
 
 @dataclass

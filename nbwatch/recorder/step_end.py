@@ -7,15 +7,16 @@ the step's device figures leave in one copy, read at the next step's end (host_c
                       device on a histogram step) · step N - 1's copy read (`land`)
     its read          its gradient figures · its record, batched ("step" rules, the
                       `Scalars` row) · its histograms ("hist" rules)
-    a quiet loop      the steps waiting for their batch recorded from the system
-                      sampler's thread (`record_if_quiet`), their alerts raised by the
-                      loop at its next step
+    a quiet loop      the steps waiting for their batch, and those whose copy landed,
+                      recorded from the system sampler's thread (`record_if_quiet`),
+                      their alerts raised by the loop at its next step's end
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -35,7 +36,7 @@ from . import host_copy
 from .batches import BatchIds
 from .host_copy import HostCopy, to_numpy
 from .lr_factor import LrFactor
-from .optimizer_step import read_grads
+from .optimizer_step import lasting_clip, lower_clip, read_grads
 from .own_time import OwnTime, counted
 from .spec import SMOOTHING, Progress, RunSpec
 from .state import InFlight, Landing, Pending, RankMeeting
@@ -57,6 +58,7 @@ RECORD_EVERY_S = 0.5
 # batch, a hang): the steps waiting are recorded from the system sampler's thread, so that
 # readers see them and a kill does not lose them (`record_if_quiet`).
 QUIET_S = 0.5
+_SAMPLER = threading.local()  # `.quiet`: this thread records a quiet loop's steps
 
 # A step's figures are read at the next boundary (host_copy.py): on an accelerator the
 # copy lands while the next step runs, and a host more than a step ahead waits there
@@ -176,15 +178,21 @@ def land(rec: Recording, wait: bool = False) -> None:
     step N + 1, so that what is decided from them (a clip limit) is the same on every
     rank."""
     copies = rec.flight.copies
-    while copies and (wait or len(copies) > 1):
+    quiet = _quiet()  # a quiet loop's: the copies landed already, the newest too
+    while copies and (copies[0].copy.ready() if quiet else (wait or len(copies) > 1)):
         if rec.flight.pending and rec.engine.short_history():
             record_pending(rec)  # the "grads" rules' first steps see every step before
         one = copies.popleft()
-        got = one.copy.read(rec.own)
+        got = one.copy.read(None if quiet else rec.own)
         values, alerts = one.values, []  # type: tuple[dict[str, float], list]
         if one.taking is not None:
             grads, alerts = read_grads(rec, one.taking, got)
             values = {**grads, **values}
+            limit = lasting_clip(alerts, grads)
+            if not quiet:
+                lower_clip(rec.control, limit)
+            elif limit is not None:  # the loop's, at its next step's end: where it comes
+                rec.flight.held_clips.append(limit)
             if "ratios" in got and "skipped" not in values:
                 taken = one.taking.layers
                 names = (rec.ratio_names if taken is None or taken is rec.layers
@@ -225,7 +233,7 @@ def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
         values.pop("grad_norm/global", None)
     # this step's watching, up to its end, and its row's wall time at the same instant: a
     # pause between the two would count in one step's watching and the other's wall
-    own, waited, wall = clock or step_clock(rec)
+    own, waited, wall = clock or ((0.0, 0.0, time.time()) if _quiet() else step_clock(rec))
     values["time/nbwatch"] = own
     if waited:
         values["time/device_wait"] = waited
@@ -257,11 +265,13 @@ def _finite(values: dict[str, float]) -> bool:
         return all(math.isfinite(v) for v in values.values() if isinstance(v, (int, float)))
 
 
-@counted
 def record_pending(rec: Recording) -> None:
     """Record the steps waiting, oldest first: each one's "step" rules, its row in the
     store, its alerts and their actions (which may checkpoint, and so come back here)."""
-    with rec.flight.lock:
+    if _quiet():  # the sampler's thread: the alerts are the loop's to raise
+        _record_pending(rec, hold_alerts=True)
+        return
+    with rec.own, rec.flight.lock:
         raise_held(rec)
         _record_pending(rec)
 
@@ -279,31 +289,56 @@ def _record_pending(rec: Recording, hold_alerts: bool = False) -> None:
 
 
 def record_if_quiet(rec: Recording) -> bool:
-    """Record the steps waiting for their batch if the loop has ended no step for
-    `QUIET_S` (called from another thread: the system sampler's). Their "step" rules run
-    here; their alerts and actions are the loop's, at its next boundary (`raise_held`).
-    Nothing is done while the loop's thread is recording, nor under torchrun (whose ranks
-    record each step at once). Returns whether it recorded."""
+    """Record the steps a loop that has ended no step for `QUIET_S` left waiting: those
+    waiting for their batch, and on an accelerator those whose copy has landed, the newest
+    too (a long step: its row came only at the next step's end). Called from another
+    thread (the system sampler's): the rules run here, without a wait for the device;
+    their alerts and actions are the loop's, at its next step's end (`raise_held`, where
+    they would have come). Nothing is done while the loop's thread is recording, nor under
+    torchrun (whose ranks meet on each step at its end). Returns whether it recorded."""
     fl = rec.flight
-    if (not fl.pending or rec.dist is not None or rec.progress.ended
+    if (rec.dist is not None or rec.progress.ended or not _waiting(fl)
             or time.perf_counter() - fl.t_boundary < QUIET_S):
         return False
     if not fl.lock.acquire(blocking=False):
         return False
+    _SAMPLER.quiet = True
     try:
-        if not fl.pending or time.perf_counter() - fl.t_boundary < QUIET_S:
+        if not _waiting(fl) or time.perf_counter() - fl.t_boundary < QUIET_S:
             return False  # the loop came back meanwhile
+        land(rec)
         _record_pending(rec, hold_alerts=True)
         return True
     finally:
+        _SAMPLER.quiet = False
         fl.lock.release()
 
 
+def _waiting(fl: InFlight) -> bool:
+    return bool(fl.pending) or bool(fl.copies and fl.copies[0].copy.ready())
+
+
+def _quiet() -> bool:
+    """On the sampler's thread, recording a quiet loop's steps (`record_if_quiet`)."""
+    return getattr(_SAMPLER, "quiet", False)
+
+
+def _raise(rec: Recording, alerts: list) -> None:
+    if _quiet():
+        rec.flight.held_alerts.extend(alerts)
+    else:
+        rec._raise_alerts(alerts)
+
+
 def raise_held(rec: Recording) -> None:
-    """On the loop's thread: the alerts of steps a quiet loop had recorded for it."""
-    held = rec.flight.held_alerts
-    if held:
-        alerts, held[:] = list(held), []
+    """On the loop's thread: the lasting clips and the alerts of the steps a quiet loop had
+    recorded for it."""
+    fl = rec.flight
+    for limit in fl.held_clips:
+        lower_clip(rec.control, limit)
+    fl.held_clips.clear()
+    if fl.held_alerts:
+        alerts, fl.held_alerts[:] = list(fl.held_alerts), []
         rec._raise_alerts(alerts)
 
 
@@ -429,7 +464,7 @@ def record_histograms(rec: Recording, step: int, layers: Layers,
     for i, name in enumerate(layers.names):
         rec.store.put(Histogram(step, f"weight/{name}", e_np[i], c_np[i]))
     stds = {name: weight_std(e_np[i], c_np[i]) for i, name in enumerate(layers.names)}
-    rec._raise_alerts(rec.engine.observe("hist", step, weight_std=stds))
+    _raise(rec, rec.engine.observe("hist", step, weight_std=stds))
     fl = rec.flight
     seq = [t for s, t in fl.seq_lens if s <= step]
     fl.seq_lens[:] = [(s, t) for s, t in fl.seq_lens if s > step]

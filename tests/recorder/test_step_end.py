@@ -59,3 +59,31 @@ def test_a_quiet_loops_steps_reach_the_store_and_their_alerts_the_loop(
     events = nbwatch.open_run(run).events
     spikes = events[events.message.str.contains("spiked")]
     assert spikes.step.tolist() == [22]
+
+
+def test_a_long_steps_row_reaches_the_store_during_the_next_step_in_a_gpus_order(
+        tmp_path, monkeypatch):
+    """On an accelerator a step's figures are read at the next step's end: with long steps
+    (a big model) the folder showed the step before the latest, and a kill lost the last.
+    The copy lands while the next step runs, and the sampler's thread records it then; the
+    loop still reads nothing on its step path."""
+    monkeypatch.setattr(host_copy, "DEFER_ON_CPU", True)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    run = tmp_path / "r"
+    seen: list[int] = []
+    with nbwatch.Monitor(model, opt, run_dir=run, display=False, system_interval=0.2) as mon:
+        for step in range(1, 7):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            if step == 6:  # a long step: its predecessor's row arrives meanwhile
+                reader = RunReader(run)
+                until(lambda r=reader: r.last_step() >= 5, 10, "step 5 in the store")
+                seen.append(reader.last_step())
+                reader.close()
+            opt.step()
+            opt.zero_grad()
+            mon.log(loss=loss)
+    assert seen == [5]
+    assert nbwatch.open_run(run).df.index.tolist() == list(range(1, 7))

@@ -315,7 +315,11 @@ def record_if_quiet(rec: Recording) -> bool:
 
 
 def _waiting(fl: InFlight) -> bool:
-    return bool(fl.pending) or bool(fl.copies and fl.copies[0].copy.ready())
+    """Steps wait for their record (asked without the lock: the loop may take them now)."""
+    try:
+        return bool(fl.pending) or bool(fl.copies and fl.copies[0].copy.ready())
+    except IndexError:  # the loop took the last one meanwhile
+        return False
 
 
 def _quiet() -> bool:

@@ -120,9 +120,10 @@ class StepRecorder:
         if new is None:
             return
         said = describe(step, self.layers, new, len(self.opt.param_groups))
-        self.layers = new
-        self.grad_names, self.ratio_names = grad_names(new), ratio_names(new)
-        self.own_clips.relayer(new)
+        with self.flight.lock:  # the sampler's thread may be reading a step's names now
+            self.layers = new
+            self.grad_names, self.ratio_names = grad_names(new), ratio_names(new)
+            self.own_clips.relayer(new)
         self.train_logits.rehook()  # the output layer may be a new module
         self._emit(Event(step, "probe", "warning", said,
                          {"layers": list(new.names), "tensors": len(new.params)}))

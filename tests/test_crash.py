@@ -288,6 +288,23 @@ TERMINATED = textwrap.dedent("""
 """)
 
 
+def sigterm_at(run: Path, how: str, logged: Path, step: int) -> tuple[int, str, str]:
+    """Run TERMINATED `how`, send it SIGTERM once `step` is in its folder: its exit
+    status, stdout and stderr."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", TERMINATED, str(run), how, str(logged)],
+                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": root})
+    try:
+        until(lambda: reached(run, proc, step), 90, f"the subprocess to reach step {step}",
+              poll=0.1)
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return proc.returncode, out, err
+
+
 @pytest.mark.parametrize("how", ["own loop", "own loop, no with", "start"])
 def test_sigterm_stops_a_scripts_run_with_every_step_and_a_checkpoint(tmp_path, how):
     """`kill`, a scheduler's preemption or time limit, `docker stop`: a script's SIGTERM
@@ -296,17 +313,8 @@ def test_sigterm_stops_a_scripts_run_with_every_step_and_a_checkpoint(tmp_path, 
     step the loop logged recorded, a stop checkpoint that resumes; the process exits 143
     as the signal asks, without running on past the loop."""
     run, logged = tmp_path / "run", tmp_path / "logged.txt"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, "-c", TERMINATED, str(run), how, str(logged)],
-                            cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": root})
-    try:
-        until(lambda: reached(run, proc, 20), 90, "the subprocess to reach step 20", poll=0.1)
-        os.kill(proc.pid, signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    code, out, err = sigterm_at(run, how, logged, 20)
+    assert code == 128 + signal.SIGTERM, err
     # (a DataLoader's resource sharer may print its own reset connection as the worker goes)
     assert "the script went on" not in out and "nbwatch/" not in err, err
     assert "terminated by SIGTERM at step" in err, err
@@ -324,18 +332,8 @@ def test_a_scripts_own_sigterm_handler_is_left_as_it_is(tmp_path):
     """A script that handles SIGTERM itself (to end its loop its own way) keeps its
     handler: the loop ends as it decides, the run `finished`, the script goes on."""
     run, logged = tmp_path / "run", tmp_path / "logged.txt"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, "-c", TERMINATED, str(run), "own handler",
-                             str(logged)], cwd=root, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": root})
-    try:
-        until(lambda: reached(run, proc, 10), 90, "the subprocess to reach step 10", poll=0.1)
-        os.kill(proc.pid, signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, err
+    code, out, err = sigterm_at(run, "own handler", logged, 10)
+    assert code == 0, err
     assert "the script went on" in out and "SIGTERM" not in err, err
     r = nbwatch.open_run(run)
     assert r.state == "finished" and int(logged.read_text().split()[-1]) == r.step

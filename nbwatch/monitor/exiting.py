@@ -31,6 +31,7 @@ from ..ownership import forked_from
 from ..records import Event
 from ..store import RunStore
 from .background import TrainingThread
+from .ending import record_stop_reason
 from .session import RunSession
 
 
@@ -104,7 +105,7 @@ class ProcessExit:
                 "the kernel shut down" if kernel else "the program exited")
         run = self._session
         why = self.terminated or f"{what.removeprefix('the ')} at step {run.step}"
-        run.record_ending(why)
+        record_stop_reason(run.store, run.setup.rank, run.step, why)
         with contextlib.suppress(RuntimeError):  # it ended a moment ago
             self._send("stop", source="exit")
         deadline = time.monotonic() + exit_budget()

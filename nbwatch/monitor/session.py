@@ -30,10 +30,11 @@ from ..panels.baseline import allow as allow_baselines
 from ..probes.system import SystemSampler, close_nvml, gpu_names, open_nvml
 from ..probes.throughput import Mfu, peak_flops
 from ..recorder import Progress, RunSpec, StepRecorder, StopTraining
-from ..records import Command, CommandKind, Event, SystemSample
+from ..records import Command, CommandKind, SystemSample
 from ..run import Run
 from ..sharded_checkpoint import ShardedCheckpointer
 from ..store import RunStore, StoreFailed, check_no_writer, is_run_dir
+from .ending import finish, record_stop_reason
 from .optimizer_hooks import OptimizerWatch
 from .options import NOT_GIVEN, Options
 from .setup import Setup
@@ -372,12 +373,12 @@ class RunSession:
                 pass
             elif exc is None or isinstance(exc, StopTraining) or clean_exit:
                 rec.take_final_stop()  # a stop the loop saw before log() took it
-                _finish(rec, "stopped" if rec.stopping else "finished")
+                finish(rec, "stopped" if rec.stopping else "finished")
             elif isinstance(exc, KeyboardInterrupt):
-                _finish(rec, "stopped")  # the user's Ctrl-C: a stop, not a crash
+                finish(rec, "stopped")  # the user's Ctrl-C: a stop, not a crash
             elif isinstance(exc, Terminated):  # a SIGTERM: said first, before the checkpoint
-                self.record_ending(exc.why)
-                _finish(rec, "stopped")
+                record_stop_reason(self.store, self.setup.rank, self.step, exc.why)
+                finish(rec, "stopped")
             else:
                 rec.fail(exc)
             rec.store.flush()
@@ -390,19 +391,6 @@ class RunSession:
             log.error("ending the run %s failed: %s", self.setup.name, e)
         finally:
             self.close_run()
-
-    def record_ending(self, why: str) -> None:
-        """Say now, before the stop is taken, why the run ends and that it is stopped: the
-        process may be killed before the run gets to record it."""
-        store = self.store
-        if store is None or self.setup.rank != 0:
-            return
-        with contextlib.suppress(Exception):  # a dead store: the stop still goes ahead
-            store.set_meta("stopped_by", why)
-            store.set_meta("state", "stopped")
-            store.put(Event(self.step, "state", "warning", f"{why}: the run stops there",
-                            {"state": "stopped", "reason": why}))
-            store.flush(timeout=0.5)
 
     def open_store(self, start_step: int, max_steps: int | None,
                    run: dict[str, Any]) -> RunStore:
@@ -455,12 +443,3 @@ class RunSession:
             except Exception as e:  # a dead store: the loop's next step raises it
                 log.warning("recording the steps of a quiet loop failed: %s", e)
 
-
-def _finish(rec: StepRecorder, outcome: str) -> None:
-    """`rec.finish(outcome)`; Ctrl-C pressed a second time while it runs (`finish_first`)
-    abandons its final checkpoint, and the run ends a stop all the same."""
-    try:
-        rec.finish(outcome)
-    except KeyboardInterrupt:
-        rec.abandon_end()
-        raise

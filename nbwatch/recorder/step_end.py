@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -38,6 +37,7 @@ from .host_copy import HostCopy, to_numpy
 from .lr_factor import LrFactor
 from .optimizer_step import lasting_clip, lower_clip, read_grads
 from .own_time import OwnTime, counted
+from .quiet import on_sampler, on_sampler_thread, raise_held, raise_or_hold, waiting
 from .spec import SMOOTHING, Progress, RunSpec
 from .state import InFlight, Landing, Pending, RankMeeting
 
@@ -58,7 +58,6 @@ RECORD_EVERY_S = 0.5
 # batch, a hang): the steps waiting are recorded from the system sampler's thread, so that
 # readers see them and a kill does not lose them (`record_if_quiet`).
 QUIET_S = 0.5
-_SAMPLER = threading.local()  # `.quiet`: this thread records a quiet loop's steps
 
 # A step's figures are read at the next boundary (host_copy.py): on an accelerator the
 # copy lands while the next step runs, and a host more than a step ahead waits there
@@ -178,7 +177,7 @@ def land(rec: Recording, wait: bool = False) -> None:
     step N + 1, so that what is decided from them (a clip limit) is the same on every
     rank."""
     copies = rec.flight.copies
-    quiet = _quiet()  # a quiet loop's: the copies landed already, the newest too
+    quiet = on_sampler_thread()  # a quiet loop's: the copies landed already, the newest too
     while copies and (copies[0].copy.ready() if quiet else (wait or len(copies) > 1)):
         if rec.flight.pending and rec.engine.short_history():
             record_pending(rec)  # the "grads" rules' first steps see every step before
@@ -233,7 +232,9 @@ def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
         values.pop("grad_norm/global", None)
     # this step's watching, up to its end, and its row's wall time at the same instant: a
     # pause between the two would count in one step's watching and the other's wall
-    own, waited, wall = clock or ((0.0, 0.0, time.time()) if _quiet() else step_clock(rec))
+    if clock is None:  # (the sampler's thread has no watching of the loop's to take)
+        clock = (0.0, 0.0, time.time()) if on_sampler_thread() else step_clock(rec)
+    own, waited, wall = clock
     values["time/nbwatch"] = own
     if waited:
         values["time/device_wait"] = waited
@@ -268,15 +269,15 @@ def _finite(values: dict[str, float]) -> bool:
 def record_pending(rec: Recording) -> None:
     """Record the steps waiting, oldest first: each one's "step" rules, its row in the
     store, its alerts and their actions (which may checkpoint, and so come back here)."""
-    if _quiet():  # the sampler's thread: the alerts are the loop's to raise
-        _record_pending(rec, hold_alerts=True)
+    if on_sampler_thread():  # the sampler's thread: the alerts are the loop's to raise
+        _record_pending(rec)
         return
     with rec.own, rec.flight.lock:
         raise_held(rec)
         _record_pending(rec)
 
 
-def _record_pending(rec: Recording, hold_alerts: bool = False) -> None:
+def _record_pending(rec: Recording) -> None:
     pending = rec.flight.pending
     late = []
     for p in pending:  # taken once: an alert's action below may come back here
@@ -285,7 +286,7 @@ def _record_pending(rec: Recording, hold_alerts: bool = False) -> None:
             p.late = None
     resolve_late(rec, late)
     while pending:
-        record(rec, pending.popleft(), hold_alerts)
+        record(rec, pending.popleft())
 
 
 def record_if_quiet(rec: Recording) -> bool:
@@ -297,53 +298,21 @@ def record_if_quiet(rec: Recording) -> bool:
     they would have come). Nothing is done while the loop's thread is recording, nor under
     torchrun (whose ranks meet on each step at its end). Returns whether it recorded."""
     fl = rec.flight
-    if (rec.dist is not None or rec.progress.ended or not _waiting(fl)
+    if (rec.dist is not None or rec.progress.ended or not waiting(fl)
             or time.perf_counter() - fl.t_boundary < QUIET_S):
         return False
     if not fl.lock.acquire(blocking=False):
         return False
-    _SAMPLER.quiet = True
+    on_sampler(True)
     try:
-        if not _waiting(fl) or time.perf_counter() - fl.t_boundary < QUIET_S:
+        if not waiting(fl) or time.perf_counter() - fl.t_boundary < QUIET_S:
             return False  # the loop came back meanwhile
         land(rec)
-        _record_pending(rec, hold_alerts=True)
+        _record_pending(rec)
         return True
     finally:
-        _SAMPLER.quiet = False
+        on_sampler(False)
         fl.lock.release()
-
-
-def _waiting(fl: InFlight) -> bool:
-    """Steps wait for their record (asked without the lock: the loop may take them now)."""
-    try:
-        return bool(fl.pending) or bool(fl.copies and fl.copies[0].copy.ready())
-    except IndexError:  # the loop took the last one meanwhile
-        return False
-
-
-def _quiet() -> bool:
-    """On the sampler's thread, recording a quiet loop's steps (`record_if_quiet`)."""
-    return getattr(_SAMPLER, "quiet", False)
-
-
-def _raise(rec: Recording, alerts: list) -> None:
-    if _quiet():
-        rec.flight.held_alerts.extend(alerts)
-    else:
-        rec._raise_alerts(alerts)
-
-
-def raise_held(rec: Recording) -> None:
-    """On the loop's thread: the lasting clips and the alerts of the steps a quiet loop had
-    recorded for it."""
-    fl = rec.flight
-    for limit in fl.held_clips:
-        lower_clip(rec.control, limit)
-    fl.held_clips.clear()
-    if fl.held_alerts:
-        alerts, fl.held_alerts[:] = list(fl.held_alerts), []
-        rec._raise_alerts(alerts)
 
 
 def resolve_late(rec: Recording, steps: list) -> None:
@@ -371,10 +340,9 @@ def derive(rec: Recording, step: int, values: dict[str, float]) -> None:
     add_rates(values, int(samples) if samples else None)
 
 
-def record(rec: Recording, p: Pending, hold_alerts: bool = False) -> None:
+def record(rec: Recording, p: Pending) -> None:
     """One step's record: its derived figures, the "step" rules on its figures (which add
-    the spike score and MFU to them), its row in the store, its alerts (`hold_alerts`:
-    kept for the loop's thread to raise)."""
+    the spike score and MFU to them), its row in the store, its alerts."""
     step, values, alerts = p.step, p.values, p.alerts
     derive(rec, step, values)
     if p.late_nan:
@@ -391,10 +359,7 @@ def record(rec: Recording, p: Pending, hold_alerts: bool = False) -> None:
     else:
         stored = values
     rec.store.put(Scalars(step, stored, p.wall))
-    if hold_alerts:
-        rec.flight.held_alerts.extend(alerts)
-    else:
-        rec._raise_alerts(alerts)
+    raise_or_hold(rec, alerts)
     every = rec.spec.log_every
     if every and step % every == 0:
         rec.log.info("step", extra={"step": step, "data": {
@@ -468,7 +433,7 @@ def record_histograms(rec: Recording, step: int, layers: Layers,
     for i, name in enumerate(layers.names):
         rec.store.put(Histogram(step, f"weight/{name}", e_np[i], c_np[i]))
     stds = {name: weight_std(e_np[i], c_np[i]) for i, name in enumerate(layers.names)}
-    _raise(rec, rec.engine.observe("hist", step, weight_std=stds))
+    raise_or_hold(rec, rec.engine.observe("hist", step, weight_std=stds))
     fl = rec.flight
     seq = [t for s, t in fl.seq_lens if s <= step]
     fl.seq_lens[:] = [(s, t) for s, t in fl.seq_lens if s > step]

@@ -1,0 +1,35 @@
+"""The end of a loop's run as the process or the user ends it: the reason said before the
+stop is taken, and the final record that a second Ctrl-C may cut short."""
+
+from __future__ import annotations
+
+import contextlib
+
+from ..distributed import NullStore
+from ..recorder import StepRecorder
+from ..records import Event
+from ..store import RunStore
+
+
+def record_stop_reason(store: RunStore | NullStore | None, rank: int, step: int,
+                       why: str) -> None:
+    """Say now, before the stop is taken, why the run ends and that it is stopped: the
+    process may be killed before the run gets to record it (rank 0's store only)."""
+    if store is None or rank != 0:
+        return
+    with contextlib.suppress(Exception):  # a dead store: the stop still goes ahead
+        store.set_meta("stopped_by", why)
+        store.set_meta("state", "stopped")
+        store.put(Event(step, "state", "warning", f"{why}: the run stops there",
+                        {"state": "stopped", "reason": why}))
+        store.flush(timeout=0.5)
+
+
+def finish(rec: StepRecorder, outcome: str) -> None:
+    """`rec.finish(outcome)`; Ctrl-C pressed a second time while it runs (`finish_first`)
+    abandons its final checkpoint, and the run ends a stop all the same."""
+    try:
+        rec.finish(outcome)
+    except KeyboardInterrupt:
+        rec.abandon_end()
+        raise

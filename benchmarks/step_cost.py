@@ -9,12 +9,14 @@ Variants run interleaved in one process, several rounds each:
   start       `mon.start(step_fn, ...)`: nbwatch's own loop
 
     python benchmarks/step_cost.py [--steps 3000] [--rounds 5] [--profile] [--tensors 148]
-                                   [--gpu-order] [--clip 1.0]
+                                   [--gpu-order] [--clip 1.0] [--acting]
 
 `--gpu-order` runs a GPU's step path on the CPU (every decision on tensors, the figures
 copied at the step's end and read at a later boundary): on a CPU each of its small ops
 costs about what a kernel launch costs a GPU's host, so its own time is the host work a
 GPU's step pays. `--clip` turns the clip on (its coefficient is computed on the device).
+`--acting` adds the variant `log acting`: `log` with a "step" rule given an action
+(`plateau` pauses), whose run records each step at its read rather than in batches.
 
 Prints, per variant, the steady µs a step and what it adds over bare (and how much of
 that is nbwatch's own time on the training thread, `time/nbwatch`: the rest is torch's
@@ -96,13 +98,17 @@ def _timing(run_dir: Path, warm: int, n: int, t0: float, t1: float) -> Timing:
     return Timing(steady, (t1 - t0) / (warm + n), walls.iloc[0] - t0, t1 - walls.iloc[-1], own)
 
 
-def log_foreground(n: int, root: Path, warm: int = 50) -> Timing:
+def log_foreground(n: int, root: Path, warm: int = 50, **kw) -> Timing:
     model, opt, x, y = make()
     run_dir = root / f"log{time.monotonic_ns()}"
     t0 = time.time()
-    with nbwatch.Monitor(model, opt, run_dir=run_dir, display=False, **KW) as mon:
+    with nbwatch.Monitor(model, opt, run_dir=run_dir, display=False, **KW, **kw) as mon:
         loop(model, opt, x, y, warm + n, mon)
     return _timing(run_dir, warm, n, t0, time.time())
+
+
+def log_acting(n: int, root: Path) -> Timing:
+    return log_foreground(n, root, alerts={"plateau": {"actions": ["pause"]}})
 
 
 def log_thread(n: int, root: Path, warm: int = 50) -> Timing:
@@ -136,6 +142,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--gpu-order", action="store_true")
     ap.add_argument("--clip", type=float, default=None)
+    ap.add_argument("--acting", action="store_true")
     ap.add_argument("--tensors", type=int, default=0,
                     help="a model of this many parameter tensors (8 x 8 Linear layers, "
                          "GPT-2 124M has 148): what nbwatch does per tensor")
@@ -146,6 +153,8 @@ def main() -> None:
         KW["clip"] = args.clip
     torch.set_num_threads(1)
     variants = {"bare": bare_timing, "log": log_foreground, "run": log_thread, "start": start}
+    if args.acting:
+        variants["log acting"] = log_acting
     results: dict[str, list[Timing]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -19,7 +19,7 @@ import torch
 
 import nbwatch
 from nbwatch.demo import TinyGPT
-from nbwatch.store import RunInUse, StoreFailed
+from nbwatch.store import RunInUse, RunReader, StoreFailed
 from tests.conftest import make_batches, tiny_step, until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,7 +206,9 @@ def test_a_run_folder_renamed_mid_run_says_where_it_went_and_reads_failed_there(
     mon = nbwatch.Monitor(model, opt, run_dir=run)
     mon.start(lambda m, b: (time.sleep(0.01), tiny_step(m, b))[1], make_batches(),
               max_steps=10_000, display=False)
-    until(lambda: mon.step >= 5)
+    reader = RunReader(run)
+    until(lambda: reader.last_step() >= 5, 30, "step 5 in the store")  # (rows come in batches)
+    reader.close()
     run.rename(moved)
     with pytest.raises(StoreFailed, match=f"run folder {run} was moved to {moved}"):
         mon.wait(timeout=60)

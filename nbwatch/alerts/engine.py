@@ -34,6 +34,8 @@ from .rules import (  # noqa: F401  (their home; re-exported)
 from .signals import USED_LIMIT, _nonfinite, default_rules, straggler  # noqa: F401
 from .spike_score import SCORE, SpikeScore
 
+NORM = "grad_norm/global"  # what a norm limit reads (AlertEngine.norms)
+
 
 def configure(rules: list[Rule], overrides: Mapping[str, Any] | None) -> list[Rule]:
     """Apply `{rule: False | {setting: value, "actions": [...], "severity": ...}}`; every
@@ -183,38 +185,37 @@ class AlertEngine:
         self._limits: tuple[int, dict[str, tuple[float, float]]] = (-1, {})
         # as long as the longest look-back a rule was given (at most rules.MAX_HISTORY)
         self.window = Window(max([window, *(r.history for r in rules)]))
+        # the global norm of each "grads" observation, in step order: what a norm limit
+        # reads (the steps recorded so far, in batches, would make it depend on timing)
+        self.norms = Window(self.window.size)
+        # a "step" rule that acts: its steps are recorded one at a time (recorder/step_end.py)
+        self.acts_at_step = any(r.actions for r in self._by_phase["step"])
         # "grads" rules that read named figures (nonfinite: the loss): a loop of the user's
         # own reports its loss after the optimizer step, so these see it at "step"
         self._late = [r for r in self._by_phase["grads"] if "keys" in r.params]
         self._late_keys = tuple(dict.fromkeys(k for r in self._late for k in r.params["keys"]))
         self._grads_saw: tuple[int, frozenset[str]] | None = None
-        self._grads_history = max((int(r.params.get("min_history", 0))
-                                   for r in self._by_phase["grads"]), default=0)
         self._active: dict[str, bool] = {}
         self._clear: dict[str, int] = {}
         self._lr_reported: float | None = None
         self._lr_explained = False
         self._weight_start: dict[str, float] = {}
 
-    def short_history(self) -> bool:
-        """Fewer steps observed than a "grads" rule needs before it may fire: until then
-        each step it looks at needs every step before it observed (a batched record would
-        keep its first alert back)."""
-        return self.window.adds < self._grads_history
-
     def norm_limits(self) -> dict[str, tuple[float, float]]:
         """Rule name → (limit, max_norm) of each "grads" rule that clips: a step whose
         global gradient norm is above `limit` is clipped to `max_norm` on the device, in
         the step itself; its "grads" observation is given them back (`limits=`), so that
-        the rule's alert agrees with what the device did."""
-        if self._limits[0] == self.window.adds:  # nothing recorded since
+        the rule's alert agrees with what the device did. The limit reads the "grads"
+        observations so far (`norms`): taken at a step's end, those of every step before
+        it, in either order, however its steps' records are batched."""
+        if self._limits[0] == self.norms.adds:  # nothing observed since
             return self._limits[1]
         out = {}
         for r in self._clippers:
-            limit = r.norm_limit(self.window, r.params)  # type: ignore[misc]
+            limit = r.norm_limit(self.norms, r.params)  # type: ignore[misc]
             if limit is not None:
                 out[r.name] = (limit, float(r.params.get("max_norm", 1.0)))
-        self._limits = (self.window.adds, out)
+        self._limits = (self.norms.adds, out)
         return out
 
     def explain_lr(self) -> None:
@@ -255,11 +256,13 @@ class AlertEngine:
         elif extra:
             w.extra = extra
         active = self._active
-        limits = extra.get("limits") if phase == "grads" else None
+        limits = (extra.get("limits") or {}) if phase == "grads" else None
         for rule in self._due[phase].at(step):  # the rules due at this step, in order
             params = rule.params
-            if limits and rule.name in limits:
-                params = {**params, USED_LIMIT: limits[rule.name][0]}
+            if limits is not None and rule.norm_limit is not None:  # the step's, or now's
+                used = limits.get(rule.name)
+                params = {**params, USED_LIMIT: used[0] if used is not None
+                          else rule.norm_limit(self.norms, params)}
             msg = rule.check(w, params)
             data: dict[str, Any]
             if msg is None:  # quiet (the common case: one look-up, when no episode is on)
@@ -283,6 +286,8 @@ class AlertEngine:
             if rule.spike_of is not None:
                 msg, data = self._spike(rule, phase, step, msg, data, values)
             fired.append(Alert(rule, step, msg, data))
+        if phase == "grads" and values and NORM in values:
+            self.norms.add({NORM: values[NORM]})
         return fired
 
     def _quiet(self, rule: Rule) -> None:

@@ -51,26 +51,23 @@ def _grad_explosion(w: Window, p: dict) -> str | None:
     g = w.latest.get("grad_norm/global")
     if g is None or not math.isfinite(g):
         return None
-    limit = p.get(USED_LIMIT)  # the limit its step was clipped against on the device
-    if limit is not None:
-        if not g > limit:
-            return None
-        if limit >= p["absolute"]:
-            return f"gradient norm {g:.3g} above {p['absolute']:.0e}"
-        med = limit / p["factor"]
-        return f"gradient norm {g:.3g} is {g / med:.0f}× its rolling median {med:.3g}"
-    if g > p["absolute"]:
+    # the limit its step was clipped against on the device (the engine gives it, from the
+    # norms of the steps before: AlertEngine.norms), else from the window's steps before
+    limit = p.get(USED_LIMIT)
+    if limit is None:
+        limit = _explosion_limit(w, p)
+    if not g > limit:
+        return None
+    if g > p["absolute"] or limit >= p["absolute"]:
         return f"gradient norm {g:.3g} above {p['absolute']:.0e}"
-    med, n = w.median("grad_norm/global", p["window"])  # earlier steps: not this one
-    if n >= p["min_history"] and med > 0 and g > p["factor"] * med:
-        return f"gradient norm {g:.3g} is {g / med:.0f}× its rolling median {med:.3g}"
-    return None
+    med = limit / p["factor"]
+    return f"gradient norm {g:.3g} is {g / med:.0f}× its rolling median {med:.3g}"
 
 
 USED_LIMIT = "_norm_limit"  # a clipping rule's params at its check: the limit its step used
 
 
-def _explosion_limit(w: Window, p: dict) -> float | None:
+def _explosion_limit(w: Window, p: dict) -> float:
     """The norm above which `_grad_explosion` fires: its absolute limit, or `factor` × the
     rolling median once there is enough history."""
     med, n = w.median("grad_norm/global", p["window"])

@@ -179,8 +179,6 @@ def land(rec: Recording, wait: bool = False) -> None:
     copies = rec.flight.copies
     quiet = on_sampler_thread()  # a quiet loop's: the copies landed already, the newest too
     while copies and (copies[0].copy.ready() if quiet else (wait or len(copies) > 1)):
-        if rec.flight.pending and rec.engine.short_history():
-            record_pending(rec)  # the "grads" rules' first steps see every step before
         one = copies.popleft()
         got = one.copy.read(None if quiet else rec.own)
         values, alerts = one.values, []  # type: tuple[dict[str, float], list]
@@ -253,8 +251,11 @@ def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
     # checkpoint is the last good state), a non-finite figure (the nonfinite rule reads
     # the loss a loop reports after its optimizer step here), a skipped step; and every
     # step under torchrun, whose ranks meet on recorded steps.
+    # So is every step of a run whose "step" rules act (cut the LR, pause, ...): the
+    # boundary where an action comes must not depend on timing.
     if (alerts or not _finite(values) or "skipped" in values or rec.dist is not None
-            or len(pending) >= RECORD_STEPS or now - fl.pending_since >= RECORD_EVERY_S):
+            or rec.engine.acts_at_step or len(pending) >= RECORD_STEPS
+            or now - fl.pending_since >= RECORD_EVERY_S):
         record_pending(rec)
 
 

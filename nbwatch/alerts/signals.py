@@ -160,9 +160,11 @@ def _vanishing(w: Window, p: dict) -> str | None:
         now = np.array(vals, dtype=np.float64)
         if not (now / max(_median(now), 1e-30) < p["layer_ratio"]).any():
             return None
-    recent = np.stack([w.arr(k, p["persist"]) for k in layers])  # [layers, steps]
-    if recent.shape[1] < p["persist"]:
+    # a layer's series skips the steps it had no gradient at: all must reach `persist`
+    series = [w.arr(k, p["persist"]) for k in layers]
+    if any(len(a) < p["persist"] for a in series):
         return None
+    recent = np.stack(series)  # [layers, steps]
     med = np.median(recent, axis=0)
     ratio = recent / np.maximum(med, 1e-30)
     low = np.all(ratio < p["layer_ratio"], axis=1)

@@ -110,13 +110,18 @@ def param_grad_norms(layers: Layers) -> tuple[list[torch.Tensor], tuple[int, ...
 
 
 def layer_norms(norms: list[float], layer_of: tuple[int, ...], n_layers: int
-                ) -> tuple[float, list[float]]:
-    """(global norm, per-layer norms) from per-parameter norms; a layer without a
-    gradient this step counts as zero."""
+                ) -> tuple[float, list[float | None]]:
+    """(global norm, per-layer norms) from per-parameter norms; None for a layer without
+    a gradient this step (frozen, unused, an expert no token reached): it has no norm,
+    rather than a norm of zero that reads as a vanishing gradient."""
     sq = [0.0] * n_layers
     for n, li in zip(norms, layer_of):
         sq[li] += n * n
-    return math.sqrt(math.fsum(sq)), [math.sqrt(x) for x in sq]
+    per_layer: list[float | None] = [math.sqrt(x) for x in sq]
+    if 0.0 in sq:  # a zero gradient, or none: only a layer of no parameter here has none
+        present = set(layer_of)
+        per_layer = [v if i in present else None for i, v in enumerate(per_layer)]
+    return math.sqrt(math.fsum(sq)), per_layer
 
 
 def clip_(grads: list[torch.Tensor], total: float, max_norm: float) -> float:

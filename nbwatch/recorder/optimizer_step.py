@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -200,6 +200,7 @@ class Reading(Protocol):
     control: ControlState
     own_clips: OwnClips
     framework_clip: float | None
+    flight: InFlight
 
     def _emit(self, ev: Event, level: int | None = None) -> None: ...
 
@@ -234,7 +235,15 @@ def read_grads(rec: Reading, t: Taking, got: dict[str, list[float]]
     else:
         total, per_layer = layer_norms(norms, t.layer_of, len(layers))
         current = total
-    values.update(zip(names, [total, *per_layer]))
+    values[names[0]] = total
+    if None in per_layer:  # a layer without a gradient this step: no figure
+        values.update((k, v) for k, v in zip(names[1:], per_layer) if v is not None)
+        if not rec.flight.said_no_grad:
+            rec.flight.said_no_grad = True
+            rec._emit(no_grad_event(t.step, [k for k, v in zip(names[1:], per_layer)
+                                             if v is None]))
+    else:
+        values.update(zip(names[1:], cast("list[float]", per_layer)))
     skipped = flags[KEPT] == 0
     # the device's clip factor on the host's (float64) norm
     after = current * flags[COEF] if flags[COEF] != 1.0 else current
@@ -246,6 +255,17 @@ def read_grads(rec: Reading, t: Taking, got: dict[str, list[float]]
     alerts = rec.engine.observe("grads", t.step, values, limits=t.limits,
                                 **({"skip": "zeroed"} if t.zeroing else {}))
     return values, alerts
+
+
+def no_grad_event(step: int, names: list[str]) -> Event:
+    """Said once a run: layers without a gradient at `step`, whose norms are left blank."""
+    shown = [n.removeprefix("grad_norm/") for n in names[:5]]
+    more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+    return Event(step, "probe", "info",
+                 f"no gradient at step {step} for {', '.join(shown)}{more}: their gradient "
+                 "norms are left blank while they have none (frozen in place, not used in "
+                 "the forward, an expert no token reached); a layer used by the loss should "
+                 "have one", {"layers": shown})
 
 
 def lasting_clip(alerts: list, values: dict[str, float]) -> float | None:

@@ -34,7 +34,7 @@ class OwnClips:
     def before(self, step: int, host: list[float], layer_of: tuple[int, ...],
                       clips: list, totals: list[float], note: str | None,
                       present: tuple[int, ...] | None = None, layers: Layers | None = None
-                      ) -> tuple[float, list[float], float]:
+                      ) -> tuple[float, list[float | None], float]:
         """(global, per-layer norms before the loop's own clips of this step, the global
         norm the gradients have now) from the per-parameter norms measured now (after the
         clips) and each clip's factor. Where they cannot be known, says so in an event
@@ -62,7 +62,7 @@ class OwnClips:
         per_param: list[float] | None = None
         for c, t in zip(clips, totals):
             if not math.isfinite(t):  # a non-finite norm scaled the gradients by 0 or NaN
-                return t, [math.nan] * n_layers, current
+                return t, [math.nan for _ in range(n_layers)], current
             f = clip_factor(c.max_norm, t)
             if not f > 0.0:  # max_norm 0: every gradient zeroed, nothing to recover from
                 self._say(step, "zeroed")

@@ -101,6 +101,7 @@ class InFlight:
     staged: tuple[list[str], list[torch.Tensor]] | None = None  # the runner's loss
     copies: deque[Landing] = field(default_factory=deque)  # steps whose copy is under way
     found_inf_set: bool = False  # nbwatch gave the optimizer its `found_inf` this step
+    said_no_grad: bool = False  # a layer without a gradient was said (once a run)
     scale_set: bool = False  # nbwatch gave the optimizer its `grad_scale` (the clip)
     measure_in_hook: bool = False  # this step is measured in the optimizer's pre-hook
     # the clipping rules' limits for the next step (AlertEngine.norm_limits), from the

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ def grad_norms(layers):
     copy, layers summed on the host."""
     norms, layer_of, grads = param_grad_norms(layers)
     total, per_layer = layer_norms([float(n) for n in norms], layer_of, len(layers))
+    per_layer = [math.nan if v is None else v for v in per_layer]  # None: no gradient
     return torch.tensor(total), torch.tensor(per_layer), grads
 
 
@@ -56,7 +59,7 @@ def test_layer_norms_square_sum_to_global_norm_equal_to_torch(tiny):
     assert torch.allclose(per_layer[i], manual, rtol=1e-5)
 
 
-def test_missing_grads_count_as_zero(tiny):
+def test_a_layer_without_grads_has_no_norm_and_adds_nothing(tiny):
     model, _, batches = tiny
     model.head.weight.requires_grad_(False)
     layers = Layers.of(model)
@@ -64,8 +67,14 @@ def test_missing_grads_count_as_zero(tiny):
     backward(model, batches)
     model.pos_emb.weight.grad = None
     total, per_layer, grads = grad_norms(layers)
-    assert per_layer[layers.names.index("pos_emb")] == 0
+    assert math.isnan(per_layer[layers.names.index("pos_emb")])
     assert len(grads) == len(layers.params) - 1
+    assert float(total) == pytest.approx(math.sqrt(sum(float(g.norm()) ** 2 for g in grads)),
+                                         rel=1e-5)
+    # a gradient of zeros is a norm of zero, not a missing one
+    model.pos_emb.weight.grad = torch.zeros_like(model.pos_emb.weight)
+    _, per_layer, _ = grad_norms(layers)
+    assert per_layer[layers.names.index("pos_emb")] == 0
 
 
 def test_clip_bounds_the_norm_like_torch(tiny):

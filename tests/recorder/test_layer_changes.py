@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -105,3 +106,48 @@ def test_a_layer_replaced_mid_run_is_measured_as_the_new_one(tmp_path):
     # forward ran before the pre-hook saw it): no note blaming compile or a fused loss
     assert df["train_logits/log_z"].loc[7:].notna().all()
     assert not mon.events.message.str.contains("torch.compile").any()
+
+
+def test_a_layer_without_a_gradient_has_no_norm_and_is_no_vanishing_gradient(tmp_path):
+    """A module the forward never uses (a pooler a task head skips) and a layer frozen in
+    place mid-run have no gradient: their norms read 0.0, and after 20 steps
+    vanishing_gradients said their gradients were "1000× below the median layer". Now
+    their norms are blank while they have none, one event says so, and no rule fires; the
+    global norm is still the loop's own."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+            self.pooler = nn.Linear(16, 16)  # never called
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+    torch.manual_seed(0)
+    m = Net()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    fired: list[str] = []
+    own: dict[int, float] = {}
+    with nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", display=False,
+                         on_alert=lambda ev: fired.append(ev.message)) as mon:
+        for step in range(1, 61):
+            if step == 20:
+                m.b.requires_grad_(False)
+            loss = m(torch.randn(16, 8)).pow(2).mean()
+            loss.backward()
+            own[step] = true_norm(m)
+            opt.step()
+            opt.zero_grad()
+            mon.log(loss=loss)
+    run = nbwatch.open_run(tmp_path / "r")
+    df = run.df
+    assert "grad_norm/pooler" not in df.columns
+    assert df["grad_norm/b"].loc[:19].notna().all() and (df["grad_norm/b"].loc[:19] > 0).all()
+    assert df["grad_norm/b"].loc[20:].isna().all()
+    assert df[["grad_norm/a", "grad_norm/c"]].notna().all().all()
+    assert df["grad_norm/global"].tolist() == pytest.approx([own[s] for s in df.index],
+                                                            rel=1e-6)
+    assert fired == []
+    said = run.events[run.events.message.str.startswith("no gradient")]
+    assert said.step.tolist() == [1] and "pooler" in said.message.iloc[0]

@@ -8,8 +8,10 @@ for every step. It is compared when something may have changed: torch's global h
 mark a module or parameter registered anywhere (`model.head = nn.Linear(...)`), the
 optimizer's groups are counted at every step (cheap), the optimizer's parameters frozen
 when measured are asked whether they still are (a layer unfrozen, `requires_grad_()`: a
-flag read per frozen tensor, nothing where none is), and every `RESCAN_EVERY` seconds (a
-model parameter no optimizer holds, switched on). Under torchrun only the optimizer's
+flag read per frozen tensor, nothing where none is), a step where a measured parameter
+has no gradient asks whether one was frozen in place (`note_gradless`: nothing when every
+one has a gradient), and every `RESCAN_EVERY` seconds (a model parameter no optimizer
+holds, switched on). Under torchrun only the optimizer's
 groups and frozen tensors are compared: every rank sees them change at the same step,
 where a clock or a hook of one process would re-layer the ranks at different steps
 (FSDP2's all-reduce of the per-parameter norms would then mismatch).
@@ -78,6 +80,7 @@ class LayerWatch:
         self._ids = tuple(id(p) for p in layers.params)
         self._frozen = _frozen(optimizer, layers)
         self._dirty = False
+        self._froze = False  # a measured parameter was frozen in place (note_gradless)
         self._next = time.monotonic() + RESCAN_EVERY
         ref = weakref.ref(self)
 
@@ -95,15 +98,23 @@ class LayerWatch:
         now = time.monotonic()
         own = not self.distributed and (self._dirty or now >= self._next)
         thawed = any(map(_REQUIRES_GRAD, self._frozen))  # ~75 ns a tensor
-        if not (own or thawed or groups != self._groups):
+        if not (own or thawed or self._froze or groups != self._groups):
             return None
-        self._dirty, self._groups, self._next = False, groups, now + RESCAN_EVERY
+        self._dirty, self._froze, self._groups = False, False, groups
+        self._next = now + RESCAN_EVERY
         new = of_run(self.model, self.opt)
         ids = tuple(id(p) for p in new.params)
         if ids == self._ids:
             return None
         self._ids, self._frozen = ids, _frozen(self.opt, new)
         return new
+
+    def note_gradless(self, layers: Layers) -> None:
+        """Some of `layers`' parameters had no gradient at this step: where one of them
+        was frozen in place (`requires_grad_(False)`), the layers are compared at the next
+        step (under torchrun too: a freeze is the program's, the same on every rank)."""
+        if any(p.grad is None and not p.requires_grad for p in layers.params):
+            self._froze = True
 
     def close(self) -> None:
         for h in self._handles:
@@ -119,9 +130,13 @@ def describe(step: int, old: Layers, new: Layers, groups: int) -> str:
     replaced = sorted({new.names[li] for p, li in zip(new.params, new.layer_of)
                        if id(p) not in held and new.names[li] in before})
     added = [n for n in after if n not in before]
-    removed = [n for n in before if n not in after]
+    left = {old.names.index(n) for n in before if n not in after}
+    live = {li for p, li in zip(old.params, old.layer_of) if li in left and p.requires_grad}
+    frozen = [old.names[li] for li in sorted(left - live)]  # still there, requires_grad off
+    removed = [old.names[li] for li in sorted(live)]
     parts = [f"{what}: {', '.join(names)}" for what, names in
-             (("new layers", added), ("replaced", replaced), ("gone", removed)) if names]
+             (("new layers", added), ("replaced", replaced), ("frozen", frozen),
+              ("gone", removed)) if names]
     n_old, n_new = len(old.params), len(new.params)
     what = "; ".join(parts) or "the same layers"
     plural = "s" if groups != 1 else ""

@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from ..alerts.engine import AlertEngine
     from ..controls import ControlState
     from ..probes.logits import TrainLogits
+    from .layer_changes import LayerWatch
 
 class Measuring(Protocol):
     """What the optimizer's hooks read and move of their run (a `StepRecorder`)."""
@@ -83,6 +84,7 @@ class Measuring(Protocol):
     framework_clip: float | None
     train_logits: TrainLogits
     hook_measures: bool
+    layer_watch: LayerWatch
 
     def _emit(self, ev: Event, level: int | None = None) -> None: ...
     def relayer(self, step: int) -> None: ...
@@ -138,6 +140,8 @@ def pre_step(rec: Measuring, explicit: bool = True, clips: list | None = None,
     lrs = ctl.lrs(rec.opt)
     host = {"lr": lrs[0], **{f"lr/group{i}": lr for i, lr in enumerate(lrs[1:], start=1)}}
     norms, layer_of, grads = param_grad_norms(rec.layers)
+    if len(grads) < len(rec.layers.params):  # a layer frozen in place: gone from the next
+        rec.layer_watch.note_gradless(rec.layers)
     staged_names, staged = fl.staged if fl.staged is not None else ([], [])
     fl.staged = None
     clips = clips or []

@@ -113,7 +113,8 @@ def test_a_layer_without_a_gradient_has_no_norm_and_is_no_vanishing_gradient(tmp
     place mid-run have no gradient: their norms read 0.0, and after 20 steps
     vanishing_gradients said their gradients were "1000× below the median layer". Now
     their norms are blank while they have none, one event says so, and no rule fires; the
-    global norm is still the loop's own."""
+    frozen layer leaves the measured ones at the next step, with a warning that says so
+    (it waited for the 30 s rescan); the global norm is still the loop's own."""
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -151,3 +152,5 @@ def test_a_layer_without_a_gradient_has_no_norm_and_is_no_vanishing_gradient(tmp
     assert fired == []
     said = run.events[run.events.message.str.startswith("no gradient")]
     assert said.step.tolist() == [1] and "pooler" in said.message.iloc[0]
+    changed = run.events[run.events.message.str.contains("changed before")]
+    assert changed.step.tolist() == [21] and "(frozen: b;" in changed.message.iloc[0]

@@ -77,6 +77,15 @@ def test_vanishing_global_and_single_layer():
     assert names(fired) == ["vanishing_gradients"] and "of b" in fired[0].message
 
 
+def test_a_low_layer_that_climbs_is_not_vanishing():
+    """A layer far below the others that grows (LoRA's A while B leaves zero) is no
+    vanishing gradient; the same layer flat at that level is."""
+    climbing = feed(engine(), 100, **{"grad_norm/b": lambda s: 1e-8 * 1.15 ** s})
+    assert "vanishing_gradients" not in names(climbing)
+    flat = feed(engine(), 100, **{"grad_norm/b": 1e-8 * 1.15 ** 30})
+    assert names(flat) == ["vanishing_gradients"]
+
+
 def test_throughput_drop_after_sustained_fall():
     drop = lambda s: 5_000.0 if s > 300 else 20_000.0  # noqa: E731
     fired = feed(engine(), 400, **{"throughput/tokens_per_s": drop})

@@ -292,3 +292,40 @@ def test_wait_called_from_on_alert_is_refused_not_a_deadlock(tmp_path):
     assert errors and "training thread" in errors[0] and "mon.stop()" in errors[0], errors
     said = mon.events[mon.events.kind == "callback"].message.tolist()
     assert said and "on_alert callback failed for nonfinite" in said[0], said
+
+
+def test_lora_warming_up_is_no_vanishing_gradient(tmp_path):
+    """PEFT's LoRA on a Llama config, a slow warm-up (1e-4 over 500 steps): the A matrices'
+    gradients are B's, which starts at zero, so they start ~1e4× below the other layers and
+    climb as B grows. vanishing_gradients fired at step 20 ("lora_A ... over 1000× below the
+    median layer's for 20 steps"): a layer that climbs is not vanishing. One that stays down
+    still fires (tests/test_alerts.py)."""
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=200,
+                      max_position_embeddings=64)
+    model = peft.get_peft_model(LlamaForCausalLM(cfg), peft.LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 500))
+    fired: list[str] = []
+    with nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False,
+                         on_alert=lambda ev: fired.append(ev.message)) as mon:
+        for _ in range(100):
+            x = torch.randint(0, 200, (8, 32))
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            mon.log(loss=loss)
+    df = nbwatch.open_run(tmp_path / "r").df
+    a = df[[c for c in df.columns if c.startswith("grad_norm/") and "lora_A" in c]]
+    others = df[[c for c in df.columns if c.startswith("grad_norm/") and "lora_B" in c]]
+    # the case itself: A's gradients far below B's at first, then climbing
+    assert (a.iloc[2:20].max(axis=1) < 1e-3 * others.iloc[2:20].median(axis=1)).all()
+    assert (a.iloc[-5:].mean() > 10 * a.iloc[5:10].mean()).all()
+    assert fired == []

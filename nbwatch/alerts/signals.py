@@ -169,6 +169,14 @@ def _vanishing(w: Window, p: dict) -> str | None:
     ratio = recent / np.maximum(med, 1e-30)
     low = np.all(ratio < p["layer_ratio"], axis=1)
     if low.any():
+        # and not growing out of it: a layer that starts below the others by design (LoRA's
+        # A, whose gradient is B's, zero at init; anything after a zero-initialised layer)
+        # climbs; a vanishing one stays down. Rising: its last third's median ratio more
+        # than twice its first third's.
+        t = max(p["persist"] // 3, 1)
+        first, last = np.median(ratio[:, :t], axis=1), np.median(ratio[:, -t:], axis=1)
+        low &= ~(last > 2 * first)
+    if low.any():
         names = [layers[i].removeprefix("grad_norm/") for i in np.flatnonzero(low)][:3]
         return (f"gradients of {', '.join(names)} are over {1 / p['layer_ratio']:.0f}× below "
                 f"the median layer's for {p['persist']} steps")

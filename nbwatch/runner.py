@@ -12,7 +12,7 @@ import io
 import numbers
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ import torch
 
 from . import controls as ctl
 from .checkpoint import rng_state, set_rng_state
+from .epoch_order import open_pass
 from .evaluation import evaluate
 from .probes.attention import clone_samples
 from .probes.data import batch_figures
@@ -49,13 +50,20 @@ class Runner:
         self._pos = (0, 0)  # (epoch, index) of the batch taken last
         self._checked = False
         self._pending: Any = None  # a batch taken early (the dry run's probe samples)
+        self._order: dict[str, Any] | None = None  # a resumed pass's (epoch_order.py)
         if rw.data_at is not None:  # resumed: on from where the checkpoint's run stood
             self._epoch, skip = rw.data_at
             rw.skip_batches += skip
+            self._order = rw.data_order
+            how = ("its order drawn again under the RNG states it was first drawn with: the "
+                   "batches trained on before" if self._order is not None else
+                   "its order drawn anew (the checkpoint keeps none): if it is shuffled, "
+                   "not the batches trained on before")
             recorder._emit(Event(recorder.step, "state", "info",
                                  f"resumed at epoch {self._epoch}, batch {skip} of the data: "
-                                 f"its first {skip} batches are skipped, not trained on again",
-                                 {"epoch": self._epoch, "skip": skip}))
+                                 f"its first {skip} batches are skipped ({how})",
+                                 {"epoch": self._epoch, "skip": skip,
+                                  "order": self._order is not None}))
 
     def run(self) -> None:
         self.rec.guarded(self._loop)
@@ -134,12 +142,12 @@ class Runner:
         train_data = self.spec.train_data
         assert train_data is not None  # start() and preflight always give it (check_start)
         if self._data is None:
-            self._data = iter(train_data)
+            self._data = self._open(train_data)
         try:
             batch = next(self._data)
         except StopIteration:
             self._epoch, self._index = self._epoch + 1, 0
-            self._data = iter(train_data)
+            self._data = self._open(train_data)
             try:
                 batch = next(self._data)
             except StopIteration:
@@ -156,6 +164,13 @@ class Runner:
         self._pos = (self._epoch, self._index)  # a batch taken early keeps it till used
         self._index += 1
         return batch
+
+    def _open(self, train_data: Iterable) -> Iterator:
+        """A pass over the data from its start; the RNG states it was opened with are kept
+        for the checkpoints, and a resumed pass is opened under its checkpoint's."""
+        order, self._order = self._order, None
+        it, self.rec.rewind_state.data_order = open_pass(train_data, order)
+        return it
 
     def _train_step(self) -> None:
         """One optimizer step, in its stages: forward/backward over the micro-batches,

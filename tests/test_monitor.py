@@ -505,6 +505,48 @@ def test_a_resumed_start_goes_on_from_where_its_data_stood(tmp_path):
     assert mon.events.message.str.contains("resumed at epoch 2, batch 4 of the data").any()
 
 
+@pytest.mark.parametrize("own_generator", [False, True])
+def test_a_resumed_start_skips_the_batches_a_shuffled_loader_trained_on(tmp_path,
+                                                                       own_generator):
+    """A shuffled DataLoader draws each epoch's order when its pass starts (from its
+    generator, or torch's RNG): a resume used to skip the right count of batches of a new
+    order, so some samples were trained on twice and others never, while the event said
+    "not trained on again". The pass is opened again under the RNG states it was first
+    opened with: the resumed run (a new process's model, optimizer and loader) trains on the
+    same samples, with the same losses, as a run never stopped."""
+
+    def make():
+        torch.manual_seed(0)  # what a script does first, in each process
+        model = torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Dropout(0.2),
+                                    torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        loader = torch.utils.data.DataLoader(
+            torch.arange(16.0), batch_size=2, shuffle=True,
+            generator=torch.Generator().manual_seed(2) if own_generator else None)
+        return model, opt, loader
+
+    def train(run, steps, resume=False, **kw):
+        seen: list[list[int]] = []
+
+        def step(m, x):
+            seen.append([int(v) for v in x])
+            return m(x[:, None]).square().mean()
+
+        model, opt, loader = make()
+        mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / run, display=False)
+        mon.start(step, loader, max_steps=steps, resume=resume, **kw).wait()
+        return seen, mon
+
+    whole, ref = train("whole", 20)  # 8 batches an epoch: step 12 ends at epoch 1, batch 4
+    first, _ = train("stopped", 12, checkpoint_every=12)
+    assert first == whole[:12]
+    rest, mon = train("stopped", 20, resume=True)
+    assert rest == whole[12:]
+    assert mon.df["loss/train"].tolist() == pytest.approx(ref.df["loss/train"].tolist())
+    said = mon.events[mon.events.message.str.startswith("resumed at epoch 1, batch 4")]
+    assert said.message.str.contains("the batches trained on before").all() and len(said) == 1
+
+
 @pytest.mark.parametrize("returned, error, match", [
     ({"loss": {"a": 1.0}}, TypeError, r"val_fn\(\)\['loss'\] is a dict .*a real number"),
     (torch.tensor([1.0, 2.0]), ValueError, r"val_fn\(\) has shape \(2,\).*reduce it first"),

@@ -71,6 +71,7 @@ class RunSession:
         self.exc_at_open: BaseException | None = None
         self.resumed_step: int | None = None  # restored when the Monitor was created
         self.resumed_data: tuple[int, int] | None = None  # a checkpoint's data position
+        self.resumed_order: dict[str, Any] | None = None  # and its pass's RNG states
         # clip= given: wins over a resumed checkpoint's (NOT_GIVEN: the checkpoint's holds)
         self.clip_asked: Any = NOT_GIVEN
         self._sampler: SystemSampler | None = None
@@ -267,7 +268,8 @@ class RunSession:
             )
             self.recorder, self.mode = rec, mode
             if mode == "start" and start_step:  # the runner skips to where the data stood
-                rec.rewind_state.data_at = self.resumed_data
+                rw = rec.rewind_state
+                rw.data_at, rw.data_order = self.resumed_data, self.resumed_order
             self.watch.open_run()
             if self.setup.rank == 0:
                 self._log_handler = open_run_log(rec.log, self.setup.run_dir)
@@ -426,6 +428,7 @@ class RunSession:
     def restore(self, ckpt: dict[str, Any]) -> int:
         data = ckpt.get("data")  # start()'s data stream at that step: (epoch, next batch)
         self.resumed_data = (int(data[0]), int(data[1])) if data else None
+        self.resumed_order = ckpt.get("data_order")
         given = self.setup
         return restore_into(ckpt, given.model, given.optimizer, given.scheduler, given.scaler,
                             given.control, given.checkpointer.dir)

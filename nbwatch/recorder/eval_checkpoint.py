@@ -148,6 +148,7 @@ def state_dict(rec: Evaluating) -> dict[str, Any]:
         "rng": rng_state(),
         "controls": rec.control.to_dict(),
         "data": data_at(rec.rewind_state),
+        "data_order": rec.rewind_state.data_order,
     }
 
 def data_at(st: Any) -> list[int] | None:

@@ -9,7 +9,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -59,6 +59,8 @@ class RewindState:
     # start()'s data stream after the last step: (epoch, its next batch), which a checkpoint
     # keeps; a resumed start() is given its checkpoint's, and skips to it
     data_at: tuple[int, int] | None = None
+    # the RNG states its pass over the data was opened with (epoch_order.py), kept with it
+    data_order: dict[str, Any] | None = None
 
 
 @dataclass

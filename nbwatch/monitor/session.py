@@ -242,7 +242,7 @@ class RunSession:
         mfu = self.mfu(opts)
         run_meta = {**run_meta, "flops": {"n_params": mfu.n, "layers": mfu.layers,
                                           "d_model": mfu.d, "ctx": mfu.ctx,
-                                          "peak_flops": mfu.peak}}
+                                          "peak_flops": mfu.peak, "n_trained": mfu.n_trained}}
         if dist is not None:  # decisions that need no exchange must see the same inputs: the
             # synchronised gradients, not a rank's own loss
             rules = [replace(r, params={**r.params, "keys": ("grad_norm/global",)})

@@ -74,12 +74,18 @@ def peak_flops(device_name: str) -> float | None:
     return None
 
 
-def flops_per_token(n_params: int, layers: int, seq_len: float, d_model: int) -> float:
+def flops_per_token(n_params: int, layers: int, seq_len: float, d_model: int,
+                    n_trained: int | None = None) -> float:
     """Training FLOPs per token (forward and backward) of a decoder-only Transformer, as
     the PaLM paper counts them (Chowdhery et al. 2022, appendix B): 6·N for the weight
     matmuls plus 12·L·T·d for attention's (QKᵀ and AV over T positions, d = heads × head
-    width). Rematerialisation is not counted: a model FLOPs figure, not hardware FLOPs."""
-    return 6.0 * n_params + 12.0 * layers * seq_len * d_model
+    width). Rematerialisation is not counted: a model FLOPs figure, not hardware FLOPs.
+    6·N is 2·N forward, 2·N for the backward's input gradients and 2·N for its weight
+    gradients; where only `n_trained` of the N take a gradient (LoRA, a frozen backbone)
+    the last is 2·n_trained (an upper bound where the layers below the lowest trained one
+    need no backward at all)."""
+    trained = n_params if n_trained is None else n_trained
+    return 4.0 * n_params + 2.0 * trained + 12.0 * layers * seq_len * d_model
 
 
 def add_mfu(values: dict[str, float], per_token: float, peak: float | None) -> None:
@@ -107,11 +113,7 @@ def model_shape(model: object) -> tuple[int, int, int, int | None]:
 
     assert isinstance(model, nn.Module)
     model = unwrapped(model)  # a DDP wrapper has no config
-    params = {id(p): p.numel() for p in model.parameters()}
-    looked_up = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    in_matmul = {id(m.weight) for m in model.modules()
-                 if not isinstance(m, nn.Embedding) and getattr(m, "weight", None) is not None}
-    n = sum(v for k, v in params.items() if k not in looked_up - in_matmul)
+    n = sum(p.numel() for p in matmul_params(model))
     cfg = getattr(model, "config", None)
 
     def read(*names: str) -> int | None:
@@ -142,6 +144,21 @@ def model_shape(model: object) -> tuple[int, int, int, int | None]:
     return n, layers, d, ctx
 
 
+def matmul_params(model: object) -> list:
+    """The parameters a token's matmuls use: every parameter once (tied ones once), less the
+    embedding tables that are only looked up."""
+    from torch import nn
+
+    from .paths import unwrapped
+
+    assert isinstance(model, nn.Module)
+    model = unwrapped(model)
+    looked_up = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    in_matmul = {id(m.weight) for m in model.modules()
+                 if not isinstance(m, nn.Embedding) and getattr(m, "weight", None) is not None}
+    return [p for p in model.parameters() if id(p) not in looked_up - in_matmul]
+
+
 class Mfu:
     """Adds `throughput/tflops` and `throughput/mfu` to a step's figures (an alert engine's
     `derive`). The attention term's T is the step's padded sequence length where the step
@@ -149,12 +166,16 @@ class Mfu:
     counts real tokens only, so padding lowers MFU, as it wastes the device."""
 
     def __init__(self, n_params: int, layers: int, d_model: int, ctx: int | None,
-                 peak: float | None):
+                 peak: float | None, n_trained: int | None = None):
         self.n, self.layers, self.d, self.ctx, self.peak = n_params, layers, d_model, ctx, peak
+        self.n_trained = n_trained
 
     @classmethod
     def of(cls, model: object, peak: float | None) -> Mfu:
-        return cls(*model_shape(model), peak)
+        """The model's shape, and its matmul parameters that take a gradient (those
+        frozen when the run opens take none: LoRA's base weights)."""
+        trained = sum(p.numel() for p in matmul_params(model) if p.requires_grad)
+        return cls(*model_shape(model), peak, n_trained=trained)
 
     def seq_len(self, values: dict[str, float]) -> float:
         tokens, samples = values.get("throughput/tokens_per_s"), values.get(
@@ -166,4 +187,4 @@ class Mfu:
     def __call__(self, values: dict[str, float]) -> None:
         if "throughput/tokens_per_s" in values:
             add_mfu(values, flops_per_token(self.n, self.layers, self.seq_len(values),
-                                            self.d), self.peak)
+                                            self.d, self.n_trained), self.peak)

@@ -36,6 +36,25 @@ def test_model_shape_of_a_hugging_face_gpt2_comes_from_its_config():
     assert (layers, d, ctx) == (2, 32, 48)
 
 
+def test_frozen_weights_take_no_weight_gradient_flops():
+    """LoRA, a frozen backbone: a frozen weight's matmuls run forward (2·N) and pass the
+    gradient on (2·N), but compute no weight gradient; 6·N counted that too (1.45× on a
+    LoRA'd Llama, where 1.7% of the weights train)."""
+    assert flops_per_token(1000, 0, 64, 0, n_trained=100) == 4 * 1000 + 2 * 100
+    model = TinyGPT(vocab=96, d=32, layers=2, heads=2, ctx=40)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.head.weight.requires_grad_(True)
+    n, *_ = model_shape(model)
+    mfu = Mfu.of(model, peak=None)
+    assert (mfu.n, mfu.n_trained) == (n, model.head.weight.numel())
+    values = {"throughput/tokens_per_s": 10.0}
+    mfu(values)
+    trained = model.head.weight.numel()
+    assert values["throughput/tflops"] == pytest.approx(
+        10 * (4 * n + 2 * trained + 12 * 2 * 40 * 32) / 1e12)
+
+
 @pytest.mark.parametrize("name, peak", [
     ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
     ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200", 989e12),
@@ -70,7 +89,8 @@ def test_a_cpu_run_records_tflops_and_with_a_given_peak_mfu(tmp_path):
     df = mon.df
     n, layers, d, ctx = model_shape(demo.model)
     assert nbwatch.open_run(tmp_path / "r").meta["run"]["flops"] == {
-        "n_params": n, "layers": 2, "d_model": 32, "ctx": 32, "peak_flops": 1e12}
+        "n_params": n, "layers": 2, "d_model": 32, "ctx": 32, "peak_flops": 1e12,
+        "n_trained": n}
     tflops, mfu = df["throughput/tflops"], df["throughput/mfu"]
     assert (tflops > 0).all() and mfu.equals(tflops)  # peak 1 TFLOP/s: MFU = TFLOP/s
     lo = df["throughput/tokens_per_s"] * 6 * n / 1e12  # the attention term only adds

@@ -249,6 +249,12 @@ def test_resume_after_a_crash_drops_records_past_the_checkpoint(tiny, tmp_path):
     mon2.start(tiny_step, tiny[2], max_steps=12, resume=True, display=False)
     mon2.wait()
     assert mon2.df.index.tolist() == list(range(1, 13))
+    # the curve goes back: one warning says which steps were dropped, and why
+    said = mon2.events[mon2.events.message.str.startswith("the folder held steps")]
+    assert said.message.tolist() == ["the folder held steps 11–15, recorded after the "
+                                     "checkpoint this run resumes from (step 10): dropped, "
+                                     "and trained again"]
+    assert said.step.tolist() == [10]
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):

@@ -28,9 +28,9 @@ from ..notebook import after_each_cell
 from ..ownership import refuse_other_thread
 from ..panels.baseline import allow as allow_baselines
 from ..probes.system import SystemSampler, close_nvml, gpu_names, open_nvml
-from ..probes.throughput import Mfu, peak_flops
+from ..probes.throughput import Mfu
 from ..recorder import Progress, RunSpec, StepRecorder, StopTraining
-from ..records import Command, CommandKind, SystemSample
+from ..records import Command, CommandKind, Event, SystemSample
 from ..run import Run
 from ..sharded_checkpoint import ShardedCheckpointer
 from ..store import RunStore, StoreFailed, check_no_writer, is_run_dir
@@ -239,7 +239,7 @@ class RunSession:
         if self.clip_asked is not NOT_GIVEN:  # from step 1, and over a resumed checkpoint's
             self.setup.control.clip, self.clip_asked = self.clip_asked, NOT_GIVEN  # once
         rules = self.setup.rules
-        mfu = self.mfu(opts)
+        mfu = Mfu.of(self.setup.model, opts.peak_flops)
         run_meta = {**run_meta, "flops": {"n_params": mfu.n, "layers": mfu.layers,
                                           "d_model": mfu.d, "ctx": mfu.ctx,
                                           "peak_flops": mfu.peak, "n_trained": mfu.n_trained}}
@@ -282,17 +282,6 @@ class RunSession:
             self.mode, self.progress = None, Progress(step=start_step, state=RunState.CREATED)
             raise
         return rec
-
-    def mfu(self, opts: Options) -> Mfu:
-        """MFU's figures for this model: the peak given, else the GPU's by its name (None on
-        a CPU or an unknown GPU: TFLOP/s alone)."""
-        peak = opts.peak_flops
-        dev = next((p.device for p in self.setup.model.parameters()), None)
-        if peak is None and dev is not None and dev.type == "cuda":
-            import torch
-
-            peak = peak_flops(torch.cuda.get_device_name(dev))
-        return Mfu.of(self.setup.model, peak)
 
     def start_step(self, resume: bool) -> int:
         if self.resumed_step is not None:  # restored when the Monitor was created
@@ -399,8 +388,15 @@ class RunSession:
         given = self.setup
         self.store = None
         self.store = store = RunStore(given.run_dir)
-        if start_step or self.recorded_step():  # a framework's fit over its own last try
+        held = self.recorded_step()
+        if start_step or held:  # a resume, or a framework's fit over its own last try
             store.truncate_after(start_step)
+        if held > start_step:  # a kill after the checkpoint: those steps are trained again
+            store.put(Event(start_step, "state", "warning", (
+                f"the folder held steps {start_step + 1}–{held}, recorded after " + (
+                    f"the checkpoint this run resumes from (step {start_step})" if start_step
+                    else "an earlier try's start") + ": dropped, and trained again"),
+                {"dropped": [start_step + 1, held]}))
         nvml, handles = open_nvml()
         names = gpu_names(nvml, handles)
         close_nvml(nvml)

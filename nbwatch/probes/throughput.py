@@ -172,8 +172,17 @@ class Mfu:
 
     @classmethod
     def of(cls, model: object, peak: float | None) -> Mfu:
-        """The model's shape, and its matmul parameters that take a gradient (those
-        frozen when the run opens take none: LoRA's base weights)."""
+        """The model's shape, its matmul parameters that take a gradient (those frozen
+        when the run opens take none: LoRA's base weights), and the `peak` given, else the
+        GPU's by its name (None on a CPU or an unknown GPU: TFLOP/s alone)."""
+        from torch import nn
+
+        assert isinstance(model, nn.Module)
+        dev = next((p.device for p in model.parameters()), None)
+        if peak is None and dev is not None and dev.type == "cuda":
+            import torch
+
+            peak = peak_flops(torch.cuda.get_device_name(dev))
         trained = sum(p.numel() for p in matmul_params(model) if p.requires_grad)
         return cls(*model_shape(model), peak, n_trained=trained)
 

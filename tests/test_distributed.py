@@ -124,10 +124,16 @@ def test_rewind_under_torchrun_reloads_the_same_checkpoint_on_every_rank(tmp_pat
     assert p0["step"] == p1["step"] == 90 and torch.equal(p0["params"], p1["params"])
 
 
-def test_a_killed_rank_stops_the_other_and_the_store_stays_readable(tmp_path):
+@pytest.mark.parametrize("loop", ["start", "own"])
+def test_a_killed_rank_stops_the_other_and_the_store_stays_readable(tmp_path, loop):
+    """A loop of one's own (`with mon:`) too: rank 0's backward raises as the connection
+    drops, and torchrun's SIGTERM came while rank 0 recorded it, in the same thread; the
+    handler waited 20 s for that recording, which it had itself interrupted, and the run
+    read `stale` with no event."""
     run_dir = tmp_path / "ddp"
     t0 = time.monotonic()
-    proc = torchrun(run_dir, 10_000, KILL_RANK="1", KILL_AT="40")
+    proc = torchrun(run_dir, 10_000, KILL_RANK="1", KILL_AT="40",
+                    **({"LOOP": "own"} if loop == "own" else {}))
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode != 0 and time.monotonic() - t0 < 90
     run = nbwatch.open_run(run_dir)

@@ -144,7 +144,9 @@ class ProcessExit:
 
     def record_sigterm(self, store: RunStore | NullStore) -> None:
         """torchrun ends the survivors with SIGTERM when a rank dies, sometimes before the
-        lost connection reaches the training thread: record the failure, then die as asked."""
+        lost connection reaches the training thread: record the failure, then die as asked
+        (where the failure is being recorded in the thread the signal interrupted, once
+        that recording is done)."""
         if threading.current_thread() is not threading.main_thread():
             return
         previous = signal.getsignal(signal.SIGTERM)
@@ -155,15 +157,32 @@ class ProcessExit:
                 os.kill(os.getpid(), signum)
                 return
             run = self._session
-            if run.running and run.progress.error is None:
-                run.progress.move("failed")
+            p = run.progress
+            interrupted = p.failing_in is threading.current_thread()
+            if run.running and p.error is None:
+                p.move("failed")
                 with contextlib.suppress(Exception):
                     store.put(Event(run.step, "error", "critical",
                                     f"[rank 0] terminated by SIGTERM at step {run.step}: "
                                     "the launcher stops the job when a rank fails", {}))
                     store.set_meta("state", "failed")
-            elif run.progress.error is not None:  # the training thread is recording it
-                run.progress.failure_recorded.wait(20)  # torchrun kills after 30 s
+            elif p.error is not None and interrupted and not p.failure_recorded.is_set():
+                # this handler interrupted the thread recording the failure (a loop of
+                # one's own, in the main thread): it cannot wait for it. The error and the
+                # state, if not yet said, now; then the recording goes on (the emergency
+                # checkpoint), its error ends the process, and a second SIGTERM (or
+                # torchrun's SIGKILL, 30 s on) ends it at once.
+                with contextlib.suppress(Exception):
+                    if not p.error_said:
+                        store.put(Event(run.step, "error", "critical",
+                                        f"[rank 0] {type(p.error).__name__}: {p.error}",
+                                        {"traceback": p.traceback}))
+                        p.error_said = True
+                    store.set_meta("state", "failed")
+                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+                return
+            elif p.error is not None:  # the training thread is recording it
+                p.failure_recorded.wait(20)  # torchrun kills after 30 s
             with contextlib.suppress(Exception):
                 store.flush(timeout=5)
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)

@@ -68,8 +68,11 @@ class Progress:
     # the train loss smoothed as the dashboard draws it (debiased EMA, weight 0.9): loss/gap
     train_ema: float = 0.0
     train_ema_n: int = 0
-    # set when a failure is fully recorded (error, state, emergency checkpoint)
+    # set when a failure is fully recorded (error, state, emergency checkpoint), by the
+    # thread that records it (a signal handler that interrupts that thread cannot wait)
     failure_recorded: threading.Event = field(default_factory=threading.Event)
+    failing_in: threading.Thread | None = None
+    error_said: bool = False  # the failure's error event is recorded
 
     # The run's flags, each read off its one state (lifecycle.py), never kept beside it
     @property

@@ -19,7 +19,6 @@ import contextlib
 import itertools
 import logging
 import time
-import traceback
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -31,12 +30,13 @@ from torch import nn
 from .. import controls as ctl
 from ..alerts.engine import AlertEngine, default_rules
 from ..checkpoint import Checkpointer
-from ..distributed import Dist, NullStore, lost_peer, peer_errors
+from ..distributed import Dist, NullStore
 from ..probes.grads import grad_names, ratio_names
 from ..probes.logits import TrainLogits
 from ..records import Event
 from ..store import RunStore
 from . import eval_checkpoint as ec
+from . import failure
 from . import optimizer_step as ost
 from . import steering as st
 from . import step_end as se
@@ -343,59 +343,7 @@ class StepRecorder:
 
     def fail(self, e: BaseException) -> None:
         """Record `e` as the end of the run, with an emergency checkpoint."""
-        p = self.progress
-        p.error, p.error_tb = e, e.__traceback__
-        p.traceback = "".join(traceback.format_exception(e))
-        if self.ended:  # the loop raised after its run had ended: said, the state kept
-            with contextlib.suppress(Exception):
-                self._emit(Event(self.step, "error", "critical", f"after the run had "
-                                 f"{p.state}: {type(e).__name__}: {e}",
-                                 {"traceback": p.traceback}), logging.ERROR)
-            p.failure_recorded.set()
-            return
-        p.move("failed")  # first (the run has ended): recording it may itself fail
-        self.train_logits.close()
-        self.layer_watch.close()
-        msg, data = f"{type(e).__name__}: {e}", {}
-        if self.dist is not None:
-            if lost_peer(e):
-                msg = ("lost contact with another rank (it died or hangs), so this rank "
-                       f"stops: {str(e).splitlines()[0][:300]}")
-                if self.dist.rank == 0:  # which rank failed, and why, where it could say
-                    peers = peer_errors(self.store.run_dir, self.inbox.opened_wall)
-                    if peers:
-                        msg = ("another rank failed, so this rank stops: "
-                               + "; ".join(p["message"] for p in peers))
-                        data = {"rank_errors": peers}
-            msg = f"[rank {self.dist.rank}/{self.dist.world}] {msg}"
-        # each part on its own: a dead store must not cost the checkpoint, nor the reverse
-        # the error and the state first: the launcher may kill this process any moment now
-        for record in (self.record_stepped, self.flush_deferred,
-                       lambda: self._emit(Event(self.step, "error", "critical", msg,
-                                                {"traceback": p.traceback, **data}),
-                                          logging.ERROR),
-                       lambda: self._set_state("failed"),
-                       self._emergency_checkpoint,
-                       self.expire_pending):
-            try:
-                record()
-            except BaseException as ce:  # noqa: BLE001 - the original error matters more
-                self.log.error("recording the failure failed too: %s\n%s", ce, p.traceback)
-        with contextlib.suppress(Exception):
-            self.store.flush(timeout=30)
-        p.failure_recorded.set()
-
-    def _emergency_checkpoint(self) -> None:
-        """The weights the failure left, unless no optimizer step changed them since the
-        run (or its resume) began: a checkpoint of untrained weights would be clutter, and
-        a wrong point to resume from. Said in an event either way."""
-        if self.step > self.start_step:
-            self._checkpoint("emergency")
-            return
-        since = f"its resume at step {self.step}" if self.start_step else "it began"
-        self._emit(Event(self.step, "state", "info",
-                         f"no emergency checkpoint: no optimizer step had changed the "
-                         f"weights since {since}", {"checkpoint": "skipped"}))
+        failure.fail(self, e)
 
     def _set_state(self, state: str) -> None:
         state = self.progress.move(state).value

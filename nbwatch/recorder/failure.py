@@ -10,16 +10,44 @@ import contextlib
 import logging
 import threading
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..distributed import lost_peer, peer_errors
 from ..records import Event
 
 if TYPE_CHECKING:
-    from .step_recorder import StepRecorder
+    from ..distributed import Dist, NullStore
+    from ..probes.logits import TrainLogits
+    from ..store import RunStore
+    from .layer_changes import LayerWatch
+    from .spec import Progress
+    from .state import Inbox
 
 
-def fail(rec: StepRecorder, e: BaseException) -> None:
+class Failing(Protocol):
+    """What recording a failure reads and calls of its run (a `StepRecorder`)."""
+
+    progress: Progress
+    step: int
+    start_step: int
+    train_logits: TrainLogits
+    layer_watch: LayerWatch
+    dist: Dist | None
+    store: RunStore | NullStore
+    inbox: Inbox
+    log: logging.Logger
+
+    @property
+    def ended(self) -> bool: ...
+    def record_stepped(self) -> None: ...
+    def flush_deferred(self) -> None: ...
+    def expire_pending(self) -> None: ...
+    def _emit(self, ev: Event, level: int | None = None) -> None: ...
+    def _set_state(self, state: str) -> None: ...
+    def _checkpoint(self, reason: str, announce: bool = True) -> Event | None: ...
+
+
+def fail(rec: Failing, e: BaseException) -> None:
     """Record `e` as the end of the run, with an emergency checkpoint."""
     p = rec.progress
     p.failing_in = threading.current_thread()
@@ -69,7 +97,7 @@ def fail(rec: StepRecorder, e: BaseException) -> None:
     p.failure_recorded.set()
 
 
-def _said_by_peers(rec: StepRecorder, wait: bool) -> None:
+def _said_by_peers(rec: Failing, wait: bool) -> None:
     """Rank 0 lost contact and no peer had said why: wait a moment for a peer that failed
     in Python to write its error (after the error and the state are recorded), and
     record it."""
@@ -83,7 +111,7 @@ def _said_by_peers(rec: StepRecorder, wait: bool) -> None:
                         {"rank_errors": peers}), logging.ERROR)
 
 
-def _emergency_checkpoint(rec: StepRecorder) -> None:
+def _emergency_checkpoint(rec: Failing) -> None:
     """The weights the failure left, unless no optimizer step changed them since the run
     (or its resume) began: a checkpoint of untrained weights would be clutter, and a wrong
     point to resume from. Said in an event either way."""

@@ -23,8 +23,8 @@ import torch
 
 from .records import Command, Scalars
 
-RANK_KEYS = ("loss", "time/step", "time/data", "time/forward", "throughput/tokens_per_s", "lr",
-             "gpu/mem_gb", "time/sync", "tokens/real")
+RANK_KEYS = ("loss", "time/step", "time/data", "time/forward", "time/busy",
+             "throughput/tokens_per_s", "lr", "gpu/mem_gb", "time/sync", "tokens/real")
 
 
 @dataclass

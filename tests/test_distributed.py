@@ -150,7 +150,8 @@ def test_a_killed_rank_stops_the_other_and_the_store_stays_readable(tmp_path, lo
 
 def test_own_loop_under_torchrun_rank0_records_controls_on_every_rank(tmp_path, monkeypatch):
     """The script's own loop with `mon.log()` under torchrun: rank 0 records, pause and
-    cut LR from an attached process act on both ranks at one step, stop ends both loops."""
+    cut LR from an attached process act on both ranks at one step, stop ends both loops,
+    and the straggler rule names the slow rank (it never fired in a loop of one's own)."""
     run_dir = tmp_path / "own"
     monkeypatch.setenv("LOOP", "own")
     job = nbwatch.launch(SCRIPT, nproc=2, run_dir=run_dir, args=[run_dir, 100_000],
@@ -158,7 +159,7 @@ def test_own_loop_under_torchrun_rank0_records_controls_on_every_rank(tmp_path, 
     proc = job.process
     try:
         job.wait_started(60)
-        until(lambda: job.step >= 20, what="step 20")
+        until(lambda: job.step >= 30, what="step 30")
         job.scale_lr(0.5)
         until(lambda: (job.events.kind == "action").any(), what="scale_lr acknowledged")
         job.pause()
@@ -183,6 +184,11 @@ def test_own_loop_under_torchrun_rank0_records_controls_on_every_rank(tmp_path, 
     assert df.loc[scaled + 1, "lr"] / df.loc[scaled, "lr"] == pytest.approx(0.5 * 0.999)
     p0, p1 = (torch.load(run_dir / f"params_rank{r}.pt") for r in (0, 1))
     assert p0["step"] == p1["step"] == held and torch.equal(p0["params"], p1["params"])
+    # rank 1 sleeps twice as long before its forward: its own time (step start to forward
+    # end) tells it, where step times alike (its peer waits in the gradient sync) did not
+    assert df["rank1/time/busy"].median() > 1.3 * df["rank0/time/busy"].median()
+    strag = ev[ev.message.str.startswith("straggler")]
+    assert len(strag) == 1 and "rank 1" in strag.message.iloc[0], ev.message.tolist()
 
 
 @pytest.mark.parametrize("loop, steps", [("start", 20), ("own", 22)])

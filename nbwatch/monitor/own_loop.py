@@ -37,6 +37,7 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
                                                   first=rec.step == session.progress_start,
                                                   logits=logits, source=rec.train_logits)
         val = check_val(val)
+        host.update(rec.forward_time())  # under torchrun: what tells a straggler
     samples = mask_samples(mask)
     step = rec.record_step(host, names, parts, lengths=lengths, samples=samples, val=val,
                            reduction="as computed by the training loop (mon.log)")

@@ -333,7 +333,7 @@ class RunSession:
             self._cell_hook = None
         self.watch.close_run()  # other optimizers free; torch's clipping torch's
         if rec is not None:
-            rec.train_logits.close()  # the output layer's hook, if the run's end left it
+            rec.close_hooks()  # the output layer's hook, if the run's end left it
         try:
             if sampler is not None:
                 sampler.stop()

@@ -171,10 +171,14 @@ def record_ranks(rec: Steered, rows: list) -> None:
         for r in range(d.world):
             # busy time outside collectives: a fast rank's step also holds its wait for
             # the slow one (inside backward), so step time alone hides a straggler
+            # (a loop of one's own: its `time/busy`, from the step's start to its last
+            # forward's end; start()'s: its data wait and forward)
+            busy = sc.values.get(f"rank{r}/time/busy")
             fwd = sc.values.get(f"rank{r}/time/forward")
-            data = sc.values.get(f"rank{r}/time/data", 0.0)
-            if fwd is not None:
-                times.setdefault(r, deque(maxlen=50)).append(fwd + data)
+            if busy is None and fwd is not None:
+                busy = fwd + sc.values.get(f"rank{r}/time/data", 0.0)
+            if busy is not None:
+                times.setdefault(r, deque(maxlen=50)).append(busy)
     recent = {r: float(np.median(ts)) for r, ts in times.items() if len(ts) >= 20}
     raise_alerts(rec, rec.engine.observe("ranks", rec.step, None, rank_step_times=recent))
 

@@ -31,6 +31,7 @@ from .. import controls as ctl
 from ..alerts.engine import AlertEngine, default_rules
 from ..checkpoint import Checkpointer
 from ..distributed import Dist, NullStore
+from ..probes.forward_time import ForwardClock
 from ..probes.grads import grad_names, ratio_names
 from ..probes.logits import TrainLogits
 from ..records import Event
@@ -102,6 +103,7 @@ class StepRecorder:
         self.own = OwnTime()  # nbwatch's own time on the training thread: time/nbwatch
         # the training batch's logits figures: the loop's, else the output layer's hook
         self.train_logits = TrainLogits(model, self.own, say=_weak(self.probe_note))
+        self._forward_clock: ForwardClock | None = None  # forward_time(): torchrun, own loop
         # Set by framework adapters: False when the optimizer's pre-hook comes too early to
         # see the gradients (Lightning's closure runs backward inside optimizer.step), and
         # the adapter calls `pre_step()` itself at the framework's own moment.
@@ -159,6 +161,23 @@ class StepRecorder:
         """Close the optimizer step just taken: see `step_end.end_step`."""
         return se.end_step(self, values, names, parts, data_s=data_s, samples=samples,
                            extra_times=extra_times)
+
+    def forward_time(self) -> dict[str, float]:
+        """A loop of one's own under torchrun: the step's `time/forward` and `time/busy`
+        (`ForwardClock.take`: a straggler is told by them; start()'s runner times its own).
+        Empty alone, and at the first call (the hooks go on then)."""
+        if self.dist is None:
+            return {}
+        if self._forward_clock is None:
+            self._forward_clock = ForwardClock(self.model)
+            return {}
+        return self._forward_clock.take(self.flight.t_boundary)
+
+    def close_hooks(self) -> None:
+        """The hooks the run set on the model: the output layer's, the forward clock's."""
+        self.train_logits.close()
+        if self._forward_clock is not None:
+            self._forward_clock.close()
 
     def record_step(self, host: dict[str, float], names: list[str],
                     parts: list[torch.Tensor], *, lengths: torch.Tensor | None = None,

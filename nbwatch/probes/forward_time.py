@@ -1,0 +1,54 @@
+"""The host time of a module's training forwards: `time/forward` and `time/busy` for a
+loop of one's own under torchrun, where they tell a straggler (a fast rank's step also
+holds its wait for the slow one, inside backward's gradient sync, so step times alone look
+alike). `start()`'s runner times its own forwards and data.
+
+Two hooks on the model the Monitor was given; a forward with gradients off (an eval of
+the loop's own) is not counted, nor one being traced by torch.compile (the hooks then
+add nothing to its graph)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class ForwardClock:
+    """Sums the host time of `module`'s forwards with gradients on, and notes when the
+    last one ended, until `take()`."""
+
+    def __init__(self, module: nn.Module):
+        self.total = 0.0
+        self.last_end: float | None = None  # perf_counter at the last timed forward's end
+        self._t0: float | None = None
+        self._handles = [module.register_forward_pre_hook(self._pre),
+                         module.register_forward_hook(self._post)]
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            self._t0 = time.perf_counter()
+
+    def _post(self, module: nn.Module, args: Any, out: Any) -> None:
+        if self._t0 is not None:
+            self.last_end = time.perf_counter()
+            self.total += self.last_end - self._t0
+            self._t0 = None
+
+    def take(self, since: float) -> dict[str, float]:
+        """The step that began at `since` (perf_counter): `time/forward`, its forwards'
+        time, and `time/busy`, from its start to its last forward's end (data, the loop's
+        own work and the forwards: all but the backward, its gradient sync and the
+        optimizer). Empty where no forward was timed."""
+        total, last = self.total, self.last_end
+        self.total, self.last_end = 0.0, None
+        if not total or last is None:
+            return {}
+        return {"time/forward": total, "time/busy": max(last - since, total)}
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

@@ -63,6 +63,29 @@ def test_a_corrupt_batch_moves_everything_at_its_own_step_and_nothing_before(tmp
     print(timeline(row))
 
 
+def test_a_rewind_past_the_spike_keeps_its_post_mortem(tmp_path):
+    """The workflow the guide gives: a loss spike rewinds the run past it. The rewind
+    replaces the series of the steps it goes back over, and the post-mortem then read the
+    replayed steps (grad_z -1.7, no layer rose): it is made as the rewind leaves them, kept
+    in the run folder, and read back as the run without the rewind has it."""
+    cols = ["step", "first", "lead", "first_layers", "grad_z", "grad_rose", "loss_rose"]
+    demo = make_demo(d=64, layers=2, heads=2, ctx=64, max_steps=400)
+    _, plain = train(tmp_path / "plain", demo, demo.scheduler, poisoned(demo), BAD + 5)
+    demo = make_demo(d=64, layers=2, heads=2, ctx=64, max_steps=400)
+    rewinding = {**QUIET, "loss_spike": {"actions": ["rewind"], "rewind_steps": 20,
+                                         "rewind_skip": 1}}
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler,
+                          run_dir=tmp_path / "rewound", alerts=rewinding)
+    mon.start(demo.step_fn, poisoned(demo), max_steps=BAD + 5, checkpoint_every=10,
+              display=False).wait()
+    run = nbwatch.open_run(tmp_path / "rewound")
+    assert len(run.branches) and run.step == BAD + 5  # it did go back over the spike
+    got, want = run.spikes[cols], plain.spikes[cols]
+    assert got.step.tolist() == [BAD] and got.iloc[0].grad_z > 3
+    pd.testing.assert_frame_equal(got, want)
+    assert (run.events.kind == "postmortem").sum() == 1
+
+
 def test_an_lr_ramp_shows_its_ramp_and_a_rise_before_the_spike(tmp_path):
     """The LR ×1.05 a step from 3e-3, no warm-up: the post-mortem names the ramp as the
     LR's last move (from its first step, over the whole run), and something moved before

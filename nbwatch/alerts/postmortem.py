@@ -215,27 +215,68 @@ def is_spike(kind: Any, data: Any) -> bool:
     return kind == "alert" and isinstance(data, dict) and data.get("rule") == SPIKE_RULE
 
 
+# An event of this kind keeps a spike's post-mortem, made as a rewind went back over its
+# steps (their series are then the new branch's): {"spike_id", "branch", "postmortem"}
+KEPT = "postmortem"
+
+
 def spikes_of(events: pd.DataFrame, scalars: Scalars | None = None,
               keys: Iterable[str] = (), steps: Iterable[int] | None = None) -> pd.DataFrame:
     """One row per `loss_spike` alert among `events` (of those at `steps`, when given), with
     its post-mortem when `scalars` reads the recorded series (`keys`: the names recorded;
-    only the window before each spike is read)."""
+    only the window before each spike is read), or the one kept for it when a rewind went
+    back over its steps (`events` with their `id`: a reader's)."""
     only = None if steps is None else {int(s) for s in steps}
     keys = list(keys)
     wanted = [k for k in ("loss/train", "grad_norm/global", "lr", LOG_Z_KEY)
               if k in keys] + layer_keys(keys) + update_keys(keys)
+    ids = events["id"] if "id" in events else [None] * len(events)
+    kept = {d.get("spike_id"): d.get("postmortem") for k, d in zip(events["kind"], events["data"])
+            if k == KEPT and isinstance(d, dict)}
     rows = []
-    for step, kind, data in zip(events["step"], events["kind"], events["data"]):
+    for step, kind, data, eid in zip(events["step"], events["kind"], events["data"], ids):
         if not is_spike(kind, data) or (only is not None and int(step) not in only):
             continue
         row: dict[str, Any] = {"step": int(step),
                                **{k: data.get(k) for k in ("loss", "median", "z")},
                                "batches": data.get("batches", [])}
-        if scalars is not None and wanted:
+        pm = kept.get(eid) if eid is not None else None
+        if isinstance(pm, dict):
+            row.update(pm)
+        elif scalars is not None and wanted:
             start = int(step) - max(BASELINE + LOOKBACK, WINDOW) - 1
             row.update(postmortem(scalars(wanted, start, int(step) + 1), events, int(step)))
         rows.append(row)
     return pd.DataFrame(rows, columns=SPIKE_COLUMNS)
+
+
+def to_keep(reader: Any, first: int, last: int) -> list[tuple[int, int, dict[str, Any]]]:
+    """(spike event id, step, post-mortem) of each loss spike at steps `first`…`last`
+    whose post-mortem is not kept yet: what a rewind to `first - 1` must keep before it
+    replaces their series (the spikes of an earlier branch there had theirs kept then)."""
+    events = reader.events()
+    kept = {d.get("spike_id") for k, d in zip(events["kind"], events["data"])
+            if k == KEPT and isinstance(d, dict)}
+    due = [(int(i), int(s)) for i, s, k, d in zip(events["id"], events["step"],
+                                                   events["kind"], events["data"])
+           if first <= s <= last and is_spike(k, d) and int(i) not in kept]
+    if not due:
+        return []
+    rows = spikes_of(events, lambda k, a, b: reader.scalars(k, a, b), reader.keys(),
+                     [s for _, s in due]).to_dict("records")
+    by_step = {}
+    for row in rows:  # one post-mortem a step: the series are those of the live line
+        by_step[int(row["step"])] = {k: _plain(row[k]) for k in SPIKE_COLUMNS[5:]}
+    return [(i, s, by_step[s]) for i, s in due if s in by_step]
+
+
+def _plain(v: Any) -> Any:
+    """A post-mortem's value as JSON takes it (numpy scalars as Python numbers)."""
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    return v
 
 
 def timeline(row: Any) -> str:

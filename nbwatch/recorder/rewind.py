@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from ..alerts.postmortem import KEPT, to_keep
 from ..checkpoint import CheckpointError, load, restore_into
 from ..controls import scale_lrs
-from ..records import Command, CommandKind, Scalars
+from ..records import Command, CommandKind, Event, Scalars
 from ..store import RunReader
 from .outcomes import Applied, Outcome, Refused
 from .spec import Progress
@@ -100,11 +101,13 @@ def do_rewind(rec: Rewinding, cmd: Command) -> Outcome:
     rec.flush_deferred()
     rec.store.flush()
     gone: dict = {}
+    spikes: list = []
     taken: list[int] = []
     if d is None or d.rank == 0:  # rank 0 holds the store
         reader = RunReader(rec.store.run_dir)
         try:  # what the rewind goes back over; the branch numbers taken (before a resume)
             gone = reader.series(BRANCH_KEYS, to + 1, now + 1)
+            spikes = to_keep(reader, to + 1, now)  # their series are the next branch's
             names = reader.keys()  # RunReader's stored scalar names
             taken = [int(k.split("/")[1]) for k in names
                      if k.startswith("rewind/") and k.split("/")[1].isdigit()]
@@ -130,6 +133,10 @@ def do_rewind(rec: Rewinding, cmd: Command) -> Outcome:
     for key, (steps_, values) in gone.items():
         for s, v in zip(steps_.tolist(), values.tolist()):
             rec.store.put(Scalars(int(s), {f"rewind/{st.rewinds}/{key}": v}))
+    for sid, s, pm in spikes:
+        rec.store.put(Event(s, KEPT, "info", f"the post-mortem of the loss spike at step {s}, "
+                            f"kept as branch {st.rewinds} leaves the live line",
+                            {"spike_id": sid, "branch": st.rewinds, "postmortem": pm}))
     rec.step = rec.progress.step = st.rewound_to = to
     st.skip_batches += skip
     then = (f", skipping the next {skip} batches of the data stream" if skip and

@@ -8,6 +8,7 @@ import itertools
 import threading
 import time
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -65,6 +66,11 @@ def test_own_loop_records_its_watching_and_not_a_pause(tmp_path):
     assert (own <= took).iloc[1:].all()
     # the timer starts just before step 20's record: step 21's wall comes ~0.3 s after it
     assert took.loc[21] >= 0.25 and own.loc[21] < 0.1, (took.loc[21], own.loc[21])
+    # nor is the pause step 21's time (it read 0.3 s), and step 1, whose start the run
+    # (opened at its optimizer step) did not see, has none (it read the optimizer's alone)
+    step_s = run.df["time/step"]
+    assert step_s.loc[21] < 0.1, step_s.loc[21]
+    assert pd.isna(step_s.loc[1]) and step_s.loc[2:].notna().all()
 
 
 def test_start_leaves_out_the_eval_and_the_checkpoint(tmp_path):

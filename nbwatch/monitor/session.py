@@ -166,7 +166,7 @@ class RunSession:
             # a notebook cell's loop: its last steps are recorded when the cell ends, not
             # only at the next log() (steps are recorded in batches: step_end.py)
             self._cell_hook = after_each_cell(self.record_waiting)
-        rec.begin()
+        rec.begin(timed=framework is not None)  # a loop of one's own: inside its step 1
         self.exc_at_open = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
         self._on_loop_open()
         return rec

@@ -111,6 +111,9 @@ class InFlight:
     limits: dict[str, tuple[float, float]] | None = None
     scale_ref: torch.Tensor | None = None  # the GradScaler's scale at the last end
     t_boundary: float = field(default_factory=time.perf_counter)  # the step's clock
+    # t_boundary is when the step began (a loop of one's own opens inside its first step,
+    # whose start nbwatch did not see: no time/step for it)
+    timed: bool = True
     # (step, lengths) on the host, for the next histogram step; a device tensor's ride the
     # step's copy (`lengths`, the step being taken's) and join them when it is read
     seq_lens: list[tuple[int, torch.Tensor]] = field(default_factory=list)

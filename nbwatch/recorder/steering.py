@@ -117,10 +117,14 @@ def apply_commands(rec: Steered, block: bool = True) -> None:
     if p.paused and block and not rec.spec.trial:
         rec.flush_deferred()  # the page shows the step it is paused at
         rec.store.flush()
+    waited = False
     while p.paused and block and not rec.spec.trial:
+        waited = True
         got = rec.commands.get(timeout=0.1)
         for one in ([got] if got else []) + poll_commands(rec):
             apply(rec, one)
+    if waited:  # the next step's time starts now, not before the pause
+        rec.flight.t_boundary = time.perf_counter()
 
 
 def sync_ranks(rec: Steered, final: bool = False) -> None:

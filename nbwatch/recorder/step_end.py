@@ -139,7 +139,8 @@ def _end_step(rec: Recording, values: dict[str, float], names: list[str] | None,
         if t.ratios is not None:
             groups["ratios"] = [t.ratios]
     # data_s None: a loop of the user's, whose data wait nbwatch does not see
-    values.update(timing_figures(t_end - fl.t_boundary, data_s))
+    if fl.timed:
+        values.update(timing_figures(t_end - fl.t_boundary, data_s))
     if samples:
         values["_samples"] = float(samples)  # its rate: with tokens/s, once on the host
     if extra_times:
@@ -167,7 +168,7 @@ def _end_step(rec: Recording, values: dict[str, float], names: list[str] | None,
     if isinstance(scale, torch.Tensor):
         fl.scale_ref = scale.clone()  # no sync: compared on overflow only
     rec.lr.end_step()
-    fl.t_boundary = time.perf_counter()
+    fl.t_boundary, fl.timed = time.perf_counter(), True
     return step
 
 

@@ -276,9 +276,11 @@ class StepRecorder:
         return ec.write_checkpoint(self, reason, announce)
 
     # -- lifecycle ----------------------------------------------------------------------
-    def begin(self) -> None:
+    def begin(self, timed: bool = True) -> None:
+        """The run is running; `timed`: its first step begins now (not: a loop of one's
+        own, opened inside its first step, which has no time/step)."""
         self._set_state("running")
-        self.flight.t_boundary = time.perf_counter()
+        self.flight.t_boundary, self.flight.timed = time.perf_counter(), timed
 
     def guarded(self, body: Callable[[], Any]) -> None:
         """Run `body` (the training loop) as this run: a clean return ends it finished (or

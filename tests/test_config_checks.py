@@ -231,7 +231,7 @@ def test_log_refuses_bad_values_at_the_call_and_the_step_is_kept(tmp_path):
     assert df.loc[1, "loss/val"] == 2.5 and df["loss/train"].notna().all()
     good = df.drop(index=[3, 4])
     assert ((good["data/padding_ratio"] >= 0) & (good["data/padding_ratio"] < 1)).all()
-    assert (good["throughput/tokens_per_s"] > 0).all()
+    assert (good["throughput/tokens_per_s"].drop(index=1) > 0).all()  # step 1: no time
     assert df.loc[[3, 4], ["data/padding_ratio", "tokens/real"]].isna().all().all()
     said = ev[ev.message.str.contains("entries other than 0 and 1")]  # once a run
     assert len(said) == 1 and said.step.iloc[0] == 3 and said.severity.iloc[0] == "warning"

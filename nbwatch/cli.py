@@ -1,4 +1,5 @@
-"""Command line: `nbwatch demo`, `nbwatch ls [ROOT]`, `nbwatch export RUN_DIR -o run.html`.
+"""Command line: `nbwatch demo`, `nbwatch ls [ROOT]`, `nbwatch export RUN_DIR -o run.html`,
+`nbwatch pause|resume|stop|checkpoint RUN_DIR` (a run another process trains).
 
 A mistake of the user's (a bad argument, a missing or damaged run, a refused output path)
 is one line on stderr and a nonzero exit status (2 for what argparse rejects), never a
@@ -175,6 +176,40 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+STEER = {"pause": "pause after the current step (the run waits for a resume or a stop)",
+         "resume": "resume a paused run",
+         "stop": "stop after the current step, with a final checkpoint",
+         "checkpoint": "write a checkpoint after the current step"}
+
+
+def _steer(args: argparse.Namespace) -> int:
+    """Send a command to a live run (another process's: a script, torchrun's rank 0) and
+    wait for its outcome: 0 applied, 1 refused, expired or not heard within --wait."""
+    from .attached import attach
+    from .store import is_run_dir
+
+    run_dir = Path(args.run_dir)
+    if not is_run_dir(run_dir):
+        raise UserError(f"{run_dir} holds no nbwatch run; `nbwatch ls` lists the runs under "
+                        "./runs")
+    run = attach(run_dir, display=False)
+    try:
+        cid = getattr(run, args.cmd)()
+        deadline = time.monotonic() + args.wait
+        while time.monotonic() < deadline:
+            for kind, msg, data in zip(*(run.events[c] for c in ("kind", "message", "data"))):
+                if isinstance(data, dict) and data.get("id") == cid:
+                    say(f"{run_dir.name}: {msg}", err=kind != "action")
+                    return 0 if kind == "action" else 1
+            time.sleep(0.2)
+        where = f"{run.state} at step {run.step}"
+    finally:
+        run.close()
+    raise UserError(f"{args.cmd} sent to {run_dir.name} ({where}), with no answer in "
+                    f"{args.wait:g} s: it is taken at the run's next step boundary (a long "
+                    "step, or an eval, keeps it waiting)")
+
+
 def _is_stdout(st: os.stat_result | None) -> bool:
     """Whether `st` (of the file an export wrote) is that of this process's stdout."""
     try:
@@ -304,7 +339,8 @@ def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="nbwatch", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"nbwatch {_version()}")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,ls,export}")
+    sub = p.add_subparsers(dest="cmd", required=True,
+                           metavar="{demo,ls,export,pause,resume,stop,checkpoint}")
     d = sub.add_parser("demo", help="train a tiny GPT on Python's own source, monitored",
                        description="Train a small GPT on the characters of Python's own "
                        "standard library, monitored: progress lines here, the run folder "
@@ -345,6 +381,12 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--no-environment", action="store_true",
                     help="leave out host, pid, working directory, command line and versions")
     ex.set_defaults(fn=_export)
+    for name, what in STEER.items():
+        c = sub.add_parser(name, help=f"{what} (a run another process trains)")
+        c.add_argument("run_dir", help="the run folder")
+        c.add_argument("--wait", type=_positive(float), default=10.0, metavar="SECONDS",
+                       help="how long to wait for the run to answer (default: %(default)s)")
+        c.set_defaults(fn=_steer)
     return p
 
 

@@ -265,3 +265,47 @@ def test_export_writes_through_a_link_or_a_pipe_and_leaves_them_in_place(runs, t
     assert out.stdout.startswith("<!DOCTYPE html>") and out.stdout.endswith("</html>\n")
     assert (tmp_path / "out.html").is_symlink()
     assert os.readlink(tmp_path / "out.html") == "/dev/stdout"
+
+
+PAUSED_BY_NAN = """
+import sys, torch, nbwatch
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+with nbwatch.Monitor(model, opt, run_dir=sys.argv[1], display=False) as mon:
+    for step in range(1, 100_000):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mon.log(loss=torch.tensor(float("nan")) if step == 5 else loss)
+print("STATE", mon.state, mon.step, flush=True)
+"""
+
+
+def test_a_script_paused_by_an_alert_is_resumed_and_stopped_from_a_shell(tmp_path):
+    """A script whose NaN loss paused it (the nonfinite rule's default) waits for ever
+    unless someone answers: its stderr line names the shell commands, which resume it and
+    then stop it; each says what the run did, and one sent to an ended run is refused in
+    one line."""
+    run = tmp_path / "r"
+    proc = subprocess.Popen([sys.executable, "-c", PAUSED_BY_NAN, str(run)], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (
+                (run / "nbwatch.db").exists() and nbwatch.open_run(run).state == "paused"):
+            time.sleep(0.1)
+        assert nbwatch.open_run(run).state == "paused"
+        resumed = nbwatch_cli("resume", run)
+        assert resumed.returncode == 0, resumed.stderr
+        assert resumed.stdout.startswith("r: resumed at step 5"), resumed.stdout
+        stopped = nbwatch_cli("stop", run)
+        assert stopped.returncode == 0 and "r: stop requested at step" in stopped.stdout, stopped
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert f"`nbwatch resume {run}`" in err
+    assert "STATE stopped" in out and nbwatch.open_run(run).state == "stopped"
+    assert_one_line_error(nbwatch_cli("resume", run), "cannot resume", "stopped")

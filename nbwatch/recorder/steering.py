@@ -249,7 +249,8 @@ def say_alert_pause(rec: Steered, rule: str) -> None:
     where = str(rec.store.run_dir)
     print(f"nbwatch: alert {rule} paused run {rec.store.run_dir.name!r} at step {rec.step}; "
           f"it waits for a resume or a stop: mon.resume() / mon.stop() (or the dashboard's "
-          f"buttons), or from another process nbwatch.attach({where!r}).resume(). "
+          f"buttons), or from a shell `nbwatch resume {where}` (`nbwatch stop ...`), or "
+          f"from Python nbwatch.attach({where!r}).resume(). "
           f"Alerts that should not pause: Monitor(alerts={{{rule!r}: "
           f"{{'actions': [...]}}}}) without 'pause'", file=sys.stderr, flush=True)
 

@@ -243,8 +243,12 @@ def evaluate(model: nn.Module, spec: Any, step: int, train_loss: float | None,
             out.values.update(val_figures(val))
         elif spec.val_fn is not None:
             t0 = time.perf_counter()
-            with torch.no_grad():
-                got = spec.val_fn(model)
+            try:
+                with torch.no_grad():
+                    got = spec.val_fn(model)
+            except Exception as e:  # said as val_fn's, as sample_fn's is
+                raise RuntimeError(f"val_fn raised at the eval of step {step}: "
+                                   f"{type(e).__name__}: {e}") from e
             out.values.update(val_figures(check_val(got, "val_fn")))
             out.values["time/eval"] = time.perf_counter() - t0
         if "loss/val" in out.values and train_loss is not None:

@@ -572,6 +572,26 @@ def test_a_bad_val_fn_result_fails_at_step_0_naming_val_fn_and_the_key(
     assert "dry run before step 1" in str(mon.error)
 
 
+def test_a_val_fn_that_raises_is_named_in_the_runs_error(tiny, tmp_path):
+    """The error of a val_fn that raises at an eval said only "KeyError: 'val_loader'": it
+    names val_fn and the eval's step now (as sample_fn's does), the cause kept."""
+    calls = []
+
+    def val_fn(model):
+        calls.append(1)
+        if len(calls) > 1:  # (the first call: start()'s dry run)
+            raise KeyError("val_loader")
+        return 1.0
+
+    mon = monitor(tiny, tmp_path)
+    mon.start(tiny_step, tiny[2], max_steps=8, val_fn=val_fn, eval_every=4, display=False)
+    with pytest.raises(RuntimeError, match=r"val_fn raised at the eval of step 4: KeyError"):
+        mon.wait()
+    assert isinstance(mon.error.__cause__, KeyError)
+    err = mon.events[mon.events.kind == "error"].message.iloc[0]
+    assert "val_fn raised at the eval of step 4: KeyError: 'val_loader'" in err
+
+
 def test_a_val_fn_returning_numpy_values_is_taken(tiny, tmp_path):
     """A one-element numpy value (what `np.mean` returns) is a val figure, as `float()` and
     `log()`'s scalars take it."""

@@ -120,7 +120,8 @@ def test_rewind_is_refused_where_it_cannot_be_honoured(tmp_path):
     mon.start(step, demo.train, max_steps=40, checkpoint_every=10, display=False).wait()
     ev = mon.events
     refused = ev[ev.message.str.startswith("rewind refused")]
-    assert len(refused) == 1 and "no checkpoint at or before step 6" in refused.message.iloc[0]
+    assert len(refused) == 1 and ("no checkpoint 15 steps back from step 21, at or before step 6"
+                                  in refused.message.iloc[0])
     assert mon.state == "finished" and mon.step == 40
     with pytest.raises(ValueError, match="steps must be an int"):
         nbwatch.Monitor.rewind(mon, steps=0)

@@ -69,8 +69,12 @@ def resolve_rewind(rec: Rewinding, cmd: Command) -> Command:
     found = [s for s, _ in rec.ckpt.steps() if s <= target]
     if not found:
         have = ", ".join(str(s) for s, _ in rec.ckpt.steps()) or "none"
-        why = (f"no checkpoint at or before step {target} (checkpoints at steps: {have}); "
-               "keep more with keep_last= or checkpoint_every=")
+        back = int(cmd.payload["steps"])
+        why = (f"no checkpoint {back} steps back from step {rec.step}, at or before step "
+               f"{target} (checkpoints at steps: {have}); rewind fewer steps, or keep more "
+               "with keep_last= or checkpoint_every=") if target >= 0 else (
+               f"{back} steps back from step {rec.step} is before the run began "
+               f"(checkpoints at steps: {have}): rewind at most {rec.step} steps")
         return replace(cmd, payload={**cmd.payload, "refused": why})
     return replace(cmd, payload={**cmd.payload, "to": found[-1]})
 

@@ -19,21 +19,19 @@ import math
 import time
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-import numpy as np
 import torch
 
 from .. import controls as ctl
-from ..alerts.engine import weight_std
 from ..distributed import rank_figures
 from ..probes import late as late_figures
-from ..probes import weights as wprobe
 from ..probes.data import bad_mask
 from ..probes.grads import Layers, ratio_names
 from ..probes.throughput import add_rates, timing_figures
-from ..records import Event, Histogram, Scalars
+from ..records import Event, Scalars
 from . import host_copy
 from .batches import BatchIds
-from .host_copy import HostCopy, to_numpy
+from .histograms import HIST_EDGES, histogram_groups, keep_seq_lens, record_histograms
+from .host_copy import HostCopy
 from .lr_factor import LrFactor
 from .optimizer_step import lasting_clip, lower_clip, read_grads
 from .own_time import OwnTime, counted
@@ -65,7 +63,6 @@ QUIET_S = 0.5
 # wait and is read at once (`host_copy.DEFER_ON_CPU` runs the accelerator's order there).
 
 _FROM_ALL_RANKS = ("loss/train", "tokens/real", "throughput/tokens_per_s")
-HIST_EDGES, HIST_COUNTS = "hist_edges", "hist_counts"  # a histogram step's copy's groups
 
 
 class Recording(Protocol):
@@ -149,11 +146,16 @@ def _end_step(rec: Recording, values: dict[str, float], names: list[str] | None,
     rec.progress.step = step
     rec.batch_ids.end_step(step)
     groups["figures"] = list(parts or ())
+    names = list(names or ())
+    scale = getattr(rec.scaler, "_scale", None) if rec.scaler is not None else None
+    if isinstance(scale, torch.Tensor):  # the loss scale after this step's update()
+        groups["figures"].append(scale.reshape(()).float())  # (copied with the rest)
+        names.append("amp/scale")
     if fl.lengths:  # the batch's sequence lengths on the device, for the histogram
         groups["seq_lens"], fl.lengths = fl.lengths, []
     if t is not None and t.hist:
         groups.update(histogram_groups(rec))
-    this = Landing(step, HostCopy.launch(step, groups, known), t, values, list(names or ()),
+    this = Landing(step, HostCopy.launch(step, groups, known), t, values, names,
                    rec.lr.planned())
     fl.copies.append(this)
     raise_held(rec)  # where this step's own alerts would be: after its copy is taken
@@ -164,7 +166,6 @@ def _end_step(rec: Recording, values: dict[str, float], names: list[str] | None,
     elif fl.copies and fl.copies[-1] is this:  # read later (unless an action read it now):
         # its watching, the landing of the steps before it included, ends here
         this.clock = step_clock(rec)
-    scale = getattr(rec.scaler, "_scale", None) if rec.scaler is not None else None
     if isinstance(scale, torch.Tensor):
         fl.scale_ref = scale.clone()  # no sync: compared on overflow only
     rec.lr.end_step()
@@ -205,6 +206,7 @@ def land(rec: Recording, wait: bool = False) -> None:
                  one.clock)
         if HIST_EDGES in got and one.taking is not None:
             layers = one.taking.layers
+            record_pending(rec)  # the steps before it first: the rules see them in order
             record_histograms(rec, one.step, rec.layers if layers is None else layers, got)
 
 
@@ -235,6 +237,8 @@ def complete(rec: Recording, step: int, values: dict[str, float], alerts: list,
         clock = (0.0, 0.0, time.time()) if on_sampler_thread() else step_clock(rec)
     own, waited, wall = clock
     values["time/nbwatch"] = own
+    if rec.scaler is not None:  # a GradScaler's run: 0 or 1 each step, a rate to plot
+        values.setdefault("amp/overflow", 0.0)
     if waited:
         values["time/device_wait"] = waited
     if loss is not None and finite:
@@ -399,51 +403,3 @@ def save_reduction(rec: Recording, reduction: str | None) -> None:
     if not rec.flight.reduction_saved and reduction:
         rec.store.set_meta("loss_reduction", reduction)
         rec.flight.reduction_saved = True
-
-
-def keep_seq_lens(rec: Recording, lengths: torch.Tensor, step: int | None = None) -> None:
-    """A batch's sequence lengths, for the next histogram step's `data/seq_len`; `step`:
-    its step (default: the one being taken), so that a rewind drops those it goes back
-    over."""
-    if rec.spec.hist_every <= 0:
-        return
-    if step is None and host_copy.deferred(lengths.device):  # read with the step's copy
-        rec.flight.lengths.append(lengths.reshape(-1))
-    else:
-        rec.flight.seq_lens.append((rec.step + 1 if step is None else step, lengths))
-
-
-def histogram_groups(rec: Recording) -> dict[str, list[torch.Tensor]]:
-    """A histogram step's weight histograms per layer, computed on the device and sent
-    with the step's copy (`record_histograms` takes them when it is read: no wait). The
-    counts in float64, and so the whole copy: exact to 2^53, not float32's 2^24."""
-    layers = rec.layers
-    host = not host_copy.deferred(layers.params[0].device)
-    edges, counts = wprobe.layer_histograms(layers, rec.spec.hist_bins, host=host)
-    return {HIST_EDGES: [edges], HIST_COUNTS: [counts.double()]}
-
-
-def record_histograms(rec: Recording, step: int, layers: Layers,
-                      got: dict[str, list[float]]) -> None:
-    """The weight histograms of `step` (its `layers`), read from its copy, and the "hist"
-    rules on them; the sequence lengths of the steps up to it as one histogram. The steps
-    before it are recorded first: the rules see the steps in order."""
-    record_pending(rec)
-    n, bins = len(layers.names), rec.spec.hist_bins
-    e_np = np.asarray(got[HIST_EDGES], dtype=np.float64).reshape(n, bins + 1)
-    c_np = np.asarray(got[HIST_COUNTS], dtype=np.float64).reshape(n, bins).astype(np.int64)
-    for i, name in enumerate(layers.names):
-        rec.store.put(Histogram(step, f"weight/{name}", e_np[i], c_np[i]))
-    stds = {name: weight_std(e_np[i], c_np[i]) for i, name in enumerate(layers.names)}
-    raise_or_hold(rec, rec.engine.observe("hist", step, weight_std=stds))
-    fl = rec.flight
-    seq = [t for s, t in fl.seq_lens if s <= step]
-    fl.seq_lens[:] = [(s, t) for s, t in fl.seq_lens if s > step]
-    if seq:  # on the host, all of them (a device's came with their step's copy)
-        lens = np.concatenate([to_numpy(t).astype(np.float32).reshape(-1) for t in seq])
-        hi = max(float(lens.max()), 1.0)
-        anchors = np.array([0.0, hi], dtype=np.float32)
-        e, c = wprobe.histogram_np(np.concatenate([lens, anchors]), 32)
-        c[0] -= 1  # the two range anchors are not data: pin the range at [0, max]
-        c[-1] -= 1
-        rec.store.put(Histogram(step, "data/seq_len", e.astype(np.float64), c))

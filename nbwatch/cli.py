@@ -199,8 +199,9 @@ def _steer(args: argparse.Namespace) -> int:
         while time.monotonic() < deadline:
             for kind, msg, data in zip(*(run.events[c] for c in ("kind", "message", "data"))):
                 if isinstance(data, dict) and data.get("id") == cid:
-                    say(f"{run_dir.name}: {msg}", err=kind != "action")
-                    return 0 if kind == "action" else 1
+                    refused = kind == "command"  # applied: "action" ("checkpoint": its own)
+                    say(f"{run_dir.name}: {msg}", err=refused)
+                    return 1 if refused else 0
             time.sleep(0.2)
         where = f"{run.state} at step {run.step}"
     finally:

@@ -34,6 +34,24 @@ def generators(data: Any) -> list[torch.Generator]:
     return found
 
 
+def restorable(data: Any) -> bool:
+    """Whether the order of `data`'s passes is one a resume draws again: a fixed sequence,
+    or a DataLoader over a map-style dataset (its sampler draws from the RNGs kept). An
+    iterable dataset's own shuffle (a streaming buffer), a generator's: not known."""
+    if isinstance(data, (list, tuple, range)):
+        return True
+    from torch.utils.data import DataLoader, IterableDataset
+
+    return isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset)
+
+
+def _reused(data: Any) -> bool:
+    """A DataLoader with persistent workers whose iterator is made already: its next pass
+    resets it, which draws its sampler's seed alone (a new one draws the workers' first)."""
+    return bool(getattr(data, "persistent_workers", False)
+                and getattr(data, "_iterator", None) is not None)  # DataLoader's own
+
+
 def open_pass(data: Iterable, order: dict[str, Any] | None = None
               ) -> tuple[Iterator, dict[str, Any]]:
     """A pass over `data` from its start, its first batch drawn at once (a sampler draws its
@@ -42,9 +60,12 @@ def open_pass(data: Iterable, order: dict[str, Any] | None = None
     gens = generators(data)
     now = None
     if order is None:
-        order = {"rng": rng_state(), "generators": [g.get_state() for g in gens]}
+        order = {"rng": rng_state(), "generators": [g.get_state() for g in gens],
+                 "reused": _reused(data), "known": restorable(data)}
     else:
         now = rng_state()
+        if order.get("reused") and not _reused(data):
+            iter(data)  # made (its draws are not the pass's), so that the pass is a reset
         set_rng_state(order["rng"])
         if len(order["generators"]) == len(gens):
             for g, state in zip(gens, order["generators"]):

@@ -56,14 +56,19 @@ class Runner:
             rw.skip_batches += skip
             self._order = rw.data_order
             how = ("its order drawn again under the RNG states it was first drawn with: the "
-                   "batches trained on before" if self._order is not None else
+                   "batches trained on before" if self._order is not None
+                   and self._order.get("known", True) else
+                   "its order drawn again under the RNG states it was first drawn with, but "
+                   "an order drawn elsewhere (an iterable dataset's own shuffle) may differ"
+                   if self._order is not None else
                    "its order drawn anew (the checkpoint keeps none): if it is shuffled, "
                    "not the batches trained on before")
             recorder._emit(Event(recorder.step, "state", "info",
                                  f"resumed at epoch {self._epoch}, batch {skip} of the data: "
                                  f"its first {skip} batches are skipped ({how})",
                                  {"epoch": self._epoch, "skip": skip,
-                                  "order": self._order is not None}))
+                                  "order": self._order is not None
+                                  and self._order.get("known", True)}))
 
     def run(self) -> None:
         self.rec.guarded(self._loop)

@@ -301,6 +301,8 @@ def test_a_script_paused_by_an_alert_is_resumed_and_stopped_from_a_shell(tmp_pat
         resumed = nbwatch_cli("resume", run)
         assert resumed.returncode == 0, resumed.stderr
         assert resumed.stdout.startswith("r: resumed at step 5"), resumed.stdout
+        saved = nbwatch_cli("checkpoint", run)  # its applied outcome: a checkpoint event
+        assert saved.returncode == 0 and "r: manual checkpoint at step" in saved.stdout, saved
         stopped = nbwatch_cli("stop", run)
         assert stopped.returncode == 0 and "r: stop requested at step" in stopped.stdout, stopped
         out, err = proc.communicate(timeout=60)

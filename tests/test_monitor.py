@@ -511,15 +511,16 @@ def test_a_resumed_start_goes_on_from_where_its_data_stood(tmp_path):
     assert mon.events.message.str.contains("resumed at epoch 2, batch 4 of the data").any()
 
 
-@pytest.mark.parametrize("own_generator", [False, True])
+@pytest.mark.parametrize("own_generator, workers", [(False, 0), (True, 0), (False, 1)])
 def test_a_resumed_start_skips_the_batches_a_shuffled_loader_trained_on(tmp_path,
-                                                                       own_generator):
+                                                                       own_generator, workers):
     """A shuffled DataLoader draws each epoch's order when its pass starts (from its
     generator, or torch's RNG): a resume used to skip the right count of batches of a new
     order, so some samples were trained on twice and others never, while the event said
     "not trained on again". The pass is opened again under the RNG states it was first
     opened with: the resumed run (a new process's model, optimizer and loader) trains on the
-    same samples, with the same losses, as a run never stopped."""
+    same samples, with the same losses, as a run never stopped. With persistent workers
+    (one iterator, reset at each later epoch: it draws its sampler's seed alone) too."""
 
     def make():
         torch.manual_seed(0)  # what a script does first, in each process
@@ -527,7 +528,8 @@ def test_a_resumed_start_skips_the_batches_a_shuffled_loader_trained_on(tmp_path
                                     torch.nn.Linear(8, 1))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         loader = torch.utils.data.DataLoader(
-            torch.arange(16.0), batch_size=2, shuffle=True,
+            torch.arange(16.0), batch_size=2, shuffle=True, num_workers=workers,
+            persistent_workers=workers > 0,
             generator=torch.Generator().manual_seed(2) if own_generator else None)
         return model, opt, loader
 

@@ -171,10 +171,10 @@ def _vanishing(w: Window, p: dict) -> str | None:
     if low.any():
         # and not growing out of it: a layer that starts below the others by design (LoRA's
         # A, whose gradient is B's, zero at init; anything after a zero-initialised layer)
-        # climbs; a vanishing one stays down. Rising: its last third's median ratio more
-        # than twice its first third's.
+        # climbs; a vanishing one stays down. Climbing: its own norm's last third's median
+        # more than twice its first third's (its own: the others fall early in training)
         t = max(p["persist"] // 3, 1)
-        first, last = np.median(ratio[:, :t], axis=1), np.median(ratio[:, -t:], axis=1)
+        first, last = np.median(recent[:, :t], axis=1), np.median(recent[:, -t:], axis=1)
         low &= ~(last > 2 * first)
     if low.any():
         names = [layers[i].removeprefix("grad_norm/") for i in np.flatnonzero(low)][:3]

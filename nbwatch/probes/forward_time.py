@@ -5,7 +5,9 @@ alike). `start()`'s runner times its own forwards and data.
 
 Two hooks on the model the Monitor was given; a forward with gradients off (an eval of
 the loop's own) is not counted, nor one being traced by torch.compile (the hooks then
-add nothing to its graph)."""
+add nothing to its graph): a model compiled in place (`model.compile()`), or run through
+`torch.compile(model)` while the Monitor holds `model`, has no `time/busy`, and its
+straggler goes untold; give the Monitor the compiled module."""
 
 from __future__ import annotations
 
@@ -28,8 +30,10 @@ class ForwardClock:
                          module.register_forward_hook(self._post)]
 
     def _pre(self, module: nn.Module, args: Any) -> None:
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            self._t0 = time.perf_counter()
+        # (a forward whose hook after it never ran, a checkpointed recompute cut short,
+        # leaves no start behind for the next one)
+        timed = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        self._t0 = time.perf_counter() if timed else None
 
     def _post(self, module: nn.Module, args: Any, out: Any) -> None:
         if self._t0 is not None:

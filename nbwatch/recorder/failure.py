@@ -79,9 +79,11 @@ def fail(rec: Failing, e: BaseException) -> None:
         msg = f"[rank {rec.dist.rank}/{rec.dist.world}] {msg}"
 
     def say() -> None:
+        if p.error_said:  # a SIGTERM's handler said it, interrupting this (exiting.py)
+            return
+        p.error_said = True
         rec._emit(Event(rec.step, "error", "critical", msg, {"traceback": p.traceback, **data}),
                   logging.ERROR)
-        p.error_said = True
 
     for record in (rec.record_stepped, rec.flush_deferred, say,
                    lambda: rec._set_state("failed"),

@@ -74,7 +74,9 @@ def resolve_rewind(rec: Rewinding, cmd: Command) -> Command:
                f"{target} (checkpoints at steps: {have}); rewind fewer steps, or keep more "
                "with keep_last= or checkpoint_every=") if target >= 0 else (
                f"{back} steps back from step {rec.step} is before the run began "
-               f"(checkpoints at steps: {have}): rewind at most {rec.step} steps")
+               f"(checkpoints at steps: {have})" + (
+                   f": rewind at most {rec.step - rec.ckpt.steps()[0][0]} steps"
+                   if rec.ckpt.steps() else ""))
         return replace(cmd, payload={**cmd.payload, "refused": why})
     return replace(cmd, payload={**cmd.payload, "to": found[-1]})
 

@@ -163,6 +163,7 @@ def sync_ranks(rec: Steered, final: bool = False) -> None:
         rec.flush_deferred()  # paused: the page shows the step it is paused at
         if d.rank == 0:
             time.sleep(0.1)  # the others wait in the next exchange
+        rec.flight.t_boundary = time.perf_counter()  # the pause is no step's time
 
 
 def record_ranks(rec: Steered, rows: list) -> None:

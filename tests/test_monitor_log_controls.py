@@ -453,3 +453,34 @@ def test_reduce_lr_on_plateau_is_the_runs_scheduler_its_cuts_expected(tmp_path, 
                     weights_only=False)
     assert ck["scheduler"]["num_bad_epochs"] == sched.num_bad_epochs
     assert ck["scheduler"]["best"] == 2.0
+
+
+@pytest.mark.parametrize("per_micro", [False, True])
+def test_a_scheduler_stepped_per_micro_batch_is_said_once(tmp_path, per_micro):
+    """Gradient accumulation of 4 with `scheduler.step()` after each micro-batch: the
+    schedule runs 4× faster than the optimizer's steps, and the LR was recorded as it is
+    with no word. One warning says so (and how to fix it); a loop that steps it once per
+    optimizer step hears nothing."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.99 ** s)
+    with nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False) as mon:
+        for _ in range(10):
+            for _ in range(4):
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                if per_micro:
+                    sched.step()
+            opt.step()
+            if not per_micro:
+                sched.step()
+            opt.zero_grad()
+            mon.log(loss=torch.tensor(1.0))
+    said = mon.events[mon.events.message.str.startswith("the scheduler stepped")]
+    if per_micro:
+        assert len(said) == 1 and "4 times" in said.message.iloc[0], said.message.tolist()
+        assert said.severity.iloc[0] == "warning"
+    else:
+        assert said.empty
+    # the LR each step used: 4 scheduler steps a step (its own micro-batches' included)
+    assert mon.df["lr"].iloc[-1] == pytest.approx(0.1 * 0.99 ** (40 if per_micro else 9))

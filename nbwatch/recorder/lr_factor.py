@@ -18,6 +18,8 @@ import torch
 
 from .. import controls as ctl
 
+OVER = 3  # steps running with several scheduler steps each before it is said
+
 
 class LrFactor:
     """The factor of `control` on the optimizer's LRs, around the scheduler's steps."""
@@ -34,6 +36,7 @@ class LrFactor:
         self._sched_count: int | None = None  # the scheduler's step count at the post-hook
         self._sched_at_end: int | None = None  # … and at the last end of step
         self.explained = False  # a control moved the LR: the next step's change is planned
+        self._over = 0  # steps running whose scheduler stepped more than once (end_step)
 
     def off(self) -> None:
         """The optimizer stepped: take the factor off, so the scheduler (or the loop, without
@@ -72,12 +75,28 @@ class LrFactor:
         scheduler nbwatch knows: the loop may set the LR before then)."""
         return self.sched is None
 
-    def end_step(self) -> None:
-        """The step's end: the scheduler's count, to tell whether it stepped by the next."""
+    def end_step(self) -> str | None:
+        """The step's end: the scheduler's count, to tell whether it stepped by the next.
+        Returns a warning, once, when the scheduler stepped more than once per optimizer
+        step at `OVER` steps running (stepped per micro-batch under accumulation, or twice
+        in the loop): its schedule then runs that much faster than the steps."""
+        said = None
         if self.sched is not None:
-            self._sched_at_end = ctl.steps_taken(self.sched)
+            n, before = ctl.steps_taken(self.sched), self._sched_at_end
+            if isinstance(n, int) and isinstance(before, int) and self._over >= 0:
+                self._over = self._over + 1 if n - before > 1 else 0
+                if self._over >= OVER:
+                    self._over = -1  # said once a run
+                    said = (f"the scheduler stepped {n - before} times since the last "
+                            f"optimizer step, at {OVER} steps running: its schedule runs "
+                            f"{n - before}× faster than the optimizer's steps (the LR is "
+                            "recorded as it is). Call scheduler.step() once per optimizer "
+                            "step: with gradient accumulation, after optimizer.step(), not "
+                            "after each micro-batch")
+            self._sched_at_end = n
         if self.on_metric is not None:
             self._metric_ends = [self._metric_ends[1], ctl.steps_taken(self.on_metric)]
+        return said
 
     def planned(self) -> bool:
         """The LR of the step just ended moved as planned: the scheduler stepped since the

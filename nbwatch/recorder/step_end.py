@@ -168,7 +168,9 @@ def _end_step(rec: Recording, values: dict[str, float], names: list[str] | None,
         this.clock = step_clock(rec)
     if isinstance(scale, torch.Tensor):
         fl.scale_ref = scale.clone()  # no sync: compared on overflow only
-    rec.lr.end_step()
+    said = rec.lr.end_step()
+    if said is not None:
+        rec._emit(Event(step, "probe", "warning", said, {"scheduler": "steps"}))
     fl.t_boundary, fl.timed = time.perf_counter(), True
     return step
 

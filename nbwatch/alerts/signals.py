@@ -51,11 +51,9 @@ def _grad_explosion(w: Window, p: dict) -> str | None:
     g = w.latest.get("grad_norm/global")
     if g is None or not math.isfinite(g):
         return None
-    # the limit its step was clipped against on the device (the engine gives it, from the
-    # norms of the steps before: AlertEngine.norms), else from the window's steps before
-    limit = p.get(USED_LIMIT)
-    if limit is None:
-        limit = _explosion_limit(w, p)
+    # the limit its step was clipped against on the device (AlertEngine.observe gives it,
+    # from the norms of the steps before: AlertEngine.norms)
+    limit = p[USED_LIMIT]
     if not g > limit:
         return None
     if g > p["absolute"] or limit >= p["absolute"]:

@@ -8,10 +8,10 @@ for every step. It is compared when something may have changed: torch's global h
 mark a module or parameter registered anywhere (`model.head = nn.Linear(...)`), the
 optimizer's groups are counted at every step (cheap), the optimizer's parameters frozen
 when measured are asked whether they still are (a layer unfrozen, `requires_grad_()`: a
-flag read per frozen tensor, nothing where none is), a step where a measured parameter
-has no gradient asks whether one was frozen in place (`note_gradless`: nothing when every
-one has a gradient), and every `RESCAN_EVERY` seconds (a model parameter no optimizer
-holds, switched on). Under torchrun only the optimizer's
+flag read per frozen tensor, nothing where none is), a step where more or fewer measured
+parameters than at the last have no gradient asks whether one was frozen in place
+(`note_gradless`: nothing while the count holds), and every `RESCAN_EVERY` seconds (a
+model parameter no optimizer holds, switched on). Under torchrun only the optimizer's
 groups and frozen tensors are compared: every rank sees them change at the same step,
 where a clock or a hook of one process would re-layer the ranks at different steps
 (FSDP2's all-reduce of the per-parameter norms would then mismatch).
@@ -81,6 +81,7 @@ class LayerWatch:
         self._frozen = _frozen(optimizer, layers)
         self._dirty = False
         self._froze = False  # a measured parameter was frozen in place (note_gradless)
+        self._missing = 0  # how many measured parameters had no gradient, at the last look
         self._next = time.monotonic() + RESCAN_EVERY
         ref = weakref.ref(self)
 
@@ -109,11 +110,15 @@ class LayerWatch:
         self._ids, self._frozen = ids, _frozen(self.opt, new)
         return new
 
-    def note_gradless(self, layers: Layers) -> None:
-        """Some of `layers`' parameters had no gradient at this step: where one of them
-        was frozen in place (`requires_grad_(False)`), the layers are compared at the next
-        step (under torchrun too: a freeze is the program's, the same on every rank)."""
-        if any(p.grad is None and not p.requires_grad for p in layers.params):
+    def note_gradless(self, layers: Layers, missing: int) -> None:
+        """`missing` of `layers`' parameters had no gradient at this step: where that count
+        changed and one of them was frozen in place (`requires_grad_(False)`), the layers
+        are compared at the next step (under torchrun too: a freeze is the program's, the
+        same on every rank). A count that holds (an unused pooler) costs no look."""
+        if missing == self._missing:
+            return
+        self._missing = missing
+        if missing and any(p.grad is None and not p.requires_grad for p in layers.params):
             self._froze = True
 
     def close(self) -> None:

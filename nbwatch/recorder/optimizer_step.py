@@ -140,8 +140,8 @@ def pre_step(rec: Measuring, explicit: bool = True, clips: list | None = None,
     lrs = ctl.lrs(rec.opt)
     host = {"lr": lrs[0], **{f"lr/group{i}": lr for i, lr in enumerate(lrs[1:], start=1)}}
     norms, layer_of, grads = param_grad_norms(rec.layers)
-    if len(grads) < len(rec.layers.params):  # a layer frozen in place: gone from the next
-        rec.layer_watch.note_gradless(rec.layers)
+    # a layer frozen in place: gone from the next step
+    rec.layer_watch.note_gradless(rec.layers, len(rec.layers.params) - len(grads))
     staged_names, staged = fl.staged if fl.staged is not None else ([], [])
     fl.staged = None
     clips = clips or []

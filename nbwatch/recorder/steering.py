@@ -117,14 +117,10 @@ def apply_commands(rec: Steered, block: bool = True) -> None:
     if p.paused and block and not rec.spec.trial:
         rec.flush_deferred()  # the page shows the step it is paused at
         rec.store.flush()
-    waited = False
     while p.paused and block and not rec.spec.trial:
-        waited = True
         got = rec.commands.get(timeout=0.1)
         for one in ([got] if got else []) + poll_commands(rec):
             apply(rec, one)
-    if waited:  # the next step's time starts now, not before the pause
-        rec.flight.t_boundary = time.perf_counter()
 
 
 def sync_ranks(rec: Steered, final: bool = False) -> None:
@@ -163,7 +159,6 @@ def sync_ranks(rec: Steered, final: bool = False) -> None:
         rec.flush_deferred()  # paused: the page shows the step it is paused at
         if d.rank == 0:
             time.sleep(0.1)  # the others wait in the next exchange
-        rec.flight.t_boundary = time.perf_counter()  # the pause is no step's time
 
 
 def record_ranks(rec: Steered, rows: list) -> None:
@@ -260,6 +255,7 @@ def do_resume(rec: Steered, cmd: Command) -> Outcome:
     if not rec.progress.paused:
         return Refused(f"the run is not paused (step {rec.step})")
     rec._set_state("running")
+    rec.flight.t_boundary = time.perf_counter()  # the pause is no step's time
     return Applied(f"resumed at step {rec.step}")
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from .alerts import health
 from .counts import real
 from .probes.activations import capture_block_rms, capture_outputs, logit_figures
-from .probes.attention import capture_attention
+from .probes.attention import capture_attention, has_attention
 from .records import Attention
 from .samples import capped_text
 
@@ -32,6 +32,7 @@ class EvalResult:
     attention: list[Attention] = field(default_factory=list)
     sample: Any = None  # what sample_fn returned (nbwatch.samples makes it storable)
     probe_error: str | None = None  # the default probe forward did not fit the model
+    probe_severity: str = "warning"  # "info": a model without attention layers, as expected
     # {figures: why} the probe pass could not take on this model ("logits"), with the line
     # to add; the probe stays on, and the recorder says each once a run
     probe_notes: dict[str, str] = field(default_factory=dict)
@@ -274,7 +275,13 @@ def evaluate(model: nn.Module, spec: Any, step: int, train_loss: float | None,
                             f"the attention probe's forward {guess.what} failed "
                             f"({type(e).__name__}: {str(e)[:200]}); say how the model takes "
                             "the probe batch: " + guess.fix_with("..."))
-            if not maps and out.probe_error is None:
+            if not maps and out.probe_error is None and not has_attention(target):
+                out.probe_severity = "info"  # a CNN, an MLP, an RNN: nothing went wrong
+                out.probe_error = (
+                    "the attention probe saw no attention weights: the model has no "
+                    "attention layer (no nn.MultiheadAttention, no module named attn or "
+                    "attention); the probe is off for this run")
+            elif not maps and out.probe_error is None:
                 out.probe_error = (
                     "the attention probe saw no attention weights (no "
                     "F.scaled_dot_product_attention, nn.MultiheadAttention or attention "

@@ -118,7 +118,7 @@ class Runner:
                 what = "the first eval (val_fn, the attention probe or sample_fn)"
                 result = evaluate(rec.model, spec, rec.step, None)
                 if result.probe_error is not None:
-                    rec.probe_failed(result.probe_error)
+                    rec.probe_failed(result.probe_error, result.probe_severity)
         except Exception as e:
             raise RuntimeError(
                 f"{what} failed in the dry run before step 1, so the run stopped there "

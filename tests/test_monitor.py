@@ -463,6 +463,30 @@ def test_a_model_without_attention_says_so_once(tmp_path):
               display=False).wait()
     probes = mon.events.query("kind == 'probe'")
     assert len(probes) == 1 and "no attention weights" in probes.message.iloc[0]
+    # nothing went wrong: an info, where an attention the probe cannot see warns
+    assert probes.severity.iloc[0] == "info" and "no attention layer" in probes.message.iloc[0]
+
+
+def test_an_attention_the_probe_cannot_see_warns(tmp_path):
+    class Attn(torch.nn.Module):  # hand-written: no SDPA, no weights returned
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(4, 12)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).chunk(3, -1)
+            return (q @ k.transpose(-1, -2)).softmax(-1) @ v
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Attn(), torch.nn.Linear(4, 1))
+    mon = nbwatch.Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          run_dir=tmp_path / "r")
+    data = [torch.randn(2, 3, 4) for _ in range(4)]
+    mon.start(lambda m, x: m(x).square().mean(), data, max_steps=4, eval_every=2,
+              display=False).wait()
+    probes = mon.events.query("kind == 'probe'")
+    assert len(probes) == 1 and probes.severity.iloc[0] == "warning", probes.message.tolist()
+    assert "F.scaled_dot_product_attention" in probes.message.iloc[0]
 
 
 def test_a_monitor_let_go_frees_its_model_and_optimizer(tmp_path):

@@ -484,3 +484,22 @@ def test_a_scheduler_stepped_per_micro_batch_is_said_once(tmp_path, per_micro):
         assert said.empty
     # the LR each step used: 4 scheduler steps a step (its own micro-batches' included)
     assert mon.df["lr"].iloc[-1] == pytest.approx(0.1 * 0.99 ** (40 if per_micro else 9))
+
+
+def test_a_manual_checkpoint_on_a_periodic_step_is_one_file_and_one_event(tmp_path):
+    model, opt, sched, batches = setup()
+    mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False,
+                          checkpoint_every=4)
+    steps = own_steps(model, opt, sched, batches)
+    for i in range(1, 7):
+        loss, b = next(steps)
+        if i == 4:
+            mon.checkpoint()  # heard at step 4's boundary, after its periodic checkpoint
+        mon.log(loss=loss, mask=b["mask"])
+    mon.close()
+    ev = mon.events
+    at4 = ev[(ev.step == 4) & (ev.kind == "checkpoint")]
+    assert len(at4) == 1 and "periodic" in at4.message.iloc[0], at4.message.tolist()
+    said = ev[(ev.step == 4) & ev.message.str.startswith("manual checkpoint")]
+    assert len(said) == 1 and "written already" in said.message.iloc[0]
+    assert said.message.iloc[0].endswith(os.path.basename(at4.data.iloc[0]["path"]))

@@ -116,9 +116,9 @@ class ExternalLoop:
         """The framework evaluated: its figures, the attention probe, the sample."""
         self._rec.evaluate(figures)
 
-    def probe_failed(self, message: str) -> None:
+    def probe_failed(self, message: str, severity: str = "warning") -> None:
         """The attention probe cannot work on this model: said once, then off."""
-        self._rec.probe_failed(message)
+        self._rec.probe_failed(message, severity)
 
     # -- checkpoints ---------------------------------------------------------------------
     def commit(self) -> None:

@@ -293,6 +293,16 @@ def capture_attention(
                     keep(path, w)
 
 
+def has_attention(model: nn.Module) -> bool:
+    """Whether any module looks like attention: an `nn.MultiheadAttention`, or one whose
+    class or name says attention (`attn`, `attention`). A CNN or an MLP has none."""
+    for name, mod in unwrapped(model).named_modules():
+        words = (type(mod).__name__ + " " + name.rsplit(".", 1)[-1]).lower()
+        if isinstance(mod, nn.MultiheadAttention) or "attn" in words or "attention" in words:
+            return True
+    return False
+
+
 def _looks_like_attention(w: Any) -> bool:
     """[B, H, T, S], non-negative, each row summing to 1 (or 0 where fully masked), and
     some row summing to 1: T5's all-zero position bias, returned beside the weights, is

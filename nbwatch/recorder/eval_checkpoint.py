@@ -36,6 +36,7 @@ class EvalState:
     last_val: float | None = None  # the newest finite val loss, until a checkpoint takes it
     last_val_step: int | None = None  # its step: only a checkpoint of that step is "best"
     ckpt_step: int | None = None  # the step of the newest checkpoint
+    ckpt_name: str = ""  # its file or folder
     probe_said: set[str] = field(default_factory=set)  # figures the probe cannot take, said
 
 
@@ -77,7 +78,7 @@ def run_eval(rec: Evaluating, val: Any = None, probe_only: bool = False) -> None
         rec.evals.last_val = v if math.isfinite(v) else None  # NaN is never "best"
         rec.evals.last_val_step = step
     if result.probe_error is not None:
-        probe_failed(rec, result.probe_error)
+        probe_failed(rec, result.probe_error, result.probe_severity)
     for missing, why in result.probe_notes.items():
         probe_note(rec, missing, why)
     for a in result.attention:
@@ -113,10 +114,11 @@ def step_done(rec: Evaluating, eval_due: bool = False, val: Any = None,
     elif rec.spec.checkpoint_every and rec.step % rec.spec.checkpoint_every == 0:
         checkpoint(rec, "periodic")
 
-def probe_failed(rec: Evaluating, message: str) -> None:
-    """The attention probe cannot work on this model: said once, then off."""
+def probe_failed(rec: Evaluating, message: str, severity: str = "warning") -> None:
+    """The attention probe cannot work on this model: said once, then off ("info": a
+    model without attention layers)."""
     rec.spec.attention_samples = 0
-    rec._emit(Event(rec.step, "probe", "warning", message))
+    rec._emit(Event(rec.step, "probe", severity, message))
 
 def probe_note(rec: Evaluating, missing: str, message: str) -> None:
     """Figures the probe pass cannot take on this model (`missing`: "logits"), the probe
@@ -130,7 +132,7 @@ def note_checkpoint(rec: Evaluating, reason: str, path: str | Path, seconds: flo
     """Record a checkpoint the framework wrote (a folder or a file)."""
     path = Path(path)
     size = _dir_bytes(path) if path.exists() else 0
-    rec.evals.ckpt_step = rec.step
+    rec.evals.ckpt_step, rec.evals.ckpt_name = rec.step, path.name
     took = f" in {seconds:.2f} s" if seconds is not None else ""
     rec._emit(Event(rec.step, "checkpoint", "info",
                      f"{reason} checkpoint at step {rec.step}: {path.name}, "
@@ -172,9 +174,17 @@ def commit(rec: Evaluating) -> None:
 
 def write_checkpoint(rec: Evaluating, reason: str, announce: bool = True) -> Event | None:
     """Write a checkpoint; returns its event (recorded here unless `announce` is False:
-    a command's outcome records it), or None where nbwatch wrote none itrec."""
-    if reason in ("final", "stop") and rec.evals.ckpt_step == rec.step:
-        return None  # the periodic checkpoint of this very step is the final one
+    a command's outcome records it), or None where nbwatch wrote none itself."""
+    st = rec.evals
+    if st.ckpt_step == rec.step:  # these weights are on disk already (the periodic's)
+        if reason in ("final", "stop"):
+            return None
+        done = Event(rec.step, "action", "info",
+                     f"{reason} checkpoint at step {rec.step}: written already, "
+                     f"{st.ckpt_name}", {"path": st.ckpt_name, "already": True})
+        if announce:
+            rec._emit(done)
+        return done
     commit(rec)
     if rec.save_fn is not None:  # the framework saves (on every rank, its own way)
         rec.save_fn(reason)
@@ -184,9 +194,8 @@ def write_checkpoint(rec: Evaluating, reason: str, announce: bool = True) -> Eve
         return None
     try:
         # the val loss of these weights only (an eval off the checkpoint steps: no "best")
-        evals = rec.evals
         saved = rec.ckpt.save(state_dict(rec), rec.step,
-                              evals.last_val if evals.last_val_step == rec.step else None)
+                              st.last_val if st.last_val_step == rec.step else None)
     except Exception as e:  # recorded here; the run then fails with it (a full disk)
         first = (str(e).strip().splitlines() or [""])[0]
         with contextlib.suppress(Exception):  # a dead store: the error matters more
@@ -195,8 +204,8 @@ def write_checkpoint(rec: Evaluating, reason: str, announce: bool = True) -> Eve
                              {"reason": reason, "failed": True,
                               "error": f"{type(e).__name__}: {first}"}))
         raise
-    rec.evals.ckpt_step = rec.step
-    rec.evals.last_val = None  # "best" compares checkpoints taken right after an eval
+    st.ckpt_step, st.ckpt_name = rec.step, saved.path.name
+    st.last_val = None  # "best" compares checkpoints taken right after an eval
     msg = (f"{reason} checkpoint at step {rec.step}: {saved.path.name}, "
            f"{saved.bytes / 2**20:.1f} MiB in {saved.seconds:.2f} s"
            + (" (best)" if saved.best else ""))

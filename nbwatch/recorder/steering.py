@@ -276,6 +276,8 @@ def do_checkpoint(rec: Steered, cmd: Command) -> Outcome:
     ev = rec._checkpoint("manual", announce=False)
     if ev is None:  # the framework saves its own way, or a trial writes nothing
         return Applied(f"manual checkpoint at step {rec.step} asked of the framework")
+    if ev.data.get("already"):  # one file, one checkpoint event
+        return Applied(ev.message)
     return Applied(ev.message, kind="checkpoint", event_data=ev.data)
 
 

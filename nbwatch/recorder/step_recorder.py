@@ -250,9 +250,9 @@ class StepRecorder:
         """The one policy after a step, in every loop: see `eval_checkpoint.step_done`."""
         ec.step_done(self, eval_due, val, probe)
 
-    def probe_failed(self, message: str) -> None:
+    def probe_failed(self, message: str, severity: str = "warning") -> None:
         """The attention probe cannot work on this model: said once, then off."""
-        ec.probe_failed(self, message)
+        ec.probe_failed(self, message, severity)
 
     def probe_note(self, missing: str, message: str) -> None:
         ec.probe_note(self, missing, message)

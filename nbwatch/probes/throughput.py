@@ -104,16 +104,18 @@ def model_shape(model: object) -> tuple[int, int, int, int | None]:
     """(N, layers, d_model, context) of a Transformer, for `flops_per_token`. N counts the
     parameters a token's matmuls use: every parameter once (tied ones once), less the
     embedding tables that are only looked up (a position table; an input table not tied
-    to the output layer). A Hugging Face config gives layers, width and context; other
+    to the output layer), a routed expert's k/E times (`experts.find_experts`: top-k of E
+    experts). A Hugging Face config gives layers, width and context; other
     models: the attention modules (outermost), the first embedding's width and a `ctx`
     attribute. layers or d_model 0 where they cannot be told: 6·N alone."""
     from torch import nn
 
+    from .experts import find_experts
     from .paths import unwrapped
 
     assert isinstance(model, nn.Module)
     model = unwrapped(model)  # a DDP wrapper has no config
-    n = sum(p.numel() for p in matmul_params(model))
+    n = round(find_experts(model).active(matmul_params(model)))
     cfg = getattr(model, "config", None)
 
     def read(*names: str) -> int | None:
@@ -169,6 +171,7 @@ class Mfu:
                  peak: float | None, n_trained: int | None = None):
         self.n, self.layers, self.d, self.ctx, self.peak = n_params, layers, d_model, ctx, peak
         self.n_trained = n_trained
+        self.unknown_experts: list[str] = []  # routed experts counted whole: top-k unknown
 
     @classmethod
     def of(cls, model: object, peak: float | None) -> Mfu:
@@ -177,14 +180,20 @@ class Mfu:
         GPU's by its name (None on a CPU or an unknown GPU: TFLOP/s alone)."""
         from torch import nn
 
+        from .experts import find_experts
+        from .paths import unwrapped
+
         assert isinstance(model, nn.Module)
         dev = next((p.device for p in model.parameters()), None)
         if peak is None and dev is not None and dev.type == "cuda":
             import torch
 
             peak = peak_flops(torch.cuda.get_device_name(dev))
-        trained = sum(p.numel() for p in matmul_params(model) if p.requires_grad)
-        return cls(*model_shape(model), peak, n_trained=trained)
+        experts = find_experts(unwrapped(model))
+        trained = experts.active([p for p in matmul_params(model) if p.requires_grad])
+        out = cls(*model_shape(model), peak, n_trained=round(trained))
+        out.unknown_experts = experts.unknown
+        return out
 
     def seq_len(self, values: dict[str, float]) -> float:
         tokens, samples = values.get("throughput/tokens_per_s"), values.get(

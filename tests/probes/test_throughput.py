@@ -2,6 +2,7 @@
 the peak table by device name, and a real run that records TFLOP/s (and MFU with a peak)."""
 
 import pytest
+import torch
 
 import nbwatch
 from nbwatch.demo import TinyGPT, make_demo
@@ -95,3 +96,46 @@ def test_a_cpu_run_records_tflops_and_with_a_given_peak_mfu(tmp_path):
     assert (tflops > 0).all() and mfu.equals(tflops)  # peak 1 TFLOP/s: MFU = TFLOP/s
     lo = df["throughput/tokens_per_s"] * 6 * n / 1e12  # the attention term only adds
     assert (tflops > lo).all() and (tflops <= lo * (1 + 2 * layers * ctx * d / n) * 1.0001).all()
+
+
+def test_a_routed_expert_counts_top_k_of_its_experts_per_token():
+    """Mixtral top-1 of 8: a token's matmuls use one expert's weights, not all eight
+    (counting them all overstated TFLOP/s and MFU 4.7× on this model)."""
+    tf = pytest.importorskip("transformers")
+    cfg = tf.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                           num_local_experts=8, num_experts_per_tok=1)
+    model = tf.MixtralForCausalLM(cfg)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    lookups = model.model.embed_tokens.weight.numel()
+    n, *_ = model_shape(model)
+    assert n == sum(p.numel() for p in model.parameters()) - lookups - experts * 7 / 8
+    mfu = Mfu.of(model, peak=None)
+    assert (mfu.n, mfu.n_trained, mfu.unknown_experts) == (n, n, [])
+
+
+class _Moe(torch.nn.Module):  # a hand-written top-1 MoE: one expert per token
+    def __init__(self, top_k=None):
+        super().__init__()
+        self.router = torch.nn.Linear(8, 4)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        if top_k is not None:
+            self.top_k = top_k
+
+    def forward(self, x):
+        idx = self.router(x).argmax(-1)
+        return torch.stack([self.experts[int(i)](r) for r, i in zip(x, idx)])
+
+
+def test_a_hand_written_moe_says_when_its_top_k_is_unknown(tmp_path):
+    told = _Moe(top_k=1)
+    one = sum(p.numel() for p in told.experts[0].parameters())
+    assert model_shape(told)[0] == sum(p.numel() for p in told.router.parameters()) + one
+    model = _Moe()
+    assert model_shape(model)[0] == sum(p.numel() for p in model.parameters())
+    mon = nbwatch.Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          run_dir=tmp_path / "r", display=False)
+    mon.start(lambda m, x: m(x).square().mean(), [torch.randn(4, 8)] * 3, max_steps=3,
+              display=False).wait()
+    said = mon.events[mon.events.message.str.contains("upper bounds")]
+    assert len(said) == 1 and "experts" in said.message.iloc[0] and "top_k" in said.message.iloc[0]

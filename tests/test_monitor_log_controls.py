@@ -503,3 +503,36 @@ def test_a_manual_checkpoint_on_a_periodic_step_is_one_file_and_one_event(tmp_pa
     said = ev[(ev.step == 4) & ev.message.str.startswith("manual checkpoint")]
     assert len(said) == 1 and "written already" in said.message.iloc[0]
     assert said.message.iloc[0].endswith(os.path.basename(at4.data.iloc[0]["path"]))
+
+
+def test_a_gan_is_watched_by_one_monitor_per_network(tmp_path):
+    """Generator and discriminator trained in turns, each by its own optimizer: one
+    Monitor each, in one loop; each run's norms are its own network's."""
+    torch.manual_seed(0)
+    g, d = torch.nn.Linear(4, 8), torch.nn.Sequential(torch.nn.Linear(8, 1))
+    opt_g, opt_d = torch.optim.Adam(g.parameters(), 1e-3), torch.optim.Adam(d.parameters(), 1e-3)
+    mon_g = nbwatch.Monitor(g, opt_g, run_dir=tmp_path / "G", display=False)
+    mon_d = nbwatch.Monitor(d, opt_d, run_dir=tmp_path / "D", display=False)
+    norms: dict[str, list[float]] = {"G": [], "D": []}
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    for _ in range(5):
+        real, fake = torch.randn(16, 8), g(torch.randn(16, 4))
+        loss_d = bce(d(real), torch.ones(16, 1)) + bce(d(fake.detach()), torch.zeros(16, 1))
+        loss_d.backward()
+        norms["D"].append(torch.nn.utils.get_total_norm([p.grad for p in d.parameters()]).item())
+        opt_d.step()
+        opt_d.zero_grad()
+        mon_d.log(loss=loss_d)
+        loss_g = bce(d(fake), torch.ones(16, 1))
+        loss_g.backward()  # D's gradients too: zeroed before D's next backward, its own
+        norms["G"].append(torch.nn.utils.get_total_norm([p.grad for p in g.parameters()]).item())
+        opt_g.step()
+        opt_g.zero_grad()
+        d.zero_grad()
+        mon_g.log(loss=loss_g)
+    mon_g.close()
+    mon_d.close()
+    for name in ("G", "D"):
+        df = nbwatch.open_run(tmp_path / name).df
+        assert list(df.index) == [1, 2, 3, 4, 5]
+        assert df["grad_norm/global"].tolist() == pytest.approx(norms[name], rel=1e-5)

@@ -67,7 +67,9 @@ class NbwatchCallback(Adapter, pl.Callback):
         if len(trainer.optimizers) > 1:
             raise RuntimeError(
                 "nbwatch.lightning measures and steers one optimizer; this module configures "
-                f"{len(trainer.optimizers)}: put their parameter groups in one optimizer")
+                f"{len(trainer.optimizers)}: put their parameter groups in one optimizer "
+                "where they train together; networks trained in turns (a GAN) need a loop "
+                "of your own, with one nbwatch.Monitor per network and its optimizer")
         opt = trainer.optimizers[0]
         sched = None  # one stepped with the optimizer, else a ReduceLROnPlateau
         for cfg in trainer.lr_scheduler_configs:

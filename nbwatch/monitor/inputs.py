@@ -161,8 +161,11 @@ def check_covers(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
                                           else "")
         warnings.warn(
             f"{len(left)} of the model's {len(trainable)} trainable parameters are not in the "
-            f"optimizer ({shown}): they get gradients but never change. Freeze them "
-            "(p.requires_grad_(False)) if that is deliberate, or add them to the optimizer",
+            f"optimizer ({shown}): they get gradients, counted in the norms, but this "
+            "optimizer never changes them. Freeze them (p.requires_grad_(False)) if that "
+            "is deliberate, or add them to the optimizer; if another optimizer trains them "
+            "(a GAN's discriminator), give that network its own Monitor and this one only "
+            "the network this optimizer trains",
             stacklevel=3)
 
 

@@ -171,12 +171,18 @@ class OptimizerWatch:
             return
         if self._inside_step == threading.get_ident():
             return  # a wrapper's inner optimizer (ZeroRedundancyOptimizer, Lookahead…)
-        if any(id(p) in self.param_ids for g in optimizer.param_groups for p in g["params"]):
+        shared = sum(p.numel() for g in optimizer.param_groups for p in g["params"]
+                     if id(p) in self.param_ids)
+        if shared:
             raise RuntimeError(
-                f"a second optimizer ({type(optimizer).__name__}) steps parameters of the "
-                f"monitored model, but the Monitor was given {type(self.optimizer).__name__}; "
-                "nbwatch measures and steers one optimizer: put all parameter groups in the "
-                "optimizer you pass to nbwatch.Monitor"
+                f"a second optimizer ({type(optimizer).__name__}, over {shared:,} of the "
+                "monitored model's weights) steps parameters of the monitored model, but "
+                f"the Monitor was given another ({type(self.optimizer).__name__}); one "
+                "Monitor measures and steers one optimizer: put all parameter groups in "
+                "the optimizer you pass to nbwatch.Monitor, or, where each network has its "
+                "own optimizer (a GAN's generator and discriminator), give each network its "
+                "own Monitor: Monitor(G, opt_g, run_dir=.../G) and "
+                "Monitor(D, opt_d, run_dir=.../D)"
             )
         self._foreign_ok.add(optimizer)
 

@@ -115,11 +115,24 @@ def test_plateau_fires_on_a_flat_loss_only():
     assert names(fired) == ["plateau"] and fired[0].step >= 2000
 
 
-def test_lr_change_reports_big_moves_only():
-    lr = lambda s: 1e-3 * min(s / 100, 1.0)  # noqa: E731  warmup from 1e-5
+def test_lr_change_reports_one_step_jumps_only():
+    """A schedule the loop writes itself (nanoGPT's get_lr: warm-up from 1e-5, then a
+    cosine down 10×) is quiet: its warm-up rises at every step, its decay moves a few % a
+    step. A hand-set drop ×0.1 fires, once, and a jump up after it too."""
+    def lr(s):
+        if s == 250:
+            return 3e-3  # set by hand, up
+        if s >= 200:
+            return 1e-5  # by hand, down
+        return 1e-3 * s / 100 if s <= 100 else 1e-4 + 4.5e-4 * (1 + math.cos(math.pi * (
+            s - 100) / 100))
+    fired = feed(engine(), 199, **{"lr": lr})
+    assert names(fired) == []
     fired = feed(engine(), 300, **{"lr": lr})
-    assert names(fired) == ["lr_change"] * 6  # 1e-5 → 2e-5 → … → 1e-3: doublings only
+    assert [(a.rule.name, a.step) for a in fired] == [
+        ("lr_change", 200), ("lr_change", 250), ("lr_change", 251)]
     assert all(a.rule.severity == "info" for a in fired)
+    assert 'alerts={"lr_change": False}' in fired[0].message
 
 
 def test_val_spike_checkpoints_and_cuts_lr():

@@ -197,7 +197,8 @@ class AlertEngine:
         self._grads_saw: tuple[int, frozenset[str]] | None = None
         self._active: dict[str, bool] = {}
         self._clear: dict[str, int] = {}
-        self._lr_reported: float | None = None
+        self._lr_before: float | None = None  # the LR of the step before
+        self._lr_rising = True  # risen at every step since the run began: a warm-up
         self._lr_explained = False
         self._weight_start: dict[str, float] = {}
 
@@ -243,11 +244,15 @@ class AlertEngine:
         elif values:
             w.latest = values
         if phase == "step":
-            lr = w.latest.get("lr")
-            if (self._lr_reported is None or self._lr_explained) and lr is not None:
-                self._lr_reported = lr  # the reference follows a planned change
+            lr, before = w.latest.get("lr"), self._lr_before
+            if lr is not None:
+                if before is not None:
+                    self._lr_rising = self._lr_rising and lr > before
+                self._lr_before = lr
+            # a planned change (the scheduler's, a control's) is no news
+            w.extra = {"lr_before": None if self._lr_explained else before,
+                       "lr_rising": self._lr_rising}
             self._lr_explained = False
-            w.extra = {"lr_reported": self._lr_reported}
         elif phase == "hist":
             stds = extra.get("weight_std", {})
             for n, s in stds.items():
@@ -281,8 +286,6 @@ class AlertEngine:
             if active.get(rule.name) and not rule.repeats:
                 continue
             active[rule.name] = True
-            if rule.name == "lr_change":
-                self._lr_reported = w.latest.get("lr")
             if rule.spike_of is not None:
                 msg, data = self._spike(rule, phase, step, msg, data, values)
             fired.append(Alert(rule, step, msg, data))

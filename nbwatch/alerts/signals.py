@@ -272,13 +272,18 @@ def _nonfinite_val(w: Window, p: dict) -> str | None:
 
 
 def _lr_change(w: Window, p: dict) -> str | None:
+    # one step's jump, not a schedule's drift (a hand-written cosine moves the LR 10× over a
+    # run, a few % a step); nor a warm-up's rise (the LR risen at every step so far)
     lr = w.latest.get("lr")
-    ref = w.extra.get("lr_reported")
+    ref = w.extra.get("lr_before")
     if lr is None or ref is None or lr <= 0 or ref <= 0:
         return None
+    if lr > ref and w.extra.get("lr_rising", False):
+        return None
     if max(lr / ref, ref / lr) >= p["factor"]:
-        return (f"LR changed {ref:.3g} → {lr:.3g}, not by the scheduler or a control (set in "
-                f"the loop? pass the scheduler to Monitor to have its changes expected)")
+        return (f"LR changed {ref:.3g} → {lr:.3g} in one step, not by the scheduler or a "
+                "control (set in the loop? pass its scheduler to Monitor to have its changes "
+                'expected, or turn this off: alerts={"lr_change": False})')
     return None
 
 
@@ -421,6 +426,7 @@ def _base_rules() -> list[Rule]:
              "one DDP rank's median step time > 20% above the others'",
              schema={"slower": POSITIVE}),
         Rule("lr_change", "info", "step", _lr_change, {"factor": 2.0}, (), 1,
-             "the LR moved 2× from the last reported value, and neither the scheduler nor a "
-             "control moved it", schema={"factor": number(1, open_lo=True)}, repeats=True),
+             "the LR moved 2× in one step, and neither the scheduler nor a control moved it "
+             "(a warm-up, risen at every step so far, excepted)",
+             schema={"factor": number(1, open_lo=True)}, repeats=True),
     ]

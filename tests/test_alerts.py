@@ -133,6 +133,9 @@ def test_lr_change_reports_one_step_jumps_only():
         ("lr_change", 200), ("lr_change", 250), ("lr_change", 251)]
     assert all(a.rule.severity == "info" for a in fired)
     assert 'alerts={"lr_change": False}' in fired[0].message
+    # a decay's last steps to 0 halve the LR a step or more: the same way as those before
+    to_zero = feed(engine(), 49, **{"lr": lambda s: 1e-3 * (1 + math.cos(math.pi * s / 50))})
+    assert names(to_zero) == []
 
 
 def test_val_spike_checkpoints_and_cuts_lr():

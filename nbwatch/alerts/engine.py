@@ -199,6 +199,8 @@ class AlertEngine:
         self._clear: dict[str, int] = {}
         self._lr_before: float | None = None  # the LR of the step before
         self._lr_rising = True  # risen at every step since the run began: a warm-up
+        # (direction, steps, |log ratio| of the last): the LR's moves the same way, running
+        self._lr_trend: tuple[int, int, float] = (0, 0, 0.0)
         self._lr_explained = False
         self._weight_start: dict[str, float] = {}
 
@@ -245,13 +247,17 @@ class AlertEngine:
             w.latest = values
         if phase == "step":
             lr, before = w.latest.get("lr"), self._lr_before
+            trend = self._lr_trend
             if lr is not None:
                 if before is not None:
                     self._lr_rising = self._lr_rising and lr > before
+                    way = (lr > before) - (lr < before)
+                    size = abs(math.log(lr / before)) if lr > 0 and before > 0 else math.inf
+                    self._lr_trend = (way, trend[1] + 1 if way == trend[0] else 1, size)
                 self._lr_before = lr
             # a planned change (the scheduler's, a control's) is no news
             w.extra = {"lr_before": None if self._lr_explained else before,
-                       "lr_rising": self._lr_rising}
+                       "lr_rising": self._lr_rising, "lr_trend": trend}
             self._lr_explained = False
         elif phase == "hist":
             stds = extra.get("weight_std", {})

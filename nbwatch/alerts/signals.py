@@ -273,12 +273,17 @@ def _nonfinite_val(w: Window, p: dict) -> str | None:
 
 def _lr_change(w: Window, p: dict) -> str | None:
     # one step's jump, not a schedule's drift (a hand-written cosine moves the LR 10× over a
-    # run, a few % a step); nor a warm-up's rise (the LR risen at every step so far)
+    # run, a few % a step); nor a warm-up's rise (the LR risen at every step so far), nor a
+    # decay's last steps to 0 (2× and more a step, each move at most 3× the one before, in
+    # log, the same way as the 3 steps before)
     lr = w.latest.get("lr")
     ref = w.extra.get("lr_before")
     if lr is None or ref is None or lr <= 0 or ref <= 0:
         return None
-    if lr > ref and w.extra.get("lr_rising", False):
+    way, steps, size = w.extra.get("lr_trend", (0, 0, 0.0))
+    if (lr > ref and w.extra.get("lr_rising", False)) or (
+            steps >= 3 and way == (lr > ref) - (lr < ref)
+            and abs(math.log(lr / ref)) <= 3 * size):
         return None
     if max(lr / ref, ref / lr) >= p["factor"]:
         return (f"LR changed {ref:.3g} → {lr:.3g} in one step, not by the scheduler or a "
@@ -427,6 +432,6 @@ def _base_rules() -> list[Rule]:
              schema={"slower": POSITIVE}),
         Rule("lr_change", "info", "step", _lr_change, {"factor": 2.0}, (), 1,
              "the LR moved 2× in one step, and neither the scheduler nor a control moved it "
-             "(a warm-up, risen at every step so far, excepted)",
+             "(a warm-up, risen at every step so far, or a decay under way, excepted)",
              schema={"factor": number(1, open_lo=True)}, repeats=True),
     ]

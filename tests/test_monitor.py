@@ -329,11 +329,13 @@ def test_bad_constructor_inputs(tiny, tmp_path):
         os.chmod(locked, 0o700)
 
 
-def test_unwritable_run_dir_under_a_file(tiny, tmp_path):
+def test_a_run_dir_under_a_file_names_the_file(tiny, tmp_path):
     model, opt, _ = tiny
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(PermissionError, match="not writable"):
-        nbwatch.Monitor(model, opt, run_dir=tmp_path / "afile" / "run")
+    for under in (tmp_path / "afile" / "run", tmp_path / "afile" / "a" / "run"):
+        with pytest.raises(NotADirectoryError, match=f"under {tmp_path / 'afile'}, which is a "
+                                                      "file, not a folder"):
+            nbwatch.Monitor(model, opt, run_dir=under)
 
 
 @pytest.mark.parametrize(

@@ -194,6 +194,11 @@ def check_run_dir(run_dir: Path) -> None:
     check_run_dir_length(run_dir)  # SQLite would refuse it only at the run's first write
     if run_dir.exists() and not run_dir.is_dir():
         raise NotADirectoryError(f"run_dir {run_dir} is a file; pass a folder path")
+    blocking = next((p for p in run_dir.absolute().parents if p.exists() and not p.is_dir()),
+                    None)
+    if blocking is not None:
+        raise NotADirectoryError(f"run_dir {run_dir} lies under {blocking}, which is a file, "
+                                 "not a folder; pass a path whose parents are folders")
     if run_dir.is_dir() and not is_run_dir(run_dir):
         foreign = sorted(p.name for p in run_dir.iterdir() if p.name not in _ALLOWED_FOREIGN)
         if foreign:

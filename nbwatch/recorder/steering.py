@@ -289,7 +289,7 @@ def do_clip(rec: Steered, cmd: Command) -> Outcome:
 
 def do_scale_lr(rec: Steered, cmd: Command) -> Outcome:
     c, f = rec.control, float(cmd.payload["factor"])
-    before = ctl.lrs(rec.opt)[0] * (c.lr_factor if c.lr_raw else 1.0)
+    before = [lr * (c.lr_factor if c.lr_raw else 1.0) for lr in ctl.lrs(rec.opt)]
     if not c.lr_raw and (rec.lr.scheduler_pending() or rec.lr.raw_until_next_step()):
         # the loop steps its scheduler after log(), or sets the LR itself before its next
         # step: let it move the plain LR; the factor goes on at the next pre-hook
@@ -299,8 +299,9 @@ def do_scale_lr(rec: Steered, cmd: Command) -> Outcome:
         ctl.scale_lrs(rec.opt, f)
     c.lr_factor *= f
     rec.lr.explained = True  # the next step's record says the change was asked for
-    return Applied(f"LR scaled ×{f:g} (factor now {c.lr_factor:g}): "
-                   f"{before:.3g} → {before * f:.3g}")
+    moved = ", ".join(f"{b:.3g} → {b * f:.3g}" for b in dict.fromkeys(before))  # each LR once
+    groups = f"{len(before)} param groups: " if len(set(before)) > 1 else ""
+    return Applied(f"LR scaled ×{f:g} (factor now {c.lr_factor:g}): {groups}{moved}")
 
 
 def raise_alerts(rec: Steered, alerts: list) -> None:

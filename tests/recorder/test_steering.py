@@ -195,3 +195,26 @@ def test_a_cut_lr_still_holds_after_a_resume_in_a_loop_that_sets_the_lr(tmp_path
     lr = nbwatch.open_run(tmp_path / "r").df["lr"]
     assert lr.loc[1:3].tolist() == [0.1, 0.1, 0.1]
     assert lr.loc[4:10].tolist() == [0.05] * 7, lr.tolist()
+
+
+def test_cut_lr_says_every_param_groups_lr(tmp_path):
+    """Three groups (no decay on biases, a head at 10× the LR): the event names each LR
+    moved, not group 0's alone."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD([{"params": [model[0].weight], "lr": 0.01},
+                           {"params": [model[0].bias], "lr": 0.01, "weight_decay": 0.0},
+                           {"params": model[1].parameters(), "lr": 0.1}], lr=0.01)
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False)
+    for step in range(1, 5):
+        model(torch.randn(8, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 2:
+            mon.scale_lr(0.5)
+        mon.log(loss=torch.tensor(1.0))
+    mon.close()
+    said = mon.events[mon.events.message.str.startswith("LR scaled")].message.tolist()
+    assert said == ["LR scaled ×0.5 (factor now 0.5): 3 param groups: 0.01 → 0.005, "
+                    "0.1 → 0.05"], said
+    assert mon.df.loc[3:, ["lr", "lr/group2"]].values.tolist() == [[0.005, 0.05]] * 2

@@ -12,10 +12,12 @@ nodes: a shared filesystem).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +39,36 @@ class ShardedCheckpointer(Checkpointer):
         self.model, self.optimizer = model, optimizer
         self.group: Any = None  # nbwatch's own gloo group (its timeout), once a run opens
 
+    def check_shared(self, rank: int, group: Any) -> None:
+        """Refuse, on every rank at once, a checkpoint folder that some rank sees elsewhere
+        (several nodes, each on its own disk): every rank writes its shards there, so rank
+        0's checkpoints would lack theirs and never resume. A collective: each rank calls
+        it as its run opens."""
+        import torch.distributed as dist
+
+        name = [f".shared-check-{uuid.uuid4().hex[:12]}"]
+        if rank == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / name[0]).write_bytes(b"")
+        dist.broadcast_object_list(name, src=0, group=group)
+        seen: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(seen, (self.dir / name[0]).exists(), group=group)
+        if rank == 0:
+            (self.dir / name[0]).unlink(missing_ok=True)
+        blind = [r for r, ok in enumerate(seen) if not ok]
+        if blind:
+            ranks = ", ".join(map(str, blind))
+            raise RuntimeError(
+                f"FSDP2 checkpoints are written by every rank into {self.dir}, but rank(s) "
+                f"{ranks} do not see what rank 0 writes there (nodes each with their own "
+                "disk?): a checkpoint would hold rank 0's shards only and never resume. Put "
+                "run_dir on a filesystem every node shares (NFS, Lustre, GPFS), the same "
+                "path on every node")
+
     def save(self, state: dict[str, Any], step: int, val_loss: float | None = None) -> Saved:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         t0 = time.perf_counter()
@@ -49,9 +78,9 @@ class ShardedCheckpointer(Checkpointer):
         try:  # collective: each rank writes its shards, rank 0 the metadata
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(partial),
                      process_group=self.group)
-        except Exception as e:
+        except (Exception, CheckpointException) as e:  # torch's is a BaseException
             shutil.rmtree(partial, ignore_errors=True)  # this rank's part of what failed
-            first = (str(e).strip().splitlines() or [""])[0][:200]
+            first, full = _why(e)
             newest = self.steps()[-1][0] if self.steps() else None
             since = (f"resume=True continues from step {newest}" if newest is not None
                      else "there is no earlier checkpoint")
@@ -60,8 +89,10 @@ class ShardedCheckpointer(Checkpointer):
                     f"no checkpoint at step {step}: a sharded (FSDP2) checkpoint needs every "
                     f"rank, and another rank is gone ({first}); {since}") from e
             raise CheckpointWriteError(
-                f"sharded checkpoint {self.dir / name} could not be written "
-                f"({type(e).__name__}: {first}); {since}") from e
+                ("disk full: " if full else "")
+                + f"sharded checkpoint {self.dir / name} could not be written ({first}); its "
+                f"partial folder was removed; {since}"
+                + (" once space is freed there" if full else "")) from e
         if dist.get_rank() != 0:
             return Saved(self.dir / name, time.perf_counter() - t0, 0, False)
         final = self.dir / name
@@ -75,7 +106,8 @@ class ShardedCheckpointer(Checkpointer):
         return Saved(saved.path, time.perf_counter() - t0, size, saved.best)
 
     def _prune(self) -> None:
-        """Remove the shard folders whose `.pt` rotation removed (not the best's)."""
+        """Remove the shard folders whose `.pt` rotation removed (not the best's), and
+        any a save never finished (every rank's save of this step is done)."""
         keep = {p.with_suffix(".dcp").name for _, p in self.steps()}
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             best = int(json.loads((self.dir / "best.json").read_text())["step"])
@@ -83,6 +115,22 @@ class ShardedCheckpointer(Checkpointer):
         for p in self.dir.glob("step_*.dcp"):
             if p.name not in keep:
                 shutil.rmtree(p, ignore_errors=True)
+        for p in self.dir.glob("step_*.dcp.partial"):  # a save a kill cut short
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _why(e: BaseException) -> tuple[str, bool]:
+    """The first line of what failed (a `CheckpointException`: each failing rank's own
+    error, not torch's traceback) and whether a disk was full."""
+    failures = getattr(e, "failures", None)
+    causes = ([(f"rank {r}", exc) for r, (exc, _) in sorted(failures.items())]
+              if isinstance(failures, dict) and failures else [("", e)])
+    said = "; ".join(
+        f"{who}{': ' if who else ''}{type(x).__name__}: "
+        f"{(str(x).strip().splitlines() or [''])[0][:160]}" for who, x in causes[:3])
+    full = any(getattr(x, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or
+               "No space left" in str(x) for _, x in causes)
+    return said, full
 
 
 def make_checkpointer(directory: Path, keep_last: int, model: nn.Module, optimizer: Any

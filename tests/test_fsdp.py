@@ -277,6 +277,42 @@ def test_two_nodes_on_localhost_one_store_and_a_stop_on_every_rank(tmp_path):
     assert run.events.message.str.contains("the loop clips its gradients itself").any()
 
 
+def test_a_run_folder_a_rank_does_not_share_is_refused_before_step_1(tmp_path):
+    """Every rank writes its FSDP2 shards into the checkpoint folder: where a rank sees
+    another folder (a node with its own disk), checkpoints would hold rank 0's shards only
+    and never resume. Both ranks refuse as the run opens, naming the rank and the fix."""
+    run_dir = tmp_path / "r"
+    proc = torchrun(run_dir, 4, LOOP="start", OWN_DISK=1)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    said = "rank(s) 1 do not see what rank 0 writes there"
+    assert out.count(said) >= 2 and "a filesystem every node shares" in out, out[-3000:]
+    assert not list((tmp_path / "r_node1").rglob("*.partial"))
+    assert not (run_dir / "nbwatch.db").exists() and not list(run_dir.rglob(".shared-check-*"))
+
+
+def test_a_full_disk_under_one_ranks_shards_fails_the_run_with_its_cause(tmp_path):
+    """torch's CheckpointException is a BaseException: it went past nbwatch's handling,
+    leaving a half-written step_N.dcp.partial, no failed-checkpoint event and a raw
+    traceback as the run's error. Now: the disk-full rank named, the partial removed."""
+    run_dir = tmp_path / "r"
+    proc = torchrun(run_dir, 12, LOOP="own", CKPT_EVERY=4, DISK_FULL_AT=8)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    run = nbwatch.open_run(run_dir)
+    assert run.state == "failed"
+    failed = run.events[(run.events.kind == "checkpoint") & (run.events.severity == "critical")]
+    said = failed.message.iloc[0]
+    assert failed.step.iloc[0] == 8 and said.startswith("periodic checkpoint at step 8 failed: "
+                                                         "disk full: sharded checkpoint")
+    assert "rank 1: OSError" in said and "resume=True continues from step 4" in said, said
+    error = run.events[run.events.kind == "error"].message.iloc[0]
+    assert "Traceback" not in error and len(error) < 600, error
+    assert not list((run_dir / "checkpoints").glob("*.partial"))
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == [
+        "step_00000004.dcp", "step_00000004.pt"]
+
+
 def test_fsdp1_is_refused_with_the_fsdp2_alternative(tmp_path):
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel

@@ -234,6 +234,11 @@ class RunSession:
         ckpt = given.checkpointer
         if dist is not None and isinstance(ckpt, ShardedCheckpointer):  # FSDP2: its timeout
             ckpt.group = dist.group
+            try:
+                ckpt.check_shared(dist.rank, dist.group)
+            except BaseException:
+                dist.close()
+                raise
         run_meta = {**run_meta, "options": opts.record()}  # the options in force
         if start_step is None:
             start_step = self.start_step(resume)

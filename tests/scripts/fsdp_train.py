@@ -11,7 +11,9 @@ step); REF: the reference files' name; KILL_RANK / KILL_AT: that rank kills itse
 (SIGKILL) at that step; RAISE_AT: every rank raises there; CKPT_EVERY: a periodic
 checkpoint; REWIND_AT: (start()) rank 0 asks `mon.rewind(steps=3, skip=0)` at that step;
 DEFER=1: the GPU's order on the CPU (host_copy.DEFER_ON_CPU); NAN_AT: (own loop) the loss
-times NaN at that step on every rank, the nonfinite rule's action the skip only.
+times NaN at that step on every rank, the nonfinite rule's action the skip only;
+OWN_DISK=1: rank 1 names RUN_DIR_node1, as a node with its own disk would;
+DISK_FULL_AT: rank 1's shard writes fail with ENOSPC from that step on.
 
 Each rank writes RUN_DIR/{REF}_rank{r}.json: at each optimizer step, torch's own figures
 on the sharded model before nbwatch sees the gradients (`clip_grad_norm_(...)
@@ -76,6 +78,8 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if rank and os.environ.get("OWN_DISK"):  # as on a node whose run_dir is on its own disk
+        run_dir += "_node1"
     os.makedirs(run_dir, exist_ok=True)
     torch.manual_seed(0)
     model, blocks = build(os.environ.get("MODEL", "tiny"))
@@ -144,6 +148,20 @@ def main() -> None:
 
         host_copy.DEFER_ON_CPU = True
     nan_at = int(os.environ.get("NAN_AT", "0"))
+    full_at = int(os.environ.get("DISK_FULL_AT", "0"))
+    if full_at and rank == 1:  # this rank's shard writes find the disk full from there on
+        import errno
+
+        import torch.distributed.checkpoint.filesystem as dcp_fs
+
+        write = dcp_fs._write_item
+
+        def full(*args, **kwargs):
+            if taken["mon"].step >= full_at:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return write(*args, **kwargs)
+
+        dcp_fs._write_item = full
     mon = nbwatch.Monitor(model, opt, sched, run_dir=run_dir, clip=clip, rank_every=2,
                           dist_timeout=30, hist_every=3,
                           resume=own and os.environ.get("RESUME") == "1",

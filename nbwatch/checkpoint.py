@@ -10,6 +10,7 @@ import random
 import re
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -226,9 +227,12 @@ class Checkpointer:
 
 
 def restore_into(ckpt: dict[str, Any], model: Any, optimizer: Any, scheduler: Any,
-                 scaler: Any, control: Any, where: Path) -> int:
+                 scaler: Any, control: Any, where: Path, pending: int = 0) -> int:
     """Load a checkpoint's model, optimizer, scheduler, scaler, RNG and control state
-    (resume, rewind); returns its step. A model that does not fit gets a clear error."""
+    (resume, rewind); returns its step. A model that does not fit gets a clear error. A
+    scheduler saved a step behind its checkpoint's number is stepped to it, less the
+    `pending` step the loop has yet to take itself (a rewind inside a `log()` that comes
+    before the loop's `scheduler.step()`)."""
     try:
         if ckpt.get("sharded"):  # FSDP2: the shards, read by every rank (sharding.py)
             from .sharding import load_sharded
@@ -241,6 +245,10 @@ def restore_into(ckpt: dict[str, Any], model: Any, optimizer: Any, scheduler: An
         if (scheduler is not None and ckpt.get("scheduler") is not None
                 and hasattr(scheduler, "load_state_dict")):
             scheduler.load_state_dict(ckpt["scheduler"])
+            for _ in range(int(ckpt.get("scheduler_behind", 0)) - pending):
+                with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
+                    warnings.simplefilter("ignore", UserWarning)
+                    scheduler.step()
         if scaler is not None and ckpt.get("scaler") is not None:
             scaler.load_state_dict(ckpt["scaler"])
     except (RuntimeError, KeyError, ValueError) as e:

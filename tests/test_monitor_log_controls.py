@@ -7,6 +7,7 @@ The loop and its setup are `test_monitor_log.py`'s."""
 from __future__ import annotations
 
 import _thread
+import contextlib
 import itertools
 import math
 import os
@@ -536,3 +537,45 @@ def test_a_gan_is_watched_by_one_monitor_per_network(tmp_path):
         df = nbwatch.open_run(tmp_path / name).df
         assert list(df.index) == [1, 2, 3, 4, 5]
         assert df["grad_norm/global"].tolist() == pytest.approx(norms[name], rel=1e-5)
+
+
+def _lr_run(run_dir, steps, log_first, interrupt_at=None, resume=False, every=None):
+    """An own loop over a LambdaLR (LR = 1e-3 · 0.9^k): `log_first` logs before
+    scheduler.step(); `interrupt_at`: Ctrl-C after that step's optimizer.step()."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.9 ** k)
+    mon = nbwatch.Monitor(model, opt, sched, run_dir=run_dir, display=False, resume=resume,
+                          checkpoint_every=every)
+    with contextlib.suppress(KeyboardInterrupt), mon:
+        for i in range(mon.step + 1, steps + 1):
+            model(torch.randn(8, 4)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if i == interrupt_at:
+                raise KeyboardInterrupt
+            if log_first:
+                mon.log(loss=torch.tensor(1.0))
+            sched.step()
+            if not log_first:
+                mon.log(loss=torch.tensor(1.0))
+    return nbwatch.open_run(run_dir).df["lr"]
+
+
+@pytest.mark.parametrize("log_first", [False, True], ids=["sched_then_log", "log_then_sched"])
+def test_a_resume_continues_the_schedule_from_a_checkpoint_between_step_and_scheduler(
+        tmp_path, log_first):
+    """A checkpoint taken after optimizer.step() and before scheduler.step() (Ctrl-C there;
+    a periodic one inside a log() that comes first) is numbered after the step but holds
+    the scheduler before it: resumed, every later step ran one schedule step behind, more
+    with each such resume. The LRs of the resumed run equal those of one never stopped."""
+    ref = _lr_run(tmp_path / "ref", 12, log_first)
+    run = tmp_path / "r"
+    if log_first:  # the periodic checkpoint of step 5, inside log(); the last one set aside
+        _lr_run(run, 7, log_first, every=5)
+        (run / "checkpoints" / "step_00000007.pt").unlink()
+    else:
+        _lr_run(run, 12, log_first, interrupt_at=5)
+    got = _lr_run(run, 12, log_first, resume=True)
+    assert got.tolist() == pytest.approx(ref.tolist(), rel=1e-12)

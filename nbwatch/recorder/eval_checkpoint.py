@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ..controls import ControlState
     from ..distributed import Dist, NullStore
     from ..store import RunStore
+    from .lr_factor import LrFactor
     from .state import RewindState
 
 
@@ -59,6 +60,7 @@ class Evaluating(Protocol):
     save_fn: Callable[[str], None] | None
     flight: InFlight
     rewind_state: RewindState
+    lr: LrFactor
 
     def flush_deferred(self) -> None: ...
     def _emit(self, ev: Event, level: int | None = None) -> None: ...
@@ -146,6 +148,9 @@ def state_dict(rec: Evaluating) -> dict[str, Any]:
         "model": plain(rec.model).state_dict(),
         "optimizer": rec.opt.state_dict(),
         "scheduler": sched_state() if callable(sched_state) else None,
+        # taken between the optimizer's step and the scheduler's (a stop or an error there;
+        # log() before scheduler.step()): the step's number, the scheduler one step behind
+        "scheduler_behind": int(rec.lr.scheduler_pending()),
         "scaler": rec.scaler.state_dict() if rec.scaler is not None else None,
         "rng": rng_state(),
         "controls": rec.control.to_dict(),

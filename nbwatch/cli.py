@@ -341,7 +341,7 @@ def parser() -> argparse.ArgumentParser:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"nbwatch {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True,
-                           metavar="{demo,ls,export,pause,resume,stop,checkpoint}")
+                           metavar="{demo,ls,export,pause,resume,stop,checkpoint,recover}")
     d = sub.add_parser("demo", help="train a tiny GPT on Python's own source, monitored",
                        description="Train a small GPT on the characters of Python's own "
                        "standard library, monitored: progress lines here, the run folder "
@@ -388,7 +388,17 @@ def parser() -> argparse.ArgumentParser:
         c.add_argument("--wait", type=_positive(float), default=10.0, metavar="SECONDS",
                        help="how long to wait for the run to answer (default: %(default)s)")
         c.set_defaults(fn=_steer)
+    rc = sub.add_parser("recover", help="make a run folder a killed writer left one readable "
+                        "file again, and check it")
+    rc.add_argument("run_dir", help="the run folder")
+    rc.set_defaults(fn=_recover)
     return p
+
+
+def _recover(args: argparse.Namespace) -> int:
+    from .store.recover import main as recover_main
+
+    return recover_main([args.run_dir])
 
 
 # What a user can fix: the message says what and how. Anything else is a bug: a traceback.

@@ -147,6 +147,16 @@ def test_user_errors_are_one_line_on_stderr(runs, tmp_path):
     assert_one_line_error(out, "invalid choice", "nosuchcommand")
 
 
+def test_recover_says_what_it_found(runs):
+    """A whole folder: nothing to recover (it said "recovered"); a damaged file: exit 1,
+    damaged, in one line (it said "recovered" and exited 0)."""
+    ok = nbwatch_cli("recover", runs / "ok")
+    assert ok.returncode == 0 and "nothing to recover" in ok.stdout and not ok.stderr, ok
+    assert_one_line_error(nbwatch_cli("recover", runs / "garbage"), "damaged",
+                          "cannot mend", "checkpoints/")
+    assert_one_line_error(nbwatch_cli("recover", runs / "nope"), "holds no nbwatch.db")
+
+
 def test_output_folder_gets_the_run_name(runs, tmp_path):
     out = nbwatch_cli("export", runs / "ok", "-o", f"{tmp_path}/new/sub/")  # created
     assert out.returncode == 0, out.stderr

@@ -60,6 +60,52 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
+def test_no_room_to_merge_at_the_close_leaves_a_finished_run_finished(tmp_path, caplog):
+    """A run fills a 3 MiB disk and fails; space is freed (a 1.2 MB file removed, as its
+    error says) and it resumes to its end. Its close then merges the small blocks through
+    the WAL, and folds the WAL into the file, and neither has room: every record is
+    committed already, so the run reads `finished` with every step, and the log says why
+    its files stay as they are. It read `failed`, "later records are lost", and the
+    fold's failure was blamed on "a reader"."""
+    disk = tmp_path / "small"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        (disk / "filler").write_bytes(bytes(1200 << 10))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def train(resume: bool, until_step: int) -> None:
+            with nbwatch.Monitor(model, opt, run_dir=disk / "run", display=False,
+                                 hist_every=1, checkpoint_every=50, resume=resume) as mon:
+                for _ in range(mon.step, until_step):
+                    x = torch.randn(4, 8)
+                    loss = (model(x) - x.sum(1, keepdim=True)).square().mean()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    mon.log(loss=loss, **{f"my/k{j}": float(j) for j in range(300)})
+
+        with pytest.raises(StoreFailed, match="disk full"):
+            train(False, 10**6)
+        (disk / "filler").unlink()
+        with caplog.at_level("WARNING", logger="nbwatch"):
+            train(True, nbwatch.open_run(disk / "run").step + 100)
+        run = nbwatch.open_run(disk / "run")
+        state, steps, kinds = run.state, run.df.index.tolist(), run.events.kind.tolist()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+    assert state == "finished" and steps == list(range(1, len(steps) + 1))
+    assert kinds[-1] == "state"  # no error after "run finished"
+    assert "a reader held" not in caplog.text
+    assert "no room on its disk to merge" in caplog.text or "could not be folded" in \
+        caplog.text, caplog.text
+
+
 # 1 -- a full disk during a checkpoint -------------------------------------------------------
 def test_a_full_disk_during_a_checkpoint_is_recorded_and_frees_its_space(small_disk):
     """~600 KiB free when the first 0.8 MB checkpoint is written: the run fails with
@@ -326,8 +372,8 @@ def test_a_hot_journal_left_by_a_killed_writer_is_rolled_back_by_the_first_reade
         str(run)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "HELD"
-        with pytest.raises(StoreFailed, match=r"nbwatch.db-journal.*live writer.*python -m "
-                                              r"nbwatch\.store\.recover"):
+        with pytest.raises(StoreFailed, match=r"nbwatch.db-journal.*live writer.*nbwatch "
+                                              r"recover"):
             nbwatch.open_run(run)
         assert (run / "nbwatch.db-journal").stat().st_size > 0
     finally:
@@ -359,14 +405,15 @@ def test_where_the_folder_cannot_be_written_the_error_names_the_command(tmp_path
         if os.access(view, os.W_OK) and subprocess.run(
                 ["touch", str(view / "probe")], capture_output=True).returncode == 0:
             pytest.skip("the bind mount is not read-only here")
-        with pytest.raises(StoreFailed, match=r"rollback journal.*python -m nbwatch\.store\."
-                                              r"recover .*copy the whole folder"):
+        with pytest.raises(StoreFailed, match=r"rollback journal.*nbwatch recover "
+                                              r".*copy the whole folder"):
             nbwatch.open_run(view)
     finally:
         subprocess.run(["umount", str(view)], check=False)
-    fixed = subprocess.run([sys.executable, "-m", "nbwatch.store.recover", str(run)],
+    fixed = subprocess.run([sys.executable, "-m", "nbwatch.cli", "recover", str(run)],
                            capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120)
     assert fixed.returncode == 0 and "recovered" in fixed.stdout, fixed.stderr
+    assert not fixed.stderr  # no runpy warning, nothing else
     assert sorted(p.name for p in run.iterdir()) == ["nbwatch.db"]
     assert nbwatch.open_run(run).step == 100
 

@@ -9,7 +9,7 @@
   connection can read the database until one read-write open rolls the journal back,
   with every committed record. A reader does that open itself when no writer holds the
   folder; where it cannot write, its error names the one command that does:
-  `python -m nbwatch.store.recover DIR`.
+  `nbwatch recover DIR`.
 - In network mode (`mode.py`) the rollback journal is the store's own journal: it exists
   while each commit runs, and a writer killed then leaves it hot. A reader that finds it
   with the writer's heartbeat dead (`lock.heartbeat_alive`) rolls it back the same way,
@@ -98,20 +98,25 @@ def leftovers(db: Path) -> list[Path]:
             if p.exists()]
 
 
-def fold(con: sqlite3.Connection, tries: int = 20) -> bool:
+HELD = "a reader held the database open"
+
+
+def fold(con: sqlite3.Connection, tries: int = 20) -> str | None:
     """Checkpoint the WAL into the database file and leave WAL mode without a hot journal
     at any instant: WAL → OFF writes the header in one page write (no journal), then
-    OFF → DELETE writes nothing. False when another connection kept it from folding."""
+    OFF → DELETE writes nothing. None when folded, else why not: `HELD` (another
+    connection kept it from folding, tried `tries` times), or the error (a full disk)."""
     for _ in range(tries):
         try:
             con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             if con.execute("PRAGMA journal_mode=OFF").fetchone()[0] == "off":
                 con.execute("PRAGMA journal_mode=DELETE")
-                return True
-        except sqlite3.OperationalError:
-            pass
+                return None
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) and "busy" not in str(e):
+                return f"{type(e).__name__}: {e}"
         time.sleep(0.05)
-    return False
+    return HELD
 
 
 def recover(run_dir: str | Path, *, locked: bool = False) -> str | None:
@@ -145,7 +150,10 @@ def recover(run_dir: str | Path, *, locked: bool = False) -> str | None:
             con.execute("SELECT count(*) FROM sqlite_master").fetchone()  # rolls it back
             if hot_journal(db):
                 return "the journal could not be rolled back here"
-            if con.execute("PRAGMA journal_mode").fetchone()[0] == "wal" and not fold(con, 3):
+            if con.execute("PRAGMA journal_mode").fetchone()[0] == "wal" and (
+                    why := fold(con, 3)) is not None:
+                if why != HELD:
+                    return why
                 log.info("%s: another reader holds the database open; its WAL stays", db)
         finally:
             con.close()
@@ -163,31 +171,51 @@ def unreadable(db: Path, why: str | None) -> str:
     return (f"{db} cannot be read as it is: {journal.name} beside it is a rollback journal "
             "that a writer killed mid-write left behind, and only a read-write open rolls it"
             f" back (every committed record is kept){f' — not possible here: {why}' if why else ''}"
-            f". Run once: python -m nbwatch.store.recover {str(db.parent)!r} where the folder"
+            f". Run once: nbwatch recover {str(db.parent)!r} where the folder"
             f" can be written, or copy the whole folder ({journal.name} included) somewhere"
             " writable and open the copy")
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m nbwatch.store.recover RUN_DIR", file=sys.stderr)
+        print("usage: nbwatch recover RUN_DIR", file=sys.stderr)
         return 2
     run_dir = Path(argv[0])
     db = run_dir / DB_NAME
     if not db.is_file():
         print(f"{run_dir} holds no {DB_NAME}", file=sys.stderr)
         return 1
+    had = bool(leftovers(db))
     why = recover(run_dir)
     if why is not None:
         print(f"{db}: not recovered: {why}", file=sys.stderr)
+        return 1
+    damage = _check(db)
+    if damage is not None:
+        print(f"{db}: damaged, which this tool cannot mend ({damage}); the files in its "
+              "checkpoints/ folder, if any, load with torch.load", file=sys.stderr)
         return 1
     with contextlib.suppress(OSError):
         left = [p.name for p in leftovers(db)]
         if left:
             print(f"{db}: readable; {', '.join(left)} stay while another process holds it open")
             return 0
-    print(f"{db}: recovered; the run folder is one file again")
+    print(f"{db}: recovered; the run folder is one file again" if had
+          else f"{db}: nothing to recover: one file, and it reads whole")
     return 0
+
+
+def _check(db: Path) -> str | None:
+    """None where SQLite's quick check of `db` finds it whole, else what it found."""
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+        try:
+            rows = [r[0] for r in con.execute("PRAGMA quick_check").fetchall()]
+        finally:
+            con.close()
+    except sqlite3.Error as e:
+        return f"{type(e).__name__}: {e}"
+    return None if rows == ["ok"] else "; ".join(map(str, rows[:3]))
 
 
 if __name__ == "__main__":

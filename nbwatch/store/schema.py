@@ -143,6 +143,10 @@ class StoreFailed(RuntimeError):
     """The run store stopped writing; the first line of the message says why."""
 
 
+# the failures `_failure` explains in full (the message is the cause and the fix)
+KNOWN_CAUSES = ("disk full:", "file size limit reached", "the run folder ")
+
+
 def _failure(e: BaseException, path: Path) -> str:
     """What a store write failure means for the user, cause first."""
     text = f"{type(e).__name__}: {e}"
@@ -155,8 +159,12 @@ def _failure(e: BaseException, path: Path) -> str:
         free = None
     if "full" in str(e) or getattr(e, "errno", None) == errno.ENOSPC or (
             free is not None and free < 1 << 20):
+        saved = any((path.parent / "checkpoints").glob("step_*"))
+        then = ("resume the run from its newest checkpoint" if saved else
+                "the run has no checkpoint to resume from (checkpoint_every= writes them): "
+                "its weights are in memory only, save them elsewhere now if they matter")
         return (f"disk full: the run store {path} could not be written ({text}); free space"
-                f" on its disk and resume the run from its newest checkpoint; {kept}")
+                f" on its disk, and {then}; {kept}")
     limit = _file_size_limit()
     if limit is not None and any(
             p.exists() and p.stat().st_size > limit - (1 << 20)

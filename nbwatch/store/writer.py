@@ -22,9 +22,9 @@ from .migrate import open_for_writing
 from .mode import NETWORK, choose
 from .reader import RunReader
 from .record_reads import COMMANDS_SQL
-from .recover import fold, hot_journal, recover, sweep_temp_files, unreadable
+from .recover import HELD, fold, hot_journal, recover, sweep_temp_files, unreadable
 from .rows import WRITE, Meta, Taken, Truncate
-from .schema import DB_NAME, MAX_PENDING, StoreFailed, _failure
+from .schema import DB_NAME, KNOWN_CAUSES, MAX_PENDING, StoreFailed, _failure
 from .tables import ScalarTables
 
 COMPACT_EVERY = 30.0  # s: a live run's small blocks merged this often (and at close)
@@ -283,8 +283,9 @@ class RunStore(RunReader):
         """The writer still holds the deleted WAL open: checkpoint it into `nbwatch.db`,
         leave WAL mode (removing what a reader made in its place) and start a new one."""
         con = self._wcon
-        if not fold(con):
-            raise sqlite3.OperationalError("a reader held the database open")
+        why = fold(con)
+        if why is not None:
+            raise sqlite3.OperationalError(why)
         con.execute("PRAGMA journal_mode=WAL")
 
     def _drop_own_wal(self) -> None:
@@ -328,10 +329,7 @@ class RunStore(RunReader):
                     self._cond.notify_all()
                 if stopping:
                     break
-            with self._wcon:
-                removed = self._tables.compact() + self._tables.compact_system()
-            if removed:
-                self._wcon.executescript("PRAGMA incremental_vacuum;")  # runs to the end
+            self._close_tidy()
             self._fold_wal()
         except BaseException as e:  # never die silently: flush() and put() re-raise it
             self.error = StoreFailed(str(e) if isinstance(e, _Damaged)
@@ -340,8 +338,9 @@ class RunStore(RunReader):
             if str(self.error).startswith("disk full"):  # said in the space set aside
                 reserve.last_words(self._wcon, self._tables, self._hists, self._reserve,
                                    str(self.error))
-            if isinstance(e, _Damaged):  # what happened is the message: no traceback
-                log.error("nbwatch store writer stopped: %s", e)
+            if isinstance(e, _Damaged) or str(self.error).startswith(KNOWN_CAUSES):
+                log.error("nbwatch store writer stopped: %s", self.error)  # no traceback:
+                # what happened, and what to do, is the message
             else:
                 log.exception("nbwatch store writer failed; records after this point are lost")
             with self._cond:
@@ -354,6 +353,22 @@ class RunStore(RunReader):
             with self._cond:
                 self._ended.set()
                 self._cond.notify_all()
+
+    def _close_tidy(self) -> None:
+        """Merge the last blocks and give back the pages freed. Every record is committed
+        already: with no room for the merge (it writes the merged blocks before removing
+        the small ones), the run ends with its records as written, not failed."""
+        try:
+            with self._wcon:
+                removed = self._tables.compact() + self._tables.compact_system()
+            if removed:
+                self._wcon.executescript("PRAGMA incremental_vacuum;")  # runs to the end
+        except sqlite3.OperationalError as e:
+            if "full" not in str(e):
+                raise
+            log.warning("%s: no room on its disk to merge the run's last records at its "
+                        "close (%s); every record is committed, and kept as written",
+                        self.path, e)
 
     def _read_commands(self, changed: bool) -> None:
         """Read the commands not yet taken (`command_rows`): when this batch wrote one or
@@ -387,7 +402,11 @@ class RunStore(RunReader):
         or the finished file, never a hot journal (`recover.fold`). A reader holding the
         file open keeps the (emptied) WAL until the next writer folds it. Network mode has
         no WAL: the file is complete after every commit."""
-        if self.mode == NETWORK or fold(self._wcon):
-            return
-        log.warning("%s: a reader held the database open; its WAL is emptied but kept",
-                    self.path)
+        why = None if self.mode == NETWORK else fold(self._wcon)
+        if why == HELD:
+            log.warning("%s: a reader held the database open; its WAL is emptied but kept",
+                        self.path)
+        elif why is not None:  # a full disk: every record is committed, in the WAL
+            log.warning("%s: its WAL could not be folded into it (%s); every record is "
+                        "kept, in %s-wal beside it, read as it is", self.path, why,
+                        self.path.name)

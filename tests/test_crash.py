@@ -288,21 +288,38 @@ TERMINATED = textwrap.dedent("""
 """)
 
 
-def sigterm_at(run: Path, how: str, logged: Path, step: int) -> tuple[int, str, str]:
-    """Run TERMINATED `how`, send it SIGTERM once `step` is in its folder: its exit
-    status, stdout and stderr."""
+def sigterm_at(run: Path, how: str, logged: Path, step: int,
+               sig: int = signal.SIGTERM) -> tuple[int, str, str]:
+    """Run TERMINATED `how`, send it SIGTERM (or `sig`) once `step` is in its folder: its
+    exit status, stdout and stderr."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen([sys.executable, "-c", TERMINATED, str(run), how, str(logged)],
                             cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": root})
+                            text=True, env={**os.environ, "PYTHONPATH": root},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         until(lambda: reached(run, proc, step), 90, f"the subprocess to reach step {step}",
               poll=0.1)
-        os.kill(proc.pid, signal.SIGTERM)
+        os.kill(proc.pid, sig)
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
     return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("how", ["own loop", "start"])
+def test_ctrl_c_in_a_script_is_said_as_such(tmp_path, how):
+    """Ctrl-C in a script's own loop, or in its mon.wait(): the folder says why the run
+    stopped (an own loop's said nothing), and the message does not tell a script that
+    called mon.wait() to call it."""
+    run, logged = tmp_path / "run", tmp_path / "logged.txt"
+    _, _, err = sigterm_at(run, how, logged, 10, sig=signal.SIGINT)
+    r = nbwatch.open_run(run)
+    assert r.state == "stopped" and r.meta["stopped_by"].startswith(
+        "interrupted (Ctrl-C) at step"), r.meta.get("stopped_by")
+    assert "Call mon.wait()" not in err, err
+    if how == "start":
+        assert "nbwatch: Ctrl-C ended the program while run" in err, err
 
 
 @pytest.mark.parametrize("how", ["own loop", "own loop, no with", "start"])

@@ -20,7 +20,7 @@ def record_stop_reason(store: RunStore | NullStore | None, rank: int, step: int,
     with contextlib.suppress(Exception):  # a dead store: the stop still goes ahead
         store.set_meta("stopped_by", why)
         store.set_meta("state", "stopped")
-        store.put(Event(step, "state", "warning", f"{why}: the run stops there",
+        store.put(Event(step, "state", "warning", f"{why}: the run is stopped",
                         {"state": "stopped", "reason": why}))
         store.flush(timeout=0.5)
 

@@ -101,10 +101,15 @@ class ProcessExit:
         the stop checkpoint and the store's close get what is left of `exit_budget()`."""
         _disarm_sigterm(self)  # from here a SIGTERM ends the process as it would
         kernel = in_notebook()
+        # a script's Ctrl-C in mon.wait() (or after it) ends the program with this
+        ctrl_c = isinstance(getattr(sys, "last_exc", None) or getattr(sys, "last_value", None),
+                            KeyboardInterrupt)
         what = ("SIGTERM" if self.terminated else
-                "the kernel shut down" if kernel else "the program exited")
+                "the kernel shut down" if kernel else
+                "Ctrl-C ended the program" if ctrl_c else "the program exited")
         run = self._session
-        why = self.terminated or f"{what.removeprefix('the ')} at step {run.step}"
+        why = self.terminated or (f"interrupted (Ctrl-C) at step {run.step}" if ctrl_c else
+                                  f"{what.removeprefix('the ')} at step {run.step}")
         record_stop_reason(run.store, run.setup.rank, run.step, why)
         with contextlib.suppress(RuntimeError):  # it ended a moment ago
             self._send("stop", source="exit")
@@ -114,13 +119,13 @@ class ProcessExit:
             if t is not None:
                 t.join(max(0.0, deadline - time.monotonic()))
         done = ended.is_set()
+        hint = ("" if self.terminated or ctrl_c else
+                "A last cell with mon.wait() lets a notebook run headless to its end."
+                if kernel else "Call mon.wait() to let a run finish.")
         print(f"nbwatch: {what} while run {run.setup.name!r} was training; it was stopped at "
               f"step {run.step} ({run.state}), "
               f"{'with a checkpoint' if done else 'before its stop checkpoint was written'}, "
-              f"in {run.setup.run_dir}. "
-              + ("" if self.terminated else
-                 "A last cell with mon.wait() lets a notebook run headless to its end."
-                 if kernel else "Call mon.wait() to let a run finish."), file=sys.stderr)
+              f"in {run.setup.run_dir}. {hint}".rstrip(), file=sys.stderr)
 
     def at_exit(self) -> None:
         """A script's loop that ended without `with`/close(): record how the process ended.

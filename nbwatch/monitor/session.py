@@ -373,8 +373,10 @@ class RunSession:
             elif exc is None or isinstance(exc, StopTraining) or clean_exit:
                 rec.take_final_stop()  # a stop the loop saw before log() took it
                 finish(rec, "stopped" if rec.stopping else "finished")
-            elif isinstance(exc, KeyboardInterrupt):
-                finish(rec, "stopped")  # the user's Ctrl-C: a stop, not a crash
+            elif isinstance(exc, KeyboardInterrupt):  # the user's Ctrl-C: a stop, not a crash
+                record_stop_reason(self.store, self.setup.rank, self.step,
+                                   f"interrupted (Ctrl-C) at step {self.step}")
+                finish(rec, "stopped")
             elif isinstance(exc, Terminated):  # a SIGTERM: said first, before the checkpoint
                 record_stop_reason(self.store, self.setup.rank, self.step, exc.why)
                 finish(rec, "stopped")

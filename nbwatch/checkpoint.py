@@ -104,14 +104,19 @@ def _write_failed(e: BaseException, tmp: Path, path: Path) -> str:
         return (f"checkpoint {path} could not be written ({cause}); its partial file was "
                 "removed and the checkpoints before it are kept")
     others = [p.stat().st_size for p in path.parent.glob("step_*.pt") if p != path]
-    need = (f"about {max(others) / 2**20:.1f} MiB" if others
-            else f"more than the {partial / 2**20:.1f} MiB written")
-    left = (f"{((free or 0) + partial) / 2**20:.1f} MiB are free" if free is not None
-            else "it is full")
+    need = (f"about {_size(max(others))}" if others
+            else f"more than the {_size(partial)} written")
+    left = f"{_size((free or 0) + partial)} are free" if free is not None else "it is full"
     return (f"disk full: checkpoint {path} could not be written ({cause}); its partial file"
             f" was removed ({left} on that disk now, a checkpoint needs {need}). Free space"
             " there (or keep fewer checkpoints with keep_last=), then resume the run with"
             " resume=True from its newest checkpoint; the checkpoints before it are kept")
+
+
+def _size(n: float) -> str:
+    """Bytes as a reader compares them: KiB below 10 MiB (0.4 MiB free against 0.4 MiB
+    needed read as if it fitted)."""
+    return f"{n / 2**10:,.0f} KiB" if n < 10 * 2**20 else f"{n / 2**20:,.1f} MiB"
 
 
 def _write_atomically(path: Path, write: Any) -> None:

@@ -104,19 +104,21 @@ def _write_failed(e: BaseException, tmp: Path, path: Path) -> str:
         return (f"checkpoint {path} could not be written ({cause}); its partial file was "
                 "removed and the checkpoints before it are kept")
     others = [p.stat().st_size for p in path.parent.glob("step_*.pt") if p != path]
-    need = (f"about {_size(max(others))}" if others
-            else f"more than the {_size(partial)} written")
-    left = f"{_size((free or 0) + partial)} are free" if free is not None else "it is full"
+    needed = max(others) if others else partial
+    room = (free or 0) + partial
+    unit = max(needed, room)  # one unit for both: 0.4 MiB against 0.4 MiB read as fitting
+    need = (f"about {_size(needed, unit)}" if others
+            else f"more than the {_size(partial, unit)} written")
+    left = f"{_size(room, unit)} are free" if free is not None else "it is full"
     return (f"disk full: checkpoint {path} could not be written ({cause}); its partial file"
             f" was removed ({left} on that disk now, a checkpoint needs {need}). Free space"
             " there (or keep fewer checkpoints with keep_last=), then resume the run with"
             " resume=True from its newest checkpoint; the checkpoints before it are kept")
 
 
-def _size(n: float) -> str:
-    """Bytes as a reader compares them: KiB below 10 MiB (0.4 MiB free against 0.4 MiB
-    needed read as if it fitted)."""
-    return f"{n / 2**10:,.0f} KiB" if n < 10 * 2**20 else f"{n / 2**20:,.1f} MiB"
+def _size(n: float, scale: float) -> str:
+    """Bytes in the unit a figure of `scale` bytes reads best in: KiB below 10 MiB."""
+    return f"{n / 2**10:,.0f} KiB" if scale < 10 * 2**20 else f"{n / 2**20:,.1f} MiB"
 
 
 def _write_atomically(path: Path, write: Any) -> None:
@@ -250,10 +252,6 @@ def restore_into(ckpt: dict[str, Any], model: Any, optimizer: Any, scheduler: An
         if (scheduler is not None and ckpt.get("scheduler") is not None
                 and hasattr(scheduler, "load_state_dict")):
             scheduler.load_state_dict(ckpt["scheduler"])
-            for _ in range(int(ckpt.get("scheduler_behind", 0)) - pending):
-                with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
-                    warnings.simplefilter("ignore", UserWarning)
-                    scheduler.step()
         if scaler is not None and ckpt.get("scaler") is not None:
             scaler.load_state_dict(ckpt["scaler"])
     except (RuntimeError, KeyError, ValueError) as e:
@@ -262,6 +260,18 @@ def restore_into(ckpt: dict[str, Any], model: Any, optimizer: Any, scheduler: An
             f"this model/optimizer ({e}); resume with the same model and optimizer (the "
             "same parameters, in the same optimizer groups)"
         ) from e
+    behind = int(ckpt.get("scheduler_behind", 0)) - pending
+    if behind > 0 and scheduler is not None and ckpt.get("scheduler") is not None:
+        try:
+            with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
+                warnings.simplefilter("ignore", UserWarning)
+                for _ in range(behind):
+                    scheduler.step()
+        except Exception as e:
+            raise RuntimeError(
+                f"the scheduler of the checkpoint at step {ckpt.get('step')} was saved a step "
+                f"behind, and stepping it to its step failed ({type(e).__name__}: {e}); pass "
+                "the scheduler the run was trained with") from e
     set_rng_state(ckpt["rng"])
     c = ckpt.get("controls", {})
     control.clip = c.get("clip")

@@ -24,7 +24,7 @@ from typing import Any
 from torch import nn
 
 from .checkpoint import Checkpointer, CheckpointWriteError, Saved
-from .distributed import lost_peer
+from .distributed import Dist, lost_peer
 from .sharding import is_sharded
 
 
@@ -39,6 +39,16 @@ class ShardedCheckpointer(Checkpointer):
         self.model, self.optimizer = model, optimizer
         self.group: Any = None  # nbwatch's own gloo group (its timeout), once a run opens
 
+    def open_run(self, dist: Dist) -> None:
+        """As a run opens, on every rank: save through nbwatch's own group (its timeout),
+        into a folder every rank sees (`check_shared`); on a refusal, the group is closed."""
+        self.group = dist.group
+        try:
+            self.check_shared(dist.rank, dist.group)
+        except BaseException:
+            dist.close()
+            raise
+
     def check_shared(self, rank: int, group: Any) -> None:
         """Refuse, on every rank at once, a checkpoint folder that some rank sees elsewhere
         (several nodes, each on its own disk): every rank writes its shards there, so rank
@@ -48,11 +58,17 @@ class ShardedCheckpointer(Checkpointer):
 
         name = [f".shared-check-{uuid.uuid4().hex[:12]}"]
         if rank == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / name[0]).write_bytes(b"")
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                (self.dir / name[0]).write_bytes(b"")
+            except OSError as e:  # said on every rank, none waiting for a file never made
+                name = [f"!{e}"]
         dist.broadcast_object_list(name, src=0, group=group)
+        if name[0].startswith("!"):
+            raise RuntimeError(f"the checkpoint folder {self.dir} cannot be written on rank 0 "
+                               f"({name[0][1:]}); pass a run_dir every rank can write")
         seen: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(seen, (self.dir / name[0]).exists(), group=group)
+        dist.all_gather_object(seen, _sees(self.dir, name[0]), group=group)
         if rank == 0:
             (self.dir / name[0]).unlink(missing_ok=True)
         blind = [r for r, ok in enumerate(seen) if not ok]
@@ -117,6 +133,22 @@ class ShardedCheckpointer(Checkpointer):
                 shutil.rmtree(p, ignore_errors=True)
         for p in self.dir.glob("step_*.dcp.partial"):  # a save a kill cut short
             shutil.rmtree(p, ignore_errors=True)
+
+
+def _sees(folder: Path, name: str, wait: float = 5.0) -> bool:
+    """Whether `folder` holds `name`, waiting up to `wait` s: a network filesystem's
+    caches may show another node's new file late. The folder is listed, not stat-ed: a
+    listing is fetched again where a cached "no such file" is not."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            if name in os.listdir(folder):
+                return True
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
 
 
 def _why(e: BaseException) -> tuple[str, bool]:

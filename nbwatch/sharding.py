@@ -61,14 +61,28 @@ def _no_step_hooks(optimizer: Any):
 def load_sharded(folder: Path, model: nn.Module, optimizer: Any) -> None:
     """Load a DCP checkpoint's model and optimizer shards into `model` and `optimizer`
     (collective: every rank at once). A missing folder raises FileNotFoundError."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    if not folder.is_dir():
+    seen = [folder.is_dir()]
+    if dist.is_available() and dist.is_initialized():  # every rank says, none left waiting
+        seen = [False] * dist.get_world_size()
+        dist.all_gather_object(seen, folder.is_dir())
+    if not all(seen):
+        blind = ", ".join(str(r) for r, ok in enumerate(seen) if not ok)
         raise FileNotFoundError(
-            f"the shards of this checkpoint ({folder}) are missing: every rank must see the "
-            "run's checkpoint folder (on several nodes, a shared filesystem)")
+            f"the shards of this checkpoint ({folder}) are missing on rank(s) {blind}: every "
+            "rank must see the run's checkpoint folder (on several nodes, a shared "
+            "filesystem)")
     with _no_step_hooks(optimizer):
         msd, osd = get_state_dict(model, optimizer)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(folder))  # in place
+    try:
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(folder))  # in place
+    except CheckpointException as e:  # a BaseException: each rank's own error, said
+        said = "; ".join(f"rank {r}: {type(x).__name__}: "
+                         f"{(str(x).splitlines() or [''])[0][:160]}"
+                         for r, (x, _) in sorted(e.failures.items()))
+        raise RuntimeError(f"the shards in {folder} could not be read ({said})") from e
     set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)

@@ -34,8 +34,12 @@ class Launched(Attached):
         self._before = self._opened()
 
     def _opened(self) -> Any:
-        """When the folder's run was last opened (meta `started`), None before any was."""
-        return self.meta.get("started") if is_run_dir(self.run_dir) else None
+        """When the folder's run was last opened (meta `opened`; `started` before it was
+        kept), None before any was."""
+        if not is_run_dir(self.run_dir):
+            return None
+        meta = self.meta
+        return meta.get("opened", meta.get("started"))
 
     @property
     def exists(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -214,3 +215,30 @@ def test_default_metrics_without_val_fn(runs, tmp_path):
     assert nbwatch.compare(plain, metrics="loss/train").note is None  # chosen, not defaulted
     with pytest.raises(ValueError, match="no compared run recorded 'loss/val'"):
         nbwatch.compare(plain, metrics=["loss/train", "loss/val"])  # asked for: an error
+
+
+def test_a_resumed_run_keeps_its_start(tmp_path):
+    """A resume used to overwrite the run's start: its wall time read the last segment's
+    alone, and the steps before the resume came before 0 s on compare's time axis."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train(steps, resume):
+        with nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False,
+                             resume=resume, checkpoint_every=5) as mon:
+            for _ in range(mon.step, steps):
+                model(torch.randn(8, 4)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                mon.log(loss=torch.tensor(1.0))
+                time.sleep(0.05)
+
+    train(5, False)
+    started = nbwatch.open_run(tmp_path / "r").meta["started"]
+    train(10, True)
+    meta = nbwatch.open_run(tmp_path / "r").meta
+    assert meta["started"] == started and meta["opened"] > started
+    d = nbwatch.compare([tmp_path / "r"], metrics="loss/train", x="wall").df
+    assert (d.wall >= 0).all() and d.wall.is_monotonic_increasing and len(d) == 10
+    assert nbwatch.compare([tmp_path / "r"]).summary.wall_s.iloc[0] >= 0.45  # 10 × 0.05 s

@@ -579,3 +579,29 @@ def test_a_resume_continues_the_schedule_from_a_checkpoint_between_step_and_sche
         _lr_run(run, 12, log_first, interrupt_at=5)
     got = _lr_run(run, 12, log_first, resume=True)
     assert got.tolist() == pytest.approx(ref.tolist(), rel=1e-12)
+
+
+def test_a_scheduler_stepped_per_epoch_resumes_where_it_was(tmp_path):
+    """StepLR stepped after each 4-step epoch: a checkpoint mid-epoch is no step behind
+    (its scheduler steps between epochs), so a resume from it leaves the schedule as it
+    was; stepping it there ran the schedule an epoch ahead per resume."""
+    def run(run_dir, steps, resume=False, every=None):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        with nbwatch.Monitor(model, opt, sched, run_dir=run_dir, display=False,
+                             resume=resume, checkpoint_every=every) as mon:
+            for i in range(mon.step + 1, steps + 1):
+                model(torch.randn(8, 4)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                mon.log(loss=torch.tensor(1.0))
+                if i % 4 == 0:
+                    sched.step()
+        return nbwatch.open_run(run_dir).df["lr"].tolist()
+
+    ref = run(tmp_path / "ref", 16)
+    run(tmp_path / "r", 8, every=2)
+    (tmp_path / "r" / "checkpoints" / "step_00000008.pt").unlink()  # from step 6: mid-epoch
+    assert run(tmp_path / "r", 16, resume=True) == ref

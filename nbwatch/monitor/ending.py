@@ -11,6 +11,11 @@ from ..records import Event
 from ..store import RunStore
 
 
+def interrupted(step: int) -> str:
+    """The stop reason of a Ctrl-C (`run.meta["stopped_by"]`)."""
+    return f"interrupted (Ctrl-C) at step {step}"
+
+
 def record_stop_reason(store: RunStore | NullStore | None, rank: int, step: int,
                        why: str) -> None:
     """Say now, before the stop is taken, why the run ends and that it is stopped: the
@@ -25,10 +30,14 @@ def record_stop_reason(store: RunStore | NullStore | None, rank: int, step: int,
         store.flush(timeout=0.5)
 
 
-def finish(rec: StepRecorder, outcome: str) -> None:
-    """`rec.finish(outcome)`; Ctrl-C pressed a second time while it runs (`finish_first`)
-    abandons its final checkpoint, and the run ends a stop all the same."""
+def finish(rec: StepRecorder, outcome: str, why: str | None = None) -> None:
+    """`rec.finish(outcome)`, said first `why` where given (`record_stop_reason`); Ctrl-C
+    pressed a second time while they run (`finish_first`) abandons the final checkpoint,
+    and the run ends a stop all the same."""
     try:
+        if why is not None:
+            record_stop_reason(rec.store, 0 if rec.dist is None else rec.dist.rank, rec.step,
+                               why)
         rec.finish(outcome)
     except KeyboardInterrupt:
         rec.abandon_end()

@@ -31,7 +31,7 @@ from ..ownership import forked_from
 from ..records import Event
 from ..store import RunStore
 from .background import TrainingThread
-from .ending import record_stop_reason
+from .ending import interrupted, record_stop_reason
 from .session import RunSession
 
 
@@ -101,14 +101,16 @@ class ProcessExit:
         the stop checkpoint and the store's close get what is left of `exit_budget()`."""
         _disarm_sigterm(self)  # from here a SIGTERM ends the process as it would
         kernel = in_notebook()
-        # a script's Ctrl-C in mon.wait() (or after it) ends the program with this
-        ctrl_c = isinstance(getattr(sys, "last_exc", None) or getattr(sys, "last_value", None),
-                            KeyboardInterrupt)
+        # a script's Ctrl-C in mon.wait() (or after it) ends the program with this; IPython
+        # sets it for every traceback it shows: an interrupted cell, long before
+        ctrl_c = not kernel and isinstance(
+            getattr(sys, "last_exc", None) or getattr(sys, "last_value", None),
+            KeyboardInterrupt)
         what = ("SIGTERM" if self.terminated else
                 "the kernel shut down" if kernel else
                 "Ctrl-C ended the program" if ctrl_c else "the program exited")
         run = self._session
-        why = self.terminated or (f"interrupted (Ctrl-C) at step {run.step}" if ctrl_c else
+        why = self.terminated or (interrupted(run.step) if ctrl_c else
                                   f"{what.removeprefix('the ')} at step {run.step}")
         record_stop_reason(run.store, run.setup.rank, run.step, why)
         with contextlib.suppress(RuntimeError):  # it ended a moment ago

@@ -35,7 +35,7 @@ from ..records import Command, CommandKind, Event, SystemSample
 from ..run import Run
 from ..sharded_checkpoint import ShardedCheckpointer
 from ..store import RunStore, StoreFailed, check_no_writer, is_run_dir
-from .ending import finish, record_stop_reason
+from .ending import finish, interrupted
 from .optimizer_hooks import OptimizerWatch
 from .options import NOT_GIVEN, Options
 from .setup import Setup
@@ -232,13 +232,8 @@ class RunSession:
         dist = Dist.detect(opts.rank_every, opts.dist_timeout)  # collective: every rank's
         given = self.setup
         ckpt = given.checkpointer
-        if dist is not None and isinstance(ckpt, ShardedCheckpointer):  # FSDP2: its timeout
-            ckpt.group = dist.group
-            try:
-                ckpt.check_shared(dist.rank, dist.group)
-            except BaseException:
-                dist.close()
-                raise
+        if dist is not None and isinstance(ckpt, ShardedCheckpointer):
+            ckpt.open_run(dist)  # FSDP2: nbwatch's group (its timeout), a folder all share
         run_meta = {**run_meta, "options": opts.record()}  # the options in force
         if start_step is None:
             start_step = self.start_step(resume)
@@ -373,13 +368,10 @@ class RunSession:
             elif exc is None or isinstance(exc, StopTraining) or clean_exit:
                 rec.take_final_stop()  # a stop the loop saw before log() took it
                 finish(rec, "stopped" if rec.stopping else "finished")
-            elif isinstance(exc, KeyboardInterrupt):  # the user's Ctrl-C: a stop, not a crash
-                record_stop_reason(self.store, self.setup.rank, self.step,
-                                   f"interrupted (Ctrl-C) at step {self.step}")
-                finish(rec, "stopped")
-            elif isinstance(exc, Terminated):  # a SIGTERM: said first, before the checkpoint
-                record_stop_reason(self.store, self.setup.rank, self.step, exc.why)
-                finish(rec, "stopped")
+            elif isinstance(exc, (KeyboardInterrupt, Terminated)):  # a stop, not a crash: its
+                # reason said first, before the checkpoint (Ctrl-C; a SIGTERM)
+                finish(rec, "stopped", exc.why if isinstance(exc, Terminated)
+                       else interrupted(self.step))
             else:
                 rec.fail(exc)
             rec.store.flush()
@@ -420,7 +412,10 @@ class RunSession:
         allow_baselines(given.run_dir, baselines)  # given here: drawn even if not beside it
         store.set_meta("environment", environment(names))
         store.set_meta("max_steps", max_steps)
-        store.set_meta("started", time.time())
+        now = time.time()
+        store.set_meta("opened", now)  # this writer's open: a resume's too
+        if not (start_step or held) or "started" not in store.meta():  # the run's first
+            store.set_meta("started", now)
         store.set_meta("pid", os.getpid())  # lets attach() tell a killed writer at once
         store.set_meta("host", socket.gethostname())
         store.set_meta("run", {

@@ -151,8 +151,9 @@ class Feed:
         if d.attention is not None:
             self.attention = d.attention
         if d.meta is not None:
-            was = self.meta.get("started")
-            if was is not None and d.meta.get("started") != was:  # resumed: steps redone
+            key = "opened" if "opened" in d.meta else "started"  # (before `opened` was kept)
+            was = self.meta.get(key)
+            if was is not None and d.meta.get(key) != was:  # resumed: steps redone
                 self.history_cut = True
             self.meta = d.meta
         new_system = self._fold_system(d)

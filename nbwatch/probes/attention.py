@@ -295,10 +295,12 @@ def capture_attention(
 
 def has_attention(model: nn.Module) -> bool:
     """Whether any module looks like attention: an `nn.MultiheadAttention`, or one whose
-    class or name says attention (`attn`, `attention`). A CNN or an MLP has none."""
+    class or name says attention (`attn`, `attention`, flash-attn's `MHA`, `MultiHead…`).
+    A CNN, an MLP or an RNN has none."""
     for name, mod in unwrapped(model).named_modules():
         words = (type(mod).__name__ + " " + name.rsplit(".", 1)[-1]).lower()
-        if isinstance(mod, nn.MultiheadAttention) or "attn" in words or "attention" in words:
+        if isinstance(mod, nn.MultiheadAttention) or any(
+                w in words for w in ("attn", "attention", "mha", "multihead")):
             return True
     return False
 

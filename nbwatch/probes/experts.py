@@ -2,10 +2,12 @@
 token goes through top-k of E experts, so each expert's weights count k/E times.
 
 Experts are the parameters under a module named `experts` (Hugging Face's Mixtral,
-Qwen-MoE, OLMoE, DeepSeek; a hand-written `nn.ModuleList`), a shared expert beside them
-counting whole. E is that container's length, its `num_experts`, or its fused weights'
-leading dimension; k the block holding it says (`top_k`, `num_experts_per_tok`), else the
-model's config (`num_experts_per_tok`)."""
+Qwen-MoE, OLMoE, DeepSeek; a hand-written `nn.ModuleList`) with a router beside it: a
+sibling named `gate` or `router` whose weight has one row per expert. A shared expert
+beside them counts whole; a module named `experts` without a router (a dense ensemble)
+is no MoE. E is that container's length, its `num_experts`, or its fused weights' leading
+dimension; k the block holding it says (`top_k`, `num_experts_per_tok`), else the model's
+config (`num_experts_per_tok`, its `text_config`'s for a multimodal model)."""
 
 from __future__ import annotations
 
@@ -39,17 +41,27 @@ def find_experts(model: nn.Module) -> Experts:
             continue
         params = list(m.parameters())
         n = _count(m, params)
-        if not params or not n or n < 2:
+        parent = model.get_submodule(path.rpartition(".")[0])
+        if not params or not n or n < 2 or not _routed(parent, n):
             continue
         seen.append(path)
-        parent = model.get_submodule(path.rpartition(".")[0])
-        k = _top_k(_K_NAMES, parent, m) or _top_k(_CONFIG_K, getattr(model, "config", None))
+        cfg = getattr(model, "config", None)
+        k = (_top_k(_K_NAMES, parent, m) or _top_k(_CONFIG_K, cfg)
+             or _top_k(_CONFIG_K, getattr(cfg, "text_config", None)))
         if k is None or not 0 < k <= n:
             out.unknown.append(path)
             continue
         for p in params:
             out.share[id(p)] = k / n
     return out
+
+
+def _routed(parent: nn.Module, n: int) -> bool:
+    """Whether a router beside the experts picks among `n` of them: a child of `parent`
+    named `gate` or `router` with a weight of `n` rows (its own, or its classifier's)."""
+    return any(("gate" in name or "router" in name)
+               and any(w.dim() == 2 and w.shape[0] == n for w in child.parameters())
+               for name, child in parent.named_children())
 
 
 def _count(m: nn.Module, params: list[nn.Parameter]) -> int | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 
 def timing_figures(step_s: float, data_s: float | None = None) -> dict[str, float]:
@@ -100,7 +101,7 @@ def add_mfu(values: dict[str, float], per_token: float, peak: float | None) -> N
         values["throughput/mfu"] = achieved / peak
 
 
-def model_shape(model: object) -> tuple[int, int, int, int | None]:
+def model_shape(model: object, experts: Any = None) -> tuple[int, int, int, int | None]:
     """(N, layers, d_model, context) of a Transformer, for `flops_per_token`. N counts the
     parameters a token's matmuls use: every parameter once (tied ones once), less the
     embedding tables that are only looked up (a position table; an input table not tied
@@ -115,7 +116,7 @@ def model_shape(model: object) -> tuple[int, int, int, int | None]:
 
     assert isinstance(model, nn.Module)
     model = unwrapped(model)  # a DDP wrapper has no config
-    n = round(find_experts(model).active(matmul_params(model)))
+    n = round((experts or find_experts(model)).active(matmul_params(model)))
     cfg = getattr(model, "config", None)
 
     def read(*names: str) -> int | None:
@@ -191,7 +192,7 @@ class Mfu:
             peak = peak_flops(torch.cuda.get_device_name(dev))
         experts = find_experts(unwrapped(model))
         trained = experts.active([p for p in matmul_params(model) if p.requires_grad])
-        out = cls(*model_shape(model), peak, n_trained=round(trained))
+        out = cls(*model_shape(model, experts), peak, n_trained=round(trained))
         out.unknown_experts = experts.unknown
         return out
 

@@ -37,7 +37,7 @@ class EvalState:
     last_val: float | None = None  # the newest finite val loss, until a checkpoint takes it
     last_val_step: int | None = None  # its step: only a checkpoint of that step is "best"
     ckpt_step: int | None = None  # the step of the newest checkpoint
-    ckpt_name: str = ""  # its file or folder
+    ckpt_path: str = ""  # its file or folder
     probe_said: set[str] = field(default_factory=set)  # figures the probe cannot take, said
 
 
@@ -134,7 +134,7 @@ def note_checkpoint(rec: Evaluating, reason: str, path: str | Path, seconds: flo
     """Record a checkpoint the framework wrote (a folder or a file)."""
     path = Path(path)
     size = _dir_bytes(path) if path.exists() else 0
-    rec.evals.ckpt_step, rec.evals.ckpt_name = rec.step, path.name
+    rec.evals.ckpt_step, rec.evals.ckpt_path = rec.step, str(path)
     took = f" in {seconds:.2f} s" if seconds is not None else ""
     rec._emit(Event(rec.step, "checkpoint", "info",
                      f"{reason} checkpoint at step {rec.step}: {path.name}, "
@@ -150,7 +150,7 @@ def state_dict(rec: Evaluating) -> dict[str, Any]:
         "scheduler": sched_state() if callable(sched_state) else None,
         # taken between the optimizer's step and the scheduler's (a stop or an error there;
         # log() before scheduler.step()): the step's number, the scheduler one step behind
-        "scheduler_behind": int(rec.lr.scheduler_pending()),
+        "scheduler_behind": int(rec.lr.behind()),
         "scaler": rec.scaler.state_dict() if rec.scaler is not None else None,
         "rng": rng_state(),
         "controls": rec.control.to_dict(),
@@ -186,7 +186,7 @@ def write_checkpoint(rec: Evaluating, reason: str, announce: bool = True) -> Eve
             return None
         done = Event(rec.step, "action", "info",
                      f"{reason} checkpoint at step {rec.step}: written already, "
-                     f"{st.ckpt_name}", {"path": st.ckpt_name, "already": True})
+                     f"{Path(st.ckpt_path).name}", {"path": st.ckpt_path, "already": True})
         if announce:
             rec._emit(done)
         return done
@@ -209,7 +209,7 @@ def write_checkpoint(rec: Evaluating, reason: str, announce: bool = True) -> Eve
                              {"reason": reason, "failed": True,
                               "error": f"{type(e).__name__}: {first}"}))
         raise
-    st.ckpt_step, st.ckpt_name = rec.step, saved.path.name
+    st.ckpt_step, st.ckpt_path = rec.step, str(saved.path)
     st.last_val = None  # "best" compares checkpoints taken right after an eval
     msg = (f"{reason} checkpoint at step {rec.step}: {saved.path.name}, "
            f"{saved.bytes / 2**20:.1f} MiB in {saved.seconds:.2f} s"

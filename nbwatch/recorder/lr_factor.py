@@ -19,6 +19,7 @@ import torch
 from .. import controls as ctl
 
 OVER = 3  # steps running with several scheduler steps each before it is said
+PER_STEP = 3  # steps running, a scheduler step between each two, for a per-step scheduler
 
 
 class LrFactor:
@@ -35,13 +36,17 @@ class LrFactor:
         self._metric_ends: list[Any] = [None, None]
         self._sched_count: int | None = None  # the scheduler's step count at the post-hook
         self._sched_at_end: int | None = None  # … and at the last end of step
+        self._once_each = 0  # optimizer steps running, each one scheduler step after the last
         self.explained = False  # a control moved the LR: the next step's change is planned
         self._over = 0  # steps running whose scheduler stepped more than once (end_step)
 
     def off(self) -> None:
         """The optimizer stepped: take the factor off, so the scheduler (or the loop, without
         one) moves the plain LR."""
-        self._sched_count = ctl.steps_taken(self.sched) if self.sched is not None else None
+        n = ctl.steps_taken(self.sched) if self.sched is not None else None
+        once = n is not None and self._sched_count is not None and n - self._sched_count == 1
+        self._once_each = self._once_each + 1 if once else 0
+        self._sched_count = n
         c = self.control
         if c.lr_factor != 1.0 and not c.lr_raw:
             ctl.scale_lrs(self.opt, 1.0 / c.lr_factor)
@@ -53,6 +58,13 @@ class LrFactor:
             return False
         n = ctl.steps_taken(self.sched)
         return n is not None and n == self._sched_count
+
+    def behind(self) -> bool:
+        """A checkpoint taken now holds the scheduler one step behind the optimizer's: the
+        loop steps it once after each optimizer step (seen at the last `PER_STEP` steps:
+        not one stepped per epoch, whose steps come between epochs), and has not yet after
+        this one."""
+        return self._once_each >= PER_STEP and self.scheduler_pending()
 
     def on(self, only_if_scheduled: bool = False) -> None:
         """Put the factor back on (at the next step's start, or once the scheduler has

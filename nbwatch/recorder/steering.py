@@ -299,8 +299,10 @@ def do_scale_lr(rec: Steered, cmd: Command) -> Outcome:
         ctl.scale_lrs(rec.opt, f)
     c.lr_factor *= f
     rec.lr.explained = True  # the next step's record says the change was asked for
-    moved = ", ".join(f"{b:.3g} → {b * f:.3g}" for b in dict.fromkeys(before))  # each LR once
-    groups = f"{len(before)} param groups: " if len(set(before)) > 1 else ""
+    seen = list(dict.fromkeys(before))  # each LR once; layer-wise decay: the first few
+    moved = ", ".join(f"{b:.3g} → {b * f:.3g}" for b in seen[:4]) + (
+        f" and {len(seen) - 4} more" if len(seen) > 4 else "")
+    groups = f"{len(before)} param groups: " if len(seen) > 1 else ""
     return Applied(f"LR scaled ×{f:g} (factor now {c.lr_factor:g}): {groups}{moved}")
 
 

@@ -161,8 +161,10 @@ def _failure(e: BaseException, path: Path) -> str:
             free is not None and free < 1 << 20):
         saved = any((path.parent / "checkpoints").glob("step_*"))
         then = ("resume the run from its newest checkpoint" if saved else
-                "the run has no checkpoint to resume from (checkpoint_every= writes them): "
-                "its weights are in memory only, save them elsewhere now if they matter")
+                f"resume from the newest checkpoint written, if any (none in "
+                f"{path.parent / 'checkpoints'}; checkpoint_every= writes them there, a "
+                "framework in its own output folder); without one the weights are in memory "
+                "only: save them elsewhere now if they matter")
         return (f"disk full: the run store {path} could not be written ({text}); free space"
                 f" on its disk, and {then}; {kept}")
     limit = _file_size_limit()

@@ -320,7 +320,11 @@ class RunStore(RunReader):
                     target = self._queued
                     self._cond.notify_all()  # a put() waiting on back-pressure goes on
                 if batch:
-                    write_batch(self._wcon, self._tables, self._hists, batch)
+                    try:
+                        write_batch(self._wcon, self._tables, self._hists, batch)
+                    except sqlite3.Error:  # the folder moved or deleted under it: that is
+                        self._watch()      # the cause to say, rather than SQLite's error
+                        raise
                     self._compact_now()
                 self._watch()
                 self._read_commands(any(isinstance(r, (Command, Taken)) for r in batch))

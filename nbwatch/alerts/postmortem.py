@@ -33,8 +33,9 @@ For a `loss_spike` alert at step S, over the steps [S - 20, S] (`LOOKBACK`):
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -152,12 +153,13 @@ def lr_change(lr: pd.Series, spike: int, move: float = LR_MOVE) -> dict[str, Any
             "from": float(v[first]), "to": float(v[last + 1])}
 
 
-def postmortem(frame: pd.DataFrame, events: pd.DataFrame, spike: int,
+def postmortem(frame: pd.DataFrame, events: pd.DataFrame | Alerts, spike: int,
                lookback: int = LOOKBACK, baseline: int = BASELINE, k: float = K
                ) -> dict[str, Any]:
     """The post-mortem of the loss spike at step `spike`: `frame` holds the recorded
     scalars of the steps before it (index: step; at least `baseline + lookback` of them,
-    and the 128 for `grad_z`), `events` the run's events table."""
+    and the 128 for `grad_z`), `events` the run's events table (or its `Alerts`, read
+    once for many spikes)."""
     out: dict[str, Any] = {"first": [], "lead": None, "first_layers": [],
                            "first_updates": None, "grad_z": None, "grad_rose": None,
                            "loss_rose": None, "log_z_rose": None, "lr": None,
@@ -194,11 +196,9 @@ def postmortem(frame: pd.DataFrame, events: pd.DataFrame, spike: int,
         out["lr"] = float(lr[spike]) if spike in lr.index and pd.notna(lr[spike]) else None
         out["lr_change"] = lr_change(lr, spike)
     newest: dict[str, int] = {}
-    for step, kind, data in zip(events["step"], events["kind"], events["data"]):
-        rule = data.get("rule") if isinstance(data, dict) else None
-        if (kind == "alert" and rule and rule != SPIKE_RULE
-                and spike - ALERT_LOOKBACK <= step <= spike):
-            newest[rule] = max(newest.get(rule, -1), int(step))
+    for step, rule in (events if isinstance(events, Alerts) else Alerts(events)).within(
+            spike - ALERT_LOOKBACK, spike):
+        newest[rule] = max(newest.get(rule, -1), step)
     out["alerts_before"] = sorted(({"rule": r, "step": s, "lead": spike - s}
                                    for r, s in newest.items()), key=lambda a: a["step"])
     moved += [(a["step"], a["rule"]) for a in out["alerts_before"]
@@ -208,6 +208,23 @@ def postmortem(frame: pd.DataFrame, events: pd.DataFrame, spike: int,
         out["first"] = list(dict.fromkeys(n for s, n in sorted(moved) if s == first))
         out["lead"] = spike - first
     return out
+
+
+class Alerts:
+    """The (step, rule) of every alert but the loss spikes' among a run's events, in step
+    order: what each post-mortem looks back over, read once for all of them."""
+
+    def __init__(self, events: pd.DataFrame):
+        got = sorted((int(s), str(d["rule"])) for s, k, d in
+                     zip(events["step"], events["kind"], events["data"])
+                     if k == "alert" and isinstance(d, dict) and d.get("rule")
+                     and d.get("rule") != SPIKE_RULE)
+        self.steps, self.rules = [s for s, _ in got], [r for _, r in got]
+
+    def within(self, first: int, last: int) -> list[tuple[int, str]]:
+        """The alerts at steps `first`…`last`."""
+        a, b = bisect.bisect_left(self.steps, first), bisect.bisect_right(self.steps, last)
+        return list(zip(self.steps[a:b], self.rules[a:b]))
 
 
 def is_spike(kind: Any, data: Any) -> bool:
@@ -233,7 +250,7 @@ def spikes_of(events: pd.DataFrame, scalars: Scalars | None = None,
     ids = events["id"] if "id" in events else [None] * len(events)
     kept = {d.get("spike_id"): d.get("postmortem") for k, d in zip(events["kind"], events["data"])
             if k == KEPT and isinstance(d, dict)}
-    rows = []
+    rows, due = [], []
     for step, kind, data, eid in zip(events["step"], events["kind"], events["data"], ids):
         if not is_spike(kind, data) or (only is not None and int(step) not in only):
             continue
@@ -244,10 +261,32 @@ def spikes_of(events: pd.DataFrame, scalars: Scalars | None = None,
         if isinstance(pm, dict):
             row.update(pm)
         elif scalars is not None and wanted:
-            start = int(step) - max(BASELINE + LOOKBACK, WINDOW) - 1
-            row.update(postmortem(scalars(wanted, start, int(step) + 1), events, int(step)))
+            due.append(row)
         rows.append(row)
+    if due and scalars is not None:
+        alerts = Alerts(events)
+        for frame, group in _windows(scalars, wanted, due):  # one read for spikes near
+            for row in group:                                 # each other
+                step = row["step"]
+                row.update(postmortem(frame.loc[step - _SPAN:step], alerts, step))
     return pd.DataFrame(rows, columns=SPIKE_COLUMNS)
+
+
+_SPAN = max(BASELINE + LOOKBACK, WINDOW) + 1  # the steps a post-mortem reads, to its spike's
+
+
+def _windows(scalars: Scalars, keys: list[str], rows: list[dict[str, Any]]
+             ) -> Iterator[tuple[pd.DataFrame, list[dict[str, Any]]]]:
+    """The series before each spike of `rows`, read once for spikes whose windows overlap
+    or lie within a window of each other: (frame, the rows it serves)."""
+    rows = sorted(rows, key=lambda r: r["step"])
+    group = [rows[0]]
+    for row in rows[1:]:
+        if row["step"] - _SPAN > group[-1]["step"] + _SPAN:
+            yield scalars(keys, group[0]["step"] - _SPAN, group[-1]["step"] + 1), group
+            group = []
+        group.append(row)
+    yield scalars(keys, group[0]["step"] - _SPAN, group[-1]["step"] + 1), group
 
 
 def to_keep(reader: Any, first: int, last: int) -> list[tuple[int, int, dict[str, Any]]]:
@@ -338,3 +377,13 @@ def from_reader(reader: Any, steps: Iterable[int] | None = None) -> pd.DataFrame
     when given)."""
     events = reader.events()
     return spikes_of(events, lambda k, a, b: reader.scalars(k, a, b), reader.keys(), steps)
+
+
+def first_of(reader: Any, n: int) -> tuple[pd.DataFrame, int]:
+    """The first `n` spikes' rows of `from_reader` (a report's table), and how many spikes
+    the run has: a converged run's thousands are counted, not all made."""
+    events = reader.events()
+    at = [int(s) for s, k, d in zip(events["step"], events["kind"], events["data"])
+          if is_spike(k, d)]
+    rows = spikes_of(events, lambda k, a, b: reader.scalars(k, a, b), reader.keys(), at[:n])
+    return rows, len(at)

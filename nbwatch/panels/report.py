@@ -85,8 +85,10 @@ def summary(meta: Mapping[str, Any], step: int, best_val: tuple[int, float] | No
     return [[k, _text(v, 300)] for k, v in rows]
 
 
-def spikes_table(spikes: Any, max_rows: int = MAX_ROWS) -> dict[str, Any]:
-    """`run.spikes` → {rows: [step, loss, z, moved first, lead, timeline], total}."""
+def spikes_table(spikes: Any, total: int | None = None, max_rows: int = MAX_ROWS
+                 ) -> dict[str, Any]:
+    """`run.spikes` (or its first rows, of `total`) → {rows: [step, loss, z, moved first,
+    lead, timeline], total}."""
     rows = []
     for r in spikes.to_dict("records")[:max_rows]:
         lead = r.get("lead")
@@ -94,4 +96,4 @@ def spikes_table(spikes: Any, max_rows: int = MAX_ROWS) -> dict[str, Any]:
                      ", ".join(r.get("first") or []) or None,
                      None if lead is None or lead != lead else int(lead),
                      _text(timeline(r))])
-    return {"rows": rows, "total": len(spikes)}
+    return {"rows": rows, "total": len(spikes) if total is None else total}

@@ -39,8 +39,8 @@ class Postmortems:
         due = sorted(s for s in self.pending if s <= upto)
         if not due:
             return {}
-        try:
-            rows = from_reader(self.reader, due).to_dict("records")
+        try:  # the newest MAX_HELD only: those older would be dropped as made
+            rows = from_reader(self.reader, due[-MAX_HELD:]).to_dict("records")
         except sqlite3.OperationalError as e:  # a busy store: the next poll tries again
             log.debug("nbwatch dashboard: spike post-mortems not read (%s)", e)
             return {}

@@ -182,7 +182,7 @@ def write_checkpoint(rec: Evaluating, reason: str, announce: bool = True) -> Eve
     a command's outcome records it), or None where nbwatch wrote none itself."""
     st = rec.evals
     if st.ckpt_step == rec.step:  # these weights are on disk already (the periodic's)
-        if reason in ("final", "stop"):
+        if reason in ("final", "stop", "periodic"):  # nothing asked for: nothing to say
             return None
         done = Event(rec.step, "action", "info",
                      f"{reason} checkpoint at step {rec.step}: written already, "

@@ -195,6 +195,12 @@ def _steer(args: argparse.Namespace) -> int:
     run = attach(run_dir, display=False)
     try:
         cid = getattr(run, args.cmd)()
+        facts = run.meta.get("run") or {}
+        ranks, every = facts.get("world_size") or 1, (facts.get("options") or {}).get(
+            "rank_every")
+        if ranks > 1 and every and run.state in ("running", "paused"):
+            say(f"{run_dir.name}: {args.cmd} sent; its {ranks} ranks take it together at "
+                f"their next meeting, every {every} steps (Monitor(rank_every=...)) ...")
         deadline = time.monotonic() + args.wait
         while time.monotonic() < deadline:
             for kind, msg, data in zip(*(run.events[c] for c in ("kind", "message", "data"))):

@@ -24,7 +24,10 @@ import torch
 from .records import Command, Scalars
 
 RANK_KEYS = ("loss", "time/step", "time/data", "time/forward", "time/busy",
-             "throughput/tokens_per_s", "lr", "gpu/mem_gb", "time/sync", "tokens/real")
+             "throughput/tokens_per_s", "throughput/samples_per_s", "lr", "gpu/mem_gb",
+             "time/sync", "tokens/real")
+# the job's figure is the sum of the ranks': each trains its own share of the batch
+SUMMED = ("tokens/real", "throughput/tokens_per_s", "throughput/samples_per_s")
 
 
 @dataclass
@@ -194,7 +197,7 @@ def merge_ranks(per_rank: list[list[tuple[int, dict[str, float]]]]) -> list[Scal
         ls = losses[step]
         if len(ls) == len(per_rank):
             d["loss/train"] = float(np.mean(ls))
-            for key in ("tokens/real", "throughput/tokens_per_s"):  # the job's, not one rank's
+            for key in SUMMED:  # the job's, not one rank's
                 parts = [d.get(f"rank{r}/{key}") for r in range(len(per_rank))]
                 present = [v for v in parts if v is not None]
                 if len(present) == len(parts):

@@ -65,8 +65,9 @@ def test_two_ranks_one_store_rank_figures_and_controls_on_every_rank(tmp_path):
         assert df[f"rank{r}/loss"].notna().all() and df[f"rank{r}/time/step"].notna().all()
     mean = (df["rank0/loss"] + df["rank1/loss"]) / 2
     assert df["loss/train"].tolist() == pytest.approx(mean.tolist())
-    both = df["rank0/tokens/real"] + df["rank1/tokens/real"]  # the job's tokens, not rank 0's
-    assert df["tokens/real"].tolist() == pytest.approx(both.tolist())
+    for key in ("tokens/real", "throughput/samples_per_s"):  # the job's, not rank 0's
+        both = df[f"rank0/{key}"] + df[f"rank1/{key}"]
+        assert df[key].dropna().tolist() == pytest.approx(both.dropna().tolist()), key
     # the LR factor changed at the same step on both ranks, and only there
     assert df["rank0/lr"].tolist() == df["rank1/lr"].tolist()
     scaled = ev[(ev.kind == "action") & ev.message.str.startswith("LR scaled")].step.iloc[0]

@@ -200,7 +200,7 @@ def _steer(args: argparse.Namespace) -> int:
             "rank_every")
         if ranks > 1 and every and run.state in ("running", "paused"):
             say(f"{run_dir.name}: {args.cmd} sent; its {ranks} ranks take it together at "
-                f"their next meeting, every {every} steps (Monitor(rank_every=...)) ...")
+                f"their next meeting (every {every} steps at most, or about 2 s) ...")
         deadline = time.monotonic() + args.wait
         while time.monotonic() < deadline:
             for kind, msg, data in zip(*(run.events[c] for c in ("kind", "message", "data"))):

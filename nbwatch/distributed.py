@@ -1,6 +1,7 @@
 """torchrun / DDP: rank 0 owns the store, every rank runs the same probes.
 
-Every `every` steps the ranks meet in one small collective on a gloo group of nbwatch's
+Every `every` steps (sooner where steps are slow: about every `MEET_S` seconds, as rank 0
+plans at each meeting) the ranks meet in one small collective on a gloo group of nbwatch's
 own (with a timeout, so a dead rank cannot hang the others forever): each rank sends
 its per-step figures (loss, step time, data wait, throughput, LR, GPU memory) and rank 0
 sends the control commands it has received. Rank 0 stores `rank{r}/...` columns and the
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,6 +32,18 @@ RANK_KEYS = ("loss", "time/step", "time/data", "time/forward", "time/busy",
 SUMMED = ("tokens/real", "throughput/tokens_per_s", "throughput/samples_per_s")
 
 
+MEET_S = 2.0  # seconds of steps between two meetings, at most: a command waits no longer
+
+
+def meet_gap(rows: list[tuple[int, dict[str, float]]], every: int) -> int:
+    """Steps to the next meeting: `every`, or fewer where rank 0's steps since the last
+    one took long (`MEET_S` of them; at least 1)."""
+    times = sorted(f["time/step"] for _, f in rows if f.get("time/step"))
+    if not times:
+        return every
+    return max(1, min(every, math.ceil(MEET_S / max(times[len(times) // 2], 1e-9))))
+
+
 @dataclass
 class Dist:
     """This process's place in the job and nbwatch's own collective group."""
@@ -39,6 +53,7 @@ class Dist:
     every: int
     group: Any
     backend: str
+    next_meet: int = 0  # the step of the next meeting (0: the first `every` multiple)
 
     @classmethod
     def detect(cls, every: int = 10, timeout_s: float = 60.0) -> Dist | None:
@@ -73,15 +88,22 @@ class Dist:
                 dist.destroy_process_group(self.group)
         self.group = None
 
+    def due(self, step: int, start: int) -> bool:
+        """Whether the ranks meet after `step` (of a run that began at `start`)."""
+        if not self.next_meet or self.next_meet - step > self.every:  # the first; a rewind's
+            self.next_meet = (max(step, start) // self.every + 1) * self.every
+        return step > start and step >= self.next_meet
+
     def exchange(self, rows: list[tuple[int, dict[str, float]]], commands: list[Command],
-                 step: int = 0, final: bool = False
+                 step: int = 0, final: bool = False, gap: int = 0
                  ) -> tuple[list[list[tuple[int, dict[str, float]]]], list[Command]]:
         """All ranks' rows, and rank 0's commands (every rank calls this at the same step,
-        `step`; `final`: as its loop ends)."""
+        `step`; `final`: as its loop ends); rank 0's `gap`, where given, sets every rank's
+        next meeting."""
         import torch.distributed as dist
 
         payload = (rows, [c.to_wire() for c in commands] if self.rank == 0 else [], step,
-                   final)
+                   final, gap if self.rank == 0 else 0)
         out: list[Any] = [None] * self.world
         try:
             dist.all_gather_object(out, payload, group=self.group)
@@ -102,6 +124,8 @@ class Dist:
                 "rank must take the same steps; give each the same number of batches "
                 "(DistributedSampler(..., drop_last=True)) or stop at the same max_steps")
         cmds = [Command.from_wire(*c) for c in out[0][1]]
+        if out[0][4]:
+            self.next_meet = step + out[0][4]
         return [o[0] for o in out], cmds
 
 

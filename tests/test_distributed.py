@@ -287,3 +287,18 @@ def test_gpu_rank_figures_include_memory():
 
     torch.ones(1024, 1024, device="cuda")
     assert rank_figures({"loss/train": 1.0})["gpu/mem_gb"] > 0
+
+
+def test_slow_steps_meet_more_often_so_a_command_waits_seconds_not_steps(tmp_path):
+    """rank_every=5 with 0.8 s steps: a command waited up to 5 steps (with minute-long
+    steps, 5 minutes). Rank 0 plans each next meeting about 2 s of steps on (here every 3
+    steps), the same step on every rank; their figures still meet."""
+    run_dir = tmp_path / "slow"
+    proc = torchrun(run_dir, 14, STEP_SLEEP="0.8")
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out[-3000:]
+    df = nbwatch.open_run(run_dir).df
+    met = df.index[df["rank0/time/sync"] > 0].tolist()
+    assert len(met) >= 4, met  # every 5 steps: 2 meetings in 14 steps
+    assert max(b - a for a, b in zip(met, met[1:])) <= 3, met
+    assert df["rank1/loss"].notna().all() and df["loss/train"].notna().all()

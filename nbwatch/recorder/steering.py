@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import controls as ctl
 from ..controls import make_command
-from ..distributed import merge_ranks
+from ..distributed import meet_gap, merge_ranks
 from ..records import Command, CommandKind, Event
 from .lr_factor import LrFactor
 from .outcomes import Applied, Expired, Outcome, Refused
@@ -105,7 +105,7 @@ def apply_commands(rec: Steered, block: bool = True) -> None:
     p = rec.progress
     if rec.dist is not None:
         d = rec.dist
-        if p.paused or (rec.step > rec.start_step and rec.step % d.every == 0):
+        if p.paused or d.due(rec.step, rec.start_step):
             sync_ranks(rec)
         return
     with rec.own:  # the poll is watching's cost; what a command does is the user's
@@ -138,7 +138,8 @@ def sync_ranks(rec: Steered, final: bool = False) -> None:
         cmds = ([resolve_rewind(rec, c) for c in checked_only(rec, poll_commands(rec))]
                 if d.rank == 0 else [])
         t0 = time.perf_counter()
-        rows, cmds = d.exchange(rk.rows, cmds, rec.step, final)
+        gap = meet_gap(rk.rows, d.every) if d.rank == 0 else 0
+        rows, cmds = d.exchange(rk.rows, cmds, rec.step, final, gap)
         rk.sync_s = time.perf_counter() - t0
         rk.rows = []
         if cmds and not final:  # (the same on every rank) a command acts after every step

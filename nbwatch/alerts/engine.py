@@ -35,6 +35,8 @@ from .signals import USED_LIMIT, _nonfinite, default_rules, straggler  # noqa: F
 from .spike_score import SCORE, SpikeScore
 
 NORM = "grad_norm/global"  # what a norm limit reads (AlertEngine.norms)
+LOSS = "loss/train"
+START_STEPS = 20
 
 
 def configure(rules: list[Rule], overrides: Mapping[str, Any] | None) -> list[Rule]:
@@ -188,6 +190,11 @@ class AlertEngine:
         # the global norm of each "grads" observation, in step order: what a norm limit
         # reads (the steps recorded so far, in batches, would make it depend on timing)
         self.norms = Window(self.window.size)
+        # the run's first levels (the median of its first START_STEPS finite values) of the
+        # loss and the gradient norm: a spike is measured against noise of at least 0.1% of
+        # them, so a run converged to 1e-8 is not flooded with its float noise's "spikes"
+        self.start: dict[str, float] = {}
+        self._first: dict[str, list[float]] = {LOSS: [], NORM: []}
         # a "step" rule that acts: its steps are recorded one at a time (recorder/step_end.py)
         self.acts_at_step = any(r.actions for r in self._by_phase["step"])
         # "grads" rules that read named figures (nonfinite: the loss): a loop of the user's
@@ -220,6 +227,15 @@ class AlertEngine:
                 out[r.name] = (limit, float(r.params.get("max_norm", 1.0)))
         self._limits = (self.norms.adds, out)
         return out
+
+    def _note_start(self, key: str, v: Any) -> None:
+        first = self._first.get(key)
+        if first is None or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return
+        first.append(float(v))
+        if len(first) == START_STEPS:
+            self.start[key] = float(np.median(first))
+            del self._first[key]
 
     def explain_lr(self) -> None:
         """The LR of the next "step" observation moved as planned (the scheduler stepped, or
@@ -255,9 +271,10 @@ class AlertEngine:
                     size = abs(math.log(lr / before)) if lr > 0 and before > 0 else math.inf
                     self._lr_trend = (way, trend[1] + 1 if way == trend[0] else 1, size)
                 self._lr_before = lr
+            self._note_start(LOSS, w.latest.get(LOSS))
             # a planned change (the scheduler's, a control's) is no news
             w.extra = {"lr_before": None if self._lr_explained else before,
-                       "lr_rising": self._lr_rising, "lr_trend": trend}
+                       "lr_rising": self._lr_rising, "lr_trend": trend, "start": self.start}
             self._lr_explained = False
         elif phase == "hist":
             stds = extra.get("weight_std", {})
@@ -297,6 +314,8 @@ class AlertEngine:
             fired.append(Alert(rule, step, msg, data))
         if phase == "grads" and values and NORM in values:
             self.norms.add({NORM: values[NORM]})
+            self._note_start(NORM, values[NORM])
+            self.norms.extra = {"start": self.start}
         return fired
 
     def _quiet(self, rule: Rule) -> None:

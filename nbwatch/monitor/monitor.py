@@ -218,9 +218,8 @@ class Monitor(ctl.Controls, Readout):
         `val_fn`, probe or scheduler fails the run at once, not at the first eval.
         `resume=True` continues from the newest checkpoint in `run_dir`. `clip` clips the
         global gradient norm from step 1 (as `set_clip` would; it is recorded in the run's
-        config). Under torchrun the ranks exchange figures and commands every `rank_every`
-        steps (sooner where steps are slow: about every 2 s); a rank silent for
-        `dist_timeout` s ends the run.
+        config). Under torchrun the ranks meet every `rank_every` steps (or ~2 s of slow
+        ones); a rank silent for `dist_timeout` s ends the run.
 
         The options shared with `Monitor(...)` (`hist_every`, `update_every`,
         `checkpoint_every`, `clip`, the probe's, `log_every`, `rank_every`, `dist_timeout`,

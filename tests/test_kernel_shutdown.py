@@ -79,9 +79,12 @@ def test_a_kernel_shut_down_mid_run_leaves_it_stopped_with_the_reason(tmp_path, 
     assert said.str.contains("kernel shut down at step").any(), list(said)
     assert run.step >= 5 and len(run.df) == run.step  # every recorded step is there
     # the stop checkpoint is written when the stop is taken within the shutdown's grace
+    # (or the periodic one of the step it stopped at: the same weights, written once)
     stop = run.events[(run.events.kind == "checkpoint")]
     if len(stop):
-        assert stop.data.iloc[-1]["reason"] == "stop"
+        last = stop.iloc[-1]
+        assert last.data["reason"] == "stop" or (
+            last.data["reason"] == "periodic" and last.step == run.step), stop.message.tolist()
 
 
 @pytest.mark.slow

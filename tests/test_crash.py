@@ -247,7 +247,8 @@ def test_a_script_paused_by_an_alert_says_so_on_stderr_and_how_to_go_on(tmp_path
 
 TERMINATED = textwrap.dedent("""
     import signal, sys, time, torch
-    import nbwatch
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a Ctrl-C: even where the
+    import nbwatch                                            # test runner ignores it
     from nbwatch.demo import TinyGPT
     from tests.conftest import make_batches, tiny_step
 
@@ -295,8 +296,7 @@ def sigterm_at(run: Path, how: str, logged: Path, step: int,
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen([sys.executable, "-c", TERMINATED, str(run), how, str(logged)],
                             cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": root},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            text=True, env={**os.environ, "PYTHONPATH": root})
     try:
         until(lambda: reached(run, proc, step), 90, f"the subprocess to reach step {step}",
               poll=0.1)

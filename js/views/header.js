@@ -54,7 +54,7 @@ export function create(root) {
       spikes.dataset.spikes = score ? "yes" : "no";
       message.textContent = d.message || "";
       box.classList.toggle("nbw-failed", !!d.failed);
-      error.style.display = d.failed ? "" : "none";
+      error.style.display = d.failed ? "block" : "none"; // over .nbw-error's display: none
       tb.textContent = d.failed ? `${d.error || ""}\n\n${d.traceback || ""}` : "";
     },
     draw() {},

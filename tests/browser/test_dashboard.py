@@ -249,6 +249,7 @@ def test_lab_failed_step_turns_red_with_traceback(page, lab_server, workdir):
     page.wait_for_selector(".nbw-header.nbw-failed", timeout=60_000)
     tb = page.locator(".nbw-traceback").inner_text()
     assert "raised on purpose" in tb and "Traceback" in tb
+    assert page.locator(".nbw-traceback").is_visible()  # on the page, not only in it
     assert page.locator(".nbw-state").inner_text() == "failed"
     assert kernel_json(page, "mon.state") == "failed"
     assert page.locator(".nbw-pause").is_disabled()

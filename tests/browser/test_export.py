@@ -268,3 +268,37 @@ def test_export_of_a_model_without_attention_says_why_there_are_no_maps(browser,
         assert "saw no attention weights" in said and "no probe yet" not in said, said
     finally:
         page.context.close()
+
+
+def test_export_of_a_failed_run_shows_its_error_and_traceback(browser, tmp_path):
+    """The header turned red, but the error and its traceback stayed hidden (a CSS rule
+    won over the style that was to show them), live and in the export alike."""
+    import itertools
+
+    import torch
+
+    import nbwatch
+
+    def step_fn(m, x):
+        if step_fn.calls == 3:
+            raise ValueError("raised on purpose at step 4")
+        step_fn.calls += 1
+        return m(x).square().mean()
+
+    step_fn.calls = 0
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    mon = nbwatch.Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          run_dir=tmp_path / "r", display=False)
+    mon.start(step_fn, itertools.repeat(torch.randn(2, 4)), max_steps=10, display=False)
+    with pytest.raises(ValueError):
+        mon.wait()
+    path = export_html(tmp_path / "r", tmp_path / "failed.html")
+    page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+    try:
+        page.goto(path.as_uri())
+        page.wait_for_selector(".nbw-header.nbw-failed", timeout=30_000)
+        tb = page.locator(".nbw-traceback")
+        assert tb.is_visible() and "raised on purpose at step 4" in tb.inner_text()
+    finally:
+        page.context.close()

@@ -15,8 +15,29 @@ function render({ model, el }) {
   let ready = false; // deltas before our "full" are already contained in it
   let alive = true;
 
+  // The kernel speaks at least every 5 s while the run is live (a "tick" when nothing is
+  // new): silence for SILENT_MS means it was restarted or shut down, and the page says so
+  // rather than show "running" with an ETA and buttons that reach nothing.
+  const SILENT_MS = 15000;
+  const GONE = "no word from the kernel: it was restarted or shut down (the run folder says how the run ended: `%nbwatch RUN_DIR` reopens it), or it is overloaded";
+  let heard = performance.now();
+  let ended = true; // until the kernel says the run is live
+  let runState = null;
+  let silent = false;
+  function hush(text) {
+    silent = true;
+    status.textContent = text;
+    root.dataset.silent = "yes";
+    if (ctl) ctl.setState(runState, true);
+  }
   const ctx = {
-    send: (msg) => model.send({ ...msg, view: viewId }),
+    send: (msg) => {
+      try {
+        model.send({ ...msg, view: viewId });
+      } catch (e) { // the comm is closed: its kernel is gone
+        hush(GONE);
+      }
+    },
     // the x axis switch is kept in the widget's model: per notebook (the kernel keeps the
     // last choice for the next dashboard; the saved notebook keeps this one's)
     xaxis: model.get("xaxis") || "step",
@@ -30,7 +51,7 @@ function render({ model, el }) {
   const status = document.createElement("div");
   status.className = "nbw-status";
   status.textContent = "waiting for the kernel…";
-  root.appendChild(status);
+  root.insertBefore(status, root.firstChild); // above the header: what the page cannot show
 
   // Main-thread time of each draw, and of the first full draw after a "full" state, as
   // Performance API measures ("nbw:draw", "nbw:first-draw": the panels on screen;
@@ -63,6 +84,13 @@ function render({ model, el }) {
   function onMsg(msg, buffers) {
     if (msg.to && msg.to !== viewId) return;
     const t0 = performance.now();
+    heard = t0;
+    if (silent) { // it speaks again: the controls as its last word left them
+      silent = false;
+      status.textContent = "";
+      delete root.dataset.silent;
+      if (ctl) ctl.setState(runState, ended);
+    }
     if (G.__nbwatchBytes && (msg.type === "delta" || msg.type === "full")) {
       let n = JSON.stringify(msg).length;
       for (const b of buffers) n += b.byteLength;
@@ -76,10 +104,10 @@ function render({ model, el }) {
       status.textContent = "";
       fullAt = t0;
       performance.mark("nbw:full");
-      apply(unpack(msg.panels, buffers), true);
+      apply(heed(unpack(msg.panels, buffers)), true);
       performance.measure("nbw:apply", { start: t0 });
     } else if (msg.type === "delta" && ready) {
-      apply(unpack(msg.panels, buffers), false);
+      apply(heed(unpack(msg.panels, buffers)), false);
       board.charge(performance.measure("nbw:apply", { start: t0 }).duration);
     } else if (msg.type === "attention") { // a head's map the attention view asked for
       board.views.attention.receive(unpack(msg, buffers));
@@ -87,7 +115,17 @@ function render({ model, el }) {
       ctl.refused(msg.message);
     }
   }
+  function heed(panels) { // the run's state, for the silence watch
+    if (panels && panels.header && panels.header.state !== undefined) {
+      runState = panels.header.state;
+      ended = !!panels.header.ended;
+    }
+    return panels;
+  }
   model.on("msg:custom", onMsg);
+  const watch = setInterval(() => {
+    if (ready && !ended && !silent && performance.now() - heard > SILENT_MS) hush(GONE);
+  }, 2000);
   const onAxis = () => board.setAxis(model.get("xaxis"));
   model.on("change:xaxis", onAxis);
   plotlyState().promise.then((P) => {
@@ -121,6 +159,7 @@ function render({ model, el }) {
     observer.disconnect();
     if (frame !== null) cancelAnimationFrame(frame);
     clearTimeout(helloTimer);
+    clearInterval(watch);
     if (Plotly) for (const p of root.querySelectorAll(".js-plotly-plot")) Plotly.purge(p);
   };
 }

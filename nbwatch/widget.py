@@ -29,6 +29,7 @@ from .panels.wire import pack
 from .store import RunReader, is_run_dir
 
 log = logging.getLogger("nbwatch.widget")
+TICK_S = 5.0  # the longest the page hears nothing while the poll runs (js/index.js: 15 s)
 # What a live dashboard watches: a Monitor, a fit's handle or an attached run (run_dir,
 # state, step, running and the control methods). Not imported: the widget sits below them.
 Watched = Any
@@ -76,6 +77,7 @@ class Dashboard(anywidget.AnyWidget):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.refreshes = 0  # messages sent by the poll thread, for tests and benchmarks
+        self._posted = time.monotonic()  # the last message sent: a tick after TICK_S
         self._status: tuple[str | None, str | None] = (None, None)  # the monitor's state, message
         self._status_sent: tuple[str | None, str | None] = (None, None)
         self.on_msg(self._on_msg)
@@ -124,6 +126,8 @@ class Dashboard(anywidget.AnyWidget):
                     sent = False
                 if not sent and self._status_changed():
                     self._post({"type": "delta", "panels": {"header": self._header()}})
+                elif time.monotonic() - self._posted > TICK_S:  # the page's sign of life
+                    self._post({"type": "tick"})
                 if self._feed is not None and self._done():
                     self._read_status()
                     # whatever the run committed while it closed, and its final state
@@ -221,6 +225,7 @@ class Dashboard(anywidget.AnyWidget):
         buffers: list[Any] = list(extra or [])
         msg = pack(content, buffers)
         self.send(msg, buffers=buffers)
+        self._posted = time.monotonic()
 
     # -- messages from the page ---------------------------------------------------------
     def _on_msg(self, _widget: Any, content: dict[str, Any], _buffers: list[bytes]) -> None:

@@ -290,3 +290,21 @@ def test_notebook7_live_pause_resume(page, nb7_server, workdir):
     assert page.locator(".nbw-pause").get_attribute("title") == "pause at the next step boundary"
     page.click(".nbw-stop")
     ack(page, "stop")
+
+
+def test_lab_kernel_restart_mid_run_says_the_page_is_cut_off(page, lab_server, workdir):
+    """A kernel restarted under a live run: the page kept "running … ETA" and buttons that
+    raised `Cannot send` on click. The kernel speaks every 5 s at least while a run is
+    live; after 15 s of silence the page says so and disables its controls, and a click
+    raises nothing."""
+    write_notebook(workdir, "lab_restart", steps=100_000)
+    open_notebook(page, f"{lab_server.url}/lab/tree/lab_restart.ipynb?reset")
+    run_all(page)
+    wait_step(page, 5)
+    assert not page.locator(".nbw-root[data-silent]").count()
+    page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.session"
+                  ".kernel.restart()")
+    page.wait_for_selector(".nbw-root[data-silent=yes]", timeout=40_000)
+    assert "no word from the kernel" in page.locator(".nbw-status").inner_text()
+    assert page.locator(".nbw-pause").is_disabled()
+    assert not page.errors, page.errors

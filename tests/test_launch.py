@@ -60,7 +60,7 @@ def test_launch_into_a_folder_a_live_run_holds_is_refused(tmp_path):
     mon.start(step, [torch.ones(1, 2)] * 4, max_steps=4)
     try:
         until(lambda: mon.state == "running", what="the run holds its folder")
-        with pytest.raises(RunInUse, match="being written by another nbwatch run"):
+        with pytest.raises(RunInUse, match="being written by a run of this very process"):
             nbwatch.launch(script(tmp_path), nproc=1, run_dir=tmp_path / "r", display=False)
         assert not (tmp_path / "r" / "torchrun.log").exists()
     finally:

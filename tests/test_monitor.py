@@ -631,3 +631,20 @@ def test_a_val_fn_returning_numpy_values_is_taken(tiny, tmp_path):
     mon.wait()
     assert mon.df["loss/val"].dropna().tolist() == [2.5, 2.5]
     assert mon.df["val/acc"].dropna().tolist() == [0.5, 0.5]
+
+
+def test_a_refused_monitor_leaves_no_run_folder_behind(tiny, tmp_path):
+    """The folder is tried (made, written, removed) as the Monitor is made, and made for
+    good as its run opens: one refused meanwhile (its optimizer watched by a running
+    Monitor) left an empty folder that `open_run` then called no run."""
+    model, opt, batches = tiny
+    first = nbwatch.Monitor(model, opt, run_dir=tmp_path / "a")
+    first.start(slow_step, batches, max_steps=10_000, display=False)
+    try:
+        until(lambda: first.step >= 2)
+        with pytest.raises(RuntimeError, match="watched by a running Monitor"):
+            nbwatch.Monitor(model, opt, run_dir=tmp_path / "deep" / "b")
+        assert not (tmp_path / "deep").exists()
+    finally:
+        first.stop()
+        first.wait()

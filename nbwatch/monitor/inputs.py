@@ -5,6 +5,7 @@ scheduler that a Monitor is given, the run folder, step counts, probe samples an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -28,7 +29,7 @@ from ..probes.late import keep_masks
 from ..probes.logits import NAMES as LOGIT_NAMES
 from ..probes.logits import TrainLogits, is_logits, logit_parts
 from ..sharding import refuse_unsupported
-from ..store import is_run_dir
+from ..store import check_no_writer, is_run_dir
 from .optimizer_hooks import hooked_optimizer, inner_scheduler
 from .options import check_every, check_run_dir_length
 
@@ -190,7 +191,10 @@ def rank() -> int:
 
 
 def check_run_dir(run_dir: Path) -> None:
-    """Refuse a folder that cannot be written or that holds another tool's files."""
+    """Refuse a folder that cannot be written, that holds another tool's files, or that a
+    live run writes (this process's too: refused before a re-run cell rebinds `mon`).
+    A folder made only to try it is removed again: the run makes it as it opens, and a
+    Monitor refused meanwhile leaves nothing behind."""
     check_run_dir_length(run_dir)  # SQLite would refuse it only at the run's first write
     if run_dir.exists() and not run_dir.is_dir():
         raise NotADirectoryError(f"run_dir {run_dir} is a file; pass a folder path")
@@ -207,6 +211,9 @@ def check_run_dir(run_dir: Path) -> None:
                 f"run_dir {run_dir} already holds files that nbwatch did not write ({shown}); "
                 "pass a new or empty folder so that nothing of yours is mixed up or overwritten"
             )
+    if is_run_dir(run_dir):
+        check_no_writer(run_dir)
+    made = next((p for p in [*reversed(run_dir.parents), run_dir] if not p.exists()), None)
     try:
         # a link to a folder not made yet: make where it leads (mkdir of the link would
         # say "File exists")
@@ -220,6 +227,12 @@ def check_run_dir(run_dir: Path) -> None:
             f"run_dir {run_dir} is not writable ({e.strerror or e}); pass a folder you can "
             "write to, e.g. run_dir='runs/exp1' under your home or project"
         ) from e
+    if made is not None and not run_dir.is_symlink():
+        with contextlib.suppress(OSError):  # one another process filled meanwhile: kept
+            for p in [run_dir, *run_dir.parents]:  # the folders made here, deepest first
+                p.rmdir()
+                if p == made:
+                    break
 
 
 def check_closure_free(optimizer: torch.optim.Optimizer) -> None:

@@ -242,15 +242,22 @@ def drop_dead_heartbeat(run_dir: Path) -> None:
         dead.unlink()
 
 
-def _writer_named(run_dir: Path) -> str:
-    """'pid 123 on host x, started 12:01:02' from the run's meta, as far as it says."""
+def _writer_meta(run_dir: Path) -> dict[str, Any] | None:
+    """The run's meta, for naming its writer (None where it cannot be read yet)."""
     try:
         con = _connect(run_dir / DB_NAME, readonly=True)
         try:
-            meta = {k: json.loads(v) for k, v in con.execute("SELECT key, value FROM meta")}
+            return {k: json.loads(v) for k, v in con.execute("SELECT key, value FROM meta")}
         finally:
             con.close()
     except Exception:  # noqa: BLE001 - only for a message
+        return None
+
+
+def _writer_named(run_dir: Path) -> str:
+    """'pid 123 on host x, started 12:01:02' from the run's meta, as far as it says."""
+    meta = _writer_meta(run_dir)
+    if meta is None:
         return "a writer whose meta is not readable yet"
     parts = [f"pid {meta['pid']}" if "pid" in meta else "a process",
              f"on host {meta['host']}" if "host" in meta else ""]
@@ -265,10 +272,29 @@ def check_no_writer(run_dir: str | Path) -> None:
         raise RunInUse(_in_use(Path(run_dir)))
 
 
+def _mine(run_dir: Path, info: dict[str, Any] | None) -> bool:
+    """Whether this very process writes `run_dir`: it holds the folder's lock, or (network
+    mode) the heartbeat names it."""
+    if info is not None:
+        return info.get("pid") == os.getpid() and info.get("host") == socket.gethostname()
+    try:
+        here = os.stat(run_dir)
+        return any((st.st_dev, st.st_ino) == (here.st_dev, here.st_ino)
+                   for st in map(os.fstat, list(_HELD)))
+    except OSError:
+        return False
+
+
 def _in_use(run_dir: Path, who: str | None = None) -> str:
+    info = read_heartbeat(run_dir)
     if who is None:
-        info = read_heartbeat(run_dir)
         who = _describe(info) if info is not None else _writer_named(run_dir)
+    if _mine(run_dir, info):
+        return (f"{run_dir} is being written by a run of this very process ({who}): an "
+                "earlier Monitor on it still trains (a cell run again?). Stop that run "
+                "first (nbwatch.attach(run_dir).stop(), or its Monitor's stop() and "
+                "wait()), reopen its dashboard with %nbwatch RUN_DIR, or choose another "
+                "run_dir")
     return (f"{run_dir} is being written by another nbwatch run ({who}): a "
             "run folder has one writer at a time. Follow it with nbwatch.attach(run_dir), stop"
             " it first, or choose another run_dir")

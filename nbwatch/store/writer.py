@@ -215,7 +215,7 @@ class RunStore(RunReader):
         the file and what to do (this writer made the schema, so none is expected)."""
         try:
             return super().query(sql, params)
-        except sqlite3.Error as e:
+        except (sqlite3.Error, StoreFailed) as e:  # (the reader's own: its file is gone)
             if self.error is None and self._damage() is not None:
                 with contextlib.suppress(Exception):  # the writer's check: it rebuilds a
                     self.flush(timeout=30)             # deleted WAL, or saves the records
@@ -320,11 +320,7 @@ class RunStore(RunReader):
                     target = self._queued
                     self._cond.notify_all()  # a put() waiting on back-pressure goes on
                 if batch:
-                    try:
-                        write_batch(self._wcon, self._tables, self._hists, batch)
-                    except sqlite3.Error:  # the folder moved or deleted under it: that is
-                        self._watch()      # the cause to say, rather than SQLite's error
-                        raise
+                    write_batch(self._wcon, self._tables, self._hists, batch)
                     self._compact_now()
                 self._watch()
                 self._read_commands(any(isinstance(r, (Command, Taken)) for r in batch))
@@ -336,6 +332,13 @@ class RunStore(RunReader):
             self._close_tidy()
             self._fold_wal()
         except BaseException as e:  # never die silently: flush() and put() re-raise it
+            if isinstance(e, sqlite3.Error):  # the folder moved or removed under it: that
+                try:                          # is the cause to say, not SQLite's error
+                    self._watch()
+                except _Damaged as damaged:
+                    e = damaged
+                except Exception:  # noqa: BLE001 - the first error is said then
+                    pass
             self.error = StoreFailed(str(e) if isinstance(e, _Damaged)
                                      else _failure(e, self.path))
             self.error.__cause__ = e

@@ -88,11 +88,11 @@ export function create(root, ctx, table) {
     },
     // Acknowledgements: the newest command outcome the runner recorded (an action or a
     // checkpoint applied, a command refused or expired, read from the event's data), not a
-    // periodic checkpoint (nobody asked for it: it would hide the ack of a click).
+    // checkpoint nobody asked for (periodic, emergency, final: it would read as a click's).
     events(items) {
       for (const it of items) {
         const asked = it.kind === "action" || it.kind === "command"
-          || (it.kind === "checkpoint" && it.reason !== "periodic");
+          || (it.kind === "checkpoint" && (it.reason === "manual" || it.reason === "stop"));
         if (asked && it.wall >= seen) {
           seen = it.wall;
           ack.textContent = `${it.kind === "command" ? "✗" : "✓"} ${it.message}`;

@@ -63,6 +63,10 @@ class Feed:
         # and row are recorded in batches, whose cost lands on one step of the next)
         self._own: deque[float] = deque(maxlen=WATCH_STEPS)
         self._took: deque[float] = deque(maxlen=WATCH_STEPS)
+        # the header's rates: the median of the newest steps', as steps/s is (one step's
+        # reading jumps: a slow one read 4,221 tok/s beside a median of 39.6k)
+        self._rates: dict[str, deque[float]] = {k: deque(maxlen=WATCH_STEPS)
+                                                for k in header.RATES}
         # The system timeline, by ticks since its first sample (`system.ticks`), and "step".
         self.system: dict[str, Downsampler] = {}
         self.system_t0: float | None = None
@@ -125,6 +129,8 @@ class Feed:
                 self._own.extend(v.tolist())
             elif key == "time/step":
                 self._took.extend(v.tolist())
+            elif key in self._rates:
+                self._rates[key].extend(v[np.isfinite(v)].tolist())
             if ranks.is_rank_key(key):
                 self.recent[key] = ranks.keep_recent(self.recent.get(key), s, v)
         new_cols: dict[str, list[weights.Column]] = {}
@@ -240,9 +246,11 @@ class Feed:
 
     def header(self, now: float | None = None) -> dict[str, Any]:
         """The header panel alone, from what is held."""
-        return header.build(self.meta, self.step, self.walls, {
-            k: v for k, (_, v) in self.latest.items()}, time.time() if now is None else now,
-            self.error, header.watch_share_of(self._own, self._took))
+        latest = {k: v for k, (_, v) in self.latest.items()}
+        latest.update({k: float(np.median(d)) for k, d in self._rates.items() if d})
+        return header.build(self.meta, self.step, self.walls, latest,
+                            time.time() if now is None else now, self.error,
+                            header.watch_share_of(self._own, self._took))
 
     def _build(self, series, events, columns, seq_len, att, new_samples, walls, now, recent,
                full: bool, heat: dict[str, Any] | None = None,

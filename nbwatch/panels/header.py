@@ -9,6 +9,9 @@ from typing import Any
 from ..lifecycle import is_ended, is_live
 from ..text import duration
 
+# shown as the median of the newest steps' (panels.Feed), as steps/s is over its window
+RATES = ("throughput/tokens_per_s", "throughput/tflops", "throughput/mfu")
+
 
 def build(
     meta: Mapping[str, Any],

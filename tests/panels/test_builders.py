@@ -255,7 +255,8 @@ def test_attention_of_modules_with_different_shapes():
 
 
 def test_alert_feed_items_say_why_a_checkpoint_was_taken():
-    """The controls bar acknowledges what was asked for, not a periodic checkpoint."""
+    """The controls bar acknowledges what was asked for, not a periodic checkpoint; the
+    feed leaves out periodic checkpoints but the best (one every eval filled it)."""
     from nbwatch.panels import alerts
 
     items = alerts.build([
@@ -263,9 +264,14 @@ def test_alert_feed_items_say_why_a_checkpoint_was_taken():
          "message": "periodic checkpoint at step 50", "data": {"reason": "periodic"}},
         {"step": 51, "kind": "action", "severity": "info", "wall": 2.0,
          "message": "resumed at step 51", "data": {}},
+        {"step": 100, "kind": "checkpoint", "severity": "info", "wall": 3.0,
+         "message": "periodic checkpoint at step 100 (best)",
+         "data": {"reason": "periodic", "best": True}},
+        {"step": 101, "kind": "checkpoint", "severity": "info", "wall": 4.0,
+         "message": "manual checkpoint at step 101", "data": {"reason": "manual"}},
     ])["items"]
-    assert [(i["kind"], i.get("reason")) for i in items] == [("action", None),
-                                                            ("checkpoint", "periodic")]
+    assert [(i["kind"], i.get("reason"), i["step"]) for i in items] == [
+        ("checkpoint", "manual", 101), ("checkpoint", "periodic", 100), ("action", None, 51)]
 
 
 @pytest.mark.parametrize("origin", [0, 1_000_000])
@@ -451,3 +457,24 @@ def test_a_model_without_attention_says_so_in_the_attention_panel(tmp_path):
     for panels in (feed.update(), feed.full(), snapshot(RunReader(tmp_path / "r"))["panels"]):
         note = panels["attention"].get("note", "")
         assert "saw no attention weights" in note, panels["attention"]
+
+
+def test_the_headers_rates_are_the_newest_steps_median_not_one_steps(tmp_path):
+    """A slow step (a checkpoint, a pause's end) read 4,221 tok/s beside a median of
+    39.6k, and steps/s averaged over the same window: the header's tok/s, TFLOP/s and MFU
+    are the median of the newest steps', as steps/s is over its window."""
+    from nbwatch.panels import Feed
+    from nbwatch.records import Scalars
+    from nbwatch.store import RunReader, RunStore
+
+    store = RunStore(tmp_path / "r")
+    for s in range(1, 31):
+        slow = s == 30
+        store.put(Scalars(s, {"loss/train": 2.0, "throughput/tokens_per_s":
+                              4_000.0 if slow else 40_000.0 + s,
+                              "throughput/tflops": 0.1 if slow else 1.0}))
+    store.close()
+    feed = Feed(RunReader(tmp_path / "r"))
+    feed.update()
+    h = feed.header()
+    assert h["tokens_per_s"] == pytest.approx(40_014.5) and h["tflops"] == 1.0

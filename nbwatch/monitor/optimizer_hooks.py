@@ -117,7 +117,9 @@ class OptimizerWatch:
             if other.running:
                 raise RuntimeError(
                     f"this optimizer is watched by a running Monitor ({other.name!r}, "
-                    f"{other.state} at step {other.step}); stop() and wait() it first")
+                    f"{other.state} at step {other.step}); stop() and wait() it first (it "
+                    "trains on: `%nbwatch RUN_DIR` shows its dashboard again, and "
+                    "nbwatch.attach(RUN_DIR).stop() stops it where no variable names it)")
             previous.remove()
         _OWNERS[optimizer] = weakref.ref(self)  # never strong: the Monitor holds the
         # optimizer, so a strong value would keep both (and the model) alive for ever

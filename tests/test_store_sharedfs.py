@@ -185,8 +185,8 @@ def test_one_writer_at_a_time_across_the_two_modes(tmp_path):
         net.close()
     local = RunStore(run, mode="local")
     try:
-        with pytest.raises(RunInUse, match="being written by another nbwatch run"):
-            RunStore(run, mode="network")
+        with pytest.raises(RunInUse, match="being written by a run of this very process"):
+            RunStore(run, mode="network")  # (this test's own, local-mode writer)
     finally:
         local.close()
     beat_file(run, "node-17", age=DEAD_AFTER + 1)  # a network-mode writer that died

@@ -255,3 +255,8 @@ def test_a_run_converged_to_its_float_noise_is_not_flooded():
     real = dict(patch, **{"loss/train": lambda s: 0.2 if s == 2500 else at(s, 2.0, 1e-8)})
     assert [(a.rule.name, a.step) for a in feed(engine(), 3000, **real)
             if a.rule.name == "loss_spike"] == [("loss_spike", 2500)]
+    # a run converged less far keeps its spikes: an MSE run at 1e-4 of its start, 5×
+    mse = {"loss/train": lambda s: (5.0 if s == 2500 else 1.0) * 1e-4 * (1 + 0.05 * rng.random())
+           if s > 1000 else 1.0 * (1e-4) ** (s / 1000)}
+    assert [(a.rule.name, a.step) for a in feed(engine(), 3000, **mse)
+            if a.rule.name == "loss_spike"] == [("loss_spike", 2500)]

@@ -70,10 +70,17 @@ def _explosion_limit(w: Window, p: dict) -> float:
     rolling median once there is enough history."""
     med, n = w.median("grad_norm/global", p["window"])
     if n >= p["min_history"] and med > 0:
-        # not below factor × 0.1% of the run's first norm: a converged run's float noise
+        # not below factor × 1e-4 of the run's first norm: a converged run's float noise
         start = (w.extra.get("start") or {}).get("grad_norm/global", 0.0)
-        return min(p["absolute"], p["factor"] * max(med, 1e-3 * start))
+        return min(p["absolute"], p["factor"] * max(med, _FLOOR["grad_norm/global"] * start))
     return p["absolute"]
+
+
+# The noise a spike is measured against is at least this share of the run's first level
+# (`AlertEngine.start`): a loss converged 1e8× below its start, a norm 1e4×, is float
+# noise there; a run converged less far keeps its spikes (an MSE run at 1e-4 of its start
+# that jumps 5× still fires).
+_FLOOR = {"loss/train": 1e-6, "grad_norm/global": 1e-4}
 
 
 def _above_level(w: Window, key: str, p: dict) -> tuple[float, float, float, float, int] | None:
@@ -81,17 +88,17 @@ def _above_level(w: Window, key: str, p: dict) -> tuple[float, float, float, flo
     (the median of the `recent` steps before it) in robust SDs: 1.4826 × the MAD of the
     `window` steps before it around their trend line (`Window.detrended_mad`: a falling
     loss's descent is no noise), floored at 0.1% of the level so that a flat series'
-    last-digit noise is no spike, and at 0.1% of the run's first level (`AlertEngine.start`)
-    so that a run converged to its float noise is none either. None at or below the level,
-    or before `min_history`."""
+    last-digit noise is no spike, and at `_FLOOR` of the run's first level so that a run
+    converged to its float noise is none either. None at or below the level, or before
+    `min_history`."""
     v = w.latest.get(key)
     if v is None or not math.isfinite(v):  # non-finite: the nonfinite rule's
         return None
     level, mad, n = w.detrended_mad(key, p["window"], p["recent"])  # MAD: every 10 steps
     if n < p["min_history"] or not v > level:
         return None
-    start = (w.extra.get("start") or {}).get(key, 0.0)
-    scale = 1.4826 * max(mad, 1e-3 * abs(level), 1e-3 * abs(start), 1e-12)
+    start = (w.extra.get("start") or {}).get(key, 0.0) * _FLOOR.get(key, 0.0)
+    scale = 1.4826 * max(mad, 1e-3 * abs(level), abs(start), 1e-12)
     return v, (v - level) / scale, level, scale, n
 
 

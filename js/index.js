@@ -24,6 +24,7 @@ function render({ model, el }) {
   let ended = true; // until the kernel says the run is live
   let runState = null;
   let silent = false;
+  let done = false; // the kernel's poll ended (the run ended, or its writer was killed)
   function hush(text) {
     silent = true;
     status.textContent = text;
@@ -85,6 +86,7 @@ function render({ model, el }) {
     if (msg.to && msg.to !== viewId) return;
     const t0 = performance.now();
     heard = t0;
+    if (msg.type === "tick" && msg.last) done = true; // nothing more will come: no watch
     if (silent) { // it speaks again: the controls as its last word left them
       silent = false;
       status.textContent = "";
@@ -124,7 +126,7 @@ function render({ model, el }) {
   }
   model.on("msg:custom", onMsg);
   const watch = setInterval(() => {
-    if (ready && !ended && !silent && performance.now() - heard > SILENT_MS) hush(GONE);
+    if (ready && !ended && !done && !silent && performance.now() - heard > SILENT_MS) hush(GONE);
   }, 2000);
   const onAxis = () => board.setAxis(model.get("xaxis"));
   model.on("change:xaxis", onAxis);

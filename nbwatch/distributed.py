@@ -35,12 +35,13 @@ SUMMED = ("tokens/real", "throughput/tokens_per_s", "throughput/samples_per_s")
 MEET_S = 2.0  # seconds of steps between two meetings, at most: a command waits no longer
 
 
-def meet_gap(rows: list[tuple[int, dict[str, float]]], every: int) -> int:
+def meet_gap(rows: list[tuple[int, dict[str, float]]], every: int, last: int = 0) -> int:
     """Steps to the next meeting: `every`, or fewer where rank 0's steps since the last
-    one took long (`MEET_S` of them; at least 1)."""
+    one took long (`MEET_S` of them; at least 1). Without a step time among `rows` (a
+    pause's meetings; the first step), the `last` plan holds, else the next step."""
     times = sorted(f["time/step"] for _, f in rows if f.get("time/step"))
     if not times:
-        return every
+        return last or 1
     return max(1, min(every, math.ceil(MEET_S / max(times[len(times) // 2], 1e-9))))
 
 
@@ -53,7 +54,8 @@ class Dist:
     every: int
     group: Any
     backend: str
-    next_meet: int = 0  # the step of the next meeting (0: the first `every` multiple)
+    next_meet: int = 0  # the step of the next meeting (0: after the run's first step)
+    gap: int = 0  # the steps between meetings rank 0 planned last
 
     @classmethod
     def detect(cls, every: int = 10, timeout_s: float = 60.0) -> Dist | None:
@@ -89,10 +91,19 @@ class Dist:
         self.group = None
 
     def due(self, step: int, start: int) -> bool:
-        """Whether the ranks meet after `step` (of a run that began at `start`)."""
-        if not self.next_meet or self.next_meet - step > self.every:  # the first; a rewind's
-            self.next_meet = (max(step, start) // self.every + 1) * self.every
+        """Whether the ranks meet after `step` (of a run that began at `start`): first
+        after its first step, where rank 0 learns how long a step takes."""
+        if not self.next_meet:
+            self.next_meet = start + 1
+        elif self.next_meet - step > max(self.gap, 1):  # a rewind went back: from here
+            self.plan(step, self.gap or self.every)
         return step > start and step >= self.next_meet
+
+    def plan(self, step: int, gap: int) -> None:
+        """The next meeting, `gap` steps after `step` (at `every`, on its multiples)."""
+        self.gap = gap
+        self.next_meet = ((step // self.every + 1) * self.every if gap >= self.every
+                          else step + gap)
 
     def exchange(self, rows: list[tuple[int, dict[str, float]]], commands: list[Command],
                  step: int = 0, final: bool = False, gap: int = 0
@@ -125,7 +136,7 @@ class Dist:
                 "(DistributedSampler(..., drop_last=True)) or stop at the same max_steps")
         cmds = [Command.from_wire(*c) for c in out[0][1]]
         if out[0][4]:
-            self.next_meet = step + out[0][4]
+            self.plan(step, out[0][4])
         return [o[0] for o in out], cmds
 
 

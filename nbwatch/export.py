@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .alerts.postmortem import first_of as first_spikes
+from .alerts.postmortem import newest_of as newest_spikes
 from .panels import Feed
 from .panels import report as rpt
 from .panels.downsample import MAX_POINTS
@@ -189,7 +189,7 @@ def _report(reader: RunReader, meta: Mapping[str, Any], step: int,
         "summary": rpt.summary(meta, step, (best_val[1], best_val[0]) if best_val else None,
                                None if tokens is None else float(tokens), wall_s),
         "events": rpt.events_table(alerts, n_alerts),
-        "spikes": rpt.spikes_table(*first_spikes(reader, rpt.MAX_ROWS)),
+        "spikes": rpt.spikes_table(*newest_spikes(reader, rpt.MAX_ROWS)),
         "checkpoints": rpt.checkpoints_table(ckpts, n_ckpts, kept),
         "config": rpt.key_values(meta.get("config")),
         "environment": rpt.key_values(meta.get("environment")),

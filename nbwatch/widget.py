@@ -133,6 +133,7 @@ class Dashboard(anywidget.AnyWidget):
                     # whatever the run committed while it closed, and its final state
                     if not self.refresh() and self._status_changed():
                         self._post({"type": "delta", "panels": {"header": self._header()}})
+                    self._post({"type": "tick", "last": True})  # the page hears no more
                     break
                 self._stop.wait(self.interval)
         except Exception:  # never die silently; the page keeps what it has

@@ -259,7 +259,8 @@ def test_db_without_tables_yet_is_retried_not_fatal(tmp_path):
     store.set_meta("state", "finished")
     store.close()
     until(lambda: not dash.polling)
-    panels = [unpack(c["panels"], b) for c, b in out.msgs]
+    assert out.msgs[-1][0] == {"type": "tick", "last": True}  # the page's watch ends here
+    panels = [unpack(c["panels"], b) for c, b in out.msgs if "panels" in c]
     steps = np.concatenate([p["loss"]["train"]["x"] for p in panels if "loss" in p])
     assert list(steps) == list(range(1, 11))
     assert panels[-1]["header"]["state"] == "finished"
@@ -431,3 +432,23 @@ def test_a_dashboard_following_a_killed_run_through_its_resume_shows_the_resumed
     finally:
         dash.close()
         att.close()
+
+
+def test_a_live_run_with_nothing_new_still_ticks(tmp_path, monkeypatch):
+    """The page takes 15 s of silence for a kernel gone (restarted under the run): while a
+    run is live and nothing is new (paused), the poll sends a tick every TICK_S."""
+    import nbwatch.widget as widget
+
+    monkeypatch.setattr(widget, "TICK_S", 0.3)
+    store = RunStore(tmp_path / "run")
+    store.put(Scalars(1, {"loss/train": 3.0}))
+    store.set_meta("state", "paused")
+    store.flush()
+    try:
+        dash = Dashboard.for_run(tmp_path / "run")
+        out = Outbox(dash)
+        until(lambda: len(out.of("tick")) >= 3, timeout=20, what="three ticks")
+        assert dash.polling and not any(c.get("last") for c, _ in out.of("tick"))
+        dash.close()
+    finally:
+        store.close()

@@ -281,8 +281,9 @@ def _windows(scalars: Scalars, keys: list[str], rows: list[dict[str, Any]]
     or lie within a window of each other: (frame, the rows it serves)."""
     rows = sorted(rows, key=lambda r: r["step"])
     group = [rows[0]]
-    for row in rows[1:]:
-        if row["step"] - _SPAN > group[-1]["step"] + _SPAN:
+    for row in rows[1:]:  # near: within a window of the last; one read spans ≤ 20 windows
+        if (row["step"] - _SPAN > group[-1]["step"] + _SPAN
+                or row["step"] - group[0]["step"] > 20 * _SPAN):
             yield scalars(keys, group[0]["step"] - _SPAN, group[-1]["step"] + 1), group
             group = []
         group.append(row)
@@ -379,11 +380,11 @@ def from_reader(reader: Any, steps: Iterable[int] | None = None) -> pd.DataFrame
     return spikes_of(events, lambda k, a, b: reader.scalars(k, a, b), reader.keys(), steps)
 
 
-def first_of(reader: Any, n: int) -> tuple[pd.DataFrame, int]:
-    """The first `n` spikes' rows of `from_reader` (a report's table), and how many spikes
-    the run has: a converged run's thousands are counted, not all made."""
+def newest_of(reader: Any, n: int) -> tuple[pd.DataFrame, int]:
+    """The newest `n` spikes' rows of `from_reader` (a report's table, as its other tables
+    show the newest), and how many spikes the run has: thousands counted, not all made."""
     events = reader.events()
     at = [int(s) for s, k, d in zip(events["step"], events["kind"], events["data"])
           if is_spike(k, d)]
-    rows = spikes_of(events, lambda k, a, b: reader.scalars(k, a, b), reader.keys(), at[:n])
+    rows = spikes_of(events, lambda k, a, b: reader.scalars(k, a, b), reader.keys(), at[-n:])
     return rows, len(at)

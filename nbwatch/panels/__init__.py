@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -157,9 +158,10 @@ class Feed:
         if d.attention is not None:
             self.attention = d.attention
         if d.meta is not None:
-            key = "opened" if "opened" in d.meta else "started"  # (before `opened` was kept)
-            was = self.meta.get(key)
-            if was is not None and d.meta.get(key) != was:  # resumed: steps redone
+            def opened(m: Mapping[str, Any]) -> Any:  # (`started` before `opened` was kept)
+                return m.get("opened", m.get("started"))
+            was = opened(self.meta)
+            if was is not None and opened(d.meta) != was:  # resumed: steps redone
                 self.history_cut = True
             self.meta = d.meta
         new_system = self._fold_system(d)

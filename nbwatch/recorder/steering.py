@@ -138,7 +138,7 @@ def sync_ranks(rec: Steered, final: bool = False) -> None:
         cmds = ([resolve_rewind(rec, c) for c in checked_only(rec, poll_commands(rec))]
                 if d.rank == 0 else [])
         t0 = time.perf_counter()
-        gap = meet_gap(rk.rows, d.every) if d.rank == 0 else 0
+        gap = meet_gap(rk.rows, d.every, d.gap) if d.rank == 0 else 0
         rows, cmds = d.exchange(rk.rows, cmds, rec.step, final, gap)
         rk.sync_s = time.perf_counter() - t0
         rk.rows = []

@@ -261,8 +261,9 @@ def _writer_named(run_dir: Path) -> str:
         return "a writer whose meta is not readable yet"
     parts = [f"pid {meta['pid']}" if "pid" in meta else "a process",
              f"on host {meta['host']}" if "host" in meta else ""]
-    if isinstance(meta.get("started"), (int, float)):
-        parts.append("started " + time.strftime("%H:%M:%S", time.localtime(meta["started"])))
+    opened = meta.get("opened", meta.get("started"))  # this writer's open: a resume's too
+    if isinstance(opened, (int, float)):
+        parts.append("started " + time.strftime("%H:%M:%S", time.localtime(opened)))
     return " ".join(p for p in parts if p)
 
 

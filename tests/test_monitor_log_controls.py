@@ -605,3 +605,27 @@ def test_a_scheduler_stepped_per_epoch_resumes_where_it_was(tmp_path):
     run(tmp_path / "r", 8, every=2)
     (tmp_path / "r" / "checkpoints" / "step_00000008.pt").unlink()  # from step 6: mid-epoch
     assert run(tmp_path / "r", 16, resume=True) == ref
+
+
+def test_a_resumed_run_keeps_its_alerts_first_levels(tmp_path):
+    """The alerts' floor for a converged run is measured against the run's first 20 steps:
+    a resume took its own first 20 (the converged level) instead, and flooded again."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train(steps, resume):
+        with nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False,
+                             resume=resume) as mon:
+            for i in range(mon.step + 1, steps + 1):
+                model(torch.randn(8, 4)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                mon.log(loss=torch.tensor(float(i)))  # the first 20: median 10.5
+            return mon._session.recorder.engine.start
+
+    first = train(25, False)
+    assert first["loss/train"] == 10.5
+    saved = load(max((tmp_path / "r" / "checkpoints").glob("step_*.pt")))
+    assert saved["alert_start"] == first
+    assert train(30, True) == first  # not the median of steps 26-45

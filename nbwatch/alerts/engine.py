@@ -175,7 +175,8 @@ class AlertEngine:
     feed and whose count their alerts carry."""
 
     def __init__(self, rules: list[Rule], window: int = 1000,
-                 derive: Sequence[Callable[[dict[str, Any]], None]] = ()):
+                 derive: Sequence[Callable[[dict[str, Any]], None]] = (),
+                 start: Mapping[str, float] | None = None):
         self.rules = rules
         self.derive = list(derive)
         self.spike_score = SpikeScore()
@@ -193,8 +194,9 @@ class AlertEngine:
         # the run's first levels (the median of its first START_STEPS finite values) of the
         # loss and the gradient norm: a spike is measured against noise of at least 0.1% of
         # them, so a run converged to 1e-8 is not flooded with its float noise's "spikes"
-        self.start: dict[str, float] = {}
-        self._first: dict[str, list[float]] = {LOSS: [], NORM: []}
+        self.start: dict[str, float] = dict(start or {})  # `start`: a resumed run's
+        self._first: dict[str, list[float]] = {k: [] for k in (LOSS, NORM)
+                                               if k not in self.start}
         # a "step" rule that acts: its steps are recorded one at a time (recorder/step_end.py)
         self.acts_at_step = any(r.actions for r in self._by_phase["step"])
         # "grads" rules that read named figures (nonfinite: the loss): a loop of the user's

@@ -73,8 +73,8 @@ class RunSession:
         self.resumed_step: int | None = None  # restored when the Monitor was created
         self.resumed_data: tuple[int, int] | None = None  # a checkpoint's data position
         self.resumed_order: dict[str, Any] | None = None  # and its pass's RNG states
-        # clip= given: wins over a resumed checkpoint's (NOT_GIVEN: the checkpoint's holds)
-        self.clip_asked: Any = NOT_GIVEN
+        self.resumed_start: dict[str, float] = {}  # and its alerts' first levels
+        self.clip_asked: Any = NOT_GIVEN  # clip= given: wins over a resumed checkpoint's
         self._sampler: SystemSampler | None = None
         self._log_handler: logging.Handler | None = None
         self._cell_hook: Callable[[], None] | None = None  # the own loop's after-cell record
@@ -265,8 +265,8 @@ class RunSession:
             rec = StepRecorder(
                 spec, given.model, given.optimizer, given.scheduler, given.scaler, store,
                 ckpt, self.commands, given.control, self.progress, start_step,
-                AlertEngine(rules, derive=[mfu]), self.setup.on_alert, dist,
-            )
+                AlertEngine(rules, derive=[mfu], start=self.resumed_start), given.on_alert,
+                dist)
             self.recorder, self.mode = rec, mode
             if mode == "start" and start_step:  # the runner skips to where the data stood
                 rw = rec.rewind_state
@@ -430,6 +430,7 @@ class RunSession:
         data = ckpt.get("data")  # start()'s data stream at that step: (epoch, next batch)
         self.resumed_data = (int(data[0]), int(data[1])) if data else None
         self.resumed_order = ckpt.get("data_order")
+        self.resumed_start = ckpt.get("alert_start") or {}
         given = self.setup
         return restore_into(ckpt, given.model, given.optimizer, given.scheduler, given.scaler,
                             given.control, given.checkpointer.dir)

@@ -156,6 +156,7 @@ def state_dict(rec: Evaluating) -> dict[str, Any]:
         "controls": rec.control.to_dict(),
         "data": data_at(rec.rewind_state),
         "data_order": rec.rewind_state.data_order,
+        "alert_start": dict(rec.engine.start),  # the alert floors' reference, resumed
     }
 
 def data_at(st: Any) -> list[int] | None:

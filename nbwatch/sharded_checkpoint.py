@@ -12,7 +12,6 @@ nodes: a shared filesystem).
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import shutil
@@ -25,7 +24,7 @@ from torch import nn
 
 from .checkpoint import Checkpointer, CheckpointWriteError, Saved
 from .distributed import Dist, lost_peer
-from .sharding import is_sharded
+from .sharding import checkpoint_failure, is_sharded
 
 
 class ShardedCheckpointer(Checkpointer):
@@ -96,7 +95,7 @@ class ShardedCheckpointer(Checkpointer):
                      process_group=self.group)
         except (Exception, CheckpointException) as e:  # torch's is a BaseException
             shutil.rmtree(partial, ignore_errors=True)  # this rank's part of what failed
-            first, full = _why(e)
+            first, full = checkpoint_failure(e)
             newest = self.steps()[-1][0] if self.steps() else None
             since = (f"resume=True continues from step {newest}" if newest is not None
                      else "there is no earlier checkpoint")
@@ -149,20 +148,6 @@ def _sees(folder: Path, name: str, wait: float = 5.0) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.2)
-
-
-def _why(e: BaseException) -> tuple[str, bool]:
-    """The first line of what failed (a `CheckpointException`: each failing rank's own
-    error, not torch's traceback) and whether a disk was full."""
-    failures = getattr(e, "failures", None)
-    causes = ([(f"rank {r}", exc) for r, (exc, _) in sorted(failures.items())]
-              if isinstance(failures, dict) and failures else [("", e)])
-    said = "; ".join(
-        f"{who}{': ' if who else ''}{type(x).__name__}: "
-        f"{(str(x).strip().splitlines() or [''])[0][:160]}" for who, x in causes[:3])
-    full = any(getattr(x, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or
-               "No space left" in str(x) for _, x in causes)
-    return said, full
 
 
 def make_checkpointer(directory: Path, keep_last: int, model: nn.Module, optimizer: Any

@@ -7,6 +7,7 @@ FSDP2's figures are those of the full parameters (probes/sharded.py); its checkp
 from __future__ import annotations
 
 import contextlib
+import errno
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -81,8 +82,20 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: Any) -> None:
     try:
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(folder))  # in place
     except CheckpointException as e:  # a BaseException: each rank's own error, said
-        said = "; ".join(f"rank {r}: {type(x).__name__}: "
-                         f"{(str(x).splitlines() or [''])[0][:160]}"
-                         for r, (x, _) in sorted(e.failures.items()))
-        raise RuntimeError(f"the shards in {folder} could not be read ({said})") from e
+        raise RuntimeError(f"the shards in {folder} could not be read "
+                           f"({checkpoint_failure(e)[0]})") from e
     set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+
+
+def checkpoint_failure(e: BaseException) -> tuple[str, bool]:
+    """The first line of what failed (a `CheckpointException`: each failing rank's own
+    error, not torch's traceback) and whether a disk was full."""
+    failures = getattr(e, "failures", None)
+    causes = ([(f"rank {r}", exc) for r, (exc, _) in sorted(failures.items())]
+              if isinstance(failures, dict) and failures else [("", e)])
+    said = "; ".join(
+        f"{who}{': ' if who else ''}{type(x).__name__}: "
+        f"{(str(x).strip().splitlines() or [''])[0][:160]}" for who, x in causes[:3])
+    full = any(getattr(x, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or
+               "No space left" in str(x) for _, x in causes)
+    return said, full

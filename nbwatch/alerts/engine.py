@@ -197,6 +197,7 @@ class AlertEngine:
         self.start: dict[str, float] = dict(start or {})  # `start`: a resumed run's
         self._first: dict[str, list[float]] = {k: [] for k in (LOSS, NORM)
                                                if k not in self.start}
+        self.norms.extra = {"start": self.start}  # (filled in place: one dict, read live)
         # a "step" rule that acts: its steps are recorded one at a time (recorder/step_end.py)
         self.acts_at_step = any(r.actions for r in self._by_phase["step"])
         # "grads" rules that read named figures (nonfinite: the loss): a loop of the user's
@@ -317,7 +318,6 @@ class AlertEngine:
         if phase == "grads" and values and NORM in values:
             self.norms.add({NORM: values[NORM]})
             self._note_start(NORM, values[NORM])
-            self.norms.extra = {"start": self.start}
         return fired
 
     def _quiet(self, rule: Rule) -> None:

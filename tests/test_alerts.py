@@ -260,3 +260,19 @@ def test_a_run_converged_to_its_float_noise_is_not_flooded():
            if s > 1000 else 1.0 * (1e-4) ** (s / 1000)}
     assert [(a.rule.name, a.step) for a in feed(engine(), 3000, **mse)
             if a.rule.name == "loss_spike"] == [("loss_spike", 2500)]
+
+
+def test_an_explosion_measured_against_the_floor_says_so():
+    """Where the run's norm has fallen below 1e-4 of its start, the limit is 10× that
+    floor, not 10× the rolling median: the message names the figure it used."""
+    def norm(s):
+        return 5.0 if s <= 20 else (1.0 if s == 600 else 1e-6)
+
+    fired = [a for a in feed(engine(), 600, **{"grad_norm/global": norm})
+             if a.rule.name == "grad_explosion"]
+    assert [a.step for a in fired] == [600]
+    assert "its floor 0.0005 (1e-4 of the run's first norm" in fired[0].message
+    fired = [a for a in feed(engine(), 300, **{"grad_norm/global": lambda s: 50.0 if s == 300
+                                                 else 1.0})
+             if a.rule.name == "grad_explosion"]
+    assert "is 50× its rolling median 1" in fired[0].message

@@ -51,23 +51,24 @@ def _grad_explosion(w: Window, p: dict) -> str | None:
     g = w.latest.get("grad_norm/global")
     if g is None or not math.isfinite(g):
         return None
-    # the limit its step was clipped against on the device (AlertEngine.observe gives it,
-    # from the norms of the steps before: AlertEngine.norms)
+    # the limit its step was clipped against on the device (AlertEngine.observe's)
     limit = p[USED_LIMIT]
     if not g > limit:
         return None
     if g > p["absolute"] or limit >= p["absolute"]:
         return f"gradient norm {g:.3g} above {p['absolute']:.0e}"
     med = limit / p["factor"]
-    return f"gradient norm {g:.3g} is {g / med:.0f}× its rolling median {med:.3g}"
+    floor = _FLOOR["grad_norm/global"] * (w.extra.get("start") or {}).get("grad_norm/global", 0)
+    what = (f"its floor {med:.3g} (1e-4 of the run's first norm, above its rolling median)"
+            if math.isclose(med, floor, rel_tol=1e-9) else f"its rolling median {med:.3g}")
+    return f"gradient norm {g:.3g} is {g / med:.0f}× {what}"
 
 
 USED_LIMIT = "_norm_limit"  # a clipping rule's params at its check: the limit its step used
 
 
 def _explosion_limit(w: Window, p: dict) -> float:
-    """The norm above which `_grad_explosion` fires: its absolute limit, or `factor` × the
-    rolling median once there is enough history."""
+    """The norm above which `_grad_explosion` fires: `absolute`, or `factor` × the median."""
     med, n = w.median("grad_norm/global", p["window"])
     if n >= p["min_history"] and med > 0:
         # not below factor × 1e-4 of the run's first norm: a converged run's float noise

@@ -234,17 +234,18 @@ class Checkpointer:
 
 
 def restore_into(ckpt: dict[str, Any], model: Any, optimizer: Any, scheduler: Any,
-                 scaler: Any, control: Any, where: Path, pending: int = 0) -> int:
+                 scaler: Any, control: Any, where: Path, pending: int = 0,
+                 group: Any = None) -> int:
     """Load a checkpoint's model, optimizer, scheduler, scaler, RNG and control state
     (resume, rewind); returns its step. A model that does not fit gets a clear error. A
     scheduler saved a step behind its checkpoint's number is stepped to it, less the
     `pending` step the loop has yet to take itself (a rewind inside a `log()` that comes
-    before the loop's `scheduler.step()`)."""
+    before the loop's `scheduler.step()`). `group`: the ranks' group for FSDP2's shards."""
     try:
         if ckpt.get("sharded"):  # FSDP2: the shards, read by every rank (sharding.py)
             from .sharding import load_sharded
 
-            load_sharded(where / ckpt["sharded"], model, optimizer)
+            load_sharded(where / ckpt["sharded"], model, optimizer, group)
         else:
             inner = bare_module(model)
             inner.load_state_dict(fit_keys(ckpt["model"], inner.state_dict().keys()))

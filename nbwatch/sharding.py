@@ -59,9 +59,10 @@ def _no_step_hooks(optimizer: Any):
         optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = pre, post
 
 
-def load_sharded(folder: Path, model: nn.Module, optimizer: Any) -> None:
+def load_sharded(folder: Path, model: nn.Module, optimizer: Any, group: Any = None) -> None:
     """Load a DCP checkpoint's model and optimizer shards into `model` and `optimizer`
-    (collective: every rank at once). A missing folder raises FileNotFoundError."""
+    (collective: every rank at once, over `group`: nbwatch's own, whose timeout bounds a
+    dead rank, once a run is open). A missing folder raises FileNotFoundError."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -69,8 +70,8 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: Any) -> None:
 
     seen = [folder.is_dir()]
     if dist.is_available() and dist.is_initialized():  # every rank says, none left waiting
-        seen = [False] * dist.get_world_size()
-        dist.all_gather_object(seen, folder.is_dir())
+        seen = [False] * dist.get_world_size(group)
+        dist.all_gather_object(seen, folder.is_dir(), group=group)
     if not all(seen):
         blind = ", ".join(str(r) for r, ok in enumerate(seen) if not ok)
         raise FileNotFoundError(
@@ -80,7 +81,8 @@ def load_sharded(folder: Path, model: nn.Module, optimizer: Any) -> None:
     with _no_step_hooks(optimizer):
         msd, osd = get_state_dict(model, optimizer)
     try:
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(folder))  # in place
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(folder),  # in place
+                 process_group=group)
     except CheckpointException as e:  # a BaseException: each rank's own error, said
         raise RuntimeError(f"the shards in {folder} could not be read "
                            f"({checkpoint_failure(e)[0]})") from e

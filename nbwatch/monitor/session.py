@@ -433,12 +433,12 @@ class RunSession:
         self.resumed_start = ckpt.get("alert_start") or {}
         given = self.setup
         return restore_into(ckpt, given.model, given.optimizer, given.scheduler, given.scaler,
-                            given.control, given.checkpointer.dir)
+                            given.control, given.checkpointer.dir,
+                            group=getattr(given.checkpointer, "group", None))
 
     def record_system(self, figures: dict[str, float]) -> None:
         """The sampler's reading (its thread); and the steps a quiet loop left waiting for
-        their batch, recorded (an eval of the loop's own, a slow batch: readers see them,
-        a kill does not lose them)."""
+        their batch (its own eval, a slow batch), recorded: readers see them, a kill keeps them."""
         if self.store is not None:  # on its own wall-clock timeline: a long step keeps all
             self.store.put(SystemSample(figures, self.progress.step))
         rec = self.recorder

@@ -89,10 +89,10 @@ class MaskFigures:
 
 
 def batch_figures(masks: list[torch.Tensor]) -> MaskFigures:
-    """Figures of one optimizer step's masks (one per micro-batch): real tokens, mean and
-    max sequence length, the padded token count and the lengths. No host sync: CPU masks
-    are read and checked on the host (`check_mask`'s refusal for a bad one), a GPU mask's
-    figures stay on its device, with `BAD` for one that is not bool."""
+    """Figures of one optimizer step's masks (one per micro-batch): real tokens, mean (over
+    all their sequences) and max sequence length, the padded token count and the lengths.
+    No host sync: CPU masks are read and checked on the host (`check_mask`'s refusal for
+    a bad one), a GPU mask's figures stay on its device, with `BAD` for one not bool."""
     on_host = host_figures(masks)
     if on_host is not None:
         return on_host
@@ -112,7 +112,8 @@ def batch_figures(masks: list[torch.Tensor]) -> MaskFigures:
             parts.append(bad[0])
         return MaskFigures(names, parts, {}, padded, f["lengths"])
     tokens = torch.stack([f["tokens"] for f in figs]).sum()
-    mean = torch.stack([f["data/seq_len_mean"] for f in figs]).mean()
+    # over every sequence of the step: micro-batches of unequal sizes weigh as many
+    mean = tokens / sum(int(f["lengths"].numel()) for f in figs)
     mx = torch.stack([f["data/seq_len_max"] for f in figs]).max()
     parts = [tokens, mean, mx]
     if bad:
@@ -123,11 +124,10 @@ def batch_figures(masks: list[torch.Tensor]) -> MaskFigures:
 
 def host_figures(masks: list[torch.Tensor]) -> MaskFigures | None:
     """`batch_figures` of CPU masks, read in place with numpy and plain Python. The same
-    figures as `mask_stats` (float32 lengths, whose sums of 0/1 are exact; over several
-    micro-batches the mean of their means is taken once in double, where the device
-    path rounds each to float32 first: it may differ in the last float32 digit), in fewer
-    calls: just after a backward pass each call runs cold (tens of µs on a CPU, whatever
-    it does; benchmarks/README.md). None where numpy cannot read a mask (a GPU or bf16
+    figures as `mask_stats` (float32 lengths, whose sums of 0/1 are exact; the mean
+    length is over every sequence of the step's micro-batches), in fewer calls: just
+    after a backward pass each call runs cold (tens of µs on a CPU, whatever it does;
+    benchmarks/README.md). None where numpy cannot read a mask (a GPU or bf16
     one), one is empty, or one is not 0/1 (the torch path then refuses it)."""
     arrays = []
     for m in masks:
@@ -152,9 +152,9 @@ def host_figures(masks: list[torch.Tensor]) -> MaskFigures | None:
     lengths = [a.sum(axis=1, dtype=np.float32) for a in arrays]
     every = lengths[0] if len(lengths) == 1 else np.concatenate(lengths)
     per = [n.tolist() for n in lengths]
-    means = [sum(n) / len(n) for n in per]
-    host = {"tokens/real": float(sum(sum(n) for n in per)),
-            "data/seq_len_mean": float(np.float32(sum(means) / len(means))),
+    tokens = float(sum(sum(n) for n in per))
+    host = {"tokens/real": tokens,
+            "data/seq_len_mean": float(np.float32(tokens / sum(len(n) for n in per))),
             "data/seq_len_max": max(max(n) for n in per)}
     return MaskFigures([], [], host, float(sum(m.numel() for m in masks)),
                        torch.from_numpy(every))

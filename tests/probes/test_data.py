@@ -19,7 +19,7 @@ def test_padding_ratio_and_lengths_equal_the_masks():
 def test_a_cpu_mask_read_on_the_host_gives_the_device_figures(dtype):
     """CPU masks are read with numpy (no torch op): the same figures as `mask_stats` gives
     on a device, for every dtype a mask comes in, 1-D and over micro-batches of unequal
-    sizes (the mean is of the micro-batches' means, as on the device)."""
+    sizes (the mean over all their sequences, as on the device)."""
     g = torch.Generator().manual_seed(0)
     masks = [(torch.rand(b, 7, generator=g) > 0.3).to(dtype) for b in (4, 2)]
     masks.append((torch.rand(5, generator=g) > 0.5).to(dtype))
@@ -27,14 +27,28 @@ def test_a_cpu_mask_read_on_the_host_gives_the_device_figures(dtype):
         mf = batch_figures(some)
         figs = [mask_stats(m) for m in some]
         got = dict(mf.host) or dict(zip(mf.names, (float(p) for p in mf.parts)))
-        mean = float(torch.stack([f["data/seq_len_mean"] for f in figs]).mean())
-        assert got == {  # the mean of several means: rounded once on the host, not twice
+        lengths = torch.cat([f["lengths"] for f in figs])
+        mean = float(lengths.sum() / lengths.numel())
+        assert got == {
             "tokens/real": float(sum(f["tokens"] for f in figs)),
             "data/seq_len_mean": pytest.approx(mean, rel=1e-6, abs=0),
             "data/seq_len_max": float(max(f["data/seq_len_max"] for f in figs))}
         assert mf.lengths.tolist() == torch.cat([f["lengths"] for f in figs]).tolist()
         assert mf.padded == sum(m.numel() for m in some)
     assert (dtype == torch.bfloat16) == bool(batch_figures(masks).parts)  # numpy has no bf16
+
+
+@pytest.mark.parametrize("dtype", [torch.long, torch.bfloat16])  # the host's, the device's
+def test_the_mean_length_is_over_every_sequence_of_unequal_micro_batches(dtype):
+    """Micro-batches of 3 sequences of length 2 and 1 of length 8 (token-budget batching):
+    the mean length is 14 / 4 = 3.5, not the mean of the two batches' means (5)."""
+    masks = [torch.tensor([[1, 1, 0, 0, 0, 0, 0, 0]] * 3, dtype=dtype),
+             torch.ones(1, 8, dtype=dtype)]
+    mf = batch_figures(masks)
+    got = dict(mf.host) or dict(zip(mf.names, (float(p) for p in mf.parts)))
+    assert got["tokens/real"] == 14.0
+    assert got["data/seq_len_mean"] == 3.5 == float(mf.lengths.mean())
+    assert got["data/seq_len_max"] == 8.0
 
 
 @pytest.mark.filterwarnings("error")  # a large value overflows the check: said, not warned

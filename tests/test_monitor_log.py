@@ -243,6 +243,36 @@ def test_val_at_log_records_eval_figures_and_probes_attention(tmp_path):
     assert maps and all(w.shape[0] == 2 for w in maps.values())  # 2 heads a module
 
 
+def test_a_step_that_holds_the_loops_eval_has_no_throughput(tmp_path):
+    """An eval the loop runs before `log(val=...)` lies inside that step's time: a rate
+    over it read as a throughput drop at every eval. Such a step keeps its time but no
+    rate; a val given every step is part of every step, and keeps its rates."""
+    def train(every: int, run: str):
+        model, opt, sched, batches = setup()
+        with nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / run, display=False) as mon:
+            for i in range(9):
+                b = batches[i]
+                loss = nbwatch.masked_cross_entropy(model(b["input_ids"]), b["labels"],
+                                                    b["mask"])
+                loss.backward()
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                val = None
+                if (i + 1) % every == 0:
+                    time.sleep(0.2)  # the eval
+                    val = 3.0
+                mon.log(loss=loss, mask=b["mask"], val=val)
+        return mon.df
+
+    df = train(4, "periodic")
+    assert df.loc[[4, 8], "time/step"].min() >= 0.2
+    for key in ("throughput/tokens_per_s", "throughput/samples_per_s"):
+        assert df[key].isna().tolist() == [s in (1, 4, 8) for s in df.index], key
+    df = train(1, "every step")
+    assert df["throughput/tokens_per_s"].loc[2:].notna().all()
+
+
 def test_probe_every_takes_attention_maps_without_a_val(tmp_path):
     """`Monitor(probe_every=3)`: the attention probe at steps 3 and 6 of a loop that logs no
     val, with no `loss/val` recorded and no checkpoint written for it (the probe ran only

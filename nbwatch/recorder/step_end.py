@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from ..controls import ControlState
     from ..distributed import Dist, NullStore
     from ..store import RunStore
+    from .eval_checkpoint import EvalState
     from .own_clips import OwnClips
 
 # A step's record (its "step" rules, its row, its alerts) waits for a batch: at most this
@@ -63,6 +64,7 @@ QUIET_S = 0.5
 # wait and is read at once (`host_copy.DEFER_ON_CPU` runs the accelerator's order there).
 
 _FROM_ALL_RANKS = ("loss/train", *SUMMED)
+EVAL_INSIDE = "_eval_inside"  # a step's host figure: its time holds the loop's own eval
 
 
 class Recording(Protocol):
@@ -88,6 +90,7 @@ class Recording(Protocol):
     batch_ids: BatchIds
     flight: InFlight
     ranks: RankMeeting
+    evals: EvalState
     log: logging.Logger
 
     def _emit(self, ev: Event, level: int | None = None) -> None: ...
@@ -345,7 +348,8 @@ def derive(rec: Recording, step: int, values: dict[str, float]) -> None:
     if tokens is not None and padded:
         values["data/padding_ratio"] = 1.0 - tokens / padded
     samples = values.pop("_samples", None)
-    add_rates(values, int(samples) if samples else None)
+    if not values.pop(EVAL_INSIDE, None):
+        add_rates(values, int(samples) if samples else None)
 
 
 def record(rec: Recording, p: Pending) -> None:
@@ -384,6 +388,10 @@ def record_step(rec: Recording, host: dict[str, float], names: list[str],
     if lengths is not None:
         keep_seq_lens(rec, lengths)
     save_reduction(rec, reduction)
+    if val is not None and rec.evals.last_val_step != rec.step:
+        # the loop's eval ran inside this step's time: a rate over it would read as a
+        # throughput drop at every eval (a val every step is part of every step's time)
+        host = {**host, EVAL_INSIDE: 1.0}
     step = end_step(rec, host, names, parts, samples=samples)
     every = rec.spec.probe_every  # the probe alone, where no val comes
     rec.step_done(val=val, probe=every is not None and val is None and step % every == 0)

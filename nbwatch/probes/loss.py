@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+IGNORE_INDEX = -100  # cross_entropy's default ignore_index: a padded label
+
 
 def masked_cross_entropy(
     logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None = None
@@ -16,7 +18,8 @@ def masked_cross_entropy(
 
     `logits` is [..., V], `labels` and `mask` are [...] (mask: 1 for a real token, 0 for
     padding). Padding neither adds to the numerator nor to the denominator, so a batch
-    of short lines and a batch of long ones weigh each token equally.
+    of short lines and a batch of long ones weigh each token equally. A label of -100
+    (Hugging Face's padded label, `cross_entropy`'s `ignore_index`) is padding too.
 
     >>> loss = masked_cross_entropy(logits, targets, attention_mask)
     """
@@ -28,14 +31,15 @@ def masked_cross_entropy(
     per_token = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none"
     )
-    if mask is None:
-        return per_token.mean()
-    if mask.shape != labels.shape:
-        raise ValueError(
-            f"mask {tuple(mask.shape)} does not match labels {tuple(labels.shape)}: "
-            "pass one 0/1 entry per label"
-        )
-    m = mask.reshape(-1).to(per_token.dtype)
+    # an ignored label's loss is 0: left in the count, it would dilute the mean
+    m = (labels.reshape(-1) != IGNORE_INDEX).to(per_token.dtype)
+    if mask is not None:
+        if mask.shape != labels.shape:
+            raise ValueError(
+                f"mask {tuple(mask.shape)} does not match labels {tuple(labels.shape)}: "
+                "pass one 0/1 entry per label"
+            )
+        m = m * mask.reshape(-1).to(per_token.dtype)
     return (per_token * m).sum() / m.sum().clamp_min(1.0)
 
 

@@ -53,3 +53,19 @@ def test_dict_with_logits_gets_the_masked_mean():
 def test_bad_step_output_says_what_to_return(value, error, match):
     with pytest.raises(error, match=match):
         parse_step_output(value)
+
+
+def test_masked_cross_entropy_ignores_hf_padded_labels():
+    """Labels of -100 (a Hugging Face model's padded labels) are padding, as in
+    `F.cross_entropy`'s own mean: not counted in the denominator, with or without a mask."""
+    torch.manual_seed(0)
+    logits, labels = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
+    labels[0, 3:] = -100
+    theirs = torch.nn.functional.cross_entropy(logits.reshape(-1, 7), labels.reshape(-1))
+    assert masked_cross_entropy(logits, labels).item() == pytest.approx(theirs.item(), rel=1e-6)
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[1, 4] = 0
+    keep = (labels != -100) & (mask == 1)
+    hand = torch.nn.functional.cross_entropy(logits[keep], labels[keep])
+    assert masked_cross_entropy(logits, labels, mask).item() == pytest.approx(hand.item(),
+                                                                              rel=1e-6)

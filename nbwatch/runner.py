@@ -28,6 +28,7 @@ from .probes.late import drop_masks, keep_mask
 from .probes.logits import NAMES as LOGIT_NAMES
 from .probes.logits import is_logits
 from .probes.loss import check_not_copying, parse_step_output
+from .probes.paths import unwrapped
 from .recorder import Progress, RunSpec, StepRecorder
 from .records import Event
 
@@ -214,7 +215,7 @@ class Runner:
             tf, own0 = time.perf_counter(), rec.own.closed
             raw = step_fn(model, batch)
             if not self._checked:  # a wrong objective is refused at the first step
-                check_not_copying(batch, raw)
+                check_not_copying(batch, raw, unwrapped(model))
                 self._checked = True
             out = parse_step_output(raw)
             # less the output layer's hook (nbwatch's, inside the forward)

@@ -153,3 +153,24 @@ def test_the_dry_run_leaves_training_exactly_as_without_it(tmp_path):
         mon.wait()
         finals.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.equal(finals[0], finals[1])
+
+
+def test_an_encoder_decoders_labels_equal_to_its_inputs_are_a_copy_task(tmp_path):
+    """A T5's decoder reads its labels shifted right, so {'logits', 'labels'} with labels
+    equal to the source (a seq2seq copy task) are aligned: trained, not refused."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tf.T5ForConditionalGeneration(tf.T5Config(
+        vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_decoder_layers=1,
+        num_heads=2, decoder_start_token_id=0, pad_token_id=0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def copy_task(model, batch):
+        out = model(input_ids=batch["input_ids"], labels=batch["input_ids"])
+        return {"logits": out.logits, "labels": batch["input_ids"]}
+
+    batches = ({"input_ids": torch.randint(2, 32, (2, 6))} for _ in range(3))
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run", display=False)
+    mon.start(copy_task, batches, max_steps=3)
+    mon.wait()
+    assert mon.state == "finished" and mon.step == 3

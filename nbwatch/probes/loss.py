@@ -52,12 +52,16 @@ class StepOutput:
     reduction: str = "as returned by step_fn"
 
 
-def check_not_copying(batch: object, out: object) -> None:
+def check_not_copying(batch: object, out: object, model: object = None) -> None:
     """Refuse `{'logits', 'labels'}` whose labels are the batch's own inputs: nbwatch's loss
     compares logits[:, t] with labels[:, t], so unshifted labels (what a Hugging Face causal
-    LM takes, shifting inside) would train the model to copy its input."""
+    LM takes, shifting inside) would train the model to copy its input. Not for an
+    encoder-decoder (`config.is_encoder_decoder`: T5, BART): its decoder reads the labels
+    shifted right, so labels equal to the source are a copy task, rightly aligned."""
     if not (isinstance(out, dict) and "loss" not in out and "logits" in out and "labels" in out
             and isinstance(batch, Mapping)):
+        return
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True:
         return
     labels, inputs = out["labels"], batch.get("input_ids")
     if (isinstance(labels, torch.Tensor) and isinstance(inputs, torch.Tensor)

@@ -45,8 +45,7 @@ log = logging.getLogger("nbwatch")
 
 class RunSession:
     """One Monitor's run: opened by `start()`, `run()`, a loop's first optimizer step or a
-    framework adapter; what is open while it runs; closed when it ends. A Monitor has one
-    session, which opens one run at a time (a resumed run is the next)."""
+    framework adapter; closed when it ends. One session a Monitor, one run at a time."""
 
     def __init__(self, setup: Setup, options: Options, *,
                  on_loop_open: Callable[[], None] = lambda: None,
@@ -422,7 +421,8 @@ class RunSession:
             **run, "keep_last": given.checkpointer.keep_last, "resumed_from": start_step or None,
             "model": type(given.model).__name__, "optimizer": type(given.optimizer).__name__,
             "scheduler": type(given.scheduler).__name__ if given.scheduler is not None else None,
-            "parameters": sum(p.numel() for p in given.model.parameters()),
+            "parameters": sum(p.numel() for p in given.model.parameters()), "trainable": sum(
+                p.numel() for p in given.model.parameters() if p.requires_grad),
         })
         return store
 

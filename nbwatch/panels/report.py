@@ -76,9 +76,11 @@ def summary(meta: Mapping[str, Any], step: int, best_val: tuple[int, float] | No
         ["wall time", duration(wall_s)],
     ]
     if run.get("model"):
-        params = run.get("parameters")
-        rows.append(["model", str(run["model"]) + (f" ({params:,} parameters)"
-                                                   if isinstance(params, int) else "")])
+        params, trained = run.get("parameters"), run.get("trainable")
+        count = f" ({params:,} parameters" if isinstance(params, int) else ""
+        if count and isinstance(trained, int) and trained < params:  # LoRA, a frozen backbone
+            count += f", {trained:,} trainable"
+        rows.append(["model", str(run["model"]) + (count and count + ")")])
     if run.get("optimizer"):
         rows.append(["optimizer", str(run["optimizer"]) + (
             f" + {run['scheduler']}" if run.get("scheduler") else "")])

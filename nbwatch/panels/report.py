@@ -78,7 +78,8 @@ def summary(meta: Mapping[str, Any], step: int, best_val: tuple[int, float] | No
     if run.get("model"):
         params, trained = run.get("parameters"), run.get("trainable")
         count = f" ({params:,} parameters" if isinstance(params, int) else ""
-        if isinstance(params, int) and isinstance(trained, int) and trained < params:  # LoRA, a frozen backbone
+        # a LoRA, a frozen backbone: the weights that train
+        if isinstance(params, int) and isinstance(trained, int) and trained < params:
             count += f", {trained:,} trainable"
         rows.append(["model", str(run["model"]) + (count and count + ")")])
     if run.get("optimizer"):

@@ -26,7 +26,7 @@ import pandas as pd
 from . import controls as ctl
 from .lifecycle import STALE, WAITING
 from .records import Command
-from .run import Run, started_run
+from .run import EVENT_COLUMNS, Run, started_run
 from .store import DB_NAME, is_run_dir, send_command
 from .store.liveness import ENDED, LIVE, STALE_AFTER, RunFailed, last_write, run_state
 from .text import duration
@@ -166,8 +166,7 @@ class Attached(ctl.Controls):
     @property
     def events(self) -> pd.DataFrame:
         """Alerts, actions, checkpoints and state changes: step, kind, severity, message."""
-        return self._read(lambda r: r.events, pd.DataFrame(
-            columns=["step", "wall", "kind", "severity", "message", "data"]))
+        return self._read(lambda r: r.events, pd.DataFrame(columns=EVENT_COLUMNS))
 
     def wait_started(self, timeout: float = 60.0, poll: float = 0.1) -> Attached:
         """Block until the writer has created the store (raises TimeoutError after `timeout`)."""

@@ -34,6 +34,7 @@ from .panels import report as rpt
 from .panels.downsample import MAX_POINTS
 from .panels.weights import thin
 from .panels.wire import pack
+from .records import branches
 from .store import DB_NAME, RunReader
 
 _STATIC = Path(__file__).parent / "static"
@@ -178,8 +179,16 @@ def _report(reader: RunReader, meta: Mapping[str, Any], step: int,
     """The summary and tables; `wall_s`: the header's elapsed time (one duration)."""
     alerts, n_alerts = reader.events_of(rpt.TABLE_KINDS, rpt.MAX_ROWS)
     ckpts, n_ckpts = reader.events_of(("checkpoint",), rpt.MAX_ROWS)
+    rewinds = [e for e in reader.events_of(("action",), 1_000_000)[0]
+               if e["data"].get("command") == "rewind"]
+    if rewinds:  # the checkpoints a rewind went back over were set aside with its branch
+        told = sorted(ckpts + rewinds, key=lambda e: e["id"])
+        for e, n in zip(told, branches(told)):
+            e["branch"] = n
     folder = reader.run_dir / "checkpoints"
-    kept = {p.name for p in folder.iterdir()} if folder.is_dir() else None
+    kept = ({p.relative_to(folder).as_posix()
+             for p in [*folder.iterdir(), *folder.glob("rewind/*/*")]}
+            if folder.is_dir() else None)
 
     best = reader.best("loss/val")
     best_val = (best[1], best[0]) if best else None

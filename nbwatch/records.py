@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -135,3 +136,18 @@ class Command:
     @classmethod
     def from_wire(cls, kind: str, payload: dict[str, Any], source: str, cid: str) -> Command:
         return cls(CommandKind(kind), dict(payload), source, cid)
+
+
+def branches(events: Sequence[Mapping[str, Any]]) -> list[int]:
+    """For each event (oldest first), the branch it is on: N where rewind N later went back
+    over its step (that step's records and checkpoints set aside as branch N), 0 on the
+    line the run kept."""
+    out = [0] * len(events)
+    for i, e in enumerate(events):
+        d = e.get("data") or {}
+        if e.get("kind") != "action" or d.get("command") != "rewind" or "branch" not in d:
+            continue
+        for j in range(i):
+            if not out[j] and d["to"] < events[j]["step"] <= d["from"]:
+                out[j] = int(d["branch"])
+    return out

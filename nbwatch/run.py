@@ -12,8 +12,12 @@ import pandas as pd
 from .alerts.postmortem import SPIKE_COLUMNS, spikes_of  # noqa: F401  (their home; re-exported)
 from .alerts.postmortem import from_reader as _spikes
 from .lifecycle import FolderState
+from .records import branches
 from .store import DB_NAME, RunReader
 from .store.liveness import STALE_AFTER, run_state
+
+# a run's events: `branch` is N for those a rewind set aside as branch N, 0 on the kept line
+EVENT_COLUMNS = ["step", "wall", "kind", "severity", "message", "data", "branch"]
 
 
 class Readout:
@@ -42,10 +46,11 @@ class Readout:
 
     @property
     def events(self) -> pd.DataFrame:
-        """Alerts, actions, checkpoints and state changes: step, kind, severity, message."""
+        """Alerts, actions, checkpoints and state changes: step, kind, severity, message,
+        data, branch (`Run.events`)."""
         run = self._run()
         if run is None:
-            return pd.DataFrame(columns=["step", "wall", "kind", "severity", "message", "data"])
+            return pd.DataFrame(columns=EVENT_COLUMNS)
         return run.events
 
     @property
@@ -193,9 +198,12 @@ class Run:
 
     @property
     def events(self) -> pd.DataFrame:
-        """Alerts, actions, checkpoints and state changes: step, kind, severity, message."""
-        ev = self.reader.events()
-        return ev.drop(columns=["id"]).reset_index(drop=True)
+        """Alerts, actions, checkpoints and state changes, oldest first: step, wall, kind,
+        severity, message, data, and `branch`: N for an event whose step rewind N went back
+        over (set aside with that branch's steps, `branches`), 0 on the line the run kept."""
+        ev = self.reader.events().drop(columns=["id"]).reset_index(drop=True)
+        ev["branch"] = branches(ev.to_dict("records")) if len(ev) else []
+        return ev[EVENT_COLUMNS]
 
     @property
     def spikes(self) -> pd.DataFrame:

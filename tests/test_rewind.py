@@ -5,6 +5,7 @@ branch; where nbwatch does not run the loop, the control refuses and says why.""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from nbwatch.demo import make_demo
 from nbwatch.panels import Feed
 from nbwatch.recorder import host_copy
 from nbwatch.store import RunReader
+from tests.test_export import Page
 
 BAD = 150  # the data position of the poisoned batch (0-based: step 151 takes it)
 
@@ -104,6 +106,15 @@ def test_an_own_loop_is_told_where_the_rewind_went(tmp_path):
     df = mon.df
     assert df.index.max() == 60 and df["loss/train"].notna().sum() == 60
     assert list(mon.branches["rewind/1/loss/train"].dropna().index) == list(range(21, 36))
+    # the events of the steps it went back over are on branch 1; their checkpoint (step
+    # 30) is set aside there, beside the kept line's own step 30
+    ev = mon.events
+    at30 = ev[(ev.kind == "checkpoint") & (ev.step == 30)]
+    assert at30["branch"].tolist() == [1, 0]
+    assert ev[ev.step <= 20]["branch"].eq(0).all() and ev[ev.step > 35]["branch"].eq(0).all()
+    page = Page(mon.export_html(tmp_path / "a.html").read_text(encoding="utf-8"))
+    rows = json.loads(page.scripts["nbw-state"])["report"]["checkpoints"]["rows"]
+    assert [r[6] for r in rows if r[0] == 30] == ["rotated out", "set aside (rewind 1)"]
 
 
 def test_rewind_is_refused_where_it_cannot_be_honoured(tmp_path):

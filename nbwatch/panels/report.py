@@ -41,12 +41,15 @@ def events_table(events: Iterable[Mapping[str, Any]], total: int) -> dict[str, A
 def checkpoints_table(events: Iterable[Mapping[str, Any]], total: int,
                       kept: set[str] | None = None) -> dict[str, Any]:
     """Checkpoint events, newest first → {rows: [step, file, size, seconds, best, reason,
-    kept], total}; `kept`: file names still in the run's checkpoints folder (rotation
-    deletes the older ones)."""
+    kept], total}; `kept`: the files in the run's checkpoints folder, by their path in it
+    (rotation deletes the older ones; rewind N sets those it went back over aside in
+    `rewind/N/`, an event's `branch`)."""
     rows = []
     for e in events:
         d = e.get("data") or {}
         name = PurePath(str(d.get("path", ""))).name
+        branch = e.get("branch") or 0
+        here = f"rewind/{branch}/{name}" if branch else name
         size = d.get("bytes")
         secs = d.get("seconds")
         rows.append([
@@ -56,7 +59,8 @@ def checkpoints_table(events: Iterable[Mapping[str, Any]], total: int,
             "best" if d.get("best") else "",
             str(d.get("reason", "")),
             "failed" if d.get("failed") else
-            None if kept is None else ("yes" if name in kept else "rotated out"),
+            None if kept is None else "rotated out" if here not in kept else
+            f"set aside (rewind {branch})" if branch else "yes",
         ])
     return {"rows": rows, "total": int(total)}
 

@@ -183,10 +183,10 @@ class RecordReads:
         """The newest `limit` events of `kinds` (newest first), and how many there are."""
         marks = ",".join("?" * len(kinds))
         total = self.query(f"SELECT COUNT(*) FROM events WHERE kind IN ({marks})", kinds)[0][0]
-        rows = self.query(f"SELECT step, kind, severity, message, data FROM events WHERE kind"
-                          f" IN ({marks}) ORDER BY id DESC LIMIT ?", (*kinds, limit))
+        rows = self.query(f"SELECT step, kind, severity, message, data, id FROM events WHERE"
+                          f" kind IN ({marks}) ORDER BY id DESC LIMIT ?", (*kinds, limit))
         return [{"step": r[0], "kind": r[1], "severity": r[2], "message": r[3],
-                 "data": json.loads(r[4])} for r in rows], int(total)
+                 "data": json.loads(r[4]), "id": r[5]} for r in rows], int(total)
 
     def last_error(self) -> tuple[str, dict[str, Any]] | None:
         """(message, data) of the newest `error` event."""

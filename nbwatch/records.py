@@ -145,7 +145,8 @@ def branches(events: Sequence[Mapping[str, Any]]) -> list[int]:
     out = [0] * len(events)
     for i, e in enumerate(events):
         d = e.get("data") or {}
-        if e.get("kind") != "action" or d.get("command") != "rewind" or "branch" not in d:
+        if (e.get("kind") != "action" or d.get("command") != "rewind"
+                or not {"branch", "from", "to"} <= d.keys()):
             continue
         for j in range(i):
             if not out[j] and d["to"] < events[j]["step"] <= d["from"]:

@@ -165,15 +165,31 @@ function evenly(v) {
 const GAP = 9.1, TICKS_GAP = 15.9;
 let measurer = null;
 export function labelMargin(labels, { size = 9, ticks = false, min = 8 } = {}) {
+  const w = textWidth(labels, size);
+  return w === null ? min : Math.max(min, Math.ceil(w + (ticks ? TICKS_GAP : GAP)));
+}
+
+// The widest of `texts` (as shown: esc'd text is measured unescaped) in plotly's default
+// font at `size` px, measured on a canvas (no layout); null where there is no canvas.
+export function textWidth(texts, size = 11) {
   if (!measurer) measurer = document.createElement("canvas").getContext("2d");
-  if (!measurer) return min;
+  if (!measurer) return null;
   measurer.font = `${size}px "Open Sans", verdana, arial, sans-serif`; // plotly's default font
   let w = 0;
-  for (const s of labels) {
+  for (const s of texts) {
     const text = String(s).replace(/&lt;/g, "<").replace(/&gt;/g, ">").replace(/&amp;/g, "&");
     w = Math.max(w, measurer.measureText(text).width);
   }
-  return Math.max(min, Math.ceil(w + (ticks ? TICKS_GAP : GAP)));
+  return w;
+}
+
+// Figures side by side keep each title inside its own figure (centred on it, a title wider
+// than its figure runs into the next one's): each figure is at least as wide as its title,
+// so a row too narrow for them all wraps. Set before the figure is drawn (plotly sizes the
+// figure to its box); the panel's own width caps it.
+export function fitTitle(div, title, size = 11) {
+  const w = textWidth([title], size);
+  div.style.minWidth = w === null ? "" : `min(100%, ${Math.ceil(w) + 16}px)`;
 }
 
 export const CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["select2d", "lasso2d"] };

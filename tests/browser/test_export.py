@@ -14,7 +14,7 @@ from nbwatch.export import export_html
 from nbwatch.store import RunReader
 from tests.export_run import IMG, SCRIPT, write_run
 
-from .conftest import ARTIFACTS, ROOT
+from .conftest import ARTIFACTS, ROOT, exported_page
 from .harness import click_head, panels_rendered
 
 pytestmark = pytest.mark.browser
@@ -302,3 +302,83 @@ def test_export_of_a_failed_run_shows_its_error_and_traceback(browser, tmp_path)
         assert tb.is_visible() and "raised on purpose at step 4" in tb.inner_text()
     finally:
         page.context.close()
+
+
+# What the dashboard is given at narrow widths: (page width, the dashboard's own width or None
+# for the page's). JupyterLab 4 with its file browser open gives a cell's output 232, 332 and
+# 368 px of a 600, 700 and 800 px page (measured); 930 px puts the Data panel's three figures
+# beside the Metrics panel, a third of 440 px each.
+NARROW = [(480, None), (600, None), (700, None), (800, None), (930, None), (1200, None),
+          (600, 232), (700, 332), (800, 368)]
+
+LAYOUT = """() => {
+    const box = (e) => { const r = e.getBoundingClientRect();
+      return {l: r.left, t: r.top, r: r.right, b: r.bottom}; };
+    const titles = {};
+    for (const p of document.querySelectorAll('[data-panel]')) {
+      if (p.hidden || !p.offsetParent) continue;
+      titles[p.dataset.panel] = [...p.querySelectorAll('.js-plotly-plot .gtitle')]
+        .filter((t) => !t.closest('.js-plotly-plot').hidden && t.textContent)
+        .map((t) => ({text: t.textContent, ...box(t)}));
+    }
+    const w = document.querySelector('[data-panel=weights]');
+    const pick = w.querySelector('.nbw-layer-pick');
+    const c = box(pick);
+    const atCentre = document.elementFromPoint((c.l + c.r) / 2, (c.t + c.b) / 2);
+    return {titles, panel: box(w), pick: c, search: box(w.querySelector('.nbw-layer-search')),
+            pickOnTop: atCentre === pick || pick.contains(atCentre),
+            view: document.documentElement.clientWidth};
+}"""
+
+
+def _layout(page, wide: int, own: int | None) -> dict:
+    page.set_viewport_size({"width": wide, "height": 1000})
+    page.evaluate("""(w) => { const r = document.querySelector('.nbw-root');
+        r.style.maxWidth = w ? w + 'px' : ''; window.dispatchEvent(new Event('resize')); }""", own)
+    page.locator("[data-panel=weights] .nbw-layer-pick").scroll_into_view_if_needed()
+    seen = None  # plotly redraws a resized figure ~0.1 s after the resize: until it is still
+    for _ in range(20):
+        page.wait_for_timeout(150)
+        now = page.evaluate(LAYOUT)
+        if now == seen:
+            break
+        seen = now
+    return seen
+
+
+def test_export_narrow_titles_apart_and_layer_picker_inside(browser, tmp_path):
+    """At every narrow width the figures' titles of a panel do not run into each other (the
+    Data panel's three, side by side, did at 930 px) and the Weights panel's layer picker and
+    filter lie inside the panel and the page, on top (in a cell beside JupyterLab's file
+    browser the picker stuck out of the panel, cut off)."""
+    def hit(a, b):
+        return a["l"] < b["r"] and b["l"] < a["r"] and a["t"] < b["b"] and b["t"] < a["b"]
+
+    run = write_run(tmp_path / "run", steps=300)
+    with exported_page(browser, run, tmp_path / "run.html") as (page, errors):
+        page.wait_for_function("() => document.querySelectorAll("
+                               "'[data-panel=data] .main-svg').length >= 3", timeout=20_000)
+        bad = []
+        for wide, own in NARROW:
+            g = _layout(page, wide, own)
+            at = f"{wide} px page" + (f", {own} px dashboard" if own else "")
+            assert len(g["titles"]["data"]) == 3, (at, g["titles"]["data"])
+            for panel, ts in g["titles"].items():
+                bad += [f"{at}: {panel} titles {a['text']!r} and {b['text']!r} overlap"
+                        for i, a in enumerate(ts) for b in ts[i + 1:] if hit(a, b)]
+            for name in ("pick", "search"):
+                b, p = g[name], g["panel"]
+                if not (p["l"] <= b["l"] and b["r"] <= p["r"] and b["l"] >= 0
+                        and b["r"] <= g["view"]):
+                    bad.append(f"{at}: the layer {name} {b} outside the panel {p}")
+            if not g["pickOnTop"]:
+                bad.append(f"{at}: the layer picker is covered")
+            if own == 368:
+                ARTIFACTS.mkdir(exist_ok=True)
+                page.screenshot(path=str(ARTIFACTS / "export_narrow_368.png"))
+        assert not bad, "\n".join(bad)
+        # the picker still picks: the histogram shows the layer chosen
+        page.select_option("[data-panel=weights] .nbw-layer-pick", "blocks.1.mlp")
+        page.wait_for_function("() => document.querySelector('[data-panel=weights] .gtitle')"
+                               ".textContent.endsWith('blocks.1.mlp')", timeout=10_000)
+        assert not errors, errors

@@ -27,7 +27,6 @@ from ..logs import open_run_log
 from ..notebook import after_each_cell
 from ..ownership import refuse_other_thread
 from ..panels.baseline import allow as allow_baselines
-from ..probes.experts import unknown_note
 from ..probes.system import SystemSampler, close_nvml, gpu_names, open_nvml
 from ..probes.throughput import Mfu
 from ..recorder import Progress, RunSpec, StepRecorder, StopTraining
@@ -271,8 +270,8 @@ class RunSession:
                 rw = rec.rewind_state
                 rw.data_at, rw.data_order = self.resumed_data, self.resumed_order
             self.watch.open_run()
-            if mfu.unknown_experts and self.setup.rank == 0:
-                store.put(Event(start_step, "state", "info", unknown_note(mfu.unknown_experts)))
+            for note in mfu.notes if self.setup.rank == 0 else []:
+                store.put(Event(start_step, "state", "info", note))
             if self.setup.rank == 0:
                 self._log_handler = open_run_log(rec.log, self.setup.run_dir)
                 self._sampler = SystemSampler(self.record_system,

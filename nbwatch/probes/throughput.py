@@ -162,6 +162,13 @@ def matmul_params(model: object) -> list:
     return [p for p in model.parameters() if id(p) not in looked_up - in_matmul]
 
 
+ENCODER_DECODER = (
+    "throughput/tflops and MFU of an encoder-decoder are estimates: they count every weight "
+    "for every token of tokens/s, where the encoder's weights see the source's tokens and "
+    "the decoder's the target's; close where the two are alike in length (translation), "
+    "off by up to their ratio where not (summarisation)")
+
+
 class Mfu:
     """Adds `throughput/tflops` and `throughput/mfu` to a step's figures (an alert engine's
     `derive`). The attention term's T is the step's padded sequence length where the step
@@ -173,6 +180,7 @@ class Mfu:
         self.n, self.layers, self.d, self.ctx, self.peak = n_params, layers, d_model, ctx, peak
         self.n_trained = n_trained
         self.unknown_experts: list[str] = []  # routed experts counted whole: top-k unknown
+        self.notes: list[str] = []  # what the run says once of how far to trust its figures
 
     @classmethod
     def of(cls, model: object, peak: float | None) -> Mfu:
@@ -181,7 +189,7 @@ class Mfu:
         GPU's by its name (None on a CPU or an unknown GPU: TFLOP/s alone)."""
         from torch import nn
 
-        from .experts import find_experts
+        from .experts import find_experts, unknown_note
         from .paths import unwrapped
 
         assert isinstance(model, nn.Module)
@@ -194,6 +202,9 @@ class Mfu:
         trained = experts.active([p for p in matmul_params(model) if p.requires_grad])
         out = cls(*model_shape(model, experts), peak, n_trained=round(trained))
         out.unknown_experts = experts.unknown
+        out.notes = [unknown_note(experts.unknown)] if experts.unknown else []
+        if getattr(getattr(unwrapped(model), "config", None), "is_encoder_decoder", 0) is True:
+            out.notes.append(ENCODER_DECODER)
         return out
 
     def seq_len(self, values: dict[str, float]) -> float:

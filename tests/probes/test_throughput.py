@@ -6,7 +6,13 @@ import torch
 
 import nbwatch
 from nbwatch.demo import TinyGPT, make_demo
-from nbwatch.probes.throughput import Mfu, flops_per_token, model_shape, peak_flops
+from nbwatch.probes.throughput import (
+    ENCODER_DECODER,
+    Mfu,
+    flops_per_token,
+    model_shape,
+    peak_flops,
+)
 
 
 def test_flops_per_token_is_palms_6n_plus_the_attention_term():
@@ -139,3 +145,25 @@ def test_a_hand_written_moe_says_when_its_top_k_is_unknown(tmp_path):
               display=False).wait()
     said = mon.events[mon.events.message.str.contains("upper bounds")]
     assert len(said) == 1 and "experts" in said.message.iloc[0] and "top_k" in said.message.iloc[0]
+
+
+def test_an_encoder_decoders_figures_are_said_to_be_estimates(tmp_path):
+    """A T5's encoder and decoder see different tokens, which one tokens/s cannot tell:
+    the run says once that its TFLOP/s and MFU are estimates; a decoder-only says nothing."""
+    tf = pytest.importorskip("transformers")
+    t5 = tf.T5ForConditionalGeneration(tf.T5Config(
+        vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_decoder_layers=1,
+        num_heads=2, decoder_start_token_id=0, pad_token_id=0))
+    assert Mfu.of(t5, peak=None).notes == [ENCODER_DECODER]
+    gpt = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
+    assert Mfu.of(gpt, peak=None).notes == []
+    opt = torch.optim.AdamW(t5.parameters(), lr=1e-3)
+
+    def step(model, batch):
+        return {"logits": model(input_ids=batch, labels=batch).logits, "labels": batch}
+
+    mon = nbwatch.Monitor(t5, opt, run_dir=tmp_path / "t5", display=False)
+    mon.start(step, [torch.randint(2, 32, (2, 6))] * 2, max_steps=2)
+    mon.wait()
+    said = mon.events[mon.events.message == ENCODER_DECODER]
+    assert len(said) == 1 and "tokens/real" in mon.df

@@ -581,6 +581,45 @@ def test_a_resume_continues_the_schedule_from_a_checkpoint_between_step_and_sche
     assert got.tolist() == pytest.approx(ref.tolist(), rel=1e-12)
 
 
+@pytest.mark.parametrize("log_first", [False, True], ids=["sched_then_log", "log_then_sched"])
+def test_a_resume_continues_the_schedule_after_a_grad_scalers_skipped_step(tmp_path,
+                                                                          log_first):
+    """A GradScaler's overflow skips the optimizer's step, not the loop's scheduler.step():
+    two steps after one, a Ctrl-C checkpoint between optimizer.step() and scheduler.step()
+    was not known to hold the scheduler a step behind, and the resumed run's LRs lagged
+    one schedule step behind the uninterrupted run's."""
+    def train(run_dir, steps, interrupt_at=None, resume=False):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.9 ** k)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+        mon = nbwatch.Monitor(model, opt, sched, run_dir=run_dir, scaler=scaler,
+                              display=False, resume=resume)
+        with contextlib.suppress(KeyboardInterrupt), mon:
+            for i in range(mon.step + 1, steps + 1):
+                scaler.scale(model(torch.randn(8, 4)).square().mean()).backward()
+                if i == 4:  # an overflow: the scaler skips this step's optimizer.step()
+                    model.weight.grad[0, 0] = float("inf")
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                if i == interrupt_at:
+                    raise KeyboardInterrupt
+                if log_first:
+                    mon.log(loss=torch.tensor(1.0))
+                sched.step()
+                if not log_first:
+                    mon.log(loss=torch.tensor(1.0))
+        return nbwatch.open_run(run_dir).df
+
+    ref = train(tmp_path / "ref", 12)
+    assert ref.loc[4, "amp/overflow"] == 1.0
+    train(tmp_path / "r", 12, interrupt_at=6)
+    got = train(tmp_path / "r", 12, resume=True)
+    assert got["lr"].tolist() == pytest.approx(ref["lr"].tolist(), rel=1e-12)
+
+
 def test_a_scheduler_stepped_per_epoch_resumes_where_it_was(tmp_path):
     """StepLR stepped after each 4-step epoch: a checkpoint mid-epoch is no step behind
     (its scheduler steps between epochs), so a resume from it leaves the schedule as it

@@ -44,13 +44,28 @@ class LrFactor:
         """The optimizer stepped: take the factor off, so the scheduler (or the loop, without
         one) moves the plain LR."""
         n = ctl.steps_taken(self.sched) if self.sched is not None else None
-        once = n is not None and self._sched_count is not None and n - self._sched_count == 1
-        self._once_each = self._once_each + 1 if once else 0
-        self._sched_count = n
+        self._count(n)
         c = self.control
         if c.lr_factor != 1.0 and not c.lr_raw:
             ctl.scale_lrs(self.opt, 1.0 / c.lr_factor)
             c.lr_raw = True
+
+    def _count(self, n: int | None) -> None:
+        """The scheduler's count `n` at an optimizer step's post-hook: whether it steps once
+        a step (`behind`)."""
+        once = n is not None and self._sched_count is not None and n - self._sched_count == 1
+        self._once_each = self._once_each + 1 if once else 0
+        self._sched_count = n
+
+    def skipped(self) -> None:
+        """A GradScaler's overflow skipped the optimizer's step (no post-hook), not the
+        loop's scheduler: counted as a step, its scheduler's step stepped already where
+        the loop steps it before `log()`."""
+        n = ctl.steps_taken(self.sched) if self.sched is not None else None
+        if n is not None and self._sched_count is not None and n - self._sched_count == 2:
+            self._count(n - 1)
+        else:
+            self._count(n)
 
     def scheduler_pending(self) -> bool:
         """The optimizer stepped but the scheduler has not yet (it steps after log())."""

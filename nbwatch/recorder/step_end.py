@@ -125,6 +125,7 @@ def _end_step(rec: Recording, values: dict[str, float], names: list[str] | None,
     known = None
     if t is None:  # a GradScaler found inf/NaN gradients and skipped the optimizer
         values = {**values, "amp/overflow": 1.0}
+        rec.lr.skipped()
         if rec.lr.repair_after_overflow():
             values["lr"] = ctl.lrs(rec.opt)[0]
         if fl.staged is not None:  # the runner's loss, taken by no pre-hook

@@ -134,3 +134,44 @@ def test_a_sparse_gradient_is_measured_and_clipped_not_a_crash(tmp_path, monkeyp
     assert df.index.tolist() == list(range(1, 7))
     assert df["grad_norm/global"].tolist() == pytest.approx(mine, rel=1e-5)
     assert (df["grad_norm/clipped"] <= 0.05 + 1e-6).all() and max(mine) > 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
+@pytest.mark.parametrize("gpu_order", [False, True])
+def test_a_float64_or_complex_model_is_measured_and_clipped_not_a_crash(
+        tmp_path, monkeypatch, gpu_order, dtype):
+    """A float64 model (and one with complex weights) beside a float32 layer: the norms
+    are torch's own `clip_grad_norm_`'s, the clip holds, the run ends (it failed inside
+    `optimizer.step()`: a float32 norm refuses to narrow float64)."""
+    from nbwatch.recorder import host_copy
+
+    monkeypatch.setattr(host_copy, "DEFER_ON_CPU", gpu_order)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8, dtype=dtype), torch.nn.Linear(8, 1))
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 8, dtype=dtype), torch.nn.Linear(8, 1))
+    ref.load_state_dict(model.state_dict())
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+
+    def loss_of(m, x):
+        return m[1](m[0](x.to(dtype)).abs().float()).pow(2).mean()
+
+    mine = []
+    with nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False, clip=0.05,
+                         update_every=1) as mon:
+        for _ in range(4):
+            x = torch.randn(3, 4)
+            loss_of(ref, x).backward()
+            mine.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)))
+            ref_opt.step()
+            ref_opt.zero_grad()
+            loss = loss_of(model, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.log(loss=loss)
+    df = nbwatch.open_run(tmp_path / "r").df
+    assert df["grad_norm/global"].tolist() == pytest.approx(mine, rel=1e-5)
+    assert (df["grad_norm/clipped"] <= 0.05 + 1e-6).all() and min(mine) > 0.05
+    assert df["update_ratio/0"].notna().all()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)

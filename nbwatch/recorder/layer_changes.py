@@ -10,11 +10,14 @@ optimizer's groups are counted at every step (cheap), the optimizer's parameters
 when measured are asked whether they still are (a layer unfrozen, `requires_grad_()`: a
 flag read per frozen tensor, nothing where none is), a step where more or fewer measured
 parameters than at the last have no gradient asks whether one was frozen in place
-(`note_gradless`: nothing while the count holds), and every `RESCAN_EVERY` seconds (a
-model parameter no optimizer holds, switched on). Under torchrun only the optimizer's
-groups and frozen tensors are compared: every rank sees them change at the same step,
-where a clock or a hook of one process would re-layer the ranks at different steps
-(FSDP2's all-reduce of the per-parameter norms would then mismatch).
+(`note_gradless`: nothing while the count holds), a layer whose norm read exactly 0 is
+asked whether it was frozen (`frozen_zeros`: a loop that keeps its gradients,
+`zero_grad(set_to_none=False)`, leaves a frozen layer's at zeros, not None), and every
+`RESCAN_EVERY` seconds (a model parameter no optimizer holds, switched on). Under torchrun
+only the optimizer's groups and frozen tensors are compared: every rank sees them change
+at the same step, where a clock, a hook of one process or a step read late would re-layer
+the ranks at different steps (FSDP2's all-reduce of the per-parameter norms would then
+mismatch).
 """
 
 from __future__ import annotations
@@ -120,6 +123,22 @@ class LayerWatch:
         self._missing = missing
         if missing and any(p.grad is None and not p.requires_grad for p in layers.params):
             self._froze = True
+
+    def frozen_zeros(self, layers: Layers, per_layer: list[float | None]
+                     ) -> list[float | None]:
+        """`per_layer` with each layer of norm exactly 0 whose parameters were all frozen
+        in place left blank, and the layers compared at the next step: a loop that zeroes
+        its gradients (`zero_grad(set_to_none=False)`) keeps a frozen layer's, all zeros,
+        so it has no gradient as one whose `.grad` is None. Asked only of a norm of 0."""
+        if 0.0 not in per_layer:
+            return per_layer
+        out = list(per_layer)
+        for li, v in enumerate(per_layer):
+            if v == 0.0 and not any(p.requires_grad for p, of in
+                                    zip(layers.params, layers.layer_of) if of == li):
+                out[li] = None  # read late, maybe on the sampler's thread: under
+                self._froze = self._froze or not self.distributed  # torchrun, blank only
+        return out
 
     def close(self) -> None:
         for h in self._handles:

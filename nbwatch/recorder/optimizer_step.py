@@ -203,6 +203,7 @@ class Reading(Protocol):
     engine: AlertEngine
     control: ControlState
     own_clips: OwnClips
+    layer_watch: LayerWatch
     framework_clip: float | None
     flight: InFlight
 
@@ -239,6 +240,7 @@ def read_grads(rec: Reading, t: Taking, got: dict[str, list[float]]
     else:
         total, per_layer = layer_norms(norms, t.layer_of, len(layers))
         current = total
+    per_layer = rec.layer_watch.frozen_zeros(layers, per_layer)
     values[names[0]] = total
     if None in per_layer:  # a layer without a gradient this step: no figure
         values.update((k, v) for k, v in zip(names[1:], per_layer) if v is not None)

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from ..distributed import Dist, NullStore
     from ..store import RunStore
     from .eval_checkpoint import EvalState
+    from .layer_changes import LayerWatch
     from .own_clips import OwnClips
 
 # A step's record (its "step" rules, its row, its alerts) waits for a batch: at most this
@@ -81,6 +82,7 @@ class Recording(Protocol):
     skip_nonfinite: bool
     control: ControlState
     own_clips: OwnClips
+    layer_watch: LayerWatch
     framework_clip: float | None
     engine: AlertEngine
     store: RunStore | NullStore  # NullStore on ranks > 0

@@ -108,13 +108,17 @@ def test_a_layer_replaced_mid_run_is_measured_as_the_new_one(tmp_path):
     assert not mon.events.message.str.contains("torch.compile").any()
 
 
-def test_a_layer_without_a_gradient_has_no_norm_and_is_no_vanishing_gradient(tmp_path):
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_layer_without_a_gradient_has_no_norm_and_is_no_vanishing_gradient(tmp_path,
+                                                                             set_to_none):
     """A module the forward never uses (a pooler a task head skips) and a layer frozen in
     place mid-run have no gradient: their norms read 0.0, and after 20 steps
     vanishing_gradients said their gradients were "1000× below the median layer". Now
     their norms are blank while they have none, one event says so, and no rule fires; the
     frozen layer leaves the measured ones at the next step, with a warning that says so
-    (it waited for the 30 s rescan); the global norm is still the loop's own."""
+    (it waited for the 30 s rescan); the global norm is still the loop's own. The same
+    where the loop keeps its gradients (`zero_grad(set_to_none=False)`): the frozen
+    layer's stay, all zeros (they read 0.0 and fired the rule 20 steps later)."""
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -139,7 +143,7 @@ def test_a_layer_without_a_gradient_has_no_norm_and_is_no_vanishing_gradient(tmp
             loss.backward()
             own[step] = true_norm(m)
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
             mon.log(loss=loss)
     run = nbwatch.open_run(tmp_path / "r")
     df = run.df

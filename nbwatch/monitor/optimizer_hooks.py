@@ -188,6 +188,19 @@ class OptimizerWatch:
             )
         self._foreign_ok.add(optimizer)
 
+    def inner_hint(self) -> str:
+        """Where no step of the Monitor's optimizer ran: the one it holds over the same
+        weights, which a loop may step itself (SAM's `first_step`/`second_step` step its
+        `base_optimizer`), named as the one to pass; else nothing."""
+        for name, inner in vars(self.optimizer).items():
+            if isinstance(inner, torch.optim.Optimizer) and inner is not self.optimizer and any(
+                    id(p) in self.param_ids for g in inner.param_groups for p in g["params"]):
+                outer = type(self.optimizer).__name__
+                return (f"; {outer}.step() never ran: where the loop steps the optimizer it "
+                        f"holds, .{name} ({type(inner).__name__}), itself, pass that one: "
+                        f"nbwatch.Monitor(model, optimizer.{name}, ...)")
+        return ""
+
     def saw_clip(self, params: list, max_norm: float, total: torch.Tensor) -> None:
         """A clip of this model's gradients just scaled them: noted for the next step (on
         the run's clock of nbwatch's own time, once it is open)."""

@@ -195,10 +195,10 @@ class RunSession:
             )
         if rec is None and self.mode is None:
             raise RuntimeError(
-                "mon.log() before any optimizer step: call it once per optimizer step, "
-                "after optimizer.step() (nbwatch takes the gradient figures during the "
-                "optimizer's own step); with a GradScaler, whose overflow skips "
-                "optimizer.step(), pass it as nbwatch.Monitor(..., scaler=scaler)")
+                "mon.log() before any optimizer step: call it once per optimizer step, after "
+                "optimizer.step() (nbwatch takes the gradient figures during the optimizer's "
+                "own step); with a GradScaler, whose overflow skips optimizer.step(), pass it "
+                "as nbwatch.Monitor(..., scaler=scaler)" + self.watch.inner_hint())
         if rec is None or rec.ended:  # a loop that caught StopTraining and went on (a
             # foreground one's run is closed at the stop): nothing more is recorded
             if self.state == RunState.STOPPED and (rec is not None or self.mode == "loop"):
@@ -216,7 +216,7 @@ class RunSession:
             if rec.step == self.progress_start:
                 raise RuntimeError(
                     "mon.log() before any optimizer step: call it once per optimizer step, "
-                    "after optimizer.step()" + amp)
+                    "after optimizer.step()" + amp + self.watch.inner_hint())
             raise RuntimeError(
                 f"mon.log() twice for one optimizer step (step {rec.step}): call it once per "
                 "optimizer step, after optimizer.step(); with gradient accumulation, after "

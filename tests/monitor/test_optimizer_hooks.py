@@ -162,3 +162,65 @@ def test_a_closure_optimizers_step_is_measured_after_its_closure_made_the_gradie
         [mine[i] for i in kept], rel=1e-5)
     assert df["update_ratio/0"].notna().loc[[1, 2, 6]].all()  # 4 was skipped
     assert df.loc[4, "skipped"] == 1.0 and untouched == [False, False, False, True, False, False]
+
+
+class Sam(torch.optim.Optimizer):
+    """SAM as its common implementation writes it: a wrapper over a base optimizer that
+    shares its param groups, stepped by the loop in two halves."""
+
+    def __init__(self, params, rho: float = 0.05, **kwargs):
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base_optimizer = torch.optim.SGD(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def first_step(self) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                self.state[p]["e"] = e = p.grad * g["rho"]
+                p.add_(e)
+
+    @torch.no_grad()
+    def second_step(self) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                p.sub_(self.state[p]["e"])
+        self.base_optimizer.step()
+
+
+def test_a_wrapper_stepped_in_halves_names_the_optimizer_to_pass(tmp_path):
+    """SAM's `first_step`/`second_step` step its `base_optimizer`, never its own `step()`:
+    `log()` said only "before any optimizer step" to a loop that had stepped. It names the
+    optimizer to pass now; given that one, the norms are those of the second pass."""
+    import nbwatch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    x = torch.randn(8, 4)
+
+    def two_passes(opt: Sam) -> float:
+        model(x).pow(2).mean().backward()
+        opt.first_step()
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+        opt.second_step()
+        opt.zero_grad()
+        return norm
+
+    opt = Sam(model.parameters(), lr=0.1)
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "a", display=False)
+    two_passes(opt)
+    with pytest.raises(RuntimeError, match=r"Sam.step\(\) never ran: .*\.base_optimizer "
+                       r"\(SGD\).*Monitor\(model, optimizer\.base_optimizer"):
+        mon.log(loss=0.0)
+    opt = Sam(model.parameters(), lr=0.1)
+    mine = []
+    with nbwatch.Monitor(model, opt.base_optimizer, run_dir=tmp_path / "b",
+                         display=False) as mon:
+        for _ in range(3):
+            mine.append(two_passes(opt))
+            mon.log(loss=0.0)
+    assert nbwatch.open_run(tmp_path / "b").df["grad_norm/global"].tolist() == \
+        pytest.approx(mine, rel=1e-5)

@@ -153,6 +153,7 @@ class OptimizerWatch:
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if callable(closure) and rec.hook_measures:
             # LBFGS and the like: the gradients are made inside step(), by the closure
+            rec.snapshot_early()
             return _measured_after(closure, args, kwargs, lambda: self._measure(rec))
         self._measure(rec)
         return None

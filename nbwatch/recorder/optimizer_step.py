@@ -174,11 +174,22 @@ def pre_step(rec: Measuring, explicit: bool = True, clips: list | None = None,
     ratios = due(rec.spec.hist_every if every is None else every, step, first) and bool(norms)
     if read is not None and not read["flags"][KEPT]:
         ratios = False
-    before = wprobe.snapshot(rec.layers) if ratios else None
+    early, fl.early, before = fl.early, None, None
+    if ratios:  # a closure's step: the weights it started from, where they still apply
+        before = (early[2] if early is not None and early[0] == step and early[1] is
+                  rec.layers else wprobe.snapshot(rec.layers))
     fl.taking = Taking(step, host, groups, layer_of, list(staged_names), clips, clip_note,
                        present, zeroing, limits, t0, time.perf_counter(),
                        explicit=explicit, hist=hist, before=before, skip=fused_skip,
                        read=read, layers=rec.layers)
+
+
+def snapshot_early(rec: Measuring) -> None:
+    """A step whose gradients its closure makes: the weights it starts from, where its
+    update ratios are due, taken before the closure runs (SAM's moves them first)."""
+    every, step = rec.spec.update_every, rec.step + 1
+    if due(rec.spec.hist_every if every is None else every, step, rec.step == rec.start_step):
+        rec.flight.early = (step, rec.layers, wprobe.snapshot(rec.layers))
 
 
 def due(every: int, step: int, first: bool) -> bool:

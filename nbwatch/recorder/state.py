@@ -106,6 +106,8 @@ class InFlight:
     said_no_grad: bool = False  # a layer without a gradient was said (once a run)
     scale_set: bool = False  # nbwatch gave the optimizer its `grad_scale` (the clip)
     measure_in_hook: bool = False  # this step is measured in the optimizer's pre-hook
+    # (step, layers, weights) a closure's step starts from, before the closure moved them
+    early: tuple[int, Any, list[torch.Tensor]] | None = None  # (SAM)
     # the clipping rules' limits for the next step (AlertEngine.norm_limits), from the
     # steps before the last one: the same in either order of reading (step_end.end_step)
     limits: dict[str, tuple[float, float]] | None = None

@@ -149,6 +149,10 @@ class StepRecorder:
         """The step's gradient figures and decisions: see `optimizer_step.pre_step`."""
         ost.pre_step(self, explicit, clips, clip_note, found_inf)
 
+    def snapshot_early(self) -> None:
+        """Before a closure's step: see `optimizer_step.snapshot_early`."""
+        ost.snapshot_early(self)
+
     def post_step(self) -> None:
         """Optimizer post-hook: update ratios, and the LR factor off for the scheduler."""
         ost.post_step(self)

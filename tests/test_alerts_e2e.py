@@ -21,18 +21,22 @@ def wait_state(mon, state, timeout=60):
     assert mon.state == state, mon.traceback
 
 
-@pytest.mark.parametrize("fused,gpu_order", [(False, False), (True, True), (False, True)])
+@pytest.mark.parametrize("kind,fused,gpu_order", [
+    ("adamw", False, False), ("adamw", True, True), ("adamw", False, True),
+    ("rmsprop", False, True)])
 def test_nan_step_is_skipped_and_the_run_pauses_with_one_critical_alert(
-        tmp_path, monkeypatch, fused, gpu_order):
+        tmp_path, monkeypatch, kind, fused, gpu_order):
     """On a CPU the step is read at once and skipped exactly. In a GPU's order (decided on
     the device, read a step later: the pause holds after step 31) a fused optimizer skips
     the NaN step in its own kernel (nbwatch's `found_inf`): the weights are those from
     before it; any other gets the step's gradients zeroed on the device: the weights stay
-    finite, and the alert says what happened."""
+    finite, and the alert says what happened (and that fused=True skips exactly, where
+    the optimizer has it: RMSprop has not)."""
     monkeypatch.setattr(host_copy, "DEFER_ON_CPU", gpu_order)
     late = 1 if gpu_order else 0
     demo = small_demo(max_steps=100)
-    opt = torch.optim.AdamW(demo.model.parameters(), lr=1e-3, fused=fused)
+    opt = (torch.optim.AdamW(demo.model.parameters(), lr=1e-3, fused=fused) if kind == "adamw"
+           else torch.optim.RMSprop(demo.model.parameters(), lr=1e-4))
     mon = nbwatch.Monitor(demo.model, opt, run_dir=tmp_path / "r")
     calls = {"n": 0}
 
@@ -61,6 +65,8 @@ def test_nan_step_is_skipped_and_the_run_pauses_with_one_critical_alert(
     assert len(critical) == 1 and critical.step.iloc[0] == 30
     assert critical.message.iloc[0].startswith("nonfinite: non-finite loss/train")
     assert ("zeroed" in critical.message.iloc[0]) == (gpu_order and not fused)
+    assert ("fused=True" in critical.message.iloc[0]) == (gpu_order and kind == "adamw"
+                                                          and not fused)
     assert mon.df.loc[30, "skipped"] == 1.0
     ck = ev[(ev.kind == "checkpoint") & (ev.step == 30 + late)].iloc[0]
     saved = torch.load(ck.data["path"], weights_only=True)["model"]

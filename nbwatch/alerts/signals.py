@@ -35,11 +35,11 @@ def _nonfinite(w: Window, p: dict, skips: bool = True) -> str | None:
             return (f"non-finite {' and '.join(bad)} reported after the optimizer step "
                     "(mon.log): the gradients were finite, so the step was applied; check "
                     "how the loop computes the figure")
-        if skips and w.extra.get("skip") == "zeroed":
+        if skips and w.extra.get("skip") == "zeroed":  # fused=True: an optimizer that has it
+            exact = "; fused=True skips such a step exactly" if w.extra.get("fusable") else ""
             return (f"non-finite {' and '.join(bad)} at this step: its gradients were zeroed "
                     "on the device, so the weights stay finite (this optimizer takes no "
-                    "found_inf: its momentum and weight decay still moved them once; "
-                    "fused=True skips such a step exactly)")
+                    f"found_inf: its momentum and weight decay still moved them once{exact})")
         if skips:
             return f"non-finite {' and '.join(bad)} at this step: step skipped, weights untouched"
         return (f"non-finite {' and '.join(bad)} at this step: the step was APPLIED (skip_step "

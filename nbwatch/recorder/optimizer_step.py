@@ -217,6 +217,7 @@ class Reading(Protocol):
     layer_watch: LayerWatch
     framework_clip: float | None
     flight: InFlight
+    opt: torch.optim.Optimizer
 
     def _emit(self, ev: Event, level: int | None = None) -> None: ...
 
@@ -270,7 +271,8 @@ def read_grads(rec: Reading, t: Taking, got: dict[str, list[float]]
     if skipped:
         values["skipped"] = 1.0
     alerts = rec.engine.observe("grads", t.step, values, limits=t.limits,
-                                **({"skip": "zeroed"} if t.zeroing else {}))
+                                **({"skip": "zeroed", "fusable": "fused" in rec.opt.defaults}
+                                   if t.zeroing else {}))
     return values, alerts
 
 

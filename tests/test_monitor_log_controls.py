@@ -539,19 +539,30 @@ def test_a_gan_is_watched_by_one_monitor_per_network(tmp_path):
         assert df["grad_norm/global"].tolist() == pytest.approx(norms[name], rel=1e-5)
 
 
-def _lr_run(run_dir, steps, log_first, interrupt_at=None, resume=False, every=None):
+def _lr_run(run_dir, steps, log_first, interrupt_at=None, resume=False, every=None,
+            overflow_at=None):
     """An own loop over a LambdaLR (LR = 1e-3 · 0.9^k): `log_first` logs before
-    scheduler.step(); `interrupt_at`: Ctrl-C after that step's optimizer.step()."""
+    scheduler.step(); `interrupt_at`: Ctrl-C after that step's optimizer.step();
+    `overflow_at`: under a GradScaler, whose overflow skips that step's optimizer.step()."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.9 ** k)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4) if overflow_at else None
     mon = nbwatch.Monitor(model, opt, sched, run_dir=run_dir, display=False, resume=resume,
-                          checkpoint_every=every)
+                          checkpoint_every=every, scaler=scaler)
     with contextlib.suppress(KeyboardInterrupt), mon:
         for i in range(mon.step + 1, steps + 1):
-            model(torch.randn(8, 4)).square().mean().backward()
-            opt.step()
+            loss = model(torch.randn(8, 4)).square().mean()
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                if i == overflow_at:
+                    model.weight.grad[0, 0] = float("inf")
+                scaler.step(opt)
+                scaler.update()
             opt.zero_grad()
             if i == interrupt_at:
                 raise KeyboardInterrupt
@@ -560,7 +571,7 @@ def _lr_run(run_dir, steps, log_first, interrupt_at=None, resume=False, every=No
             sched.step()
             if not log_first:
                 mon.log(loss=torch.tensor(1.0))
-    return nbwatch.open_run(run_dir).df["lr"]
+    return nbwatch.open_run(run_dir).df
 
 
 @pytest.mark.parametrize("log_first", [False, True], ids=["sched_then_log", "log_then_sched"])
@@ -570,14 +581,14 @@ def test_a_resume_continues_the_schedule_from_a_checkpoint_between_step_and_sche
     a periodic one inside a log() that comes first) is numbered after the step but holds
     the scheduler before it: resumed, every later step ran one schedule step behind, more
     with each such resume. The LRs of the resumed run equal those of one never stopped."""
-    ref = _lr_run(tmp_path / "ref", 12, log_first)
+    ref = _lr_run(tmp_path / "ref", 12, log_first)["lr"]
     run = tmp_path / "r"
     if log_first:  # the periodic checkpoint of step 5, inside log(); the last one set aside
         _lr_run(run, 7, log_first, every=5)
         (run / "checkpoints" / "step_00000007.pt").unlink()
     else:
         _lr_run(run, 12, log_first, interrupt_at=5)
-    got = _lr_run(run, 12, log_first, resume=True)
+    got = _lr_run(run, 12, log_first, resume=True)["lr"]
     assert got.tolist() == pytest.approx(ref.tolist(), rel=1e-12)
 
 
@@ -588,35 +599,10 @@ def test_a_resume_continues_the_schedule_after_a_grad_scalers_skipped_step(tmp_p
     two steps after one, a Ctrl-C checkpoint between optimizer.step() and scheduler.step()
     was not known to hold the scheduler a step behind, and the resumed run's LRs lagged
     one schedule step behind the uninterrupted run's."""
-    def train(run_dir, steps, interrupt_at=None, resume=False):
-        torch.manual_seed(0)
-        model = torch.nn.Linear(4, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.9 ** k)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
-        mon = nbwatch.Monitor(model, opt, sched, run_dir=run_dir, scaler=scaler,
-                              display=False, resume=resume)
-        with contextlib.suppress(KeyboardInterrupt), mon:
-            for i in range(mon.step + 1, steps + 1):
-                scaler.scale(model(torch.randn(8, 4)).square().mean()).backward()
-                if i == 4:  # an overflow: the scaler skips this step's optimizer.step()
-                    model.weight.grad[0, 0] = float("inf")
-                scaler.step(opt)
-                scaler.update()
-                opt.zero_grad()
-                if i == interrupt_at:
-                    raise KeyboardInterrupt
-                if log_first:
-                    mon.log(loss=torch.tensor(1.0))
-                sched.step()
-                if not log_first:
-                    mon.log(loss=torch.tensor(1.0))
-        return nbwatch.open_run(run_dir).df
-
-    ref = train(tmp_path / "ref", 12)
+    ref = _lr_run(tmp_path / "ref", 12, log_first, overflow_at=4)
     assert ref.loc[4, "amp/overflow"] == 1.0
-    train(tmp_path / "r", 12, interrupt_at=6)
-    got = train(tmp_path / "r", 12, resume=True)
+    _lr_run(tmp_path / "r", 12, log_first, interrupt_at=6, overflow_at=4)
+    got = _lr_run(tmp_path / "r", 12, log_first, resume=True, overflow_at=4)
     assert got["lr"].tolist() == pytest.approx(ref["lr"].tolist(), rel=1e-12)
 
 

@@ -125,7 +125,9 @@ def layer_histograms(layers: Layers, bins: int = 64, host: bool | None = None
         return sharded.layer_histograms(layers, bins, functools.partial(binned, host=host))
     groups: list[list[torch.Tensor]] = [[] for _ in layers.names]
     for p, li in zip(layers.params, layers.layer_of):
-        groups[li].append(p.detach().reshape(-1))
+        # a complex weight's values: its real and imaginary parts (`.float()` drops one)
+        w = torch.view_as_real(p.detach()) if p.is_complex() else p.detach()
+        groups[li].append(w.reshape(-1))
     dev = layers.params[0].device
     # on the host, numpy throughout: a torch op's dispatch costs more than its work
     if host:

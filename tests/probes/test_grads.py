@@ -157,7 +157,7 @@ def test_a_float64_or_complex_model_is_measured_and_clipped_not_a_crash(
 
     mine = []
     with nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False, clip=0.05,
-                         update_every=1) as mon:
+                         update_every=1, hist_every=4) as mon:
         for _ in range(4):
             x = torch.randn(3, 4)
             loss_of(ref, x).backward()
@@ -173,5 +173,12 @@ def test_a_float64_or_complex_model_is_measured_and_clipped_not_a_crash(
     assert df["grad_norm/global"].tolist() == pytest.approx(mine, rel=1e-5)
     assert (df["grad_norm/clipped"] <= 0.05 + 1e-6).all() and min(mine) > 0.05
     assert df["update_ratio/0"].notna().all()
+    # a complex weight's histogram holds its real and imaginary parts
+    steps, edges, counts = nbwatch.open_run(tmp_path / "r").histograms("weight/0")
+    w = torch.cat([p.detach().reshape(-1) for p in model[0].parameters()])
+    parts = torch.view_as_real(w).reshape(-1) if w.is_complex() else w
+    assert steps[-1] == 4 and counts[-1].sum() == parts.numel()
+    assert edges[-1][0] == pytest.approx(parts.min().item(), rel=1e-6)
+    assert edges[-1][-1] == pytest.approx(parts.max().item(), rel=1e-6)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)

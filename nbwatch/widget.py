@@ -87,8 +87,10 @@ class Dashboard(anywidget.AnyWidget):
 
     def __repr__(self) -> str:
         # what a saved notebook shows where widgets do not render (GitHub, nbviewer, a diff)
+        page = f"{self._dir.name or 'run'}.html"
         return (f"nbwatch dashboard of {self._dir} (reopen it with `%nbwatch {self._dir}`, "
-                f"or nbwatch.export_html({str(self._dir)!r}) for a page that opens anywhere)")
+                f"or nbwatch.export_html({str(self._dir)!r}, {page!r}) for a page that opens "
+                "anywhere)")
 
     @classmethod
     def for_monitor(cls, monitor: Watched, **kwargs: Any) -> Dashboard:

@@ -243,6 +243,21 @@ def test_magic_ls_passes_every_argument(tmp_path, capsys):
     assert "No closing quotation" in capsys.readouterr().out
 
 
+def test_the_saved_notebooks_text_gives_an_export_call_that_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    store = RunStore(tmp_path / "exp1")
+    store.set_meta("state", "finished")
+    store.close()
+    dash = Dashboard.for_run(tmp_path / "exp1")
+    try:
+        call = repr(dash).split("or ", 1)[1].split(" for a page")[0]
+    finally:
+        dash.close()
+    assert call.startswith("nbwatch.export_html(")
+    out = eval(call, {"nbwatch": nbwatch})  # it used to leave out the path: a TypeError
+    assert out.name == "exp1.html" and out.exists()
+
+
 def test_db_without_tables_yet_is_retried_not_fatal(tmp_path):
     run = tmp_path / "run"
     run.mkdir()

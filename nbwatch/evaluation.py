@@ -229,6 +229,22 @@ def _no_logits(spec: Any, guess: GuessedForward | None, model: nn.Module) -> str
                   f"or pass start(..., probe_fn=lambda model, batch: {body})")
 
 
+def _user_forward(forward: Callable[[nn.Module, Any], Any], model: nn.Module, spec: Any,
+                  step: int) -> Any:
+    """The probe pass through the user's `probe_fn`, else `step_fn`; its error names which
+    one raised, so a `step_fn` bug met first in the dry run's probe is not taken for val_fn's."""
+    try:
+        return forward(model, spec.probe_batch)
+    except Exception as e:
+        who = "probe_fn" if spec.probe_fn is not None else "step_fn"
+        fix = ("fix probe_fn" if who == "probe_fn" else
+               "fix step_fn (it runs here on probe_batch, in eval mode, without gradients), "
+               "or give the probe the model's own forward: start(..., probe_fn=lambda model, "
+               "batch: model(batch[\"input_ids\"]))")
+        raise RuntimeError(f"the attention probe's forward, {who}(model, probe_batch), raised "
+                           f"at the eval of step {step}: {type(e).__name__}: {e}; {fix}") from e
+
+
 def evaluate(model: nn.Module, spec: Any, step: int, train_loss: float | None,
              val: Any = None) -> EvalResult:
     """Run the eval-time callbacks of `spec` (a RunSpec) on `model`, then restore its mode.
@@ -266,7 +282,7 @@ def evaluate(model: nn.Module, spec: Any, step: int, train_loss: float | None,
                     capture_block_rms(target, spec.attention_samples) as rms, \
                     capture_outputs(target) as outputs:
                 if guess is None:
-                    returned = forward(target, spec.probe_batch)
+                    returned = _user_forward(forward, target, spec, step)
                 else:
                     try:
                         returned = forward(target, spec.probe_batch)

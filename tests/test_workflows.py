@@ -133,6 +133,24 @@ def test_a_broken_val_fn_fails_the_run_before_step_1(tmp_path):
     assert mon.step == 0 and mon.state == "failed"
 
 
+def test_a_step_fn_that_fails_in_the_dry_runs_probe_is_named(tmp_path):
+    """The probe's forward is step_fn: its error says so, not only "val_fn, the attention
+    probe or sample_fn" (a Hugging Face model's output indexed as logits, say)."""
+    def step(model, batch):
+        logits = model(batch["input_ids"])
+        if not model.training:
+            raise TypeError("tuple indices must be integers or slices, not tuple")
+        return {"logits": logits[:, :-1], "labels": batch["input_ids"][:, 1:]}
+
+    model, opt = new_tiny()
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
+    mon.start(step, make_batches(), max_steps=10, eval_every=5, display=False)
+    with pytest.raises(RuntimeError, match=r"dry run.*step_fn\(model, probe_batch\), raised.*"
+                       r"TypeError: tuple indices.*probe_fn=lambda model, batch"):
+        mon.wait(timeout=30)
+    assert mon.step == 0 and mon.state == "failed"
+
+
 def test_the_dry_run_leaves_training_exactly_as_without_it(tmp_path):
     """It draws random numbers (val_fn, the probe) and takes step 1's batch early: the RNG
     is restored and the batch handed back, so the weights end the same."""

@@ -60,8 +60,9 @@ class Monitor(ctl.Controls, Readout):
     ...         mon.log(loss=loss, mask=batch["attention_mask"])
     >>> mon.run(train)      # or call train() yourself, inside `with mon:`
 
-    The keyword arguments from `resume` on configure a loop of your own (`start()` takes
-    its own): `resume=True` loads the newest checkpoint of `run_dir` now (`mon.step` says
+    The keyword arguments from `resume` on set the run's options for every loop
+    (`start()` takes its own `resume` and `max_steps`, and overrides the others it is
+    given, for its run): `resume=True` loads the newest checkpoint of `run_dir` now (`mon.step` says
     where the loop stands); `probe_batch` (+ `probe_fn(model, batch)`) gives the attention
     probe its fixed samples, run at each `log(val=...)` and, with `probe_every=N`, every N
     steps without a val (nothing recorded as `loss/val`); `checkpoint_every` steps.

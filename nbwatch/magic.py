@@ -36,6 +36,9 @@ def nbwatch_magic(line: str) -> Any:
                   "mon.start(...), or pass a run folder: %nbwatch runs/exp1")
             return None
         return Dashboard.for_monitor(mon)
+    if args[0] in ("-h", "--help", "help"):
+        print(__doc__)  # the three forms, not "--help holds no nbwatch run"
+        return None
     if args[0] == "ls":
         from .cli import main
 

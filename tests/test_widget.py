@@ -241,6 +241,10 @@ def test_magic_ls_passes_every_argument(tmp_path, capsys):
     assert "--where takes KEY=VALUE" in capsys.readouterr().out
     assert nbwatch_magic('"runs/my run') is None  # an unclosed quote: a line, no traceback
     assert "No closing quotation" in capsys.readouterr().out
+    for ask in ("--help", "-h"):  # it used to look for a run folder named --help
+        assert nbwatch_magic(ask) is None
+        out = capsys.readouterr().out
+        assert "%nbwatch RUN_DIR" in out and "holds no nbwatch run" not in out
 
 
 def test_the_saved_notebooks_text_gives_an_export_call_that_runs(tmp_path, monkeypatch):

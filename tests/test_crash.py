@@ -354,3 +354,111 @@ def test_a_scripts_own_sigterm_handler_is_left_as_it_is(tmp_path):
     assert "the script went on" in out and "SIGTERM" not in err, err
     r = nbwatch.open_run(run)
     assert r.state == "finished" and int(logged.read_text().split()[-1]) == r.step
+
+
+HELD = textwrap.dedent("""
+    import signal, sys, threading, time, torch
+    import nbwatch
+    from nbwatch.demo import TinyGPT
+    from tests.conftest import make_batches, tiny_step
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = nbwatch.Monitor(model, opt, run_dir=sys.argv[1], display=False)
+    for batch in make_batches()[:5]:
+        out = tiny_step(model, batch)
+        loss = nbwatch.masked_cross_entropy(out["logits"], out["labels"], out["mask"])
+        loss.backward(); opt.step(); opt.zero_grad()
+        mon.log(loss=loss)
+    store, main = mon._session.store, threading.main_thread().ident
+
+    def in_put():
+        f = sys._current_frames()[main]
+        while f is not None and f.f_code.co_name != "put":
+            f = f.f_back
+        return f is not None
+
+    def writer():  # holds the store's lock, as its writer thread does now and then
+        with store._cond:
+            while not in_put():
+                time.sleep(0.01)
+            time.sleep(0.2)  # the main thread waits for the lock
+            signal.raise_signal(signal.SIGTERM)  # handled by the main thread once it runs
+
+    threading.Thread(target=writer).start()
+    store.set_meta("waited", True)  # a record's put, as the loop's log() makes
+    print("the script went on", flush=True)
+""")
+
+
+def test_sigterm_as_the_loop_takes_the_stores_lock_ends_the_process_at_once(tmp_path):
+    """A SIGTERM handled just as the loop's thread took the store's lock (it waited for
+    its writer) raised `Terminated` inside `Condition.__enter__`, which left the lock held:
+    the writer waited on it forever, and the run's close at the process's exit 60 s (CI
+    saw `own loop, no with` hang so, 1 run in 3)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", HELD, str(run)], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": root})
+    try:
+        out, err = proc.communicate(timeout=40)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "the script went on" not in out and "terminated by SIGTERM at step 5" in err, err
+    r = nbwatch.open_run(run)
+    assert r.state == "stopped" and r.step == 5
+
+
+FORKED = textwrap.dedent("""
+    import os, signal, sys, torch
+    import nbwatch
+    from nbwatch.demo import TinyGPT
+    from tests.conftest import make_batches, tiny_step
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = torch.utils.data.DataLoader(make_batches(n=4), batch_size=None, num_workers=1)
+    sent = []
+
+    def after_the_fork():  # where Python handles a SIGTERM that lands during a fork
+        if not sent:
+            sent.append(True)
+            signal.raise_signal(signal.SIGTERM)
+
+    mon = nbwatch.Monitor(model, opt, run_dir=sys.argv[1], display=False)
+    for epoch in range(10):
+        for batch in batches:  # a worker forked each epoch
+            out = tiny_step(model, batch)
+            loss = nbwatch.masked_cross_entropy(out["logits"], out["labels"], out["mask"])
+            loss.backward(); opt.step(); opt.zero_grad()
+            mon.log(loss=loss)
+        if epoch == 0:
+            os.register_at_fork(after_in_parent=after_the_fork)
+    print("the script went on", flush=True)
+""")
+
+
+def test_sigterm_during_a_dataloaders_fork_ends_the_loop_at_its_next_step(tmp_path):
+    """A SIGTERM that lands while a DataLoader forks its worker is handled in an at-fork
+    callback, where Python prints `Terminated` and drops it: the loop trained on and the
+    process never exited (CI's `own loop, no with` hang). The next log() raises it again,
+    the step it recorded the run's last."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", FORKED, str(run)], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": root})
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "Exception ignored in" in err, err  # the case: the first Terminated was dropped
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "the script went on" not in out, err
+    r = nbwatch.open_run(run)
+    assert r.state == "stopped" and r.meta["stopped_by"].startswith("terminated by SIGTERM")
+    assert r.step == 5

@@ -230,6 +230,19 @@ def _disarm_sigterm(exit_: ProcessExit) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def raise_if_terminated(session: RunSession) -> None:
+    """At a loop of one's own's step boundary: raise again the `Terminated` of a SIGTERM
+    that did not end the loop. Python prints and drops an exception raised where it cannot
+    propagate: a SIGTERM that lands during a fork (a DataLoader starts its worker every
+    epoch) is handled in an at-fork callback ("Exception ignored in ..."), and the loop
+    trained on, its run never ended."""
+    if session.mode != "loop":  # a training thread's run is stopped by the main thread
+        return
+    for e in _ENDED_BY_SIGTERM:
+        if e._session is session and e.terminated:
+            raise Terminated(e.terminated)
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
     ending = [e for e in _ENDED_BY_SIGTERM if e.ends_on_sigterm()]
     signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM ends the process at once

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..recorder import Rewound, StopTraining
+from .exiting import raise_if_terminated
 from .inputs import check_val, log_figures, mask_samples
 from .session import RunSession
 
@@ -48,6 +49,7 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
         raise StopTraining(f"run {session.setup.name!r} stopped at step {step}, final "
                            "checkpoint written (mon.run() and `with mon:` end the loop "
                            "cleanly)")
+    raise_if_terminated(session)  # its step recorded first
     # what a rewind or a skip asks of the loop: said once, at this log(), never merged into
     # a later one
     rw = rec.rewind_state

@@ -102,7 +102,12 @@ class RunStore(RunReader):
         self._buf: list[Any] = []
         self._pending = 0  # scalars in _buf
         self.max_pending = max_pending
-        self._cond = threading.Condition()
+        # taken as `with self._mutex`, never `with self._cond`: Condition.__enter__ is Python
+        # code, where Ctrl-C's or SIGTERM's exception (interrupts.Terminated) can come
+        # in the main thread just after the acquire, leaving the lock held for good: the
+        # writer then waits on it forever, and the close at the process's exit 60 s
+        self._mutex = threading.RLock()
+        self._cond = threading.Condition(self._mutex)
         self._written = 0  # batches committed, for flush()
         self._queued = 0
         self._stop = threading.Event()
@@ -130,7 +135,7 @@ class RunStore(RunReader):
             n = 1
         else:
             raise TypeError(f"cannot store a {type(record).__name__}")  # here, not in a batch
-        with self._cond:
+        with self._mutex:
             if self._pending >= self.max_pending:
                 self._cond.notify_all()
                 while (self._pending >= self.max_pending and not self._ended.is_set()
@@ -168,7 +173,7 @@ class RunStore(RunReader):
 
     def flush(self, timeout: float = 10.0) -> None:
         """Block until everything queued so far is committed."""
-        with self._cond:
+        with self._mutex:
             self._queued += 1
             target = self._queued
             self._cond.notify_all()
@@ -194,7 +199,7 @@ class RunStore(RunReader):
                 self.flush(timeout=60)
         finally:  # a dead writer too: stop it, and never keep the folder locked
             self._stop.set()
-            with self._cond:
+            with self._mutex:
                 self._cond.notify_all()
             if self._ended.wait(60):
                 self._unlock()
@@ -306,7 +311,7 @@ class RunStore(RunReader):
     def _loop(self) -> None:
         try:
             while True:
-                with self._cond:
+                with self._mutex:
                     self._cond.wait_for(
                         lambda: (self._stop.is_set() or self._queued > self._written
                                  or self._pending >= self.max_pending // 2),
@@ -324,7 +329,7 @@ class RunStore(RunReader):
                     self._compact_now()
                 self._watch()
                 self._read_commands(any(isinstance(r, (Command, Taken)) for r in batch))
-                with self._cond:
+                with self._mutex:
                     self._written = max(self._written, target)
                     self._cond.notify_all()
                 if stopping:
@@ -350,14 +355,14 @@ class RunStore(RunReader):
                 # what happened, and what to do, is the message
             else:
                 log.exception("nbwatch store writer failed; records after this point are lost")
-            with self._cond:
+            with self._mutex:
                 self._cond.notify_all()
         finally:
             self._wcon.close()
             reserve.give_back(self._reserve)
             if self._stop.is_set():  # close() asked: the folder is free, even when a Ctrl-C
                 self._unlock()       # cut close() short while it waited for this thread
-            with self._cond:
+            with self._mutex:
                 self._ended.set()
                 self._cond.notify_all()
 

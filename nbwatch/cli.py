@@ -123,10 +123,13 @@ def _follow(mon: Any, args: argparse.Namespace) -> None:
     would cost the training thread more as the run grows."""
     from .store import RunReader, is_run_dir
 
-    last, event_id, reader = -1, 0, None
+    last, event_id, reader, paused, said_means = -1, 0, None, False, False
     keys = ["loss/train", "lr", "grad_norm/global", "throughput/tokens_per_s"]
     while mon.running:
         time.sleep(args.print_every)
+        if (mon.state == "paused") != paused:
+            paused = not paused
+            say(f"paused at step {mon.step}" if paused else f"resumed at step {mon.step}")
         if reader is None:
             if not is_run_dir(mon.run_dir):
                 continue
@@ -143,10 +146,14 @@ def _follow(mon: Any, args: argparse.Namespace) -> None:
         if "loss/train" not in df:  # only system figures so far
             continue
         val = reader.last_value("loss/val")
+        if not said_means:
+            said_means = True
+            say("(loss, grad and tok/s: means of the last 20 steps; lr: the newest step's)")
         row = df.mean(numeric_only=True)
+        lr = df["lr"].dropna().iloc[-1] if "lr" in df and df["lr"].notna().any() else math.nan
         shown = f"val {val:.3f}" if val is not None else f"val {MISSING:5s}"  # before an eval
         say(f"step {step:5d}/{args.steps}  loss {row['loss/train']:.3f}  "
-            f"{shown}  lr {row.get('lr', math.nan):.2e}  "
+            f"{shown}  lr {lr:.2e}  "
             f"grad {row.get('grad_norm/global', math.nan):.2f}  "
             f"{row.get('throughput/tokens_per_s', math.nan):,.0f} tok/s")
     if reader is not None:

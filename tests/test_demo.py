@@ -46,6 +46,12 @@ def test_cli_demo_and_ls(tmp_path):
     # Progress lines say "val –" until the first eval, never "val nan".
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("step ")]
     assert lines and not any("nan" in ln for ln in lines), out.stdout
+    # the means are said to be means; the LR is the newest step's (a warm-up moves it)
+    assert "means of the last 20 steps" in out.stdout.split(lines[0])[0], out.stdout
+    lrs = nbwatch.open_run(tmp_path / "runs" / "demo").df["lr"]
+    for ln in lines:
+        step, lr = re.search(r"^step\s+(\d+)/.*\blr (\S+)", ln).groups()
+        assert lr == f"{lrs[int(step)]:.2e}", (ln, lrs.tolist())
     ls = subprocess.run([sys.executable, "-m", "nbwatch.cli", "ls", str(tmp_path / "runs")],
                         capture_output=True, text=True, timeout=60)
     assert re.search(r"^demo\s+finished\s+10/10\s", ls.stdout, re.M), ls.stdout

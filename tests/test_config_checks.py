@@ -369,6 +369,7 @@ def test_numbers_from_a_config_numpy_ints_and_floats_are_taken_as_python_ones(tm
     assert mon.state == "finished" and mon.step == 6
     opts = nbwatch.open_run(tmp_path / "r").meta["run"]["options"]
     assert opts["hist_every"] == 2 and type(opts["hist_every"]) is int
+    assert opts["max_steps"] == 6 and type(opts["max_steps"]) is int  # start()'s, not None
     assert type(opts["dist_timeout"]) is float
     ev = mon.events
     assert set(ev[ev.kind == "checkpoint"].step) >= {3, 6}

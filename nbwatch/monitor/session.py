@@ -50,9 +50,9 @@ class RunSession:
                  on_loop_open: Callable[[], None] = lambda: None,
                  on_distributed: Callable[[RunStore | NullStore], None] = lambda store: None
                  ) -> None:
-        """`on_loop_open()`: a loop of one's own opened its run (the Monitor arms its exit
-        and shows the dashboard); `on_distributed(store)`: rank 0 of a torchrun job opened
-        its run (the Monitor records a SIGTERM from the launcher)."""
+        """`on_loop_open()`: a loop of one's own opened its run (the Monitor arms its exit,
+        shows the dashboard); `on_distributed(store)`: rank 0 of a torchrun job opened its
+        run (the Monitor records a SIGTERM from the launcher)."""
         self.setup = setup
         self.options = options  # the run's options: start() overrides them one by one
         self.watch = OptimizerWatch(setup.optimizer, setup.model, self)  # its hooks
@@ -232,7 +232,8 @@ class RunSession:
         ckpt = given.checkpointer
         if dist is not None and isinstance(ckpt, ShardedCheckpointer):
             ckpt.open_run(dist)  # FSDP2: nbwatch's group (its timeout), a folder all share
-        run_meta = {**run_meta, "options": opts.record()}  # the options in force
+        # the options in force (start()'s max_steps comes in its spec)
+        run_meta = {**run_meta, "options": {**opts.record(), "max_steps": spec.max_steps}}
         if start_step is None:
             start_step = self.start_step(resume)
         if self.clip_asked is not NOT_GIVEN:  # from step 1, and over a resumed checkpoint's

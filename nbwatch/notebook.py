@@ -33,6 +33,16 @@ def in_notebook() -> bool:
     return ip is not None and type(ip).__name__ == "ZMQInteractiveShell"
 
 
+def current_cell() -> int | None:
+    """The cell running now (IPython's execution count), None outside IPython."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    ip = get_ipython()
+    return None if ip is None else int(ip.execution_count)
+
+
 def after_each_cell(fn: Callable[[], Any]) -> Callable[[], None] | None:
     """Call `fn()` after each cell the IPython shell runs (on the kernel's main thread);
     returns what unregisters it, or None outside IPython."""

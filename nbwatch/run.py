@@ -12,6 +12,7 @@ import pandas as pd
 from .alerts.postmortem import SPIKE_COLUMNS, spikes_of  # noqa: F401  (their home; re-exported)
 from .alerts.postmortem import from_reader as _spikes
 from .lifecycle import FolderState
+from .notebook import current_cell, in_notebook
 from .records import branches
 from .store import DB_NAME, RunReader
 from .store.liveness import STALE_AFTER, run_state
@@ -91,7 +92,18 @@ class Readout:
 
         dash = Dashboard.for_monitor(self)
         display(dash)
+        self._shown_in = current_cell()
         return dash
+
+    _shown_in: int | None = None  # the notebook cell that last showed the dashboard
+
+    def _ipython_display_(self) -> None:
+        """As a cell's result (`mon`, a cell ending in `mon.start(...)`): the dashboard,
+        unless this very cell showed it already; its one line outside a notebook."""
+        if not in_notebook():
+            print(repr(self))
+        elif self._shown_in is None or self._shown_in != current_cell():
+            self.show()
 
 
 class RunNotStarted(RuntimeError):

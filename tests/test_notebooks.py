@@ -86,5 +86,17 @@ def test_quickstart_runs_top_to_bottom(tmp_path):
     assert params, "quickstart.ipynb lost its `demo = make_demo(...)` cell"
     params[0].source = SMALL
     assert any(".run(train)" in c.source for c in code), "the own-loop cell is gone"
+    nb.cells.append(nbformat.v4.new_code_cell("mon"))  # a Monitor as a cell's result
     nb.cells.append(nbformat.v4.new_code_cell(CHECK))
     run_notebook(nb, tmp_path)
+    # a cell ending in start() or run() shows one dashboard, not the Monitor's repr under
+    # it; `mon` alone shows one
+    shows = [c for c in nb.cells if c.cell_type == "code" and (
+        c.source.strip() == "mon" or c.source.strip().splitlines()[-1].startswith(
+            ("mon.start(", "mon2.run(")))]
+    assert len(shows) == 3
+    for c in shows:
+        views = [o for o in c.outputs if "application/vnd.jupyter.widget-view+json"
+                 in o.get("data", {})]
+        said = [o["data"]["text/plain"] for o in c.outputs if "text/plain" in o.get("data", {})]
+        assert len(views) == 1 and not any("<nbwatch.Monitor" in t for t in said), c.outputs

@@ -24,7 +24,7 @@ from ..alerts.rules import Rule
 from ..checkpoint import Checkpointer
 from ..distributed import NullStore
 from ..lifecycle import RunState
-from ..notebook import in_notebook, remember
+from ..notebook import current_cell, in_notebook, remember
 from ..ownership import refuse_in_training_thread
 from ..recorder import Rewound, StopTraining
 from ..records import Command
@@ -346,10 +346,9 @@ class Monitor(ctl.Controls, Readout):
         if self._setup.rank != 0:
             return self
         remember(self)  # `%nbwatch` shows the newest run
-        if display is None:
-            display = in_notebook()
-        if display:
+        if display if display is not None else in_notebook():
             self.show()
+        self._shown_in = current_cell()  # as this cell's result: no dashboard (again)
         return self
 
     def wait(self, timeout: float | None = None) -> Monitor:

@@ -33,7 +33,8 @@ def nbwatch_magic(line: str) -> Any:
         mon = latest()
         if mon is None:
             print("no nbwatch Monitor has started in this kernel; start one with "
-                  "mon.start(...), or pass a run folder: %nbwatch runs/exp1")
+                  "mon.start(...), mon.run(train) or a loop's mon.log(...), or pass a run "
+                  "folder: %nbwatch runs/exp1")
             return None
         return Dashboard.for_monitor(mon)
     if args[0] in ("-h", "--help", "help"):

@@ -192,32 +192,3 @@ def test_an_encoder_decoders_labels_equal_to_its_inputs_are_a_copy_task(tmp_path
     mon.start(copy_task, batches, max_steps=3)
     mon.wait()
     assert mon.state == "finished" and mon.step == 3
-
-
-def test_logits_and_padded_labels_give_the_tokens_without_a_mask(tmp_path):
-    """`{'logits', 'labels'}` with Hugging Face's padded labels (-100) and no mask: the
-    labelled positions are the tokens, so tokens/s, padding and MFU are recorded (they
-    were missing); a classifier's [batch] labels are no tokens."""
-    model, opt = new_tiny()
-    ids = torch.randint(0, 64, (4, 17))
-    labels = ids[:, 1:].clone()
-    labels[0, 10:], labels[1, 4:] = -100, -100  # 6 + 12 of 64 padded
-
-    def step(model, batch):
-        return {"logits": model(batch["input_ids"])[:, :-1], "labels": batch["labels"]}
-
-    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run", display=False)
-    mon.start(step, [{"input_ids": ids, "labels": labels}] * 3, max_steps=3)
-    mon.wait()
-    df = mon.df
-    assert df["tokens/real"].tolist() == [46.0] * 3
-    assert df["data/padding_ratio"].iloc[-1] == pytest.approx(18 / 64)
-    assert df["throughput/tokens_per_s"].loc[2:].notna().all()
-
-    head = torch.nn.Linear(8, 3)
-    mon = nbwatch.Monitor(head, torch.optim.SGD(head.parameters(), lr=0.1),
-                          run_dir=tmp_path / "classifier", display=False)
-    mon.start(lambda m, b: {"logits": m(b[0]), "labels": b[1]},
-              [(torch.randn(5, 8), torch.randint(0, 3, (5,)))] * 3, max_steps=3)
-    mon.wait()
-    assert mon.state == "finished" and "tokens/real" not in mon.df

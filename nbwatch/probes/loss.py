@@ -96,11 +96,6 @@ def parse_step_output(out: object) -> StepOutput:
         elif "logits" in out and "labels" in out:
             loss = masked_cross_entropy(out["logits"], out["labels"], mask)
             reduction = "masked token mean (nbwatch.masked_cross_entropy)"
-            labels = out["labels"]
-            if mask is None and isinstance(labels, torch.Tensor) and labels.dim() >= 2:
-                # a sequence's labels: its tokens are those not padded (-100), for tokens/s,
-                # padding and MFU (a classifier's [batch] labels are no tokens)
-                mask = labels != IGNORE_INDEX
         else:
             raise KeyError(f"step_fn returned a dict with keys {sorted(out)}; {hint}")
         if mask is not None and "labels" in out and mask.shape != out["labels"].shape:

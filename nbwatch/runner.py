@@ -27,7 +27,7 @@ from .probes.data import batch_figures
 from .probes.late import drop_masks, keep_mask
 from .probes.logits import NAMES as LOGIT_NAMES
 from .probes.logits import is_logits
-from .probes.loss import check_not_copying, parse_step_output
+from .probes.loss import batch_mask, check_not_copying, parse_step_output
 from .probes.paths import unwrapped
 from .recorder import Progress, RunSpec, StepRecorder
 from .records import Event
@@ -218,6 +218,8 @@ class Runner:
                 check_not_copying(batch, raw, unwrapped(model))
                 self._checked = True
             out = parse_step_output(raw)
+            if out.mask is None:  # {'logits', 'labels'}: the batch's attention_mask
+                out.mask = batch_mask(batch, raw)
             # less the output layer's hook (nbwatch's, inside the forward)
             m.fwd_s += time.perf_counter() - tf - (rec.own.closed - own0)
             if isinstance(raw, dict):

@@ -192,3 +192,37 @@ def test_an_encoder_decoders_labels_equal_to_its_inputs_are_a_copy_task(tmp_path
     mon.start(copy_task, batches, max_steps=3)
     mon.wait()
     assert mon.state == "finished" and mon.step == 3
+
+
+
+def test_logits_and_labels_without_a_mask_count_the_batchs_attention_mask(tmp_path):
+    """`{'logits', 'labels'}` and no mask: the tokens are the batch's attention_mask (its
+    [:, 1:] beside labels shifted by one), so tokens/s, padding and MFU are recorded; a
+    masked LM's -100 labels are real tokens without a loss, not padding; a classifier's
+    batch has no tokens."""
+    ids = torch.randint(0, 64, (4, 17))
+    am = torch.ones(4, 17, dtype=torch.long)
+    am[0, 11:], am[1, 5:] = 0, 0  # 6 + 12 of 64 label positions padded
+    mlm = ids[:, 1:].clone()
+    mlm[:, ::4] = -100  # a masked LM's: positions that take no loss
+
+    for i, labels in enumerate((ids[:, 1:], mlm)):
+        model, opt = new_tiny()
+        mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / str(i), display=False)
+        mon.start(lambda m, b: {"logits": m(b["input_ids"])[:, :-1], "labels": b["labels"]},
+                  [{"input_ids": ids, "labels": labels, "attention_mask": am}] * 3,
+                  max_steps=3)
+        mon.wait()
+        df = mon.df
+        assert df["tokens/real"].tolist() == [46.0] * 3
+        assert df["data/padding_ratio"].iloc[-1] == pytest.approx(18 / 64)
+        assert df["throughput/tokens_per_s"].loc[2:].notna().all()
+
+    head = torch.nn.Linear(8, 3)
+    mon = nbwatch.Monitor(head, torch.optim.SGD(head.parameters(), lr=0.1),
+                          run_dir=tmp_path / "classifier", display=False)
+    mon.start(lambda m, b: {"logits": m(b["x"]), "labels": b["y"]},
+              [{"x": torch.randn(5, 8), "y": torch.randint(0, 3, (5,)),
+                "attention_mask": torch.ones(5, 8)}] * 3, max_steps=3)
+    mon.wait()
+    assert mon.state == "finished" and "tokens/real" not in mon.df

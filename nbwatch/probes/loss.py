@@ -52,6 +52,23 @@ class StepOutput:
     reduction: str = "as returned by step_fn"
 
 
+def batch_mask(batch: object, out: object) -> torch.Tensor | None:
+    """The tokens of a `{'logits', 'labels'}` step that returns no mask: the batch's
+    `attention_mask`, its `[:, 1:]` where the labels are shifted by one (None without one).
+    Not the labels' -100s: a masked LM's unmasked tokens, a fine-tuning prompt's, are
+    real tokens that take no loss."""
+    if not (isinstance(out, dict) and "loss" not in out and out.get("mask") is None
+            and isinstance(batch, Mapping)):
+        return None
+    am, labels = batch.get("attention_mask"), out.get("labels")
+    if not (isinstance(am, torch.Tensor) and isinstance(labels, torch.Tensor)
+            and am.dim() == labels.dim() == 2 and am.shape[0] == labels.shape[0]):
+        return None
+    if am.shape[1] == labels.shape[1]:
+        return am
+    return am[:, 1:] if am.shape[1] == labels.shape[1] + 1 else None
+
+
 def check_not_copying(batch: object, out: object, model: object = None) -> None:
     """Refuse `{'logits', 'labels'}` whose labels are the batch's own inputs: nbwatch's loss
     compares logits[:, t] with labels[:, t], so unshifted labels (what a Hugging Face causal

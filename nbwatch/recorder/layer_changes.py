@@ -132,12 +132,15 @@ class LayerWatch:
         so it has no gradient as one whose `.grad` is None. Asked only of a norm of 0."""
         if 0.0 not in per_layer:
             return per_layer
+        # one pass over the parameters, not one per layer at 0 (under torchrun a layer
+        # frozen in place stays measured: this runs at every step)
+        trained = {li for p, li in zip(layers.params, layers.layer_of) if p.requires_grad}
+        frozen = [li for li, v in enumerate(per_layer) if v == 0.0 and li not in trained]
+        if frozen and not self.distributed:  # read late, maybe on the sampler's thread:
+            self._froze = True  # under torchrun, blank only
         out = list(per_layer)
-        for li, v in enumerate(per_layer):
-            if v == 0.0 and not any(p.requires_grad for p, of in
-                                    zip(layers.params, layers.layer_of) if of == li):
-                out[li] = None  # read late, maybe on the sampler's thread: under
-                self._froze = self._froze or not self.distributed  # torchrun, blank only
+        for li in frozen:
+            out[li] = None
         return out
 
     def close(self) -> None:

@@ -158,3 +158,42 @@ def test_a_layer_without_a_gradient_has_no_norm_and_is_no_vanishing_gradient(tmp
     assert said.step.tolist() == [1] and "pooler" in said.message.iloc[0]
     changed = run.events[run.events.message.str.contains("changed before")]
     assert changed.step.tolist() == [21] and "(frozen: b;" in changed.message.iloc[0]
+
+
+class _Walked(tuple):
+    """A layers' parameter tuple that counts the walks over it."""
+
+    walks = 0
+
+    def __iter__(self):
+        type(self).walks += 1
+        return super().__iter__()
+
+
+def test_frozen_zeros_walks_the_parameters_once_however_many_layers_read_0():
+    """Under torchrun a layer frozen in place stays measured, so its zeros are looked at
+    every step: one pass over the parameters, not one per layer at 0 (layers × params
+    of host work a step on a model half frozen)."""
+    from types import SimpleNamespace
+
+    from nbwatch.probes.grads import Layers
+    from nbwatch.recorder.layer_changes import LayerWatch
+
+    n = 40
+    params = _Walked(SimpleNamespace(requires_grad=i % 2 == 1) for i in range(2 * n))
+    of = tuple(i // 2 for i in range(2 * n))  # a frozen and a trained parameter each
+    layers = Layers(tuple(f"l{i}" for i in range(n)), params, of)
+    frozen = Layers(layers.names, _Walked(SimpleNamespace(requires_grad=False)
+                                          for _ in range(2 * n)), of)
+    model = nn.Linear(2, 2).requires_grad_(False)
+    watch = LayerWatch(model, torch.optim.SGD(model.parameters(), lr=0.1), layers,
+                       distributed=True)
+    try:
+        _Walked.walks = 0
+        assert watch.frozen_zeros(layers, [0.0] * n) == [0.0] * n  # trained: a real 0
+        got = watch.frozen_zeros(frozen, [0.0] * (n - 1) + [1.0])
+        assert got == [None] * (n - 1) + [1.0]
+        assert _Walked.walks <= 2
+        assert watch.changed(layers) is None  # torchrun: blanked only, no rank re-layers
+    finally:
+        watch.close()

@@ -28,7 +28,6 @@ from .probes.late import drop_masks, keep_mask
 from .probes.logits import NAMES as LOGIT_NAMES
 from .probes.logits import is_logits
 from .probes.loss import batch_mask, check_not_copying, parse_step_output
-from .probes.paths import unwrapped
 from .recorder import Progress, RunSpec, StepRecorder
 from .records import Event
 
@@ -215,7 +214,7 @@ class Runner:
             tf, own0 = time.perf_counter(), rec.own.closed
             raw = step_fn(model, batch)
             if not self._checked:  # a wrong objective is refused at the first step
-                check_not_copying(batch, raw, unwrapped(model))
+                check_not_copying(batch, raw, model)
                 self._checked = True
             out = parse_step_output(raw)
             if out.mask is None:  # {'logits', 'labels'}: the batch's attention_mask

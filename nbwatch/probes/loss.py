@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .data import is_encoder_decoder
+
 IGNORE_INDEX = -100  # cross_entropy's default ignore_index: a padded label
 
 
@@ -73,12 +75,13 @@ def check_not_copying(batch: object, out: object, model: object = None) -> None:
     """Refuse `{'logits', 'labels'}` whose labels are the batch's own inputs: nbwatch's loss
     compares logits[:, t] with labels[:, t], so unshifted labels (what a Hugging Face causal
     LM takes, shifting inside) would train the model to copy its input. Not for an
-    encoder-decoder (`config.is_encoder_decoder`: T5, BART): its decoder reads the labels
-    shifted right, so labels equal to the source are a copy task, rightly aligned."""
+    encoder-decoder (`is_encoder_decoder`: a T5, a BART, a module that holds one): its
+    decoder reads the labels shifted right, so labels equal to the source are a copy
+    task, rightly aligned."""
     if not (isinstance(out, dict) and "loss" not in out and "logits" in out and "labels" in out
             and isinstance(batch, Mapping)):
         return
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True:
+    if is_encoder_decoder(model):
         return
     labels, inputs = out["labels"], batch.get("input_ids")
     if (isinstance(labels, torch.Tensor) and isinstance(inputs, torch.Tensor)

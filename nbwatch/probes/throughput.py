@@ -189,6 +189,7 @@ class Mfu:
         GPU's by its name (None on a CPU or an unknown GPU: TFLOP/s alone)."""
         from torch import nn
 
+        from .data import is_encoder_decoder
         from .experts import find_experts, unknown_note
         from .paths import unwrapped
 
@@ -203,7 +204,7 @@ class Mfu:
         out = cls(*model_shape(model, experts), peak, n_trained=round(trained))
         out.unknown_experts = experts.unknown
         out.notes = [unknown_note(experts.unknown)] if experts.unknown else []
-        if getattr(getattr(unwrapped(model), "config", None), "is_encoder_decoder", 0) is True:
+        if is_encoder_decoder(model):
             out.notes.append(ENCODER_DECODER)
         return out
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from nbwatch import masked_cross_entropy
-from nbwatch.probes.loss import parse_step_output
+from nbwatch.probes.loss import check_not_copying, parse_step_output
 
 
 def test_masked_cross_entropy_is_mean_over_real_tokens_only():
@@ -69,3 +69,26 @@ def test_masked_cross_entropy_ignores_hf_padded_labels():
     hand = torch.nn.functional.cross_entropy(logits[keep], labels[keep])
     assert masked_cross_entropy(logits, labels, mask).item() == pytest.approx(hand.item(),
                                                                               rel=1e-6)
+
+
+def test_a_module_holding_an_encoder_decoder_is_one():
+    """A user's module around a T5 (a task head, a wrapper of its own): its labels equal
+    to the source are a copy task (not refused), and its TFLOP/s are said to be estimates,
+    as the T5's own are; `is_encoder_decoder` looks inside, the checks looked at the top
+    module's config alone."""
+    from types import SimpleNamespace
+
+    from nbwatch.probes.throughput import ENCODER_DECODER, Mfu
+
+    class Seq2Seq(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.t5 = torch.nn.Linear(8, 8)
+            self.t5.config = SimpleNamespace(is_encoder_decoder=True)  # type: ignore[assignment]
+
+    ids = torch.randint(0, 8, (2, 5))
+    out = {"logits": torch.randn(2, 5, 8), "labels": ids}
+    check_not_copying({"input_ids": ids}, out, Seq2Seq())
+    with pytest.raises(ValueError, match="copy its input"):
+        check_not_copying({"input_ids": ids}, out, torch.nn.Linear(8, 8))
+    assert ENCODER_DECODER in Mfu.of(Seq2Seq(), peak=None).notes

@@ -14,7 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ("test_own_time.py", "test_step_records.py", "test_rewind.py", "test_monitor_log.py",
-         "test_monitor_log_controls.py", "test_checkpoint.py", "test_controls.py")
+         "test_monitor_log_controls.py", "test_checkpoint.py", "test_controls.py",
+         "recorder/test_layer_changes.py")
 
 
 def test_the_order_sensitive_files_pass_in_a_gpus_order():

@@ -108,3 +108,10 @@ def test_the_rooms_stand_in_layers_at_most_ten_deep():
     longest = max((chain(r) for r in sorted(graph)), key=len)
     assert len(longest) <= 10, " -> ".join(longest)
     assert "nbwatch.records" in longest  # the scan follows the chain to the ground floor
+
+
+def test_every_module_fits_450_lines():
+    """A file one screen can explain (STYLE.md): no module of the package past 450 lines."""
+    long = {str(p.relative_to(PKG.parent)): n for p in PKG.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, long

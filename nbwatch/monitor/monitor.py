@@ -60,20 +60,19 @@ class Monitor(ctl.Controls, Readout):
     ...         mon.log(loss=loss, mask=batch["attention_mask"])
     >>> mon.run(train)      # or call train() yourself, inside `with mon:`
 
-    The keyword arguments from `resume` on set the run's options for every loop
-    (`start()` takes its own `resume` and `max_steps`, and overrides the others it is
-    given, for its run): `resume=True` loads the newest checkpoint of `run_dir` now (`mon.step` says
-    where the loop stands); `probe_batch` (+ `probe_fn(model, batch)`) gives the attention
-    probe its fixed samples, run at each `log(val=...)` and, with `probe_every=N`, every N
-    steps without a val (nothing recorded as `loss/val`); `checkpoint_every` steps.
-    `peak_flops`: the device's peak FLOP/s for MFU, where `probes.throughput.PEAK_FLOPS`
-    lacks its name. `config`: a dict, an argparse Namespace, a dataclass or an OmegaConf one.
+    The keyword arguments from `resume` on set the run's options for every loop (`start()`
+    takes its own `resume` and `max_steps`, and overrides those it is given): `resume=True`
+    loads the newest checkpoint of `run_dir` now (`mon.step` says where the loop stands);
+    `probe_batch` (+ `probe_fn(model, batch)`) gives the attention probe its fixed samples,
+    run at each `log(val=...)` and, with `probe_every=N`, every N steps without a val
+    (nothing recorded as `loss/val`); `checkpoint_every` steps. `peak_flops`: the device's
+    peak FLOP/s for MFU, where `probes.throughput.PEAK_FLOPS` lacks its name. `config`: a
+    dict, an argparse Namespace, a dataclass or an OmegaConf one.
     `update_every`: the update ratios ‖ΔW‖/‖W‖ per layer every N steps (default: with the
     histograms, every `hist_every`); `update_every=1` takes them every step, at the cost of
     a copy of the weights before each update.
     `baseline="runs/exp0"` (or a list of run folders): earlier runs whose train/val loss
-    and LR the dashboard and the export draw faded under this run's, their config
-    difference on hover.
+    and LR the dashboard and the export draw faded under this run's, config diff on hover.
     """
 
     def __init__(

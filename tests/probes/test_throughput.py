@@ -160,10 +160,12 @@ def test_an_encoder_decoders_figures_are_said_to_be_estimates(tmp_path):
     opt = torch.optim.AdamW(t5.parameters(), lr=1e-3)
 
     def step(model, batch):
-        return {"logits": model(input_ids=batch, labels=batch).logits, "labels": batch}
+        ids = batch["input_ids"]
+        return {"logits": model(input_ids=ids, labels=ids).logits, "labels": ids}
 
     mon = nbwatch.Monitor(t5, opt, run_dir=tmp_path / "t5", display=False)
-    mon.start(step, [torch.randint(2, 32, (2, 6))] * 2, max_steps=2)
+    batch = {"input_ids": torch.randint(2, 32, (2, 6)), "attention_mask": torch.ones(2, 6)}
+    mon.start(step, [batch] * 2, max_steps=2)
     mon.wait()
     said = mon.events[mon.events.message == ENCODER_DECODER]
     assert len(said) == 1 and "tokens/real" in mon.df

@@ -159,6 +159,7 @@ class Checkpointer:
     and keeps the one with the best val loss as `best.pt` (a hard link, or a copy)."""
 
     every_rank = False  # rank 0 alone saves (sharded_checkpoint.py's: every rank)
+    group: Any = None  # the ranks' group its shards are read over (sharded_checkpoint.py's)
 
     def __init__(self, directory: str | Path, keep_last: int = 3):
         if keep_last < 1:

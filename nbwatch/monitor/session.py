@@ -434,7 +434,7 @@ class RunSession:
         given = self.setup
         return restore_into(ckpt, given.model, given.optimizer, given.scheduler, given.scaler,
                             given.control, given.checkpointer.dir,
-                            group=getattr(given.checkpointer, "group", None))
+                            group=given.checkpointer.group)
 
     def record_system(self, figures: dict[str, float]) -> None:
         """The sampler's reading (its thread); and the steps a quiet loop left waiting for

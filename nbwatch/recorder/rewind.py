@@ -123,7 +123,7 @@ def do_rewind(rec: Rewinding, cmd: Command) -> Outcome:
     c = rec.control
     clip, factor = c.clip, c.lr_factor  # the steering in force holds over the rewind
     restore_into(ckpt, rec.model, rec.opt, rec.sched, rec.scaler, c, rec.ckpt.dir,
-                 pending=int(rec.lr.behind()), group=getattr(rec.ckpt, "group", None))
+                 pending=int(rec.lr.behind()), group=rec.ckpt.group)
     kept = keep_steering(rec, clip, factor)
     # no eval follows the checkpoint gone back to yet; nor does it say where the data now
     # stands, nor the steering kept: a stop right here writes the checkpoint again

@@ -102,6 +102,22 @@ def test_recorded_figures_equal_the_trainers_own_log(tmp_path):
         capture_output=True, text=True, cwd=ROOT).stdout  # import nbwatch stays light
 
 
+def test_an_eval_dataset_dict_records_each_sets_metrics_not_their_timings(tmp_path):
+    """`eval_dataset={"a": ..., "b": ...}`: the Trainer evaluates each set under its own
+    prefix (`eval_a_loss`, `eval_a_runtime`, …). Each set's metrics are recorded, its
+    timings are not (they were: `val/a_runtime`, `val/a_samples_per_second`, …)."""
+    trainer = make_trainer(tmp_path / "out", max_steps=4, eval_steps=2)
+    trainer.eval_dataset = {"a": padded(4, 1), "b": padded(4, 2)}
+    run = nbwatch.hf.start(trainer, run_dir=tmp_path / "run", display=False)
+    run.wait()
+    assert run.state == "finished", run.error
+    val = sorted(c for c in run.df if c.startswith("val/"))
+    assert val == ["val/a_loss", "val/b_loss"], val
+    for key in ("eval_a_loss", "eval_b_loss"):
+        for step, v in trainer_log(trainer, key).items():
+            assert run.df.loc[step, "val/" + key[5:]] == pytest.approx(v, rel=1e-6)
+
+
 def test_the_trainers_reduce_lr_on_plateau_is_the_runs_scheduler(tmp_path):
     """`lr_scheduler_type="reduce_lr_on_plateau"`: the Trainer steps it at its evals, with
     the eval loss. Its cuts are the run's own (each used to fire lr_change, "not by the

@@ -370,11 +370,13 @@ def _drop_repeats(trainer: Trainer | None, cb: NbwatchCallback) -> None:
 
 def eval_figures(metrics: Mapping[str, Any]) -> dict[str, float]:
     """The Trainer's eval metrics as nbwatch's: `eval_loss` → `loss`, `eval_x` → `x`
-    (recorded as `loss/val` and `val/x`); timings and the epoch left out."""
+    (recorded as `loss/val` and `val/x`); timings and the epoch left out, those of each
+    set of an `eval_dataset` dict too (`eval_<set>_runtime`)."""
     out: dict[str, float] = {}
     for k, v in metrics.items():
         name = k.removeprefix("eval_")
-        if name in _NOT_METRICS or isinstance(v, bool):
+        if isinstance(v, bool) or any(name == n or name.endswith(f"_{n}")
+                                      for n in _NOT_METRICS):
             continue
         try:
             x = float(v)

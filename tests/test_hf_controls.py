@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -120,6 +121,35 @@ def test_trainers_logged_learning_rate_after_cut_lr_is_the_lr_used(tmp_path):
     assert df.loc[cut + 1, "lr"] == pytest.approx(0.5 * df.loc[cut, "lr"], rel=1e-3)
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(
         trainer.lr_scheduler.get_last_lr()[0])
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_after_clip_the_trainers_grad_norm_is_still_the_norm_before_clipping(tmp_path, fp16):
+    """nbwatch's Clip acts before the Trainer's own clip, which then measured the clipped
+    gradients: the Trainer logged `grad_norm` = the Clip's limit at every step after it
+    (and so did TensorBoard or W&B beside it). It logs the norm before any clip, nbwatch's
+    `grad_norm/global`, as it does before the Clip."""
+    from tests.test_hf import fp16_on_cpu
+
+    trainer = make_trainer(tmp_path / "out", max_steps=10_000, delay=0.02,
+                           eval_steps=10_000, max_grad_norm=1.0)
+    if fp16:
+        fp16_on_cpu(trainer)
+    run = nbwatch.hf.start(trainer, run_dir=tmp_path / "run", display=False)
+    until(lambda: run.step >= 3, what="step 3")
+    run.set_clip(0.01)
+    until(lambda: (run.df.get("grad_norm/clipped", pd.Series([], dtype=float)) < 0.02).sum() >= 3,
+          what="clipped steps")
+    run.stop()
+    run.wait()
+    df = run.df
+    clipped = df.index[df["grad_norm/clipped"] < 0.02]
+    theirs = {h["step"]: h["grad_norm"] for h in trainer.state.log_history
+              if "grad_norm" in h}
+    assert set(clipped) <= set(theirs)
+    for s in clipped:
+        assert df.loc[s, "grad_norm/global"] > 0.1  # the Clip cut these steps
+        assert theirs[s] == pytest.approx(df.loc[s, "grad_norm/global"], rel=1e-5), s
 
 
 # -- throughput of a model without an attention mask ------------------------------------

@@ -269,10 +269,10 @@ class NbwatchCallback(Adapter, TrainerCallback):
                 self._samples.append(n)
             return loss
 
-        def before_clip(found_inf: torch.Tensor | None = None) -> None:
-            rec = self._rec()
-            if rec is not None:
-                rec.measure(found_inf)  # pre-clip norms, and the skip / clip rules of nbwatch
+        def before_clip(found_inf: torch.Tensor | None = None) -> torch.Tensor | float | None:
+            rec = self._rec()  # pre-clip norms, and the skip / clip rules of nbwatch: the
+            # Trainer logs the norm before nbwatch's clip, not after it
+            return rec.measure(found_inf) if rec is not None else None
 
         trainer.training_step = training_step  # type: ignore[method-assign]  # this instance's
         wrap_clip_grad_norm(trainer, before_clip)

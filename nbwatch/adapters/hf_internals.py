@@ -36,18 +36,21 @@ def calling_trainer() -> Trainer | None:
     return None
 
 
-def wrap_clip_grad_norm(trainer: Trainer, before: Callable[..., None]) -> None:
+def wrap_clip_grad_norm(trainer: Trainer, before: Callable[..., Any]) -> None:
     """Call `before()` each time `trainer` is about to clip its gradients: after the
     optimizer step's backward, before the clipping and the step itself (the Trainer has no
-    callback there). Takes `Trainer._clip_grad_norm(model)`, replaced on this instance
-    only (deleting the instance attribute restores it)."""
+    callback there). What `before()` returns, where not None, is the norm the Trainer logs
+    as `grad_norm` (the norm before nbwatch's own clip, which the Trainer's would measure
+    after it). Takes `Trainer._clip_grad_norm(model)`, replaced on this instance only
+    (deleting the instance attribute restores it)."""
     clip = trainer._clip_grad_norm
 
     def clip_grad_norm(model: Any) -> Any:
         acc: Any = getattr(trainer, "accelerator", None)
         if getattr(acc, "scaler", None) is None:
-            before()
-            return clip(model)
+            norm = before()
+            theirs = clip(model)
+            return theirs if norm is None else norm
         # fp16: the gradients are still scaled here (the clip unscales them first): unscale
         # them now, so that nbwatch measures (and clips) the true ones, and let the clip's
         # own unscale pass (a second GradScaler.unscale_ raises)
@@ -56,8 +59,9 @@ def wrap_clip_grad_norm(trainer: Trainer, before: Callable[..., None]) -> None:
         unscale()
         acc.unscale_gradients = lambda *a, **k: None
         try:
-            before(found_inf(acc.scaler, trainer.optimizer))
-            return clip(model)
+            norm = before(found_inf(acc.scaler, trainer.optimizer))
+            theirs = clip(model)
+            return theirs if norm is None else norm
         finally:
             if own:
                 acc.unscale_gradients = unscale

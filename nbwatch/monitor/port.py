@@ -21,6 +21,7 @@ import torch
 
 from ..probes.logits import FIX
 from ..recorder import RunSpec
+from ..recorder.clip_skip import TOTAL
 
 if TYPE_CHECKING:
     from ..recorder import StepRecorder
@@ -49,12 +50,21 @@ class ExternalLoop:
         """The step being taken uses `batch` (once per micro-batch)."""
         self._rec.note_batch(batch, epoch, index)
 
-    def measure(self, found_inf: torch.Tensor | None = None) -> None:
+    def measure(self, found_inf: torch.Tensor | None = None) -> torch.Tensor | float | None:
         """The gradients are complete and not clipped yet: measure them, and let nbwatch's
         skip and clip rules act on them (the optimizer's own hook would see them later).
         `found_inf`: a GradScaler's verdict on them, once unscaled (> 0: an overflow, which
-        the scaler skips: recorded as `amp/overflow`, no rule fires)."""
-        self._rec.pre_step(found_inf=found_inf)
+        the scaler skips: recorded as `amp/overflow`, no rule fires). Returns their global
+        norm before any clip, nbwatch's or the framework's (a 0-dim tensor on their device,
+        nothing read; a float on a CPU), for a framework that logs it; None where nothing
+        was measured."""
+        rec = self._rec
+        rec.pre_step(found_inf=found_inf)
+        t = rec.flight.taking
+        if t is None or not t.explicit or t.step != rec.step + 1:
+            return None
+        flags = t.read["flags"] if t.read is not None else t.groups.get("flags")
+        return flags[TOTAL] if flags else None
 
     def measure_in_optimizer_hook(self) -> None:
         """This step's gradients are measured by the optimizer's own pre-hook instead (a

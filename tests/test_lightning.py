@@ -97,6 +97,46 @@ def test_recorded_figures_equal_what_the_fit_computed(tmp_path):
     assert sorted(maps) == ["net.blocks.0.attn", "net.blocks.1.attn"]
 
 
+class ManualClip(TinyModule):
+    """Manual optimization that clips its gradients itself before its step."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.before_clip: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        grads = [p.grad.norm() for p in self.parameters() if p.grad is not None]
+        self.before_clip.append(torch.linalg.vector_norm(torch.stack(grads)).item())
+        self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        opt.step()
+        self.lr_schedulers().step()
+        return loss
+
+
+def test_manual_optimizations_own_clip_is_divided_out_of_the_norms(tmp_path):
+    """`self.clip_gradients(...)` before `opt.step()` in a manual optimization: the norms
+    recorded are those before it, as in a loop of one's own (they were the clipped ones:
+    `grad_norm/global` read the clip's limit at every step)."""
+    torch.manual_seed(0)
+    module = ManualClip()
+    trainer = make_trainer(tmp_path / "pl", max_steps=6, val_check_interval=None,
+                           check_val_every_n_epoch=None, limit_val_batches=0)
+    run = nbwatch.lightning.start(trainer, module, train_dataloaders=loader(16),
+                                  run_dir=tmp_path / "run", display=False)
+    run.wait()
+    assert run.state == "finished" and run.step == 6, run.error
+    df = run.df
+    assert min(module.before_clip) > 0.1  # the clip cut every step
+    assert df["grad_norm/global"].tolist() == pytest.approx(module.before_clip, rel=1e-5)
+    assert df["grad_norm/clipped"].tolist() == pytest.approx([0.05] * 6, rel=1e-4)
+    assert module.norms == pytest.approx([0.05] * 6, rel=1e-4)  # what the step used
+
+
 def test_pause_cut_lr_checkpoint_stop_through_lightning(tmp_path):
     torch.manual_seed(0)
     module = TinyModule(delay=0.02, warmup=1)

@@ -390,7 +390,7 @@ class Monitor(ctl.Controls, Readout):
             self._session.commands = commands
         rec = self._session.open_loop(start_step, framework)
         rec.save_fn, rec.framework_clip, rec.hook_measures = save, clip, measure_in_hook
-        return ExternalLoop(rec, self._end_loop)
+        return ExternalLoop(rec, self._end_loop, self._session)
 
     @property
     def closed(self) -> bool:

@@ -25,6 +25,7 @@ from ..recorder.clip_skip import TOTAL
 
 if TYPE_CHECKING:
     from ..recorder import StepRecorder
+    from .session import RunSession
 
 
 class ExternalLoop:
@@ -32,8 +33,9 @@ class ExternalLoop:
     `Monitor.open_external`; every method is a moment of the framework's step."""
 
     def __init__(self, recorder: StepRecorder,
-                 end: Callable[[BaseException | None], None]):
+                 end: Callable[[BaseException | None], None], session: RunSession | None = None):
         self._rec, self._end = recorder, end  # end: the Monitor's, which closes the run
+        self._session = session  # its optimizer's watch on the fit's own clips
         # the training batch's logits from a forward hook on the output layer: frameworks
         # hand their callbacks none; the first training forward of each step counts
         tl = recorder.train_logits
@@ -57,9 +59,12 @@ class ExternalLoop:
         the scaler skips: recorded as `amp/overflow`, no rule fires). Returns their global
         norm before any clip, nbwatch's or the framework's (a 0-dim tensor on their device,
         nothing read; a float on a CPU), for a framework that logs it; None where nothing
-        was measured."""
-        rec = self._rec
-        rec.pre_step(found_inf=found_inf)
+        was measured. A clip of the fit's own before it (Lightning's manual optimization:
+        `self.clip_gradients(...)` before `opt.step()`) is divided out, as in a loop of
+        one's own."""
+        rec, s = self._rec, self._session
+        clips, note = s.watch.clips.take(s.step) if s is not None else ([], None)
+        rec.pre_step(found_inf=found_inf, clips=clips, clip_note=note)
         t = rec.flight.taking
         if t is None or not t.explicit or t.step != rec.step + 1:
             return None

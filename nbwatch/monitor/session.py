@@ -125,10 +125,9 @@ class RunSession:
         return rec
 
     def clips_are_the_loops(self) -> bool:
-        """A clip of this model's gradients is the loop's own: not nbwatch's runner (which
-        clips itself), no framework adapter but Lightning's (a manual optimization clips
-        before its step; the adapter measures before Lightning's own clip, a step late to be
-        taken), and a run that is open, or opens at the loop's first optimizer step."""
+        """A clip of this model's gradients is the loop's own: not the runner's (it clips
+        itself), no framework's but Lightning's (a manual optimization clips before its
+        step), and a run open, or opening at the loop's first optimizer step."""
         if self.framework not in (None, "lightning") or self.mode == "start":
             return False
         if self.mode is None:

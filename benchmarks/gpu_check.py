@@ -7,8 +7,10 @@ the run, between two `torch.cuda.synchronize()` (the same in every variant), aft
 Monitor has opened and before it closes. Also, per loop, in a separate run:
 
   - device→host syncs per steady step (`torch.cuda.set_sync_debug_mode("warn")`, any
-    thread; the target is 0 outside eval steps, which the window avoids; histograms are
-    off here, and their steps read nothing either: tests/recorder/test_host_copy.py);
+    thread), nbwatch's apart from the loop's own (the Trainer checks each step's loss
+    for NaN on the host and copies its batch in: a bare Trainer's syncs too); the target
+    is 0 for nbwatch's outside eval steps, which the window avoids; histograms are off
+    here, and their steps read nothing either: tests/recorder/test_host_copy.py);
   - `time/nbwatch` (nbwatch's own host work) and `time/device_wait` against `time/step`.
 
 Workloads (all bf16 autocast, fused AdamW unless said):
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import os
 import statistics
 import sys
 import tempfile
@@ -57,6 +60,9 @@ import nbwatch
 from nbwatch.demo import TinyGPT
 
 WARM = 8  # steps before the timed window (the Monitor opens at the first)
+SCRIPT = os.path.abspath(__file__)
+NBWATCH = os.path.dirname(os.path.abspath(nbwatch.__file__)) + os.sep
+_WHOSE: dict[str, str] = {}  # a code file's: "nbwatch", "script" or "" (SyncCounter)
 
 
 @dataclass
@@ -75,7 +81,8 @@ class Work:
     rounds: int = 5
     model: Any = None  # built once, copied for each variant
     times: dict[str, list[float]] = field(default_factory=dict)
-    syncs: dict[str, float] = field(default_factory=dict)
+    syncs: dict[str, float] = field(default_factory=dict)  # nbwatch's, per steady step
+    loop_syncs: dict[str, float] = field(default_factory=dict)  # the loop's own
     own: dict[str, tuple[float, float, float]] = field(default_factory=dict)
 
 
@@ -287,34 +294,61 @@ def run_variant(w: Work, variant: str, device: str, steps: int, root: Path,
 
 # -- what it prints -----------------------------------------------------------------------
 class SyncCounter:
-    """Counts CUDA sync warnings (any thread) while `on`."""
+    """Counts CUDA sync warnings (any thread) while `on`: `count`, those made under
+    nbwatch's code; `loop`, the loop's own (the Trainer's, the model's), whichever of
+    nbwatch's code and this script's is innermost where the sync was made (a step_fn that
+    `start()` calls is the loop's). `cuda=False`: the warnings alone (the CPU's test)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cuda: bool = True) -> None:
         self.count = 0
+        self.loop = 0
         self.on = False
+        self.cuda = cuda
         self._lock = threading.Lock()
-        self._show: Any = None
+        self._filters: Any = None
+
+    @staticmethod
+    def nbwatchs(frame: Any) -> bool:
+        """Whether the innermost of nbwatch's frames and this script's, from `frame` out,
+        is nbwatch's."""
+        while frame is not None:
+            whose = _WHOSE.get(frame.f_code.co_filename)
+            if whose is None:
+                path = os.path.abspath(frame.f_code.co_filename)
+                whose = _WHOSE[frame.f_code.co_filename] = (
+                    "script" if path == SCRIPT else
+                    "nbwatch" if path.startswith(NBWATCH) else "")
+            if whose:
+                return whose == "nbwatch"
+            frame = frame.f_back
+        return False
 
     def __enter__(self) -> SyncCounter:
-        self._show = warnings.showwarning
+        self._filters = warnings.catch_warnings()  # put back as they were at the exit
+        self._filters.__enter__()
+        shown = warnings.showwarning
 
         def show(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
-            if "synchroniz" in str(message):
-                if self.on:
-                    with self._lock:
+            if "synchroniz" not in str(message):
+                shown(message, category, *args, **kwargs)
+            elif self.on:
+                ours = self.nbwatchs(sys._getframe(1))
+                with self._lock:
+                    if ours:
                         self.count += 1
-            else:
-                self._show(message, category, *args, **kwargs)
+                    else:
+                        self.loop += 1
 
         warnings.showwarning = show
         warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode("warn")
         return self
 
     def __exit__(self, *exc: object) -> None:
-        torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = self._show
-        warnings.resetwarnings()
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode("default")
+        self._filters.__exit__(*exc)
 
 
 def own_time(run: Any, steps: int) -> tuple[float, float, float]:
@@ -340,6 +374,7 @@ def measure(w: Work, device: str, steps: int, root: Path, log: Callable[[str], N
             run = run_variant(w, loop, device, steps, root / f"{w.name}-{loop}-syncs",
                               counter=counter)
         w.syncs[loop] = counter.count / steps if device == "cuda" else float("nan")
+        w.loop_syncs[loop] = counter.loop / steps if device == "cuda" else float("nan")
         w.own[loop] = own_time(run, steps)
     for r in range(w.rounds):
         order = variants if r % 2 == 0 else tuple(reversed(variants))
@@ -361,7 +396,8 @@ def measure(w: Work, device: str, steps: int, root: Path, log: Callable[[str], N
 
 def table(works: list[Work]) -> str:
     rows = ["| workload | bare ms/step | watched | ms/step | ratio (median; min–max of rounds) "
-            "| syncs/step | time/nbwatch · device_wait · time/step (ms, medians) |",
+            "| syncs/step: nbwatch's · the loop's "
+            "| time/nbwatch · device_wait · time/step (ms, medians) |",
             "|---|---|---|---|---|---|---|"]
     for w in works:
         if not w.times:
@@ -375,7 +411,8 @@ def table(works: list[Work]) -> str:
             rows.append(
                 f"| {w.name} | {bare * 1e3:.2f} | {v} | {statistics.median(ts) * 1e3:.2f} | "
                 f"{statistics.median(ts) / bare:.3f}x ({min(ratios):.3f}–{max(ratios):.3f}) | "
-                f"{w.syncs.get(v, float('nan')):.2f} | {nb:.2f} · {wait:.2f} · {step:.2f} |")
+                f"{w.syncs.get(v, float('nan')):.2f} · {w.loop_syncs.get(v, float('nan')):.2f} | "
+                f"{nb:.2f} · {wait:.2f} · {step:.2f} |")
     return "\n".join(rows)
 
 
@@ -425,7 +462,7 @@ def main() -> int:
     print(table(works))
     bad = [f"{w.name}/{v}" for w in works for v, s in w.syncs.items() if s > 0.0]
     if bad:
-        print(f"device→host syncs in a steady step: {', '.join(bad)} (target 0)")
+        print(f"nbwatch's device→host syncs in a steady step: {', '.join(bad)} (target 0)")
     return 1 if bad else 0
 
 

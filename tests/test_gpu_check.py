@@ -4,10 +4,18 @@ a step later), so that the script works the first time it meets a GPU."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+import threading
+import warnings
 from pathlib import Path
+from typing import Any
+
+import pytest
+
+import nbwatch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,3 +43,42 @@ def test_gpu_check_runs_every_loop_on_small_shapes_in_the_gpus_order(tmp_path):
         for v in ("bare", "log"):
             assert (tmp_path / f"{name}-{v}.json").stat().st_size > 0
             assert "Optimizer.step" in (tmp_path / f"{name}-{v}.txt").read_text()
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("gpu_check", module)  # its dataclasses look their module up
+    spec.loader.exec_module(sys.modules["gpu_check"])
+    return sys.modules["gpu_check"]
+
+
+def test_the_sync_count_blames_nbwatch_only_for_syncs_under_its_code():
+    """A sync the loop makes itself (the Trainer checks each step's loss for NaN on the
+    host) is the loop's, not nbwatch's, also where nbwatch's runner calls the loop's
+    step_fn; one made under nbwatch's code is nbwatch's; other warnings are shown."""
+    gc = _script()
+
+    def defined_in(path: Path) -> Any:
+        ns: dict[str, Any] = {}
+        exec(compile("def call(f):\n    return f()\n", str(path), "exec"), ns)
+        return ns["call"]
+
+    in_nbwatch = defined_in(Path(nbwatch.__file__).parent / "recorder" / "_fake.py")
+    in_script = defined_in(Path(gc.__file__))
+
+    def sync() -> None:
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+
+    with pytest.warns(UserWarning, match="other"), gc.SyncCounter(cuda=False) as counter:
+        counter.on = True
+        sync()  # the loop's own
+        in_nbwatch(sync)  # under nbwatch's code
+        in_nbwatch(lambda: in_script(sync))  # start() calling the script's step_fn
+        other = threading.Thread(target=in_nbwatch, args=(sync,))  # any thread
+        other.start()
+        other.join()
+        warnings.warn("other", UserWarning, stacklevel=1)
+        counter.on = False
+        sync()  # outside the window
+    assert (counter.count, counter.loop) == (2, 2)

@@ -15,6 +15,8 @@ set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
+# no network there: every model is built from its config, and nothing may wait on the Hub
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.is_available())"

@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import copy
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -63,6 +64,7 @@ WARM = 8  # steps before the timed window (the Monitor opens at the first)
 SCRIPT = os.path.abspath(__file__)
 NBWATCH = os.path.dirname(os.path.abspath(nbwatch.__file__)) + os.sep
 _WHOSE: dict[str, str] = {}  # a code file's: "nbwatch", "script" or "" (SyncCounter)
+SHM = "/dev/shm"
 
 
 @dataclass
@@ -361,6 +363,27 @@ def own_time(run: Any, steps: int) -> tuple[float, float, float]:
     return med("time/nbwatch"), med("time/device_wait"), med("time/step")
 
 
+def drop(run_dir: Path) -> None:
+    """A run's folder (and the Trainer's output folder beside it), once measured: each
+    watched run ends with a final checkpoint (1.5 GB for GPT-2 124M and its AdamW), ~25 GB
+    over the own loops if all were kept."""
+    for path in (run_dir, run_dir.with_name(run_dir.name + "-out")):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def runs_root() -> str | None:
+    """Where the runs' folders go: /dev/shm where it has room (RAM: a run's final
+    checkpoint, written and fsynced as its Monitor closes, outside the timed steps, costs
+    seconds on a VM's disk, up to a minute over GPT-2's 13 watched runs), else the temp
+    folder."""
+    try:
+        if os.path.isdir(SHM) and shutil.disk_usage(SHM).free > 16 * 2**30:
+            return SHM
+    except OSError:
+        pass
+    return None
+
+
 def measure(w: Work, device: str, steps: int, root: Path, log: Callable[[str], None],
             trace: Path | None = None) -> None:
     torch.manual_seed(0)
@@ -368,19 +391,23 @@ def measure(w: Work, device: str, steps: int, root: Path, log: Callable[[str], N
     variants = ("bare", *w.loops) if w.loops != ("trainer",) else ("bare", "callback")
     if w.compile:  # the first compile (~40 s) outside the rounds
         run_variant(w, "bare", device, 2, root / f"{w.name}-compile")
+        drop(root / f"{w.name}-compile")
     for loop in variants[1:]:  # syncs and own time, one run each
         counter = SyncCounter()
+        where = root / f"{w.name}-{loop}-syncs"
         with counter if device == "cuda" else contextlib.nullcontext():
-            run = run_variant(w, loop, device, steps, root / f"{w.name}-{loop}-syncs",
-                              counter=counter)
+            run = run_variant(w, loop, device, steps, where, counter=counter)
         w.syncs[loop] = counter.count / steps if device == "cuda" else float("nan")
         w.loop_syncs[loop] = counter.loop / steps if device == "cuda" else float("nan")
         w.own[loop] = own_time(run, steps)
+        del run
+        drop(where)
     for r in range(w.rounds):
         order = variants if r % 2 == 0 else tuple(reversed(variants))
         for v in order:
             win = Window(steps, device)
             run_variant(w, v, device, steps, root / f"{w.name}-{v}-{r}", window=win)
+            drop(root / f"{w.name}-{v}-{r}")
             w.times.setdefault(v, []).append(win.per_step)
         log(f"{w.name} round {r + 1}/{w.rounds}: " + ", ".join(
             f"{v} {w.times[v][-1] * 1e3:.2f}" for v in variants) + " ms/step")
@@ -388,6 +415,7 @@ def measure(w: Work, device: str, steps: int, root: Path, log: Callable[[str], N
         for v in ("bare", "log"):
             run_variant(w, v, device, 6, root / f"{w.name}-{v}-trace",
                         window=Trace(6, device, trace / f"{w.name}-{v}"))
+            drop(root / f"{w.name}-{v}-trace")
         log(f"{w.name}: traces in {trace}")
     w.model = None
     if device == "cuda":
@@ -449,7 +477,8 @@ def main() -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_start:6.1f} s] {msg}", flush=True)
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=runs_root()) as tmp:
+        log(f"run folders in {tmp}")
         for w in works:
             if args.rounds:
                 w.rounds = args.rounds

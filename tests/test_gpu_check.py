@@ -82,3 +82,17 @@ def test_the_sync_count_blames_nbwatch_only_for_syncs_under_its_code():
         counter.on = False
         sync()  # outside the window
     assert (counter.count, counter.loop) == (2, 2)
+
+
+def test_each_run_folder_goes_once_measured(tmp_path):
+    """Every watched run ends with a final checkpoint (1.5 GB for GPT-2 124M): a workload
+    keeps none of its runs' folders, the Trainer's output folders neither."""
+    gc = _script()
+    said: list[str] = []
+    for w in gc.workloads(quick=True):
+        if w.name in ("tiny", "trainer"):
+            w.rounds = 1
+            gc.measure(w, "cpu", 2, tmp_path / w.name, said.append)
+            assert w.times and w.own, w.name
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert left == ["tiny", "trainer"], (left, said)  # the workloads' folders, empty

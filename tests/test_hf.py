@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 import nbwatch  # noqa: E402
 import nbwatch.hf  # noqa: E402
+from nbwatch.adapters.hf import val_set  # noqa: E402
 from nbwatch.lifecycle import LIVE  # noqa: E402
 from tests.conftest import until  # noqa: E402
 from tests.scripts import wide_run  # noqa: E402
@@ -116,6 +118,13 @@ def test_an_eval_dataset_dict_records_each_sets_metrics_not_their_timings(tmp_pa
     for key in ("eval_a_loss", "eval_b_loss"):
         for step, v in trainer_log(trainer, key).items():
             assert run.df.loc[step, "val/" + key[5:]] == pytest.approx(v, rel=1e-6)
+    # the first set's loss is the run's loss/val (its gap, val alerts, best checkpoint);
+    # it had none
+    df = run.df.dropna(subset=["loss/val"])
+    assert df.index.tolist() == [2, 4] and (df["loss/val"] == df["val/a_loss"]).all()
+    assert df["loss/gap"].notna().all()
+    assert val_set(SimpleNamespace(metric_for_best_model="eval_b_loss"), {"a": 1, "b": 2}) == "b"
+    assert val_set(SimpleNamespace(metric_for_best_model=None), {"a": 1, "b": 2}) == "a"
 
 
 def test_the_trainers_reduce_lr_on_plateau_is_the_runs_scheduler(tmp_path):

@@ -169,7 +169,8 @@ class NbwatchCallback(Adapter, TrainerCallback):
                 and eval_dataloader is not None and model is not None):
             rec.set_probe(batch=_probe_batch(eval_dataloader, model,
                                              rec.spec.attention_samples))
-        rec.evaluate(eval_figures(metrics))
+        rec.evaluate(eval_figures(metrics, val_set(args, getattr(self.trainer, "eval_dataset",
+                                                                  None))))
 
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         rec = self._rec()
@@ -368,10 +369,21 @@ def _drop_repeats(trainer: Trainer | None, cb: NbwatchCallback) -> None:
     drop_repeats(callbacks, cb, "Trainer", "trainer.remove_callback(cb)")
 
 
-def eval_figures(metrics: Mapping[str, Any]) -> dict[str, float]:
+def val_set(args: Any, eval_dataset: Any) -> str | None:
+    """Of an `eval_dataset` dict, the set whose loss is the run's `loss/val` (its gap, its
+    val alerts, its best checkpoint): the one `metric_for_best_model` names
+    (`eval_<set>_…`), else the first. None for one eval set."""
+    if not isinstance(eval_dataset, Mapping) or not eval_dataset:
+        return None
+    best = (getattr(args, "metric_for_best_model", None) or "").removeprefix("eval_")
+    return next((s for s in eval_dataset if best.startswith(f"{s}_")), next(iter(eval_dataset)))
+
+
+def eval_figures(metrics: Mapping[str, Any], val: str | None = None) -> dict[str, float]:
     """The Trainer's eval metrics as nbwatch's: `eval_loss` → `loss`, `eval_x` → `x`
     (recorded as `loss/val` and `val/x`); timings and the epoch left out, those of each
-    set of an `eval_dataset` dict too (`eval_<set>_runtime`)."""
+    set of an `eval_dataset` dict too (`eval_<set>_runtime`); that set's loss also as
+    `loss` where it is `val` (`val_set`)."""
     out: dict[str, float] = {}
     for k, v in metrics.items():
         name = k.removeprefix("eval_")
@@ -384,6 +396,8 @@ def eval_figures(metrics: Mapping[str, Any]) -> dict[str, float]:
             continue
         if math.isfinite(x) or name == "loss":
             out[name] = x
+    if val is not None and f"{val}_loss" in out:
+        out["loss"] = out[f"{val}_loss"]
     return out
 
 

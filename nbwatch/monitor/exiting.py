@@ -9,8 +9,8 @@ end the process at once, its last steps still in the store's queue and the run r
 `Terminated` in the main thread instead: a loop there unwinds as Ctrl-C does, a training
 thread is stopped as at the interpreter's exit, the run ends `stopped` ("terminated by
 SIGTERM at step N", said before the stop checkpoint), and the process exits 143. A second
-SIGTERM ends it at once. A handler of the user's, IPython's (a notebook's kernel), and
-torchrun's (whose SIGTERM says a rank failed) are left as they are."""
+SIGTERM ends it at once. A handler of the user's and IPython's (a notebook's kernel) are
+left as they are. Under torchrun a SIGTERM may say a rank failed: `record_sigterm`."""
 
 from __future__ import annotations
 
@@ -166,6 +166,8 @@ class ProcessExit:
             run = self._session
             p = run.progress
             interrupted = p.failing_in is threading.current_thread()
+            if run.running and p.error is None and run.mode == "loop":
+                self._stop_loop(signum, previous)  # the launcher's own SIGTERM, maybe
             if run.running and p.error is None:
                 p.move("failed")
                 with contextlib.suppress(Exception):
@@ -196,6 +198,20 @@ class ProcessExit:
             os.kill(os.getpid(), signum)
 
         signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _stop_loop(self, signum: int, previous: Any) -> None:
+        """A loop of one's own under torchrun, no failure known: the launcher was stopped
+        (`kill`, a scheduler's preemption) and forwards its SIGTERM to every rank, or a
+        rank died. Unwind the loop as a script's SIGTERM does: every rank ends at its
+        final meeting, a stop with its checkpoint (a dead rank fails it there); a second
+        SIGTERM, or torchrun's SIGKILL, ends the process at once."""
+        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self.terminated = f"terminated by SIGTERM at step {self._session.step}"
+        if self not in _ENDED_BY_SIGTERM:  # raised again at log() if a fork drops it
+            _ENDED_BY_SIGTERM.append(self)
+        print(f"nbwatch: {self.terminated}: the run stops there, its steps recorded",
+              file=sys.stderr, flush=True)
+        raise Terminated(self.terminated)
 
 
 # The runs a script's SIGTERM ends now (their ProcessExit), while `_on_sigterm` is the

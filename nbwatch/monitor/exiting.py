@@ -150,10 +150,11 @@ class ProcessExit:
             run.end_loop(exc)
 
     def record_sigterm(self, store: RunStore | NullStore) -> None:
-        """torchrun ends the survivors with SIGTERM when a rank dies, sometimes before the
-        lost connection reaches the training thread: record the failure, then die as asked
-        (where the failure is being recorded in the thread the signal interrupted, once
-        that recording is done)."""
+        """torchrun sends SIGTERM to every rank when it is sent one, and to the survivors
+        when a rank dies, sometimes before the lost connection reaches the training
+        thread. No failure known: the run stops (a dead rank fails it at the meeting).
+        Otherwise die as asked once the failure is recorded (where it is being recorded in
+        the thread the signal interrupted, at once)."""
         if threading.current_thread() is not threading.main_thread():
             return
         previous = signal.getsignal(signal.SIGTERM)
@@ -166,16 +167,12 @@ class ProcessExit:
             run = self._session
             p = run.progress
             interrupted = p.failing_in is threading.current_thread()
-            if run.running and p.error is None and run.mode == "loop":
-                self._stop_loop(signum, previous)  # the launcher's own SIGTERM, maybe
-            if run.running and p.error is None:
-                p.move("failed")
-                with contextlib.suppress(Exception):
-                    store.put(Event(run.step, "error", "critical",
-                                    f"[rank 0] terminated by SIGTERM at step {run.step}: "
-                                    "the launcher stops the job when a rank fails", {}))
-                    store.set_meta("state", "failed")
-            elif p.error is not None and interrupted and not p.failure_recorded.is_set():
+            if run.running and p.error is None:  # the launcher's own SIGTERM, maybe
+                if run.mode == "loop":
+                    self._stop_loop(signum, previous)
+                self._stop_thread(signum, previous)
+                return
+            if p.error is not None and interrupted and not p.failure_recorded.is_set():
                 # this handler interrupted the thread recording the failure (a loop of
                 # one's own, in the main thread): it cannot wait for it. The error and the
                 # state, if not yet said, now; then the recording goes on (the emergency
@@ -198,6 +195,19 @@ class ProcessExit:
             os.kill(os.getpid(), signum)
 
         signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _stop_thread(self, signum: int, previous: Any) -> None:
+        """The same for a run that trains in a thread (`start()`, `run()`): rank 0 asks a
+        stop, which every rank takes at the ranks' next meeting (within ~2 s, before
+        torchrun's SIGKILL 30 s on), with the stop checkpoint; the other ranks train on to
+        it. A rank that died fails the run there instead."""
+        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        run = self._session
+        self.terminated = f"terminated by SIGTERM at step {run.step}"
+        if run.setup.rank == 0:
+            record_stop_reason(run.store, 0, run.step, self.terminated)
+            with contextlib.suppress(RuntimeError):  # it ended a moment ago
+                self._send("stop", source="exit")
 
     def _stop_loop(self, signum: int, previous: Any) -> None:
         """A loop of one's own under torchrun, no failure known: the launcher was stopped

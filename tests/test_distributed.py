@@ -128,8 +128,9 @@ def test_rewind_under_torchrun_reloads_the_same_checkpoint_on_every_rank(tmp_pat
 @pytest.mark.parametrize("loop", ["start", "own"])
 def test_sigterm_to_the_launcher_stops_the_run_with_a_checkpoint_that_resumes(tmp_path, loop):
     """`kill` of torchrun (a scheduler's preemption), which forwards SIGTERM to every rank:
-    the run ends `stopped` with a stop checkpoint, the replicas equal, and (a loop of one's
-    own) resume=True goes on with every step once. It read `failed` ("the launcher stops
+    rank 0 asks a stop the ranks take at their next meeting: the run ends `stopped` with a
+    stop checkpoint, the replicas equal, and (a loop of one's own) resume=True goes on with
+    every step once. It read `failed` ("the launcher stops
     the job when a rank fails") with no checkpoint: rank 0 took it for a rank's failure,
     and the other ranks died at once."""
     run_dir = tmp_path / "ddp"

@@ -126,6 +126,41 @@ def test_rewind_under_torchrun_reloads_the_same_checkpoint_on_every_rank(tmp_pat
 
 
 @pytest.mark.parametrize("loop", ["start", "own"])
+def test_sigterm_to_the_launcher_stops_the_run_with_a_checkpoint_that_resumes(tmp_path, loop):
+    """`kill` of torchrun (a scheduler's preemption), which forwards SIGTERM to every rank:
+    rank 0 asks a stop the ranks take at their next meeting: the run ends `stopped` with a
+    stop checkpoint, the replicas equal, and (a loop of one's own) resume=True goes on with
+    every step once. It read `failed` ("the launcher stops
+    the job when a rank fails") with no checkpoint: rank 0 took it for a rank's failure,
+    and the other ranks died at once."""
+    run_dir = tmp_path / "ddp"
+    env = {"LOOP": loop, "STEP_SLEEP": "0.02"}
+    proc = torchrun(run_dir, 100_000, **env)
+    try:
+        until(lambda: recorded_step(run_dir) >= 20, timeout=60, what="step 20")
+        proc.send_signal(15)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    run = nbwatch.open_run(run_dir)
+    assert run.state == "stopped", out[-3000:]
+    assert run.meta["stopped_by"].startswith("terminated by SIGTERM at step")
+    stopped = run.step
+    assert sorted(run_dir.glob("checkpoints/step_*.pt"))[-1].name == f"step_{stopped:08d}.pt"
+    p0, p1 = (torch.load(run_dir / f"params_rank{r}.pt") for r in (0, 1))
+    assert p0["step"] == p1["step"] == stopped and torch.equal(p0["params"], p1["params"])
+    if loop == "start":
+        return
+    proc = torchrun(run_dir, stopped + 10, LOOP="own", RESUME="1")
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, out[-3000:]
+    run = nbwatch.open_run(run_dir)
+    assert run.state == "finished" and run.df.index.tolist() == list(range(1, stopped + 11))
+    p0, p1 = (torch.load(run_dir / f"params_rank{r}.pt") for r in (0, 1))
+    assert p0["step"] == p1["step"] == stopped + 10 and torch.equal(p0["params"], p1["params"])
+
+
+@pytest.mark.parametrize("loop", ["start", "own"])
 def test_a_killed_rank_stops_the_other_and_the_store_stays_readable(tmp_path, loop):
     """A loop of one's own (`with mon:`) too: rank 0's backward raises as the connection
     drops, and torchrun's SIGTERM came while rank 0 recorded it, in the same thread; the

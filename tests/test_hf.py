@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 import nbwatch  # noqa: E402
 import nbwatch.hf  # noqa: E402
 from nbwatch.adapters.hf import val_set  # noqa: E402
+from nbwatch.interrupts import Terminated  # noqa: E402
 from nbwatch.lifecycle import LIVE  # noqa: E402
 from tests.conftest import until  # noqa: E402
 from tests.scripts import wide_run  # noqa: E402
@@ -230,10 +231,12 @@ def test_the_callback_alone_records_an_error_in_the_optimizer_step(tmp_path):
     check_no_writer(tmp_path / "run")  # raises while a writer holds the folder
 
 
-def test_the_callback_alone_checkpoints_a_ctrl_c(tmp_path):
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, Terminated], ids=["ctrl-c", "sigterm"])
+def test_the_callback_alone_checkpoints_a_ctrl_c(tmp_path, stop):
     """Interrupt kernel during a notebook cell's `trainer.train()` with the callback: the
     run is stopped (not failed), and a Trainer checkpoint of the last step taken is
-    written, which `train(resume_from_checkpoint=...)` continues."""
+    written, which `train(resume_from_checkpoint=...)` continues. A script's SIGTERM
+    (`Terminated`; under torchrun, the launcher's) too: it wrote none."""
     trainer = make_trainer(tmp_path / "out", max_steps=10, eval_steps=1000)
     trainer.add_callback(nbwatch.hf.NbwatchCallback(run_dir=tmp_path / "run"))
     loss, calls = trainer.compute_loss, []
@@ -241,11 +244,11 @@ def test_the_callback_alone_checkpoints_a_ctrl_c(tmp_path):
     def compute_loss(*a, **k):
         calls.append(1)
         if len(calls) == 4:  # in the 4th step's forward
-            raise KeyboardInterrupt
+            raise stop() if stop is KeyboardInterrupt else stop("terminated by SIGTERM")
         return loss(*a, **k)
 
     trainer.compute_loss = compute_loss
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(stop):
         trainer.train()
     run = nbwatch.open_run(tmp_path / "run")
     assert run.state == "stopped" and run.step == 3

@@ -30,6 +30,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 import torch
 
+from ..interrupts import Terminated
 from ..monitor import Monitor
 from ..probes.attention import take_samples
 from ..probes.throughput import batch_samples
@@ -307,7 +308,7 @@ class NbwatchCallback(Adapter, TrainerCallback):
                 self._fitting, self._owner = False, None
             return
         if self._ends_here():
-            self._interrupted = isinstance(error, KeyboardInterrupt)
+            self._interrupted = isinstance(error, (KeyboardInterrupt, Terminated))
             self._end(error)
 
     def _unwrap(self) -> None:

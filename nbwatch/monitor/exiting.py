@@ -9,8 +9,8 @@ end the process at once, its last steps still in the store's queue and the run r
 `Terminated` in the main thread instead: a loop there unwinds as Ctrl-C does, a training
 thread is stopped as at the interpreter's exit, the run ends `stopped` ("terminated by
 SIGTERM at step N", said before the stop checkpoint), and the process exits 143. A second
-SIGTERM ends it at once. A handler of the user's, IPython's (a notebook's kernel), and
-torchrun's (whose SIGTERM says a rank failed) are left as they are."""
+SIGTERM ends it at once. A handler of the user's and IPython's (a notebook's kernel) are
+left as they are. Under torchrun a SIGTERM may say a rank failed: `record_sigterm`."""
 
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ class ProcessExit:
         self._send = send
         self._pid = os.getpid()  # a forked child never ends this Monitor's run
         self.terminated: str | None = None  # why, once a SIGTERM ends the run
+        self.stop_asked = False  # under torchrun: rank 0 asked the SIGTERM's stop
 
     def arm_thread(self) -> None:
         """A run trains in the background: stop it if the interpreter exits under it."""
@@ -150,13 +151,19 @@ class ProcessExit:
             run.end_loop(exc)
 
     def record_sigterm(self, store: RunStore | NullStore) -> None:
-        """torchrun ends the survivors with SIGTERM when a rank dies, sometimes before the
-        lost connection reaches the training thread: record the failure, then die as asked
-        (where the failure is being recorded in the thread the signal interrupted, once
-        that recording is done)."""
+        """torchrun sends SIGTERM to every rank when it is sent one, and to the survivors
+        when a rank dies, sometimes before the lost connection reaches the training
+        thread. No failure known: the run stops (a dead rank fails it at the meeting), or
+        where a framework's handler (Lightning's) takes SIGTERM, rank 0 records a failure.
+        Otherwise die as asked once the failure is recorded (where it is being recorded in
+        the thread the signal interrupted, at once)."""
         if threading.current_thread() is not threading.main_thread():
             return
         previous = signal.getsignal(signal.SIGTERM)
+        # a handler of a framework's (Lightning's) or the user's: theirs to stop the run
+        ours = previous in (signal.SIG_DFL, None)
+        if not ours and self._session.setup.rank != 0:
+            return
 
         def on_sigterm(signum: int, frame: Any) -> None:
             if forked_from(self._pid):  # a DataLoader worker, ended by its parent
@@ -166,6 +173,9 @@ class ProcessExit:
             run = self._session
             p = run.progress
             interrupted = p.failing_in is threading.current_thread()
+            if run.running and p.error is None and ours:  # the launcher's own, maybe
+                self._stop_at_meeting(signum, previous)
+                return
             if run.running and p.error is None:
                 p.move("failed")
                 with contextlib.suppress(Exception):
@@ -196,6 +206,30 @@ class ProcessExit:
             os.kill(os.getpid(), signum)
 
         signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _stop_at_meeting(self, signum: int, previous: Any) -> None:
+        """torchrun's SIGTERM, no failure known: rank 0 asks a stop, which every rank takes
+        at the ranks' next meeting (within ~2 s, before torchrun's SIGKILL 30 s on), with
+        the stop checkpoint, and the other ranks train on to it; a rank that died fails
+        the run there instead. A loop of one's own asks it at its next log(), where the
+        main thread holds no lock of the store's (`raise_if_terminated`)."""
+        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self.terminated = f"terminated by SIGTERM at step {self._session.step}"
+        if self._session.mode == "loop":
+            if self not in _ENDED_BY_SIGTERM:
+                _ENDED_BY_SIGTERM.append(self)
+        else:  # the main thread waits for the training thread
+            self.ask_stop()
+
+    def ask_stop(self) -> None:
+        """Rank 0 asks, once, the stop of a SIGTERM under torchrun."""
+        run = self._session
+        if self.stop_asked or run.setup.rank != 0 or self.terminated is None:
+            return
+        self.stop_asked = True
+        record_stop_reason(run.store, 0, run.step, self.terminated)
+        with contextlib.suppress(RuntimeError):  # it ended a moment ago
+            self._send("stop", source="exit")
 
 
 # The runs a script's SIGTERM ends now (their ProcessExit), while `_on_sigterm` is the
@@ -235,11 +269,15 @@ def raise_if_terminated(session: RunSession) -> None:
     that did not end the loop. Python prints and drops an exception raised where it cannot
     propagate: a SIGTERM that lands during a fork (a DataLoader starts its worker every
     epoch) is handled in an at-fork callback ("Exception ignored in ..."), and the loop
-    trained on, its run never ended."""
+    trained on, its run never ended. Under torchrun, rank 0 asks the ranks' stop instead."""
     if session.mode != "loop":  # a training thread's run is stopped by the main thread
         return
+    rec = session.recorder
     for e in _ENDED_BY_SIGTERM:
         if e._session is session and e.terminated:
+            if rec is not None and rec.dist is not None:  # the ranks stop at a meeting
+                e.ask_stop()
+                return
             raise Terminated(e.terminated)
 
 

@@ -22,6 +22,7 @@ import torch
 from ..probes.logits import FIX
 from ..recorder import RunSpec
 from ..recorder.clip_skip import TOTAL
+from .exiting import raise_if_terminated
 
 if TYPE_CHECKING:
     from ..recorder import StepRecorder
@@ -110,6 +111,8 @@ class ExternalLoop:
         stop."""
         self._rec.record_step(host, names, parts, lengths=lengths, samples=samples,
                               reduction=reduction)
+        if self._session is not None:  # a SIGTERM's stop, under torchrun
+            raise_if_terminated(self._session)
         return self._rec.boundary()
 
     @property

@@ -51,8 +51,8 @@ class RunSession:
                  on_distributed: Callable[[RunStore | NullStore], None] = lambda store: None
                  ) -> None:
         """`on_loop_open()`: a loop of one's own opened its run (the Monitor arms its exit,
-        shows the dashboard); `on_distributed(store)`: rank 0 of a torchrun job opened its
-        run (the Monitor records a SIGTERM from the launcher)."""
+        shows the dashboard); `on_distributed(store)`: a rank of a torchrun job opened its
+        run (the Monitor handles a SIGTERM from the launcher; rank 0 records it)."""
         self.setup = setup
         self.options = options  # the run's options: start() overrides them one by one
         self.watch = OptimizerWatch(setup.optimizer, setup.model, self)  # its hooks
@@ -277,7 +277,7 @@ class RunSession:
                 self._log_handler = open_run_log(rec.log, self.setup.run_dir)
                 self._sampler = SystemSampler(self.record_system,
                                               self.setup.system_interval).start()
-            if dist is not None and self.setup.rank == 0:
+            if dist is not None:
                 self._on_distributed(store)
         except BaseException:  # nothing opened may outlive a start that failed
             self.close_run()

@@ -9,7 +9,8 @@ CKPT_EVERY (a periodic checkpoint); RUN_DIR=default: `Monitor(run_dir=None)`, an
 comes to it 1.5 s after rank 0; ONLY_RANK0=1: rank 1 creates no Monitor; RAISE_RANK /
 RAISE_AT: a rank whose step_fn raises ValueError at that call; NO_DDP=1: the model not
 wrapped; R0_STEPS: rank 0's own loop takes this many steps (uneven data); LOOP=own: the
-script's own loop with `mon.log()` in the foreground instead of `mon.start()`; AUDIT=1 (with
+script's own loop with `mon.log()` in the foreground instead of `mon.start()` (RESUME=1:
+`resume=True`); AUDIT=1 (with
 LOOP=own): the GPU's order on the CPU, a histogram every 5 steps, torch's reading methods
 watched in steps 6–25,
 what nbwatch read written to RUN_DIR/audit_rank{r}.json (tests/recorder/test_host_copy.py).
@@ -73,6 +74,7 @@ def main() -> None:
         if os.environ.get("LOOP") == "own":
             mon = nbwatch.Monitor(model, opt, sched, run_dir=run_dir, rank_every=5,
                                   dist_timeout=20, config={"script": "ddp_train", "loop": "own"},
+                                  resume=bool(os.environ.get("RESUME")),
                                   hist_every=5 if os.environ.get("AUDIT") else 50)
             data = batches(rank)
             if rank == 0 and os.environ.get("R0_STEPS"):
@@ -83,7 +85,7 @@ def main() -> None:
 
                 audit = Audit().install(setattr)
             with mon:
-                for i in range(max_steps):
+                for i in range(mon.step, max_steps):
                     if audit is not None:
                         audit.on = i + 1 in STEADY
                     out = step_fn(model, data[i % len(data)])

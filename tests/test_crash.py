@@ -392,21 +392,27 @@ HELD = textwrap.dedent("""
 """)
 
 
+def run_to_its_end(script: str, run: Path, timeout: float) -> tuple[int, str, str]:
+    """Run `script` with `run` as its argument until it exits: (code, stdout, stderr)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", script, str(run)], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": root})
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return proc.returncode, out, err
+
+
 def test_sigterm_as_the_loop_takes_the_stores_lock_ends_the_process_at_once(tmp_path):
     """A SIGTERM handled just as the loop's thread took the store's lock (it waited for
     its writer) raised `Terminated` inside `Condition.__enter__`, which left the lock held:
     the writer waited on it forever, and the run's close at the process's exit 60 s (CI
     saw `own loop, no with` hang so, 1 run in 3)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-c", HELD, str(run)], cwd=root,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": root})
-    try:
-        out, err = proc.communicate(timeout=40)
-    finally:
-        proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    code, out, err = run_to_its_end(HELD, run, timeout=40)
+    assert code == 128 + signal.SIGTERM, err
     assert "the script went on" not in out and "terminated by SIGTERM at step 5" in err, err
     r = nbwatch.open_run(run)
     assert r.state == "stopped" and r.step == 5
@@ -447,17 +453,10 @@ def test_sigterm_during_a_dataloaders_fork_ends_the_loop_at_its_next_step(tmp_pa
     callback, where Python prints `Terminated` and drops it: the loop trained on and the
     process never exited (CI's `own loop, no with` hang). The next log() raises it again,
     the step it recorded the run's last."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-c", FORKED, str(run)], cwd=root,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": root})
-    try:
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+    code, out, err = run_to_its_end(FORKED, run, timeout=60)
     assert "Exception ignored in" in err, err  # the case: the first Terminated was dropped
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert code == 128 + signal.SIGTERM, err
     assert "the script went on" not in out, err
     r = nbwatch.open_run(run)
     assert r.state == "stopped" and r.meta["stopped_by"].startswith("terminated by SIGTERM")

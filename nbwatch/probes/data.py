@@ -12,6 +12,7 @@ import torch
 # The figure that counts a GPU mask's entries other than 0 and 1, copied with the step's
 # other figures (no sync of its own); `bad_mask` reads it on the host.
 BAD = "_mask_bad"
+IGNORE_INDEX = -100  # cross_entropy's default ignore_index: a padded label, no loss
 MASK_FIGURES = ("tokens/real", "data/seq_len_mean", "data/seq_len_max", "_padded")
 _HOW = ("pass a 0/1 (or bool) attention mask, 1 for a real token and 0 for padding "
         "(e.g. batch['attention_mask'], or input_ids != pad_id)")
@@ -184,7 +185,7 @@ def decoder_mask(batch: Any) -> Any:
         return m
     labels = batch.get("labels")
     if isinstance(labels, torch.Tensor) and labels.dim() == 2 and not labels.is_floating_point():
-        return labels != -100
+        return labels != IGNORE_INDEX
     return None
 
 

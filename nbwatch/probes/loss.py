@@ -8,9 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .data import is_encoder_decoder
-
-IGNORE_INDEX = -100  # cross_entropy's default ignore_index: a padded label
+from .data import IGNORE_INDEX, is_encoder_decoder
 
 
 def masked_cross_entropy(
@@ -87,8 +85,8 @@ def check_not_copying(batch: object, out: object, model: object = None) -> None:
     if (isinstance(labels, torch.Tensor) and isinstance(inputs, torch.Tensor)
             and labels.shape == inputs.shape
             # the inputs themselves, or HF's labels: the inputs with -100 on padding
-            and bool(((labels == inputs) | (labels == -100)).all())
-            and bool((labels != -100).any())):
+            and bool(((labels == inputs) | (labels == IGNORE_INDEX)).all())
+            and bool((labels != IGNORE_INDEX).any())):
         raise ValueError(
             "step_fn's labels equal the batch's input_ids, so the loss would teach the model "
             "to copy its input: with {'logits', 'labels'}, labels[:, t] must be the token "

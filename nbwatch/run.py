@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import sqlite3
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ import pandas as pd
 
 from .alerts.postmortem import SPIKE_COLUMNS, spikes_of  # noqa: F401  (their home; re-exported)
 from .alerts.postmortem import from_reader as _spikes
-from .lifecycle import FolderState
+from .lifecycle import FolderState, is_ended
 from .notebook import current_cell, in_notebook
 from .records import branches
 from .store import DB_NAME, RunReader
@@ -37,7 +39,7 @@ class Readout:
         run = self._run()
         return run.df if run is not None else pd.DataFrame(index=pd.Index([], name="step"))
 
-    def system(self, keys: list[str] | None = None, start: float | None = None,
+    def system(self, keys: list[str] | str | None = None, start: float | None = None,
                stop: float | None = None) -> pd.DataFrame:
         """Every system sample so far, on its wall-clock timeline (see `Run.system`)."""
         run = self._run()
@@ -186,16 +188,22 @@ class Run:
         df = self.reader.df()
         return df[[c for c in df.columns if c.startswith("rewind/")]].dropna(how="all")
 
-    def scalars(self, keys: list[str] | None = None, start: int | None = None,
+    def scalars(self, keys: list[str] | str | None = None, start: int | None = None,
                 stop: int | None = None) -> pd.DataFrame:
         """`df` restricted to `keys` and to steps `start <= step < stop`; reads only the
         stored blocks that hold them (a window of a long run costs the window).
 
+        A key the run has not recorded (not yet, or a typo) comes back as a column of NaN,
+        with a warning that names the closest recorded keys.
+
         >>> run.scalars(["loss/train", "loss/val"], start=90_000)
         """
-        return self.reader.scalars(keys, start, stop)
+        asked = self._asked(keys, "scalars")
+        df = self.reader.scalars(asked, start, stop)
+        missing = [k for k in asked or [] if k not in df.columns]
+        return df.reindex(columns=[*df.columns, *missing]) if missing else df
 
-    def system(self, keys: list[str] | None = None, start: float | None = None,
+    def system(self, keys: list[str] | str | None = None, start: float | None = None,
                stop: float | None = None) -> pd.DataFrame:
         """Every system sample (GPU/CPU/RAM figures, one per `system_interval`), oldest
         first, with a wall time in [start, stop) (epoch seconds): index `wall`, column
@@ -206,7 +214,37 @@ class Run:
         >>> s = run.system(["system/gpu0/util"])
         >>> s.index = pd.to_datetime(s.index, unit="s")   # clock times
         """
-        return self.reader.system(keys, start, stop)
+        asked = self._asked(keys, "system")
+        df = self.reader.system(asked, start, stop)
+        missing = [k for k in asked or [] if k not in df.columns]
+        return df.reindex(columns=[*df.columns, *missing]) if missing else df
+
+    def _asked(self, keys: list[str] | str | None, method: str) -> list[str] | None:
+        """`keys` as a list (one key may come bare). A key the run has not recorded is
+        warned of where it looks like a typo of one it has, or where the run has ended (a
+        live run's `loss/val` before its first eval is merely not there yet)."""
+        if keys is None:
+            return None
+        asked = [keys] if isinstance(keys, str) else list(keys)
+        known = self.reader.keys()
+        ended: bool | None = None
+        for k in dict.fromkeys(asked):
+            if k in known:
+                continue
+            near = difflib.get_close_matches(k, known, n=3, cutoff=0.8)
+            if not near:
+                if ended is None:
+                    state = self.state
+                    ended = is_ended(state) or state == FolderState.STALE
+                if not ended:
+                    continue
+            hint = (f"did you mean {', '.join(map(repr, near))}?" if near
+                    else "run.df.columns lists those it has")
+            where = (" (system figures are its `system/...` keys)"
+                     if method == "system" and not k.startswith("system/") else "")
+            warnings.warn(f"nbwatch: run.{method}: {k!r} is not recorded in {self.run_dir}"
+                          f"{where}; its column is NaN; {hint}", stacklevel=3)
+        return asked
 
     @property
     def events(self) -> pd.DataFrame:

@@ -162,7 +162,8 @@ def test_pause_cut_lr_checkpoint_stop_through_lightning(tmp_path):
     assert run.state == "stopped" and trainer.global_step == run.step < 100_000
     lrs = run.df["lr"].dropna()
     assert lrs.iloc[-1] == pytest.approx(0.5e-3)  # the cut survives LambdaLR
-    last = run.events.query("kind == 'checkpoint'").iloc[-1]
+    ours = run.events.query("kind == 'checkpoint'")
+    last = ours[[d["reason"] != "Lightning" for d in ours.data]].iloc[-1]
     assert last.data["reason"] == "stop" and Path(last.data["path"]).is_file()
     # Lightning's own resume from nbwatch's checkpoint, and the history goes on
     trainer2 = make_trainer(tmp_path / "pl", max_steps=run.step + 3, limit_val_batches=0,
@@ -173,6 +174,39 @@ def test_pause_cut_lr_checkpoint_stop_through_lightning(tmp_path):
     run2.wait()
     df = nbwatch.open_run(tmp_path / "run").df.dropna(subset=["loss/train"])
     assert list(df.index) == list(range(1, run.step + 4))
+
+
+def test_lightnings_own_checkpoints_are_checkpoint_events(tmp_path):
+    """Each file a ModelCheckpoint saves is an event at the step it holds, the best marked."""
+    import re
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0)
+    ck = ModelCheckpoint(dirpath=tmp_path / "ck", monitor="val_loss", save_top_k=2,
+                         save_last=True, filename="{step}")
+    trainer = make_trainer(tmp_path / "pl", max_steps=20, val_check_interval=5,
+                           limit_val_batches=2, callbacks=[ck])
+    run = nbwatch.lightning.start(trainer, TinyModule(), train_dataloaders=loader(40),
+                                  val_dataloaders=loader(4, seed=1), run_dir=tmp_path / "run",
+                                  display=False)
+    run.wait()
+    assert run.state == "finished"
+    ev = run.events.query("kind == 'checkpoint'")
+    saves = [(r.step, r.data) for r in ev.itertuples() if r.data["reason"] == "Lightning"]
+    # every val end saved a step=N file (5, 10, 15, 20), each an event at its step
+    by_name = {Path(d["path"]).name: (step, d) for step, d in saves}
+    for n in (5, 10, 15, 20):
+        assert f"step={n}.ckpt" in by_name, sorted(by_name)
+        step, d = by_name[f"step={n}.ckpt"]
+        assert step == n and d["bytes"] > 0
+    assert all(int(re.search(r"\d+", name).group()) == step
+               for name, (step, _) in by_name.items() if name != "last.ckpt")
+    # last.ckpt, written over at each save, is an event each time
+    assert sum(Path(d["path"]).name == "last.ckpt" for _, d in saves) == 4
+    # the best so far is marked, and the best at the end was marked when it was saved
+    assert by_name[Path(ck.best_model_path).name][1]["best"]
+    assert not by_name["last.ckpt"][1]["best"]
 
 
 def test_accumulation_and_bf16(tmp_path):

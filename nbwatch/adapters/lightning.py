@@ -55,6 +55,7 @@ class NbwatchCallback(Adapter, pl.Callback):
     TAKEN = {"max_steps": "L.Trainer(max_steps=...)",
              "scaler": "Lightning's precision plugin's own GradScaler, found by nbwatch",
              "resume": "trainer.fit(..., ckpt_path=...) resumes the run too"}
+    _unnoted = False  # Lightning saved a checkpoint its events do not hold yet
 
     # -- Lightning's events -------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -62,6 +63,7 @@ class NbwatchCallback(Adapter, pl.Callback):
                      "trainer.callbacks.remove(cb) before fit()")
         self._begin("nbwatch.lightning", trainer, bool(trainer.global_step), _RESUME)
         self._steps_seen = trainer.global_step  # Lightning's count, which overflows move too
+        self._unnoted, self._noted = False, set[tuple[str, int]]()  # its own saves
         if not trainer.optimizers:
             raise RuntimeError("nbwatch.lightning: the module configured no optimizer")
         if len(trainer.optimizers) > 1:
@@ -94,6 +96,7 @@ class NbwatchCallback(Adapter, pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:
+        self._note_saves(trainer)
         rec = self._rec()
         if rec is not None:  # which batch; hashed only where it is on the CPU
             rec.note_batch(batch, trainer.current_epoch, batch_idx)
@@ -128,6 +131,31 @@ class NbwatchCallback(Adapter, pl.Callback):
         rec = self._rec()
         if rec is not None:
             rec.commit()
+            self._unnoted = True  # its path is known once the save returns
+
+    def _note_saves(self, trainer: pl.Trainer) -> None:
+        """Lightning's own checkpoints (its `ModelCheckpoint`s') saved since the last call,
+        as checkpoint events: path, size, and whether it is the best so far."""
+        rec = self._rec()
+        if rec is None or not self._unnoted:
+            return
+        self._unnoted = False
+        for cb in getattr(trainer, "checkpoint_callbacks", []):
+            best, last = (str(getattr(cb, a, "") or "") for a in ("best_model_path",
+                                                                    "last_model_path"))
+            for path in dict.fromkeys([*map(str, getattr(cb, "best_k_models", {})), last]):
+                p = Path(path)
+                if not path or p.name.startswith("nbwatch-step=") or not p.exists():
+                    continue
+                seen = (path, p.stat().st_mtime_ns)  # last.ckpt is written over each time
+                if seen in self._noted:
+                    continue
+                self._noted.add(seen)
+                # a top-k's file may be deleted later, last.ckpt written over: a later
+                # stop or checkpoint command writes its own rather than name either
+                kept = getattr(cb, "save_top_k", 1) == -1 and path != last
+                rec.note_checkpoint("Lightning", path, best=bool(
+                    path == best and getattr(cb, "monitor", None)), kept=kept)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
@@ -170,11 +198,13 @@ class NbwatchCallback(Adapter, pl.Callback):
         rec.evaluate(val)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._note_saves(trainer)
         if self._ends_here():  # a script: the callback alone ends the run
             self._end(None)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException
                      ) -> None:
+        self._note_saves(trainer)
         if self._ends_here():  # not a refused fit of another Trainer sharing the callback
             self._end(exception)
 

@@ -145,9 +145,10 @@ class ExternalLoop:
         self._rec.commit()
 
     def note_checkpoint(self, reason: str, path: str | Path, seconds: float | None = None,
-                        best: bool = False) -> None:
-        """Record a checkpoint the framework wrote."""
-        self._rec.note_checkpoint(reason, path, seconds, best)
+                        best: bool = False, kept: bool = True) -> None:
+        """Record a checkpoint the framework wrote; `kept`: one the framework will not
+        delete (not a top-k's), which a stop at the same step may name instead of saving."""
+        self._rec.note_checkpoint(reason, path, seconds, best, kept)
 
     # -- the LR factor ---------------------------------------------------------------------
     @property

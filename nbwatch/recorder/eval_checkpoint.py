@@ -130,11 +130,13 @@ def probe_note(rec: Evaluating, missing: str, message: str) -> None:
         rec._emit(Event(rec.step, "probe", "info", message, {"missing": missing}))
 
 def note_checkpoint(rec: Evaluating, reason: str, path: str | Path, seconds: float | None = None,
-                    best: bool = False) -> None:
-    """Record a checkpoint the framework wrote (a folder or a file)."""
+                    best: bool = False, kept: bool = True) -> None:
+    """Record a checkpoint the framework wrote (a folder or a file); `kept`: one a stop or
+    a command may name as these weights' (not one a top-k policy may delete later)."""
     path = Path(path)
     size = _dir_bytes(path) if path.exists() else 0
-    rec.evals.ckpt_step, rec.evals.ckpt_path = rec.step, str(path)
+    if kept:
+        rec.evals.ckpt_step, rec.evals.ckpt_path = rec.step, str(path)
     took = f" in {seconds:.2f} s" if seconds is not None else ""
     rec._emit(Event(rec.step, "checkpoint", "info",
                      f"{reason} checkpoint at step {rec.step}: {path.name}, "

@@ -262,9 +262,9 @@ class StepRecorder:
         ec.probe_note(self, missing, message)
 
     def note_checkpoint(self, reason: str, path: str | Path, seconds: float | None = None,
-                        best: bool = False) -> None:
+                        best: bool = False, kept: bool = True) -> None:
         """Record a checkpoint the framework wrote (a folder or a file)."""
-        ec.note_checkpoint(self, reason, path, seconds, best)
+        ec.note_checkpoint(self, reason, path, seconds, best, kept)
 
     def state_dict(self) -> dict[str, Any]:
         return ec.state_dict(self)

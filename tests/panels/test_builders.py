@@ -269,6 +269,11 @@ def test_alert_feed_items_say_why_a_checkpoint_was_taken():
          "data": {"reason": "periodic", "best": True}},
         {"step": 101, "kind": "checkpoint", "severity": "info", "wall": 4.0,
          "message": "manual checkpoint at step 101", "data": {"reason": "manual"}},
+        # the frameworks' own routine saves: a Trainer's save_steps, a ModelCheckpoint's
+        {"step": 110, "kind": "checkpoint", "severity": "info", "wall": 5.0,
+         "message": "periodic (Trainer) checkpoint", "data": {"reason": "periodic (Trainer)"}},
+        {"step": 120, "kind": "checkpoint", "severity": "info", "wall": 6.0,
+         "message": "Lightning checkpoint", "data": {"reason": "Lightning"}},
     ])["items"]
     assert [(i["kind"], i.get("reason"), i["step"]) for i in items] == [
         ("checkpoint", "manual", 101), ("checkpoint", "periodic", 100), ("action", None, 51)]

@@ -189,6 +189,10 @@ def _report(reader: RunReader, meta: Mapping[str, Any], step: int,
     kept = ({p.relative_to(folder).as_posix()
              for p in [*folder.iterdir(), *folder.glob("rewind/*/*")]}
             if folder.is_dir() else None)
+    for e in ckpts:  # a framework's own save (checkpoint-N, a .ckpt) lies outside the folder
+        path = Path(str((e.get("data") or {}).get("path", "")))
+        if path.name and folder not in path.parents:
+            e["present"] = path.exists()
 
     best = reader.best("loss/val")
     best_val = (best[1], best[0]) if best else None

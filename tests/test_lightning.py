@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -207,6 +208,15 @@ def test_lightnings_own_checkpoints_are_checkpoint_events(tmp_path):
     # the best so far is marked, and the best at the end was marked when it was saved
     assert by_name[Path(ck.best_model_path).name][1]["best"]
     assert not by_name["last.ckpt"][1]["best"]
+    # the export's checkpoint table says which of them the top-k has deleted since
+    from tests.test_export import Page
+
+    page = Page(run.export_html(tmp_path / "a.html").read_text(encoding="utf-8"))
+    rows = json.loads(page.scripts["nbw-state"])["report"]["checkpoints"]["rows"]
+    on_disk = {p.name for p in (tmp_path / "ck").iterdir()}
+    assert len(on_disk) == 3  # the top 2 and last.ckpt
+    assert {r[1]: r[6] for r in rows if r[5] == "Lightning"} == {
+        name: "yes" if name in on_disk else "deleted" for name in by_name}
 
 
 def test_accumulation_and_bf16(tmp_path):

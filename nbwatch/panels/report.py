@@ -43,7 +43,8 @@ def checkpoints_table(events: Iterable[Mapping[str, Any]], total: int,
     """Checkpoint events, newest first → {rows: [step, file, size, seconds, best, reason,
     kept], total}; `kept`: the files in the run's checkpoints folder, by their path in it
     (rotation deletes the older ones; rewind N sets those it went back over aside in
-    `rewind/N/`, an event's `branch`)."""
+    `rewind/N/`, an event's `branch`); an event's `present`: whether a framework's own
+    save, outside that folder, is still there (a top-k or `save_total_limit` deletes)."""
     rows = []
     for e in events:
         d = e.get("data") or {}
@@ -59,6 +60,7 @@ def checkpoints_table(events: Iterable[Mapping[str, Any]], total: int,
             "best" if d.get("best") else "",
             str(d.get("reason", "")),
             "failed" if d.get("failed") else
+            ("yes" if e["present"] else "deleted") if "present" in e else
             None if kept is None else "rotated out" if here not in kept else
             f"set aside (rewind {branch})" if branch else "yes",
         ])

@@ -27,7 +27,7 @@ from .probes.data import batch_figures
 from .probes.late import drop_masks, keep_mask
 from .probes.logits import NAMES as LOGIT_NAMES
 from .probes.logits import is_logits
-from .probes.loss import batch_mask, check_not_copying, parse_step_output
+from .probes.loss import batch_mask, check_not_copying, input_mask, parse_step_output
 from .recorder import Progress, RunSpec, StepRecorder
 from .records import Event
 
@@ -226,17 +226,20 @@ class Runner:
                     _extras(raw, m.extras)
             if i == 0:  # the first micro-batch's: a cost that does not grow with them
                 self._logit_figures(m, raw, out.mask)
-            if out.mask is not None and m.keeping:
+            # the tokens read, not only those the loss weighs (a prompt's, a shifted row's)
+            read = input_mask(batch)
+            tokens = read if read is not None else out.mask
+            if tokens is not None and m.keeping:
                 with rec.own:  # beside the rows' copy, still warm (its look at the mask too)
-                    m.keeping = keep_mask(m.host, out.mask)
+                    m.keeping = keep_mask(m.host, tokens)
             m.reduction = out.reduction
             loss = out.loss / spec.accumulate if spec.accumulate > 1 else out.loss
             (scaler.scale(loss) if scaler is not None else loss).backward()
             with rec.own:  # the loss kept for the record: watching's
                 detached = out.loss.detach().float()
                 m.loss_sum = detached if m.loss_sum is None else m.loss_sum + detached
-            if out.mask is not None:
-                m.masks.append(out.mask)
+            if tokens is not None:
+                m.masks.append(tokens)
         return m
 
     def _logit_figures(self, m: _Micro, raw: Any, mask: torch.Tensor | None) -> None:

@@ -196,13 +196,14 @@ def test_an_encoder_decoders_labels_equal_to_its_inputs_are_a_copy_task(tmp_path
 
 
 def test_logits_and_labels_without_a_mask_count_the_batchs_attention_mask(tmp_path):
-    """`{'logits', 'labels'}` and no mask: the tokens are the batch's attention_mask (its
-    [:, 1:] beside labels shifted by one), so tokens/s, padding and MFU are recorded; a
-    masked LM's -100 labels are real tokens without a loss, not padding; a classifier's
-    batch has no tokens."""
+    """`{'logits', 'labels'}` and no mask: the tokens are the batch's attention_mask (all
+    the tokens the forward read, as the adapters count them; the loss weighs its [:, 1:]
+    beside labels shifted by one), so tokens/s, padding and MFU are recorded; a
+    masked LM's -100 labels are real tokens without a loss, not padding; a classifier of
+    features has no tokens, a sequence classifier its attention_mask's."""
     ids = torch.randint(0, 64, (4, 17))
     am = torch.ones(4, 17, dtype=torch.long)
-    am[0, 11:], am[1, 5:] = 0, 0  # 6 + 12 of 64 label positions padded
+    am[0, 11:], am[1, 5:] = 0, 0  # 6 + 12 of 68 input tokens padded
     mlm = ids[:, 1:].clone()
     mlm[:, ::4] = -100  # a masked LM's: positions that take no loss
 
@@ -214,15 +215,48 @@ def test_logits_and_labels_without_a_mask_count_the_batchs_attention_mask(tmp_pa
                   max_steps=3)
         mon.wait()
         df = mon.df
-        assert df["tokens/real"].tolist() == [46.0] * 3
-        assert df["data/padding_ratio"].iloc[-1] == pytest.approx(18 / 64)
+        assert df["tokens/real"].tolist() == [50.0] * 3
+        assert df["data/padding_ratio"].iloc[-1] == pytest.approx(18 / 68)
         assert df["throughput/tokens_per_s"].loc[2:].notna().all()
 
     head = torch.nn.Linear(8, 3)
     mon = nbwatch.Monitor(head, torch.optim.SGD(head.parameters(), lr=0.1),
                           run_dir=tmp_path / "classifier", display=False)
     mon.start(lambda m, b: {"logits": m(b["x"]), "labels": b["y"]},
-              [{"x": torch.randn(5, 8), "y": torch.randint(0, 3, (5,)),
-                "attention_mask": torch.ones(5, 8)}] * 3, max_steps=3)
+              [{"x": torch.randn(5, 8), "y": torch.randint(0, 3, (5,))}] * 3, max_steps=3)
     mon.wait()
     assert mon.state == "finished" and "tokens/real" not in mon.df
+    # a sequence classifier (one label a row) read the tokens of its attention_mask
+    mon = nbwatch.Monitor(head, torch.optim.SGD(head.parameters(), lr=0.1),
+                          run_dir=tmp_path / "sequences", display=False)
+    mon.start(lambda m, b: {"logits": m(b["x"]), "labels": b["y"]},
+              [{"x": torch.randn(4, 8), "y": torch.randint(0, 3, (4,)),
+                "attention_mask": am}] * 3, max_steps=3)
+    mon.wait()
+    assert mon.df["tokens/real"].tolist() == [float(am.sum())] * 3
+
+
+def test_a_loss_mask_that_leaves_out_real_tokens_counts_the_tokens_read(tmp_path):
+    """start() with a step's loss mask that weighs only the answers (a fine-tuning
+    prompt's tokens masked out) and is shifted by one: tokens/s, padding and lengths are
+    the tokens the forward read, the batch's attention_mask, as under the Trainer; the
+    prompt is no padding, so no padding alert fires."""
+    ids = torch.randint(0, 64, (4, 17))
+    am = torch.ones(4, 17, dtype=torch.long)
+    am[0, 11:] = 0  # 6 of 68 input tokens padded
+    loss_mask = am[:, 1:].clone()
+    loss_mask[:, :10] = 0  # the prompt: 10 of each row's 16 targets weigh nothing
+
+    model, opt = new_tiny()
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False)
+    mon.start(lambda m, b: {"logits": m(b["input_ids"])[:, :-1], "labels": b["input_ids"][:, 1:],
+                            "mask": b["loss_mask"]},
+              [{"input_ids": ids, "attention_mask": am, "loss_mask": loss_mask}] * 4,
+              max_steps=4)
+    mon.wait()
+    assert mon.state == "finished", mon.error
+    df = mon.df
+    assert df["tokens/real"].tolist() == [62.0] * 4
+    assert df["data/padding_ratio"].iloc[-1] == pytest.approx(6 / 68)
+    assert df["data/seq_len_mean"].iloc[-1] == pytest.approx(62 / 4)
+    assert not mon.events.message.str.contains("padding").any()

@@ -69,6 +69,15 @@ def batch_mask(batch: object, out: object) -> torch.Tensor | None:
     return am[:, 1:] if am.shape[1] == labels.shape[1] + 1 else None
 
 
+def input_mask(batch: object) -> torch.Tensor | None:
+    """The batch's own `attention_mask` (2-d): the tokens the forward read, which the data
+    figures count (tokens/s, padding, lengths). Not a step's loss mask, which may leave out
+    real tokens (a fine-tuning prompt's, a masked LM's unmasked ones, the first of each
+    shifted row)."""
+    am = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    return am if isinstance(am, torch.Tensor) and am.dim() == 2 else None
+
+
 def check_not_copying(batch: object, out: object, model: object = None) -> None:
     """Refuse `{'logits', 'labels'}` whose labels are the batch's own inputs: nbwatch's loss
     compares logits[:, t] with labels[:, t], so unshifted labels (what a Hugging Face causal

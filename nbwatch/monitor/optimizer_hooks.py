@@ -177,16 +177,7 @@ class OptimizerWatch:
         shared = sum(p.numel() for g in optimizer.param_groups for p in g["params"]
                      if id(p) in self.param_ids)
         if shared:
-            raise RuntimeError(
-                f"a second optimizer ({type(optimizer).__name__}, over {shared:,} of the "
-                "monitored model's weights) steps parameters of the monitored model, but "
-                f"the Monitor was given another ({type(self.optimizer).__name__}); one "
-                "Monitor measures and steers one optimizer: put all parameter groups in "
-                "the optimizer you pass to nbwatch.Monitor, or, where each network has its "
-                "own optimizer (a GAN's generator and discriminator), give each network its "
-                "own Monitor: Monitor(G, opt_g, run_dir=.../G) and "
-                "Monitor(D, opt_d, run_dir=.../D)"
-            )
+            raise RuntimeError(_second_optimizer(optimizer, self.optimizer, shared))
         self._foreign_ok.add(optimizer)
 
     def inner_hint(self) -> str:
@@ -208,6 +199,28 @@ class OptimizerWatch:
         rec = self.owner.recorder_for_step(open_loop=False)
         with rec.own if rec is not None else contextlib.nullcontext():
             self.clips.saw(self.owner.step, params, max_norm, total)
+
+
+def _second_optimizer(other: Any, watched: Any, shared: int) -> str:
+    """Why `other`, stepping the monitored model's weights, is refused, and what to do: a
+    replacement of the Monitor's optimizer (one re-created mid-run) said as such."""
+    held = {id(p) for g in other.param_groups for p in g["params"]}
+    head = (f"a second optimizer ({type(other).__name__}, over {shared:,} of the monitored "
+            f"model's weights) steps parameters of the monitored model, but the Monitor has "
+            f"another ({type(watched).__name__}); one Monitor watches one optimizer: ")
+    if all(id(p) in held for g in watched.param_groups for p in g["params"]):
+        return head + (
+            "this one holds every weight of the Monitor's, as an optimizer re-created "
+            "mid-run does, and the Monitor would go on watching the old one. Change the LR "
+            "in place instead (for g in optimizer.param_groups: g['lr'] = ...; or "
+            "mon.scale_lr(...)), or end this run and give the new optimizer a new Monitor")
+    return head + (
+        "put all parameter groups in the optimizer you pass to nbwatch.Monitor; where the "
+        "groups need two optimizers (Muon and AdamW, a sparse one for the embeddings), pass "
+        "one that steps both (docs/loops.md, 'Two optimizers on one model'); where each "
+        "network has its own optimizer (a GAN's generator and discriminator), give each "
+        "network its own Monitor: Monitor(G, opt_g, run_dir=.../G) and "
+        "Monitor(D, opt_d, run_dir=.../D)")
 
 
 def _measured_after(closure: Callable[[], Any], args: tuple, kwargs: dict,

@@ -96,7 +96,7 @@ def test_a_second_optimizer_on_the_model_is_refused_while_a_run_is_open():
     try:
         model(torch.ones(3, 4)).sum().backward()
         with pytest.raises(RuntimeError, match=r"a second optimizer \(SGD, over "
-                           r".* give each network its own Monitor"):
+                           r".* re-created mid-run"):  # all its weights: a replacement
             other.step()
     finally:
         watch.close_run()

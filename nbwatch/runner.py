@@ -23,7 +23,7 @@ from .checkpoint import rng_state, set_rng_state
 from .epoch_order import open_pass
 from .evaluation import evaluate
 from .probes.attention import clone_samples
-from .probes.data import batch_figures
+from .probes.data import batch_figures, doc_figures, packed_positions
 from .probes.late import drop_masks, keep_mask
 from .probes.logits import NAMES as LOGIT_NAMES
 from .probes.logits import is_logits
@@ -209,6 +209,9 @@ class Runner:
             m.data_s += time.perf_counter() - td
             rec.note_batch(batch, *self._pos)
             m.samples += _batch_size(batch)
+            pos = packed_positions(batch)
+            if pos is not None:
+                m.positions.append(pos)
             if spec.probe_batch is None and spec.eval_every and spec.attention_samples > 0:
                 spec.probe_batch = clone_samples(batch, spec.attention_samples)
             tf, own0 = time.perf_counter(), rec.own.closed
@@ -292,6 +295,10 @@ class Runner:
         if m.masks and not m.keeping:  # the first step's, or one that cannot be kept
             drop_masks(figures)
             rec.keep_seq_lens(batch_figures(m.masks).into(names, parts, figures))
+        if m.positions:  # packed: its documents' count and longest, for the record
+            dnames, dparts = doc_figures(m.positions)
+            names += dnames
+            parts += dparts
         rec.stage(names, parts)  # copied to the host with the gradient norms: one sync
         return figures
 
@@ -320,6 +327,7 @@ class _Micro:
 
     loss_sum: torch.Tensor | None = None  # sum of the micro-batches' detached losses
     masks: list[torch.Tensor] = field(default_factory=list)
+    positions: list[torch.Tensor] = field(default_factory=list)  # a packed batch's
     keeping: bool = False  # the masks so far kept for the record (probes/late.py)
     extras: dict[str, list[Any]] = field(default_factory=dict)  # the step_fn's scalars
     logits: list[torch.Tensor] | None = None  # [log Z, max |logit|] of the first's logits

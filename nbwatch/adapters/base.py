@@ -56,6 +56,7 @@ class Adapter:
         self._losses: list[Any] = []
         self._masks: list[Any] = []
         self._counts: list[int] = []  # the step's micro-batches' sample counts (no mask)
+        self._positions: list[Any] = []  # a packed batch's position_ids, per micro-batch
         self._logit_mask: Any = None  # an encoder-decoder's first micro-batch's target mask
         self._enc_dec: tuple[Any, bool] | None = None  # (model, whether it is one)
         self._fitting = False  # a fit is taken: from start()'s launch, or the fit's begin
@@ -113,8 +114,16 @@ class Adapter:
         sent as it ended must not stop the next), micro-batches. Subclasses add theirs."""
         self.monitor = self.handle = self.loop = None
         self._commands = ctl.CommandQueue()
-        self._losses, self._masks, self._counts = [], [], []
+        self._losses, self._masks, self._counts, self._positions = [], [], [], []
         self._logit_mask = None
+
+    def _note_packed(self, batch: Any) -> None:
+        """A packed micro-batch's position_ids, for its documents' figures."""
+        from ..probes.data import packed_positions
+
+        pos = packed_positions(batch)
+        if pos is not None:
+            self._positions.append(pos)
 
     def _close_unseen(self) -> None:
         """The last fit ended without telling us (an exception the framework passes to no
@@ -134,7 +143,7 @@ class Adapter:
         me = threading.current_thread()
         if self.handle is not None and self._fitting and self._owner is me:
             self._close_unseen()  # the framework began again inside start()'s fit
-            self._losses, self._masks, self._counts = [], [], []
+            self._losses, self._masks, self._counts, self._positions = [], [], [], []
             self._logit_mask = None
             self._check_fresh(resuming, how)
             return
@@ -199,13 +208,14 @@ class Adapter:
         blocks here). True once the fit should stop."""
         import torch
 
-        from ..probes.data import batch_figures
+        from ..probes.data import batch_figures, doc_figures
         from ..probes.late import keep_masks
 
         rec = self._rec()
         assert rec is not None  # the adapters call it in the fit's thread, once it opened
         losses, masks, self._losses, self._masks = self._losses, self._masks, [], []
         counts, self._counts = self._counts, []
+        positions, self._positions = self._positions, []
         logit_mask, self._logit_mask = self._logit_mask, None
         names: list[str] = []
         parts: list[Any] = []
@@ -222,6 +232,10 @@ class Adapter:
                 samples = sum(int(m.shape[0]) for m in masks)
             elif samples is None and counts:  # a batch of no tokens (images, audio)
                 samples = sum(counts)
+            if positions:  # packed: its documents' count and longest, for derive()
+                dnames, dparts = doc_figures(positions)
+                names += dnames
+                parts += dparts
             # the first micro-batch's forward: its mask leaves its padding out
             lnames, lparts = rec.logit_figures(
                 logit_mask if logit_mask is not None else masks[0] if masks else None, host)

@@ -265,6 +265,7 @@ class NbwatchCallback(Adapter, TrainerCallback):
             mask = batch_mask(inputs)
             if mask is not None:
                 self._masks.append(mask)
+            self._note_packed(inputs)
             self._note_logit_mask(model, inputs)
             n = batch_samples(inputs)  # samples/s for any model: pixel_values, input_values
             if n:

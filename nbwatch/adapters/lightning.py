@@ -105,6 +105,7 @@ class NbwatchCallback(Adapter, pl.Callback):
                                                                     torch.Tensor)), None)
             if mask is not None:
                 self._masks.append(mask)
+        self._note_packed(batch)
         self._note_logit_mask(pl_module, batch)
         n = batch_samples(batch)  # samples/s for any model: (x, y), pixel_values
         if n:

@@ -195,3 +195,43 @@ def is_encoder_decoder(model: Any) -> bool:
     mods = model.modules() if isinstance(model, torch.nn.Module) else [model]
     return any(getattr(getattr(m, "config", None), "is_encoder_decoder", False) is True
                for m in mods)
+
+
+# A packed step's documents, copied with its other figures; `packed_figures` reads them.
+DOCS = ("_docs", "_doc_len_max")
+
+
+def packed_positions(batch: Any) -> torch.Tensor | None:
+    """The `position_ids` of a packed batch (Hugging Face's `DataCollatorWithFlattening`:
+    sequences laid end to end in a row, each one's positions from 0, no attention_mask),
+    else None. A batch of one sequence a row passes too: its documents are its rows."""
+    if not isinstance(batch, Mapping) or batch.get("attention_mask") is not None:
+        return None
+    pos = batch.get("position_ids")
+    if (isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.numel()
+            and not pos.is_floating_point() and not pos.is_complex()):
+        return pos
+    return None
+
+
+def doc_figures(positions: list[torch.Tensor]) -> tuple[list[str], list[torch.Tensor]]:
+    """A packed step's documents, from its micro-batches' `position_ids`: how many (the
+    positions 0) and the longest (the largest position + 1), as 0-dim tensors on their
+    device, copied with the step's other figures (no sync)."""
+    docs = torch.stack([(p == 0).sum() for p in positions]).sum().float()
+    longest = torch.stack([p.max() for p in positions]).max().float() + 1
+    return list(DOCS), [docs, longest]
+
+
+def packed_figures(values: dict[str, float]) -> float | None:
+    """On the host: a packed step's sequence figures are its documents', not its rows'
+    (`data/seq_len_mean` the real tokens over the documents, `data/seq_len_max` the
+    longest); returns the documents' count, its samples, or None for a step not packed."""
+    docs, longest = (values.pop(k, None) for k in DOCS)
+    if not docs or longest is None:
+        return None
+    tokens = values.get("tokens/real")
+    if tokens is not None:
+        values["data/seq_len_mean"] = tokens / docs
+        values["data/seq_len_max"] = longest
+    return docs

@@ -24,7 +24,7 @@ import torch
 from .. import controls as ctl
 from ..distributed import SUMMED, rank_figures
 from ..probes import late as late_figures
-from ..probes.data import bad_mask
+from ..probes.data import bad_mask, packed_figures
 from ..probes.grads import Layers, ratio_names
 from ..probes.throughput import add_rates, timing_figures
 from ..records import Event, Scalars
@@ -340,8 +340,8 @@ def resolve_late(rec: Recording, steps: list) -> None:
 
 
 def derive(rec: Recording, step: int, values: dict[str, float]) -> None:
-    """The figures drawn from others: the padding ratio, samples/s and tokens/s (and a bad
-    mask's figures dropped, said once a run)."""
+    """The figures drawn from others: the padding ratio, samples/s and tokens/s, a packed
+    batch's sequence figures (and a bad mask's figures dropped, said once a run)."""
     bad = bad_mask(values)  # a mask of other values than 0/1: its figures dropped
     if bad is not None and not rec.flight.mask_said:
         rec.flight.mask_said = True
@@ -351,6 +351,7 @@ def derive(rec: Recording, step: int, values: dict[str, float]) -> None:
     if tokens is not None and padded:
         values["data/padding_ratio"] = 1.0 - tokens / padded
     samples = values.pop("_samples", None)
+    samples = packed_figures(values) or samples  # a packed batch's: its documents
     if not values.pop(EVAL_INSIDE, None):
         add_rates(values, int(samples) if samples else None)
 

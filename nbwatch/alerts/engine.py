@@ -170,12 +170,13 @@ class AlertEngine:
     """Feeds observations to the rules of each phase; fires once per episode.
 
     At each "step" observation it first adds the figures derived from the step's complete
-    figures to them (so they are recorded with the step): `derive`'s (MFU, say), then the
+    figures to them (so they are recorded with the step): `derive`'s (MFU, say; each
+    given the figures and their step), then the
     spike score (`spike_score.py`), which the rules that detect spikes (`Rule.spike_of`)
     feed and whose count their alerts carry."""
 
     def __init__(self, rules: list[Rule], window: int = 1000,
-                 derive: Sequence[Callable[[dict[str, Any]], None]] = (),
+                 derive: Sequence[Callable[[dict[str, Any], int], None]] = (),
                  start: Mapping[str, float] | None = None):
         self.rules = rules
         self.derive = list(derive)
@@ -256,7 +257,7 @@ class AlertEngine:
             fired += self._after_step(step, values)
         if phase == "step" and values is not None:
             for derive in self.derive:
-                derive(values)
+                derive(values, step)
             values.update(self.spike_score.observe(values))
             if self._spiked_at == step:
                 values[SCORE] = self.spike_score.mark()

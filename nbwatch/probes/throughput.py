@@ -179,6 +179,8 @@ class Mfu:
                  peak: float | None, n_trained: int | None = None):
         self.n, self.layers, self.d, self.ctx, self.peak = n_params, layers, d_model, ctx, peak
         self.n_trained = n_trained
+        self.retrained: list[tuple[int, int]] = []  # (from step, n_trained): changed mid-run
+        self.experts: Any = None  # the model's routed experts (`experts.find_experts`)
         self.unknown_experts: list[str] = []  # routed experts counted whole: top-k unknown
         self.notes: list[str] = []  # what the run says once of how far to trust its figures
 
@@ -202,7 +204,7 @@ class Mfu:
         experts = find_experts(unwrapped(model))
         trained = experts.active([p for p in matmul_params(model) if p.requires_grad])
         out = cls(*model_shape(model, experts), peak, n_trained=round(trained))
-        out.unknown_experts = experts.unknown
+        out.experts, out.unknown_experts = experts, experts.unknown
         out.notes = [unknown_note(experts.unknown)] if experts.unknown else []
         if is_encoder_decoder(model):
             out.notes.append(ENCODER_DECODER)
@@ -215,7 +217,19 @@ class Mfu:
             return tokens / samples / max(1.0 - values.get("data/padding_ratio", 0.0), 1e-6)
         return float(self.ctx or 0)
 
-    def __call__(self, values: dict[str, float]) -> None:
+    def retrain(self, model: Any, step: int) -> None:
+        """From `step` on, count the weights that take a gradient again: a layer unfrozen
+        (or frozen) mid-run changes what a token's backward pass costs."""
+        from .experts import find_experts
+        from .paths import unwrapped
+
+        experts = self.experts or find_experts(unwrapped(model))
+        trained = [p for p in matmul_params(model) if p.requires_grad]
+        self.retrained.append((step, round(experts.active(trained))))
+
+    def __call__(self, values: dict[str, float], step: int | None = None) -> None:
         if "throughput/tokens_per_s" in values:
+            trained = next((n for since, n in reversed(self.retrained)
+                            if step is None or since <= step), self.n_trained)
             add_mfu(values, flops_per_token(self.n, self.layers, self.seq_len(values),
-                                            self.d, self.n_trained), self.peak)
+                                            self.d, trained), self.peak)

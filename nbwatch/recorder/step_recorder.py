@@ -127,6 +127,10 @@ class StepRecorder:
             self.grad_names, self.ratio_names = grad_names(new), ratio_names(new)
             self.own_clips.relayer(new)
         self.train_logits.rehook()  # the output layer may be a new module
+        for derive in self.engine.derive:  # MFU: the weights that take a gradient now
+            retrain = getattr(derive, "retrain", None)
+            if retrain is not None:
+                retrain(self.model, step)
         self._emit(Event(step, "probe", "warning", said,
                          {"layers": list(new.names), "tensors": len(new.params)}))
 

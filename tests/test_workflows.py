@@ -260,3 +260,22 @@ def test_a_loss_mask_that_leaves_out_real_tokens_counts_the_tokens_read(tmp_path
     assert df["data/padding_ratio"].iloc[-1] == pytest.approx(6 / 68)
     assert df["data/seq_len_mean"].iloc[-1] == pytest.approx(62 / 4)
     assert not mon.events.message.str.contains("padding").any()
+
+
+def test_a_packers_segment_ids_in_the_attention_mask_are_real_tokens(tmp_path):
+    """A packer's attention_mask of segment ids (1, 2, 3 … a document, 0 padding) is the
+    batch's, not the step's: its nonzero entries are the real tokens, and the run is not
+    refused for a mask of other values than 0 and 1 (under the Trainer too)."""
+    from nbwatch.adapters.hf import batch_mask
+
+    ids = torch.randint(0, 64, (2, 12))
+    am = torch.tensor([[1] * 4 + [2] * 5 + [3] * 3, [1] * 6 + [2] * 4 + [0] * 2])
+    model, opt = new_tiny()
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False)
+    mon.start(lambda m, b: {"logits": m(b["input_ids"])[:, :-1], "labels": b["input_ids"][:, 1:]},
+              [{"input_ids": ids, "attention_mask": am}] * 3, max_steps=3)
+    mon.wait()
+    assert mon.state == "finished", mon.error
+    assert mon.df["tokens/real"].tolist() == [22.0] * 3
+    assert mon.df["data/padding_ratio"].iloc[-1] == pytest.approx(2 / 24)
+    assert int(batch_mask({"input_ids": ids, "attention_mask": am}).sum()) == 22

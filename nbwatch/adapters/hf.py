@@ -33,6 +33,7 @@ import torch
 from ..interrupts import Terminated
 from ..monitor import Monitor
 from ..probes.attention import take_samples
+from ..probes.data import attention_tokens
 from ..probes.throughput import batch_samples
 from .base import Adapter, callback_of, check_fit_arguments, drop_repeats, unwrap
 from .fit_run import FitRun
@@ -421,7 +422,7 @@ def batch_mask(inputs: Any) -> torch.Tensor | None:
         return None
     mask = inputs.get("attention_mask")
     if isinstance(mask, torch.Tensor):
-        return mask
+        return attention_tokens(mask)
     ids = inputs.get("input_ids")
     if isinstance(ids, torch.Tensor) and ids.ndim == 2 and not ids.is_floating_point():
         return torch.ones_like(ids, dtype=torch.bool)

@@ -33,6 +33,7 @@ from .. import controls as ctl
 from ..evaluation import GuessedForward, batch_call, describe_call
 from ..monitor import Monitor
 from ..probes.attention import take_samples
+from ..probes.data import attention_tokens
 from ..probes.throughput import batch_samples
 from .base import Adapter, callback_of, check_fit_arguments, drop_repeats, found_inf, unwrap
 from .fit_run import FitRun
@@ -101,10 +102,10 @@ class NbwatchCallback(Adapter, pl.Callback):
         if rec is not None:  # which batch; hashed only where it is on the CPU
             rec.note_batch(batch, trainer.current_epoch, batch_idx)
         if isinstance(batch, Mapping):
-            mask = next((batch[k] for k in _MASK_KEYS if isinstance(batch.get(k),
-                                                                    torch.Tensor)), None)
-            if mask is not None:
-                self._masks.append(mask)
+            key = next((k for k in _MASK_KEYS if isinstance(batch.get(k), torch.Tensor)), None)
+            if key is not None:  # the batch's own attention_mask: its tokens (segment ids)
+                mask = batch[key]
+                self._masks.append(attention_tokens(mask) if key == "attention_mask" else mask)
         self._note_packed(batch)
         self._note_logit_mask(pl_module, batch)
         n = batch_samples(batch)  # samples/s for any model: (x, y), pixel_values

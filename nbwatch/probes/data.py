@@ -18,6 +18,13 @@ _HOW = ("pass a 0/1 (or bool) attention mask, 1 for a real token and 0 for paddi
         "(e.g. batch['attention_mask'], or input_ids != pad_id)")
 
 
+def attention_tokens(mask: torch.Tensor) -> torch.Tensor:
+    """A batch's own `attention_mask` as the tokens it marks real: `mask != 0` (one op on
+    its device, no read), so a packer's segment ids (1, 2, 3 … a document, 0 padding) are
+    real tokens, not a mask the run is refused for; a bool mask as it is."""
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
 def check_mask(mask: torch.Tensor, who: str) -> None:
     """Refuse a mask that holds other values than 0 and 1 (a bool mask needs no look). On a
     GPU this waits for it (one host sync): the loops call it on the first step only, and

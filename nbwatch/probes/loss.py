@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .data import IGNORE_INDEX, is_encoder_decoder
+from .data import IGNORE_INDEX, attention_tokens, is_encoder_decoder
 
 
 def masked_cross_entropy(
@@ -65,8 +65,8 @@ def batch_mask(batch: object, out: object) -> torch.Tensor | None:
             and am.dim() == labels.dim() == 2 and am.shape[0] == labels.shape[0]):
         return None
     if am.shape[1] == labels.shape[1]:
-        return am
-    return am[:, 1:] if am.shape[1] == labels.shape[1] + 1 else None
+        return attention_tokens(am)
+    return attention_tokens(am[:, 1:]) if am.shape[1] == labels.shape[1] + 1 else None
 
 
 def input_mask(batch: object) -> torch.Tensor | None:
@@ -75,7 +75,7 @@ def input_mask(batch: object) -> torch.Tensor | None:
     real tokens (a fine-tuning prompt's, a masked LM's unmasked ones, the first of each
     shifted row)."""
     am = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-    return am if isinstance(am, torch.Tensor) and am.dim() == 2 else None
+    return attention_tokens(am) if isinstance(am, torch.Tensor) and am.dim() == 2 else None
 
 
 def check_not_copying(batch: object, out: object, model: object = None) -> None:

@@ -384,3 +384,76 @@ def test_a_cut_lr_a_step_rule_takes_is_the_lr_recorded_in_either_order(tmp_path,
         ev = run.events
         assert ev[ev.kind == "action"].message.str.contains("LR").any(), ev
         assert run.df["lr"].tolist() == used
+
+
+class LaggingEvent:
+    """A CUDA event's stand-in for a copy still under way: `query()` says no for `lag`
+    asks, and until then the host buffer holds NaN (what a read before the copy landed
+    would see); `synchronize()` lands it at once, as a wait for the device does."""
+
+    def __init__(self, src: torch.Tensor, host: torch.Tensor, lag: int, seen: list):
+        self.src, self.host, self.left, self.seen = src, host, lag, seen
+        self.landed = False
+
+    def query(self) -> bool:
+        if self.left > 0:
+            self.left -= 1
+            self.seen.append("not yet")
+            return False
+        self._land()
+        return True
+
+    def synchronize(self) -> None:
+        self.seen.append("waited")
+        self._land()
+
+    def _land(self) -> None:
+        if not self.landed:
+            self.host.copy_(self.src)
+            self.landed = True
+
+
+def lag_copies(monkeypatch, seen: list) -> None:
+    """Each CPU share of a step's copy lands late, by 0 to 3 asks of its event."""
+    lags = itertools.cycle([0, 2, 1, 3, 0, 1])
+    make = host_copy._OnDevice
+
+    def share(spans, host, event=None):
+        if event is not None:
+            return make(spans, host, event)
+        late = torch.full_like(host, math.nan)
+        return make(spans, late, LaggingEvent(host, late, next(lags), seen))
+
+    monkeypatch.setattr(host_copy, "_OnDevice", share)
+
+
+@pytest.mark.parametrize("loop", ["start", "own"])
+def test_copies_that_land_late_record_what_one_copied_at_once_does(tmp_path, monkeypatch,
+                                                                   loop):
+    """A GPU's copy lands when the device gets there: a boundary that finds it under way
+    waits for it (timed apart) or leaves it for later; nothing reads the host buffer
+    before it landed (it holds NaN until then). Both loops record what a run copied at
+    once does."""
+    runs, seen = [], []
+    for lagging in (False, True):
+        name = f"lag{lagging}"
+        if lagging:
+            lag_copies(monkeypatch, seen)
+        if loop == "start":
+            mon, _ = demo_run(tmp_path, name, lagging, monkeypatch)
+            mon.wait()
+            assert mon.state == "finished", mon.error
+        else:
+            defer_on_cpu(monkeypatch, lagging)
+            demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4)
+            m, opt = demo.model, demo.optimizer
+            with nbwatch.Monitor(m, opt, run_dir=tmp_path / name, hist_every=10,
+                                 display=False) as mon:
+                for b in itertools.islice(itertools.cycle(demo.train), 30):
+                    own_step(mon, m, opt, b)
+        runs.append(figures(nbwatch.open_run(tmp_path / name)))
+    assert "not yet" in seen and "waited" in seen  # the late paths were taken
+    df = runs[1][0]
+    assert df.index.tolist() == list(range(1, len(df) + 1))
+    assert not df["loss/train"].isna().any() and not df["grad_norm/global"].isna().any()
+    same(*runs)

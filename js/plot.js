@@ -114,6 +114,10 @@ export function baseLayout(t, extra = {}) {
     hoverlabel: { namelength: -1 },
     // the trend panels' x (step, time, tokens: js/axis.js), set on the theme by mount.js
     xaxis: t.axis ? t.axis.xaxis(t) : { gridcolor: t.grid, zerolinecolor: t.grid, title: { text: "step" } },
+    // A zoom or pan survives the redraws of a live run (a plot redraws with each refresh):
+    // plotly keeps what the user changed while `uirevision` stays the same. Another x axis
+    // (step, time, tokens) is another revision: its ranges start over.
+    uirevision: t.axis ? t.axis.active() : "step",
     yaxis: { gridcolor: t.grid, zerolinecolor: t.grid },
     ...extra,
   };

@@ -140,6 +140,7 @@ export function create(root, ctx) {
       hovertemplate: `${escTemplate(data.modules[l])} head ${h}<br>%{text}<br>weight %{z:.3f}<extra></extra>`,
     }], baseLayout(t, {
       margin: { l: 8, r: 8, t: 24, b: 8 },
+      uirevision: `${i}:${l}:${h}`, // another head or sample: its map unzoomed
       plot_bgcolor: t.grid, // padded positions (null cells) show through as grey
       title: { text: `${esc(data.modules[l])}, head ${h}`, font: { size: 11 } },
       xaxis: { side: "bottom", tickvals: ticks(S), ticktext: ticks(S).map(label), tickangle: -90, tickfont: { size: 9 },

@@ -1,9 +1,11 @@
-// Loss: train raw + smoothed, val points, the val−train gap shaded, LR on a second y axis,
-// a log-y toggle, and markers where an action or alert happened. A click on a loss spike's
+// Loss: train raw + smoothed (a slider sets the smoothing, as TensorBoard's does: js/smooth.js),
+// val points, the val−train gap shaded, LR on a second y axis, a log-y toggle, one hover for
+// every line at a step, and markers where an action or alert happened. A click on a loss spike's
 // marker shows its post-mortem under the chart: the kernel's lines (diagnose()'s timeline),
 // sent with the panel (`postmortems`, by step); nothing is computed here.
 import { Series, apply } from "../downsample.js";
 import { baseLayout, COLORS, CONFIG, el, esc, escTemplate, panel, severityColor } from "../plot.js";
+import { ema, keepWeight, keptWeight, KERNEL_WEIGHT } from "../smooth.js";
 
 const MAX_MARKERS = 300;
 const BASE_COLORS = ["#7f7f7f", "#b07aa1", "#9c755f", "#76b7b2"];
@@ -20,14 +22,14 @@ export function baselineTraces(b, i, ax) {
   const tx = at(b.train), vx = at(b.val), lx = at(b.lr);
   if (tx) out.push({ name: esc(name), legendgroup: `b${i}`, x: tx, y: b.train.y, type: "scatter", mode: "lines",
     line: { color, width: 1.5, dash: "dash" }, opacity: 0.6,
-    hovertemplate: `${said}<br>${ax.hover()}<br>train (smoothed) %{y:.4f}<extra></extra>` });
+    hovertemplate: `${said}<br>train (smoothed) %{y:.4f}<extra></extra>` });
   if (vx) out.push({ name: esc(`${name} val`), legendgroup: `b${i}`, showlegend: false, x: vx, y: b.val.y,
     type: "scatter", mode: "lines+markers", line: { color, width: 1, dash: "dot" }, opacity: 0.6,
     marker: { size: 6, symbol: "circle-open" },
-    hovertemplate: `${said}<br>${ax.hover()}<br>val %{y:.4f}<extra></extra>` });
+    hovertemplate: `${escTemplate(name)} val %{y:.4f}<extra></extra>` });
   if (lx) out.push({ name: esc(`${name} LR`), legendgroup: `b${i}`, showlegend: false, x: lx, y: b.lr.y, yaxis: "y2",
     type: "scatter", mode: "lines", line: { color, width: 1, dash: "dot" }, opacity: 0.45,
-    hovertemplate: `${said}<br>${ax.hover()}<br>LR %{y:.3e}<extra></extra>` });
+    hovertemplate: `${escTemplate(name)} LR %{y:.3e}<extra></extra>` });
   return out;
 }
 
@@ -46,11 +48,23 @@ export function create(root, ctx) {
   logBox.type = "checkbox";
   logBox.className = "nbw-logy";
   logLabel.append(logBox, document.createTextNode(" log y"));
+  // Smoothing of the train loss: the kernel's EMA at its weight (0.9, over every step), else
+  // the page's own EMA of the raw trace at the chosen weight; the raw trace stays faint behind.
+  const smoothLabel = el("label", "nbw-toggle nbw-smooth-label", "smoothing ");
+  smoothLabel.title = "exponential moving average of the train loss (TensorBoard's): 0 = raw";
+  const smoothBox = el("input", "nbw-smooth");
+  smoothBox.type = "range";
+  smoothBox.min = "0";
+  smoothBox.max = "0.99";
+  smoothBox.step = "0.01";
+  smoothBox.value = String(keptWeight());
+  const smoothVal = el("span", "nbw-smooth-value");
+  smoothLabel.append(smoothBox, smoothVal);
   // The baseline picker (a live dashboard: the runs beside this one); none in an export.
   const pick = el("select", "nbw-baseline-pick");
   pick.title = "draw another run faded under this one";
   pick.hidden = true;
-  p.head.append(pick, logLabel);
+  p.head.append(pick, smoothLabel, logLabel);
   const plot = el("div", "nbw-plot");
   const pm = el("div", "nbw-postmortem");
   const pmHead = el("div", "nbw-postmortem-head");
@@ -84,10 +98,10 @@ export function create(root, ctx) {
     p.box.dataset.postmortem = String(step);
   }
   pmClose.onclick = () => showPostmortem(null);
-  // The spike marker nearest a click (within a marker's reach, in pixels), or null.
+  // The spike marker nearest a click (within a marker's reach, in pixels), or null. (The
+  // hover is unified: a click's points are every line's at that x, a marker's among them
+  // however far it is, so only the distance says.)
   function spikeAt(ev, ax, top) {
-    const direct = (ev.points || []).find((pt) => pt.data && pt.data.name === "events");
-    if (direct && markers.some((m) => m.spike && m.step === direct.customdata)) return direct.customdata;
     const fl = plot._fullLayout, r = plot.getBoundingClientRect(), e = ev.event;
     if (!fl || !e) return null;
     let best = null, dist = 14;
@@ -113,6 +127,16 @@ export function create(root, ctx) {
     pick.hidden = !names.length;
   }
   logBox.onchange = () => { dirty = true; ctx.schedule(); };
+  const weight = () => Number(smoothBox.value);
+  const showWeight = () => { smoothVal.textContent = weight().toFixed(2); p.box.dataset.smoothing = smoothVal.textContent; };
+  showWeight();
+  smoothBox.oninput = () => { showWeight(); keepWeight(weight()); dirty = true; ctx.schedule(); };
+  // The smoothed train loss as drawn: the kernel's at its weight, the page's otherwise.
+  function smoothed() {
+    const w = weight();
+    if (Math.abs(w - KERNEL_WEIGHT) < 1e-9 && s.smooth.x.length) return s.smooth;
+    return { x: s.train.x, y: ema(s.train.x, s.train.y, w) };
+  }
 
   return {
     box: p.box,
@@ -148,30 +172,32 @@ export function create(root, ctx) {
       if (!Number.isFinite(top)) top = 1;
       const ax = t.axis;
       const gx = ax.x(gap.x);
+      const sm = smoothed();
       const traces = [
         ...baselines.flatMap((b, i) => baselineTraces(b, i, ax)),
         ...Object.entries(branches).map(([n, b]) => ({
           name: `rewound over (${n})`, ...ax.line(b.x, b.y), type: "scatter", mode: "lines",
           line: { color: COLORS["loss/train"], width: 1, dash: "dot" }, opacity: 0.35,
-          hovertemplate: `${ax.hover()}<br>train %{y:.4f} (rewound over, rewind ${n})<extra></extra>` })),
+          hovertemplate: `train %{y:.4f} (rewound over, rewind ${n})<extra></extra>` })),
         { name: "train loss", ...ax.line(s.train.x, s.train.y), type: "scatter", mode: "lines",
           line: { color: COLORS["loss/train"], width: 1 }, opacity: 0.45,
-          hovertemplate: `${ax.hover()}<br>train %{y:.4f}<extra></extra>` },
-        { name: "train (smoothed)", ...ax.line(s.smooth.x, s.smooth.y), type: "scatter", mode: "lines",
+          hovertemplate: "train %{y:.4f}<extra></extra>" },
+        { name: "train (smoothed)", ...ax.line(sm.x, sm.y), type: "scatter", mode: "lines",
           line: { color: COLORS["loss/train_smooth"], width: 2 },
-          hovertemplate: `${ax.hover()}<br>smoothed %{y:.4f}<extra></extra>` },
-        { name: "train at eval", x: gx, y: gap.y, type: "scatter", mode: "lines",
+          hovertemplate: `smoothed (${weight().toFixed(2)}) %{y:.4f}<extra></extra>` },
+        { name: "train at eval", showlegend: false, x: gx, y: gap.y, type: "scatter", mode: "lines",
           line: { width: 0, color: COLORS["loss/val"] }, hoverinfo: "skip" },
         { name: "val − train gap", x: gx, y: gap.top, type: "scatter", mode: "lines",
           line: { width: 0, color: COLORS["loss/val"] }, fill: "tonexty",
-          fillcolor: COLORS.gap, customdata: gap.top.map((v, i) => v - gap.y[i]),
-          hovertemplate: `${ax.hover()}<br>gap %{customdata:.4f}<extra></extra>` },
+          fillcolor: COLORS.gap, customdata: gap.top.map((v, i) => [v - gap.y[i], gap.x[i]]),
+          hovertemplate: "val − train gap %{customdata[0]:.4f} (step %{customdata[1]})<extra></extra>" },
         { name: "val loss", ...ax.line(s.val.x, s.val.y), type: "scatter", mode: "lines+markers",
-          line: { color: COLORS["loss/val"], width: 1.5 }, marker: { size: 7 },
-          hovertemplate: `${ax.hover()}<br>val %{y:.4f}<extra></extra>` },
+          line: { color: COLORS["loss/val"], width: 1.5 }, marker: { size: 7 }, customdata: Array.from(s.val.x),
+          // the hover shows the eval nearest the pointer: its own step said, not the pointer's
+          hovertemplate: "val %{y:.4f} (step %{customdata})<extra></extra>" },
         { name: "LR", ...ax.line(s.lr.x, s.lr.y), type: "scatter", mode: "lines", yaxis: "y2",
           line: { color: COLORS.lr, width: 1.5, dash: "dot" },
-          hovertemplate: `${ax.hover()}<br>LR %{y:.3e}<extra></extra>` },
+          hovertemplate: "LR %{y:.3e}<extra></extra>" },
         // at the top of the loss axis: a third, hidden axis would cost a third of this draw
         { name: "events", x: ax.x(markers.map((m) => m.step)), customdata: markers.map((m) => m.step), y: markers.map(() => top), cliponaxis: false,
           type: "scatter", mode: "markers",
@@ -179,13 +205,18 @@ export function create(root, ctx) {
           marker: { symbol: "triangle-down", size: markers.map((m) => (m.spike ? 13 : 10)),
             color: markers.map((m) => severityColor(m.severity)),
             line: { width: markers.map((m) => (m.spike ? 1.5 : 0)), color: t.font } },
-          hovertemplate: "step %{customdata}<br>%{text}<extra></extra>" },
+          hovertemplate: "step %{customdata}: %{text}<extra></extra>" },
       ];
       const layout = baseLayout(t, {
         margin: { l: 52, r: 60, t: 8, b: 32 },
-                showlegend: true,
+        showlegend: true,
+        // one hover for every line at the step under the pointer, the step as its title
+        hovermode: "x unified",
+        xaxis: ax.xaxis(t, { unifiedhovertitle: { text: ax.hover() } }),
         legend: { orientation: "h", y: -0.22, font: { size: 10 } },
-        yaxis: { title: { text: "loss" }, type: logBox.checked ? "log" : "linear", gridcolor: t.grid },
+        // a zoom on x outlives the switch to log y; one on y (in the other scale's units) not
+        yaxis: { title: { text: "loss" }, type: logBox.checked ? "log" : "linear", gridcolor: t.grid,
+          uirevision: `${ax.active()}:${logBox.checked ? "log" : "linear"}` },
         yaxis2: { title: { text: "LR" }, overlaying: "y", side: "right", showgrid: false, zeroline: false,
           exponentformat: "e", color: COLORS.lr, ...flatRange(s.lr.y) },
         shapes: markers.map((m) => ({ type: "line", xref: "x", yref: "paper", x0: ax.at(m.step), x1: ax.at(m.step),

@@ -159,7 +159,7 @@ export function create(root, ctx) {
         hovertemplate: `${t.axis.hover()}<br>weight %{y:.3g}<br>fraction %{z:.3f}<extra></extra>`,
       }], heatLayout(t, hx, { margin: { l: 52, r: 8, t: 24, b: 32 },
         title: { text: `weight histogram: ${esc(layer || "–")}`, font: { size: 11 } },
-        yaxis: { title: { text: "weight" }, gridcolor: t.grid } }), CONFIG);
+        yaxis: { title: { text: "weight" }, gridcolor: t.grid, uirevision: layer } }), CONFIG); // another layer: its own weights' range
       const traces = shownRatios(layers, ratios, layer).map((l) => ({
         name: esc(l), ...t.axis.line(ratios[l].x, ratios[l].y), type: "scatter", mode: many && ratios[l].x.length > 30 ? "lines" : "lines+markers", // a point or two: markers, or nothing shows
         marker: { size: 3 },

@@ -67,6 +67,7 @@ export function mount(root, ctx, { live, commands = [] }) {
   }
   relistAxis();
   pick.onchange = () => {
+    unfocus();
     axis.mode = pick.value;
     root.dataset.xaxis = axis.active();
     if (ctx.saveAxis) ctx.saveAxis(axis.mode);
@@ -82,7 +83,7 @@ export function mount(root, ctx, { live, commands = [] }) {
   const asked = {}; // view → a user's click asked it to redraw: it draws at the next frame
   const later = {}; // view → out of view at a full state's draw: it draws in a frame after
   for (const [name, mod] of Object.entries(PANELS)) {
-    views[name] = mod.create(grid, { ...ctx, schedule: () => { asked[name] = true; ctx.schedule(); } });
+    views[name] = mod.create(grid, { ...ctx, focus, schedule: () => { asked[name] = true; ctx.schedule(); } });
   }
   const stale = {};    // view → got something new since it last drew
   const onscreen = {}; // view → intersects the viewport (or near it)
@@ -147,10 +148,39 @@ export function mount(root, ctx, { live, commands = [] }) {
     return ms;
   }
 
+  // A step shown in every trend chart drawn (an alert's, clicked in the feed): each x axis
+  // zoomed to a window around it (±5% of the run, ≥ 10 steps), kept through the redraws as a
+  // user's zoom is (uirevision), the loss brought into view. The same step again: the whole
+  // run back. A trend chart is one drawn against the trend axis (its x title says so).
+  let drawnWith = null; // the Plotly of the last draw
+  let focused = null;
+  function focus(step) {
+    if (!drawnWith) return null;
+    const again = focused === step;
+    focused = again ? null : step;
+    const w = Math.max(10, Math.round((Number(root.dataset.step) || step) * 0.05));
+    const range = [axis.at(Math.max(step - w, 0)), axis.at(step + w)];
+    for (const gd of grid.querySelectorAll(".js-plotly-plot")) {
+      const xa = gd._fullLayout && gd._fullLayout.xaxis;
+      if (!xa || !xa.title || xa.title.text !== axis.title()) continue;
+      drawnWith.relayout(gd, again ? { "xaxis.autorange": true } : { "xaxis.range": range });
+    }
+    if (focused === null) delete root.dataset.focus;
+    else {
+      root.dataset.focus = String(step);
+      views.loss.box.scrollIntoView({ block: "nearest" });
+    }
+    return focused;
+  }
+
+  // another x axis starts every range over (another uirevision): no step is shown any more
+  function unfocus() { focused = null; delete root.dataset.focus; }
+
   let t = null; // the theme: read from the page's CSS (a forced style pass) only when it may have changed
   function draw(Plotly) {
     if (force || !t) t = theme(root);
     t.axis = axis;
+    drawnWith = Plotly;
     Plotly = lighten(Plotly);
     const now = performance.now();
     refill(now);
@@ -210,6 +240,7 @@ export function mount(root, ctx, { live, commands = [] }) {
   // Another x axis, as the switch would (a kept choice arriving late: the widget's model).
   function setAxis(mode) {
     if (!MODES[mode] || mode === axis.mode) return;
+    unfocus();
     axis.mode = mode;
     pick.value = axis.active();
     root.dataset.xaxis = axis.active();

@@ -1,9 +1,11 @@
-// Alerts: a feed of alerts, actions, checkpoints and errors, newest first, by severity.
+// Alerts: a feed of alerts, actions, checkpoints and errors, newest first, by severity. A
+// click on an item shows its step in every trend chart (mount.js focus()); a second click on
+// the same step gives the whole run back.
 import { el, panel } from "../plot.js";
 
 const MAX_ITEMS = 200;
 
-export function create(root) {
+export function create(root, ctx) {
   const p = panel(root, "alerts", "Alerts & actions");
   const list = el("ol", "nbw-feed");
   p.body.appendChild(list);
@@ -20,6 +22,16 @@ export function create(root) {
         li.dataset.kind = it.kind;
         li.append(el("span", "nbw-item-step", `step ${it.step}`), el("span", "nbw-item-kind", it.kind),
           el("span", "nbw-item-msg", it.message));
+        li.dataset.step = String(it.step);
+        li.tabIndex = 0;
+        li.title = `show step ${it.step} in the charts (click again: the whole run)`;
+        const go = () => {
+          const at = ctx.focus(it.step);
+          for (const o of list.children) delete o.dataset.focused;
+          if (at !== null) li.dataset.focused = "yes";
+        };
+        li.onclick = go;
+        li.onkeydown = (e) => { if (e.key === "Enter") go(); };
         return li;
       });
       list.prepend(...rows);

@@ -174,3 +174,42 @@ def test_live_a_zoom_survives_the_refreshes_and_a_double_click_follows_the_run_a
         store.set_meta("state", "finished")
         store.close()
         lab.shutdown_kernels()
+
+
+def test_a_click_on_an_alert_shows_its_step_in_every_trend_chart(browser, tmp_path):
+    run = write_run(tmp_path / "run", steps=400)  # an alert at step 10, an action at 11
+    with exported_page(browser, run, tmp_path / "run.html") as (page, errors):
+        ranges = """() => [...document.querySelectorAll('.nbw-grid .js-plotly-plot')]
+            .filter((gd) => gd._fullLayout && gd._fullLayout.xaxis.title.text === 'step')
+            .map((gd) => [gd.closest('[data-panel]').dataset.panel, gd._fullLayout.xaxis.range])"""
+        before = page.evaluate(ranges)
+        assert {p for p, _ in before} >= {"loss", "grads", "weights", "data", "metrics"}
+        alert = page.locator("[data-panel=alerts] .nbw-item[data-kind=alert]")
+        alert.scroll_into_view_if_needed()
+        alert.click()
+        page.wait_for_function("() => document.querySelector('.nbw-root').dataset.focus === '10'")
+        # ±5% of the run (20 steps), from 0: step 10 in every chart against steps
+        shown = page.evaluate(ranges)
+        assert len(shown) == len(before)
+        for panel, r in shown:
+            assert r == pytest.approx([0, 30]), panel
+        assert alert.get_attribute("data-focused") == "yes"
+        # the loss brought into view, the bars and histograms (not against steps) untouched
+        assert page.locator("[data-panel=loss]").evaluate(
+            "(b) => b.getBoundingClientRect().bottom > 0"
+            " && b.getBoundingClientRect().top < innerHeight")
+        # kept through a redraw, as a zoom of one's own is (a live run redraws all the time)
+        page.click(".nbw-logy")
+        page.wait_for_function(f"() => {LOSS}._fullLayout.yaxis.type === 'log'")
+        assert page.evaluate(ranges)[0] == ["loss", pytest.approx([0, 30])]
+        bars = "document.querySelector('[data-panel=grads] .nbw-grads-bars')._fullLayout.xaxis"
+        assert page.evaluate(f"() => {bars}.title.text") == "grad norm"
+        assert page.evaluate(f"() => {bars}.autorange") is True
+        # another item: its step; the same one again: the whole run back
+        page.locator("[data-panel=alerts] .nbw-item[data-kind=action]").click()
+        page.wait_for_function("() => document.querySelector('.nbw-root').dataset.focus === '11'")
+        assert page.evaluate(ranges)[0][1] == pytest.approx([0, 31])
+        page.locator("[data-panel=alerts] .nbw-item[data-kind=action]").click()
+        page.wait_for_function("() => !('focus' in document.querySelector('.nbw-root').dataset)")
+        assert page.evaluate(ranges) == before
+        assert not errors, errors

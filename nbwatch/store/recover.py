@@ -105,12 +105,15 @@ def fold(con: sqlite3.Connection, tries: int = 20) -> str | None:
     """Checkpoint the WAL into the database file and leave WAL mode without a hot journal
     at any instant: WAL → OFF writes the header in one page write (no journal), then
     OFF → DELETE writes nothing. None when folded, else why not: `HELD` (another
-    connection kept it from folding, tried `tries` times), or the error (a full disk)."""
+    connection kept it from folding, tried `tries` times), or the error (a full disk).
+    Each pragma's rows are read to their end: a statement left at a row stays active while
+    anything keeps its cursor alive (a `gc.get_objects()` in another thread), and SQLite
+    then refuses the change of journal mode ("from within a transaction")."""
     for _ in range(tries):
         try:
-            con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            if con.execute("PRAGMA journal_mode=OFF").fetchone()[0] == "off":
-                con.execute("PRAGMA journal_mode=DELETE")
+            con.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            if con.execute("PRAGMA journal_mode=OFF").fetchall()[0][0] == "off":
+                con.execute("PRAGMA journal_mode=DELETE").fetchall()
                 return None
         except sqlite3.OperationalError as e:
             if "locked" not in str(e) and "busy" not in str(e):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -354,9 +355,16 @@ class Monitor(ctl.Controls, Readout):
         """Block until training ends; re-raise the exception that ended it, if any.
 
         In a notebook this blocks the cell, and widget clicks wait until it returns.
-        Ctrl-C ("Interrupt kernel") ends the wait, not the run.
+        Ctrl-C ("Interrupt kernel") ends the wait, not the run. A loop of your own in the
+        foreground has nothing to join: called on its thread (between its steps, so after
+        its last), wait() ends its run as close() does, stopped if a stop was asked.
         """
-        self._thread.wait(timeout, lambda: self.step)
+        session = self._session
+        if (session.mode == "loop" and session.framework is None
+                and session.loop_thread is threading.current_thread()):
+            self._end_loop(None)  # (once ended, nothing: its recorder is gone)
+        else:
+            self._thread.wait(timeout, lambda: self.step)
         progress = self._session.progress
         if progress.error is not None:
             raise progress.error.with_traceback(progress.error_tb)

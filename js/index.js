@@ -19,7 +19,11 @@ function render({ model, el }) {
   // new): silence for SILENT_MS means it was restarted or shut down, and the page says so
   // rather than show "running" with an ETA and buttons that reach nothing.
   const SILENT_MS = 15000;
-  const GONE = "no word from the kernel: it was restarted or shut down (the run folder says how the run ended: `%nbwatch RUN_DIR` reopens it), or it is overloaded";
+  const reopen = `\`%nbwatch ${model.get("run_dir") || "RUN_DIR"}\``;
+  const GONE = `no word from the kernel: it was restarted or shut down (the run folder says how the run ended: ${reopen} reopens it), or it is overloaded`;
+  // No kernel has answered this view yet: a cell still running holds its messages, or the
+  // notebook was reopened with its widget state saved and the kernel that ran it is gone.
+  const UNANSWERED = `waiting for the kernel… (a running cell holds it; or this notebook was reopened after its kernel ended: ${reopen} shows the run again)`;
   let heard = performance.now();
   let ended = true; // until the kernel says the run is live
   let runState = null;
@@ -49,6 +53,8 @@ function render({ model, el }) {
   };
   const board = mount(root, ctx, { live: model.get("live"), commands: model.get("commands") });
   const ctl = board.ctl;
+  // no button until the kernel speaks: what it would reach and the run's state are unknown
+  if (ctl) ctl.setState("starting", true);
   const status = document.createElement("div");
   status.className = "nbw-status";
   status.textContent = "waiting for the kernel…";
@@ -141,7 +147,7 @@ function render({ model, el }) {
   let tries = 0;
   const hello = () => {
     if (ready || !alive) return;
-    if (tries++ === 3) status.textContent = "waiting for the kernel… (is it running? `%nbwatch RUN_DIR` reopens a finished run)";
+    if (tries++ === 3) status.textContent = UNANSWERED;
     model.send({ type: "hello", view: viewId, plotly: needPlotly() });
     helloTimer = setTimeout(hello, Math.min(1000 * tries, 5000));
   };

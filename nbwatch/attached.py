@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import pandas as pd
 
 from . import controls as ctl
+from .interrupts import wait_only
 from .lifecycle import STALE, WAITING
 from .records import Command
 from .run import EVENT_COLUMNS, Run, started_run
@@ -182,14 +183,15 @@ class Attached(ctl.Controls):
     def wait(self, timeout: float | None = None, poll: float = 0.25) -> Attached:
         """Block until the run ends; raise `RunFailed` if it failed, RuntimeError if stale."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            state = self.state
-            if state in ENDED or state == STALE:
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"the run is still {state} at step {self.step} after "
-                                   f"{timeout:g} s")
-            time.sleep(poll)
+        with wait_only(self):
+            while True:
+                state = self.state
+                if state in ENDED or state == STALE:
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"the run is still {state} at step {self.step} after "
+                                       f"{timeout:g} s")
+                time.sleep(poll)
         if state == "failed":
             raise self.error or RunFailed(f"the run in {self.run_dir} failed")
         if state == STALE:

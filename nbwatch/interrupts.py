@@ -1,5 +1,6 @@
 """Ctrl-C while a run ends in the foreground: the first press lets the final checkpoint
-and the store's last commit finish, then interrupts; a second press abandons them. And
+and the store's last commit finish, then interrupts; a second press abandons them. Ctrl-C
+in a `wait()` for a run in the background ends the wait, not the run, and says so. And
 `Terminated`: how a script's SIGTERM unwinds its loop (monitor/exiting.py).
 
 Without it a press during the close (the cell's `with` block, the Trainer's end) cut the
@@ -26,6 +27,20 @@ class Terminated(SystemExit):
     def __init__(self, why: str) -> None:
         super().__init__(128 + signal.SIGTERM)
         self.why = why
+
+
+@contextmanager
+def wait_only(run: Any) -> Iterator[None]:
+    """A wait for `run` (a handle with `running`, `state`, `step`, `run_dir`): Ctrl-C ("Interrupt
+    kernel") ends the wait, not the run, and its KeyboardInterrupt says so (it said nothing,
+    and the run trained on unseen by whoever pressed it to stop training)."""
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        if run.running:
+            e.add_note(f"nbwatch: Ctrl-C ended the wait, not the run: it is {run.state} at step "
+                       f"{run.step} in {run.run_dir}; stop() or the Stop button stops it")
+        raise
 
 
 @contextmanager

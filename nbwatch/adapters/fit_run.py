@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import controls as ctl
+from ..interrupts import wait_only
 from ..lifecycle import LIVE, RunState
 from ..ownership import forked_from, refuse_in_training_thread
 from ..records import Command, Event
@@ -137,7 +138,9 @@ class FitRun(ctl.Controls, Readout):
     def wait(self, timeout: float | None = None) -> FitRun:
         """Block until the fit returns; re-raise its exception, if any."""
         refuse_in_training_thread("wait()", (self._thread,))
-        if not self._done.wait(timeout):
+        with wait_only(self):
+            ended = self._done.wait(timeout)
+        if not ended:
             raise TimeoutError(f"the fit is still running at step {self.step} after {timeout}s")
         if self._thread is not None:
             self._thread.join()

@@ -24,6 +24,7 @@ from .. import controls as ctl
 from ..alerts.rules import Rule
 from ..checkpoint import Checkpointer
 from ..distributed import NullStore
+from ..interrupts import wait_only
 from ..lifecycle import RunState
 from ..notebook import current_cell, in_notebook, remember
 from ..ownership import refuse_in_training_thread
@@ -355,16 +356,18 @@ class Monitor(ctl.Controls, Readout):
         """Block until training ends; re-raise the exception that ended it, if any.
 
         In a notebook this blocks the cell, and widget clicks wait until it returns.
-        Ctrl-C ("Interrupt kernel") ends the wait, not the run. A loop of your own in the
-        foreground has nothing to join: called on its thread (between its steps, so after
-        its last), wait() ends its run as close() does, stopped if a stop was asked.
+        Ctrl-C ("Interrupt kernel") ends the wait, not the run (its traceback says so).
+        A loop of your own in the foreground has nothing to join: called on its thread
+        (between its steps, so after its last), wait() ends its run as close() does,
+        stopped if a stop was asked.
         """
         session = self._session
         if (session.mode == "loop" and session.framework is None
                 and session.loop_thread is threading.current_thread()):
             self._end_loop(None)  # (once ended, nothing: its recorder is gone)
         else:
-            self._thread.wait(timeout, lambda: self.step)
+            with wait_only(self):
+                self._thread.wait(timeout, lambda: self.step)
         progress = self._session.progress
         if progress.error is not None:
             raise progress.error.with_traceback(progress.error_tb)

@@ -1,0 +1,70 @@
+"""The kernel's interrupt button (SIGINT to the kernel) while a run trains in its thread:
+it ends a cell's `mon.wait()`, not the run, and the traceback the cell shows says so. A real
+kernel through jupyter_client, interrupted the way JupyterLab does it."""
+
+from __future__ import annotations
+
+import _thread
+import re
+import threading
+import time
+
+import pytest
+
+import nbwatch
+from tests.conftest import until
+from tests.test_kernel_shutdown import in_kernel
+
+pytest.importorskip("jupyter_client")
+
+
+@pytest.mark.slow
+def test_interrupt_in_wait_ends_the_wait_not_the_run_and_says_so(tmp_path):
+    """The cell showed a bare KeyboardInterrupt inside threading.py, and the run trained on
+    unseen by whoever pressed Interrupt to stop it."""
+    run_dir = tmp_path / "int"
+    k = in_kernel(tmp_path, f"""
+        import nbwatch
+        from nbwatch.demo import make_demo
+        demo = make_demo(d=32, layers=2, heads=2, ctx=32, max_steps=100_000)
+        mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler,
+                              run_dir={str(run_dir)!r})
+        mon.start(max_steps=100_000, eval_every=10_000, display=False, **demo.start_kwargs())
+    """)
+    try:
+        until(lambda: (run_dir / "nbwatch.db").exists() and nbwatch.open_run(run_dir).step >= 3,
+              120, "the run in the kernel to take 3 steps")
+        msg_id = k.kc.execute("mon.wait()")
+        time.sleep(1.5)  # the cell waits
+        k.km.interrupt_kernel()
+        reply = k.kc.get_shell_msg(timeout=30)
+        assert reply["parent_header"]["msg_id"] == msg_id
+        content = reply["content"]
+        assert content["status"] == "error" and content["ename"] == "KeyboardInterrupt"
+        shown = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(content["traceback"]))
+        assert "Ctrl-C ended the wait, not the run: it is running at step" in shown, shown
+        assert str(run_dir) in shown
+        step = nbwatch.open_run(run_dir).step
+        until(lambda: nbwatch.open_run(run_dir).step > step + 2, 60, "the run to train on")
+        k.run("assert mon.running and mon.state == 'running', mon.state")
+    finally:
+        k.shut_down()
+
+
+def test_interrupt_in_an_attached_wait_says_the_run_trains_on(tmp_path):
+    """`nbwatch.attach(DIR).wait()` (another process's run, or this one's) says the same."""
+    from nbwatch.demo import make_demo
+
+    demo = make_demo(d=16, layers=1, heads=1, ctx=16, max_steps=100_000)
+    mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler, run_dir=tmp_path / "a")
+    mon.start(max_steps=100_000, eval_every=10_000, display=False, **demo.start_kwargs())
+    try:
+        until(lambda: mon.step >= 2, 60, "two steps")
+        threading.Timer(0.5, _thread.interrupt_main).start()
+        with pytest.raises(KeyboardInterrupt) as got:
+            nbwatch.attach(mon.run_dir).wait()
+        assert "Ctrl-C ended the wait, not the run" in " ".join(got.value.__notes__)
+        assert mon.running
+    finally:
+        mon.stop()
+        mon.wait()

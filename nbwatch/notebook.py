@@ -10,12 +10,45 @@ from collections.abc import Callable
 from typing import Any
 
 _latest: weakref.ref[Any] | None = None
+# the Monitors that started a run here, by the notebook cell that started it
+_started: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 def remember(monitor: Any) -> None:
     """Make `monitor` the one a bare `%nbwatch` shows (called by `Monitor.start`)."""
     global _latest
     _latest = weakref.ref(monitor)
+
+
+def started_here(monitor: Any) -> None:
+    """`monitor` started a run in this cell: remember it, and say so where a run this very
+    cell started before still trains (the cell run again on a new model: the old run's
+    dashboard is gone from the notebook and no variable names it, but it trains on)."""
+    remember(monitor)
+    cell = cell_id()
+    if cell is None:
+        return
+    for other, where in list(_started.items()):
+        if other is not monitor and where == cell and other.running:
+            print(f"nbwatch: the run this cell started before still trains ({other.state} at "
+                  f"step {other.step}, in {other.run_dir}), beside this one. Stop it with "
+                  f"nbwatch.attach({str(other.run_dir)!r}).stop()", file=sys.stderr)
+    _started[monitor] = cell
+
+
+def cell_id() -> str | None:
+    """The id of the notebook cell running now (JupyterLab and Notebook 7 send it with each
+    execution), None where none is sent or outside a kernel."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    kernel = getattr(get_ipython(), "kernel", None)
+    try:
+        cell = kernel.get_parent()["metadata"].get("cellId") if kernel is not None else None
+    except (AttributeError, KeyError, TypeError):  # an older ipykernel, another front end
+        return None
+    return str(cell) if cell else None
 
 
 def latest() -> Any | None:

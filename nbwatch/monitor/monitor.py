@@ -26,7 +26,7 @@ from ..checkpoint import Checkpointer
 from ..distributed import NullStore
 from ..interrupts import wait_only
 from ..lifecycle import RunState
-from ..notebook import current_cell, in_notebook, remember
+from ..notebook import current_cell, in_notebook, started_here
 from ..ownership import refuse_in_training_thread
 from ..recorder import Rewound, StopTraining
 from ..records import Command
@@ -346,7 +346,7 @@ class Monitor(ctl.Controls, Readout):
     def _shown(self, display: bool | None) -> Monitor:
         if self._setup.rank != 0:
             return self
-        remember(self)  # `%nbwatch` shows the newest run
+        started_here(self)  # `%nbwatch` shows the newest run; a cell run again is told
         if display if display is not None else in_notebook():
             self.show()
         self._shown_in = current_cell()  # as this cell's result: no dashboard (again)

@@ -648,3 +648,30 @@ def test_a_refused_monitor_leaves_no_run_folder_behind(tiny, tmp_path):
     finally:
         first.stop()
         first.wait()
+
+
+def test_a_new_optimizer_on_a_model_a_running_monitor_trains_is_refused(tiny, tmp_path):
+    """A cell that makes the optimizer and the Monitor, run again while its run trains: the
+    new Monitor was made and started, two threads trained one model, and the first run, of
+    hours maybe, failed ("a second optimizer ... steps parameters of the monitored model")."""
+    model, opt, batches = tiny
+    again = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    later = nbwatch.Monitor(model, again, run_dir=tmp_path / "c")  # made before it trains
+    first = nbwatch.Monitor(model, opt, run_dir=tmp_path / "a")
+    first.start(slow_step, batches, max_steps=10_000, display=False)
+    try:
+        until(lambda: first.step >= 2)
+        with pytest.raises(RuntimeError, match=r"weights are trained, with another optimizer, "
+                           r"by a running Monitor \('a', running at step \d+\); stop\(\)"):
+            nbwatch.Monitor(model, torch.optim.AdamW(model.parameters()), run_dir=tmp_path / "b")
+        with pytest.raises(RuntimeError, match="weights are trained, with another optimizer"):
+            later.start(slow_step, batches, max_steps=3, display=False)
+        step = first.step
+        until(lambda: first.step >= step + 2)
+        assert first.running and first.error is None
+        assert not (tmp_path / "b").exists()
+    finally:
+        first.stop()
+        first.wait()
+    later.start(slow_step, batches, max_steps=3, display=False).wait()  # once it ended
+    assert later.state == "finished"

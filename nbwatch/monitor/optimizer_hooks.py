@@ -87,6 +87,16 @@ class Owner(Protocol):
         """Whether a clip of the model's gradients now is the loop's own."""
 
 
+def _stepped(optimizer: Any) -> set[int]:
+    return {id(p) for g in optimizer.param_groups for p in g["params"]}
+
+
+def _busy(what: str, other: Owner) -> str:
+    return (f"{what} by a running Monitor ({other.name!r}, {other.state} at step {other.step});"
+            " stop() and wait() it first (it trains on: `%nbwatch RUN_DIR` shows its dashboard "
+            "again, and nbwatch.attach(RUN_DIR).stop() stops it where no variable names it)")
+
+
 class OptimizerWatch:
     """A Monitor's hooks on its optimizer, one part of it that owns its state: the pre- and
     post-hooks that hand each step to the recorder, the optimizer taken from another Monitor
@@ -106,20 +116,22 @@ class OptimizerWatch:
 
     def take(self) -> None:
         """Put the hooks on the optimizer, taken from the Monitor that holds them (an ended
-        one, or one created on it since, which must not be running), if not already."""
+        one, or one created on it since, which must not be running), if not already. Refused
+        while another Monitor's run trains this model's weights with another optimizer (a
+        cell that makes the optimizer, run again: two threads would train one model)."""
         optimizer = self.optimizer
         ref = _OWNERS.get(optimizer)
         previous = ref() if ref is not None else None
+        if previous is not None and previous is not self and previous.owner.running:
+            raise RuntimeError(_busy("this optimizer is watched", previous.owner))
+        for other in [r() for r in list(_OWNERS.values())]:
+            if (other is not None and other is not self and other.owner.running
+                    and not _stepped(other.optimizer).isdisjoint(_stepped(optimizer))):
+                raise RuntimeError(_busy("this optimizer's weights are trained, with another "
+                                         "optimizer,", other.owner))
         if previous is self and self._hooks:
             return
         if previous is not None and previous is not self:
-            other = previous.owner
-            if other.running:
-                raise RuntimeError(
-                    f"this optimizer is watched by a running Monitor ({other.name!r}, "
-                    f"{other.state} at step {other.step}); stop() and wait() it first (it "
-                    "trains on: `%nbwatch RUN_DIR` shows its dashboard again, and "
-                    "nbwatch.attach(RUN_DIR).stop() stops it where no variable names it)")
             previous.remove()
         _OWNERS[optimizer] = weakref.ref(self)  # never strong: the Monitor holds the
         # optimizer, so a strong value would keep both (and the model) alive for ever

@@ -295,7 +295,7 @@ def test_torch_clipping_is_torchs_again_once_an_unused_monitor_is_collected(tmp_
 
 def test_clip_watch_alone_tells_usable_clips_from_partial_and_changed_ones():
     """The clip watch is a part of its own: its rules read without a Monitor."""
-    from nbwatch.monitor.optimizer_hooks import ClipWatch
+    from nbwatch.monitor.clip_watch import ClipWatch
 
     w = torch.nn.Parameter(torch.ones(3))
     w.grad = torch.full((3,), 2.0)
@@ -321,7 +321,7 @@ def test_which_torch_function_to_watch_is_asked_of_torch_not_read_from_its_code(
     one spied clip in this torch (the spy is gone after), never by reading bytecode names."""
     import torch.nn.utils.clip_grad as clip_grad
 
-    from nbwatch.monitor.optimizer_hooks import _clips_through, _targets
+    from nbwatch.monitor.clip_watch import _clips_through, _targets
 
     real = clip_grad._clip_grads_with_norm_
     assert _clips_through(clip_grad, "_clip_grads_with_norm_")  # torch ≥ 2.6 does

@@ -190,15 +190,15 @@ def test_start_counts_the_output_layers_hook_as_watching_not_forward(tmp_path, m
 def test_own_loop_counts_noting_its_own_clips(tmp_path, monkeypatch):
     """The loop's own `clip_grad_norm_`: what nbwatch notes of each clip (for the norms
     before it) is watching's time."""
-    from nbwatch.monitor import optimizer_hooks
+    from nbwatch.monitor import clip_watch
 
-    real = optimizer_hooks.ClipWatch.saw
+    real = clip_watch.ClipWatch.saw
 
     def slow(self, *a):
         time.sleep(0.01)
         return real(self, *a)
 
-    monkeypatch.setattr(optimizer_hooks.ClipWatch, "saw", slow)
+    monkeypatch.setattr(clip_watch.ClipWatch, "saw", slow)
     m, opt = tiny()
     with nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", display=False) as mon:
         for _ in range(5):
@@ -218,18 +218,18 @@ def test_a_step_read_later_keeps_its_own_watching_and_wall_time(tmp_path, monkey
     own watching and the wall time of its own end: a slow note of step 3's clip counts
     in step 3, the last step's watching is its own, and a sleep between steps falls
     between two rows' wall times."""
-    from nbwatch.monitor import optimizer_hooks
+    from nbwatch.monitor import clip_watch
     from nbwatch.recorder import host_copy
 
     monkeypatch.setattr(host_copy, "DEFER_ON_CPU", gpu_order)
-    real, at = optimizer_hooks.ClipWatch.saw, []
+    real, at = clip_watch.ClipWatch.saw, []
 
     def slow(self, *a):
         if len(at) in (3, 6):  # steps 3 and 6 (the last)
             time.sleep(0.05)
         return real(self, *a)
 
-    monkeypatch.setattr(optimizer_hooks.ClipWatch, "saw", slow)
+    monkeypatch.setattr(clip_watch.ClipWatch, "saw", slow)
     m, opt = tiny()
     logged: dict[int, tuple[float, float]] = {}  # step → wall time before and after log()
     with nbwatch.Monitor(m, opt, run_dir=tmp_path / "r", display=False) as mon:

@@ -21,8 +21,6 @@ import torch
 from torch import nn
 
 from .. import controls as ctl
-from ..alerts.rules import Rule
-from ..checkpoint import Checkpointer
 from ..distributed import NullStore
 from ..interrupts import wait_only
 from ..lifecycle import RunState
@@ -35,6 +33,7 @@ from ..runner import Runner
 from ..store import RunStore
 from .background import TrainingThread
 from .exiting import ProcessExit
+from .given import Given
 from .inputs import check_closure_free, check_start
 from .options import NOT_GIVEN, Options, check_every, check_peak_flops, probe_samples
 from .own_loop import log_step
@@ -45,7 +44,7 @@ from .setup import Setup
 log = logging.getLogger("nbwatch")
 
 
-class Monitor(ctl.Controls, Readout):
+class Monitor(ctl.Controls, Given, Readout):
     """Train in a background thread while every step is measured into `run_dir`.
 
     >>> mon = nbwatch.Monitor(model, optimizer, scheduler, run_dir="runs/exp1", config=args)
@@ -137,49 +136,9 @@ class Monitor(ctl.Controls, Readout):
         if resume:
             session.resume_now()
 
-    # -- what it was given (read-only) ---------------------------------------------------
-    @property
-    def model(self) -> nn.Module:
-        return self._setup.model
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer that takes nbwatch's hooks (the one behind a framework's wrapper)."""
-        return self._setup.optimizer
-
-    @property
-    def scheduler(self) -> Any:
-        return self._setup.scheduler
-
-    @property
-    def scaler(self) -> Any:
-        return self._setup.scaler
-
     @property
     def run_dir(self) -> Path:  # type: ignore[override]
         return self._setup.run_dir
-
-    @property
-    def name(self) -> str:
-        return self._setup.name
-
-    @property
-    def config(self) -> dict[str, Any]:
-        return self._setup.config
-
-    @property
-    def checkpointer(self) -> Checkpointer:
-        return self._setup.checkpointer
-
-    @property
-    def control(self) -> ctl.ControlState:
-        """What the controls have set (clip, LR factor); saved in checkpoints."""
-        return self._setup.control
-
-    @property
-    def rules(self) -> list[Rule]:
-        """The alert rules in force (the defaults with `alerts=` applied)."""
-        return self._setup.rules
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(

@@ -110,7 +110,7 @@ def pre_step(rec: Measuring, explicit: bool = True, clips: list | None = None,
     weights snapshot on update-ratio steps. Called by the optimizer's pre-hook
     (`explicit=False`), or by a framework adapter at the moment its framework has the
     gradients but has not clipped them yet. `clips`: the loop's own clips of this step
-    (`optimizer_hooks.ClipCall`), whose factors are divided out when read; `clip_note`:
+    (`clip_watch.ClipCall`), whose factors are divided out when read; `clip_note`:
     why those of this step cannot all be ("partial", "changed"); `found_inf`: a
     GradScaler's verdict on this step's gradients, unscaled by the caller (> 0: it skips
     the step)."""

@@ -1,6 +1,6 @@
 """The norms before a loop's own clipping: a loop that clipped its gradients itself before
 `optimizer.step()` (`clip_grad_norm_`, `accelerator.clip_grad_norm_`; see
-optimizer_hooks.py) hands the pre-hook clipped ones. The norms before that clip are
+monitor/clip_watch.py) hands the pre-hook clipped ones. The norms before that clip are
 recovered from the factor it scaled by, min(1, max_norm / (total + 1e-6)), from the norm it
 computed (copied with the step's other figures, in the step's one host copy).
 """

@@ -11,7 +11,8 @@ import gc
 import pytest
 import torch
 
-from nbwatch.monitor.optimizer_hooks import OptimizerWatch, clips_watched
+from nbwatch.monitor.clip_watch import clips_watched
+from nbwatch.monitor.optimizer_hooks import OptimizerWatch
 
 
 class Recorder:

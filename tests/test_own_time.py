@@ -156,7 +156,9 @@ def test_start_counts_the_batch_figures_it_takes(tmp_path, monkeypatch):
     assert df["train_logits/log_z"].notna().all() and (df["tokens/real"] == 12).all()
     # one logits' figure (the first micro-batch's) and a mask copy per micro-batch: ≥ 20 ms
     assert (df["time/nbwatch"].iloc[1:] >= 0.02).all(), df["time/nbwatch"]
-    assert (df["time/forward"].iloc[1:] < 0.02).all(), df["time/forward"]
+    # counted as forward, every step's would be ≥ 20 ms; the median leaves a loaded
+    # machine's stray slow step out
+    assert df["time/forward"].iloc[1:].median() < 0.02, df["time/forward"]
 
 
 def test_start_counts_the_output_layers_hook_as_watching_not_forward(tmp_path, monkeypatch):
@@ -184,7 +186,7 @@ def test_start_counts_the_output_layers_hook_as_watching_not_forward(tmp_path, m
     df = nbwatch.open_run(tmp_path / "r").df
     assert df["train_logits/log_z"].iloc[1:].notna().all()  # the hook set after step 1
     assert (df["time/nbwatch"].iloc[1:] >= 0.01).all(), df["time/nbwatch"]
-    assert (df["time/forward"].iloc[1:] < 0.01).all(), df["time/forward"]
+    assert df["time/forward"].iloc[1:].median() < 0.01, df["time/forward"]  # (as above)
 
 
 def test_own_loop_counts_noting_its_own_clips(tmp_path, monkeypatch):

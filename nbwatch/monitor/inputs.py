@@ -30,6 +30,7 @@ from ..probes.logits import NAMES as LOGIT_NAMES
 from ..probes.logits import TrainLogits, is_logits, logit_parts
 from ..sharding import refuse_unsupported
 from ..store import check_no_writer, is_run_dir
+from .accumulation import step_mean
 from .optimizer_hooks import hooked_optimizer, inner_scheduler
 from .options import check_every, check_run_dir_length
 
@@ -293,6 +294,15 @@ def log_figures(loss: Any, mask: torch.Tensor | list[torch.Tensor] | None,
     host: dict[str, float] = {}
     names: list[str] = []
     parts: list[torch.Tensor] = []
+    if isinstance(loss, (list, tuple)):  # each micro-batch's: the step's mean
+        each: dict[str, float] = {}
+        ts: list[torch.Tensor] = []
+        for i, v in enumerate(loss):
+            add_figure(each, [], ts, str(i), v, f"loss[{i}]")
+        if not loss:
+            raise ValueError("mon.log(): loss is an empty list; pass the step's micro-batches'"
+                             " losses (loss=[l1, l2, ...]), or its loss")
+        loss = step_mean(ts, list(each.values()))
     if loss is not None:
         add_figure(host, names, parts, "loss/train", loss, "loss")
     for k, v in scalars.items():

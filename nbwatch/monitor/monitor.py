@@ -234,8 +234,10 @@ class Monitor(ctl.Controls, Given, Readout):
         """Record the optimizer step just taken; the step boundary of a loop of your own.
 
         Call it once per optimizer step, after `optimizer.step()` (and `scheduler.step()`).
-        `loss`: the step's loss (a scalar tensor or float); `mask`: the batch's [batch,
-        seq_len] 0/1 attention mask (padding, lengths, tokens/s), or one per micro-batch;
+        `loss`: the step's loss (a scalar tensor or float), or under gradient accumulation
+        each micro-batch's, before dividing by their count (a list: their mean); `mask`:
+        the batch's [batch, seq_len] 0/1 attention mask (padding, lengths, tokens/s), or
+        one per micro-batch;
         `val`: at an eval step, the val loss or a dict of val figures (`loss` →
         `loss/val`, others `val/<name>`); `batch`: the step's batch, whose identity
         (`epoch=`, `index=`, else a count of the batches given; a CRC-32 of its CPU token

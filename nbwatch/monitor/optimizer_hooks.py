@@ -23,6 +23,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..lifecycle import RunState
+from .accumulation import BackwardCount
 from .clip_watch import ClipWatch, unwatch_clips, watch_clips
 
 if TYPE_CHECKING:
@@ -101,6 +102,8 @@ class OptimizerWatch:
         self._inside_step: int | None = None  # the thread inside optimizer.step, if any
         self._hooks: list[Any] = []
         self._global_hook: Any = None  # the check on other optimizers, while a run is open
+        # backward passes since the loop's last log(): its micro-batches (accumulation.py)
+        self.backwards: BackwardCount | None = None
         self.take()
 
     def take(self) -> None:
@@ -127,12 +130,20 @@ class OptimizerWatch:
         self._hooks = [optimizer.register_step_pre_hook(self._pre_hook),
                        optimizer.register_step_post_hook(self._post_hook)]
         watch_clips(self)
+        mine = [p for g in optimizer.param_groups for p in g["params"]
+                if id(p) in self.param_ids]
+        me = weakref.ref(self)  # no cycle: the Monitor is freed as soon as it is dropped
+        self.backwards = BackwardCount(
+            mine, lambda: getattr(me(), "_inside_step", None) == threading.get_ident())
 
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
         unwatch_clips(self)
+        if self.backwards is not None:
+            self.backwards.remove()
+            self.backwards = None
 
     def open_run(self) -> None:
         """A run opens: refuse a second optimizer on the model from now on."""
@@ -147,6 +158,8 @@ class OptimizerWatch:
         unwatch_clips(self)
 
     def _pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> tuple | None:
+        if self.backwards is not None:
+            self.backwards.stepped()
         self._inside_step = threading.get_ident()
         rec = self.owner.recorder_for_step()
         if rec is None:

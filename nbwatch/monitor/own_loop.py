@@ -4,12 +4,15 @@ step (the step's record, the queued commands, a stop, what a rewind asks of the 
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from ..recorder import Rewound, StopTraining
+from ..records import Event
+from .accumulation import one_of_many
 from .exiting import raise_if_terminated
 from .inputs import check_val, log_figures, mask_samples
 from .session import RunSession
@@ -32,7 +35,10 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
     blocks here); a stop ends the run, closes a foreground loop (`end_loop`) and raises
     `StopTraining`."""
     rec = session.recorder_for_log(run_thread)
+    count = session.watch.backwards
+    micro = count.take() if count is not None else 0  # the step's backward passes
     with rec.own:
+        said = one_of_many(loss, max(micro, len(mask) if isinstance(mask, (list, tuple)) else 1))
         rec.note_logged_batch(batch, scalars)  # takes epoch=/index= given with a batch
         host, names, parts, lengths = log_figures(loss, mask, scalars,
                                                   first=rec.step == session.progress_start,
@@ -42,6 +48,10 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
     samples = mask_samples(mask)
     step = rec.record_step(host, names, parts, lengths=lengths, samples=samples, val=val,
                            reduction="as computed by the training loop (mon.log)")
+    if said is not None and "accumulation" not in rec.evals.probe_said:  # once a run
+        rec.evals.probe_said.add("accumulation")
+        warnings.warn(said, stacklevel=3)
+        rec.record_event(Event(step, "probe", "warning", said, {"loss": "one micro-batch's"}))
     if rec.boundary():
         rec.finish("stopped")
         if session.mode == "loop":

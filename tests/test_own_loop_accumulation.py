@@ -1,0 +1,133 @@
+"""Gradient accumulation in a loop of one's own: `mon.log(loss=[l1, ..., lk])` records the
+step's mean loss, as start(accumulate=k) and the Trainer do; one forward's loss handed over
+for a step of k backward passes (the last micro-batch's, or its `loss / k`) is recorded as
+given and said once a run, with the fix; a loss that may be the step's own is not
+questioned."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+
+import nbwatch
+from nbwatch.demo import TinyGPT, masked_cross_entropy
+
+from .conftest import make_batches
+
+K, STEPS = 4, 3
+
+
+def loop(tmp_path, log, k: int = K):
+    """A loop of k micro-batches per step, each backpropagated as `loss / k`; `log(mon,
+    losses, graphs)` calls mon.log with the step's micro-batches' losses (detached, and as
+    computed). Returns the recorded loss/train, each step's mean by hand, the warnings
+    about the loss and the run's events."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = itertools.cycle(make_batches())
+    hand = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False) as mon:
+            for _ in range(STEPS):
+                losses, graphs = [], []
+                for _ in range(k):
+                    b = next(batches)
+                    loss = masked_cross_entropy(model(b["input_ids"]), b["labels"], b["mask"])
+                    (loss / k).backward()
+                    losses.append(loss.detach())
+                    graphs.append(loss)
+                opt.step()
+                opt.zero_grad()
+                hand.append(sum(float(x) for x in losses) / k)
+                log(mon, losses, graphs)
+    run = nbwatch.open_run(tmp_path / "r")
+    said = [str(w.message) for w in caught if "loss/train" in str(w.message)]
+    return run.df["loss/train"].tolist(), hand, said, run.events
+
+
+@pytest.mark.parametrize("given", ["tensors", "floats"])
+def test_a_list_of_micro_batch_losses_is_recorded_as_the_steps_mean(tmp_path, given):
+    def log(mon, losses, graphs):
+        mon.log(loss=losses if given == "tensors" else [float(x) for x in losses])
+
+    recorded, hand, said, _ = loop(tmp_path, log)
+    assert recorded == pytest.approx(hand, rel=1e-6)  # the mean of the four, by hand
+    assert not said
+
+
+@pytest.mark.parametrize("shape", ["last", "divided"])
+def test_one_forwards_loss_for_an_accumulated_step_is_said_once_with_the_fix(tmp_path, shape):
+    """`mon.log(loss=loss)` (the last micro-batch's) and `mon.log(loss=loss / K)` (nanoGPT's
+    loop: what was backpropagated, K× too small): recorded as given, said once a run."""
+    def log(mon, losses, graphs):
+        mon.log(loss=graphs[-1] / K if shape == "divided" else graphs[-1])
+
+    recorded, hand, said, events = loop(tmp_path, log)
+    assert len(said) == 1  # once a run, not once a step
+    assert f"{K} backward passes" in said[0] and "mon.log(loss=[l1, l2, l3, ...])" in said[0]
+    assert f"{K}x too small" in said[0]
+    feed = events[events["message"].str.startswith("loss/train: mon.log(loss=...)")]
+    assert len(feed) == 1 and feed["severity"].iloc[0] == "warning"
+    scale = K if shape == "divided" else 1
+    assert recorded[0] * scale != pytest.approx(hand[0], rel=1e-6)  # one micro-batch's
+
+
+@pytest.mark.parametrize("shape", ["detached_mean", "graph_sum", "stacked_mean"])
+def test_a_loss_that_may_be_the_steps_own_is_not_questioned(tmp_path, shape):
+    """build-nanogpt's running total of detached losses, a sum or stack of the micro-batches'
+    losses: the step's mean, recorded without a word."""
+    def log(mon, losses, graphs):
+        mon.log(loss={"detached_mean": sum(losses) / K, "graph_sum": sum(graphs) / K,
+                      "stacked_mean": torch.stack(graphs).mean()}[shape])
+
+    recorded, hand, said, _ = loop(tmp_path, log)
+    assert recorded == pytest.approx(hand, rel=1e-6)
+    assert not said
+
+
+def test_a_step_of_one_backward_pass_is_not_questioned(tmp_path):
+    recorded, hand, said, _ = loop(tmp_path, lambda mon, losses, graphs: mon.log(
+        loss=graphs[-1]), k=1)
+    assert recorded == pytest.approx(hand, rel=1e-6) and not said
+
+
+def test_a_closures_backward_passes_are_the_steps_own(tmp_path):
+    """LBFGS calls its closure (a backward each) many times inside one step: no accumulation."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=5)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False) as mon:
+            for _ in range(STEPS):
+                mon.log(loss=opt.step(closure))
+    assert not [w for w in caught if "loss/train" in str(w.message)]
+
+
+def test_an_empty_or_bad_list_of_losses_is_refused(tmp_path):
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    b = make_batches()[0]
+    with nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False) as mon:
+        masked_cross_entropy(model(b["input_ids"]), b["labels"], b["mask"]).backward()
+        opt.step()
+        with pytest.raises(ValueError, match="loss is an empty list"):
+            mon.log(loss=[])
+        with pytest.raises(ValueError, match=r"loss\[1\] has shape \(2,\)"):
+            mon.log(loss=[torch.tensor(1.0), torch.ones(2)])
+        mon.log(loss=[torch.tensor(1.0), 3])
+    assert nbwatch.open_run(tmp_path / "r").df["loss/train"].tolist() == [2.0]

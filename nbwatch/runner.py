@@ -23,7 +23,7 @@ from .checkpoint import rng_state, set_rng_state
 from .epoch_order import open_pass
 from .evaluation import evaluate
 from .probes.attention import clone_samples
-from .probes.data import batch_figures, doc_figures, packed_positions
+from .probes.data import batch_figures, doc_figures, doc_lengths, packed_positions
 from .probes.late import drop_masks, keep_mask
 from .probes.logits import NAMES as LOGIT_NAMES
 from .probes.logits import is_logits
@@ -210,8 +210,9 @@ class Runner:
             rec.note_batch(batch, *self._pos)
             m.samples += _batch_size(batch)
             pos = packed_positions(batch)
-            if pos is not None:
+            if pos is not None:  # its masks read now: the histogram takes its documents'
                 m.positions.append(pos)
+                m.keeping = False
             if spec.probe_batch is None and spec.eval_every and spec.attention_samples > 0:
                 spec.probe_batch = clone_samples(batch, spec.attention_samples)
             tf, own0 = time.perf_counter(), rec.own.closed
@@ -294,7 +295,8 @@ class Runner:
             parts += m.logits
         if m.masks and not m.keeping:  # the first step's, or one that cannot be kept
             drop_masks(figures)
-            rec.keep_seq_lens(batch_figures(m.masks).into(names, parts, figures))
+            lengths = batch_figures(m.masks).into(names, parts, figures)
+            rec.keep_seq_lens(doc_lengths(m.positions) if m.positions else lengths)
         if m.positions:  # packed: its documents' count and longest, for the record
             dnames, dparts = doc_figures(m.positions)
             names += dnames

@@ -1,12 +1,14 @@
 """Packed batches (Hugging Face's `DataCollatorWithFlattening`: sequences laid end to end in
 one row, `position_ids` from 0 at each, no attention_mask, no padding): the step's sequence
-figures and samples/s are its documents', not its row's, under start() and the Trainer;
-its tokens are every token, its padding none."""
+figures, samples/s and sequence-length histogram are its documents', not its row's, under
+start(), the Trainer and a loop of one's own (`mon.log(..., batch=batch)`); its tokens are
+every token, its padding none."""
 
 from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,14 +27,79 @@ def packed(lengths: list[int], vocab: int = 60) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "position_ids": pos}
 
 
-def check_documents(df, lengths: list[list[int]]) -> None:
+def check_documents(df, lengths: list[list[int]], timed_from: int = 1) -> None:
+    """`timed_from`: the first step with a time/step (a loop of one's own opens its run
+    inside its first step, which has none)."""
     for step, docs in enumerate(lengths, start=1):
         row = df.loc[step]
         assert row["tokens/real"] == sum(docs)
         assert row["data/padding_ratio"] == 0.0
         assert row["data/seq_len_mean"] == pytest.approx(sum(docs) / len(docs))
         assert row["data/seq_len_max"] == max(docs)
-        assert row["throughput/samples_per_s"] == pytest.approx(len(docs) / row["time/step"])
+        if step >= timed_from:
+            assert row["throughput/samples_per_s"] == pytest.approx(
+                len(docs) / row["time/step"])
+
+
+def check_histograms(run_dir, lengths: list[list[int]]) -> None:
+    """`data/seq_len` at each step (hist_every=1): that step's documents, not its row."""
+    steps, edges, counts = nbwatch.open_run(run_dir).histograms("data/seq_len")
+    assert steps.tolist() == list(range(1, len(lengths) + 1))
+    for docs, e, c in zip(lengths, edges, counts):
+        assert c.sum() == len(docs)  # one count a document (the row alone would be 1)
+        assert e[-1] == max(docs)  # the range ends at the longest document, not the row
+        assert (np.histogram(docs, bins=e)[0] == c).all()
+
+
+def own_loop(tmp_path, batches, log):
+    """A loop of one's own over packed rows of the demo model; `log(mon, loss, batch)`."""
+    torch.manual_seed(0)
+    model = make_demo(d=16, layers=1, heads=2, ctx=16).model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nbwatch.Monitor(model, opt, run_dir=tmp_path / "own", display=False,
+                         hist_every=1) as mon:
+        for batch in batches:
+            ids = batch["input_ids"][:, :16]
+            loss = torch.nn.functional.cross_entropy(model(ids)[0, :-1], ids[0, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            log(mon, loss, batch)
+    return nbwatch.open_run(tmp_path / "own").df
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_a_packed_batch_in_an_own_loop_counts_its_documents(tmp_path, mask):
+    """`mon.log(loss=loss, batch=batch)`: the batch's position_ids give its documents, as
+    under start(); with no mask, every token is real (a packed row has no padding)."""
+    torch.manual_seed(0)
+    batches = [packed(n) for n in LENGTHS]
+    df = own_loop(tmp_path, batches, lambda mon, loss, b: mon.log(
+        loss=loss, batch=b, mask=torch.ones_like(b["input_ids"]) if mask else None))
+    check_documents(df, LENGTHS, timed_from=2)
+    check_histograms(tmp_path / "own", LENGTHS)
+
+
+def test_packed_micro_batches_in_an_own_loop_count_every_documents(tmp_path):
+    """Under gradient accumulation, `batch=[b1, b2]`: the step's documents are both's."""
+    torch.manual_seed(0)
+    rows = [packed([n]) for n in itertools.chain(*LENGTHS)]  # one document a row
+    pairs = [rows[i:i + 2] for i in range(0, 4, 2)]
+    df = own_loop(tmp_path, [p[0] for p in pairs], lambda mon, loss, b: mon.log(
+        loss=[loss, loss], batch=pairs[mon.step]))
+    check_documents(df, [[7, 3], [12, 6]], timed_from=2)
+    check_histograms(tmp_path / "own", [[7, 3], [12, 6]])
+
+
+def test_a_devices_document_lengths_are_drawn_as_the_hosts():
+    """On an accelerator the lengths stay one a token (NaN where no document ends): the
+    histogram drops those and counts the same documents."""
+    from nbwatch.probes.data import doc_lengths
+
+    pos = packed([7, 3, 12, 6])["position_ids"]
+    exact, device = doc_lengths([pos], exact=True), doc_lengths([pos], exact=False)
+    assert exact.tolist() == [7.0, 3.0, 12.0, 6.0]
+    assert device.shape == (28,) and device[~device.isnan()].tolist() == exact.tolist()
 
 
 def test_a_packed_batch_under_start_counts_its_documents(tmp_path):
@@ -47,10 +114,11 @@ def test_a_packed_batch_under_start_counts_its_documents(tmp_path):
         return {"loss": torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]),
                 "mask": torch.ones_like(batch["input_ids"])}
 
-    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False)
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False, hist_every=1)
     mon.start(step_fn, [packed(n) for n in LENGTHS], max_steps=len(LENGTHS))
     mon.wait()
     check_documents(mon.df, LENGTHS)
+    check_histograms(tmp_path / "r", LENGTHS)
 
 
 def test_a_packed_batch_under_the_trainer_counts_its_documents(tmp_path):
@@ -70,8 +138,9 @@ def test_a_packed_batch_under_the_trainer_counts_its_documents(tmp_path):
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=ds,
         data_collator=transformers.DataCollatorWithFlattening(),
-        callbacks=[nbwatch.hf.NbwatchCallback(run_dir=tmp_path / "hf")])
+        callbacks=[nbwatch.hf.NbwatchCallback(run_dir=tmp_path / "hf", hist_every=1)])
     trainer.get_train_dataloader = lambda: torch.utils.data.DataLoader(  # in order
         ds, batch_size=4, collate_fn=transformers.DataCollatorWithFlattening())
     trainer.train()
     check_documents(nbwatch.open_run(tmp_path / "hf").df, LENGTHS)
+    check_histograms(tmp_path / "hf", LENGTHS)

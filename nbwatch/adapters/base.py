@@ -208,7 +208,7 @@ class Adapter:
         blocks here). True once the fit should stop."""
         import torch
 
-        from ..probes.data import batch_figures, doc_figures
+        from ..probes.data import batch_figures, doc_figures, doc_lengths
         from ..probes.late import keep_masks
 
         rec = self._rec()
@@ -227,15 +227,16 @@ class Adapter:
             if masks:
                 # the run's first masks are read now (a bad one is refused at once); later
                 # ones are copied and read with the record, a batch of steps at a time
-                if rec.first_step or not keep_masks(host, masks):
+                if rec.first_step or positions or not keep_masks(host, masks):
                     lengths = batch_figures(masks).into(names, parts, host)
                 samples = sum(int(m.shape[0]) for m in masks)
             elif samples is None and counts:  # a batch of no tokens (images, audio)
                 samples = sum(counts)
-            if positions:  # packed: its documents' count and longest, for derive()
+            if positions:  # packed: its documents' count, longest and lengths
                 dnames, dparts = doc_figures(positions)
                 names += dnames
                 parts += dparts
+                lengths = doc_lengths(positions)
             # the first micro-batch's forward: its mask leaves its padding out
             lnames, lparts = rec.logit_figures(
                 logit_mask if logit_mask is not None else masks[0] if masks else None, host)

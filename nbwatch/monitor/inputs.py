@@ -280,7 +280,7 @@ def check_start(step_fn: Any, train_data: Any, max_steps: Any, val_fn: Any,
 def log_figures(loss: Any, mask: torch.Tensor | list[torch.Tensor] | None,
                 scalars: dict[str, Any],
                 first: bool = False, logits: torch.Tensor | None = None,
-                source: TrainLogits | None = None
+                source: TrainLogits | None = None, keep: bool = True
                 ) -> tuple[dict[str, float], list[str], list[torch.Tensor], Any]:
     """Check what `log()` was given: host figures, device figures with their names
     (copied to the host in the step's one copy, read at the next boundary; `logits`: their
@@ -290,7 +290,8 @@ def log_figures(loss: Any, mask: torch.Tensor | list[torch.Tensor] | None,
     a GPU one sync, once) and refused if it holds others; later steps count a bad mask's
     entries with the other figures (`probes.data.BAD`: its figures left out, said once).
     Copies of a later CPU mask and of CPU logits' rows wait in `host` for the step's
-    record, which takes their figures a batch of steps at a time (`probes.late`)."""
+    record, which takes their figures a batch of steps at a time (`probes.late`); not
+    where `keep` is off (a packed batch's, whose histogram takes its documents')."""
     host: dict[str, float] = {}
     names: list[str] = []
     parts: list[torch.Tensor] = []
@@ -337,7 +338,7 @@ def log_figures(loss: Any, mask: torch.Tensor | list[torch.Tensor] | None,
                 "seq_len] 0/1 attention mask (1 for real tokens, 0 for padding)")
         if first:
             check_mask(one, "mon.log()")
-    if not first and keep_masks(host, masks):
+    if not first and keep and keep_masks(host, masks):
         return host, names, parts, None
     return host, names, parts, batch_figures(masks).into(names, parts, host)
 

@@ -238,15 +238,17 @@ class Monitor(ctl.Controls, Given, Readout):
         each micro-batch's, before dividing by their count (a list: their mean); `mask`:
         the batch's [batch, seq_len] 0/1 attention mask (padding, lengths, tokens/s), or
         one per micro-batch;
-        `val`: at an eval step, the val loss or a dict of val figures (`loss` →
-        `loss/val`, others `val/<name>`); `batch`: the step's batch, whose identity
-        (`epoch=`, `index=`, else a count of the batches given; a CRC-32 of its CPU token
-        ids) `run.spikes` names; `logits`: the step's output logits [..., vocab] (of
-        its last micro-batch, say), whose mean log-partition and largest |logit| over at
-        most 64 positions are recorded as `train_logits/log_z` and `train_logits/max_abs`
-        (on the device, no sync of their own; without them, the output layer's, from a
-        forward hook set at the first such log()); further keywords: scalars recorded as
-        `train/<name>`. Gradient figures were taken at the optimizer's step already.
+        `val`: at an eval step, the val loss or a dict of val figures (`loss` → `loss/val`,
+        others `val/<name>`); `batch`: the step's batch, whose identity (`epoch=`, `index=`,
+        else a count of the batches given; a CRC-32 of its CPU token ids) `run.spikes`
+        names, and a packed batch's `position_ids` its documents (their lengths, count:
+        `data/seq_len_*`, samples/s), or one per micro-batch; `logits`: the step's output
+        logits [..., vocab] (of its last micro-batch, say), whose mean log-partition and
+        largest |logit| over at most 64 positions are recorded as `train_logits/log_z` and
+        `train_logits/max_abs` (on the device, no sync of their own; without them, the
+        output layer's, from a forward hook set at the first such log()); further keywords:
+        scalars recorded as `train/<name>`. Gradient figures were taken at the optimizer's
+        step already.
         Queued commands are applied here: pause blocks here until resumed, and a stop
         raises `nbwatch.StopTraining` (after a final checkpoint) to end the loop.
         Returns the step number recorded, or after a rewind the checkpoint's step the

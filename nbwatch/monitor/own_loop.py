@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
 
+from ..probes.data import doc_figures, doc_lengths, packed_positions
 from ..recorder import Rewound, StopTraining
 from ..records import Event
 from .accumulation import one_of_many
@@ -39,10 +40,20 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
     micro = count.take() if count is not None else 0  # the step's backward passes
     with rec.own:
         said = one_of_many(loss, max(micro, len(mask) if isinstance(mask, (list, tuple)) else 1))
-        rec.note_logged_batch(batch, scalars)  # takes epoch=/index= given with a batch
+        batches = _batches(batch)
+        rec.note_logged_batch(batches[0], scalars)  # takes epoch=/index= given with a batch
+        for b in batches[1:]:
+            rec.batch_ids.note_batch(b)  # the step's other micro-batches, as start()'s
+        positions, mask = _packed(batches, mask)
         host, names, parts, lengths = log_figures(loss, mask, scalars,
                                                   first=rec.step == session.progress_start,
-                                                  logits=logits, source=rec.train_logits)
+                                                  logits=logits, source=rec.train_logits,
+                                                  keep=not positions)
+        if positions:  # a packed batch: its documents' figures, as start()'s
+            dnames, dparts = doc_figures(positions)
+            names += dnames
+            parts += dparts
+            lengths = doc_lengths(positions)
         val = check_val(val)
         host.update(rec.forward_time())  # under torchrun: what tells a straggler
     samples = mask_samples(mask)
@@ -68,3 +79,25 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
         return Logged(step, None, skip)
     rewound, rw.rewound_to = Rewound(rw.rewound_to, skip), None
     return Logged(rewound.step, rewound, skip)
+
+
+def _batches(batch: Any) -> list:
+    """`log(batch=...)` as the step's micro-batches: a list of dict batches is one each."""
+    if isinstance(batch, (list, tuple)) and batch and all(isinstance(b, Mapping) for b in batch):
+        return list(batch)
+    return [batch]
+
+
+def _packed(batches: list, mask: Any) -> tuple[list[torch.Tensor], Any]:
+    """A packed step's `position_ids` (DataCollatorWithFlattening's: no attention_mask), one
+    per micro-batch, and its masks (none given: every token real, a packed row has no
+    padding); no positions where not every batch is packed or the masks given are not one
+    a batch."""
+    positions = [p for p in map(packed_positions, batches) if p is not None]
+    if len(positions) != len(batches):
+        return [], mask
+    if mask is None:
+        mask = [torch.ones_like(p) for p in positions] if len(positions) > 1 else \
+            torch.ones_like(positions[0])
+    given = len(mask) if isinstance(mask, (list, tuple)) else 1
+    return (positions if given == len(positions) else []), mask

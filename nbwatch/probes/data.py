@@ -230,6 +230,23 @@ def doc_figures(positions: list[torch.Tensor]) -> tuple[list[str], list[torch.Te
     return list(DOCS), [docs, longest]
 
 
+def doc_lengths(positions: list[torch.Tensor], exact: bool | None = None) -> torch.Tensor:
+    """A packed step's documents' lengths, for the `data/seq_len` histogram: each
+    document's last position + 1. From CPU positions exactly (`exact`: the default there);
+    from a device's, one entry a token on its device (the length at a document's last
+    token, NaN elsewhere, dropped when the histogram is made): a shape the host knows, so
+    no sync."""
+    out = []
+    for p in positions:
+        end = torch.ones_like(p, dtype=torch.bool)
+        end[:, :-1] = p[:, 1:] == 0  # the token before a document's first
+        if exact if exact is not None else p.device.type == "cpu":
+            out.append((p[end] + 1).float())
+        else:
+            out.append(torch.where(end, p + 1, torch.nan).float().reshape(-1))
+    return torch.cat(out)
+
+
 def packed_figures(values: dict[str, float]) -> float | None:
     """On the host: a packed step's sequence figures are its documents', not its rows'
     (`data/seq_len_mean` the real tokens over the documents, `data/seq_len_max` the

@@ -79,8 +79,12 @@ def record_histograms(rec: Histograms, step: int, layers: Layers,
     fl = rec.flight
     seq = [t for s, t in fl.seq_lens if s <= step]
     fl.seq_lens[:] = [(s, t) for s, t in fl.seq_lens if s > step]
-    if seq:  # on the host, all of them (a device's came with their step's copy)
-        lens = np.concatenate([to_numpy(t).astype(np.float32).reshape(-1) for t in seq])
+    # on the host, all of them (a device's came with their step's copy), less the NaNs of a
+    # packed batch's tokens that end no document (`probes.data.doc_lengths`)
+    lens = np.concatenate([to_numpy(t).astype(np.float32).reshape(-1) for t in seq] or
+                          [np.zeros(0, np.float32)])
+    lens = lens[~np.isnan(lens)]
+    if lens.size:
         hi = max(float(lens.max()), 1.0)
         anchors = np.array([0.0, hi], dtype=np.float32)
         e, c = wprobe.histogram_np(np.concatenate([lens, anchors]), 32)

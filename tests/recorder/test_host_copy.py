@@ -172,6 +172,41 @@ def test_an_own_loop_that_clips_itself_reads_nothing_on_the_step_path(tmp_path, 
     assert (df["grad_norm/global"] > 0.5).any()  # the norms before the loop's own clip
 
 
+def test_an_own_loop_of_packed_micro_batches_reads_nothing_on_the_step_path(tmp_path, audit):
+    """Packed rows (position_ids, no attention_mask) handed over as `batch=[...]`, and the
+    micro-batches' losses as `loss=[...]`: their documents' figures and mean loss are
+    device figures, in the step's one copy."""
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4, max_steps=STEPS)
+    m, opt = demo.model, demo.optimizer
+    g = torch.Generator().manual_seed(0)
+
+    def row() -> dict[str, torch.Tensor]:
+        lengths = [5, 11, 16]
+        return {"input_ids": torch.randint(1, 60, (1, 32), generator=g),
+                "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
+
+    with monitor(tmp_path, demo, hist_every=5) as mon:
+        for i in range(1, STEPS + 1):
+            window(audit, i - 1)
+            batches, losses = [row(), row()], []
+            for b in batches:
+                logits = m(b["input_ids"])
+                loss = torch.nn.functional.cross_entropy(logits[0, :-1], b["input_ids"][0, 1:])
+                (loss / 2).backward()
+                losses.append(loss.detach())
+            opt.step()
+            demo.scheduler.step()
+            opt.zero_grad(set_to_none=True)
+            mon.log(loss=losses, batch=batches)
+        audit.on = False
+    check(audit)
+    has_histograms(tmp_path / "r", 5)
+    df = nbwatch.open_run(tmp_path / "r").df
+    assert df.index.tolist() == list(range(1, STEPS + 1))
+    assert df["data/seq_len_mean"].tolist() == pytest.approx([32 / 3] * STEPS)  # 3 documents
+    assert (df["data/seq_len_max"] == 16).all()
+
+
 def test_start_reads_nothing_on_the_step_path(tmp_path, audit):
     demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4, max_steps=STEPS)
     mon = monitor(tmp_path, demo, hist_every=5)  # histogram steps too

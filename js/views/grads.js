@@ -1,17 +1,34 @@
 // Grads: a layer × step heat map of per-layer grad norms (log colour, depth order: which
 // layer, and when), the newest step's largest norms as bars (every layer one click away),
-// and the global norm over time with the post-clip norm and the clip threshold line.
+// and the global norm over time with the post-clip norm and the clip threshold line, on a
+// log y axis where the norms span more than LOG_SPAN (a spike of 1e3 would flatten the rest),
+// until a click on its "log y" says otherwise.
 import { Series, apply } from "../downsample.js";
 import { baseLayout, COLORS, CONFIG, el, esc, labelMargin, layerColor, panel, zsmooth } from "../plot.js";
 import { blockOf } from "./weights.js";
 
 const TOP = 12; // bars shown before "all layers"
+const LOG_SPAN = 100; // the global norm's largest / smallest past which its y axis is log
+
+// Largest over smallest of the positive finite values of `series` (1 where there are none).
+export function span(...series) {
+  let lo = Infinity, hi = 0;
+  for (const s of series) for (const v of s.y) if (v > 0 && Number.isFinite(v)) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
+  return hi > 0 ? hi / lo : 1;
+}
 
 export function create(root, ctx) {
   const p = panel(root, "grads", "Gradients");
   const more = el("button", "nbw-btn nbw-grads-all", "all layers");
   more.hidden = true;
-  p.head.appendChild(more);
+  // The global norm's y scale: log by default where the norms span > 2 decades; a click
+  // keeps the user's choice (for this page) whatever the norms do after.
+  const logLabel = el("label", "nbw-toggle nbw-grads-logy-label");
+  const logBox = el("input", "nbw-grads-logy");
+  logBox.type = "checkbox";
+  logLabel.append(logBox, document.createTextNode(" log y"));
+  logLabel.title = `global norm on a log y axis (on by itself where the norms span more than ${LOG_SPAN}×, until clicked)`;
+  p.head.append(more, logLabel);
   const heatDiv = el("div", "nbw-plot nbw-grads-heat");
   const bars = el("div", "nbw-plot nbw-half nbw-grads-bars");
   const line = el("div", "nbw-plot nbw-half nbw-grads-norm");
@@ -20,8 +37,10 @@ export function create(root, ctx) {
   let layers = [], norms = [], step = null, clip = [];
   let heat = null; // {w, c0, z: [layer][column from c0]} of raw norms
   let all = false;
+  let chosen = null; // "log" | "linear": the user's click; null: by the norms' span
   let dirty = false;
   more.onclick = () => { all = !all; dirty = true; ctx.schedule(); };
+  logBox.onchange = () => { chosen = logBox.checked ? "log" : "linear"; dirty = true; ctx.schedule(); };
 
   function foldHeat(h) {
     const rows = Array.from({ length: h.z.shape[0] }, (_, i) =>
@@ -102,6 +121,9 @@ export function create(root, ctx) {
         const end = i + 1 < clip.length ? clip[i + 1].step : last;
         cx.push(ax.at(e.step), ax.at(end), null); cy.push(e.value, e.value, null);
       });
+      const scale = chosen || (span(g, c) > LOG_SPAN ? "log" : "linear");
+      logBox.checked = scale === "log";
+      p.box.dataset.normScale = chosen ? scale : `${scale} (auto)`;
       Plotly.react(line, [
         { name: "global norm", ...ax.line(g.x, g.y), type: "scatter", mode: "lines",
           line: { color: COLORS["grad_norm/global"], width: 1.2 },
@@ -113,6 +135,9 @@ export function create(root, ctx) {
           line: { color: COLORS.clip, width: 2, dash: "dash" },
           hovertemplate: `${ax.hover()}<br>clip at %{y:.4g}<extra></extra>` },
       ], baseLayout(t, { margin: { l: 48, r: 8, t: 24, b: 32 }, title: { text: "global norm", font: { size: 11 }, x: 0, xanchor: "left" },
+        // another scale keeps a zoom on x; one on y (in the other scale's units) starts over
+        yaxis: { type: scale, gridcolor: t.grid, zerolinecolor: t.grid, exponentformat: "e",
+          uirevision: `${ax.active()}:${scale}` },
         showlegend: true, legend: { orientation: "h", x: 1, xanchor: "right", y: 1, yanchor: "bottom", font: { size: 10 } } }), CONFIG);
     },
   };

@@ -1,6 +1,8 @@
 // Shared helpers: plotly.js loading (once per page), theme from JupyterLab's --jp-* CSS
 // variables, one colour per metric, and unpacking of the kernel's binary buffers.
 
+import { fitInto, watch } from "./yfit.js";
+
 const G = globalThis;
 
 // plotly.js travels once per page: the first view asks the kernel for it (a message, so it
@@ -124,9 +126,10 @@ export function baseLayout(t, extra = {}) {
 }
 
 // What the views draw with: Plotly, whose `react` tells each cartesian axis to leave tick
-// labels that reach past the plot's edge alone. plotly's default ("hide past div") measures
+// labels that reach past the plot's edge alone (plotly's default, "hide past div", measures
 // every tick label's box at every draw, which forces a page layout each time: a quarter of
-// the dashboard's main-thread time in a Chromium profile of a live run.
+// the dashboard's main-thread time in a Chromium profile of a live run), and refits y to the
+// x window while x is zoomed (js/yfit.js).
 const LIGHT = new WeakMap();
 export function lighten(Plotly) {
   if (!Plotly || LIGHT.has(Plotly)) return Plotly && LIGHT.get(Plotly);
@@ -136,7 +139,10 @@ export function lighten(Plotly) {
     for (const k of ["xaxis", "yaxis", ...Object.keys(out)]) {
       if (/^[xy]axis\d*$/.test(k) && !(out[k] && out[k].ticklabeloverflow)) out[k] = { ...out[k], ticklabeloverflow: "allow" };
     }
-    return Plotly.react(gd, data, out, config);
+    fitInto(gd, data, out);
+    const done = Plotly.react(gd, data, out, config);
+    watch(Plotly, gd);
+    return done;
   };
   LIGHT.set(Plotly, light);
   return light;
@@ -254,26 +260,30 @@ export function shortNames(names) {
 }
 
 // Direct labels at the right end of each line: the plot reads without hovering or a legend.
-// `lines`: [{label, color, y (the line's values)}]; `log`: a log y axis. The y range is set
+// `lines`: [{label, color, x, y (the line's points)}]; `log`: a log y axis. The y range is set
 // here (so a label sits where its line ends), and labels closer than one text line are
-// pushed apart. Returns {yaxis: {range}, annotations, r (right margin, px)}.
-export function endLabels(lines, { log = false, height = 240, top = 24, bottom = 32 } = {}) {
+// pushed apart. `win`: the x window in view (js/yfit.js xWindow; null: all of it): the range
+// fits the points inside it, each label at its line's last point there; `y`: the user's own
+// y range (a zoom on y), kept. Returns {yaxis: {range}, annotations, r (right margin, px)}.
+export function endLabels(lines, { log = false, height = 240, top = 24, bottom = 32, win = null, y = null } = {}) {
   const f = (v) => (log ? (v > 0 ? Math.log10(v) : NaN) : v);
   let lo = Infinity, hi = -Infinity;
   const ends = [];
   for (const l of lines) {
     let last = NaN;
-    for (const v of l.y) {
-      const u = f(v);
+    for (let i = 0; i < l.y.length; i++) {
+      const u = f(l.y[i]);
       if (!Number.isFinite(u)) continue;
+      if (win && !(l.x && l.x[i] >= win[0] && l.x[i] <= win[1])) continue;
       lo = Math.min(lo, u); hi = Math.max(hi, u); last = u;
     }
     if (Number.isFinite(last)) ends.push({ ...l, at: last });
   }
-  if (!ends.length) return { yaxis: {}, annotations: [], r: 8 };
+  if (!ends.length) return { yaxis: y ? { range: y, autorange: false } : {}, annotations: [], r: 8 };
   if (!(hi > lo)) { const d = Math.abs(hi) * 0.1 || 1; lo -= d; hi += d; }
   const pad = (hi - lo) * 0.06;
   lo -= pad; hi += pad;
+  if (y) [lo, hi] = y;
   const gap = 11 / Math.max(height - top - bottom, 40); // one label's height, as a fraction
   ends.forEach((e) => { e.frac = (e.at - lo) / (hi - lo); });
   ends.sort((a, b) => a.frac - b.frac);

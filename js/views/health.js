@@ -7,6 +7,7 @@
 // probe's output figures are missing.
 import { Series, apply } from "../downsample.js";
 import { baseLayout, CONFIG, el, endLabels, escTemplate, esc, layerColor, panel, shortNames } from "../plot.js";
+import { onZoom, userY, xWindow } from "../yfit.js";
 
 // What stands in a figure's place when the probe pass did not take it on this model.
 const NONE = {
@@ -42,6 +43,7 @@ export function create(root, ctx) {
   const z = new Series(), maxAbs = new Series(), trainZ = new Series(), trainMax = new Series();
   let said = {}; // {"logits" | "probe": message}: the probe events' words
   let dirty = false;
+  const redraw = () => { dirty = true; ctx.schedule(); };
 
   function lines(part, ax) {
     const names = Object.keys(series[part]);
@@ -103,12 +105,15 @@ export function create(root, ctx) {
         const traces = lines(part, t.axis);
         const labels = shortNames(Object.keys(series[part]));
         const log = part === "max_logit";
-        const end = endLabels(traces.map((tr, i) => ({ label: labels[i], color: tr.line.color, y: tr.y })),
-          { log, height: plots[part].clientHeight || 240, top: m.t, bottom: m.b });
+        // zoomed on x: the range and the labels fit the steps in view
+        const end = endLabels(traces.map((tr, i) => ({ label: labels[i], color: tr.line.color, x: tr.x, y: tr.y })),
+          { log, height: plots[part].clientHeight || 240, top: m.t, bottom: m.b,
+            win: xWindow(plots[part], t.axis.active()), y: userY(plots[part]) });
         Plotly.react(plots[part], traces, baseLayout(t, {
           margin: { ...m, r: end.r }, title: { text: title, font: { size: 11 } }, annotations: end.annotations,
           yaxis: { gridcolor: t.grid, type: log ? "log" : "linear", exponentformat: "e", ...end.yaxis },
         }), CONFIG);
+        onZoom(plots[part], redraw);
       }
       if (!has.out) return;
       const out = [];

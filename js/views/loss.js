@@ -6,6 +6,7 @@
 import { Series, apply } from "../downsample.js";
 import { baseLayout, COLORS, CONFIG, el, esc, escTemplate, panel, severityColor } from "../plot.js";
 import { ema, keepWeight, keptWeight, KERNEL_WEIGHT } from "../smooth.js";
+import { NOFIT, onZoom, xWindow } from "../yfit.js";
 
 const MAX_MARKERS = 300;
 const BASE_COLORS = ["#7f7f7f", "#b07aa1", "#9c755f", "#76b7b2"];
@@ -165,12 +166,15 @@ export function create(root, ctx) {
     draw(Plotly, t) {
       if (!dirty) return;
       dirty = false;
+      const ax = t.axis;
+      const trainLine = ax.line(s.train.x, s.train.y), valLine = ax.line(s.val.x, s.val.y);
+      // the markers sit at the top of the loss in view (x zoomed: y fits the window, js/yfit.js)
+      const win = xWindow(plot, ax.active());
       let top = -Infinity;
-      for (const v of s.train.y) if (v > top && Number.isFinite(v)) top = v;
-      for (const v of s.val.y) if (v > top && Number.isFinite(v)) top = v;
+      const over = (l) => { for (let i = 0; i < l.y.length; i++) if (l.y[i] > top && Number.isFinite(l.y[i]) && (!win || (l.x[i] >= win[0] && l.x[i] <= win[1]))) top = l.y[i]; };
+      over(trainLine); over(valLine);
       if (!Number.isFinite(top)) for (const b of baselines) for (const v of (b.train || { y: [] }).y) if (v > top && Number.isFinite(v)) top = v;
       if (!Number.isFinite(top)) top = 1;
-      const ax = t.axis;
       const gx = ax.x(gap.x);
       const sm = smoothed();
       const traces = [
@@ -179,7 +183,7 @@ export function create(root, ctx) {
           name: `rewound over (${n})`, ...ax.line(b.x, b.y), type: "scatter", mode: "lines",
           line: { color: COLORS["loss/train"], width: 1, dash: "dot" }, opacity: 0.35,
           hovertemplate: `train %{y:.4f} (rewound over, rewind ${n})<extra></extra>` })),
-        { name: "train loss", ...ax.line(s.train.x, s.train.y), type: "scatter", mode: "lines",
+        { name: "train loss", ...trainLine, type: "scatter", mode: "lines",
           line: { color: COLORS["loss/train"], width: 1 }, opacity: 0.45,
           hovertemplate: "train %{y:.4f}<extra></extra>" },
         { name: "train (smoothed)", ...ax.line(sm.x, sm.y), type: "scatter", mode: "lines",
@@ -191,7 +195,7 @@ export function create(root, ctx) {
           line: { width: 0, color: COLORS["loss/val"] }, fill: "tonexty",
           fillcolor: COLORS.gap, customdata: gap.top.map((v, i) => [v - gap.y[i], gap.x[i]]),
           hovertemplate: "val − train gap %{customdata[0]:.4f} (step %{customdata[1]})<extra></extra>" },
-        { name: "val loss", ...ax.line(s.val.x, s.val.y), type: "scatter", mode: "lines+markers",
+        { name: "val loss", ...valLine, type: "scatter", mode: "lines+markers",
           line: { color: COLORS["loss/val"], width: 1.5 }, marker: { size: 7 }, customdata: Array.from(s.val.x),
           // the hover shows the eval nearest the pointer: its own step said, not the pointer's
           hovertemplate: "val %{y:.4f} (step %{customdata})<extra></extra>" },
@@ -199,7 +203,7 @@ export function create(root, ctx) {
           line: { color: COLORS.lr, width: 1.5, dash: "dot" },
           hovertemplate: "LR %{y:.3e}<extra></extra>" },
         // at the top of the loss axis: a third, hidden axis would cost a third of this draw
-        { name: "events", x: ax.x(markers.map((m) => m.step)), customdata: markers.map((m) => m.step), y: markers.map(() => top), cliponaxis: false,
+        { name: "events", meta: NOFIT, x: ax.x(markers.map((m) => m.step)), customdata: markers.map((m) => m.step), y: markers.map(() => top), cliponaxis: false,
           type: "scatter", mode: "markers",
           text: markers.map((m) => esc(m.message) + (m.spike ? "<br><i>click: its post-mortem</i>" : "")),
           marker: { symbol: "triangle-down", size: markers.map((m) => (m.spike ? 13 : 10)),
@@ -227,6 +231,7 @@ export function create(root, ctx) {
       markerAxis = ax;
       if (!clickable) {
         clickable = true;
+        onZoom(plot, () => { dirty = true; ctx.schedule(); }); // the markers to the top in view
         plot.on("plotly_click", (ev) => {
           const step = spikeAt(ev, markerAxis, markerTop);
           if (step !== null) showPostmortem(step);

@@ -2,6 +2,7 @@
 // update ratios ‖Δw‖/‖w‖ of every layer.
 import { Series, apply, bucketWidth } from "../downsample.js";
 import { baseLayout, CONFIG, el, endLabels, esc, escTemplate, layerColor, panel, shortNames, zsmooth } from "../plot.js";
+import { onZoom, userY, xWindow } from "../yfit.js";
 
 const MAX_COLUMNS = 200;
 const BINS = 64;
@@ -168,12 +169,13 @@ export function create(root, ctx) {
       }));
       const shown = shownRatios(layers, ratios, layer);
       const labels = shortNames(shown);
-      const end = endLabels(traces.map((tr, i) => ({ label: labels[i], color: tr.line.color, y: tr.y })),
-        { log: true, height: ratio.clientHeight || 240 });
+      const end = endLabels(traces.map((tr, i) => ({ label: labels[i], color: tr.line.color, x: tr.x, y: tr.y })),
+        { log: true, height: ratio.clientHeight || 240, win: xWindow(ratio, t.axis.active()), y: userY(ratio) });
       Plotly.react(ratio, traces, baseLayout(t, { margin: { l: 52, r: end.r, t: 24, b: 32 },
         title: { text: many ? `update ratio ‖Δw‖/‖w‖: ${esc(layer || "–")}, the ${EDGE} highest and lowest`
           : "update ratio ‖Δw‖/‖w‖", font: { size: 11 } }, annotations: end.annotations,
         yaxis: { type: "log", exponentformat: "e", gridcolor: t.grid, ...end.yaxis } }), CONFIG);
+      onZoom(ratio, () => { dirty = true; ctx.schedule(); }); // the range and labels fit the window
     },
   };
 }

@@ -113,3 +113,179 @@ def test_live_the_norm_turns_log_at_a_spike_and_a_click_holds_through_the_refres
         store.set_meta("state", "finished")
         store.close()
         lab.shutdown_kernels()
+
+
+LOSS = "document.querySelector('[data-panel=loss] .js-plotly-plot')"
+
+# Each trend chart's y axis against what it shows of its lines (stacked where stacked, from 0
+# where drawn from 0) inside its x window: [[panel, [lo, hi] shown, [lo, hi] of the points]].
+FITS = """() => [...document.querySelectorAll('.nbw-grid .js-plotly-plot')]
+  .filter((gd) => gd._fullLayout && gd._fullLayout.xaxis.title.text === 'step'
+          && !gd.data.some((t) => t.type === 'heatmap'))
+  .map((gd) => {
+    const fl = gd._fullLayout, ya = fl.yaxis, [a, b] = fl.xaxis.range;
+    const log = ya.type === 'log', f = (v) => (log ? Math.log10(v) : v);
+    let lo = Infinity, hi = -Infinity;
+    const stack = [];
+    for (const t of gd.data) {
+      if ((t.type && t.type !== 'scatter') || t.meta === 'nbw:nofit') continue;
+      if (t.yaxis && t.yaxis !== 'y') continue;
+      t.x.forEach((x, i) => {
+        const y = t.y[i];
+        if (x === null || y === null || x < a || x > b) return;
+        if (t.stackgroup) { stack[i] = (stack[i] || 0) + y; return; }
+        if (Number.isFinite(f(y))) { lo = Math.min(lo, f(y)); hi = Math.max(hi, f(y)); }
+      });
+    }
+    for (const v of stack) {
+      if (v !== undefined) { lo = Math.min(lo, v, 0); hi = Math.max(hi, v, 0); }
+    }
+    if (ya.rangemode === 'tozero') { lo = Math.min(lo, 0); hi = Math.max(hi, 0); }
+    return [gd.closest('[data-panel]').dataset.panel, ya.range.slice(), [lo, hi]];
+  })"""
+
+
+def assert_fitted(fits) -> None:
+    assert fits
+    for panel, (lo, hi), (a, b) in fits:
+        if a > b:
+            continue  # nothing of it in view (a val metric of every 50 steps): as it was
+        assert lo <= a and hi >= b, (panel, [lo, hi], [a, b])  # every point in view shows
+        assert hi - lo <= 1.3 * (b - a) + 1e-6 * abs(b), (panel, [lo, hi], [a, b])  # and fills it
+
+
+def _decay(run_dir, steps: int):
+    store = RunStore(run_dir)
+    store.set_meta("max_steps", steps)
+    for s in range(1, steps + 1):
+        v = {"loss/train": 3.0 * np.exp(-s / 60) + 0.05 + 0.01 * np.sin(s),
+             "lr": 1e-3 * (1 - s / (steps + 1)), "grad_norm/global": 5.0 * np.exp(-s / 100) + 0.5}
+        if s % 20 == 0:
+            v["loss/val"] = 3.0 * np.exp(-s / 60) + 0.08
+        store.put(Scalars(s, v, wall=1000.0 + s))
+    store.set_meta("state", "finished")
+    store.set_meta("step", steps)
+    store.close()
+    return run_dir
+
+
+def _in_view(page, gd: str, names: list[str], axis: str = "y") -> tuple[float, float]:
+    """The smallest and largest y of the named traces inside the x range shown."""
+    return tuple(page.evaluate(f"""(names) => {{
+        const gd = {gd}, [a, b] = gd._fullLayout.xaxis.range;
+        const ys = gd.data.filter((t) => names.includes(t.name) && (t.yaxis || 'y') === '{axis}')
+          .flatMap((t) => t.x.map((x, i) => (x >= a && x <= b ? t.y[i] : null)))
+          .filter((v) => v !== null);
+        return [Math.min(...ys), Math.max(...ys)];
+    }}""", names))
+
+
+def test_a_zoom_on_x_fits_y_to_the_steps_in_view_and_a_double_click_gives_the_run_back(
+        browser, tmp_path):
+    run = _decay(tmp_path / "run", 400)
+    lines = ["train loss", "train (smoothed)", "val loss", "train at eval", "val − train gap"]
+    with exported_page(browser, run, tmp_path / "run.html") as (page, errors):
+        whole = page.evaluate(f"() => {LOSS}._fullLayout.yaxis.range.slice()")
+        assert whole[1] > 2.5  # the run's first steps: a loss of 3
+        drag_zoom(page, 300, 380)
+        assert x_range(page) == pytest.approx([300, 380], abs=2)
+        page.wait_for_function(f"() => {LOSS}._fullLayout.yaxis.range[1] < 1")
+        lo, hi = _in_view(page, LOSS, lines)
+        pad = (hi - lo) * 0.05
+        # TensorBoard's: the loss late in the run fills the chart, not a flat line at its foot
+        assert page.evaluate(f"() => {LOSS}._fullLayout.yaxis.range") == pytest.approx(
+            [lo - pad, hi + pad], rel=1e-6)
+        lr_lo, lr_hi = _in_view(page, LOSS, ["LR"], "y2")  # the LR axis too
+        got = page.evaluate(f"() => {LOSS}._fullLayout.yaxis2.range")
+        pad = (lr_hi - lr_lo) * 0.05
+        assert got == pytest.approx([lr_lo - pad, lr_hi + pad])
+        # a redraw (log y) keeps the zoom on x and fits y again, in log units
+        page.click(".nbw-logy")
+        page.wait_for_function(f"() => {LOSS}._fullLayout.yaxis.type === 'log'")
+        assert x_range(page) == pytest.approx([300, 380], abs=2)
+        got = page.evaluate(f"() => {LOSS}._fullLayout.yaxis.range")
+        span = np.log10(hi) - np.log10(lo)
+        assert got == pytest.approx([np.log10(lo) - span * 0.05, np.log10(hi) + span * 0.05],
+                                    rel=1e-6)
+        # every trend chart, the global norm included
+        assert_fitted(page.evaluate(FITS))
+        # a double click: the whole run, x and y
+        x, y = page.evaluate(f"""() => {{ const gd = {LOSS}, r = gd.getBoundingClientRect(),
+            fl = gd._fullLayout; return [r.left + fl.xaxis._offset + fl.xaxis._length / 2,
+            r.top + fl.yaxis._offset + fl.yaxis._length / 2]; }}""")
+        page.mouse.dblclick(x, y)
+        page.wait_for_function(f"() => {LOSS}._fullLayout.xaxis.range[1] >= 399")
+        page.wait_for_function(f"() => {LOSS}._fullLayout.yaxis.range[1] > Math.log10(2.5)")
+        page.click(".nbw-logy")
+        page.wait_for_function(f"() => {LOSS}._fullLayout.yaxis.type === 'linear'")
+        assert page.evaluate(f"() => {LOSS}._fullLayout.yaxis.range") == pytest.approx(whole)
+        # a box drawn on both axes is the user's own y: kept, not refitted
+        box = page.evaluate(f"""() => {{ const gd = {LOSS}, r = gd.getBoundingClientRect(),
+            fl = gd._fullLayout, xa = fl.xaxis, ya = fl.yaxis;
+            return [r.left + xa._offset + xa.l2p(100), r.top + ya._offset + ya.l2p(2.0),
+                    r.left + xa._offset + xa.l2p(200), r.top + ya._offset + ya.l2p(1.0)]; }}""")
+        page.mouse.move(box[0], box[1])
+        page.mouse.down()
+        page.mouse.move(box[2], box[3], steps=6)
+        page.mouse.up()
+        page.wait_for_function(f"() => {LOSS}._fullLayout.xaxis.range[1] < 250")
+        page.locator(".nbw-smooth").fill("0.5")  # a redraw
+        page.wait_for_function(f"() => {LOSS}.data.find((t) => t.name === 'train (smoothed)')"
+                               ".hovertemplate.includes('(0.50)')")
+        assert page.evaluate(f"() => {LOSS}._fullLayout.yaxis.range") == pytest.approx(
+            [1.0, 2.0], abs=0.02)
+        assert not errors, errors
+
+
+def test_a_click_on_an_alert_fits_y_to_its_window_in_every_trend_chart(browser, tmp_path):
+    from tests.export_run import write_run
+
+    run = write_run(tmp_path / "run", steps=400)  # an alert at step 10
+    with exported_page(browser, run, tmp_path / "run.html") as (page, errors):
+        alert = page.locator("[data-panel=alerts] .nbw-item[data-kind=alert]")
+        alert.scroll_into_view_if_needed()
+        alert.click()
+        page.wait_for_function("() => document.querySelector('.nbw-root').dataset.focus === '10'")
+        page.wait_for_timeout(300)  # the views that fit their own range redraw at a frame
+        fits = page.evaluate(FITS)
+        assert {p for p, _, _ in fits} >= {"loss", "grads", "weights", "data", "metrics"}
+        assert_fitted(fits)
+        alert.click()  # the whole run back, y too
+        page.wait_for_function("() => !('focus' in document.querySelector('.nbw-root').dataset)")
+        page.wait_for_timeout(300)
+        assert page.evaluate(f"() => {LOSS}._fullLayout.yaxis.range[1]") > 4
+        assert not errors, errors
+
+
+def test_live_y_stays_fitted_to_a_zoom_through_the_refreshes(page, lab, workdir):
+    run_dir = workdir / "runs" / "fit_live"
+    store = RunStore(run_dir)
+    try:
+        store.set_meta("state", "running")
+        _norms(store, 1, 100)
+        _notebook(workdir, "fit_live")
+        open_notebook(page, f"{lab.url}/lab/tree/fit_live.ipynb?reset")
+        run_all(page)
+        page.wait_for_function(f"() => {LOSS}?.data?.find((t) => t.name === 'train loss')"
+                               "?.x.length === 100", timeout=30_000)
+        whole = page.evaluate(f"() => {LOSS}._fullLayout.yaxis.range.slice()")
+        drag_zoom(page, 70, 95)
+        page.wait_for_function(f"() => {LOSS}._fullLayout.yaxis.range[1] < {whole[1]} - 0.5")
+        fitted = page.evaluate(f"() => {LOSS}._fullLayout.yaxis.range.slice()")
+        for last in (140, 180):  # the run goes on, redrawing the chart: the fit stays
+            _norms(store, last - 39, last)
+            page.wait_for_function(f"() => {LOSS}.data.find((t) => t.name === 'train loss')"
+                                   f".x.includes({last})", timeout=30_000)
+            assert page.evaluate(f"() => {LOSS}._fullLayout.yaxis.range") == pytest.approx(fitted)
+        # a double click: the whole run, y too, and it follows the run again
+        x, y = page.evaluate(f"""() => {{ const gd = {LOSS}, r = gd.getBoundingClientRect(),
+            fl = gd._fullLayout; return [r.left + fl.xaxis._offset + fl.xaxis._length / 2,
+            r.top + fl.yaxis._offset + fl.yaxis._length / 2]; }}""")
+        page.mouse.dblclick(x, y)
+        page.wait_for_function(f"() => {LOSS}._fullLayout.yaxis.range[1] >= {whole[1]} - 0.1")
+        _norms(store, 181, 220)
+        page.wait_for_function(f"() => {LOSS}._fullLayout.xaxis.range[1] >= 219", timeout=30_000)
+    finally:
+        store.set_meta("state", "finished")
+        store.close()
+        lab.shutdown_kernels()

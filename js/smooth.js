@@ -24,6 +24,22 @@ export function ema(xs, ys, weight) {
   return out;
 }
 
+// A smoothed line's value at step `x`: its own where it holds that step, else the straight
+// line between the points either side (the ends held flat); NaN on an empty line.
+export function valueAt(xs, ys, x) {
+  const n = xs.length;
+  if (!n) return NaN;
+  let lo = 0, hi = n - 1;
+  if (x <= xs[0]) return ys[0];
+  if (x >= xs[hi]) return ys[hi];
+  while (hi - lo > 1) {
+    const mid = (lo + hi) >> 1;
+    if (xs[mid] <= x) lo = mid; else hi = mid;
+  }
+  if (xs[lo] === x) return ys[lo];
+  return ys[lo] + ((x - xs[lo]) / (xs[hi] - xs[lo])) * (ys[hi] - ys[lo]);
+}
+
 // The weight a user chose last (kept by the browser, as TensorBoard keeps its slider's).
 export function keptWeight() {
   let v = null;

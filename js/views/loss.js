@@ -5,25 +5,37 @@
 // sent with the panel (`postmortems`, by step); nothing is computed here.
 import { Series, apply } from "../downsample.js";
 import { baseLayout, COLORS, CONFIG, el, esc, escTemplate, panel, severityColor } from "../plot.js";
-import { ema, keepWeight, keptWeight, KERNEL_WEIGHT } from "../smooth.js";
+import { ema, keepWeight, keptWeight, KERNEL_WEIGHT, valueAt } from "../smooth.js";
 import { NOFIT, onZoom, xWindow } from "../yfit.js";
 
 const MAX_MARKERS = 300;
 const BASE_COLORS = ["#7f7f7f", "#b07aa1", "#9c755f", "#76b7b2"];
 
-// A baseline's traces, faded under this run's: its smoothed train loss, val points and LR,
-// each placed by its own clock on the time axes; its config difference on hover.
-export function baselineTraces(b, i, ax) {
+const kernelWeight = (w) => Math.abs(w - KERNEL_WEIGHT) < 1e-9;
+
+// A baseline's train loss smoothed at weight `w`, as this run's is: the kernel's EMA at 0.9
+// (over every step), else the page's of its raw train loss (≤ 1,000 points kept, min and max
+// of each bucket: decayed by weight^Δstep between them, js/smooth.js).
+export function baselineTrain(b, w) {
+  if (!b.train || kernelWeight(w) || !b.raw || !b.raw.x.length) return b.train;
+  return { x: b.raw.x, y: ema(b.raw.x, b.raw.y, w) };
+}
+
+// A baseline's traces, faded under this run's: its train loss smoothed at the slider's weight
+// `w`, val points and LR, each placed by its own clock on the time axes; its config
+// difference on hover.
+export function baselineTraces(b, i, ax, w = KERNEL_WEIGHT) {
   const color = BASE_COLORS[i % BASE_COLORS.length];
   const name = `baseline ${b.name}`;
   const diff = (b.diff || []).map(([k, theirs, ours]) => `${escTemplate(k)}: ${escTemplate(theirs)} → ${escTemplate(ours)}`);
   const said = `${escTemplate(name)}${diff.length ? `<br>config (baseline → this run):<br>${diff.join("<br>")}` : "<br>same config"}`;
   const out = [];
   const at = (tr) => (tr ? ax.other(b, tr.x) : null);
-  const tx = at(b.train), vx = at(b.val), lx = at(b.lr);
-  if (tx) out.push({ name: esc(name), legendgroup: `b${i}`, x: tx, y: b.train.y, type: "scatter", mode: "lines",
+  const train = baselineTrain(b, w);
+  const tx = at(train), vx = at(b.val), lx = at(b.lr);
+  if (tx) out.push({ name: esc(name), legendgroup: `b${i}`, x: tx, y: train.y, type: "scatter", mode: "lines",
     line: { color, width: 1.5, dash: "dash" }, opacity: 0.6,
-    hovertemplate: `${said}<br>train (smoothed) %{y:.4f}<extra></extra>` });
+    hovertemplate: `${said}<br>train (smoothed ${w.toFixed(2)}) %{y:.4f}<extra></extra>` });
   if (vx) out.push({ name: esc(`${name} val`), legendgroup: `b${i}`, showlegend: false, x: vx, y: b.val.y,
     type: "scatter", mode: "lines+markers", line: { color, width: 1, dash: "dot" }, opacity: 0.6,
     marker: { size: 6, symbol: "circle-open" },
@@ -135,8 +147,14 @@ export function create(root, ctx) {
   // The smoothed train loss as drawn: the kernel's at its weight, the page's otherwise.
   function smoothed() {
     const w = weight();
-    if (Math.abs(w - KERNEL_WEIGHT) < 1e-9 && s.smooth.x.length) return s.smooth;
+    if (kernelWeight(w) && s.smooth.x.length) return s.smooth;
     return { x: s.train.x, y: ema(s.train.x, s.train.y, w) };
+  }
+  // The val−train gap's lower edge: the train loss smoothed as drawn, at each eval's step
+  // (the recorded loss/gap is val − the kernel's 0.9 EMA: kept at 0.9).
+  function gapBase(sm) {
+    if (kernelWeight(weight()) && s.smooth.x.length) return gap.y;
+    return gap.x.map((x) => valueAt(sm.x, sm.y, x));
   }
 
   return {
@@ -177,8 +195,9 @@ export function create(root, ctx) {
       if (!Number.isFinite(top)) top = 1;
       const gx = ax.x(gap.x);
       const sm = smoothed();
+      const base = gapBase(sm);
       const traces = [
-        ...baselines.flatMap((b, i) => baselineTraces(b, i, ax)),
+        ...baselines.flatMap((b, i) => baselineTraces(b, i, ax, weight())),
         ...Object.entries(branches).map(([n, b]) => ({
           name: `rewound over (${n})`, ...ax.line(b.x, b.y), type: "scatter", mode: "lines",
           line: { color: COLORS["loss/train"], width: 1, dash: "dot" }, opacity: 0.35,
@@ -189,12 +208,12 @@ export function create(root, ctx) {
         { name: "train (smoothed)", ...ax.line(sm.x, sm.y), type: "scatter", mode: "lines",
           line: { color: COLORS["loss/train_smooth"], width: 2 },
           hovertemplate: `smoothed (${weight().toFixed(2)}) %{y:.4f}<extra></extra>` },
-        { name: "train at eval", showlegend: false, x: gx, y: gap.y, type: "scatter", mode: "lines",
+        { name: "train at eval", showlegend: false, x: gx, y: base, type: "scatter", mode: "lines",
           line: { width: 0, color: COLORS["loss/val"] }, hoverinfo: "skip" },
         { name: "val − train gap", x: gx, y: gap.top, type: "scatter", mode: "lines",
           line: { width: 0, color: COLORS["loss/val"] }, fill: "tonexty",
-          fillcolor: COLORS.gap, customdata: gap.top.map((v, i) => [v - gap.y[i], gap.x[i]]),
-          hovertemplate: "val − train gap %{customdata[0]:.4f} (step %{customdata[1]})<extra></extra>" },
+          fillcolor: COLORS.gap, customdata: gap.top.map((v, i) => [v - base[i], gap.x[i]]),
+          hovertemplate: `val − train gap %{customdata[0]:.4f} (step %{customdata[1]}, train smoothed ${weight().toFixed(2)})<extra></extra>` },
         { name: "val loss", ...valLine, type: "scatter", mode: "lines+markers",
           line: { color: COLORS["loss/val"], width: 1.5 }, marker: { size: 7 }, customdata: Array.from(s.val.x),
           // the hover shows the eval nearest the pointer: its own step said, not the pointer's

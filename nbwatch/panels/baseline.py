@@ -111,8 +111,9 @@ _MISSING = object()
 
 def load(path: Path, config: Mapping[str, Any] | None, max_points: int = MAX_POINTS
          ) -> dict[str, Any] | None:
-    """One baseline run → {name, path, state, step, train (smoothed), val, lr: {x, y},
-    diff}; None when its folder cannot be read."""
+    """One baseline run → {name, path, state, step, train (smoothed at 0.9, over every
+    step), raw (its train loss: the page smooths it at the slider's other weights), val,
+    lr: {x, y}, diff}; None when its folder cannot be read."""
     reader = None
     try:
         reader = RunReader(path)
@@ -129,11 +130,12 @@ def load(path: Path, config: Mapping[str, Any] | None, max_points: int = MAX_POI
                            "state": str(meta.get("state", "unknown")),
                            "diff": config_diff(meta.get("config"), config)}
     step = 0
-    for name, key in (("train", "loss/train"), ("val", "loss/val"), ("lr", "lr")):
+    for name, key in (("train", "loss/train"), ("raw", "loss/train"), ("val", "loss/val"),
+                      ("lr", "lr")):
         if key not in series or not len(series[key][0]):
             continue
         s, v = series[key]
-        if key == "loss/train":
+        if name == "train":
             v, _ = loss.smooth(v)
         s, v = downsample(s, v, max_points)
         out[name] = {"x": s.astype(np.int32), "y": v.astype(np.float32)}

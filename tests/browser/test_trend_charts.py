@@ -14,7 +14,7 @@ from nbwatch.store import RunStore
 
 from .conftest import exported_page
 from .harness import open_notebook, run_all
-from .test_loss_reading import NORM, drag_zoom, x_range
+from .test_loss_reading import NORM, drag_zoom, tb_ema, x_range
 
 pytestmark = pytest.mark.browser
 
@@ -289,3 +289,59 @@ def test_live_y_stays_fitted_to_a_zoom_through_the_refreshes(page, lab, workdir)
         store.set_meta("state", "finished")
         store.close()
         lab.shutdown_kernels()
+
+
+def _noisy(run_dir, steps: int, seed: int, baselines=()):
+    """A finished run whose train loss is noisy (smoothing shows), with val and the gap the
+    recorder writes (val − the 0.9 EMA of the train loss) every 20 steps."""
+    rng = np.random.default_rng(seed)
+    raw = (2.0 * np.exp(-np.arange(1, steps + 1) / 100) + 0.3 * rng.random(steps)).astype(
+        np.float32)
+    kernel = tb_ema([float(v) for v in raw], 0.9)
+    store = RunStore(run_dir)
+    store.set_meta("max_steps", steps)
+    store.set_meta("baselines", [str(b) for b in baselines])
+    for s in range(1, steps + 1):
+        v = {"loss/train": float(raw[s - 1]), "lr": 1e-3}
+        if s % 20 == 0:
+            v["loss/val"] = float(kernel[s - 1]) + 0.2
+            v["loss/gap"] = 0.2
+        store.put(Scalars(s, v, wall=1000.0 + s))
+    store.set_meta("state", "finished")
+    store.set_meta("step", steps)
+    store.close()
+    return raw
+
+
+def test_the_smoothing_slider_smooths_the_gap_and_the_baselines_as_the_train_loss(
+        browser, tmp_path):
+    from .harness import trace
+    from .test_loss_reading import smoothed
+
+    base_raw = _noisy(tmp_path / "runs" / "base", 300, seed=1)
+    _noisy(tmp_path / "runs" / "exp", 300, seed=2, baselines=[tmp_path / "runs" / "base"])
+    with exported_page(browser, tmp_path / "runs" / "exp", tmp_path / "exp.html") as (page,
+                                                                                     errors):
+        raw = trace(page, "loss", "train loss")["y"]
+        val = dict(zip(*trace(page, "loss", "val loss").values()))
+        for w in (0.9, 0.6, 0.0, 0.97):
+            if w != 0.9:
+                page.locator(".nbw-smooth").fill(str(w))
+                page.wait_for_function(f"(w) => {LOSS}.data.find((t) => t.name === "
+                                       "'train (smoothed)').hovertemplate.includes(`(${w})`)",
+                                       arg=f"{w:.2f}")
+            ours = tb_ema(raw, w)
+            assert smoothed(page) == pytest.approx(ours, rel=1e-5)
+            # the gap's lower edge: this train loss smoothed the same, at each eval's step
+            at_eval = trace(page, "loss", "train at eval")
+            assert at_eval["x"] == list(range(20, 301, 20))
+            assert at_eval["y"] == pytest.approx([ours[s - 1] for s in at_eval["x"]], rel=1e-5)
+            said = page.evaluate(f"() => {LOSS}.data.find((t) => t.name === 'val − train gap')"
+                                 ".customdata.map((c) => c[0])")
+            assert said == pytest.approx([val[s] - ours[s - 1] for s in at_eval["x"]],
+                                         rel=1e-4, abs=1e-6)
+            # the baseline's faded train loss: its own raw loss, smoothed the same
+            base = trace(page, "loss", "baseline base")
+            assert base["x"] == list(range(1, 301))
+            assert base["y"] == pytest.approx(tb_ema([float(v) for v in base_raw], w), rel=1e-5)
+        assert not errors, errors

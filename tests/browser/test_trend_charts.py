@@ -345,3 +345,61 @@ def test_the_smoothing_slider_smooths_the_gap_and_the_baselines_as_the_train_los
             assert base["x"] == list(range(1, 301))
             assert base["y"] == pytest.approx(tb_ema([float(v) for v in base_raw], w), rel=1e-5)
         assert not errors, errors
+
+
+ITEMS = ("[...document.querySelectorAll('[data-panel=alerts] .nbw-item')]"
+         ".map((li) => [li.dataset.kind, li.querySelector('.nbw-item-msg').textContent])")
+FEED = f"() => {ITEMS}"
+
+
+def _best(store: RunStore, step: int) -> None:
+    from nbwatch.records import Event
+
+    store.put(Event(step, "checkpoint", "info",
+                    f"periodic (Trainer) checkpoint at step {step}: checkpoint-{step}, "
+                    "1.0 MiB (best)", {"reason": "periodic (Trainer)", "best": True,
+                                       "path": f"/o/checkpoint-{step}"}))
+
+
+def test_live_routine_best_checkpoints_are_one_feed_line_across_the_refreshes(
+        page, lab, workdir):
+    from nbwatch.records import Event
+
+    run_dir = workdir / "runs" / "best_live"
+    store = RunStore(run_dir)
+    try:
+        store.set_meta("state", "running")
+        _best(store, 10)
+        _best(store, 20)
+        _norms(store, 1, 50)
+        _notebook(workdir, "best_live")
+        open_notebook(page, f"{lab.url}/lab/tree/best_live.ipynb?reset")
+        run_all(page)
+        page.wait_for_function(f"() => {ITEMS}.length === 1", timeout=30_000)
+        assert page.evaluate(FEED) == [["checkpoint", "best checkpoint ×2, last at step 20"]]
+        _best(store, 60)  # a later refresh: folded into the line above, not a new one
+        _norms(store, 51, 60)
+        page.wait_for_function(f"() => {ITEMS}[0][1].endsWith('step 60')", timeout=30_000)
+        assert page.evaluate(FEED) == [["checkpoint", "best checkpoint ×3, last at step 60"]]
+        # an alert between them is its own item; the saves after it start a line of their own
+        store.put(Event(70, "alert", "warning", "loss spike at step 70", {}))
+        _best(store, 80)
+        _norms(store, 61, 80)
+        page.wait_for_function(f"() => {ITEMS}.length === 3", timeout=30_000)
+        _best(store, 90)
+        store.put(Event(95, "checkpoint", "info", "manual checkpoint at step 95: step_95.pt",
+                        {"reason": "manual", "best": True}))  # asked for: its own item
+        _norms(store, 81, 95)
+        page.wait_for_function(f"() => {ITEMS}.length === 4", timeout=30_000)
+        assert page.evaluate(FEED) == [
+            ["checkpoint", "manual checkpoint at step 95: step_95.pt"],
+            ["checkpoint", "best checkpoint ×2, last at step 90"],
+            ["alert", "loss spike at step 70"],
+            ["checkpoint", "best checkpoint ×3, last at step 60"]]
+        # a click on the line shows its last save's step
+        page.locator("[data-panel=alerts] .nbw-item[data-count='3']").click()
+        page.wait_for_function("() => document.querySelector('.nbw-root').dataset.focus === '60'")
+    finally:
+        store.set_meta("state", "finished")
+        store.close()
+        lab.shutdown_kernels()

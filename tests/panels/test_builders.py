@@ -279,6 +279,44 @@ def test_alert_feed_items_say_why_a_checkpoint_was_taken():
         ("checkpoint", "manual", 101), ("checkpoint", "periodic", 100), ("action", None, 51)]
 
 
+def test_routine_best_checkpoints_one_after_another_are_one_feed_item():
+    """A Trainer's save_steps with load_best_model_at_end (a ModelCheckpoint with monitor)
+    marks most saves best: the feed says "best checkpoint ×N, last at step S" once for the
+    saves in a row, alerts and asked-for checkpoints their own items between them; the
+    report's checkpoints table keeps every save."""
+    from nbwatch.panels import alerts, report
+
+    def best(step, reason="periodic (Trainer)"):
+        return {"step": step, "kind": "checkpoint", "severity": "info", "wall": float(step),
+                "message": f"{reason} checkpoint at step {step}: checkpoint-{step} (best)",
+                "data": {"reason": reason, "best": True, "path": f"/o/checkpoint-{step}"}}
+
+    def other(step, kind, reason=None):
+        return {"step": step, "kind": kind, "severity": "warning" if kind == "alert" else "info",
+                "wall": float(step), "message": f"{kind} at {step}",
+                "data": {"reason": reason, "best": True} if reason else {}}
+
+    events = [best(100, "periodic"), best(200), best(300, "Lightning"),
+              {**best(305), "data": {"reason": "periodic (Trainer)"}},  # not best: left out
+              other(310, "alert"), best(400), best(500), other(510, "checkpoint", "manual"),
+              best(600), other(601, "state")]
+    items = alerts.build(events)["items"]
+    assert [(i["kind"], i["step"], i["message"]) for i in items] == [
+        ("checkpoint", 600, "periodic (Trainer) checkpoint at step 600: checkpoint-600 (best)"),
+        ("checkpoint", 510, "checkpoint at 510"),  # asked for: its own item, always
+        ("checkpoint", 500, "best checkpoint ×2, last at step 500"),
+        ("alert", 310, "alert at 310"),
+        ("checkpoint", 300, "best checkpoint ×3, last at step 300"),
+    ]
+    assert (items[2]["count"], items[2]["first"], items[4]["first"]) == (2, 400, 100)
+    assert items[0]["count"] == 1 and "routine" not in items[1]
+    # a refresh's oldest routine item folds into the newest shown, as the page does
+    assert alerts.fold(items[2], items[0])["message"] == "best checkpoint ×3, last at step 600"
+    ckpts = [e for e in events if e["kind"] == "checkpoint"][::-1]
+    rows = report.checkpoints_table(ckpts, len(ckpts))["rows"]
+    assert [r[0] for r in rows] == [600, 510, 500, 400, 305, 300, 200, 100]
+
+
 @pytest.mark.parametrize("origin", [0, 1_000_000])
 def test_grad_heat_map_shows_a_spike_at_its_layer_and_step_and_folds_like_a_full_build(
         tmp_path, origin):

@@ -356,6 +356,82 @@ def test_ddp_stop_from_attach_ends_both_ranks_at_one_step(tmp_path, monkeypatch)
     assert df["rank0/lr"].tolist() == df["rank1/lr"].tolist()  # the cut on both, at once
 
 
+def test_a_sigterm_ends_the_fit_stopped_with_a_checkpoint_not_finished(tmp_path):
+    """A script's SIGTERM during a fit: Lightning's handler takes it and its loop raises
+    `SIGTERMException` (a SystemExit) at the next batch boundary; the run reads `stopped`,
+    said why, with a stop checkpoint. That clean-looking exit read `finished`, with none."""
+    import signal
+
+    class Term(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 6:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    cb = nbwatch.lightning.NbwatchCallback(tmp_path / "run", display=False)
+    trainer = make_trainer(tmp_path, max_steps=20, enable_checkpointing=False,
+                           callbacks=[cb, Term()])
+    with pytest.raises(SystemExit):
+        trainer.fit(TinyModule(), train_dataloaders=loader(16))
+    run = nbwatch.open_run(tmp_path / "run")
+    assert run.state == "stopped" and run.step == 6
+    assert run.meta["stopped_by"] == "terminated by SIGTERM at step 6"
+    ckpt = tmp_path / "checkpoints" / "nbwatch-step=6.ckpt"
+    assert torch.load(ckpt, weights_only=False)["global_step"] == 6
+
+
+def pl_torchrun(run_dir: Path, out: Path, **env: str) -> subprocess.Popen:
+    """tests/scripts/pl_ddp_train.py under a real `torchrun --nproc_per_node=2`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "tests" / "scripts" / "pl_ddp_train.py"), str(out)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "NBWATCH_RUN_DIR": str(run_dir),
+                       **env},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_sigterm_to_the_launcher_stops_a_ddp_fit_with_a_checkpoint_that_resumes(tmp_path):
+    """`kill` of torchrun (a scheduler's preemption) under a Lightning DDP fit: Lightning's
+    own SIGTERM handler takes it on every rank (its SIGTERMException still reaches the
+    user's callbacks), and the run ends `stopped` as a start() or Trainer run does, with a
+    stop checkpoint that `fit(ckpt_path=...)` continues, every step once. It read `failed`
+    ("the launcher stops the job when a rank fails") with no checkpoint: rank 0 took
+    Lightning's SIGTERM for a rank's failure (and without it the fit read `finished`)."""
+    from nbwatch.run import RunNotStarted
+
+    def recorded() -> int:
+        try:
+            return nbwatch.open_run(run_dir).step if (run_dir / "nbwatch.db").exists() else 0
+        except RunNotStarted:
+            return 0
+
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    proc = pl_torchrun(run_dir, out)
+    try:
+        until(lambda: recorded() >= 15, timeout=120, what="step 15", poll=0.2)
+        proc.send_signal(15)
+        log, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    run = nbwatch.open_run(run_dir)
+    assert run.state == "stopped", log[-3000:]
+    assert run.meta["stopped_by"] == f"terminated by SIGTERM at step {run.step}"
+    stopped = run.step
+    ckpt = out / "checkpoints" / f"nbwatch-step={stopped}.ckpt"
+    ev = run.events
+    assert ckpt.exists() and ev.message.str.startswith(f"stop checkpoint at step {stopped}").any()
+    assert torch.load(ckpt, weights_only=False)["global_step"] == stopped
+    # Lightning's own handling: its exception reached the callbacks of both ranks
+    assert [(out / f"exception_rank{r}.txt").read_text() for r in (0, 1)] == [
+        "SIGTERMException"] * 2
+    proc = pl_torchrun(run_dir, out, CKPT_PATH=str(ckpt), MAX_STEPS=str(stopped + 10))
+    log, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, log[-3000:]
+    run = nbwatch.open_run(run_dir)
+    assert run.state == "finished" and run.df.index.tolist() == list(range(1, stopped + 11))
+    assert [int((out / f"step_rank{r}.txt").read_text()) for r in (0, 1)] == [stopped + 10] * 2
+
+
 class ImageModule(L.LightningModule):
     """A classifier on `(x, y)` batches: no mask, no tokens (a ViT's, a CNN's shape)."""
 

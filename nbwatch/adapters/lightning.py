@@ -22,6 +22,7 @@ from typing import Any
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.trainer.states import TrainerStatus
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
 except ImportError:  # pragma: no cover - depends on the environment
     raise ImportError(
         "nbwatch.lightning needs the lightning package: pip install 'nbwatch[lightning]'"
@@ -31,6 +32,7 @@ import torch
 
 from .. import controls as ctl
 from ..evaluation import GuessedForward, batch_call, describe_call
+from ..interrupts import Terminated
 from ..monitor import Monitor
 from ..probes.attention import take_samples
 from ..probes.data import attention_tokens
@@ -211,6 +213,17 @@ class NbwatchCallback(Adapter, pl.Callback):
             self._end(exception)
 
     # -- nbwatch's side -----------------------------------------------------------------
+    def _end(self, error: BaseException | None) -> None:
+        """Lightning's answer to a SIGTERM (its `SignalConnector` raises `SIGTERMException`
+        at a batch boundary, on every rank at the same one under DDP) is a stop, as a
+        script's SIGTERM is: the run ends `stopped`, with a stop checkpoint that
+        `fit(ckpt_path=...)` continues (a rank that died fails it at the ranks' last
+        meeting instead). A SystemExit that read as a clean end, it was `finished`."""
+        if isinstance(error, SIGTERMException):
+            step = self.monitor.step if self.monitor is not None else 0
+            error = Terminated(f"terminated by SIGTERM at step {step}")
+        super()._end(error)
+
     def _save(self, trainer: pl.Trainer, reason: str) -> None:
         """The recorder's checkpoints, Lightning's way: `trainer.save_checkpoint`."""
         if reason in ("final", "periodic", "emergency"):
@@ -351,8 +364,9 @@ def _probe_batch(trainer: pl.Trainer, module: Any, n: int) -> Any:
 # -- what we take from Lightning beyond its callbacks -----------------------------------
 # Nothing private: the Trainer's public properties (optimizers, lr_scheduler_configs,
 # gradient_clip_val, checkpoint_callback, save_checkpoint, should_stop, callback_metrics,
-# val_dataloaders) and the one below. tests/test_adapters.py checks it against the
-# installed Lightning, so that a release that changes it fails there by name.
+# val_dataloaders), the documented `SIGTERMException` its loops raise after a SIGTERM, and
+# the one below. tests/test_adapters.py checks it against the installed Lightning, so that
+# a release that changes it fails there by name.
 
 def fit_running(trainer: pl.Trainer) -> bool:
     """A fit (or validate, test, predict) of `trainer` runs now, in some thread. Takes

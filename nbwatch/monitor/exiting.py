@@ -153,10 +153,12 @@ class ProcessExit:
     def record_sigterm(self, store: RunStore | NullStore) -> None:
         """torchrun sends SIGTERM to every rank when it is sent one, and to the survivors
         when a rank dies, sometimes before the lost connection reaches the training
-        thread. No failure known: the run stops (a dead rank fails it at the meeting), or
-        where a framework's handler (Lightning's) takes SIGTERM, rank 0 records a failure.
-        Otherwise die as asked once the failure is recorded (where it is being recorded in
-        the thread the signal interrupted, at once)."""
+        thread. No failure known: the run stops (a dead rank fails it at the meeting);
+        where a framework's handler (Lightning's) takes SIGTERM, the signal is its own to
+        answer (Lightning raises its SIGTERMException on every rank at one batch boundary,
+        which the adapter ends as a stop). Otherwise die as asked once the failure is
+        recorded (where it is being recorded in the thread the signal interrupted, at
+        once)."""
         if threading.current_thread() is not threading.main_thread():
             return
         previous = signal.getsignal(signal.SIGTERM)
@@ -176,14 +178,12 @@ class ProcessExit:
             if run.running and p.error is None and ours:  # the launcher's own, maybe
                 self._stop_at_meeting(signum, previous)
                 return
-            if run.running and p.error is None:
-                p.move("failed")
-                with contextlib.suppress(Exception):
-                    store.put(Event(run.step, "error", "critical",
-                                    f"[rank 0] terminated by SIGTERM at step {run.step}: "
-                                    "the launcher stops the job when a rank fails", {}))
-                    store.set_meta("state", "failed")
-            elif p.error is not None and interrupted and not p.failure_recorded.is_set():
+            if run.running and p.error is None:  # the framework's: it stops the fit
+                signal.signal(signum, previous)
+                if callable(previous):
+                    previous(signum, frame)
+                return
+            if p.error is not None and interrupted and not p.failure_recorded.is_set():
                 # this handler interrupted the thread recording the failure (a loop of
                 # one's own, in the main thread): it cannot wait for it. The error and the
                 # state, if not yet said, now; then the recording goes on (the emergency

@@ -15,7 +15,9 @@ import contextlib
 import json
 import math
 import os
-from dataclasses import dataclass
+import socket
+import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,8 @@ class Dist:
     backend: str
     next_meet: int = 0  # the step of the next meeting (0: after the run's first step)
     gap: int = 0  # the steps between meetings rank 0 planned last
+    # each rank's (host, pid), as the run opened: a rank that dies is named by it
+    places: list[tuple[str, int]] = field(default_factory=list)
 
     @classmethod
     def detect(cls, every: int = 10, timeout_s: float = 60.0) -> Dist | None:
@@ -66,7 +70,25 @@ class Dist:
             return None
         # A CPU group of our own: figures are small, and its timeout bounds a dead peer.
         group = own_group(timeout_s, "open its run")
-        return cls(dist.get_rank(), dist.get_world_size(), every, group, dist.get_backend())
+        places: list[Any] = [None] * dist.get_world_size()
+        with contextlib.suppress(RuntimeError):  # named less if it fails; the run goes on
+            dist.all_gather_object(places, (socket.gethostname(), os.getpid()), group=group)
+        return cls(dist.get_rank(), dist.get_world_size(), every, group, dist.get_backend(),
+                   places=[tuple(p) if p else ("", 0) for p in places])
+
+    def dead_ranks(self, wait: float = 2.0) -> list[int]:
+        """The other ranks on this host whose process is gone (ended, or a zombie its
+        launcher has not reaped), waiting up to `wait` s for one: a rank killed (SIGKILL,
+        the OOM killer) writes no error of its own. Ranks on other hosts are not seen."""
+        host = socket.gethostname()
+        mine = [(r, pid) for r, (h, pid) in enumerate(self.places)
+                if r != self.rank and h == host and pid]
+        deadline = time.monotonic() + wait
+        while True:
+            dead = [r for r, pid in mine if not _alive(pid)]
+            if dead or not mine or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.1)
 
     def all_agree(self, ok: bool, what: str) -> bool:
         """Whether `ok` holds on every rank (each rank calls this at the same moment)."""
@@ -140,6 +162,24 @@ class Dist:
         return [o[0] for o in out], cmds
 
 
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not; Linux's /proc, else a signal 0)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
 def own_group(timeout_s: float, what: str) -> Any:
     """A new gloo group of every rank (a collective: each rank creates it at once)."""
     import torch.distributed as dist
@@ -175,8 +215,6 @@ def rank0_run_dir(own: Path, timeout_s: float = 60.0) -> Path:
 def peer_errors(run_dir: Path, since: float, wait: float = 2.0) -> list[dict[str, Any]]:
     """The errors other ranks wrote since `since` (their NullStore's), waiting up to `wait`
     seconds for one: a rank that lost contact learns which rank failed first, and why."""
-    import time
-
     deadline = time.monotonic() + wait
     while True:
         found = []

@@ -2,6 +2,7 @@
 would from a notebook: through `nbwatch.attach` on the run folder."""
 
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ def recorded_step(run_dir: Path) -> int:
     moment before its tables do)."""
     try:
         return nbwatch.open_run(run_dir).step if (run_dir / "nbwatch.db").exists() else 0
-    except RunNotStarted:
+    except (RunNotStarted, sqlite3.OperationalError):  # "no such table: walls", a moment
         return 0
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -175,13 +176,46 @@ def test_a_killed_rank_stops_the_other_and_the_store_stays_readable(tmp_path, lo
     run = nbwatch.open_run(run_dir)
     assert run.state == "failed" and 35 <= run.step < 45
     err = run.events.query("kind == 'error'").message.iloc[0]
-    # whichever reaches rank 0 first: gloo's closed connection, or torchrun's SIGTERM
-    assert err.startswith(("[rank 0/2] lost contact with another rank",
-                           "[rank 0] terminated by SIGTERM")), err
+    # whichever reaches rank 0 first, gloo's closed connection or torchrun's SIGTERM, rank
+    # 0 records the failure, naming the rank that died, and its emergency checkpoint
+    assert err.startswith("[rank 0/2] rank 1 died (its process ended)"), err
+    assert run.meta.get("stopped_by") is None
     assert run.df.index.max() == run.step
-    if "lost contact" in err:  # rank 0 had the time to write its emergency checkpoint
-        ck = max((run_dir / "checkpoints").glob("step_*.pt"))
-        assert torch.load(ck, weights_only=True)["step"] == run.step
+    ck = max((run_dir / "checkpoints").glob("step_*.pt"))
+    assert torch.load(ck, weights_only=True)["step"] == run.step
+
+
+@pytest.mark.parametrize("loop,ask", [("start", "sigterm"), ("own", "sigterm"),
+                                       ("start", "stop")])
+def test_a_rank_killed_after_a_stop_was_asked_fails_the_run_naming_it(tmp_path, loop, ask):
+    """A stop asked at step 41 (a SIGTERM to rank 0, as a scheduler sends every process of
+    the job; or mon.stop()), then rank 1 killed at step 43, before the ranks meet at 45:
+    the run reads `failed`, naming rank 1 as dead, the stop kept as context (`stop_asked`,
+    the error's words, the stop command expired). It read `stopped` by "terminated by
+    SIGTERM" (under start(), torchrun's second SIGTERM ended rank 0 before it could record
+    the failure) or `failed` with that stale `stopped_by`, and said only "lost contact with
+    another rank"."""
+    run_dir = tmp_path / "ddp"
+    env = {"STEP_SLEEP": "0.05", "KILL_RANK": "1", "KILL_AT": "43",
+           ("SIGTERM_AT" if ask == "sigterm" else "STOP_AT"): "41"}
+    proc = torchrun(run_dir, 10_000, **env, **({"LOOP": "own"} if loop == "own" else {}))
+    out, _ = proc.communicate(timeout=90)
+    run = nbwatch.open_run(run_dir)
+    assert run.state == "failed" and 41 <= run.step <= 43, out[-3000:]
+    assert run.meta.get("stopped_by") is None
+    ev = run.events
+    err = ev[ev.kind == "error"]
+    assert len(err) == 1, err.message.tolist()
+    msg, data = err.message.iloc[0], err.data.iloc[0]
+    assert msg.startswith("[rank 0/2] rank 1 died (its process ended), so this rank stops: "), msg
+    assert data["dead_ranks"] == [1]
+    if ask == "sigterm":
+        asked = run.meta["stop_asked"]
+        assert asked.startswith("terminated by SIGTERM at step 4"), asked
+        assert msg.endswith(f"(a stop had been asked, not taken yet: {asked})")
+        assert data["stop_asked"] == asked
+    expired = ev[(ev.kind == "command") & ev.message.str.startswith("stop expired")]
+    assert len(expired) == 1  # the stop asked, never taken
 
 
 def test_own_loop_under_torchrun_rank0_records_controls_on_every_rank(tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ import contextlib
 
 from ..distributed import NullStore
 from ..recorder import StepRecorder
+from ..recorder.spec import Progress
 from ..records import Event
 from ..store import RunStore
 
@@ -17,9 +18,13 @@ def interrupted(step: int) -> str:
 
 
 def record_stop_reason(store: RunStore | NullStore | None, rank: int, step: int,
-                       why: str) -> None:
+                       why: str, progress: Progress | None = None) -> None:
     """Say now, before the stop is taken, why the run ends and that it is stopped: the
-    process may be killed before the run gets to record it (rank 0's store only)."""
+    process may be killed before the run gets to record it (rank 0's store only). A
+    failure before the stop is taken (a rank that dies first) says the run failed, and
+    keeps `why` as what had been asked (`progress.stop_said`, recorder/failure.py)."""
+    if progress is not None:
+        progress.stop_said = why
     if store is None or rank != 0:
         return
     with contextlib.suppress(Exception):  # a dead store: the stop still goes ahead
@@ -37,7 +42,7 @@ def finish(rec: StepRecorder, outcome: str, why: str | None = None) -> None:
     try:
         if why is not None:
             record_stop_reason(rec.store, 0 if rec.dist is None else rec.dist.rank, rec.step,
-                               why)
+                               why, rec.progress)
         rec.finish(outcome)
     except KeyboardInterrupt:
         rec.abandon_end()

@@ -28,6 +28,7 @@ from ..distributed import NullStore
 from ..interrupts import Terminated
 from ..notebook import in_notebook
 from ..ownership import forked_from
+from ..recorder.failure import unsay_stop
 from ..records import Event
 from ..store import RunStore
 from .background import TrainingThread
@@ -113,7 +114,7 @@ class ProcessExit:
         run = self._session
         why = self.terminated or (interrupted(run.step) if ctrl_c else
                                   f"{what.removeprefix('the ')} at step {run.step}")
-        record_stop_reason(run.store, run.setup.rank, run.step, why)
+        record_stop_reason(run.store, run.setup.rank, run.step, why, run.progress)
         with contextlib.suppress(RuntimeError):  # it ended a moment ago
             self._send("stop", source="exit")
         deadline = time.monotonic() + exit_budget()
@@ -175,9 +176,17 @@ class ProcessExit:
             run = self._session
             p = run.progress
             interrupted = p.failing_in is threading.current_thread()
-            if run.running and p.error is None and ours:  # the launcher's own, maybe
-                self._stop_at_meeting(signum, previous)
-                return
+            if run.running and p.error is None and ours:
+                if self.terminated is None:  # the launcher's own, maybe
+                    self._stop_at_meeting(signum)
+                    return
+                # a second one before the ranks met: the launcher ends the job because a
+                # rank failed. The failure is recorded before this rank dies (it read
+                # `stopped` by the first SIGTERM, no failure said); a third ends it at once
+                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+                if run.mode == "loop":  # this thread trains: it records the failure itself
+                    return
+                _await(lambda: p.error is not None or not run.running, 10)
             if run.running and p.error is None:  # the framework's: it stops the fit
                 signal.signal(signum, previous)
                 if callable(previous):
@@ -191,15 +200,16 @@ class ProcessExit:
                 # torchrun's SIGKILL, 30 s on) ends it at once.
                 with contextlib.suppress(Exception):
                     if not p.error_said:
-                        store.put(Event(run.step, "error", "critical",
+                        store.put(Event(run.step, "error", "critical", p.error_message or
                                         f"[rank 0] {type(p.error).__name__}: {p.error}",
                                         {"traceback": p.traceback}))
                         p.error_said = True
                     store.set_meta("state", "failed")
+                    unsay_stop(store, p)
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
                 return
             elif p.error is not None:  # the training thread is recording it
-                p.failure_recorded.wait(20)  # torchrun kills after 30 s
+                p.failure_recorded.wait(15)  # torchrun kills 30 s after its SIGTERM
             with contextlib.suppress(Exception):
                 store.flush(timeout=5)
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
@@ -207,13 +217,12 @@ class ProcessExit:
 
         signal.signal(signal.SIGTERM, on_sigterm)
 
-    def _stop_at_meeting(self, signum: int, previous: Any) -> None:
+    def _stop_at_meeting(self, signum: int) -> None:
         """torchrun's SIGTERM, no failure known: rank 0 asks a stop, which every rank takes
         at the ranks' next meeting (within ~2 s, before torchrun's SIGKILL 30 s on), with
         the stop checkpoint, and the other ranks train on to it; a rank that died fails
         the run there instead. A loop of one's own asks it at its next log(), where the
         main thread holds no lock of the store's (`raise_if_terminated`)."""
-        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self.terminated = f"terminated by SIGTERM at step {self._session.step}"
         if self._session.mode == "loop":
             if self not in _ENDED_BY_SIGTERM:
@@ -227,7 +236,7 @@ class ProcessExit:
         if self.stop_asked or run.setup.rank != 0 or self.terminated is None:
             return
         self.stop_asked = True
-        record_stop_reason(run.store, 0, run.step, self.terminated)
+        record_stop_reason(run.store, 0, run.step, self.terminated, run.progress)
         with contextlib.suppress(RuntimeError):  # it ended a moment ago
             self._send("stop", source="exit")
 
@@ -235,6 +244,13 @@ class ProcessExit:
 # The runs a script's SIGTERM ends now (their ProcessExit), while `_on_sigterm` is the
 # process's handler: one handler for all of a script's Monitors.
 _ENDED_BY_SIGTERM: list[ProcessExit] = []
+
+
+def _await(done: Callable[[], bool], timeout: float) -> None:
+    """Wait up to `timeout` s for `done()` (a signal handler's wait for another thread)."""
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _arm_sigterm(exit_: ProcessExit) -> None:

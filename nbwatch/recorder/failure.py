@@ -2,7 +2,9 @@
 may end the process any moment now), then what helps after it: the rank that failed
 first, the emergency checkpoint. Each part on its own: a dead store must not cost the
 checkpoint, nor the reverse. A signal handler that interrupts the recording thread reads
-`Progress.failing_in` and `error_said` (monitor/exiting.py)."""
+`Progress.failing_in` and `error_said` (monitor/exiting.py). A stop asked and said before
+it was taken (a SIGTERM's, `stopped_by`) does not outlive a failure that came first: the
+run reads `failed`, the stop kept as context (`stop_asked`)."""
 
 from __future__ import annotations
 
@@ -50,6 +52,12 @@ class Failing(Protocol):
 def fail(rec: Failing, e: BaseException) -> None:
     """Record `e` as the end of the run, with an emergency checkpoint."""
     p = rec.progress
+    # what the failure says, before a SIGTERM's handler (exiting.py) may see it and say it
+    # first: a killed rank says nothing itself, so its process is looked for, a moment at most
+    dead = (rec.dist.dead_ranks(wait=1.0)
+            if rec.dist is not None and not rec.ended and lost_peer(e) else [])
+    msg, data, peers_later = _what_failed(rec, e, dead)
+    p.error_message = msg
     p.failing_in = threading.current_thread()
     p.error, p.error_tb = e, e.__traceback__
     p.traceback = "".join(traceback.format_exception(e))
@@ -63,20 +71,6 @@ def fail(rec: Failing, e: BaseException) -> None:
     p.move("failed")  # first (the run has ended): recording it may itself fail
     rec.train_logits.close()
     rec.layer_watch.close()
-    msg, data = f"{type(e).__name__}: {e}", {}
-    peers_later = False  # a peer's own error may reach the folder after this one
-    if rec.dist is not None:
-        if lost_peer(e):
-            msg = ("lost contact with another rank (it died or hangs), so this rank "
-                   f"stops: {str(e).splitlines()[0][:300]}")
-            if rec.dist.rank == 0:  # which rank failed, and why, where it could say
-                peers = peer_errors(rec.store.run_dir, rec.inbox.opened_wall, wait=0)
-                peers_later = not peers
-                if peers:
-                    msg = ("another rank failed, so this rank stops: "
-                           + "; ".join(p["message"] for p in peers))
-                    data = {"rank_errors": peers}
-        msg = f"[rank {rec.dist.rank}/{rec.dist.world}] {msg}"
 
     def say() -> None:
         if p.error_said:  # a SIGTERM's handler said it, interrupting this (exiting.py)
@@ -86,7 +80,7 @@ def fail(rec: Failing, e: BaseException) -> None:
                   logging.ERROR)
 
     for record in (rec.record_stepped, rec.flush_deferred, say,
-                   lambda: rec._set_state("failed"),
+                   lambda: rec._set_state("failed"), lambda: unsay_stop(rec.store, p),
                    lambda: _said_by_peers(rec, peers_later),
                    lambda: _emergency_checkpoint(rec),
                    rec.expire_pending):
@@ -97,6 +91,44 @@ def fail(rec: Failing, e: BaseException) -> None:
     with contextlib.suppress(Exception):
         rec.store.flush(timeout=30)
     p.failure_recorded.set()
+
+
+def _what_failed(rec: Failing, e: BaseException, dead: list[int]
+                 ) -> tuple[str, dict[str, Any], bool]:
+    """The failure's message, its event's data, and whether a peer's own error may reach
+    the folder after it; `dead`: the ranks whose process ended."""
+    msg = f"{type(e).__name__}: {e}"
+    data: dict[str, Any] = {}
+    peers_later = False
+    if rec.dist is not None:
+        if lost_peer(e):
+            who = (f"rank {' and '.join(map(str, dead))} died (its process ended)" if dead
+                   else "lost contact with another rank (it died or hangs)")
+            msg = f"{who}, so this rank stops: {str(e).splitlines()[0][:300]}"
+            if dead:
+                data["dead_ranks"] = dead
+            if rec.dist.rank == 0:  # which rank failed, and why, where it could say
+                peers = peer_errors(rec.store.run_dir, rec.inbox.opened_wall, wait=0)
+                peers_later = not peers
+                if peers:
+                    msg = ("another rank failed, so this rank stops: "
+                           + "; ".join(x["message"] for x in peers))
+                    data = {"rank_errors": peers}
+        msg = f"[rank {rec.dist.rank}/{rec.dist.world}] {msg}"
+    said = rec.progress.stop_said
+    if said:  # what was asked, not how the run ended
+        msg += (f" (while stopping: {said})" if rec.progress.stopping
+                else f" (a stop had been asked, not taken yet: {said})")
+        data["stop_asked"] = said
+    return msg, data, peers_later
+
+
+def unsay_stop(store: RunStore | NullStore, p: Progress) -> None:
+    """A failure ends a run whose stop was said before it was taken (`stopped_by`, set at
+    once by `monitor/ending.record_stop_reason`): that reason goes, kept as `stop_asked`."""
+    if p.stop_said:
+        store.set_meta("stopped_by", None)
+        store.set_meta("stop_asked", p.stop_said)
 
 
 def _said_by_peers(rec: Failing, wait: bool) -> None:

@@ -73,6 +73,10 @@ class Progress:
     failure_recorded: threading.Event = field(default_factory=threading.Event)
     failing_in: threading.Thread | None = None
     error_said: bool = False  # the failure's error event is recorded
+    error_message: str | None = None  # … as it says it (or will: a handler says it first)
+    # the stop reason recorded before the stop was taken (meta `stopped_by`: a SIGTERM,
+    # Ctrl-C, the process's exit): a failure before it was taken keeps it as context only
+    stop_said: str | None = None
 
     # The run's flags, each read off its one state (lifecycle.py), never kept beside it
     @property

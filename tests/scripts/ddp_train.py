@@ -5,6 +5,7 @@
 
 Env: STEP_SLEEP (seconds per step, default 0.01); KILL_RANK / KILL_AT (a rank that kills
 itself with SIGKILL at that step); STOP_AT (rank 0 calls `mon.stop()` in that step);
+SIGTERM_AT (rank 0 sends itself SIGTERM in that step, as torchrun forwards one);
 CKPT_EVERY (a periodic checkpoint); RUN_DIR=default: `Monitor(run_dir=None)`, and rank 1
 comes to it 1.5 s after rank 0; ONLY_RANK0=1: rank 1 creates no Monitor; RAISE_RANK /
 RAISE_AT: a rank whose step_fn raises ValueError at that call; NO_DDP=1: the model not
@@ -54,6 +55,7 @@ def main() -> None:
     kill_rank, kill_at = int(os.environ.get("KILL_RANK", "-1")), int(os.environ.get("KILL_AT", "0"))
     calls = {"n": 0}
     stop_at = int(os.environ.get("STOP_AT", "0"))
+    sigterm_at = int(os.environ.get("SIGTERM_AT", "0"))
     raise_rank = int(os.environ.get("RAISE_RANK", "-1"))
     raise_at = int(os.environ.get("RAISE_AT", "0"))
 
@@ -65,6 +67,8 @@ def main() -> None:
             raise ValueError(f"rank {rank} failed on purpose at call {raise_at}")
         if rank == 0 and calls["n"] == stop_at:
             mon.stop()  # taken at the ranks' next meeting
+        if rank == 0 and calls["n"] == sigterm_at:
+            os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(sleep * (2 if rank == 1 else 1))  # rank 1 is a straggler
         return {"logits": model(batch["input_ids"]), "labels": batch["labels"],
                 "mask": batch["mask"]}

@@ -98,7 +98,9 @@ def open_for_writing(run_dir: Path, path: Path, network: bool) -> sqlite3.Connec
     A filesystem without the locks SQLite needs is named, with what to do."""
     try:
         con = schema._connect(path, readonly=False, network=network)
-        con.executescript(schema._SCHEMA)
+        # in one transaction: a reader never finds some tables made and others not yet
+        # (it read 'no such table: walls' from a folder being created, not "not started")
+        con.executescript(f"BEGIN IMMEDIATE;{schema._SCHEMA}COMMIT;")
     except sqlite3.OperationalError as e:
         failed = probe(run_dir)
         if failed is None:

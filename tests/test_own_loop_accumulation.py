@@ -131,3 +131,30 @@ def test_an_empty_or_bad_list_of_losses_is_refused(tmp_path):
             mon.log(loss=[torch.tensor(1.0), torch.ones(2)])
         mon.log(loss=[torch.tensor(1.0), 3])
     assert nbwatch.open_run(tmp_path / "r").df["loss/train"].tolist() == [2.0]
+
+
+def test_a_step_a_grad_scaler_skipped_lends_its_backward_to_no_other(tmp_path):
+    """fp16 with a GradScaler, no accumulation: an overflow skips `optimizer.step()` (as the
+    first steps often do while the scale settles); that step's backward is no micro-batch of
+    the next step, which is not said to be accumulated."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    batches = itertools.cycle(make_batches())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False,
+                             scaler=scaler) as mon:
+            for i in range(STEPS):
+                b = next(batches)
+                loss = masked_cross_entropy(model(b["input_ids"]), b["labels"], b["mask"])
+                scaler.scale(loss).backward()
+                if i == 0:  # an overflow: the scaler skips this step
+                    next(model.parameters()).grad.fill_(float("inf"))
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                mon.log(loss=loss)
+    assert scaler.get_scale() < 2.0**16  # the first step was skipped
+    assert not [w for w in caught if "loss/train" in str(w.message)]

@@ -56,7 +56,9 @@ class BackwardCount:
         self._step, self._n = self._n, 0
 
     def take(self) -> int:
-        n, self._step = self._step, 0
+        """At the loop's `log()`: the passes since the last optimizer step are a step not
+        taken (a GradScaler's skip), dropped, not lent to the next step."""
+        n, self._step, self._n = self._step, 0, 0
         return n
 
     def remove(self) -> None:

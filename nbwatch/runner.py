@@ -233,6 +233,8 @@ class Runner:
             # the tokens read, not only those the loss weighs (a prompt's, a shifted row's)
             read = input_mask(batch)
             tokens = read if read is not None else out.mask
+            if tokens is None and pos is not None:  # packed, no mask: every token real
+                tokens = torch.ones_like(pos)
             if tokens is not None and m.keeping:
                 with rec.own:  # beside the rows' copy, still warm (its look at the mask too)
                     m.keeping = keep_mask(m.host, tokens)

@@ -102,7 +102,9 @@ def test_a_devices_document_lengths_are_drawn_as_the_hosts():
     assert device.shape == (28,) and device[~device.isnan()].tolist() == exact.tolist()
 
 
-def test_a_packed_batch_under_start_counts_its_documents(tmp_path):
+@pytest.mark.parametrize("mask", [True, False])
+def test_a_packed_batch_under_start_counts_its_documents(tmp_path, mask):
+    """With no mask from the step_fn (a bare loss), every token is real, as in an own loop."""
     torch.manual_seed(0)
     demo = make_demo(d=16, layers=1, heads=2, ctx=16)
     model = demo.model
@@ -111,8 +113,8 @@ def test_a_packed_batch_under_start_counts_its_documents(tmp_path):
     def step_fn(model, batch):  # a model that takes no positions: a packing-blind forward
         ids = batch["input_ids"][:, :16]
         logits = model(ids)
-        return {"loss": torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]),
-                "mask": torch.ones_like(batch["input_ids"])}
+        loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+        return {"loss": loss, "mask": torch.ones_like(batch["input_ids"])} if mask else loss
 
     mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False, hist_every=1)
     mon.start(step_fn, [packed(n) for n in LENGTHS], max_steps=len(LENGTHS))

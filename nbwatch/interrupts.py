@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+_NOTES = hasattr(BaseException, "add_note")  # Python 3.11+; on 3.10 the message is the args
+
 
 class Terminated(SystemExit):
     """SIGTERM while a script's run trains (`kill`, a scheduler's preemption, `docker
@@ -38,8 +40,12 @@ def wait_only(run: Any) -> Iterator[None]:
         yield
     except KeyboardInterrupt as e:
         if run.running:
-            e.add_note(f"nbwatch: Ctrl-C ended the wait, not the run: it is {run.state} at step "
-                       f"{run.step} in {run.run_dir}; stop() or the Stop button stops it")
+            note = (f"nbwatch: Ctrl-C ended the wait, not the run: it is {run.state} at step "
+                    f"{run.step} in {run.run_dir}; stop() or the Stop button stops it")
+            if _NOTES:
+                e.add_note(note)
+            else:  # Python 3.10 has no notes: the interrupt's own message says it
+                e.args = (*e.args, note)
         raise
 
 

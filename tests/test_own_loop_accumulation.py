@@ -158,3 +158,43 @@ def test_a_step_a_grad_scaler_skipped_lends_its_backward_to_no_other(tmp_path):
                 mon.log(loss=loss)
     assert scaler.get_scale() < 2.0**16  # the first step was skipped
     assert not [w for w in caught if "loss/train" in str(w.message)]
+
+
+def test_the_steps_mean_copies_nothing_from_the_host_to_the_device(monkeypatch):
+    """`loss=[l1, 2.5, l3]` (a number, a CPU tensor among device ones): a host value copied
+    to the device (`torch.tensor(v, device=...)`, `.to(device)`) waits there for every
+    queued kernel on CUDA, on the step path. The meta device stands in for a GPU here."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from nbwatch.monitor.accumulation import step_mean
+
+    crossed = []
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ins = {t.device.type for t in tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor)}
+            if "cpu" in ins and any(isinstance(t, torch.Tensor) and t.device.type != "cpu"
+                                    for t in tree_leaves(out)):
+                crossed.append(str(func))
+            return out
+
+    made = torch.tensor
+
+    def tensor(*args, **kwargs):
+        if kwargs.get("device") is not None:
+            crossed.append(f"torch.tensor(..., device={kwargs['device']})")
+        return made(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", tensor)
+    on_device = [torch.ones((), device="meta"), torch.zeros((), device="meta")]
+    with Copies():
+        got = step_mean(on_device, [2.5])
+        host = step_mean([torch.tensor(1.0), torch.tensor(2.0)], [3.0])
+        mixed = step_mean([on_device[0], torch.tensor(4.0)], [])
+    assert not crossed
+    assert got.device.type == "meta" and got.shape == () and mixed.device.type == "meta"
+    assert host == 2.0
+    assert step_mean([torch.tensor(1.0), torch.tensor(4.0)], [1.0]) == 2.0

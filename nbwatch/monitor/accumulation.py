@@ -69,13 +69,19 @@ class BackwardCount:
 
 def step_mean(parts: list[torch.Tensor], numbers: list[float]) -> Any:
     """The mean of the micro-batches' losses `log(loss=[...])` got (`parts`: the tensors',
-    0-dim, checked; `numbers`: the others'): a 0-dim tensor on the first tensor's device
-    (no host read), or a float where all are numbers."""
-    if not parts:
-        return sum(numbers) / len(numbers)
-    dev = parts[0].device
-    every = [p.float().to(dev) for p in parts] + [torch.tensor(v, device=dev) for v in numbers]
-    return torch.stack(every).mean() if len(every) > 1 else every[0]
+    0-dim, checked; `numbers`: the others'): a 0-dim tensor on the first accelerator
+    tensor's device, or a float where none is on one. Nothing crosses to the device from
+    the host: a CPU tensor is read there (free) and the numbers are added as one Python
+    scalar (a `torch.tensor(v, device=...)` or a CPU tensor's `.to(device)` is a pageable
+    copy, which on CUDA waits for the stream: every queued kernel)."""
+    dev = next((p.device for p in parts if p.device.type != "cpu"), None)
+    host = [float(p) for p in parts if dev is None or p.device.type == "cpu"] + list(numbers)
+    n = len(parts) + len(numbers)
+    if dev is None:
+        return sum(host) / n
+    on = [p.float().to(dev) for p in parts if p.device.type != "cpu"]  # device to device
+    total = torch.stack(on).sum() if len(on) > 1 else on[0]
+    return (total + sum(host)) / n if n > 1 else total
 
 
 def one_of_many(loss: Any, backwards: int) -> str | None:

@@ -198,3 +198,25 @@ def test_the_steps_mean_copies_nothing_from_the_host_to_the_device(monkeypatch):
     assert got.device.type == "meta" and got.shape == () and mixed.device.type == "meta"
     assert host == 2.0
     assert step_mean([torch.tensor(1.0), torch.tensor(4.0)], [1.0]) == 2.0
+
+
+def test_a_dropped_monitor_leaves_no_hook_on_the_models_weight(tmp_path):
+    """A cell that makes the optimizer and the Monitor, run again on the same model: each
+    Monitor's backward count left its hook on the weight for ever (one more Python call a
+    backward pass per re-run); a dropped Monitor's goes with it."""
+    import gc
+
+    model = torch.nn.Linear(4, 1)
+    hooks = lambda: len(model.weight._post_accumulate_grad_hooks or {})  # noqa: E731
+    for i in range(3):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with nbwatch.Monitor(model, opt, run_dir=tmp_path / str(i), display=False) as mon:
+            for _ in range(2):
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                mon.log(loss=1.0)
+        assert hooks() == 1  # this Monitor's, while it lives
+        del mon, opt
+        gc.collect()
+    assert hooks() == 0

@@ -37,7 +37,7 @@ class BackwardCount:
         self._n = 0  # since the last optimizer step
         self._step = 0  # those of the step just taken, until `take()`
         self._inside = inside
-        self._handle: Any = None
+        self._unhook: Any = None  # the hook's removal, run once: by remove() or at collection
         param = next((p for p in params if p.requires_grad), None)
         hook = getattr(param, "register_post_accumulate_grad_hook", None)
         if hook is None:  # no trained weight: nothing counted, nothing said
@@ -49,7 +49,9 @@ class BackwardCount:
             if me is not None and not me._inside():
                 me._n += 1
 
-        self._handle = hook(counted)
+        # removed when this is collected (the Monitor and its optimizer dropped: a cell run
+        # again on the same model), not left one a Monitor on the weight for ever
+        self._unhook = weakref.finalize(self, hook(counted).remove)
 
     def stepped(self) -> None:
         """The optimizer's pre-hook: the passes so far are this step's."""
@@ -62,9 +64,8 @@ class BackwardCount:
         return n
 
     def remove(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        if self._unhook is not None:
+            self._unhook()
 
 
 def step_mean(parts: list[torch.Tensor], numbers: list[float]) -> Any:

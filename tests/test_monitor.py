@@ -11,7 +11,7 @@ import torch
 import nbwatch
 from nbwatch.checkpoint import load
 from nbwatch.panels.loss import smooth as smooth_loss
-from tests.conftest import make_batches, tiny_step, until
+from tests.conftest import make_batches, own_step, tiny_step, until
 
 
 def slow_step(model, batch):
@@ -675,3 +675,40 @@ def test_a_new_optimizer_on_a_model_a_running_monitor_trains_is_refused(tiny, tm
         first.wait()
     later.start(slow_step, batches, max_steps=3, display=False).wait()  # once it ended
     assert later.state == "finished"
+
+
+def test_a_loop_a_cell_left_open_is_said_to_be_left_open_not_training(tiny, tmp_path):
+    """A cell's own loop that raised mid-loop (an error, Ctrl-C) leaves its run open; the cell
+    run again, on a new optimizer over the same model, is refused: said as what it is, with
+    what ends it (the refusal said it trains on and that attach(RUN_DIR).stop() stops it,
+    a command no loop would ever apply)."""
+    model, _, batches = tiny
+    made = []
+
+    def cell(run_dir):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        mon = nbwatch.Monitor(model, opt, run_dir=run_dir, display=False)
+        made.append(mon)
+        for i, b in enumerate(batches[:3]):
+            own_step(mon, model, opt, b)
+            if i == 1:
+                raise KeyboardInterrupt  # the cell interrupted mid-loop
+        return mon
+
+    with pytest.raises(KeyboardInterrupt):
+        cell(tmp_path / "a")
+    first = made[0]
+    try:
+        assert first.running
+        with pytest.raises(RuntimeError) as refused:
+            cell(tmp_path / "b")
+        said = str(refused.value)
+        assert "left it open (the cell ended mid-loop" in said and "nothing trains it" in said
+        assert "it trains on" not in said and "attach(RUN_DIR).stop()" not in said
+    finally:
+        first.stop()
+        first.wait()  # on its loop's thread: ends its run
+    assert first.state == "stopped"
+    with nbwatch.Monitor(model, torch.optim.AdamW(model.parameters()), run_dir=tmp_path / "c",
+                         display=False):
+        pass

@@ -70,6 +70,9 @@ class Owner(Protocol):
     def state(self) -> RunState: ...
     @property
     def running(self) -> bool: ...
+    mode: str | None  # "loop": a loop of one's own (`log()`)
+    framework: str | None
+    loop_thread: threading.Thread | None  # where an own loop's log() runs
     def recorder_for_step(self, open_loop: bool = True) -> StepRecorder | None:
         """The recorder this optimizer step goes to (with `open_loop`, a loop's run opens
         at its first), or None (the Monitor's run has ended, or none is open)."""
@@ -82,9 +85,18 @@ def _stepped(optimizer: Any) -> set[int]:
 
 
 def _busy(what: str, other: Owner) -> str:
-    return (f"{what} by a running Monitor ({other.name!r}, {other.state} at step {other.step});"
-            " stop() and wait() it first (it trains on: `%nbwatch RUN_DIR` shows its dashboard "
-            "again, and nbwatch.attach(RUN_DIR).stop() stops it where no variable names it)")
+    head = f"{what} by a running Monitor ({other.name!r}, {other.state} at step {other.step});"
+    if (other.mode == "loop" and other.framework is None
+            and other.loop_thread is threading.current_thread()):
+        # a loop of one's own on this very thread, which is here, not in the loop: a cell
+        # that raised or was interrupted mid-loop left its run open, and nothing trains it
+        return head + (" its loop of your own, on this thread, left it open (the cell ended "
+                       "mid-loop: an error or Ctrl-C) and nothing trains it: stop() and wait() "
+                       "it first (a `with nbwatch.Monitor(...) as mon:` around the loop closes "
+                       "its run however the cell ends)")
+    return head + (" stop() and wait() it first (it trains on: `%nbwatch RUN_DIR` shows its "
+                   "dashboard again, and nbwatch.attach(RUN_DIR).stop() stops it where no "
+                   "variable names it)")
 
 
 class OptimizerWatch:

@@ -36,6 +36,7 @@ class Owner:
         self.name, self.step, self.state, self.running = name, 0, "created", False
         self.rec: Recorder | None = None
         self.opened = 0
+        self.mode = self.framework = self.loop_thread = None  # no loop of one's own
 
     def recorder_for_step(self, open_loop=True):
         if self.rec is None and open_loop:

@@ -29,7 +29,17 @@ def started_here(monitor: Any) -> None:
     if cell is None:
         return
     for other, where in list(_started.items()):
-        if other is not monitor and where == cell and other.running:
+        if other is not monitor and where == cell and other._left_open():
+            # its loop ran in this cell, which runs again: nothing trains it, and no
+            # variable is left to end it with (`mon` names the new Monitor)
+            step = other.step
+            with contextlib.suppress(Exception):
+                other.stop()
+                other.close()
+            print(f"nbwatch: the run this cell's loop left open at step {step} is stopped, "
+                  f"with its checkpoint, in {other.run_dir} (a `with nbwatch.Monitor(...) as "
+                  "mon:` around the loop closes it however the cell ends)", file=sys.stderr)
+        elif other is not monitor and where == cell and other.running:
             print(f"nbwatch: the run this cell started before still trains ({other.state} at "
                   f"step {other.step}, in {other.run_dir}), beside this one. Stop it with "
                   f"nbwatch.attach({str(other.run_dir)!r}).stop()", file=sys.stderr)

@@ -61,3 +61,39 @@ def test_a_start_cell_run_again_says_its_earlier_run_still_trains(tmp_path):
         assert said.count("nbwatch:") == 1, said  # the other cell's run is not this cell's
     finally:
         k.shut_down()
+
+
+OWN_LOOP = """
+    import torch
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = nbwatch.Monitor(model, opt, display=False)
+    for _ in range(3):                       # no `with`: the run stays open after the cell
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        loss.backward(); opt.step(); opt.zero_grad()
+        mon.log(loss=loss)
+"""
+
+
+@pytest.mark.slow
+def test_a_cell_whose_own_loop_left_its_run_open_run_again_stops_that_run(tmp_path):
+    """A loop of one's own in a cell, without `with`, leaves its run open when the cell
+    ends (or raises mid-loop); nothing trains it. The cell run again on a new model stops
+    it (its stop checkpoint written, the folder closed) and says so: the old run's only
+    name, `mon`, now names the new Monitor."""
+    k = in_kernel(tmp_path, "import nbwatch")
+    try:
+        assert "nbwatch" not in in_cell(k, "c1", OWN_LOOP)
+        first = next((tmp_path / "runs").iterdir())
+        k.run("import time; time.sleep(1.1)")  # a new default run_dir (one a second)
+        said = in_cell(k, "c1", OWN_LOOP)
+        assert "the run this cell's loop left open at step 3 is stopped" in said, said
+        assert "still trains" not in said, said
+        run = nbwatch.open_run(first)
+        assert run.state == "stopped" and run.step == 3
+        assert (run.events["kind"] == "checkpoint").any()
+        second = [p for p in (tmp_path / "runs").iterdir() if p != first]
+        assert len(second) == 1  # the new run trains on, its own (it is left open too)
+        until(lambda: nbwatch.open_run(second[0]).step == 3, 30, "the new run's 3 steps")
+    finally:
+        k.shut_down()

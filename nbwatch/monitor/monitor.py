@@ -366,6 +366,14 @@ class Monitor(ctl.Controls, Given, Readout):
         rec.save_fn, rec.framework_clip, rec.hook_measures = save, clip, measure_in_hook
         return ExternalLoop(rec, self._end_loop, self._session)
 
+    def _left_open(self) -> bool:
+        """Asked from outside its loop: a loop of your own in the foreground, on this
+        thread, whose run is open though the loop is not running (its cell ended mid-loop:
+        an error, Ctrl-C, or no `with`), so nothing trains it."""
+        s = self._session
+        return (self.running and s.mode == "loop" and s.framework is None
+                and s.loop_thread is threading.current_thread())
+
     @property
     def closed(self) -> bool:
         """No run is open: the store, the sampler and the folder's writer lock are given back."""

@@ -71,15 +71,17 @@ class BackwardCount:
 def step_mean(parts: list[torch.Tensor], numbers: list[float]) -> Any:
     """The mean of the micro-batches' losses `log(loss=[...])` got (`parts`: the tensors',
     0-dim, checked; `numbers`: the others'): a 0-dim tensor on the first accelerator
-    tensor's device, or a float where none is on one. Nothing crosses to the device from
-    the host: a CPU tensor is read there (free) and the numbers are added as one Python
-    scalar (a `torch.tensor(v, device=...)` or a CPU tensor's `.to(device)` is a pageable
+    tensor's device (the host's where none is on one), or a float where all are numbers.
+    Nothing crosses to the device from the host: a CPU tensor is read there (free) and
+    the numbers are added as one Python scalar (a `torch.tensor(v, device=...)` or a CPU tensor's `.to(device)` is a pageable
     copy, which on CUDA waits for the stream: every queued kernel)."""
     dev = next((p.device for p in parts if p.device.type != "cpu"), None)
-    host = [float(p) for p in parts if dev is None or p.device.type == "cpu"] + list(numbers)
     n = len(parts) + len(numbers)
-    if dev is None:
-        return sum(host) / n
+    if dev is None:  # all on the host: one tensor still, read with the step's figures
+        if not parts:
+            return sum(numbers) / n
+        return (torch.stack([p.float() for p in parts]).sum() + sum(numbers)) / n
+    host = [float(p) for p in parts if p.device.type == "cpu"] + list(numbers)
     on = [p.float().to(dev) for p in parts if p.device.type != "cpu"]  # device to device
     total = torch.stack(on).sum() if len(on) > 1 else on[0]
     return (total + sum(host)) / n if n > 1 else total

@@ -23,7 +23,7 @@ from .checkpoint import rng_state, set_rng_state
 from .epoch_order import open_pass
 from .evaluation import evaluate
 from .probes.attention import clone_samples
-from .probes.data import batch_figures, doc_figures, doc_lengths, packed_positions
+from .probes.data import batch_figures, documents, packed_positions
 from .probes.late import drop_masks, keep_mask
 from .probes.logits import NAMES as LOGIT_NAMES
 from .probes.logits import is_logits
@@ -295,14 +295,12 @@ class Runner:
         if m.logits is not None:
             names += LOGIT_NAMES
             parts += m.logits
+        # packed: its documents' count, longest and lengths, for the record
+        docs = documents(m.positions, names, parts) if m.positions else None
         if m.masks and not m.keeping:  # the first step's, or one that cannot be kept
             drop_masks(figures)
             lengths = batch_figures(m.masks).into(names, parts, figures)
-            rec.keep_seq_lens(doc_lengths(m.positions) if m.positions else lengths)
-        if m.positions:  # packed: its documents' count and longest, for the record
-            dnames, dparts = doc_figures(m.positions)
-            names += dnames
-            parts += dparts
+            rec.keep_seq_lens(docs if docs is not None else lengths)
         rec.stage(names, parts)  # copied to the host with the gradient norms: one sync
         return figures
 

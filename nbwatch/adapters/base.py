@@ -208,7 +208,7 @@ class Adapter:
         blocks here). True once the fit should stop."""
         import torch
 
-        from ..probes.data import batch_figures, doc_figures, doc_lengths
+        from ..probes.data import batch_figures, documents
         from ..probes.late import keep_masks
 
         rec = self._rec()
@@ -233,10 +233,7 @@ class Adapter:
             elif samples is None and counts:  # a batch of no tokens (images, audio)
                 samples = sum(counts)
             if positions:  # packed: its documents' count, longest and lengths
-                dnames, dparts = doc_figures(positions)
-                names += dnames
-                parts += dparts
-                lengths = doc_lengths(positions)
+                lengths = documents(positions, names, parts)
             # the first micro-batch's forward: its mask leaves its padding out
             lnames, lparts = rec.logit_figures(
                 logit_mask if logit_mask is not None else masks[0] if masks else None, host)

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..probes.data import doc_figures, doc_lengths, packed_positions
+from ..probes.data import documents, packed_positions
 from ..recorder import Rewound, StopTraining
 from ..records import Event
 from .accumulation import one_of_many
@@ -50,10 +50,7 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
                                                   logits=logits, source=rec.train_logits,
                                                   keep=not positions)
         if positions:  # a packed batch: its documents' figures, as start()'s
-            dnames, dparts = doc_figures(positions)
-            names += dnames
-            parts += dparts
-            lengths = doc_lengths(positions)
+            lengths = documents(positions, names, parts)
         val = check_val(val)
         host.update(rec.forward_time())  # under torchrun: what tells a straggler
     samples = mask_samples(mask)

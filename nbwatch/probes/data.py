@@ -221,13 +221,17 @@ def packed_positions(batch: Any) -> torch.Tensor | None:
     return None
 
 
-def doc_figures(positions: list[torch.Tensor]) -> tuple[list[str], list[torch.Tensor]]:
+def documents(positions: list[torch.Tensor], names: list[str],
+              parts: list[torch.Tensor]) -> torch.Tensor:
     """A packed step's documents, from its micro-batches' `position_ids`: how many (the
-    positions 0) and the longest (the largest position + 1), as 0-dim tensors on their
-    device, copied with the step's other figures (no sync)."""
+    positions 0) and the longest (the largest position + 1) added to `names`/`parts`, as
+    0-dim tensors on their device copied with the step's other figures (no sync); returns
+    their lengths, for the `data/seq_len` histogram (`doc_lengths`)."""
     docs = torch.stack([(p == 0).sum() for p in positions]).sum().float()
     longest = torch.stack([p.max() for p in positions]).max().float() + 1
-    return list(DOCS), [docs, longest]
+    names += DOCS
+    parts += [docs, longest]
+    return doc_lengths(positions)
 
 
 def doc_lengths(positions: list[torch.Tensor], exact: bool | None = None) -> torch.Tensor:

@@ -73,8 +73,9 @@ def step_mean(parts: list[torch.Tensor], numbers: list[float]) -> Any:
     0-dim, checked; `numbers`: the others'): a 0-dim tensor on the first accelerator
     tensor's device (the host's where none is on one), or a float where all are numbers.
     Nothing crosses to the device from the host: a CPU tensor is read there (free) and
-    the numbers are added as one Python scalar (a `torch.tensor(v, device=...)` or a CPU tensor's `.to(device)` is a pageable
-    copy, which on CUDA waits for the stream: every queued kernel)."""
+    the numbers are added as one Python scalar (a `torch.tensor(v, device=...)` or a CPU
+    tensor's `.to(device)` is a pageable copy, which on CUDA waits for the stream: every
+    queued kernel)."""
     dev = next((p.device for p in parts if p.device.type != "cpu"), None)
     n = len(parts) + len(numbers)
     if dev is None:  # all on the host: one tensor still, read with the step's figures

@@ -143,8 +143,9 @@ class RankMeeting:
 
 @dataclass
 class Inbox:
-    """Which commands from the store this run has taken."""
+    """Which commands from the store this run has taken, and which have their outcome."""
 
     last_poll: float = 0.0  # monotonic time of the last read of the store
     last_id: int = 0  # the newest store command taken
     opened_wall: float = field(default_factory=time.time)  # older commands: an earlier run's
+    ended: set[str] = field(default_factory=set)  # the commands whose outcome is recorded

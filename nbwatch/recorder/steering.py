@@ -213,7 +213,11 @@ def apply(rec: Steered, cmd: Command) -> None:
 
 def record_outcome(rec: Steered, cmd: Command, outcome: Outcome,
                    step: int | None = None) -> None:
-    """The command's one outcome event, naming its id: applied, refused or expired."""
+    """The command's one outcome event, naming its id: applied, refused or expired (once:
+    a command two ends of the run both find, a failure's and the close's, is said once)."""
+    if cmd.id in rec.inbox.ended:
+        return
+    rec.inbox.ended.add(cmd.id)
     step = rec.step if step is None else step
     data = {"command": cmd.kind.value, "id": cmd.id, "outcome": outcome.word,
             "source": cmd.source, **cmd.payload, **outcome.data}

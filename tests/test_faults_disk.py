@@ -96,7 +96,8 @@ def test_no_room_to_merge_at_the_close_leaves_a_finished_run_finished(tmp_path, 
                     free = shutil.disk_usage(disk).free
                     (disk / "filler2").write_bytes(bytes(max(free - (256 << 10), 0)))
 
-        with pytest.raises(StoreFailed, match="disk full"):
+        # whichever the full disk meets first: the store's records or a checkpoint
+        with pytest.raises((StoreFailed, CheckpointWriteError), match="disk full"):
             train(False, 10**6)
         (disk / "filler").unlink()
         with caplog.at_level("WARNING", logger="nbwatch"):

@@ -215,7 +215,11 @@ def test_a_rank_killed_after_a_stop_was_asked_fails_the_run_naming_it(tmp_path, 
         assert msg.endswith(f"(a stop had been asked, not taken yet: {asked})")
         assert data["stop_asked"] == asked
     expired = ev[(ev.kind == "command") & ev.message.str.startswith("stop expired")]
-    assert len(expired) == 1  # the stop asked, never taken
+    # the stop asked (the SIGTERM's is the process exit's), never taken; after a Stop
+    # button's, torchrun's SIGTERM on the death may ask one more as the process exits
+    sources = sorted(d["source"] for d in expired.data)
+    assert sources in ([["api"], ["api", "exit"]] if ask == "stop" else [["exit"]]), \
+        expired[["step", "message", "data"]].to_string()
 
 
 def test_own_loop_under_torchrun_rank0_records_controls_on_every_rank(tmp_path, monkeypatch):

@@ -4,12 +4,25 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
+import nbformat
 from playwright.sync_api import Page
 
 PANELS = ("loss", "grads", "weights", "attention", "system", "data", "alerts", "samples")
 _KERNEL = "window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
+
+
+def dashboard_notebook(workdir: Path, name: str) -> Path:
+    """`name`.ipynb in `workdir`: one cell that draws the dashboard of `runs/<name>`."""
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {
+        "name": "python3", "display_name": "Python 3", "language": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell(
+        f"from nbwatch.widget import Dashboard\nDashboard.for_run('runs/{name}')")]
+    path = workdir / f"{name}.ipynb"
+    nbformat.write(nb, path)
+    return path
 
 
 def open_notebook(page: Page, url: str) -> None:

@@ -4,7 +4,6 @@ hover that reads every line at a step, and a zoom that outlives the redraws of a
 
 from __future__ import annotations
 
-import nbformat
 import numpy as np
 import pytest
 
@@ -13,7 +12,7 @@ from nbwatch.store import RunStore
 from tests.export_run import write_run
 
 from .conftest import exported_page
-from .harness import open_notebook, run_all, trace
+from .harness import dashboard_notebook, open_notebook, run_all, trace
 
 pytestmark = pytest.mark.browser
 
@@ -137,11 +136,7 @@ def test_live_a_zoom_survives_the_refreshes_and_a_double_click_follows_the_run_a
     try:
         store.set_meta("state", "running")
         _steps(store, 1, 100)
-        nb = nbformat.v4.new_notebook(metadata={"kernelspec": {
-            "name": "python3", "display_name": "Python 3", "language": "python"}})
-        nb.cells = [nbformat.v4.new_code_cell(
-            "from nbwatch.widget import Dashboard\nDashboard.for_run('runs/zoom_live')")]
-        nbformat.write(nb, workdir / "zoom_live.ipynb")
+        dashboard_notebook(workdir, "zoom_live")
         open_notebook(page, f"{lab.url}/lab/tree/zoom_live.ipynb?reset")
         run_all(page)
         page.wait_for_function(f"() => {LOSS}?.data?.find((t) => t.name === 'train loss')"

@@ -5,7 +5,6 @@ run folder written here, its spike's post-mortem arriving with a later refresh."
 
 from __future__ import annotations
 
-import nbformat
 import numpy as np
 import pytest
 import torch
@@ -19,7 +18,7 @@ from tests.panels.test_postmortems import ROSE, SPIKE, _steps
 from tests.test_postmortem import train
 
 from .conftest import ARTIFACTS
-from .harness import open_notebook, run_all
+from .harness import dashboard_notebook, open_notebook, run_all
 
 pytestmark = pytest.mark.browser
 
@@ -90,11 +89,7 @@ def test_live_in_jupyterlab_the_marker_shows_the_post_mortem_the_kernel_sent(pag
         store.put(Event(SPIKE, "alert", "warning", "loss spike", {
             "rule": "loss_spike", "loss": 5.0, "median": 2.0, "z": 30.0, "batches": []}))
         store.flush()
-        nb = nbformat.v4.new_notebook(metadata={"kernelspec": {
-            "name": "python3", "display_name": "Python 3", "language": "python"}})
-        nb.cells = [nbformat.v4.new_code_cell(
-            "from nbwatch.widget import Dashboard\nDashboard.for_run('runs/spike_live')")]
-        nbformat.write(nb, workdir / "spike_live.ipynb")
+        dashboard_notebook(workdir, "spike_live")
         open_notebook(page, f"{lab.url}/lab/tree/spike_live.ipynb?reset")
         run_all(page)
         page.wait_for_function(

@@ -5,7 +5,6 @@ checkpoints do not flood."""
 
 from __future__ import annotations
 
-import nbformat
 import numpy as np
 import pytest
 
@@ -13,7 +12,7 @@ from nbwatch.records import Scalars
 from nbwatch.store import RunStore
 
 from .conftest import exported_page
-from .harness import open_notebook, run_all
+from .harness import dashboard_notebook, open_notebook, run_all
 from .test_loss_reading import NORM, drag_zoom, tb_ema, x_range
 
 pytestmark = pytest.mark.browser
@@ -73,14 +72,6 @@ def test_the_global_norm_is_on_a_log_axis_where_it_spans_decades_and_a_click_swi
         assert not errors, errors
 
 
-def _notebook(workdir, name: str) -> None:
-    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {
-        "name": "python3", "display_name": "Python 3", "language": "python"}})
-    nb.cells = [nbformat.v4.new_code_cell(
-        f"from nbwatch.widget import Dashboard\nDashboard.for_run('runs/{name}')")]
-    nbformat.write(nb, workdir / f"{name}.ipynb")
-
-
 def _has_step(gd: str, step: int) -> str:
     return f"() => {gd}?.data?.[0]?.x?.includes({step})"
 
@@ -92,7 +83,7 @@ def test_live_the_norm_turns_log_at_a_spike_and_a_click_holds_through_the_refres
     try:
         store.set_meta("state", "running")
         _norms(store, 1, 100)
-        _notebook(workdir, "norm_live")
+        dashboard_notebook(workdir, "norm_live")
         open_notebook(page, f"{lab.url}/lab/tree/norm_live.ipynb?reset")
         run_all(page)
         page.wait_for_function(_has_step(NORM, 100), timeout=30_000)
@@ -263,7 +254,7 @@ def test_live_y_stays_fitted_to_a_zoom_through_the_refreshes(page, lab, workdir)
     try:
         store.set_meta("state", "running")
         _norms(store, 1, 100)
-        _notebook(workdir, "fit_live")
+        dashboard_notebook(workdir, "fit_live")
         open_notebook(page, f"{lab.url}/lab/tree/fit_live.ipynb?reset")
         run_all(page)
         page.wait_for_function(f"() => {LOSS}?.data?.find((t) => t.name === 'train loss')"
@@ -372,7 +363,7 @@ def test_live_routine_best_checkpoints_are_one_feed_line_across_the_refreshes(
         _best(store, 10)
         _best(store, 20)
         _norms(store, 1, 50)
-        _notebook(workdir, "best_live")
+        dashboard_notebook(workdir, "best_live")
         open_notebook(page, f"{lab.url}/lab/tree/best_live.ipynb?reset")
         run_all(page)
         page.wait_for_function(f"() => {ITEMS}.length === 1", timeout=30_000)

@@ -13,7 +13,7 @@ import pytest
 
 import nbwatch
 from tests.conftest import until
-from tests.test_kernel_shutdown import in_kernel
+from tests.test_kernel_shutdown import training_in_kernel
 
 pytest.importorskip("jupyter_client")
 
@@ -23,17 +23,8 @@ def test_interrupt_in_wait_ends_the_wait_not_the_run_and_says_so(tmp_path):
     """The cell showed a bare KeyboardInterrupt inside threading.py, and the run trained on
     unseen by whoever pressed Interrupt to stop it."""
     run_dir = tmp_path / "int"
-    k = in_kernel(tmp_path, f"""
-        import nbwatch
-        from nbwatch.demo import make_demo
-        demo = make_demo(d=32, layers=2, heads=2, ctx=32, max_steps=100_000)
-        mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler,
-                              run_dir={str(run_dir)!r})
-        mon.start(max_steps=100_000, eval_every=10_000, display=False, **demo.start_kwargs())
-    """)
+    k = training_in_kernel(tmp_path, run_dir, eval_every=10_000, steps=3)
     try:
-        until(lambda: (run_dir / "nbwatch.db").exists() and nbwatch.open_run(run_dir).step >= 3,
-              120, "the run in the kernel to take 3 steps")
         msg_id = k.kc.execute("mon.wait()")
         time.sleep(1.5)  # the cell waits
         k.km.interrupt_kernel()

@@ -55,23 +55,33 @@ def in_kernel(tmp_path: Path, code: str) -> Kernel:
     return k
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("restart", [False, True], ids=["shutdown", "restart"])
-def test_a_kernel_shut_down_mid_run_leaves_it_stopped_with_the_reason(tmp_path, restart):
-    run_dir = tmp_path / "quick"
+def training_in_kernel(tmp_path: Path, run_dir: Path, eval_every: int, steps: int) -> Kernel:
+    """A kernel whose `mon` trains the demo's tiny model in the background into `run_dir`,
+    returned once the folder holds `steps` steps."""
     k = in_kernel(tmp_path, f"""
         import nbwatch
         from nbwatch.demo import make_demo
         demo = make_demo(d=32, layers=2, heads=2, ctx=32, max_steps=100_000)
         mon = nbwatch.Monitor(demo.model, demo.optimizer, demo.scheduler,
                               run_dir={str(run_dir)!r})
-        mon.start(max_steps=100_000, eval_every=50, display=False, **demo.start_kwargs())
+        mon.start(max_steps=100_000, eval_every={eval_every}, display=False,
+                  **demo.start_kwargs())
     """)
     try:
-        until(lambda: (run_dir / "nbwatch.db").exists() and nbwatch.open_run(run_dir).step >= 5,
-              120, "the run in the kernel to take 5 steps")
-    finally:
-        k.shut_down(restart=restart)
+        until(lambda: (run_dir / "nbwatch.db").exists()
+              and nbwatch.open_run(run_dir).step >= steps,
+              120, f"the run in the kernel to take {steps} steps")
+    except BaseException:
+        k.shut_down()
+        raise
+    return k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("restart", [False, True], ids=["shutdown", "restart"])
+def test_a_kernel_shut_down_mid_run_leaves_it_stopped_with_the_reason(tmp_path, restart):
+    run_dir = tmp_path / "quick"
+    training_in_kernel(tmp_path, run_dir, eval_every=50, steps=5).shut_down(restart=restart)
     run = nbwatch.open_run(run_dir)
     assert run.state == "stopped", (run.state, run.events.tail())
     assert run.meta["stopped_by"].startswith("kernel shut down at step ")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Any
 
 
 def forked_from(owner_pid: int) -> bool:
@@ -33,3 +34,11 @@ def refuse_other_thread(loop: threading.Thread | None) -> None:
             f"mon.log() was called from thread {here.name!r} while the training loop runs in "
             f"{loop.name!r}: log() records the optimizer step the loop just took, so call it "
             "in the loop, once after each optimizer.step()")
+
+
+def own_loop_here(session: Any) -> bool:
+    """A Monitor's run (its `mode`, `framework`, `loop_thread`) is a foreground loop of your
+    own whose log() runs on this thread: asked from outside the loop, it is between its
+    steps (after its last, or left open by a notebook cell that ended mid-loop)."""
+    return (session.mode == "loop" and session.framework is None
+            and session.loop_thread is threading.current_thread())

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +24,7 @@ from ..distributed import NullStore
 from ..interrupts import wait_only
 from ..lifecycle import RunState
 from ..notebook import current_cell, in_notebook, started_here
-from ..ownership import refuse_in_training_thread
+from ..ownership import own_loop_here, refuse_in_training_thread
 from ..recorder import Rewound, StopTraining
 from ..records import Command
 from ..run import Readout, Run, started_run
@@ -324,9 +323,7 @@ class Monitor(ctl.Controls, Given, Readout):
         (between its steps, so after its last), wait() ends its run as close() does,
         stopped if a stop was asked.
         """
-        session = self._session
-        if (session.mode == "loop" and session.framework is None
-                and session.loop_thread is threading.current_thread()):
+        if own_loop_here(self._session):
             self._end_loop(None)  # (once ended, nothing: its recorder is gone)
         else:
             with wait_only(self):
@@ -370,9 +367,7 @@ class Monitor(ctl.Controls, Given, Readout):
         """Asked from outside its loop: a loop of your own in the foreground, on this
         thread, whose run is open though the loop is not running (its cell ended mid-loop:
         an error, Ctrl-C, or no `with`), so nothing trains it."""
-        s = self._session
-        return (self.running and s.mode == "loop" and s.framework is None
-                and s.loop_thread is threading.current_thread())
+        return self.running and own_loop_here(self._session)
 
     @property
     def closed(self) -> bool:

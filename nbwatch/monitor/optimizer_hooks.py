@@ -23,6 +23,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..lifecycle import RunState
+from ..ownership import own_loop_here
 from .accumulation import BackwardCount
 from .clip_watch import ClipWatch, unwatch_clips, watch_clips
 
@@ -70,7 +71,7 @@ class Owner(Protocol):
     def state(self) -> RunState: ...
     @property
     def running(self) -> bool: ...
-    mode: str | None  # "loop": a loop of one's own (`log()`)
+    mode: str | None  # "loop": a loop of one's own (`log()`): ownership.own_loop_here
     framework: str | None
     loop_thread: threading.Thread | None  # where an own loop's log() runs
     def recorder_for_step(self, open_loop: bool = True) -> StepRecorder | None:
@@ -86,8 +87,7 @@ def _stepped(optimizer: Any) -> set[int]:
 
 def _busy(what: str, other: Owner) -> str:
     head = f"{what} by a running Monitor ({other.name!r}, {other.state} at step {other.step});"
-    if (other.mode == "loop" and other.framework is None
-            and other.loop_thread is threading.current_thread()):
+    if own_loop_here(other):
         # a loop of one's own on this very thread, which is here, not in the loop: a cell
         # that raised or was interrupted mid-loop left its run open, and nothing trains it
         return head + (" its loop of your own, on this thread, left it open (the cell ended "

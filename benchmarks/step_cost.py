@@ -9,12 +9,15 @@ Variants run interleaved in one process, several rounds each:
   start       `mon.start(step_fn, ...)`: nbwatch's own loop
 
     python benchmarks/step_cost.py [--steps 3000] [--rounds 5] [--profile] [--tensors 148]
-                                   [--gpu-order] [--clip 1.0] [--acting]
+                                   [--gpu-order] [--clip 1.0] [--acting] [--packed 16x1024]
 
 `--gpu-order` runs a GPU's step path on the CPU (every decision on tensors, the figures
 copied at the step's end and read at a later boundary): on a CPU each of its small ops
 costs about what a kernel launch costs a GPU's host, so its own time is the host work a
 GPU's step pays. `--clip` turns the clip on (its coefficient is computed on the device).
+`--packed BxT` hands each step a packed batch of B rows of T tokens (`position_ids`, no
+mask, documents of 1-2T/8 tokens; `log(batch=...)`, and start()'s batch): the cost of its
+documents' figures and `data/seq_len` lengths, which grow with the batch.
 `--acting` adds the variant `log acting`: `log` with a "step" rule given an action
 (`plateau` pauses), whose run records each step at its read rather than in batches.
 
@@ -45,6 +48,21 @@ from nbwatch.recorder import host_copy
 
 KW: dict = {}  # the Monitor's options of this run (--clip)
 LAYERS = [0]  # --tensors: 0, the 16-32-1 MLP; else this many 8 x 8 Linear layers
+PACKED: list[dict | None] = [None]  # --packed: the batch each step hands over
+
+
+def packed_batch(rows: int, length: int, seed: int = 0) -> dict:
+    """`rows` rows of `length` tokens, each packed with documents of 1 to length/4 tokens
+    (their `position_ids` restart at 0 at each document's first token)."""
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.empty(rows, length, dtype=torch.long)
+    for r in range(rows):
+        at = 0
+        while at < length:
+            n = min(int(torch.randint(1, max(2, length // 4), (1,), generator=g)), length - at)
+            pos[r, at:at + n] = torch.arange(n)
+            at += n
+    return {"input_ids": torch.zeros(rows, length, dtype=torch.long), "position_ids": pos}
 
 
 def make(seed: int = 0):
@@ -66,7 +84,7 @@ def loop(model, opt, x, y, n: int, mon=None) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         if mon is not None:
-            mon.log(loss=loss)
+            mon.log(loss=loss, batch=PACKED[0])
 
 
 def bare(n: int, root: Path) -> float:
@@ -125,7 +143,8 @@ def start(n: int, root: Path, warm: int = 50) -> Timing:
     run_dir = root / f"start{time.monotonic_ns()}"
     t0 = time.time()
     mon = nbwatch.Monitor(model, opt, run_dir=run_dir, **KW)
-    mon.start(lambda m, b: (m(b[0]) - b[1]).square().mean(), itertools.repeat((x, y)),
+    batch = {"x": x, "y": y, **(PACKED[0] or {})}
+    mon.start(lambda m, b: (m(b["x"]) - b["y"]).square().mean(), itertools.repeat(batch),
               max_steps=warm + n, display=False).wait()
     return _timing(run_dir, warm, n, t0, time.time())
 
@@ -146,7 +165,12 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=0,
                     help="a model of this many parameter tensors (8 x 8 Linear layers, "
                          "GPT-2 124M has 148): what nbwatch does per tensor")
+    ap.add_argument("--packed", default=None, metavar="BxT",
+                    help="hand each step a packed batch of B rows of T tokens")
     args = ap.parse_args()
+    if args.packed:
+        rows, length = (int(v) for v in args.packed.lower().split("x"))
+        PACKED[0] = packed_batch(rows, length)
     LAYERS[0] = (args.tensors + 1) // 2
     host_copy.DEFER_ON_CPU = args.gpu_order
     if args.clip is not None:
@@ -168,7 +192,8 @@ def main() -> None:
               + (f"({LAYERS[0]} 8 x 8 Linear layers" if LAYERS[0] else "(a 16-32-1 MLP")
               + ", SGD, 1 thread"
               + (", the GPU's order" if args.gpu_order else "")
-              + (f", clip {args.clip}" if args.clip is not None else "") + ")")
+              + (f", clip {args.clip}" if args.clip is not None else "")
+              + (f", packed batches {args.packed}" if args.packed else "") + ")")
         print("| variant | steady µs/step | added over bare | of it nbwatch's own time "
               "(time/nbwatch) | ratio | whole run µs/step (added) | start-up s | close s |")
         print("|---|---|---|---|---|---|---|---|")

@@ -23,7 +23,7 @@ from .checkpoint import rng_state, set_rng_state
 from .epoch_order import open_pass
 from .evaluation import evaluate
 from .probes.attention import clone_samples
-from .probes.data import batch_figures, documents, packed_positions
+from .probes.data import all_real, batch_figures, documents, packed_positions
 from .probes.late import drop_masks, keep_mask
 from .probes.logits import NAMES as LOGIT_NAMES
 from .probes.logits import is_logits
@@ -234,7 +234,7 @@ class Runner:
             read = input_mask(batch)
             tokens = read if read is not None else out.mask
             if tokens is None and pos is not None:  # packed, no mask: every token real
-                tokens = torch.ones_like(pos)
+                m.unmasked.append(pos)
             if tokens is not None and m.keeping:
                 with rec.own:  # beside the rows' copy, still warm (its look at the mask too)
                     m.keeping = keep_mask(m.host, tokens)
@@ -297,9 +297,13 @@ class Runner:
             parts += m.logits
         # packed: its documents' count, longest and lengths, for the record
         docs = documents(m.positions, names, parts) if m.positions else None
-        if m.masks and not m.keeping:  # the first step's, or one that cannot be kept
+        if docs is not None and m.unmasked and not m.masks:  # packed, every token real:
+            all_real(m.unmasked).into(names, parts, figures)  # known from the shapes
+            rec.keep_seq_lens(docs)
+        elif m.masks and not m.keeping:  # the first step's, or one that cannot be kept
             drop_masks(figures)
-            lengths = batch_figures(m.masks).into(names, parts, figures)
+            masks = m.masks + [torch.ones_like(p) for p in m.unmasked]
+            lengths = batch_figures(masks).into(names, parts, figures)
             rec.keep_seq_lens(docs if docs is not None else lengths)
         rec.stage(names, parts)  # copied to the host with the gradient norms: one sync
         return figures
@@ -330,6 +334,7 @@ class _Micro:
     loss_sum: torch.Tensor | None = None  # sum of the micro-batches' detached losses
     masks: list[torch.Tensor] = field(default_factory=list)
     positions: list[torch.Tensor] = field(default_factory=list)  # a packed batch's
+    unmasked: list[torch.Tensor] = field(default_factory=list)  # those given no mask
     keeping: bool = False  # the masks so far kept for the record (probes/late.py)
     extras: dict[str, list[Any]] = field(default_factory=dict)  # the step_fn's scalars
     logits: list[torch.Tensor] | None = None  # [log Z, max |logit|] of the first's logits

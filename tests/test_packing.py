@@ -68,8 +68,20 @@ def own_loop(tmp_path, batches, log):
     return nbwatch.open_run(tmp_path / "own").df
 
 
+@pytest.fixture(params=[False, True], ids=["cpu-order", "gpu-order"])
+def gpu_order(request, monkeypatch):
+    """Both orders of a step: read at once (a CPU's), and an accelerator's (the figures,
+    the documents' counts by length with them, copied at the step's end, read later)."""
+    from nbwatch.probes import data
+    from nbwatch.recorder import host_copy
+
+    monkeypatch.setattr(host_copy, "DEFER_ON_CPU", request.param)
+    monkeypatch.setattr(data, "EXACT_ON_CPU", not request.param)  # a device's counts
+    return request.param
+
+
 @pytest.mark.parametrize("mask", [False, True])
-def test_a_packed_batch_in_an_own_loop_counts_its_documents(tmp_path, mask):
+def test_a_packed_batch_in_an_own_loop_counts_its_documents(tmp_path, mask, gpu_order):
     """`mon.log(loss=loss, batch=batch)`: the batch's position_ids give its documents, as
     under start(); with no mask, every token is real (a packed row has no padding)."""
     torch.manual_seed(0)
@@ -91,19 +103,24 @@ def test_packed_micro_batches_in_an_own_loop_count_every_documents(tmp_path):
     check_histograms(tmp_path / "own", [[7, 3], [12, 6]])
 
 
-def test_a_devices_document_lengths_are_drawn_as_the_hosts():
-    """On an accelerator the lengths stay one a token (NaN where no document ends): the
-    histogram drops those and counts the same documents."""
-    from nbwatch.probes.data import doc_lengths
+def test_a_packed_steps_document_lengths_are_counts_by_length():
+    """A packed step's documents' lengths leave the device as counts by length, a vector a
+    row long (not one entry a token): the histogram reads the same documents from them,
+    micro-batches of two lengths and a document carried on from a row before included."""
+    from nbwatch.probes.data import doc_length_counts, doc_lengths
 
-    pos = packed([7, 3, 12, 6])["position_ids"]
-    exact, device = doc_lengths([pos], exact=True), doc_lengths([pos], exact=False)
-    assert exact.tolist() == [7.0, 3.0, 12.0, 6.0]
-    assert device.shape == (28,) and device[~device.isnan()].tolist() == exact.tolist()
+    a = packed([7, 3, 12, 6])["position_ids"]
+    b = torch.cat([torch.arange(5, 9), torch.arange(4)]).reshape(1, 8)  # carried on: 9
+    got = doc_length_counts([a, b])
+    assert got.counts.shape == (29,)  # the longest row's length + 1, whatever the batch
+    assert sorted(got.lengths().tolist()) == [3.0, 4.0, 6.0, 7.0, 9.0, 12.0]
+    assert sorted(doc_lengths([a, b]).tolist()) == [3.0, 4.0, 6.0, 7.0, 9.0, 12.0]
+    c = torch.arange(40, 48).reshape(1, 8)  # past the longest row: counted at its length
+    assert doc_length_counts([c]).lengths().tolist() == [8.0]
 
 
 @pytest.mark.parametrize("mask", [True, False])
-def test_a_packed_batch_under_start_counts_its_documents(tmp_path, mask):
+def test_a_packed_batch_under_start_counts_its_documents(tmp_path, mask, gpu_order):
     """With no mask from the step_fn (a bare loss), every token is real, as in an own loop."""
     torch.manual_seed(0)
     demo = make_demo(d=16, layers=1, heads=2, ctx=16)
@@ -146,3 +163,33 @@ def test_a_packed_batch_under_the_trainer_counts_its_documents(tmp_path):
     trainer.train()
     check_documents(nbwatch.open_run(tmp_path / "hf").df, LENGTHS)
     check_histograms(tmp_path / "hf", LENGTHS)
+
+
+def test_a_packed_batch_under_lightning_counts_its_documents(tmp_path):
+    """Lightning's batch is the module's own: a packed one has no mask to read, and its
+    tokens are every token (they were not counted at all before)."""
+    L = pytest.importorskip("lightning")
+    import nbwatch.lightning
+
+    class Packed(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = make_demo(d=16, layers=1, heads=2, ctx=16).model
+
+        def training_step(self, batch, batch_idx):
+            ids = batch["input_ids"][:, :16]
+            return torch.nn.functional.cross_entropy(self.net(ids)[0, :-1], ids[0, 1:])
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path),
+                        enable_checkpointing=False,
+                        callbacks=[nbwatch.lightning.NbwatchCallback(run_dir=tmp_path / "pl",
+                                                                     hist_every=1)])
+    trainer.fit(Packed(), torch.utils.data.DataLoader([packed(n) for n in LENGTHS],
+                                                      batch_size=None))
+    check_documents(nbwatch.open_run(tmp_path / "pl").df, LENGTHS)
+    check_histograms(tmp_path / "pl", LENGTHS)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import controls as ctl
 from ..distributed import rank0_run_dir
-from ..probes.data import decoder_mask, is_encoder_decoder
+from ..probes.data import LengthCounts, decoder_mask, is_encoder_decoder
 from ..run import started_run
 from .fit_run import FitRun
 
@@ -117,13 +117,15 @@ class Adapter:
         self._losses, self._masks, self._counts, self._positions = [], [], [], []
         self._logit_mask = None
 
-    def _note_packed(self, batch: Any) -> None:
-        """A packed micro-batch's position_ids, for its documents' figures."""
+    def _note_packed(self, batch: Any) -> bool:
+        """A packed micro-batch's position_ids, for its documents' figures; whether it is
+        one (its tokens are all real: no mask needed)."""
         from ..probes.data import packed_positions
 
         pos = packed_positions(batch)
         if pos is not None:
             self._positions.append(pos)
+        return pos is not None
 
     def _close_unseen(self) -> None:
         """The last fit ended without telling us (an exception the framework passes to no
@@ -208,7 +210,7 @@ class Adapter:
         blocks here). True once the fit should stop."""
         import torch
 
-        from ..probes.data import batch_figures, documents
+        from ..probes.data import all_real, batch_figures, documents
         from ..probes.late import keep_masks
 
         rec = self._rec()
@@ -219,7 +221,7 @@ class Adapter:
         logit_mask, self._logit_mask = self._logit_mask, None
         names: list[str] = []
         parts: list[Any] = []
-        lengths = None
+        lengths: torch.Tensor | LengthCounts | None = None
         with rec.own:
             if losses:
                 names.append("loss/train")
@@ -233,6 +235,8 @@ class Adapter:
             elif samples is None and counts:  # a batch of no tokens (images, audio)
                 samples = sum(counts)
             if positions:  # packed: its documents' count, longest and lengths
+                if not masks:  # every token real: known from the shapes
+                    all_real(positions).into(names, parts, host)
                 lengths = documents(positions, names, parts)
             # the first micro-batch's forward: its mask leaves its padding out
             lnames, lparts = rec.logit_figures(

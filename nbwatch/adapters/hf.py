@@ -263,10 +263,10 @@ class NbwatchCallback(Adapter, TrainerCallback):
             if isinstance(loss, torch.Tensor):
                 with rec.own if rec is not None else contextlib.nullcontext():
                     self._losses.append(loss.detach())
-            mask = batch_mask(inputs)
-            if mask is not None:
-                self._masks.append(mask)
-            self._note_packed(inputs)
+            if not self._note_packed(inputs):  # a packed batch's tokens are all real
+                mask = batch_mask(inputs)
+                if mask is not None:
+                    self._masks.append(mask)
             self._note_logit_mask(model, inputs)
             n = batch_samples(inputs)  # samples/s for any model: pixel_values, input_values
             if n:

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..probes.data import documents, packed_positions
+from ..probes.data import all_real, documents, packed_positions
 from ..recorder import Rewound, StopTraining
 from ..records import Event
 from .accumulation import one_of_many
@@ -50,6 +50,8 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
                                                   logits=logits, source=rec.train_logits,
                                                   keep=not positions)
         if positions:  # a packed batch: its documents' figures, as start()'s
+            if mask is None:  # every token real: known from the shapes
+                all_real(positions).into(names, parts, host)
             lengths = documents(positions, names, parts)
         val = check_val(val)
         host.update(rec.forward_time())  # under torchrun: what tells a straggler
@@ -88,13 +90,12 @@ def _batches(batch: Any) -> list:
 def _packed(batches: list, mask: Any) -> tuple[list[torch.Tensor], Any]:
     """A packed step's `position_ids` (DataCollatorWithFlattening's: no attention_mask), one
     per micro-batch, and its masks (none given: every token real, a packed row has no
-    padding); no positions where not every batch is packed or the masks given are not one
-    a batch."""
+    padding: `all_real`); no positions where not every batch is packed or the masks given
+    are not one a batch."""
     positions = [p for p in map(packed_positions, batches) if p is not None]
     if len(positions) != len(batches):
         return [], mask
     if mask is None:
-        mask = [torch.ones_like(p) for p in positions] if len(positions) > 1 else \
-            torch.ones_like(positions[0])
+        return positions, None
     given = len(mask) if isinstance(mask, (list, tuple)) else 1
     return (positions if given == len(positions) else []), mask

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..probes.data import LengthCounts
 from ..probes.logits import FIX
 from ..recorder import RunSpec
 from ..recorder.clip_skip import TOTAL
@@ -104,7 +105,8 @@ class ExternalLoop:
         return self._rec.stepped
 
     def record_step(self, host: dict[str, float], names: list[str],
-                    parts: list[torch.Tensor], *, lengths: torch.Tensor | None = None,
+                    parts: list[torch.Tensor], *,
+                    lengths: torch.Tensor | LengthCounts | None = None,
                     samples: int | None = None, reduction: str | None = None) -> bool:
         """Record the optimizer step just taken (host figures, and device `parts` named
         `names`), then apply the commands (a pause blocks here). True once the fit should

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -206,6 +206,9 @@ def is_encoder_decoder(model: Any) -> bool:
 
 # A packed step's documents, copied with its other figures; `packed_figures` reads them.
 DOCS = ("_docs", "_doc_len_max")
+# Host positions give their documents' lengths one a document (tests turn it off to run
+# an accelerator's counts by length on the CPU).
+EXACT_ON_CPU = True
 
 
 def packed_positions(batch: Any) -> torch.Tensor | None:
@@ -221,34 +224,77 @@ def packed_positions(batch: Any) -> torch.Tensor | None:
     return None
 
 
+class LengthCounts(NamedTuple):
+    """Sequence lengths as counts by length (`counts[n]`: how many of n tokens), on their
+    device: a packed step's documents, a vector the size of a row, not of the batch."""
+
+    counts: torch.Tensor
+
+    def lengths(self) -> np.ndarray:
+        """One length an entry (float32), for the `data/seq_len` histogram: of host
+        counts (a CPU step's, or a device's read from the step's copy)."""
+        c = self.counts.numpy().astype(np.int64)
+        return np.repeat(np.arange(c.size, dtype=np.float32), c)
+
+
 def documents(positions: list[torch.Tensor], names: list[str],
-              parts: list[torch.Tensor]) -> torch.Tensor:
+              parts: list[torch.Tensor]) -> torch.Tensor | LengthCounts:
     """A packed step's documents, from its micro-batches' `position_ids`: how many (the
     positions 0) and the longest (the largest position + 1) added to `names`/`parts`, as
     0-dim tensors on their device copied with the step's other figures (no sync); returns
-    their lengths, for the `data/seq_len` histogram (`doc_lengths`)."""
-    docs = torch.stack([(p == 0).sum() for p in positions]).sum().float()
-    longest = torch.stack([p.max() for p in positions]).max().float() + 1
+    their lengths, for the `data/seq_len` histogram: from host positions, one a document
+    (`doc_lengths`); from a device's, counts by length (`doc_length_counts`)."""
+    if len(positions) == 1:
+        p = positions[0]
+        docs, longest = (p == 0).sum(), p.max()
+    else:
+        docs = torch.stack([(p == 0).sum() for p in positions]).sum()
+        longest = torch.stack([p.max() for p in positions]).max()
     names += DOCS
-    parts += [docs, longest]
-    return doc_lengths(positions)
+    parts += [docs.float(), longest.float() + 1]
+    if EXACT_ON_CPU and all(p.device.type == "cpu" for p in positions):
+        return doc_lengths(positions)
+    return doc_length_counts(positions)
 
 
-def doc_lengths(positions: list[torch.Tensor], exact: bool | None = None) -> torch.Tensor:
-    """A packed step's documents' lengths, for the `data/seq_len` histogram: each
-    document's last position + 1. From CPU positions exactly (`exact`: the default there);
-    from a device's, one entry a token on its device (the length at a document's last
-    token, NaN elsewhere, dropped when the histogram is made): a shape the host knows, so
-    no sync."""
+def doc_lengths(positions: list[torch.Tensor]) -> torch.Tensor:
+    """Host positions' documents' lengths, one a document (its last position + 1): what
+    the host reads at no cost, fewer ops there than `doc_length_counts`."""
     out = []
     for p in positions:
         end = torch.ones_like(p, dtype=torch.bool)
         end[:, :-1] = p[:, 1:] == 0  # the token before a document's first
-        if exact if exact is not None else p.device.type == "cpu":
-            out.append((p[end] + 1).float())
-        else:
-            out.append(torch.where(end, p + 1, torch.nan).float().reshape(-1))
+        out.append((p[end] + 1).float())
     return torch.cat(out)
+
+
+def doc_length_counts(positions: list[torch.Tensor]) -> LengthCounts:
+    """A packed step's documents' lengths, for the `data/seq_len` histogram, as counts by
+    length on the positions' device (a shape the host knows: no sync, and a copy of a
+    row's size, not the batch's): a document's length is its last position + 1, its last
+    token the one before a position 0 or a row's last. One carried on from a row before
+    counts its positions there too; one longer than the step's longest row counts as that
+    long (the vector's last entry)."""
+    size = max(int(p.shape[-1]) for p in positions) + 1
+    counts = torch.zeros(size, device=positions[0].device)
+    for p in positions:
+        end = torch.ones(p.shape, dtype=torch.float32, device=p.device)
+        end[:, :-1] = p[:, 1:] == 0  # the token before a document's first
+        counts.scatter_add_(0, (p + 1).clamp_(0, size - 1).reshape(-1), end.reshape(-1))
+    return LengthCounts(counts)
+
+
+def all_real(masks: list[torch.Tensor]) -> MaskFigures:
+    """`batch_figures` of masks known to be all ones (packed micro-batches that came
+    without one: a packed row has no padding), from their shapes alone: no op on the
+    device, nothing to read."""
+    rows = [(1 if m.dim() == 1 else int(m.shape[0]), int(m.shape[-1])) for m in masks]
+    tokens = float(sum(r * t for r, t in rows))
+    n = sum(r for r, _ in rows)
+    host = {"tokens/real": tokens, "data/seq_len_mean": tokens / n,
+            "data/seq_len_max": float(max(t for _, t in rows))}
+    return MaskFigures([], [], host, tokens,
+                       torch.cat([torch.full((r,), float(t)) for r, t in rows]))
 
 
 def packed_figures(values: dict[str, float]) -> float | None:

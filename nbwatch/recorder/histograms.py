@@ -11,6 +11,7 @@ import torch
 
 from ..alerts.engine import weight_std
 from ..probes import weights as wprobe
+from ..probes.data import LengthCounts
 from ..probes.grads import Layers
 from ..records import Histogram
 from . import host_copy
@@ -42,14 +43,20 @@ class Histograms(Protocol):
     def _raise_alerts(self, alerts: list) -> None: ...
 
 
-def keep_seq_lens(rec: Histograms, lengths: torch.Tensor, step: int | None = None) -> None:
-    """A batch's sequence lengths, for the next histogram step's `data/seq_len`; `step`:
-    its step (default: the one being taken), so that a rewind drops those it goes back
-    over."""
+def keep_seq_lens(rec: Histograms, lengths: torch.Tensor | LengthCounts,
+                  step: int | None = None) -> None:
+    """A batch's sequence lengths (one a sequence, or a packed step's documents' counts by
+    length), for the next histogram step's `data/seq_len`; `step`: its step (default: the
+    one being taken), so that a rewind drops those it goes back over."""
     if rec.spec.hist_every <= 0:
         return
-    if step is None and host_copy.deferred(lengths.device):  # read with the step's copy
-        rec.flight.lengths.append(lengths.reshape(-1))
+    counted = isinstance(lengths, LengthCounts)
+    t = lengths.counts if isinstance(lengths, LengthCounts) else lengths
+    if step is None and host_copy.deferred(t.device):  # read with the step's copy
+        if counted:
+            rec.flight.length_counts = t  # one a step
+        else:
+            rec.flight.lengths.append(t.reshape(-1))
     else:
         rec.flight.seq_lens.append((rec.step + 1 if step is None else step, lengths))
 
@@ -65,7 +72,7 @@ def histogram_groups(rec: Histograms) -> dict[str, list[torch.Tensor]]:
 
 
 def record_histograms(rec: Histograms, step: int, layers: Layers,
-                      got: dict[str, list[float]]) -> None:
+                      got: dict[str, np.ndarray]) -> None:
     """The weight histograms of `step` (its `layers`), read from its copy, and the "hist"
     rules on them; the sequence lengths of the steps up to it as one histogram (the steps
     before it recorded first by the caller: the rules see the steps in order)."""
@@ -79,11 +86,10 @@ def record_histograms(rec: Histograms, step: int, layers: Layers,
     fl = rec.flight
     seq = [t for s, t in fl.seq_lens if s <= step]
     fl.seq_lens[:] = [(s, t) for s, t in fl.seq_lens if s > step]
-    # on the host, all of them (a device's came with their step's copy), less the NaNs of a
-    # packed batch's tokens that end no document (`probes.data.doc_lengths`)
-    lens = np.concatenate([to_numpy(t).astype(np.float32).reshape(-1) for t in seq] or
-                          [np.zeros(0, np.float32)])
-    lens = lens[~np.isnan(lens)]
+    # on the host, all of them (a device's came with their step's copy)
+    lens = np.concatenate([t.lengths() if isinstance(t, LengthCounts)
+                           else to_numpy(t).astype(np.float32).reshape(-1) for t in seq]
+                          or [np.zeros(0, np.float32)])
     if lens.size:
         hi = max(float(lens.max()), 1.0)
         anchors = np.array([0.0, hi], dtype=np.float32)

@@ -10,6 +10,7 @@ run's end, a pause), and it is timed apart from nbwatch's own work (`time/device
     end of step N    HostCopy.launch(groups)      stack → copy_(non_blocking) → event
     boundary N+k     copy.ready()                 event.query(): never waits
                      copy.read(own)               the values, [float] per group
+                                                  (`.arrays`: numpy, for the large ones)
 
 `fetch` is the only place a device tensor is read on the step path (tests hold the rest
 of the code to that: tests/recorder/test_sync_audit.py).
@@ -23,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 # On a CPU a read costs no wait: the step is measured and read at once, on the host
@@ -115,20 +117,29 @@ class HostCopy:
     shares: list[_OnDevice] = field(default_factory=list)
     sizes: dict[str, int] = field(default_factory=dict)
     known: dict[str, list[float]] = field(default_factory=dict)  # groups read already
+    # groups of many values (a batch's lengths, histograms) read as arrays, not floats
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    array_names: frozenset[str] = frozenset()
 
     @classmethod
     def launch(cls, step: int, groups: dict[str, list[torch.Tensor]],
-               known: dict[str, list[float]] | None = None) -> HostCopy:
+               known: dict[str, list[float]] | None = None,
+               arrays: frozenset[str] = frozenset()) -> HostCopy:
         """Start the copy of `groups` (name → 0-dim or 1-d tensors); never waits. `known`:
-        groups already on the host (a CPU step's, read at once)."""
-        copy = cls(step, known=dict(known or {}))
+        groups already on the host (a CPU step's, read at once); `arrays`: the groups read
+        into `.arrays` as numpy arrays (thousands of values: a Python float each would
+        cost the host ~10 µs a hundred)."""
+        copy = cls(step, known=dict(known or {}), array_names=arrays)
         by_device: dict[torch.device, list[tuple[str, list[torch.Tensor]]]] = {}
         for name, parts in groups.items():
             if not parts:
                 continue
             dev = next((p.device for p in parts if p.device.type != "cpu"), parts[0].device)
             if not deferred(dev):  # host memory, read once at the end anyway
-                copy.known[name] = to_host(parts)
+                if name in arrays:
+                    copy.arrays[name] = to_numpy(flat(parts))
+                else:
+                    copy.known[name] = to_host(parts)
                 continue
             by_device.setdefault(dev, []).append((name, parts))
         for dev, named in by_device.items():  # one stack or cat per device: one launch
@@ -159,8 +170,9 @@ class HostCopy:
                    for s in self.shares)
 
     def read(self, own: Any = None) -> dict[str, list[float]]:
-        """The groups' values; waits for a share still under way, the wait timed apart
-        from nbwatch's own work on `own` (an `OwnTime`)."""
+        """The groups' values (those named `arrays` at the launch into `.arrays`); waits
+        for a share still under way, the wait timed apart from nbwatch's own work on
+        `own` (an `OwnTime`)."""
         out: dict[str, list[float]] = dict(self.known)
         for s in self.shares:
             if s.event == "read":
@@ -175,7 +187,10 @@ class HostCopy:
                     if own is not None:
                         own.exclude(time.perf_counter() - t0)
                 host = s.host
-            got = values(host)
+            got = to_numpy(host)
             for name, a, b in s.spans:
-                out[name] = got[a:b]
+                if name in self.array_names:  # a copy: the pinned buffer goes back
+                    self.arrays[name] = got[a:b].copy()
+                else:
+                    out[name] = got[a:b].tolist()
         return out

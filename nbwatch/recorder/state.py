@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..probes.data import LengthCounts
 from ..probes.late import Late
 
 if TYPE_CHECKING:
@@ -117,9 +118,11 @@ class InFlight:
     # whose start nbwatch did not see: no time/step for it)
     timed: bool = True
     # (step, lengths) on the host, for the next histogram step; a device tensor's ride the
-    # step's copy (`lengths`, the step being taken's) and join them when it is read
-    seq_lens: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # step's copy (`lengths`, `length_counts`: the step being taken's) and join them when
+    # it is read
+    seq_lens: list[tuple[int, torch.Tensor | LengthCounts]] = field(default_factory=list)
     lengths: list[torch.Tensor] = field(default_factory=list)
+    length_counts: torch.Tensor | None = None
     reduction_saved: bool = False
     mask_said: bool = False  # a bad GPU mask was said (once a run)
     pending: deque[Pending] = field(default_factory=deque)  # steps not recorded yet, in order

@@ -24,13 +24,19 @@ import torch
 from .. import controls as ctl
 from ..distributed import SUMMED, rank_figures
 from ..probes import late as late_figures
-from ..probes.data import bad_mask, packed_figures
+from ..probes.data import LengthCounts, bad_mask, packed_figures
 from ..probes.grads import Layers, ratio_names
 from ..probes.throughput import add_rates, timing_figures
 from ..records import Event, Scalars
 from . import host_copy
 from .batches import BatchIds
-from .histograms import HIST_EDGES, histogram_groups, keep_seq_lens, record_histograms
+from .histograms import (
+    HIST_COUNTS,
+    HIST_EDGES,
+    histogram_groups,
+    keep_seq_lens,
+    record_histograms,
+)
 from .host_copy import HostCopy
 from .lr_factor import LrFactor
 from .optimizer_step import lasting_clip, lower_clip, read_grads
@@ -54,6 +60,9 @@ if TYPE_CHECKING:
 # in a loop), and a batch pays that once (benchmarks/README.md).
 RECORD_STEPS = 16
 RECORD_EVERY_S = 0.5
+# The copy's groups of many values, read as numpy arrays: the batch's sequence lengths (a
+# packed step's documents' counts by length) and a histogram step's weight histograms.
+ARRAYS = frozenset({"seq_lens", "seq_counts", HIST_EDGES, HIST_COUNTS})
 # A loop that has not ended a step for this long is quiet (an eval of its own, a slow
 # batch, a hang): the steps waiting are recorded from the system sampler's thread, so that
 # readers see them and a kill does not lose them (`record_if_quiet`).
@@ -159,9 +168,11 @@ def _end_step(rec: Recording, values: dict[str, float], names: list[str] | None,
         names.append("amp/scale")
     if fl.lengths:  # the batch's sequence lengths on the device, for the histogram
         groups["seq_lens"], fl.lengths = fl.lengths, []
+    if fl.length_counts is not None:  # a packed batch's documents', by length
+        groups["seq_counts"], fl.length_counts = [fl.length_counts], None
     if t is not None and t.hist:
         groups.update(histogram_groups(rec))
-    this = Landing(step, HostCopy.launch(step, groups, known), t, values, names,
+    this = Landing(step, HostCopy.launch(step, groups, known, ARRAYS), t, values, names,
                    rec.lr.planned())
     fl.copies.append(this)
     raise_held(rec)  # where this step's own alerts would be: after its copy is taken
@@ -208,14 +219,17 @@ def land(rec: Recording, wait: bool = False) -> None:
         else:
             values = dict(values)
         values.update(zip(one.names, got.get("figures", ())))
-        if "seq_lens" in got:
-            keep_seq_lens(rec, torch.tensor(got["seq_lens"]), one.step)
+        arrays = one.copy.arrays
+        if "seq_lens" in arrays:
+            keep_seq_lens(rec, torch.from_numpy(arrays["seq_lens"]), one.step)
+        if "seq_counts" in arrays:
+            keep_seq_lens(rec, LengthCounts(torch.from_numpy(arrays["seq_counts"])), one.step)
         complete(rec, one.step, values, alerts, one.taking is None, one.lr_planned,
                  one.clock)
-        if HIST_EDGES in got and one.taking is not None:
+        if HIST_EDGES in arrays and one.taking is not None:
             layers = one.taking.layers
             record_pending(rec)  # the steps before it first: the rules see them in order
-            record_histograms(rec, one.step, rec.layers if layers is None else layers, got)
+            record_histograms(rec, one.step, rec.layers if layers is None else layers, arrays)
 
 
 def step_clock(rec: Recording) -> tuple[float, float, float]:
@@ -384,7 +398,7 @@ def record(rec: Recording, p: Pending) -> None:
 
 
 def record_step(rec: Recording, host: dict[str, float], names: list[str],
-                parts: list[torch.Tensor], *, lengths: torch.Tensor | None = None,
+                parts: list[torch.Tensor], *, lengths: torch.Tensor | LengthCounts | None = None,
                 samples: int | None = None, val: Any = None,
                 reduction: str | None = None) -> int:
     """The end of an optimizer step in a loop nbwatch does not run (`Monitor.log`, the

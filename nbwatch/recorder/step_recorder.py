@@ -31,6 +31,7 @@ from .. import controls as ctl
 from ..alerts.engine import AlertEngine, default_rules
 from ..checkpoint import Checkpointer
 from ..distributed import Dist, NullStore
+from ..probes.data import LengthCounts
 from ..probes.forward_time import ForwardClock
 from ..probes.grads import grad_names, ratio_names
 from ..probes.logits import TrainLogits
@@ -188,7 +189,8 @@ class StepRecorder:
             self._forward_clock.close()
 
     def record_step(self, host: dict[str, float], names: list[str],
-                    parts: list[torch.Tensor], *, lengths: torch.Tensor | None = None,
+                    parts: list[torch.Tensor], *,
+                    lengths: torch.Tensor | LengthCounts | None = None,
                     samples: int | None = None, val: Any = None,
                     reduction: str | None = None) -> int:
         """The end of a step in a loop nbwatch does not run: see `step_end.record_step`."""
@@ -206,7 +208,7 @@ class StepRecorder:
     def save_reduction(self, reduction: str | None) -> None:
         se.save_reduction(self, reduction)
 
-    def keep_seq_lens(self, lengths: torch.Tensor) -> None:
+    def keep_seq_lens(self, lengths: torch.Tensor | LengthCounts) -> None:
         se.keep_seq_lens(self, lengths)
 
     @property

@@ -23,7 +23,15 @@ from .checkpoint import rng_state, set_rng_state
 from .epoch_order import open_pass
 from .evaluation import evaluate
 from .probes.attention import clone_samples
-from .probes.data import all_real, batch_figures, documents, packed_positions
+from .probes.data import (
+    all_real,
+    batch_figures,
+    decoder_mask,
+    documents,
+    input_tokens,
+    is_encoder_decoder,
+    packed_positions,
+)
 from .probes.late import drop_masks, keep_mask
 from .probes.logits import NAMES as LOGIT_NAMES
 from .probes.logits import is_logits
@@ -49,6 +57,7 @@ class Runner:
         self._index = 0  # the next batch's position in its epoch
         self._pos = (0, 0)  # (epoch, index) of the batch taken last
         self._checked = False
+        self._enc_dec = is_encoder_decoder(recorder.model)  # T5, BART: see _forward_backward
         self._pending: Any = None  # a batch taken early (the dry run's probe samples)
         self._order: dict[str, Any] | None = None  # a resumed pass's (epoch_order.py)
         if rw.data_at is not None:  # resumed: on from where the checkpoint's run stood
@@ -221,8 +230,9 @@ class Runner:
                 check_not_copying(batch, raw, model)
                 self._checked = True
             out = parse_step_output(raw)
-            if out.mask is None:  # {'logits', 'labels'}: the batch's attention_mask
-                out.mask = batch_mask(batch, raw)
+            if out.mask is None:  # {'logits', 'labels'}: the batch's attention_mask; an
+                # encoder-decoder's logits are the target's: its target mask (the adapters')
+                out.mask = decoder_mask(batch) if self._enc_dec else batch_mask(batch, raw)
             # less the output layer's hook (nbwatch's, inside the forward)
             m.fwd_s += time.perf_counter() - tf - (rec.own.closed - own0)
             if isinstance(raw, dict):
@@ -230,9 +240,11 @@ class Runner:
                     _extras(raw, m.extras)
             if i == 0:  # the first micro-batch's: a cost that does not grow with them
                 self._logit_figures(m, raw, out.mask)
-            # the tokens read, not only those the loss weighs (a prompt's, a shifted row's)
-            read = input_mask(batch)
-            tokens = read if read is not None else out.mask
+            # the tokens read, not only those the loss weighs (a prompt's, a shifted row's);
+            # an encoder-decoder's are its source's, as the adapters', never the step's mask
+            # (its target's): attention_mask, else every input_ids token
+            read = input_tokens(batch) if self._enc_dec else input_mask(batch)
+            tokens = read if read is not None or self._enc_dec else out.mask
             if tokens is None and pos is not None:  # packed, no mask: every token real
                 m.unmasked.append(pos)
             if tokens is not None and m.keeping:

@@ -1,6 +1,7 @@
 """Common workflows tried as a new user would (issue 13): settings before the run, the gap
 at the first eval, wrong objectives caught early."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -8,6 +9,7 @@ import nbwatch
 from nbwatch.demo import TinyGPT
 from nbwatch.panels import Feed
 from nbwatch.panels.loss import smooth
+from nbwatch.probes.data import input_tokens
 from nbwatch.store import RunReader
 from tests.conftest import make_batches, tiny_step
 
@@ -266,8 +268,6 @@ def test_a_packers_segment_ids_in_the_attention_mask_are_real_tokens(tmp_path):
     """A packer's attention_mask of segment ids (1, 2, 3 … a document, 0 padding) is the
     batch's, not the step's: its nonzero entries are the real tokens, and the run is not
     refused for a mask of other values than 0 and 1 (under the Trainer too)."""
-    from nbwatch.adapters.hf import batch_mask
-
     ids = torch.randint(0, 64, (2, 12))
     am = torch.tensor([[1] * 4 + [2] * 5 + [3] * 3, [1] * 6 + [2] * 4 + [0] * 2])
     model, opt = new_tiny()
@@ -278,4 +278,124 @@ def test_a_packers_segment_ids_in_the_attention_mask_are_real_tokens(tmp_path):
     assert mon.state == "finished", mon.error
     assert mon.df["tokens/real"].tolist() == [22.0] * 3
     assert mon.df["data/padding_ratio"].iloc[-1] == pytest.approx(2 / 24)
-    assert int(batch_mask({"input_ids": ids, "attention_mask": am}).sum()) == 22
+    assert int(input_tokens({"input_ids": ids, "attention_mask": am}).sum()) == 22
+
+
+def _t5_batch(source: bool = True) -> dict[str, torch.Tensor]:
+    """4 rows, source and target both 8 long (so the two masks have one shape): the source's
+    real lengths 8, 5, 3, 6 (22 of 32), the target's 2, 7, 4, 1 (14 of 32); `source=False`
+    leaves out its attention_mask (every source token real: 32)."""
+    g = torch.Generator().manual_seed(0)
+    src = torch.arange(8)[None, :] < torch.tensor([[8], [5], [3], [6]])
+    tgt = torch.arange(8)[None, :] < torch.tensor([[2], [7], [4], [1]])
+    batch = {"input_ids": torch.randint(2, 64, (4, 8), generator=g) * src,
+             "labels": torch.randint(2, 64, (4, 8), generator=g).masked_fill(~tgt, -100)}
+    if source:
+        batch["attention_mask"] = src.long()
+    return batch
+
+
+def _t5():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    return tf.T5ForConditionalGeneration(tf.T5Config(
+        d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8, vocab_size=64,
+        decoder_start_token_id=0, pad_token_id=0))
+
+
+def _source_figures(df, run_dir, tokens, padding, mean, longest, lengths):
+    assert df["tokens/real"].tolist() == [tokens] * len(df)
+    assert df["data/padding_ratio"].tolist() == pytest.approx([padding] * len(df))
+    assert df["data/seq_len_mean"].tolist() == pytest.approx([mean] * len(df))
+    assert df["data/seq_len_max"].tolist() == [longest] * len(df)
+    # tokens/s (MFU's token count) is these tokens over the step's time
+    later = df.loc[2:]
+    assert (later["throughput/tokens_per_s"] * later["time/step"]).tolist() == \
+        pytest.approx([tokens] * len(later), rel=1e-3)
+    _, edges, counts = nbwatch.open_run(run_dir).histograms("data/seq_len")
+    n = int(counts[-1].sum()) // len(lengths)
+    assert counts[-1].tolist() == np.histogram(lengths * n, bins=edges[-1])[0].tolist()
+
+
+def test_an_encoder_decoders_data_figures_are_its_sources_in_every_loop(tmp_path):
+    """A T5's tokens/real, tokens/s (and MFU's token count), padding, lengths and the
+    `data/seq_len` histogram are its source's, the encoder's input, in `start()` whatever
+    the step returns, under the Trainer (what its `num_input_tokens_seen` counts) and in a
+    loop of your own given the batch's attention_mask; never the target's, which weighs
+    the loss and the logits' log Z. `start()` counted the step's mask (the target's) where
+    the batch had no attention_mask, and weighed log Z by the source's mask."""
+    tf = pytest.importorskip("transformers")
+    import nbwatch.hf
+    from nbwatch.probes.logit_rows import logit_parts
+
+    src = (22.0, 10 / 32, 5.5, 8.0, [8, 5, 3, 6])
+    whole = (32.0, 0.0, 8.0, 8.0, [8, 8, 8, 8])  # no attention_mask: every source token
+    expected: list[list[float]] = []
+
+    def logits_labels(m, b):
+        out = m(**b)
+        expected.append([float(t) for t in logit_parts(out.logits.detach(), b["labels"] != -100)])
+        return {"logits": out.logits, "labels": b["labels"]}
+
+    steps = {"loss": lambda m, b: m(**b).loss,
+             "target mask": lambda m, b: {"loss": m(**b).loss, "mask": b["labels"] != -100},
+             "logits": logits_labels}
+    for source, want in ((True, src), (False, whole)):
+        for name, step_fn in steps.items():
+            expected.clear()
+            model = _t5()
+            run_dir = tmp_path / f"{name}{source}"
+            mon = nbwatch.Monitor(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                  run_dir=run_dir, display=False)
+            mon.start(step_fn, [_t5_batch(source)] * 3, max_steps=3)
+            mon.wait()
+            assert mon.state == "finished", mon.error
+            _source_figures(mon.df, run_dir, *want)
+            if expected:  # the logits' log Z over the target's real positions
+                got = mon.df[["train_logits/log_z", "train_logits/max_abs"]].to_numpy()
+                np.testing.assert_allclose(got, np.array(expected), rtol=1e-5)
+
+    # a loop of your own, given the source's mask as docs/loops.md shows
+    model = _t5()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "own", display=False)
+
+    def train():
+        for batch in [_t5_batch()] * 3:
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.log(loss=loss, mask=batch["attention_mask"], batch=batch)
+
+    mon.run(train)
+    mon.wait()
+    assert mon.state == "finished", mon.error
+    _source_figures(mon.df, tmp_path / "own", *src)
+
+    # the Trainer: its num_input_tokens_seen ("non_padding") counts the same tokens
+    class Rows(torch.utils.data.Dataset):
+        def __init__(self, source):
+            self.batch = _t5_batch(source)
+
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {k: v[i] for k, v in self.batch.items()}
+
+    for source, want in ((True, src), (False, whole)):
+        trainer = tf.Trainer(
+            model=_t5(), train_dataset=Rows(source),
+            data_collator=lambda rows: {k: torch.stack([r[k] for r in rows]) for k in rows[0]},
+            args=tf.TrainingArguments(
+                output_dir=str(tmp_path / f"out{source}"), max_steps=3,
+                per_device_train_batch_size=4, report_to=[], save_strategy="no",
+                use_cpu=True, disable_tqdm=True, log_level="error",
+                include_num_input_tokens_seen="non_padding"))
+        run = nbwatch.hf.start(trainer, run_dir=tmp_path / f"hf{source}", display=False)
+        run.wait()
+        assert run.state == "finished", run.error
+        _source_figures(run.df, tmp_path / f"hf{source}", *want)
+        assert trainer.state.num_input_tokens_seen == 3 * want[0]

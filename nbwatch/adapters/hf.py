@@ -33,7 +33,7 @@ import torch
 from ..interrupts import Terminated
 from ..monitor import Monitor
 from ..probes.attention import take_samples
-from ..probes.data import attention_tokens
+from ..probes.data import input_tokens
 from ..probes.throughput import batch_samples
 from .base import Adapter, callback_of, check_fit_arguments, drop_repeats, unwrap
 from .fit_run import FitRun
@@ -264,7 +264,7 @@ class NbwatchCallback(Adapter, TrainerCallback):
                 with rec.own if rec is not None else contextlib.nullcontext():
                     self._losses.append(loss.detach())
             if not self._note_packed(inputs):  # a packed batch's tokens are all real
-                mask = batch_mask(inputs)
+                mask = input_tokens(inputs)  # an encoder-decoder's: its source's
                 if mask is not None:
                     self._masks.append(mask)
             self._note_logit_mask(model, inputs)
@@ -412,21 +412,6 @@ def probe_forward(model: Any, batch: Any) -> Any:
     if isinstance(batch, Mapping):
         return model(**batch, output_attentions=True) if eager else model(**batch)
     return model(batch)
-
-
-def batch_mask(inputs: Any) -> torch.Tensor | None:
-    """The batch's real tokens: its `attention_mask`; a 2-D `input_ids` without one has
-    every token real (as the Trainer counts `num_input_tokens_seen`). None for a batch of
-    no tokens (a vision or audio model: samples/s only)."""
-    if not isinstance(inputs, Mapping):
-        return None
-    mask = inputs.get("attention_mask")
-    if isinstance(mask, torch.Tensor):
-        return attention_tokens(mask)
-    ids = inputs.get("input_ids")
-    if isinstance(ids, torch.Tensor) and ids.ndim == 2 and not ids.is_floating_point():
-        return torch.ones_like(ids, dtype=torch.bool)
-    return None
 
 
 def _probe_batch(loader: Any, model: Any, n: int) -> Any:

@@ -196,6 +196,24 @@ def decoder_mask(batch: Any) -> Any:
     return None
 
 
+def input_tokens(batch: Any) -> torch.Tensor | None:
+    """The tokens of a batch's input, for the data figures: its `attention_mask`
+    (`attention_tokens`), else every token of a 2-D integer `input_ids` real (as the
+    Trainer's `num_input_tokens_seen` counts them); None for a batch of neither (pixels,
+    audio features: samples/s only). An encoder-decoder's are its source's, the encoder's
+    input, in every loop: never its target's (`decoder_mask`, what its loss weighs).
+    One op on the batch's device at most, no read."""
+    if not isinstance(batch, Mapping):
+        return None
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor):
+        return attention_tokens(mask)
+    ids = batch.get("input_ids")
+    if isinstance(ids, torch.Tensor) and ids.ndim == 2 and not ids.is_floating_point():
+        return torch.ones_like(ids, dtype=torch.bool)
+    return None
+
+
 def is_encoder_decoder(model: Any) -> bool:
     """A model whose logits are the decoder's (T5, BART, Whisper): its config says so, or
     that of the Hugging Face model it holds (a LightningModule's, under DDP's wrapper)."""

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from nbwatch.probes.data import batch_figures, mask_stats
+from nbwatch.probes.data import batch_figures, input_tokens, mask_stats
 from nbwatch.probes.throughput import add_rates, timing_figures
 
 
@@ -12,6 +12,21 @@ def test_padding_ratio_and_lengths_equal_the_masks():
     assert figs["data/seq_len_mean"].item() == 3.0
     assert figs["data/seq_len_max"].item() == 5.0
     assert figs["lengths"].tolist() == [3, 5, 1]
+
+
+def test_a_batchs_input_tokens_are_its_attention_masks_else_its_input_ids():
+    """The data figures' tokens (an encoder-decoder's: its source's): the attention_mask's
+    nonzero entries (a packer's segment ids too), else every token of a 2-D integer
+    input_ids, as the Trainer's num_input_tokens_seen counts; never the labels'."""
+    ids = torch.randint(2, 64, (2, 4))
+    am = torch.tensor([[1, 1, 0, 0], [1, 2, 2, 0]])
+    labels = torch.tensor([[5, -100, -100, -100], [5, 6, 7, 8]])
+    got = input_tokens({"input_ids": ids, "attention_mask": am, "labels": labels})
+    assert got.tolist() == [[True, True, False, False], [True, True, True, False]]
+    got = input_tokens({"input_ids": ids, "labels": labels})
+    assert got.dtype == torch.bool and got.shape == (2, 4) and bool(got.all())
+    for no in ({"input_ids": ids.float()}, {"pixel_values": torch.rand(2, 3)}, ids, None):
+        assert input_tokens(no) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.long, torch.int32, torch.int8,

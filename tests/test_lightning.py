@@ -554,6 +554,33 @@ def test_an_encoder_decoders_log_z_is_weighted_by_its_target_mask(tmp_path):
     np.testing.assert_allclose(got.to_numpy(), np.array(module.expected), rtol=1e-5)
 
 
+
+def test_an_encoder_decoders_data_figures_are_its_sources(tmp_path):
+    """A T5's tokens, padding and lengths are its source's (its attention_mask, else every
+    input_ids token, as start() and the Trainer count them), never its target's: a batch
+    without an attention_mask had none."""
+    pytest.importorskip("transformers")
+    batches = t5_batches(3)
+    src = batches[0]["attention_mask"].sum(dim=1).float()  # 16, 12, 9, 5
+    for source in (True, False):
+        torch.manual_seed(0)
+        data = [b if source else {k: v for k, v in b.items() if k != "attention_mask"}
+                for b in batches]
+        trainer = make_trainer(tmp_path / f"pl{source}", max_steps=3, val_check_interval=None,
+                               limit_val_batches=0)
+        run = nbwatch.lightning.start(trainer, T5Module(), train_dataloaders=
+                                      torch.utils.data.DataLoader(data, batch_size=None),
+                                      run_dir=tmp_path / f"run{source}", display=False)
+        run.wait()
+        assert run.state == "finished", run.error
+        df = run.df
+        want = [float(b["attention_mask"].sum()) if source else 64.0 for b in batches]
+        assert df["tokens/real"].tolist() == want
+        assert df["data/padding_ratio"].tolist() == pytest.approx([1 - w / 64 for w in want])
+        assert df["data/seq_len_max"].iloc[0] == (float(src.max()) if source else 16.0)
+        assert df["data/seq_len_mean"].iloc[0] == (float(src.mean()) if source else 16.0)
+
+
 def test_one_callback_given_twice_records_each_step_once(tmp_path):
     """`L.Trainer(callbacks=[cb, cb])`: Lightning calls it twice at each event; the run is
     recorded once, with no error about a fit that "ended without telling nbwatch"."""

@@ -35,7 +35,7 @@ from ..evaluation import GuessedForward, batch_call, describe_call
 from ..interrupts import Terminated
 from ..monitor import Monitor
 from ..probes.attention import take_samples
-from ..probes.data import attention_tokens
+from ..probes.data import attention_tokens, input_tokens
 from ..probes.throughput import batch_samples
 from .base import Adapter, callback_of, check_fit_arguments, drop_repeats, found_inf, unwrap
 from .fit_run import FitRun
@@ -103,13 +103,17 @@ class NbwatchCallback(Adapter, pl.Callback):
         rec = self._rec()
         if rec is not None:  # which batch; hashed only where it is on the CPU
             rec.note_batch(batch, trainer.current_epoch, batch_idx)
+        self._note_logit_mask(pl_module, batch)  # (and looks if it is an encoder-decoder)
         if isinstance(batch, Mapping):
             key = next((k for k in _MASK_KEYS if isinstance(batch.get(k), torch.Tensor)), None)
             if key is not None:  # the batch's own attention_mask: its tokens (segment ids)
                 mask = batch[key]
                 self._masks.append(attention_tokens(mask) if key == "attention_mask" else mask)
+            elif self._enc_dec is not None and self._enc_dec[1]:
+                source = input_tokens(batch)  # its source's: every input_ids token, as the
+                if source is not None:  # Trainer's and start()'s (never its target's)
+                    self._masks.append(source)
         self._note_packed(batch)
-        self._note_logit_mask(pl_module, batch)
         n = batch_samples(batch)  # samples/s for any model: (x, y), pixel_values
         if n:
             self._counts.append(n)

@@ -164,9 +164,10 @@ def matmul_params(model: object) -> list:
 
 ENCODER_DECODER = (
     "throughput/tflops and MFU of an encoder-decoder are estimates: they count every weight "
-    "for every token of tokens/s, where the encoder's weights see the source's tokens and "
-    "the decoder's the target's; close where the two are alike in length (translation), "
-    "off by up to their ratio where not (summarisation)")
+    "for every token of tokens/s (the source's, the encoder's input), where the encoder's "
+    "weights see the source's tokens and the decoder's the target's; close where the two "
+    "are alike in length (translation), too high (up to 2x) where the source is the longer "
+    "(summarisation), too low where the target is")
 
 
 class Mfu:

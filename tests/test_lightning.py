@@ -356,11 +356,24 @@ def test_ddp_stop_from_attach_ends_both_ranks_at_one_step(tmp_path, monkeypatch)
     assert df["rank0/lr"].tolist() == df["rank1/lr"].tolist()  # the cut on both, at once
 
 
-def test_a_sigterm_ends_the_fit_stopped_with_a_checkpoint_not_finished(tmp_path):
+@pytest.mark.parametrize("after_start", [False, True])
+def test_a_sigterm_ends_the_fit_stopped_with_a_checkpoint_not_finished(tmp_path, after_start):
     """A script's SIGTERM during a fit: Lightning's handler takes it and its loop raises
     `SIGTERMException` (a SystemExit) at the next batch boundary; the run reads `stopped`,
-    said why, with a stop checkpoint. That clean-looking exit read `finished`, with none."""
+    said why, with a stop checkpoint. That clean-looking exit read `finished`, with none.
+    `after_start`: a start() run trained in this script first, whose SIGTERM handler its
+    training thread could not unset; Lightning calls it too, and it killed the process."""
     import signal
+
+    from nbwatch.monitor import exiting
+
+    if after_start:
+        net = torch.nn.Linear(4, 1)
+        mon = nbwatch.Monitor(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                              run_dir=tmp_path / "before", display=False)
+        mon.start(lambda m, b: m(b).square().mean(), [torch.randn(2, 4)] * 3,
+                  max_steps=3).wait()
+        assert signal.getsignal(signal.SIGTERM) is exiting._on_sigterm  # left set
 
     class Term(L.Callback):
         def on_train_batch_end(self, trainer, *args):

@@ -299,6 +299,11 @@ def raise_if_terminated(session: RunSession) -> None:
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     ending = [e for e in _ENDED_BY_SIGTERM if e.ends_on_sigterm()]
+    if not ending and signal.getsignal(signum) is not _on_sigterm:
+        # called by a handler set over this one (Lightning's calls the one it found): no
+        # run of nbwatch's to end, so the signal is that handler's to answer. This one is
+        # left set where a run ended in its training thread (start()), which cannot unset it
+        return
     signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM ends the process at once
     if not ending:  # no run to end (a DataLoader worker forked from here, torchrun's rank)
         os.kill(os.getpid(), signum)

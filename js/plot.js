@@ -285,7 +285,8 @@ export function endLabels(lines, { log = false, height = 240, top = 24, bottom =
   lo -= pad; hi += pad;
   if (y) [lo, hi] = y;
   const gap = 11 / Math.max(height - top - bottom, 40); // one label's height, as a fraction
-  ends.forEach((e) => { e.frac = (e.at - lo) / (hi - lo); });
+  // a line that ends outside a y range the user chose: its label at the edge it ran off
+  ends.forEach((e) => { e.frac = Math.min(1, Math.max(0, (e.at - lo) / (hi - lo))); });
   ends.sort((a, b) => a.frac - b.frac);
   for (let i = 1; i < ends.length; i++) ends[i].frac = Math.max(ends[i].frac, ends[i - 1].frac + gap);
   const over = ends[ends.length - 1].frac - 1;

@@ -3,9 +3,10 @@
 // gets it: at each redraw while x is zoomed (kept by uirevision), each y axis of its line
 // traces takes the range of their points inside the x window (stacked lines stacked; an axis
 // drawn `rangemode: "tozero"` keeps its 0), so the fit outlives the live redraws as the zoom
-// does. A zoom on both axes (a box drawn in 2D, a pan) is the user's own y and stays; a double
-// click gives the whole run back. An axis whose view sets its range itself (end labels) is
-// the view's: it reads the window with xWindow() and redraws on a zoom (onZoom()).
+// does. A zoom on both axes (a box drawn in 2D, a pan) or on y alone is the user's own y and
+// stays through the redraws, x zoomed or not; a double click gives the whole run back. An
+// axis whose view sets its range itself (end labels) is the view's: it reads the window with
+// xWindow() and the user's y with userY(), and redraws on a zoom of either (onZoom()).
 export const NOFIT = "nbw:nofit"; // a trace's `meta`: not a figure (markers at the top)
 const PAD = 0.05; // of the span, either side
 
@@ -28,7 +29,7 @@ export function userY(gd, key = "yaxis") {
   return st && st.userY && ya && ya.range ? ya.range.slice() : null;
 }
 
-// `redraw()` after a zoom or pan of x (and its undoing): for a view that draws what depends
+// `redraw()` after a zoom or pan (and its undoing): for a view that draws what depends
 // on the window itself. Once per plot, after its first draw.
 export function onZoom(gd, redraw) { state(gd).redraw = redraw; }
 
@@ -92,7 +93,7 @@ export function fitInto(gd, data, layout) {
   if (rev !== st.rev) { st.rev = rev; st.userY = false; } // another axis, another scale: y starts over
   st.fitted = new Set();
   const win = gd._fullLayout ? xWindow(gd, layout.uirevision) : null;
-  if (!win) { st.userY = false; return; }
+  if (!win) return; // x shows everything: y is plotly's autorange, or the user's (uirevision)
   const ranges = st.userY ? Object.fromEntries(["yaxis", ...keys].filter((k) => !st.owned.has(k) && gd._fullLayout[k])
     .map((k) => [k, gd._fullLayout[k].range.slice()])) : fitOf(gd, data, layout, win);
   for (const [k, range] of Object.entries(ranges)) {
@@ -112,11 +113,16 @@ export function watch(Plotly, gd) {
     const onX = keys.some((k) => /^xaxis\.(range|autorange)/.test(k));
     // plotly's own y edits name `range[0]`; the fit's relayout names `range` (not a user's)
     const byUser = keys.some((k) => /^yaxis\d*\.range\[/.test(k));
-    if (!onX) { if (byUser) st.userY = true; return; }
+    // y alone given back (a double click on its axis): y follows x's window again
+    const yBack = !byUser && keys.some((k) => /^yaxis\d*\.autorange$/.test(k) && ev[k] === true);
+    if (!onX && !byUser && !yBack) return;
     const whole = ev["xaxis.autorange"] === true;
-    st.userY = !whole && byUser; // a box on both axes, a pan: the user's y
-    if (st.userY) return;
+    // a box on both axes, a pan, a zoom of y alone: the user's y, kept whether x is zoomed
+    // or not, until a double click gives the whole run back
+    st.userY = !whole && byUser;
+    // a view that sets y itself reads userY() and xWindow(); its labels follow the new ranges
     if (st.redraw) { st.redraw(); return; }
+    if (st.userY) return;
     const win = whole ? null : xWindow(gd);
     const upd = {};
     if (!win) for (const k of st.fitted) upd[`${k}.autorange`] = true;

@@ -83,7 +83,7 @@ export function create(root, ctx) {
   const pick = el("select", "nbw-layer-pick");
   p.head.append(search, pick);
   const heat = el("div", "nbw-plot nbw-half");
-  const ratio = el("div", "nbw-plot nbw-half");
+  const ratio = el("div", "nbw-plot nbw-half nbw-weights-ratio");
   p.body.append(heat, ratio);
   let cols = {};       // layer → [{step, edges, counts}]
   let layers = [];     // depth order

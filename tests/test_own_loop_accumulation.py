@@ -90,6 +90,39 @@ def test_a_loss_that_may_be_the_steps_own_is_not_questioned(tmp_path, shape):
     assert not said
 
 
+@pytest.mark.parametrize("given", ["graph", "detached"])
+def test_sams_two_backward_passes_on_one_batch_take_the_advice_given(tmp_path, given):
+    """SAM: a backward at the weights, one at the perturbed weights, on one batch. Its
+    first loss is the step's own; the warning says how to hand it over unquestioned."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False) as mon:
+            for _ in range(STEPS):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                with torch.no_grad():  # climb to the worst weights nearby, and back after
+                    eps = [0.05 * p.grad / (p.grad.norm() + 1e-12) for p in model.parameters()]
+                    for p, e in zip(model.parameters(), eps):
+                        p.add_(e)
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                with torch.no_grad():
+                    for p, e in zip(model.parameters(), eps):
+                        p.sub_(e)
+                opt.step()
+                opt.zero_grad()
+                mon.log(loss=loss if given == "graph" else loss.detach())
+    said = [str(w.message) for w in caught if "loss/train" in str(w.message)]
+    if given == "graph":
+        assert len(said) == 1 and "hand over loss.detach()" in said[0]
+    else:
+        assert not said
+
+
 def test_a_step_of_one_backward_pass_is_not_questioned(tmp_path):
     recorded, hand, said, _ = loop(tmp_path, lambda mon, losses, graphs: mon.log(
         loss=graphs[-1]), k=1)

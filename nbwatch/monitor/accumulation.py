@@ -114,4 +114,6 @@ def _said(k: int) -> str:
         f"loss / {k} that was backpropagated. Hand over each micro-batch's loss as computed, "
         f"before dividing by {k}: mon.log(loss=[{ls}]) records their mean (as start(..., "
         f"accumulate={k}) and the Trainer do), or log their mean yourself "
-        f"(sum(l.detach() for l in losses) / {k})")
+        f"(sum(l.detach() for l in losses) / {k}). If this loss is the step's own (its "
+        f"{k} backward passes took one batch: SAM), hand over loss.detach() and this is "
+        f"not said")

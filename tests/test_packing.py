@@ -193,3 +193,75 @@ def test_a_packed_batch_under_lightning_counts_its_documents(tmp_path):
                                                       batch_size=None))
     check_documents(nbwatch.open_run(tmp_path / "pl").df, LENGTHS)
     check_histograms(tmp_path / "pl", LENGTHS)
+
+
+def padded_rows() -> dict[str, torch.Tensor]:
+    """Two rows of 8 with an attention_mask, 13 real tokens: a batch not packed."""
+    ids = torch.randint(0, 60, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": mask}
+
+
+@pytest.mark.parametrize("loop", ["start", "trainer", "lightning"])
+def test_a_step_of_packed_and_padded_micro_batches_counts_both_tokens(tmp_path, loop, gpu_order):
+    """Gradient accumulation over a packed micro-batch (no mask) and a padded one: the
+    step's tokens are the packed row's, every one, and the padded rows' real ones. The
+    adapters counted the padded batch's alone (the packed one gave no mask)."""
+    torch.manual_seed(0)
+    batches = [packed([7, 3, 12, 6]), padded_rows(), packed([5, 9, 2, 10]), padded_rows()]
+    want = [(28 + 13, 28 + 16), (26 + 13, 26 + 16)]  # (real, all) tokens a step
+
+    def loss_of(net, batch):
+        ids = batch["input_ids"][:, :16]
+        return torch.nn.functional.cross_entropy(net(ids)[0, :-1], ids[0, 1:])
+
+    if loop == "start":
+        model = make_demo(d=16, layers=1, heads=2, ctx=16).model
+        mon = nbwatch.Monitor(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                              run_dir=tmp_path / "r", display=False)
+        mon.start(loss_of, batches, max_steps=2, accumulate=2)
+        mon.wait()
+    elif loop == "trainer":
+        transformers = pytest.importorskip("transformers")
+        from nbwatch.hf import NbwatchCallback
+
+        cfg = transformers.LlamaConfig(vocab_size=60, hidden_size=16, intermediate_size=32,
+                                       num_hidden_layers=1, num_attention_heads=2,
+                                       num_key_value_heads=1, max_position_embeddings=64)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "out"), per_device_train_batch_size=1, max_steps=2,
+            gradient_accumulation_steps=2, report_to=[], save_strategy="no", use_cpu=True,
+            disable_tqdm=True, logging_strategy="no")
+        trainer = transformers.Trainer(
+            model=transformers.LlamaForCausalLM(cfg), args=args,
+            train_dataset=[{"input_ids": [1]}] * 4,
+            callbacks=[NbwatchCallback(run_dir=tmp_path / "r")])
+        trainer.get_train_dataloader = lambda: torch.utils.data.DataLoader(
+            batches, batch_size=None)
+        trainer.train()
+    else:
+        L = pytest.importorskip("lightning")
+        from nbwatch.lightning import NbwatchCallback as PlCallback
+
+        class Module(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = make_demo(d=16, layers=1, heads=2, ctx=16).model
+
+            def training_step(self, batch, batch_idx):
+                return loss_of(self.net, batch)
+
+            def configure_optimizers(self):
+                return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=str(tmp_path), enable_checkpointing=False,
+                            accumulate_grad_batches=2,
+                            callbacks=[PlCallback(run_dir=tmp_path / "r")])
+        trainer.fit(Module(), torch.utils.data.DataLoader(batches, batch_size=None))
+    df = nbwatch.open_run(tmp_path / "r").df
+    for step, (real, every) in enumerate(want, start=1):
+        assert df.loc[step, "tokens/real"] == real
+        assert df.loc[step, "data/padding_ratio"] == pytest.approx(1 - real / every)

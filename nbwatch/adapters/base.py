@@ -57,6 +57,7 @@ class Adapter:
         self._masks: list[Any] = []
         self._counts: list[int] = []  # the step's micro-batches' sample counts (no mask)
         self._positions: list[Any] = []  # a packed batch's position_ids, per micro-batch
+        self._unmasked: list[Any] = []  # … of those that came without a mask (all real)
         self._logit_mask: Any = None  # an encoder-decoder's first micro-batch's target mask
         self._enc_dec: tuple[Any, bool] | None = None  # (model, whether it is one)
         self._fitting = False  # a fit is taken: from start()'s launch, or the fit's begin
@@ -115,16 +116,20 @@ class Adapter:
         self.monitor = self.handle = self.loop = None
         self._commands = ctl.CommandQueue()
         self._losses, self._masks, self._counts, self._positions = [], [], [], []
+        self._unmasked = []
         self._logit_mask = None
 
-    def _note_packed(self, batch: Any) -> bool:
+    def _note_packed(self, batch: Any, masked: bool = False) -> bool:
         """A packed micro-batch's position_ids, for its documents' figures; whether it is
-        one (its tokens are all real: no mask needed)."""
+        one (its tokens are all real: no mask needed). `masked`: a mask of it was kept
+        (else its tokens are counted from its shape, beside the other micro-batches')."""
         from ..probes.data import packed_positions
 
         pos = packed_positions(batch)
         if pos is not None:
             self._positions.append(pos)
+            if not masked:
+                self._unmasked.append(pos)
         return pos is not None
 
     def _close_unseen(self) -> None:
@@ -146,6 +151,7 @@ class Adapter:
         if self.handle is not None and self._fitting and self._owner is me:
             self._close_unseen()  # the framework began again inside start()'s fit
             self._losses, self._masks, self._counts, self._positions = [], [], [], []
+            self._unmasked = []
             self._logit_mask = None
             self._check_fresh(resuming, how)
             return
@@ -218,6 +224,7 @@ class Adapter:
         losses, masks, self._losses, self._masks = self._losses, self._masks, [], []
         counts, self._counts = self._counts, []
         positions, self._positions = self._positions, []
+        unmasked, self._unmasked = self._unmasked, []
         logit_mask, self._logit_mask = self._logit_mask, None
         names: list[str] = []
         parts: list[Any] = []
@@ -227,6 +234,8 @@ class Adapter:
                 names.append("loss/train")
                 parts.append(torch.stack([x.float().reshape(()) for x in losses]).sum())
             if masks:
+                if unmasked:  # packed micro-batches beside masked ones: every token theirs
+                    masks = masks + [torch.ones_like(p, dtype=torch.bool) for p in unmasked]
                 # the run's first masks are read now (a bad one is refused at once); later
                 # ones are copied and read with the record, a batch of steps at a time
                 if rec.first_step or positions or not keep_masks(host, masks):
@@ -235,8 +244,8 @@ class Adapter:
             elif samples is None and counts:  # a batch of no tokens (images, audio)
                 samples = sum(counts)
             if positions:  # packed: its documents' count, longest and lengths
-                if not masks:  # every token real: known from the shapes
-                    all_real(positions).into(names, parts, host)
+                if not masks and unmasked:  # every token real: known from the shapes
+                    all_real(unmasked).into(names, parts, host)
                 lengths = documents(positions, names, parts)
             # the first micro-batch's forward: its mask leaves its padding out
             lnames, lparts = rec.logit_figures(

@@ -104,6 +104,7 @@ class NbwatchCallback(Adapter, pl.Callback):
         if rec is not None:  # which batch; hashed only where it is on the CPU
             rec.note_batch(batch, trainer.current_epoch, batch_idx)
         self._note_logit_mask(pl_module, batch)  # (and looks if it is an encoder-decoder)
+        masks = len(self._masks)
         if isinstance(batch, Mapping):
             key = next((k for k in _MASK_KEYS if isinstance(batch.get(k), torch.Tensor)), None)
             if key is not None:  # the batch's own attention_mask: its tokens (segment ids)
@@ -113,7 +114,7 @@ class NbwatchCallback(Adapter, pl.Callback):
                 source = input_tokens(batch)  # its source's: every input_ids token, as the
                 if source is not None:  # Trainer's and start()'s (never its target's)
                     self._masks.append(source)
-        self._note_packed(batch)
+        self._note_packed(batch, masked=len(self._masks) > masks)
         n = batch_samples(batch)  # samples/s for any model: (x, y), pixel_values
         if n:
             self._counts.append(n)

@@ -119,6 +119,20 @@ def test_a_packed_steps_document_lengths_are_counts_by_length():
     assert doc_length_counts([c]).lengths().tolist() == [8.0]
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_position_ids_of_any_integer_type_give_their_documents_on_a_device(dtype):
+    """`packed_positions` takes any integer position_ids: a device's counts by length index
+    with them too (scatter_add_ takes int32/int64 indices alone, int64 alone in older
+    torch: other types raised there, failing the step on an accelerator)."""
+    from nbwatch.probes.data import doc_length_counts, documents
+
+    pos = packed([7, 3, 12, 6])["position_ids"].to(dtype)
+    assert sorted(doc_length_counts([pos]).lengths().tolist()) == [3.0, 6.0, 7.0, 12.0]
+    names, parts = [], []
+    documents([pos, pos[:, :10]], names, parts)
+    assert [float(p) for p in parts] == [6.0, 12.0]  # 4 + 2 documents, the longest 12
+
+
 @pytest.mark.parametrize("mask", [True, False])
 def test_a_packed_batch_under_start_counts_its_documents(tmp_path, mask, gpu_order):
     """With no mask from the step_fn (a bare loss), every token is real, as in an own loop."""

@@ -298,7 +298,9 @@ def doc_length_counts(positions: list[torch.Tensor]) -> LengthCounts:
     for p in positions:
         end = torch.ones(p.shape, dtype=torch.float32, device=p.device)
         end[:, :-1] = p[:, 1:] == 0  # the token before a document's first
-        counts.scatter_add_(0, (p + 1).clamp_(0, size - 1).reshape(-1), end.reshape(-1))
+        # int64 indices, whatever the positions' integer type (no copy for int64 ones)
+        counts.scatter_add_(0, (p.long() + 1).clamp_(0, size - 1).reshape(-1),
+                            end.reshape(-1))
     return LengthCounts(counts)
 
 

@@ -356,6 +356,35 @@ def test_a_scripts_own_sigterm_handler_is_left_as_it_is(tmp_path):
     assert r.state == "finished" and int(logged.read_text().split()[-1]) == r.step
 
 
+def test_a_handler_that_hands_sigterm_on_to_a_finished_runs_ends_the_process(tmp_path,
+                                                                             monkeypatch):
+    """A start() run's SIGTERM handler outlives the run (its training thread cannot unset
+    it). A handler the script sets over it that does its own cleanup and then calls the
+    one it found (the usual chain) asks for that one's answer, the default's: the process
+    ends. Only a handler that answers the signal itself (Lightning's, which calls the one
+    it found as a notice: tests/test_lightning.py) is left to answer it; the chain's
+    SIGTERM was swallowed and the script ran on."""
+    from nbwatch.monitor import exiting
+
+    net = torch.nn.Linear(4, 1)
+    mon = nbwatch.Monitor(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                          run_dir=tmp_path / "r", display=False)
+    mon.start(lambda m, b: m(b).square().mean(), [torch.randn(2, 4)] * 3, max_steps=3).wait()
+    found = signal.getsignal(signal.SIGTERM)
+    assert found is exiting._on_sigterm  # left set
+    killed, cleaned = [], []
+    monkeypatch.setattr(exiting.os, "kill", lambda pid, sig: killed.append(sig))
+
+    def cleanup_then_hand_on(signum, frame):
+        cleaned.append(signum)
+        found(signum, frame)
+
+    monkeypatch.setattr(signal, "getsignal", lambda signum: cleanup_then_hand_on)
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)
+    cleanup_then_hand_on(signal.SIGTERM, None)
+    assert cleaned == [signal.SIGTERM] and killed == [signal.SIGTERM]
+
+
 HELD = textwrap.dedent("""
     import signal, sys, threading, time, torch
     import nbwatch

@@ -297,12 +297,23 @@ def raise_if_terminated(session: RunSession) -> None:
             raise Terminated(e.terminated)
 
 
+def _answers_itself(handler: Any) -> bool:
+    """Whether `handler`, set over `_on_sigterm`, answers SIGTERM itself and calls the one
+    it found as a notice only (Lightning's: its loop raises SIGTERMException at the next
+    batch), not to hand the signal on for that one's answer (a script's cleanup that then
+    calls the handler it found, expecting the default's: the process ends)."""
+    module = getattr(handler, "__module__", None)
+    return isinstance(module, str) and module.split(".")[0] in ("lightning",
+                                                                  "pytorch_lightning")
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
     ending = [e for e in _ENDED_BY_SIGTERM if e.ends_on_sigterm()]
-    if not ending and signal.getsignal(signum) is not _on_sigterm:
-        # called by a handler set over this one (Lightning's calls the one it found): no
-        # run of nbwatch's to end, so the signal is that handler's to answer. This one is
-        # left set where a run ended in its training thread (start()), which cannot unset it
+    if not ending and _answers_itself(signal.getsignal(signum)):
+        # called by a framework's handler set over this one (Lightning's calls the one it
+        # found): no run of nbwatch's to end, so the signal is that handler's to answer.
+        # This one is left set where a run ended in its training thread (start()), which
+        # cannot unset it; any other handler that calls it gets the default's answer
         return
     signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM ends the process at once
     if not ending:  # no run to end (a DataLoader worker forked from here, torchrun's rank)

@@ -417,16 +417,24 @@ def test_sigterm_to_the_launcher_stops_a_ddp_fit_with_a_checkpoint_that_resumes(
         except RunNotStarted:
             return 0
 
-    run_dir, out = tmp_path / "run", tmp_path / "out"
-    out.mkdir()
-    proc = pl_torchrun(run_dir, out)
-    try:
-        until(lambda: recorded() >= 15, timeout=120, what="step 15", poll=0.2)
-        proc.send_signal(15)
-        log, _ = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    run = nbwatch.open_run(run_dir)
+    for attempt in range(3):
+        run_dir, out = tmp_path / f"run{attempt}", tmp_path / f"out{attempt}"
+        out.mkdir()
+        proc = pl_torchrun(run_dir, out)
+        try:
+            until(lambda: recorded() >= 15, timeout=120, what="step 15", poll=0.2)
+            proc.send_signal(15)
+            log, _ = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+        run = nbwatch.open_run(run_dir)
+        # Lightning's own race (Lightning-AI/pytorch-lightning#20806): its SIGTERM handler
+        # broadcasts from rank 0 inside the handler, and where the signal finds one rank in
+        # the backward's all_reduce and the other in that broadcast, both wait until
+        # torchrun kills them 30 s on. No process is left to record anything: `stale`. A
+        # loaded machine hits it about 1 time in 4; the fit is tried again there.
+        if run.state != "stale" or "forcefully exiting via 9" not in log:
+            break
     assert run.state == "stopped", log[-3000:]
     assert run.meta["stopped_by"] == f"terminated by SIGTERM at step {run.step}"
     stopped = run.step

@@ -152,6 +152,36 @@ def test_an_accumulating_loop_gives_each_micro_batchs_mask(tmp_path):
         log_figures(None, [], {})
 
 
+@pytest.mark.parametrize("given", ["attention_mask", "input_ids", "mask"])
+def test_a_batch_given_to_log_gives_its_tokens_as_the_trainer_counts_them(tmp_path, given):
+    """`log(loss, batch=batch)` without `mask=`: the batch's own tokens (its attention_mask,
+    else every input_ids token, as the Trainer's `num_input_tokens_seen`), so tokens/s,
+    padding and samples/s come without a second argument; `mask=` still wins."""
+    model, opt, sched, batches = setup()
+    with nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False) as mon:
+        for b in batches[:4]:
+            nbwatch.masked_cross_entropy(model(b["input_ids"]), b["labels"],
+                                         b["mask"]).backward()
+            opt.step()
+            opt.zero_grad()
+            batch = {"input_ids": b["input_ids"]}
+            if given != "input_ids":
+                batch["attention_mask"] = b["mask"]
+            if given == "mask":  # the loss's mask, given: its first token left out
+                mon.log(loss=1.0, batch=batch, mask=b["mask"][:, 1:])
+            else:
+                mon.log(loss=1.0, batch=batch)
+    df = nbwatch.open_run(tmp_path / "r").df
+    for step, b in enumerate(batches[:4], start=1):
+        m = {"attention_mask": b["mask"], "input_ids": torch.ones_like(b["input_ids"]),
+             "mask": b["mask"][:, 1:]}[given]
+        assert df.loc[step, "tokens/real"] == float(m.sum())
+        assert df.loc[step, "data/padding_ratio"] == pytest.approx(1 - float(m.sum()) / m.numel())
+        if step > 1:  # a loop of one's own opens inside its first step: no time for it
+            assert df.loc[step, "throughput/samples_per_s"] == pytest.approx(
+                m.shape[0] / df.loc[step, "time/step"])
+
+
 def test_nonfinite_loss_skips_the_step_and_pauses(tmp_path):
     model, opt, sched, batches = setup()
     mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False)

@@ -374,6 +374,26 @@ def test_an_encoder_decoders_data_figures_are_its_sources_in_every_loop(tmp_path
     assert mon.state == "finished", mon.error
     _source_figures(mon.df, tmp_path / "own", *src)
 
+    # ... or given the batch alone: its source's tokens, its logits over the target's
+    for source, want in ((True, src), (False, whole)):
+        expected.clear()
+        model = _t5()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        run_dir = tmp_path / f"own_batch{source}"
+        with nbwatch.Monitor(model, opt, run_dir=run_dir, display=False) as mon:
+            for batch in [_t5_batch(source)] * 3:
+                out = model(**batch)
+                out.loss.backward()
+                opt.step()
+                opt.zero_grad()
+                expected.append([float(t) for t in logit_parts(out.logits.detach(),
+                                                               batch["labels"] != -100)])
+                mon.log(loss=out.loss, batch=batch, logits=out.logits)
+        df = nbwatch.open_run(run_dir).df
+        _source_figures(df, run_dir, *want)
+        got = df[["train_logits/log_z", "train_logits/max_abs"]].to_numpy()
+        np.testing.assert_allclose(got, np.array(expected), rtol=1e-5)
+
     # the Trainer: its num_input_tokens_seen ("non_padding") counts the same tokens
     class Rows(torch.utils.data.Dataset):
         def __init__(self, source):

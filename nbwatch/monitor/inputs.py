@@ -280,7 +280,8 @@ def check_start(step_fn: Any, train_data: Any, max_steps: Any, val_fn: Any,
 def log_figures(loss: Any, mask: torch.Tensor | list[torch.Tensor] | None,
                 scalars: dict[str, Any],
                 first: bool = False, logits: torch.Tensor | None = None,
-                source: TrainLogits | None = None, keep: bool = True
+                source: TrainLogits | None = None, keep: bool = True,
+                logit_mask: Any = ...
                 ) -> tuple[dict[str, float], list[str], list[torch.Tensor], Any]:
     """Check what `log()` was given: host figures, device figures with their names
     (copied to the host in the step's one copy, read at the next boundary; `logits`: their
@@ -291,7 +292,9 @@ def log_figures(loss: Any, mask: torch.Tensor | list[torch.Tensor] | None,
     entries with the other figures (`probes.data.BAD`: its figures left out, said once).
     Copies of a later CPU mask and of CPU logits' rows wait in `host` for the step's
     record, which takes their figures a batch of steps at a time (`probes.late`); not
-    where `keep` is off (a packed batch's, whose histogram takes its documents')."""
+    where `keep` is off (a packed batch's, whose histogram takes its documents').
+    `logit_mask`: the logits' own positions where they are not the mask's (an
+    encoder-decoder's target; None: every position), by default the last mask."""
     host: dict[str, float] = {}
     names: list[str] = []
     parts: list[torch.Tensor] = []
@@ -315,6 +318,8 @@ def log_figures(loss: Any, mask: torch.Tensor | list[torch.Tensor] | None,
                         "float tensor [..., vocab] (e.g. logits=out.logits)")
     masks = _masks_of(mask)  # the logits, the last micro-batch's
     m = masks[-1] if masks and isinstance(masks[-1], torch.Tensor) else None
+    if logit_mask is not ...:
+        m = logit_mask
     if source is not None:  # the logits given, else the output layer's hook
         lnames, lparts = source.parts(logits, m, host=host)
         names += lnames

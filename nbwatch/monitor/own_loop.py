@@ -3,14 +3,23 @@ step (the step's record, the queued commands, a stop, what a rewind asks of the 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
 
-from ..probes.data import all_real, documents, packed_positions
+from ..probes.data import (
+    all_real,
+    decoder_mask,
+    documents,
+    input_tokens,
+    is_encoder_decoder,
+    packed_positions,
+)
 from ..recorder import Rewound, StopTraining
 from ..records import Event
 from .accumulation import one_of_many
@@ -44,11 +53,11 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
         rec.note_logged_batch(batches[0], scalars)  # takes epoch=/index= given with a batch
         for b in batches[1:]:
             rec.batch_ids.note_batch(b)  # the step's other micro-batches, as start()'s
-        positions, mask = _packed(batches, mask)
+        positions, mask, logit_mask = _masks(batches, mask, session.setup.model)
         host, names, parts, lengths = log_figures(loss, mask, scalars,
                                                   first=rec.step == session.progress_start,
                                                   logits=logits, source=rec.train_logits,
-                                                  keep=not positions)
+                                                  keep=not positions, logit_mask=logit_mask)
         if positions:  # a packed batch: its documents' figures, as start()'s
             if mask is None:  # every token real: known from the shapes
                 all_real(positions).into(names, parts, host)
@@ -85,6 +94,30 @@ def _batches(batch: Any) -> list:
     if isinstance(batch, (list, tuple)) and batch and all(isinstance(b, Mapping) for b in batch):
         return list(batch)
     return [batch]
+
+
+_ENC_DEC: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _masks(batches: list, mask: Any, model: Any) -> tuple[list[torch.Tensor], Any, Any]:
+    """The step's packed positions, its masks and its logits' mask (`log_figures`). With
+    no `mask=`, the batches' own tokens, as the Trainer counts them (`input_tokens`: the
+    attention_mask, else every input_ids token; an encoder-decoder's source, its logits
+    weighed by the target's mask, `decoder_mask`); none where a batch holds neither."""
+    positions, mask = _packed(batches, mask)
+    if mask is not None or positions or batches[0] is None:
+        return positions, mask, ...
+    masks = [input_tokens(b) for b in batches]
+    if any(m is None for m in masks):
+        return positions, None, ...
+    try:
+        enc_dec = _ENC_DEC[model]
+    except (KeyError, TypeError):
+        enc_dec = is_encoder_decoder(model)
+        with contextlib.suppress(TypeError):
+            _ENC_DEC[model] = enc_dec
+    return (positions, masks[0] if len(masks) == 1 else masks,
+            decoder_mask(batches[-1]) if enc_dec else ...)
 
 
 def _packed(batches: list, mask: Any) -> tuple[list[torch.Tensor], Any]:

@@ -27,11 +27,13 @@ PACKAGE = Path(nbwatch.__file__).parent
 FRAMEWORKS = {"transformers", "lightning", "accelerate"}  # their own reads: a bare fit's too
 READS = ("item", "tolist", "cpu", "numpy", "__float__", "__bool__", "__int__", "__index__")
 # Host figures by construction: CPU masks and logits rows a step keeps for its record
-# (probes/late.py), and the CRC of CPU token ids (recorder/batches.py): a GPU tensor never
-# is one of those.
+# (probes/late.py), CPU masks read in place (`host_figures`), a packed step's documents'
+# counts once they came with its copy (`LengthCounts.lengths`), and the CRC of CPU token
+# ids (recorder/batches.py): a GPU tensor never is one of those. A file, or a file's
+# function ("file:function").
 # The ranks' exchange goes over nbwatch's own gloo group: host objects by construction.
-HOST_ONLY = {"probes/late.py", "probes/logit_rows.py", "probes/data.py", "recorder/batches.py",
-             "distributed.py"}
+HOST_ONLY = {"probes/late.py", "probes/logit_rows.py", "probes/data.py:host_figures",
+             "probes/data.py:lengths", "recorder/batches.py", "distributed.py"}
 
 
 class Audit:
@@ -72,6 +74,10 @@ class Audit:
         Path(path).write_text(json.dumps({"reads": self.reads, "read_at": self.read_at}))
 
 
+def _host_only(rel: str, frame) -> bool:
+    return rel in HOST_ONLY or f"{rel}:{frame.f_code.co_name}" in HOST_ONLY
+
+
 def _reader(frame) -> str | None:
     """The innermost caller that is nbwatch's or the user's: nbwatch's line (None: the
     user's own read, the optimizer's own (a bare loop's too), or one of nbwatch's
@@ -85,7 +91,7 @@ def _reader(frame) -> str | None:
             return None
         if PACKAGE in path.parents:
             rel = path.relative_to(PACKAGE).as_posix()
-            return None if rel in HOST_ONLY else f"{rel}:{frame.f_lineno}"
+            return None if _host_only(rel, frame) else f"{rel}:{frame.f_lineno}"
         if "site-packages" not in path.parts and "lib" not in path.parts[-3:-1] \
                 and not str(path).startswith(sys.prefix) and "<" not in str(path):
             return None  # the user's code (this test) reads: not nbwatch's
@@ -172,10 +178,15 @@ def test_an_own_loop_that_clips_itself_reads_nothing_on_the_step_path(tmp_path, 
     assert (df["grad_norm/global"] > 0.5).any()  # the norms before the loop's own clip
 
 
-def test_an_own_loop_of_packed_micro_batches_reads_nothing_on_the_step_path(tmp_path, audit):
+def test_an_own_loop_of_packed_micro_batches_reads_nothing_on_the_step_path(tmp_path, audit,
+                                                                          monkeypatch):
     """Packed rows (position_ids, no attention_mask) handed over as `batch=[...]`, and the
-    micro-batches' losses as `loss=[...]`: their documents' figures and mean loss are
-    device figures, in the step's one copy."""
+    micro-batches' losses as `loss=[...]`: their documents' figures (their lengths as a
+    device counts them, by length) and mean loss are device figures, in the step's one
+    copy."""
+    from nbwatch.probes import data
+
+    monkeypatch.setattr(data, "EXACT_ON_CPU", False)
     demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4, max_steps=STEPS)
     m, opt = demo.model, demo.optimizer
     g = torch.Generator().manual_seed(0)
@@ -325,7 +336,7 @@ def _launcher(frame) -> str | None:
         if PACKAGE in path.parents:
             rel = path.relative_to(PACKAGE).as_posix()
             users = rel in ("demo.py", "probes/loss.py")
-            return None if rel in HOST_ONLY or users else f"{rel}:{frame.f_lineno}"
+            return None if _host_only(rel, frame) or users else f"{rel}:{frame.f_lineno}"
         frame = frame.f_back
     return None
 

@@ -247,6 +247,8 @@ class Runner:
             tokens = read if read is not None or self._enc_dec else out.mask
             if tokens is None and pos is not None:  # packed, no mask: every token real
                 m.unmasked.append(pos)
+            elif tokens is None:  # no mask anywhere: every input_ids token, as the Trainer
+                tokens = input_tokens(batch)
             if tokens is not None and m.keeping:
                 with rec.own:  # beside the rows' copy, still warm (its look at the mask too)
                     m.keeping = keep_mask(m.host, tokens)

@@ -419,3 +419,64 @@ def test_an_encoder_decoders_data_figures_are_its_sources_in_every_loop(tmp_path
         assert run.state == "finished", run.error
         _source_figures(run.df, tmp_path / f"hf{source}", *want)
         assert trainer.state.num_input_tokens_seen == 3 * want[0]
+
+
+def test_a_batch_of_input_ids_alone_counts_every_token_in_every_loop(tmp_path):
+    """A decoder-only batch with no attention_mask (fixed-length rows, nanoGPT's): every
+    token is real in `start()` (a step returning a bare loss), a loop of your own given
+    the batch, and Lightning, as the Trainer counts `num_input_tokens_seen`; they recorded
+    no tokens, tokens/s or MFU at all."""
+    L = pytest.importorskip("lightning")
+    import nbwatch.lightning
+    from nbwatch.demo import TinyGPT
+
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, 64, (4, 17), generator=g)} for _ in range(3)]
+
+    def loss_of(model, b):
+        logits = model(b["input_ids"][:, :-1])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                                 b["input_ids"][:, 1:].flatten())
+
+    def model_opt():
+        torch.manual_seed(0)
+        model = TinyGPT(vocab=64, d=16, layers=1, heads=2, ctx=32)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    model, opt = model_opt()
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "start", display=False)
+    mon.start(loss_of, batches, max_steps=3)
+    mon.wait()
+    dfs = {"start": mon.df}
+
+    model, opt = model_opt()
+    with nbwatch.Monitor(model, opt, run_dir=tmp_path / "own", display=False) as mon:
+        for b in batches:
+            loss_of(model, b).backward()
+            opt.step()
+            opt.zero_grad()
+            mon.log(loss=loss_of(model, b).detach(), batch=b)
+    dfs["own"] = nbwatch.open_run(tmp_path / "own").df
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = model_opt()[0]
+
+        def training_step(self, batch, batch_idx):
+            return loss_of(self.net, batch)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path),
+                        enable_checkpointing=False,
+                        callbacks=[nbwatch.lightning.NbwatchCallback(run_dir=tmp_path / "pl")])
+    trainer.fit(Module(), torch.utils.data.DataLoader(batches, batch_size=None))
+    dfs["lightning"] = nbwatch.open_run(tmp_path / "pl").df
+    for name, df in dfs.items():
+        assert df["tokens/real"].tolist() == [68.0] * 3, name
+        assert df["data/padding_ratio"].tolist() == [0.0] * 3, name
+        assert (df.loc[2:, "throughput/tokens_per_s"] * df.loc[2:, "time/step"]).tolist() == \
+            pytest.approx([68.0] * 2, rel=1e-3), name

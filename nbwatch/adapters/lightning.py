@@ -35,7 +35,7 @@ from ..evaluation import GuessedForward, batch_call, describe_call
 from ..interrupts import Terminated
 from ..monitor import Monitor
 from ..probes.attention import take_samples
-from ..probes.data import attention_tokens, input_tokens
+from ..probes.data import attention_tokens, input_tokens, packed_positions
 from ..probes.throughput import batch_samples
 from .base import Adapter, callback_of, check_fit_arguments, drop_repeats, found_inf, unwrap
 from .fit_run import FitRun
@@ -110,9 +110,9 @@ class NbwatchCallback(Adapter, pl.Callback):
             if key is not None:  # the batch's own attention_mask: its tokens (segment ids)
                 mask = batch[key]
                 self._masks.append(attention_tokens(mask) if key == "attention_mask" else mask)
-            elif self._enc_dec is not None and self._enc_dec[1]:
-                source = input_tokens(batch)  # its source's: every input_ids token, as the
-                if source is not None:  # Trainer's and start()'s (never its target's)
+            elif packed_positions(batch) is None:  # (a packed batch's: from its shape)
+                source = input_tokens(batch)  # every input_ids token (an encoder-decoder's
+                if source is not None:  # source's, never its target's), as the Trainer's
                     self._masks.append(source)
         self._note_packed(batch, masked=len(self._masks) > masks)
         n = batch_samples(batch)  # samples/s for any model: (x, y), pixel_values

@@ -26,6 +26,7 @@ from .probes.attention import clone_samples
 from .probes.data import (
     all_real,
     batch_figures,
+    check_mask,
     decoder_mask,
     documents,
     input_tokens,
@@ -211,6 +212,7 @@ class Runner:
         # the run's first step reads its masks after the backward (a bad one is refused
         # then, the step's graph freed); later ones are copied and read with the record
         m = _Micro(keeping=rec.step != rec.start_step)
+        first = not m.keeping
         rec.train_logits.arm()
         for i in range(spec.accumulate):
             td = time.perf_counter()
@@ -230,6 +232,10 @@ class Runner:
                 check_not_copying(batch, raw, model)
                 self._checked = True
             out = parse_step_output(raw)
+            # an encoder-decoder's own mask (its target's) is not counted, so not checked
+            # there: looked at after the backward (a bad one freed with its graph), on the
+            # first step, where the CPU reads it at no cost
+            target = out.mask if self._enc_dec and first else None
             if out.mask is None:  # {'logits', 'labels'}: the batch's attention_mask; an
                 # encoder-decoder's logits are the target's: its target mask (the adapters')
                 out.mask = decoder_mask(batch) if self._enc_dec else batch_mask(batch, raw)
@@ -255,6 +261,10 @@ class Runner:
             m.reduction = out.reduction
             loss = out.loss / spec.accumulate if spec.accumulate > 1 else out.loss
             (scaler.scale(loss) if scaler is not None else loss).backward()
+            if target is not None and (target.device.type == "cpu" or target.is_complex()):
+                with rec.own:
+                    check_mask(target, "step_fn's mask", "its loss and log Z would be misweighted",
+                               _TARGET_HOW)
             with rec.own:  # the loss kept for the record: watching's
                 detached = out.loss.detach().float()
                 m.loss_sum = detached if m.loss_sum is None else m.loss_sum + detached
@@ -359,6 +369,8 @@ class _Micro:
     fwd_s: float = 0.0  # step_fn calls
 
 
+_TARGET_HOW = ("pass a 0/1 (or bool) mask of the target's real tokens, 1 for a real token and 0 "
+               "for padding (e.g. batch['decoder_attention_mask'], or labels != -100)")
 _RESERVED = frozenset({"loss", "logits", "labels", "mask"})
 
 

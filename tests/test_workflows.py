@@ -480,3 +480,33 @@ def test_a_batch_of_input_ids_alone_counts_every_token_in_every_loop(tmp_path):
         assert df["data/padding_ratio"].tolist() == [0.0] * 3, name
         assert (df.loc[2:, "throughput/tokens_per_s"] * df.loc[2:, "time/step"]).tolist() == \
             pytest.approx([68.0] * 2, rel=1e-3), name
+
+
+def test_an_encoder_decoders_step_mask_that_is_not_0_1_is_still_refused(tmp_path):
+    """start(): an encoder-decoder's data figures come from its source, not from the mask
+    its step returns (the target's), but that mask still weighs its loss and log Z: one of
+    other values than 0 and 1 fails the first step, as it did while it was counted (a
+    batch without an attention_mask), with or without the source's attention_mask."""
+    pytest.importorskip("transformers")
+    steps = {"logits": lambda m, b: {"logits": m(**b).logits, "labels": b["labels"],
+                                     "mask": (b["labels"] != -100).long() * 2},
+             "loss": lambda m, b: {"loss": m(**b).loss, "mask": b["labels"].clamp(min=0)}}
+    for source in (False, True):
+        for name, step_fn in steps.items():
+            model = _t5()
+            mon = nbwatch.Monitor(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                  run_dir=tmp_path / f"{name}{source}", display=False)
+            mon.start(step_fn, [_t5_batch(source)] * 3, max_steps=3)
+            with pytest.raises(ValueError, match=r"step_fn's mask.*besides 0 and 1.*"
+                               r"target's real tokens.*decoder_attention_mask"):
+                mon.wait()
+            assert mon.state == "failed" and mon.step == 0
+    # a good target mask trains, its figures the source's
+    model = _t5()
+    mon = nbwatch.Monitor(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                          run_dir=tmp_path / "good", display=False)
+    mon.start(lambda m, b: {"loss": m(**b).loss, "mask": (b["labels"] != -100).long()},
+              [_t5_batch(False)] * 3, max_steps=3)
+    mon.wait()
+    assert mon.state == "finished", mon.error
+    assert mon.df["tokens/real"].tolist() == [32.0] * 3

@@ -25,12 +25,15 @@ def attention_tokens(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
-def check_mask(mask: torch.Tensor, who: str) -> None:
+def check_mask(mask: torch.Tensor, who: str,
+               why: str = "the padding ratio and tokens/s would be wrong",
+               how: str = _HOW) -> None:
     """Refuse a mask that holds other values than 0 and 1 (a bool mask needs no look). On a
     GPU this waits for it (one host sync): the loops call it on the first step only, and
-    on CPU masks, where it costs no sync."""
+    on CPU masks, where it costs no sync. `why`: what such a mask would spoil; `how`: the
+    mask to pass instead."""
     if mask.is_complex():
-        raise TypeError(f"{who}: the mask is a complex tensor ({mask.dtype}); {_HOW}")
+        raise TypeError(f"{who}: the mask is a complex tensor ({mask.dtype}); {how}")
     if mask.dtype == torch.bool:
         return
     m = mask.detach()
@@ -45,8 +48,7 @@ def check_mask(mask: torch.Tensor, who: str) -> None:
         seen = torch.unique(m[bad]).tolist()
         shown = ", ".join(f"{v:g}" for v in seen[:5]) + (" …" if len(seen) > 5 else "")
         raise ValueError(
-            f"{who}: the mask holds {shown} besides 0 and 1, so the padding ratio and "
-            f"tokens/s would be wrong; {_HOW}")
+            f"{who}: the mask holds {shown} besides 0 and 1, so {why}; {how}")
 
 
 def mask_stats(mask: torch.Tensor, count_bad: bool = False) -> dict[str, torch.Tensor]:

@@ -182,6 +182,32 @@ def test_a_batch_given_to_log_gives_its_tokens_as_the_trainer_counts_them(tmp_pa
                 m.shape[0] / df.loc[step, "time/step"])
 
 
+@pytest.mark.parametrize("shape", ["4d", "3d", "empty"])
+def test_a_batch_whose_mask_is_not_its_tokens_is_logged_without_data_figures(tmp_path, shape):
+    """`log(loss, batch=batch)` where the batch's attention_mask is not a [batch, seq_len]
+    mask of its tokens (a model's own 4-D [batch, 1, T, T] mask, a multiple-choice model's
+    [batch, choices, T]) or the batch is empty: the step is logged, without data figures,
+    as before the batch's own tokens were counted; it was refused ("mask has shape ...",
+    a mask the loop never gave)."""
+    model, opt, sched, batches = setup()
+    with nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False) as mon:
+        for b in batches[:3]:
+            loss = nbwatch.masked_cross_entropy(model(b["input_ids"]), b["labels"], b["mask"])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ids, am = b["input_ids"], b["mask"]
+            batch = {"4d": {"input_ids": ids, "attention_mask": am[:, None, None, :].expand(
+                         -1, 1, am.shape[1], -1)},
+                     "3d": {"input_ids": ids[:, None].expand(-1, 2, -1),
+                            "attention_mask": am[:, None].expand(-1, 2, -1)},
+                     "empty": {"input_ids": ids[:0], "attention_mask": am[:0]}}[shape]
+            mon.log(loss=loss, batch=batch)
+    df = nbwatch.open_run(tmp_path / "r").df
+    assert df.index.tolist() == [1, 2, 3]
+    assert "tokens/real" not in df.columns or df["tokens/real"].isna().all()
+
+
 def test_nonfinite_loss_skips_the_step_and_pauses(tmp_path):
     model, opt, sched, batches = setup()
     mon = nbwatch.Monitor(model, opt, sched, run_dir=tmp_path / "r", display=False)

@@ -510,3 +510,31 @@ def test_an_encoder_decoders_step_mask_that_is_not_0_1_is_still_refused(tmp_path
     mon.wait()
     assert mon.state == "finished", mon.error
     assert mon.df["tokens/real"].tolist() == [32.0] * 3
+
+
+def test_a_models_own_4d_attention_mask_is_not_counted_as_tokens(tmp_path):
+    """A batch whose attention_mask is the model's own [batch, 1, T, T] mask (not one of its
+    tokens) and a step returning a bare loss: start() records no data figures, as before
+    every input_ids token of a batch without a mask was counted; it counted that mask's
+    T x T entries as tokens (17x the tokens, tokens/s and MFU)."""
+    from nbwatch.demo import TinyGPT
+
+    g = torch.Generator().manual_seed(0)
+    am = torch.ones(4, 17, dtype=torch.long)
+    am[:, 12:] = 0
+    batches = [{"input_ids": torch.randint(0, 64, (4, 17), generator=g),
+                "attention_mask": am[:, None, None, :].expand(4, 1, 17, 17)} for _ in range(3)]
+
+    def loss_of(model, b):
+        logits = model(b["input_ids"][:, :-1])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                                 b["input_ids"][:, 1:].flatten())
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, d=16, layers=1, heads=2, ctx=32)
+    mon = nbwatch.Monitor(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                          run_dir=tmp_path / "start", display=False)
+    mon.start(loss_of, batches, max_steps=3)
+    mon.wait()
+    assert mon.state == "finished", mon.error
+    assert "tokens/real" not in mon.df.columns or mon.df["tokens/real"].isna().all()

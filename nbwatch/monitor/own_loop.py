@@ -103,12 +103,13 @@ def _masks(batches: list, mask: Any, model: Any) -> tuple[list[torch.Tensor], An
     """The step's packed positions, its masks and its logits' mask (`log_figures`). With
     no `mask=`, the batches' own tokens, as the Trainer counts them (`input_tokens`: the
     attention_mask, else every input_ids token; an encoder-decoder's source, its logits
-    weighed by the target's mask, `decoder_mask`); none where a batch holds neither."""
+    weighed by the target's mask, `decoder_mask`); none where a batch holds neither, or
+    its mask is not the [batch, seq_len] one `log_figures` takes."""
     positions, mask = _packed(batches, mask)
     if mask is not None or positions or batches[0] is None:
         return positions, mask, ...
     masks = [input_tokens(b) for b in batches]
-    if any(m is None for m in masks):
+    if any(m is None or m.dim() > 2 for m in masks):  # (a multiple-choice batch's [B, C, T])
         return positions, None, ...
     try:
         enc_dec = _ENC_DEC[model]

@@ -204,14 +204,20 @@ def input_tokens(batch: Any) -> torch.Tensor | None:
     Trainer's `num_input_tokens_seen` counts them); None for a batch of neither (pixels,
     audio features: samples/s only). An encoder-decoder's are its source's, the encoder's
     input, in every loop: never its target's (`decoder_mask`, what its loss weighs).
+    None too for an attention_mask that is not one of its tokens (a model's own 4-D
+    [batch, 1, T, T] mask: neither 1- or 2-D nor input_ids' shape; nor is every input_ids
+    token real, it masks the padding) and for an empty batch.
     One op on the batch's device at most, no read."""
     if not isinstance(batch, Mapping):
         return None
     mask = batch.get("attention_mask")
-    if isinstance(mask, torch.Tensor):
-        return attention_tokens(mask)
     ids = batch.get("input_ids")
-    if isinstance(ids, torch.Tensor) and ids.ndim == 2 and not ids.is_floating_point():
+    if isinstance(mask, torch.Tensor):
+        tokens = mask.dim() in (1, 2) or (isinstance(ids, torch.Tensor)
+                                           and mask.shape == ids.shape)
+        return attention_tokens(mask) if tokens and mask.numel() else None
+    if (isinstance(ids, torch.Tensor) and ids.ndim == 2 and not ids.is_floating_point()
+            and ids.numel()):
         return torch.ones_like(ids, dtype=torch.bool)
     return None
 

@@ -25,8 +25,16 @@ def test_a_batchs_input_tokens_are_its_attention_masks_else_its_input_ids():
     assert got.tolist() == [[True, True, False, False], [True, True, True, False]]
     got = input_tokens({"input_ids": ids, "labels": labels})
     assert got.dtype == torch.bool and got.shape == (2, 4) and bool(got.all())
-    for no in ({"input_ids": ids.float()}, {"pixel_values": torch.rand(2, 3)}, ids, None):
+    for no in ({"input_ids": ids.float()}, {"pixel_values": torch.rand(2, 3)}, ids, None,
+               # a model's own [batch, 1, T, T] mask: not its tokens (nor is every input_ids
+               # token real: it masks padding too); an empty batch: no tokens to count
+               {"input_ids": ids, "attention_mask": am[:, None, None, :].expand(2, 1, 4, 4)},
+               {"input_ids": ids[:0], "attention_mask": am[:0]}, {"input_ids": ids[:0]}):
         assert input_tokens(no) is None
+    # a multiple-choice batch's [batch, choices, T] mask is its input_ids' own
+    mc = input_tokens({"input_ids": ids[:, None].expand(2, 3, 4),
+                       "attention_mask": am[:, None].expand(2, 3, 4)})
+    assert mc.shape == (2, 3, 4) and mc.sum() == 3 * 5
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.long, torch.int32, torch.int8,

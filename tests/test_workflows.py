@@ -538,3 +538,25 @@ def test_a_models_own_4d_attention_mask_is_not_counted_as_tokens(tmp_path):
     mon.wait()
     assert mon.state == "finished", mon.error
     assert "tokens/real" not in mon.df.columns or mon.df["tokens/real"].isna().all()
+
+    L = pytest.importorskip("lightning")  # Lightning counted the mask's T x T entries too
+    from nbwatch.lightning import NbwatchCallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = TinyGPT(vocab=64, d=16, layers=1, heads=2, ctx=32)
+
+        def training_step(self, batch, batch_idx):
+            return loss_of(self.net, batch)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp_path),
+                        enable_checkpointing=False,
+                        callbacks=[NbwatchCallback(run_dir=tmp_path / "pl")])
+    trainer.fit(Module(), torch.utils.data.DataLoader(batches, batch_size=None))
+    df = nbwatch.open_run(tmp_path / "pl").df
+    assert "tokens/real" not in df.columns or df["tokens/real"].isna().all()

@@ -35,7 +35,7 @@ from ..evaluation import GuessedForward, batch_call, describe_call
 from ..interrupts import Terminated
 from ..monitor import Monitor
 from ..probes.attention import take_samples
-from ..probes.data import attention_tokens, input_tokens, packed_positions
+from ..probes.data import input_tokens, packed_positions
 from ..probes.throughput import batch_samples
 from .base import Adapter, callback_of, check_fit_arguments, drop_repeats, found_inf, unwrap
 from .fit_run import FitRun
@@ -107,9 +107,12 @@ class NbwatchCallback(Adapter, pl.Callback):
         masks = len(self._masks)
         if isinstance(batch, Mapping):
             key = next((k for k in _MASK_KEYS if isinstance(batch.get(k), torch.Tensor)), None)
-            if key is not None:  # the batch's own attention_mask: its tokens (segment ids)
-                mask = batch[key]
-                self._masks.append(attention_tokens(mask) if key == "attention_mask" else mask)
+            if key == "attention_mask":  # the batch's own: its tokens (segment ids), not a
+                tokens = input_tokens(batch)  # model's own 4-D [batch, 1, T, T] mask
+                if tokens is not None:
+                    self._masks.append(tokens)
+            elif key is not None:
+                self._masks.append(batch[key])
             elif packed_positions(batch) is None:  # (a packed batch's: from its shape)
                 source = input_tokens(batch)  # every input_ids token (an encoder-decoder's
                 if source is not None:  # source's, never its target's), as the Trainer's

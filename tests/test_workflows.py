@@ -361,18 +361,25 @@ def test_an_encoder_decoders_data_figures_are_its_sources_in_every_loop(tmp_path
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "own", display=False)
 
+    expected.clear()
+
     def train():
         for batch in [_t5_batch()] * 3:
-            loss = model(**batch).loss
-            loss.backward()
+            out = model(**batch)
+            out.loss.backward()
             opt.step()
             opt.zero_grad()
-            mon.log(loss=loss, mask=batch["attention_mask"], batch=batch)
+            expected.append([float(t) for t in logit_parts(out.logits.detach(),
+                                                           batch["labels"] != -100)])
+            mon.log(loss=out.loss, mask=batch["attention_mask"], batch=batch, logits=out.logits)
 
     mon.run(train)
     mon.wait()
     assert mon.state == "finished", mon.error
     _source_figures(mon.df, tmp_path / "own", *src)
+    # its logits weighed by the target's real positions, not by the mask given (the source's)
+    got = mon.df[["train_logits/log_z", "train_logits/max_abs"]].to_numpy()
+    np.testing.assert_allclose(got, np.array(expected), rtol=1e-5)
 
     # ... or given the batch alone: its source's tokens, its logits over the target's
     for source, want in ((True, src), (False, whole)):

@@ -106,19 +106,27 @@ def _masks(batches: list, mask: Any, model: Any) -> tuple[list[torch.Tensor], An
     weighed by the target's mask, `decoder_mask`); none where a batch holds neither, or
     its mask is not the [batch, seq_len] one `log_figures` takes."""
     positions, mask = _packed(batches, mask)
-    if mask is not None or positions or batches[0] is None:
+    if batches[0] is None:
         return positions, mask, ...
+    # an encoder-decoder's logits are the target's, whatever mask the data figures count
+    logit_mask = decoder_mask(batches[-1]) if _enc_dec(model) else ...
+    if mask is not None or positions:
+        return positions, mask, logit_mask
     masks = [input_tokens(b) for b in batches]
     if any(m is None or m.dim() > 2 for m in masks):  # (a multiple-choice batch's [B, C, T])
-        return positions, None, ...
+        return positions, None, logit_mask
+    return positions, masks[0] if len(masks) == 1 else masks, logit_mask
+
+
+def _enc_dec(model: Any) -> bool:
+    """`is_encoder_decoder(model)`, asked once a model."""
     try:
-        enc_dec = _ENC_DEC[model]
+        return _ENC_DEC[model]
     except (KeyError, TypeError):
         enc_dec = is_encoder_decoder(model)
         with contextlib.suppress(TypeError):
             _ENC_DEC[model] = enc_dec
-    return (positions, masks[0] if len(masks) == 1 else masks,
-            decoder_mask(batches[-1]) if enc_dec else ...)
+        return enc_dec
 
 
 def _packed(batches: list, mask: Any) -> tuple[list[torch.Tensor], Any]:

@@ -332,8 +332,12 @@ def test_sigterm_stops_a_scripts_run_with_every_step_and_a_checkpoint(tmp_path, 
     run, logged = tmp_path / "run", tmp_path / "logged.txt"
     code, out, err = sigterm_at(run, how, logged, 20)
     assert code == 128 + signal.SIGTERM, err
-    # (a DataLoader's resource sharer may print its own reset connection as the worker goes)
-    assert "the script went on" not in out and "nbwatch/" not in err, err
+    # (a DataLoader's resource sharer may print its own reset connection as the worker goes;
+    # a SIGTERM that lands in an at-fork callback (logging's, as the DataLoader forks its
+    # worker) is printed and dropped by Python, "Exception ignored in", and raised again at
+    # the next log(): test_sigterm_during_a_dataloaders_fork_ends_the_loop_at_its_next_step)
+    dropped = "Exception ignored in" in err
+    assert "the script went on" not in out and (dropped or "nbwatch/" not in err), err
     assert "terminated by SIGTERM at step" in err, err
     r = nbwatch.open_run(run)
     assert r.state == "stopped" and r.meta["stopped_by"].startswith("terminated by SIGTERM")

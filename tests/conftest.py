@@ -87,3 +87,30 @@ def tiny():
     model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return model, opt, make_batches()
+
+
+def lightning_fit(tmp_path, net: torch.nn.Module, loss_of, batches: list, run_dir,
+                  max_steps: int = 3, **kw) -> None:
+    """A Lightning fit of `net` on `batches` (in order, one a step, or `accumulate_grad_batches`
+    in `kw`), its training step `loss_of(net, batch)`, AdamW, nbwatch's callback writing
+    `run_dir` (the other `kw` are its options)."""
+    L = pytest.importorskip("lightning")
+    from nbwatch.lightning import NbwatchCallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch, batch_idx):
+            return loss_of(self.net, batch)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    accumulate = kw.pop("accumulate_grad_batches", 1)
+    L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+              enable_model_summary=False, default_root_dir=str(tmp_path),
+              enable_checkpointing=False, accumulate_grad_batches=accumulate,
+              callbacks=[NbwatchCallback(run_dir=run_dir, **kw)]).fit(
+        Module(), torch.utils.data.DataLoader(batches, batch_size=None))

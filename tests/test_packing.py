@@ -14,6 +14,7 @@ import torch
 
 import nbwatch
 from nbwatch.demo import make_demo
+from tests.conftest import lightning_fit
 
 LENGTHS = [[7, 3, 12, 6], [5, 9, 2, 10], [11, 4, 8, 1]]  # each step's documents
 
@@ -182,29 +183,13 @@ def test_a_packed_batch_under_the_trainer_counts_its_documents(tmp_path):
 def test_a_packed_batch_under_lightning_counts_its_documents(tmp_path):
     """Lightning's batch is the module's own: a packed one has no mask to read, and its
     tokens are every token (they were not counted at all before)."""
-    L = pytest.importorskip("lightning")
-    import nbwatch.lightning
-
-    class Packed(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = make_demo(d=16, layers=1, heads=2, ctx=16).model
-
-        def training_step(self, batch, batch_idx):
-            ids = batch["input_ids"][:, :16]
-            return torch.nn.functional.cross_entropy(self.net(ids)[0, :-1], ids[0, 1:])
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+    def loss_of(net, batch):
+        ids = batch["input_ids"][:, :16]
+        return torch.nn.functional.cross_entropy(net(ids)[0, :-1], ids[0, 1:])
 
     torch.manual_seed(0)
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=str(tmp_path),
-                        enable_checkpointing=False,
-                        callbacks=[nbwatch.lightning.NbwatchCallback(run_dir=tmp_path / "pl",
-                                                                     hist_every=1)])
-    trainer.fit(Packed(), torch.utils.data.DataLoader([packed(n) for n in LENGTHS],
-                                                      batch_size=None))
+    lightning_fit(tmp_path, make_demo(d=16, layers=1, heads=2, ctx=16).model, loss_of,
+                  [packed(n) for n in LENGTHS], tmp_path / "pl", hist_every=1)
     check_documents(nbwatch.open_run(tmp_path / "pl").df, LENGTHS)
     check_histograms(tmp_path / "pl", LENGTHS)
 
@@ -255,26 +240,8 @@ def test_a_step_of_packed_and_padded_micro_batches_counts_both_tokens(tmp_path, 
             batches, batch_size=None)
         trainer.train()
     else:
-        L = pytest.importorskip("lightning")
-        from nbwatch.lightning import NbwatchCallback as PlCallback
-
-        class Module(L.LightningModule):
-            def __init__(self):
-                super().__init__()
-                self.net = make_demo(d=16, layers=1, heads=2, ctx=16).model
-
-            def training_step(self, batch, batch_idx):
-                return loss_of(self.net, batch)
-
-            def configure_optimizers(self):
-                return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-        trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False,
-                            enable_progress_bar=False, enable_model_summary=False,
-                            default_root_dir=str(tmp_path), enable_checkpointing=False,
-                            accumulate_grad_batches=2,
-                            callbacks=[PlCallback(run_dir=tmp_path / "r")])
-        trainer.fit(Module(), torch.utils.data.DataLoader(batches, batch_size=None))
+        lightning_fit(tmp_path, make_demo(d=16, layers=1, heads=2, ctx=16).model, loss_of,
+                      batches, tmp_path / "r", max_steps=2, accumulate_grad_batches=2)
     df = nbwatch.open_run(tmp_path / "r").df
     for step, (real, every) in enumerate(want, start=1):
         assert df.loc[step, "tokens/real"] == real

@@ -11,7 +11,7 @@ from nbwatch.panels import Feed
 from nbwatch.panels.loss import smooth
 from nbwatch.probes.data import input_tokens
 from nbwatch.store import RunReader
-from tests.conftest import make_batches, tiny_step
+from tests.conftest import lightning_fit, make_batches, tiny_step
 
 
 def new_tiny(seed=0):
@@ -433,8 +433,6 @@ def test_a_batch_of_input_ids_alone_counts_every_token_in_every_loop(tmp_path):
     token is real in `start()` (a step returning a bare loss), a loop of your own given
     the batch, and Lightning, as the Trainer counts `num_input_tokens_seen`; they recorded
     no tokens, tokens/s or MFU at all."""
-    L = pytest.importorskip("lightning")
-    import nbwatch.lightning
     from nbwatch.demo import TinyGPT
 
     g = torch.Generator().manual_seed(0)
@@ -465,22 +463,7 @@ def test_a_batch_of_input_ids_alone_counts_every_token_in_every_loop(tmp_path):
             mon.log(loss=loss_of(model, b).detach(), batch=b)
     dfs["own"] = nbwatch.open_run(tmp_path / "own").df
 
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = model_opt()[0]
-
-        def training_step(self, batch, batch_idx):
-            return loss_of(self.net, batch)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=str(tmp_path),
-                        enable_checkpointing=False,
-                        callbacks=[nbwatch.lightning.NbwatchCallback(run_dir=tmp_path / "pl")])
-    trainer.fit(Module(), torch.utils.data.DataLoader(batches, batch_size=None))
+    lightning_fit(tmp_path, model_opt()[0], loss_of, batches, tmp_path / "pl")
     dfs["lightning"] = nbwatch.open_run(tmp_path / "pl").df
     for name, df in dfs.items():
         assert df["tokens/real"].tolist() == [68.0] * 3, name
@@ -546,24 +529,8 @@ def test_a_models_own_4d_attention_mask_is_not_counted_as_tokens(tmp_path):
     assert mon.state == "finished", mon.error
     assert "tokens/real" not in mon.df.columns or mon.df["tokens/real"].isna().all()
 
-    L = pytest.importorskip("lightning")  # Lightning counted the mask's T x T entries too
-    from nbwatch.lightning import NbwatchCallback
-
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = TinyGPT(vocab=64, d=16, layers=1, heads=2, ctx=32)
-
-        def training_step(self, batch, batch_idx):
-            return loss_of(self.net, batch)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=str(tmp_path),
-                        enable_checkpointing=False,
-                        callbacks=[NbwatchCallback(run_dir=tmp_path / "pl")])
-    trainer.fit(Module(), torch.utils.data.DataLoader(batches, batch_size=None))
+    # Lightning counted the mask's T x T entries too
+    lightning_fit(tmp_path, TinyGPT(vocab=64, d=16, layers=1, heads=2, ctx=32), loss_of,
+                  batches, tmp_path / "pl")
     df = nbwatch.open_run(tmp_path / "pl").df
     assert "tokens/real" not in df.columns or df["tokens/real"].isna().all()

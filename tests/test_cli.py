@@ -21,6 +21,7 @@ import torch
 
 import nbwatch
 from nbwatch.demo import TinyGPT
+from nbwatch.run import RunNotStarted
 from tests.conftest import make_batches, tiny_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -303,9 +304,14 @@ def test_a_script_paused_by_an_alert_is_resumed_and_stopped_from_a_shell(tmp_pat
                             env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        def paused() -> bool:
+            try:  # a folder being created says RunNotStarted until its tables are there
+                return nbwatch.open_run(run).state == "paused"
+            except RunNotStarted:
+                return False
+
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (
-                (run / "nbwatch.db").exists() and nbwatch.open_run(run).state == "paused"):
+        while time.monotonic() < deadline and not ((run / "nbwatch.db").exists() and paused()):
             time.sleep(0.1)
         assert nbwatch.open_run(run).state == "paused"
         resumed = nbwatch_cli("resume", run)

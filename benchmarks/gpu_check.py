@@ -22,6 +22,12 @@ Workloads (all bf16 autocast, fused AdamW unless said):
   foreach    the nanoGPT shape with `torch.optim.AdamW(model.parameters())`: foreach, not fused
   clip       the nanoGPT shape in nanoGPT's own loop: `clip_grad_norm_(params, 1.0)` before
              each step, bare and watched (nbwatch records the norms before it)
+  packed     the nanoGPT shape on packed rows (`position_ids` restarting at each document,
+             no mask: HF's DataCollatorWithFlattening), watched with `mon.log(loss,
+             batch=batch)`: the documents' lengths leave the device as counts by length
+  padded     the nanoGPT shape on padded rows (an `attention_mask`, a quarter of the
+             tokens padding), watched with `mon.log(loss, batch=batch)`: the mask's
+             token figures and the logits weighted by it
 
     python benchmarks/gpu_check.py [--rounds 5] [--steps 30] [--only gpt2,nanogpt]
                                    [--trace DIR]
@@ -80,6 +86,7 @@ class Work:
     fused: bool = True
     compile: bool = False
     clip: float | None = None  # the loop's own clip_grad_norm_, bare and watched
+    rows: str = "ids"  # "ids"; "packed" (position_ids); "padded" (attention_mask)
     rounds: int = 5
     model: Any = None  # built once, copied for each variant
     times: dict[str, list[float]] = field(default_factory=dict)
@@ -109,30 +116,54 @@ def workloads(quick: bool) -> list[Work]:
                 Work("trainer", small, 2, 64, 256, loops=("trainer",), rounds=2),
                 Work("foreach", small, 2, 64, 256, fused=False, rounds=2),
                 Work("compiled", small, 2, 64, 256, loops=("log",), compile=True, rounds=2),
-                Work("clip", small, 2, 64, 256, loops=("log",), clip=1.0, rounds=2)]
+                Work("clip", small, 2, 64, 256, loops=("log",), clip=1.0, rounds=2),
+                Work("packed", small, 2, 64, 256, loops=("log",), rows="packed", rounds=2),
+                Work("padded", small, 2, 64, 256, loops=("log",), rows="padded", rounds=2)]
     return [
         Work("gpt2", gpt2(), 16, 1024, 50304),
         Work("nanogpt", gpt2(6, 6, 384, 256, 65), 64, 256, 65, rounds=7),
         Work("tiny", lambda: TinyGPT(vocab=512, d=512, layers=8, heads=8, ctx=256),
-             16, 256, 512, rounds=7),
+             16, 256, 512),
         Work("trainer", gpt2(ctx=512), 16, 512, 50304, loops=("trainer",)),
         Work("compiled", gpt2(), 16, 1024, 50304, loops=("log",), compile=True),
-        Work("foreach", gpt2(6, 6, 384, 256, 65), 64, 256, 65, fused=False, rounds=7),
+        Work("foreach", gpt2(6, 6, 384, 256, 65), 64, 256, 65, fused=False),
         Work("clip", gpt2(6, 6, 384, 256, 65), 64, 256, 65, loops=("log",), clip=1.0),
+        Work("packed", gpt2(6, 6, 384, 256, 65), 64, 256, 65, loops=("log",), rows="packed"),
+        Work("padded", gpt2(6, 6, 384, 256, 65), 64, 256, 65, loops=("log",), rows="padded"),
     ]
 
 
 # -- one variant ------------------------------------------------------------------------
 def batches(w: Work, device: str, n: int = 4) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    return [{"input_ids": torch.randint(0, w.vocab, (w.batch, w.seq), generator=g).to(device)}
-            for _ in range(n)]
+    out = []
+    for _ in range(n):
+        b = {"input_ids": torch.randint(0, w.vocab, (w.batch, w.seq), generator=g)}
+        if w.rows == "packed":  # documents of 1/8 to 1/2 of a row, the last one cut
+            pos = torch.empty(w.batch, w.seq, dtype=torch.long)
+            for row in pos:
+                at = 0
+                while at < w.seq:
+                    n_doc = int(torch.randint(w.seq // 8, w.seq // 2 + 1, (), generator=g))
+                    row[at:at + n_doc] = torch.arange(min(n_doc, w.seq - at))
+                    at += n_doc
+            b["position_ids"] = pos
+        elif w.rows == "padded":  # right padding, a quarter of the tokens on average
+            real = torch.randint(w.seq // 2, w.seq + 1, (w.batch, 1), generator=g)
+            b["attention_mask"] = (torch.arange(w.seq) < real).long()
+        out.append({k: v.to(device) for k, v in b.items()})
+    return out
 
 
-def forward_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    out = model(ids)
+def forward_loss(model: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+    ids = b["input_ids"]
+    extra = {k: v for k, v in b.items() if k != "input_ids"}
+    out = model(ids, **extra) if extra else model(ids)
     logits = out.logits if hasattr(out, "logits") else out
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    labels = ids[:, 1:]
+    if "attention_mask" in b:  # padding is not a target
+        labels = labels.masked_fill(b["attention_mask"][:, 1:] == 0, -100)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten())
 
 
 def fresh(w: Work, device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -212,15 +243,16 @@ def own_loop(w: Work, device: str, steps: int, root: Path, watched: bool,
             window.at(i)
         if counter is not None:
             counter.on = WARM <= i < WARM + steps
+        b = data[i % len(data)]
         with autocast(device):
-            loss = forward_loss(model, data[i % len(data)]["input_ids"])
+            loss = forward_loss(model, b)
         loss.backward()
         if w.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), w.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if mon is not None:
-            mon.log(loss=loss)
+            mon.log(loss=loss, **({"batch": b} if w.rows != "ids" else {}))
     if counter is not None:
         counter.on = False
     if mon is not None:
@@ -240,7 +272,7 @@ def start_loop(w: Work, device: str, steps: int, root: Path, window: Window | No
         if counter is not None:
             counter.on = WARM <= mon.step < WARM + steps
         with autocast(device):
-            return forward_loss(model, b["input_ids"])
+            return forward_loss(model, b)
 
     mon.start(step_fn, data, max_steps=WARM + steps + 2, display=False, dry_run=False)
     mon.wait()
@@ -411,7 +443,7 @@ def measure(w: Work, device: str, steps: int, root: Path, log: Callable[[str], N
             w.times.setdefault(v, []).append(win.per_step)
         log(f"{w.name} round {r + 1}/{w.rounds}: " + ", ".join(
             f"{v} {w.times[v][-1] * 1e3:.2f}" for v in variants) + " ms/step")
-    if trace is not None and "log" in variants:
+    if trace is not None and "log" in variants and w.rows == "ids":
         for v in ("bare", "log"):
             run_variant(w, v, device, 6, root / f"{w.name}-{v}-trace",
                         window=Trace(6, device, trace / f"{w.name}-{v}"))

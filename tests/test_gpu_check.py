@@ -96,3 +96,34 @@ def test_each_run_folder_goes_once_measured(tmp_path):
             assert w.times and w.own, w.name
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     assert left == ["tiny", "trainer"], (left, said)  # the workloads' folders, empty
+
+
+def test_the_packed_and_padded_workloads_record_their_rows_figures(tmp_path, monkeypatch):
+    """The `packed` and `padded` workloads measure the data figures' path on a GPU: their
+    watched runs, in the GPU's order and with the documents' lengths counted as an
+    accelerator counts them, record tokens and lengths as counted by hand from the same
+    batches (each document of a packed row a sample, each padded row its mask's sum)."""
+    from nbwatch.probes import data as data_probe
+    from nbwatch.recorder import host_copy
+
+    monkeypatch.setattr(host_copy, "DEFER_ON_CPU", True)
+    monkeypatch.setattr(data_probe, "EXACT_ON_CPU", False)
+    gc = _script()
+    kinds = [w for w in gc.workloads(quick=True) if w.rows != "ids"]
+    assert sorted(w.rows for w in kinds) == ["packed", "padded"]
+    for w in kinds:
+        w.model = w.make()
+        gc.own_loop(w, "cpu", 4, tmp_path / w.name, True, None)
+        df = nbwatch.open_run(tmp_path / w.name).df
+        data = gc.batches(w, "cpu")
+        for step in df.index[df["tokens/real"].notna()]:
+            b = data[(step - 1) % len(data)]
+            if w.rows == "packed":
+                tokens = b["input_ids"].numel()
+                docs = int((b["position_ids"] == 0).sum())
+            else:
+                tokens = int(b["attention_mask"].sum())
+                docs = len(b["attention_mask"])
+            assert df.loc[step, "tokens/real"] == tokens, (w.name, step)
+            assert df.loc[step, "data/seq_len_mean"] == pytest.approx(tokens / docs), (w.name, step)
+        assert df["tokens/real"].notna().sum() >= 10, w.name

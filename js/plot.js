@@ -202,6 +202,24 @@ export function fitTitle(div, title, size = 11) {
   div.style.minWidth = w === null ? "" : `min(100%, ${Math.ceil(w) + 16}px)`;
 }
 
+// A legend off the data: its row (or rows, as many as its entries wrap to) above the plot
+// area at the right, under the figure's title. Both are placed in the figure (yref
+// "container"): the title at its top, the legend's top TITLE px down. A legend placed so
+// reserves the top margin down to its bottom (plotly), so the plot area starts under it, at
+// any width or number of entries: the title, the legend and the data never cover one another.
+// `height`: the figure's height in px (its div's); `title` may carry `x`/`xanchor` (a title at
+// the left); `margin`: the figure's other margins (its top one is the title's and legend's).
+const TITLE = 20;
+export function legendAbove(title, margin, height) {
+  return {
+    margin: { ...margin, t: 0 },
+    title: { font: { size: 11 }, ...title, yref: "container", y: 1, yanchor: "top", pad: { t: 5 } },
+    showlegend: true,
+    legend: { orientation: "h", x: 1, xanchor: "right", yref: "container", y: 1 - TITLE / Math.max(height || 240, 2 * TITLE),
+      yanchor: "top", font: { size: 10 } },
+  };
+}
+
 export const CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["select2d", "lasso2d"] };
 
 export function el(tag, cls, text) {

@@ -4,7 +4,7 @@
 // log y axis where the norms span more than LOG_SPAN (a spike of 1e3 would flatten the rest),
 // until a click on its "log y" says otherwise.
 import { Series, apply } from "../downsample.js";
-import { baseLayout, COLORS, CONFIG, el, esc, labelMargin, layerColor, panel, zsmooth } from "../plot.js";
+import { baseLayout, COLORS, CONFIG, el, esc, labelMargin, layerColor, legendAbove, panel, zsmooth } from "../plot.js";
 import { blockOf } from "./weights.js";
 
 const TOP = 12; // bars shown before "all layers"
@@ -134,11 +134,10 @@ export function create(root, ctx) {
         { name: "clip threshold", x: cx, y: cy, type: "scatter", mode: "lines",
           line: { color: COLORS.clip, width: 2, dash: "dash" },
           hovertemplate: `${ax.hover()}<br>clip at %{y:.4g}<extra></extra>` },
-      ], baseLayout(t, { margin: { l: 48, r: 8, t: 24, b: 32 }, title: { text: "global norm", font: { size: 11 }, x: 0, xanchor: "left" },
+      ], baseLayout(t, { ...legendAbove({ text: "global norm", x: 0, xanchor: "left" }, { l: 48, r: 8, b: 32 }, line.clientHeight),
         // another scale keeps a zoom on x; one on y (in the other scale's units) starts over
         yaxis: { type: scale, gridcolor: t.grid, zerolinecolor: t.grid, exponentformat: "e",
-          uirevision: `${ax.active()}:${scale}` },
-        showlegend: true, legend: { orientation: "h", x: 1, xanchor: "right", y: 1, yanchor: "bottom", font: { size: 10 } } }), CONFIG);
+          uirevision: `${ax.active()}:${scale}` } }), CONFIG);
     },
   };
 }

@@ -6,7 +6,7 @@
 // the figure's place, never empty axes; under the training batch's lines when only the
 // probe's output figures are missing.
 import { Series, apply } from "../downsample.js";
-import { baseLayout, CONFIG, el, endLabels, escTemplate, esc, layerColor, panel, shortNames } from "../plot.js";
+import { baseLayout, CONFIG, el, endLabels, escTemplate, esc, layerColor, legendAbove, panel, shortNames } from "../plot.js";
 import { onZoom, userY, xWindow } from "../yfit.js";
 
 // What stands in a figure's place when the probe pass did not take it on this model.
@@ -130,8 +130,8 @@ export function create(root, ctx) {
         mode: "lines+markers", yaxis: "y2", marker: { size: 4 }, line: { color: "#e8740c", dash: "dot" },
         hovertemplate: `${t.axis.hover()}<br>max |logit| (probe) %{y:.4g}<extra></extra>` });
       Plotly.react(plots.out, out, baseLayout(t, {
-        margin: { ...m, r: 52 }, title: { text: "output logits: log-partition, max |logit|", font: { size: 11 } },
-        showlegend: true, legend: { orientation: "h", x: 0.01, y: 0.99, xanchor: "left", yanchor: "top", font: { size: 10 }, bgcolor: "rgba(0,0,0,0)" },
+        // the legend above the lines, not over their start (the run's first steps)
+        ...legendAbove({ text: "output logits: log-partition, max |logit|" }, { ...m, r: 52 }, plots.out.clientHeight),
         yaxis: { title: { text: "log Z" }, gridcolor: t.grid },
         yaxis2: { title: { text: "max |logit|" }, overlaying: "y", side: "right", showgrid: false },
       }), CONFIG);

@@ -3,7 +3,7 @@
 // the slowest rank outlined in the warning colour; the straggler alert; per-rank loss and
 // time in nbwatch's exchange over time. One colour per rank throughout.
 import { Series, apply } from "../downsample.js";
-import { baseLayout, CONFIG, el, fmt, panel, rankColor } from "../plot.js";
+import { baseLayout, CONFIG, el, fmt, legendAbove, panel, rankColor } from "../plot.js";
 
 const ms = (v) => (v === null || v === undefined ? null : v * 1000);
 
@@ -109,11 +109,10 @@ export function create(root) {
         line: { color: rankColor(Number(r)), width: 1.2 },
         hovertemplate: `rank ${r}<br>${t.axis.hover()}<br>${label} %{y:${fmtY}}<extra></extra>`,
       }));
-      const legend = { showlegend: true, legend: { orientation: "h", x: 1, xanchor: "right", y: 1.12, font: { size: 10 } } };
-      Plotly.react(loss, over("loss", 1, "loss", ".4f"), baseLayout(t, { margin: m, ...legend,
-        title: { text: "loss per rank", font: { size: 11 } } }), CONFIG);
-      Plotly.react(sync, over("sync", 1000, "exchange", ".2f"), baseLayout(t, { margin: m, ...legend,
-        title: { text: "time in nbwatch's exchange (ms)", font: { size: 11 } },
+      Plotly.react(loss, over("loss", 1, "loss", ".4f"), baseLayout(t, {
+        ...legendAbove({ text: "loss per rank" }, m, loss.clientHeight) }), CONFIG);
+      Plotly.react(sync, over("sync", 1000, "exchange", ".2f"), baseLayout(t, {
+        ...legendAbove({ text: "time in nbwatch's exchange (ms)" }, m, sync.clientHeight),
         yaxis: { gridcolor: t.grid, rangemode: "tozero" } }), CONFIG);
     },
   };

@@ -2,7 +2,7 @@
 // when there is no GPU. Below them the sampler's readings against wall time (a long step
 // holds many samples): utilisation (%) with the step reached, and memory in use (GB).
 import { Series, apply } from "../downsample.js";
-import { baseLayout, CONFIG, el, fmt, panel } from "../plot.js";
+import { baseLayout, CONFIG, el, fmt, legendAbove, panel } from "../plot.js";
 
 function gauge(label, value, max, text) {
   const row = el("div", "nbw-gauge");
@@ -98,7 +98,6 @@ export function create(root) {
       const unit = unitFor(last * tick);
       const scale = tick / unit.div;
       const m = { l: 48, r: 40, t: 28, b: 40 };
-      const legend = { orientation: "h", x: 1, xanchor: "right", y: 1, yanchor: "bottom", font: { size: 10 } };
       const xaxis = { title: { text: `time since the first sample (${unit.name})` }, gridcolor: t.grid, zerolinecolor: t.grid };
       const u = lines("util", scale, unit.name), g = lines("mem", scale, unit.name);
       util.hidden = !u.length;
@@ -111,15 +110,13 @@ export function create(root) {
           hovertemplate: `t %{x:.4g} ${unit.name}<br>step %{y}<extra></extra>`,
         });
         Plotly.react(util, u, baseLayout(t, {
-          margin: m, showlegend: true, legend,
-          title: { text: "utilisation (%), step reached", font: { size: 11 }, x: 0, xanchor: "left" }, xaxis,
+          ...legendAbove({ text: "utilisation (%), step reached", x: 0, xanchor: "left" }, m, util.clientHeight), xaxis,
           yaxis: { range: [0, 105], gridcolor: t.grid, zerolinecolor: t.grid },
           yaxis2: { overlaying: "y", side: "right", showgrid: false, rangemode: "tozero", tickformat: "d" },
         }), CONFIG);
       }
       if (!mem.hidden) Plotly.react(mem, g, baseLayout(t, {
-        margin: m, showlegend: true, legend,
-        title: { text: "memory in use (GB)", font: { size: 11 }, x: 0, xanchor: "left" }, xaxis,
+        ...legendAbove({ text: "memory in use (GB)", x: 0, xanchor: "left" }, m, mem.clientHeight), xaxis,
         yaxis: { rangemode: "tozero", gridcolor: t.grid, zerolinecolor: t.grid },
       }), CONFIG);
     },

@@ -140,7 +140,7 @@ def test_live_a_box_zoom_holds_x_and_y_through_the_refreshes_and_a_double_click_
         boxed = {}
         for name, gd in PLOTS.items():
             before = _ranges(page, gd)
-            # the box over the lower middle: the output logits' legend is at the top
+            # a box over the lower middle of the plot area
             xs = _drag(page, gd, (0.3, 0.45), (0.6, 0.9))
             page.wait_for_function(f"() => {gd}._fullLayout.xaxis.range[1] < 80")
             boxed[name] = _ranges(page, gd)

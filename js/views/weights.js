@@ -9,14 +9,15 @@ const BINS = 64;
 
 // A heat map's columns reach half a gap either side of their x: the first histogram's
 // (step 1, with the next at step 50) would start at step −24. On an axis that starts at 0
-// (steps, seconds since the start, tokens) the x range starts there instead.
-function heatLayout(t, hx, extra) {
+// (steps, seconds since the start, tokens) plotly's autorange is clipped there instead: x
+// stays autoranged, so a zoom of one's own outlives the live redraws (plotly keeps what the
+// user changed while the layout given stays the same: a range given anew at each redraw, as
+// this was, undid the zoom at the next refresh) and a double click gives back the whole run,
+// which then follows the new columns.
+function heatLayout(t, extra) {
   const layout = baseLayout(t, extra);
-  const n = hx.length;
   const wall = t.axis && t.axis.active && t.axis.active() === "wall";
-  if (n > 1 && !wall && hx[0] - (hx[1] - hx[0]) / 2 < 0) {
-    layout.xaxis = { ...layout.xaxis, range: [0, hx[n - 1] + (hx[n - 1] - hx[n - 2]) / 2] };
-  }
+  if (!wall) layout.xaxis = { ...layout.xaxis, autorangeoptions: { clipmin: 0 } };
   return layout;
 }
 
@@ -82,7 +83,7 @@ export function create(root, ctx) {
   search.placeholder = "filter layers…";
   const pick = el("select", "nbw-layer-pick");
   p.head.append(search, pick);
-  const heat = el("div", "nbw-plot nbw-half");
+  const heat = el("div", "nbw-plot nbw-half nbw-weights-heat");
   const ratio = el("div", "nbw-plot nbw-half nbw-weights-ratio");
   p.body.append(heat, ratio);
   let cols = {};       // layer → [{step, edges, counts}]
@@ -158,7 +159,7 @@ export function create(root, ctx) {
       Plotly.react(heat, [{
         type: "heatmap", x: hx, y: h.y, z: h.z, colorscale: "Viridis", showscale: false, zsmooth: zsmooth(hx, h.y),
         hovertemplate: `${t.axis.hover()}<br>weight %{y:.3g}<br>fraction %{z:.3f}<extra></extra>`,
-      }], heatLayout(t, hx, { margin: { l: 52, r: 8, t: 24, b: 32 },
+      }], heatLayout(t, { margin: { l: 52, r: 8, t: 24, b: 32 },
         title: { text: `weight histogram: ${esc(layer || "–")}`, font: { size: 11 } },
         yaxis: { title: { text: "weight" }, gridcolor: t.grid, uirevision: layer } }), CONFIG); // another layer: its own weights' range
       const traces = shownRatios(layers, ratios, layer).map((l) => ({

@@ -1,8 +1,8 @@
 """A zoom of one's own on the figures that set their own y range (the Health panel's four,
-the update ratios beside the weight histogram) while the run is live: a box drawn on both
-axes holds x and y while new steps arrive (y is not refitted to the window), its end labels
-by their lines; a double click gives back the whole run, which then follows the new steps;
-a zoom on y alone holds y while x follows the run."""
+the update ratios beside the weight histogram) and on the weight histogram's heat map while
+the run is live: a box drawn on both axes holds x and y while new steps arrive (y is not
+refitted to the window), its end labels by their lines; a double click gives back the whole
+run, which then follows the new steps; a zoom on y alone holds y while x follows the run."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from nbwatch.records import Scalars
+from nbwatch.records import Histogram, Scalars
 from nbwatch.store import RunStore
 
 from .harness import dashboard_notebook, open_notebook, run_all
@@ -25,13 +25,16 @@ PLOTS = {
     "rms": "document.querySelector('[data-panel=health] .nbw-health-rms')",
     "out": "document.querySelector('[data-panel=health] .nbw-health-out')",
     "ratio": "document.querySelector('[data-panel=weights] .nbw-weights-ratio')",
+    "heat": "document.querySelector('[data-panel=weights] .nbw-weights-heat')",
 }
 MODULES = ("blocks.0.attn", "blocks.1.attn")
 
 
 def _steps(store: RunStore, first: int, last: int) -> None:
     """Health figures and update ratios that climb with the step (a later step is above
-    everything before it: an autorange that follows the run shows it)."""
+    everything before it: an autorange that follows the run shows it), and histograms of the
+    first module's weights at step 1 and every 10th, wider as the run goes (the heat map's y
+    grows; its first column would reach before step 0)."""
     for s in range(first, last + 1):
         up = 1.0 + s / 50 + 0.1 * np.sin(s)
         v = {"loss/train": 3.0 * np.exp(-s / 200), "lr": 1e-3,
@@ -43,6 +46,9 @@ def _steps(store: RunStore, first: int, last: int) -> None:
             v[f"act/rms/blocks.{i}"] = up * (i + 2)
             v[f"update_ratio/{m}"] = 1e-3 * up * (i + 1)
         store.put(Scalars(s, v, wall=1000.0 + s))
+        if s == 1 or s % 10 == 0:
+            store.put(Histogram(s, f"weight/{MODULES[0]}", np.linspace(-up, up, 17),
+                                np.arange(16) % 5 + 1))
     store.flush()
 
 
@@ -170,6 +176,8 @@ def test_live_a_box_zoom_holds_x_and_y_through_the_refreshes_and_a_double_click_
             page.wait_for_function(f"() => {gd}._fullLayout.xaxis.range[1] >= 219",
                                    timeout=30_000)
             _covers(page, gd, name)
+        # the heat map's whole run starts at step 0, not half a column before step 1
+        assert _ranges(page, PLOTS["heat"])["xaxis"][0] == pytest.approx(0, abs=1e-9)
         # a zoom on y alone (a drag up or down): y holds, x goes on following the run
         strip = {}
         for name, gd in PLOTS.items():

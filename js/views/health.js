@@ -117,11 +117,12 @@ export function create(root, ctx) {
       }
       if (!has.out) return;
       const out = [];
-      // every step's training batch: thin lines under the probe's points
-      if (trainZ.x.length) out.push({ name: "log Z, training batch", ...t.axis.line(trainZ.x, trainZ.y), type: "scatter",
+      // every step's training batch: thin lines under the probe's points (named short: the
+      // legend's rows come out of the plot's height, and the probe's entries say so)
+      if (trainZ.x.length) out.push({ name: "log Z", ...t.axis.line(trainZ.x, trainZ.y), type: "scatter",
         mode: "lines", line: { color: "#1f5fa8", width: 1 }, opacity: 0.45,
         hovertemplate: `${t.axis.hover()}<br>log Z (training batch) %{y:.4g}<extra></extra>` });
-      if (trainMax.x.length) out.push({ name: "max |logit|, training batch", ...t.axis.line(trainMax.x, trainMax.y),
+      if (trainMax.x.length) out.push({ name: "max |logit|", ...t.axis.line(trainMax.x, trainMax.y),
         type: "scatter", mode: "lines", yaxis: "y2", line: { color: "#e8740c", width: 1, dash: "dot" }, opacity: 0.45,
         hovertemplate: `${t.axis.hover()}<br>max |logit| (training batch) %{y:.4g}<extra></extra>` });
       if (z.x.length) out.push({ name: "log Z, probe", ...t.axis.line(z.x, z.y), type: "scatter", mode: "lines+markers",

@@ -37,7 +37,7 @@ def test_health_draws_every_steps_logits_under_the_probes(browser, tmp_path):
         drawn = box.locator(".nbw-health-out").evaluate(
             "e => Object.fromEntries(e.data.map("
             "t => [t.name, t.y.filter(Number.isFinite).length]))")
-        assert drawn == {"log Z, training batch": steps, "max |logit|, training batch": steps,
+        assert drawn == {"log Z": steps, "max |logit|": steps,
                          "log Z, probe": 2, "max |logit|, probe": 2}
         assert not box.locator(".nbw-health-none-out").is_visible()  # nothing missing
         assert box.locator(".nbw-health-entropy .main-svg").first.is_visible()

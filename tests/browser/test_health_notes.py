@@ -63,5 +63,5 @@ def test_health_panel_says_why_when_the_probe_is_off(browser, tmp_path):
         box.locator(".nbw-health-out .main-svg").first.wait_for(timeout=30_000)
         assert box.locator(".js-plotly-plot").count() == 1
         names = box.locator(".nbw-health-out").evaluate("e => e.data.map(t => t.name)")
-        assert names == ["log Z, training batch", "max |logit|, training batch"]
+        assert names == ["log Z", "max |logit|"]
         assert not errors, errors

@@ -19,7 +19,12 @@ from torch import nn
 
 from .alerts import health
 from .counts import real
-from .probes.activations import capture_block_rms, capture_outputs, logit_figures
+from .probes.activations import (
+    capture_block_rms,
+    capture_outputs,
+    logit_figures,
+    output_layer,
+)
 from .probes.attention import capture_attention, has_attention
 from .records import Attention
 from .samples import capped_text
@@ -291,18 +296,26 @@ def evaluate(model: nn.Module, spec: Any, step: int, train_loss: float | None,
                             f"the attention probe's forward {guess.what} failed "
                             f"({type(e).__name__}: {str(e)[:200]}); say how the model takes "
                             "the probe batch: " + guess.fix_with("..."))
+            logits, _ = outputs.logits(returned)
             if not maps and out.probe_error is None and not has_attention(target):
-                out.probe_severity = "info"  # a CNN, an MLP, an RNN: nothing went wrong
-                out.probe_error = (
-                    "the attention probe saw no attention weights: the model has no "
-                    "attention layer (no nn.MultiheadAttention, no module named attn or "
-                    "attention); the probe is off for this run")
+                none = ("the attention probe saw no attention weights: the model has no "
+                        "attention layer (no nn.MultiheadAttention, no module named attn or "
+                        "attention)")
+                if rms or (logits is not None and output_layer(target) is not None):
+                    # a state-space LM (Mamba), an RNN LM: its residual stream, its logits
+                    kept = ["the residual stream (act/rms/*)"] if rms else []
+                    kept += ["the output logits (logits/*)"] if logits is not None else []
+                    out.probe_notes["attention"] = (
+                        f"{none}: no attention maps, attn/entropy or attn/max_logit for this "
+                        f"run; the probe pass goes on for {' and '.join(kept)}")
+                else:
+                    out.probe_severity = "info"  # a CNN, an MLP, an RNN: nothing went wrong
+                    out.probe_error = f"{none}; the probe is off for this run"
             elif not maps and out.probe_error is None:
                 out.probe_error = (
                     "the attention probe saw no attention weights (no "
                     "F.scaled_dot_product_attention, nn.MultiheadAttention or attention "
                     "module returning its weights ran); attention maps are off for this run")
-            logits, _ = outputs.logits(returned)
             if logits is None and out.probe_error is None:
                 out.probe_notes["logits"] = _no_logits(spec, guess, target)
             out.values.update(health.figures(

@@ -20,11 +20,12 @@ def build(att: Mapping[str, Any] | None,
     `latest` {key: (step, value)}: each head's largest logit at that probe, for the
     overview. `maps=True` adds each sample's maps as one uint8 [L, H, T, S] block (×255:
     attention rows sum to 1, so 1/255 resolution is what a colour scale shows).
-    `events`: the run's events, among which a probe event saying the probe is off (a model
-    without attention weights) gives the panel its `note`, shown where no map comes."""
+    `events`: the run's events, among which a probe event saying the probe is off, or
+    that the model has no attention (a Mamba's, whose probe goes on for its health),
+    gives the panel its `note`, shown where no map comes."""
     if not att or not att["samples"]:
         note = next((str(e["message"]) for e in events or () if e.get("kind") == "probe"
-                     and not (e.get("data") or {}).get("missing")), None)
+                     and (e.get("data") or {}).get("missing") in (None, "attention")), None)
         return {"note": note} if note else {}
     samples = []
     # one module list for every sample (a sample may lack a module another has)

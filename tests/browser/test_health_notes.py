@@ -39,10 +39,13 @@ def test_health_panel_says_why_the_output_logits_are_missing(browser, tmp_path):
 
 
 def test_health_panel_says_why_when_the_probe_is_off(browser, tmp_path):
-    """A model with no attention: the probe turns off, and the panel's one line says why
-    (not four empty plots, not a missing panel) above the training batch's logits."""
+    """A model with no attention, no blocks and no output layer (a bigram table: its
+    logits are its embedding's rows): the probe turns off, and the panel's one line says
+    why (not four empty plots, not a missing panel) above the training batch's logits.
+    (With an output layer, a Linear onto the vocabulary, the probe stays on for the
+    logits: `tests/test_families_more.py`, Mamba.)"""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 64))
     data = make_batches(6)
 
     def step_fn(m, b):

@@ -1,0 +1,159 @@
+"""More model families, each a tiny real model built from its config (no download) trained
+under the loop its practitioners use: Mamba (no attention at all) in a loop of its own.
+Every figure is checked against one computed by hand from the same model and step: torch's
+norms of the gradients before the clip (global and per layer), the model's own block
+outputs and logits."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+tf = pytest.importorskip("transformers")
+
+import nbwatch  # noqa: E402
+import nbwatch.hf  # noqa: E402
+from nbwatch.panels import Feed  # noqa: E402
+from nbwatch.store import RunReader  # noqa: E402
+from tests.scripts.wide_run import Padded  # noqa: E402
+from tests.test_families import probe_of  # noqa: E402
+
+VOCAB = 64
+TRAINED = ("grad_norm/global", "grad_norm/clipped")
+
+
+def layers_of(model) -> dict[str, list[torch.nn.Parameter]]:
+    """{layer: its trained parameters}: a layer is the module owning a parameter directly
+    (a tied weight belongs to its first owner), named as nbwatch names it."""
+    out: dict[str, list[torch.nn.Parameter]] = {}
+    seen: set[int] = set()
+    for path, mod in model.named_modules():
+        for p in mod.parameters(recurse=False):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.setdefault(path or "(root)", []).append(p)
+    return out
+
+
+def norms_now(layers) -> tuple[float, dict[str, float]]:
+    """torch's global norm of the gradients now, and each layer's."""
+    grads = [p.grad for ps in layers.values() for p in ps if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)), {
+        k: float(torch.nn.utils.get_total_norm([p.grad for p in ps]))
+        for k, ps in layers.items() if all(p.grad is not None for p in ps)}
+
+
+def norms_before_the_clip(trainer) -> list[tuple[float, dict[str, float]]]:
+    """Each step's norms, taken where the Trainer is about to clip (nbwatch measures there
+    too, then calls this)."""
+    got: list[tuple[float, dict[str, float]]] = []
+    clip, layers = trainer._clip_grad_norm, layers_of(trainer.model)
+
+    def measured(model):
+        got.append(norms_now(layers))
+        return clip(model)
+
+    trainer._clip_grad_norm = measured
+    return got
+
+
+def assert_norms(df, hand) -> None:
+    assert list(df.dropna(subset=["grad_norm/global"]).index) == list(range(1, len(hand) + 1))
+    for step, (total, layers) in enumerate(hand, 1):
+        assert df.loc[step, "grad_norm/global"] == pytest.approx(total, rel=1e-5)
+        recorded = {c for c in df if c.startswith("grad_norm/") and c not in TRAINED
+                    and np.isfinite(df.loc[step, c])}
+        assert recorded == {f"grad_norm/{k}" for k in layers}, step
+        for k, v in layers.items():
+            assert df.loc[step, f"grad_norm/{k}"] == pytest.approx(v, rel=1e-5, abs=1e-12)
+
+
+def eager_copy(model):
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("eager")
+    return ref.eval()
+
+
+def probe_events(run):
+    return run.events.query("kind == 'probe'")
+
+
+# -- Mamba: no attention at all, in a loop of its own -------------------------------------
+
+
+def tiny_mamba():
+    torch.manual_seed(0)
+    return tf.MambaForCausalLM(tf.MambaConfig(
+        vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2,
+        conv_kernel=4, pad_token_id=0))
+
+
+@pytest.fixture(scope="module")
+def mamba_run(tmp_path_factory):
+    """8 steps with `log(loss, batch=)`, a val every 2 (so a probe pass each), and what
+    the model gives at each of those evals by hand: its blocks' output RMS on the probe
+    samples, the mean log Z and max |logit| of its logits there."""
+    run_dir = tmp_path_factory.mktemp("mamba") / "run"
+    model = tiny_mamba()
+    data = Padded(32, 0, vocab=VOCAB, T=16, shortest=6)
+    batches = [probe_of(torch.utils.data.Subset(data, range(i, i + 4)), 4)
+               for i in range(0, 32, 4)]
+    probe = probe_of(Padded(2, 1, vocab=VOCAB, T=16, shortest=6))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    layers, hand, evals = layers_of(model), [], {}
+    blocks = [f"backbone.layers.{i}" for i in (0, 1)]
+    with nbwatch.Monitor(model, opt, run_dir=run_dir, probe_batch=probe,
+                         display=False) as mon:
+        for step, batch in enumerate(batches, 1):
+            loss = model(**batch).loss
+            loss.backward()
+            hand.append(norms_now(layers))
+            opt.step()
+            opt.zero_grad()
+            if step % 2 == 0:  # the weights the probe pass in log() sees
+                outs: dict[str, torch.Tensor] = {}
+                hooks = [model.get_submodule(b).register_forward_hook(
+                    lambda m, a, o, b=b, outs=outs: outs.__setitem__(b, o)) for b in blocks]
+                model.eval()
+                with torch.no_grad():
+                    logits = model(**probe).logits.float()
+                model.train()
+                for h in hooks:
+                    h.remove()
+                evals[step] = {f"act/rms/{b}": float(outs[b].pow(2).mean().sqrt())
+                               for b in blocks}
+                evals[step]["logits/z_mean"] = float(torch.logsumexp(logits, -1).mean())
+                evals[step]["logits/max_abs"] = float(logits.abs().max())
+            mon.log(loss=loss, batch=batch, val=loss.item() if step % 2 == 0 else None)
+    assert mon.state == "finished"
+    return model, nbwatch.open_run(run_dir), hand, evals
+
+
+def test_mamba_keeps_its_residual_stream_and_logits_figures_at_every_eval(mamba_run):
+    """No attention anywhere: said once (info), no maps; the probe pass still takes the
+    blocks' RMS and the output logits at every eval (it was switched off at the first,
+    leaving one point of each), each equal to the model's own at that step."""
+    model, run, hand, evals = mamba_run
+    df = run.df
+    assert_norms(df, hand)
+    for key in evals[2]:
+        assert list(df[key].dropna().index) == sorted(evals), key
+        for step, figures in evals.items():
+            assert df.loc[step, key] == pytest.approx(figures[key], rel=1e-5), (key, step)
+    said = probe_events(run)
+    assert len(said) == 1 and said.severity.iloc[0] == "info"
+    msg = said.message.iloc[0]
+    assert "no attention layer" in msg and "act/rms" in msg and "logits/" in msg
+    assert run.attention() == {} and not [c for c in df if c.startswith("attn/")]
+    # the Attention panel says why it has no map; the Health panel draws the blocks' RMS
+    # and the probe's logits beside its note (not the one line of a probe switched off)
+    feed = Feed(RunReader(run.run_dir))
+    while feed.update() is not None and feed.more:
+        pass
+    panels = feed.full()
+    assert panels["attention"] == {"note": msg}
+    assert panels["health"]["notes"] == {"attention": msg}
+    assert {"rms", "z", "max_abs", "train_z"} <= set(panels["health"])

@@ -2,7 +2,7 @@
 under the loop its practitioners use: Mamba (no attention at all) in a loop of its own.
 Every figure is checked against one computed by hand from the same model and step: torch's
 norms of the gradients before the clip (global and per layer), the model's own block
-outputs and logits."""
+outputs and logits, the parameter counts behind TFLOP/s."""
 
 from __future__ import annotations
 
@@ -157,3 +157,16 @@ def test_mamba_keeps_its_residual_stream_and_logits_figures_at_every_eval(mamba_
     assert panels["attention"] == {"note": msg}
     assert panels["health"]["notes"] == {"attention": msg}
     assert {"rms", "z", "max_abs", "train_z"} <= set(panels["health"])
+
+
+def test_mamba_tflops_count_no_attention_term(mamba_run):
+    """TFLOP/s per token is 6·N: every parameter a token's matmuls use (the embedding is
+    the tied LM head), and no 12·L·T·d for an attention Mamba has not (it was counted from
+    the config's layers: 6,144 of 39,072 FLOPs a token here)."""
+    model, run, _, _ = mamba_run
+    df = run.df.dropna(subset=["throughput/tflops"])
+    assert list(df.index) == [3, 5, 7]  # a step with a val, and step 1, have no rates
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    n = sum(p.numel() for p in model.parameters())
+    per_token = df["throughput/tflops"] * 1e12 / df["throughput/tokens_per_s"]
+    assert per_token.tolist() == pytest.approx([6.0 * n] * len(df), rel=1e-5)

@@ -108,9 +108,12 @@ def model_shape(model: object, experts: Any = None) -> tuple[int, int, int, int 
     to the output layer), a routed expert's k/E times (`experts.find_experts`: top-k of E
     experts). A Hugging Face config gives layers, width and context; other
     models: the attention modules (outermost), the first embedding's width and a `ctx`
-    attribute. layers or d_model 0 where they cannot be told: 6·N alone."""
+    attribute. layers or d_model 0 where they cannot be told: 6·N alone; layers 0 for a
+    model with no attention (a state-space model, Mamba: its config's `num_hidden_layers`
+    count mixers that have no QKᵀ or AV to add)."""
     from torch import nn
 
+    from .attention import has_attention
     from .experts import find_experts
     from .paths import unwrapped
 
@@ -144,6 +147,8 @@ def model_shape(model: object, experts: Any = None) -> tuple[int, int, int, int 
     own_ctx: object = getattr(model, "ctx", None)
     if ctx is None and isinstance(own_ctx, int):
         ctx = own_ctx
+    if layers and not has_attention(model):
+        layers = 0
     return n, layers, d, ctx
 
 

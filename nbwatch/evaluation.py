@@ -217,14 +217,25 @@ def _guess(spec: Any, model: nn.Module) -> GuessedForward | None:
     return None
 
 
-def _no_logits(spec: Any, guess: GuessedForward | None, model: nn.Module) -> str:
-    """The probe event of a pass that found no output logits: why, and the line to add."""
+def _no_logits(spec: Any, guess: GuessedForward | None, model: nn.Module,
+               own: Any = None) -> str:
+    """The probe event of a pass that found no output logits: why, and the line to add;
+    `own`: what the model itself returned. A Hugging Face model with no output layer onto
+    a vocabulary whose output holds no `logits` (CLIP's `CLIPOutput`, a bare encoder's)
+    has no LM logits to give: said, with no line to add (`.logits` would raise)."""
+    off = ("logits/z_mean, logits/max_abs and the output_logit_drift rule are off for this "
+           "run")
+    hf = any(callable(getattr(m, "get_output_embeddings", None)) for m in model.modules())
+    if hf and isinstance(own, Mapping) and "logits" not in own and output_layer(model) is None:
+        fields = ", ".join(str(k) for k in own) or "nothing"
+        return ("the probe pass found no output logits: the model has no language-model "
+                "head (no output layer onto a vocabulary) and its output, "
+                f"{type(own).__name__} ({fields}), has no `logits`, so {off} (they watch a "
+                "language model's logits over its vocabulary; nothing to add)")
     msg = ("the probe pass found no output logits (not in what its forward returned, nor in "
            "the model's output, nor at an output layer: get_output_embeddings(), lm_head or "
-           "a Linear onto the vocabulary), so logits/z_mean, logits/max_abs and the "
-           "output_logit_drift rule are off for this run: ")
+           f"a Linear onto the vocabulary), so {off}: ")
     call = guess.what if guess is not None else "model(**batch)"
-    hf = any(callable(getattr(m, "get_output_embeddings", None)) for m in model.modules())
     body = f"{call}.logits" if hf else f"<the logits of {call}>"
     if guess is not None:
         return msg + guess.fix_with(body)
@@ -317,7 +328,7 @@ def evaluate(model: nn.Module, spec: Any, step: int, train_loss: float | None,
                     "F.scaled_dot_product_attention, nn.MultiheadAttention or attention "
                     "module returning its weights ran); attention maps are off for this run")
             if logits is None and out.probe_error is None:
-                out.probe_notes["logits"] = _no_logits(spec, guess, target)
+                out.probe_notes["logits"] = _no_logits(spec, guess, target, outputs.model)
             out.values.update(health.figures(
                 maps.entropy, maps.max_logit, rms,
                 logit_figures(logits) if logits is not None else {}))

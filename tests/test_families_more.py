@@ -1,8 +1,9 @@
 """More model families, each a tiny real model built from its config (no download) trained
-under the loop its practitioners use: Mamba (no attention at all) in a loop of its own.
+under the loop its practitioners use: Mamba (no attention at all) in a loop of its own,
+CLIP (two towers, a contrastive loss, no LM head) under the Trainer.
 Every figure is checked against one computed by hand from the same model and step: torch's
 norms of the gradients before the clip (global and per layer), the model's own block
-outputs and logits, the parameter counts behind TFLOP/s."""
+outputs, attention weights and logits, the parameter counts behind TFLOP/s."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import nbwatch.hf  # noqa: E402
 from nbwatch.panels import Feed  # noqa: E402
 from nbwatch.store import RunReader  # noqa: E402
 from tests.scripts.wide_run import Padded  # noqa: E402
-from tests.test_families import probe_of  # noqa: E402
+from tests.test_families import make_trainer, probe_of, trainer_log  # noqa: E402
 
 VOCAB = 64
 TRAINED = ("grad_norm/global", "grad_norm/clipped")
@@ -170,3 +171,85 @@ def test_mamba_tflops_count_no_attention_term(mamba_run):
     n = sum(p.numel() for p in model.parameters())
     per_token = df["throughput/tflops"] * 1e12 / df["throughput/tokens_per_s"]
     assert per_token.tolist() == pytest.approx([6.0 * n] * len(df), rel=1e-5)
+
+
+# -- CLIP: two towers, a contrastive loss, no LM head, under the Trainer ------------------
+
+
+class ImageText(torch.utils.data.Dataset):
+    """Captions of 4 to 10 tokens (EOS last, right-padded to 10) and 16×16 images."""
+
+    def __init__(self, n: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.items = []
+        for _ in range(n):
+            length = int(torch.randint(4, 11, (1,), generator=g))
+            ids = torch.zeros(10, dtype=torch.long)
+            ids[:length] = torch.randint(3, VOCAB, (length,), generator=g)
+            ids[length - 1] = 2
+            self.items.append({"input_ids": ids, "attention_mask": (ids != 0).long(),
+                               "pixel_values": torch.randn(3, 16, 16, generator=g)})
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def with_loss(items):  # CLIP returns its loss only when asked
+    return {**{k: torch.stack([it[k] for it in items]) for k in items[0]}, "return_loss": True}
+
+
+def test_clip_two_towers_under_the_trainer(tmp_path):
+    """Both towers' maps equal the model's own (the text's causal, its padding unseen);
+    norms by hand, `logit_scale` a layer of its own (the root's); no logits figures (its
+    `logits_per_image` score images against captions, no vocabulary), and the probe event
+    says so without the `probe_fn=... .logits` line it gave, which raised AttributeError
+    at the next eval and failed the run."""
+    torch.manual_seed(0)
+    model = tf.CLIPModel(tf.CLIPConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=2,
+                         max_position_embeddings=16, eos_token_id=2, pad_token_id=0),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=16, patch_size=8),
+        projection_dim=8, attn_implementation="sdpa"))
+    val = ImageText(4, 1)
+    trainer = make_trainer(tmp_path / "out", model, ImageText(24, 0), val)
+    trainer.data_collator = with_loss
+    hand = norms_before_the_clip(trainer)
+    run = nbwatch.hf.start(trainer, run_dir=tmp_path / "run", display=False)
+    run.wait()
+    assert run.state == "finished" and run.step == 6
+    run = nbwatch.open_run(tmp_path / "run")
+    df = run.df
+    assert_norms(df, hand)
+    assert "grad_norm/(root)" in df  # logit_scale
+    for key, ours in (("loss", "loss/train"), ("grad_norm", "grad_norm/global")):
+        assert df[ours].tolist() == pytest.approx(list(trainer_log(trainer, key).values()))
+
+    probe = probe_of(val)
+    with torch.no_grad():
+        out = eager_copy(model)(**probe, output_attentions=True)
+    for sample, real in enumerate(probe["attention_mask"].sum(-1).tolist()):
+        maps = run.attention(step=6, sample=sample)
+        assert len(maps) == 4
+        for i in (0, 1):
+            text = maps[f"text_model.encoder.layers.{i}.self_attn"]
+            np.testing.assert_allclose(text, out.text_model_output.attentions[i][sample],
+                                       rtol=1e-3, atol=1e-4)
+            assert np.abs(np.triu(text, 1)).max() == 0.0
+            assert np.abs(text[:, :, real:]).max(initial=0.0) == 0.0
+            vision = maps[f"vision_model.encoder.layers.{i}.self_attn"]
+            assert vision.shape == (2, 5, 5)  # 4 patches and the class token
+            np.testing.assert_allclose(vision, out.vision_model_output.attentions[i][sample],
+                                       rtol=1e-3, atol=1e-4)
+
+    assert not [c for c in df if c.startswith(("logits/", "train_logits/"))]
+    said = probe_events(run)
+    assert len(said) == 1 and said.severity.iloc[0] == "info"
+    msg = said.message.iloc[0]
+    assert "CLIPOutput" in msg and "logits_per_image" in msg and "probe_fn" not in msg
+    with pytest.raises(AttributeError):
+        model(**probe).logits  # noqa: B018  # the line the event used to give

@@ -206,7 +206,8 @@ def test_clip_two_towers_under_the_trainer(tmp_path):
     norms by hand, `logit_scale` a layer of its own (the root's); no logits figures (its
     `logits_per_image` score images against captions, no vocabulary), and the probe event
     says so without the `probe_fn=... .logits` line it gave, which raised AttributeError
-    at the next eval and failed the run."""
+    at the next eval and failed the run; TFLOP/s count every weight for every caption
+    token, and the run says once that this is an estimate."""
     torch.manual_seed(0)
     model = tf.CLIPModel(tf.CLIPConfig(
         text_config=dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
@@ -253,3 +254,13 @@ def test_clip_two_towers_under_the_trainer(tmp_path):
     assert "CLIPOutput" in msg and "logits_per_image" in msg and "probe_fn" not in msg
     with pytest.raises(AttributeError):
         model(**probe).logits  # noqa: B018  # the line the event used to give
+    notes = run.events.query("kind == 'state'").message
+    assert notes.str.contains("vision tower").sum() == 1
+    # every parameter but the looked-up tables (tokens, both towers' positions), per
+    # caption token, and 12·L·T·d over its 4 attention layers, T the padded caption
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    n = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
+    rates = df.dropna(subset=["throughput/tflops"])
+    per_token = 6 * n + 12 * 4 * 10 * 16
+    assert (rates["throughput/tflops"] * 1e12 / rates["throughput/tokens_per_s"]).tolist() \
+        == pytest.approx([per_token] * len(rates), rel=1e-5)

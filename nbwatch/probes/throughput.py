@@ -173,6 +173,21 @@ ENCODER_DECODER = (
     "weights see the source's tokens and the decoder's the target's; close where the two "
     "are alike in length (translation), too high (up to 2x) where the source is the longer "
     "(summarisation), too low where the target is")
+VISION_TEXT = (
+    "throughput/tflops and MFU of a model with a vision tower beside its text (CLIP, SigLIP, "
+    "a vision-language model) are estimates: they count every weight for every token of "
+    "tokens/s (the batch's text tokens), where the vision tower's weights see each image's "
+    "patches instead; too low where an image has more patches than its text has tokens "
+    "(CLIP ViT-B/16: 197 patches against a caption's ~20 tokens, about 6x), too high where "
+    "the text is the longer")
+
+
+def has_vision_tower(model: Any) -> bool:
+    """A Hugging Face model (or one a module holds) whose config has both a vision and a
+    text part: CLIP's and SigLIP's two towers, a vision-language model's encoder."""
+    return any(getattr(cfg, "vision_config", None) is not None
+               and getattr(cfg, "text_config", None) is not None
+               for cfg in (getattr(m, "config", None) for m in model.modules()))
 
 
 class Mfu:
@@ -214,6 +229,8 @@ class Mfu:
         out.notes = [unknown_note(experts.unknown)] if experts.unknown else []
         if is_encoder_decoder(model):
             out.notes.append(ENCODER_DECODER)
+        if has_vision_tower(model):
+            out.notes.append(VISION_TEXT)
         return out
 
     def seq_len(self, values: dict[str, float]) -> float:

@@ -1,6 +1,8 @@
 """More model families, each a tiny real model built from its config (no download) trained
-under the loop its practitioners use: Mamba (no attention at all) in a loop of its own,
-CLIP (two towers, a contrastive loss, no LM head) under the Trainer.
+under the loop its practitioners use: Mamba (no attention at all) in a loop of its own;
+under the Trainer, CLIP (two towers, a contrastive loss, no LM head), Whisper (speech
+features in, no input_ids), Qwen2-MoE (routed and shared experts) and ModernBERT (global
+and sliding-window layers, sparse prediction).
 Every figure is checked against one computed by hand from the same model and step: torch's
 norms of the gradients before the clip (global and per layer), the model's own block
 outputs, attention weights and logits, the parameter counts behind TFLOP/s."""
@@ -8,6 +10,7 @@ outputs, attention weights and logits, the parameter counts behind TFLOP/s."""
 from __future__ import annotations
 
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -23,7 +26,7 @@ from tests.scripts.wide_run import Padded  # noqa: E402
 from tests.test_families import make_trainer, probe_of, trainer_log  # noqa: E402
 
 VOCAB = 64
-TRAINED = ("grad_norm/global", "grad_norm/clipped")
+NOT_LAYERS = ("grad_norm/global", "grad_norm/clipped")
 
 
 def layers_of(model) -> dict[str, list[torch.nn.Parameter]]:
@@ -65,7 +68,7 @@ def assert_norms(df, hand) -> None:
     assert list(df.dropna(subset=["grad_norm/global"]).index) == list(range(1, len(hand) + 1))
     for step, (total, layers) in enumerate(hand, 1):
         assert df.loc[step, "grad_norm/global"] == pytest.approx(total, rel=1e-5)
-        recorded = {c for c in df if c.startswith("grad_norm/") and c not in TRAINED
+        recorded = {c for c in df if c.startswith("grad_norm/") and c not in NOT_LAYERS
                     and np.isfinite(df.loc[step, c])}
         assert recorded == {f"grad_norm/{k}" for k in layers}, step
         for k, v in layers.items():
@@ -78,18 +81,17 @@ def eager_copy(model):
     return ref.eval()
 
 
-def probe_events(run):
-    return run.events.query("kind == 'probe'")
+class Items(torch.utils.data.Dataset):
+    items: list[dict]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
 
 
 # -- Mamba: no attention at all, in a loop of its own -------------------------------------
-
-
-def tiny_mamba():
-    torch.manual_seed(0)
-    return tf.MambaForCausalLM(tf.MambaConfig(
-        vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2,
-        conv_kernel=4, pad_token_id=0))
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +100,10 @@ def mamba_run(tmp_path_factory):
     the model gives at each of those evals by hand: its blocks' output RMS on the probe
     samples, the mean log Z and max |logit| of its logits there."""
     run_dir = tmp_path_factory.mktemp("mamba") / "run"
-    model = tiny_mamba()
+    torch.manual_seed(0)
+    model = tf.MambaForCausalLM(tf.MambaConfig(
+        vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2,
+        conv_kernel=4, pad_token_id=0))
     data = Padded(32, 0, vocab=VOCAB, T=16, shortest=6)
     batches = [probe_of(torch.utils.data.Subset(data, range(i, i + 4)), 4)
                for i in range(0, 32, 4)]
@@ -144,7 +149,7 @@ def test_mamba_keeps_its_residual_stream_and_logits_figures_at_every_eval(mamba_
         assert list(df[key].dropna().index) == sorted(evals), key
         for step, figures in evals.items():
             assert df.loc[step, key] == pytest.approx(figures[key], rel=1e-5), (key, step)
-    said = probe_events(run)
+    said = run.events.query("kind == 'probe'")
     assert len(said) == 1 and said.severity.iloc[0] == "info"
     msg = said.message.iloc[0]
     assert "no attention layer" in msg and "act/rms" in msg and "logits/" in msg
@@ -176,7 +181,7 @@ def test_mamba_tflops_count_no_attention_term(mamba_run):
 # -- CLIP: two towers, a contrastive loss, no LM head, under the Trainer ------------------
 
 
-class ImageText(torch.utils.data.Dataset):
+class ImageText(Items):
     """Captions of 4 to 10 tokens (EOS last, right-padded to 10) and 16×16 images."""
 
     def __init__(self, n: int, seed: int):
@@ -189,12 +194,6 @@ class ImageText(torch.utils.data.Dataset):
             ids[length - 1] = 2
             self.items.append({"input_ids": ids, "attention_mask": (ids != 0).long(),
                                "pixel_values": torch.randn(3, 16, 16, generator=g)})
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
 
 
 def with_loss(items):  # CLIP returns its loss only when asked
@@ -248,7 +247,7 @@ def test_clip_two_towers_under_the_trainer(tmp_path):
                                        rtol=1e-3, atol=1e-4)
 
     assert not [c for c in df if c.startswith(("logits/", "train_logits/"))]
-    said = probe_events(run)
+    said = run.events.query("kind == 'probe'")
     assert len(said) == 1 and said.severity.iloc[0] == "info"
     msg = said.message.iloc[0]
     assert "CLIPOutput" in msg and "logits_per_image" in msg and "probe_fn" not in msg
@@ -264,3 +263,179 @@ def test_clip_two_towers_under_the_trainer(tmp_path):
     per_token = 6 * n + 12 * 4 * 10 * 16
     assert (rates["throughput/tflops"] * 1e12 / rates["throughput/tokens_per_s"]).tolist() \
         == pytest.approx([per_token] * len(rates), rel=1e-5)
+
+
+# -- Whisper, Qwen2-MoE and ModernBERT under the Trainer: what users rely on, pinned -------
+
+
+def training_forwards(model) -> list[tuple[torch.Tensor, dict]]:
+    """(the output layer's logits, the model's keyword inputs) of each training forward."""
+    seen: list[tuple[torch.Tensor, dict]] = []
+    inputs: dict = {}
+
+    def on_model(mod, args, kwargs):
+        inputs.clear()
+        inputs.update(kwargs)
+
+    def on_head(mod, args, out):
+        if mod.training and torch.is_grad_enabled():
+            seen.append((out.detach().float().clone(), dict(inputs)))
+
+    model.register_forward_pre_hook(on_model, with_kwargs=True)
+    model.get_output_embeddings().register_forward_hook(on_head)
+    return seen
+
+
+def log_z(logits, real=None) -> tuple[float, float]:
+    """Mean log Σ exp and max |logit| over the rows (64 or fewer: all) of the real ones."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    if real is not None:
+        rows = rows[real.reshape(-1).bool()]
+    return float(torch.logsumexp(rows, -1).mean()), float(rows.abs().max())
+
+
+def assert_logits_by_hand(df, forwards, real_of) -> None:
+    for step, (logits, inputs) in enumerate(forwards, 1):
+        z, top = log_z(logits, real_of(inputs))
+        assert df.loc[step, "train_logits/log_z"] == pytest.approx(z, rel=1e-5)
+        assert df.loc[step, "train_logits/max_abs"] == pytest.approx(top, rel=1e-5)
+
+
+def run_under_trainer(tmp_path, model, train, val):
+    trainer = make_trainer(tmp_path / "out", model, train, val)
+    hand, forwards = norms_before_the_clip(trainer), training_forwards(model)
+    handle = nbwatch.hf.start(trainer, run_dir=tmp_path / "run", display=False)
+    handle.wait()
+    assert handle.state == "finished" and handle.step == 6
+    run = nbwatch.open_run(tmp_path / "run")
+    df = run.df
+    assert_norms(df, hand)
+    for key, ours in (("loss", "loss/train"), ("learning_rate", "lr")):
+        assert df[ours].tolist() == pytest.approx(list(trainer_log(trainer, key).values()))
+    assert list(run.events.kind) == ["state"] * len(run.events)  # nothing warned, alerted
+    logged = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").open()]
+    assert logged and {line["level"] for line in logged} == {"info"}
+    return run, df, forwards
+
+
+class Speech(Items):
+    """8 mel bins × 20 frames of noise, and 3 to 8 target tokens (-100 after them)."""
+
+    def __init__(self, n: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.items = []
+        for _ in range(n):
+            labels = torch.randint(3, VOCAB, (8,), generator=g)
+            labels[int(torch.randint(3, 9, (1,), generator=g)):] = -100
+            self.items.append({"input_features": torch.randn(8, 20, generator=g),
+                               "labels": labels})
+
+
+def test_whisper_under_the_trainer(tmp_path):
+    """Features in, no input_ids: norms, LR and loss as by hand and the Trainer's; log Z of
+    the decoder's logits over the target's real tokens; samples/s from input_features;
+    encoder self (frames after the stride-2 conv), causal decoder self
+    and decoder × encoder cross maps, each the model's own."""
+    torch.manual_seed(0)
+    model = tf.WhisperForConditionalGeneration(tf.WhisperConfig(
+        vocab_size=VOCAB, num_mel_bins=8, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=2, decoder_attention_heads=2, d_model=16,
+        encoder_ffn_dim=32, decoder_ffn_dim=32, max_source_positions=10,
+        max_target_positions=16, decoder_start_token_id=1, pad_token_id=0, eos_token_id=2))
+    val = Speech(4, 1)
+    run, df, forwards = run_under_trainer(tmp_path, model, Speech(24, 0), val)
+    assert_logits_by_hand(df, forwards, lambda inputs: inputs["labels"] != -100)
+    assert df["throughput/samples_per_s"].tolist() == pytest.approx(
+        (4 / df["time/step"]).tolist(), rel=1e-5)
+
+    with torch.no_grad():
+        out = eager_copy(model)(**probe_of(val), output_attentions=True)
+    for sample in (0, 1):
+        maps = run.attention(step=6, sample=sample)
+        for i in (0, 1):
+            for name, theirs, shape in (
+                    (f"model.encoder.layers.{i}.self_attn", out.encoder_attentions, (10, 10)),
+                    (f"model.decoder.layers.{i}.self_attn", out.decoder_attentions, (8, 8)),
+                    (f"model.decoder.layers.{i}.encoder_attn", out.cross_attentions, (8, 10))):
+                assert maps[name].shape == (2, *shape)
+                np.testing.assert_allclose(maps[name], theirs[i][sample], rtol=1e-3, atol=1e-4)
+            assert np.abs(np.triu(maps[f"model.decoder.layers.{i}.self_attn"], 1)).max() == 0
+
+
+def test_qwen2_moe_routed_and_shared_experts_under_the_trainer(tmp_path):
+    """Transformers 5's fused experts are one layer a block (`mlp.experts`), beside the
+    router (`mlp.gate`), the shared expert and its gate; the loss is the Trainer's (the
+    router's aux loss in it); TFLOP/s count a routed expert's weights k/E = 2/4 times and
+    the shared expert's whole; maps of the 2 query heads over 1 key/value head, the
+    model's own."""
+    torch.manual_seed(0)
+    model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+        shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        max_position_embeddings=32, output_router_logits=True, router_aux_loss_coef=0.01,
+        attn_implementation="sdpa"))
+    val = Padded(4, 1, vocab=VOCAB, T=16, shortest=6)
+    run, df, forwards = run_under_trainer(
+        tmp_path, model, Padded(24, 0, vocab=VOCAB, T=16, shortest=6), val)
+    assert {f"grad_norm/model.layers.{i}.mlp.{m}" for i in (0, 1) for m in (
+        "experts", "gate", "shared_expert.up_proj", "shared_expert_gate")} <= set(df)
+    assert_logits_by_hand(df, forwards, lambda inputs: inputs["attention_mask"])
+    active = sum(p.numel() * (2 / 4 if ".mlp.experts." in n else 1)
+                 for n, p in model.named_parameters() if "embed_tokens" not in n)
+    per_token = 6 * active + 12 * 2 * 16 * 16  # 2 layers, every row padded to T = 16, d 16
+    assert (df["throughput/tflops"] * 1e12 / df["throughput/tokens_per_s"]).tolist() \
+        == pytest.approx([per_token] * 6, rel=1e-5)
+
+    with torch.no_grad():
+        out = eager_copy(model)(**probe_of(val), output_attentions=True)
+    for sample in (0, 1):
+        maps = run.attention(step=6, sample=sample)
+        for i in (0, 1):
+            np.testing.assert_allclose(maps[f"model.layers.{i}.self_attn"],
+                                       out.attentions[i][sample], rtol=1e-3, atol=1e-4)
+
+
+class Masked(Items):
+    """`Padded`'s sequences with ~30% of their real tokens (the first always) masked to 1,
+    labels there only."""
+
+    def __init__(self, n: int, seed: int):
+        g = torch.Generator().manual_seed(seed + 7)
+        self.items = []
+        for it in Padded(n, seed, vocab=VOCAB, T=16, shortest=6).items:
+            ids, mask = it["input_ids"], it["attention_mask"]
+            pick = (torch.rand(16, generator=g) < 0.3) & (mask == 1)
+            pick[0] = True
+            self.items.append({"input_ids": ids.masked_fill(pick, 1), "attention_mask": mask,
+                               "labels": ids.masked_fill(~pick, -100)})
+
+
+def test_modernbert_local_and_global_layers_under_the_trainer(tmp_path):
+    """Layer 0 global, 1 and 2 a sliding window of 4 (2 tokens each way): the maps equal
+    the model's own on every real query, and give no weight beyond the window or to
+    padding; its sparse prediction runs the head on the masked tokens alone ([N, V]
+    logits), whose log Z is the step's."""
+    torch.manual_seed(0)
+    model = tf.ModernBertForMaskedLM(tf.ModernBertConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=2, max_position_embeddings=32, global_attn_every_n_layers=3,
+        local_attention=4, pad_token_id=0, sparse_prediction=True, attn_implementation="sdpa"))
+    val = Masked(4, 1)
+    run, df, forwards = run_under_trainer(tmp_path, model, Masked(24, 0), val)
+    assert all(logits.dim() == 2 for logits, _ in forwards)
+    assert_logits_by_hand(df, forwards, lambda inputs: None)
+
+    probe = probe_of(val)
+    with torch.no_grad():
+        out = eager_copy(model)(**probe, output_attentions=True)
+    q, k = np.indices((16, 16))
+    for sample, real in enumerate(probe["attention_mask"].sum(-1).tolist()):
+        maps = run.attention(step=6, sample=sample)
+        for i in (0, 1, 2):
+            w = maps[f"model.layers.{i}.attn"][:, :real]  # a padded query's row is no map
+            np.testing.assert_allclose(w, out.attentions[i][sample][:, :real],
+                                       rtol=1e-3, atol=1e-4)
+            assert np.abs(w[:, :, real:]).max(initial=0.0) == 0.0
+            outside = (np.abs(q - k) > 2)[:real]
+            assert (np.abs(w[:, outside]).max() == 0.0) == (i > 0)

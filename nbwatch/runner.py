@@ -244,8 +244,11 @@ class Runner:
             if isinstance(raw, dict):
                 with rec.own:  # the step_fn's own scalars, kept for the record
                     _extras(raw, m.extras)
-            if i == 0:  # the first micro-batch's: a cost that does not grow with them
-                self._logit_figures(m, raw, out.mask)
+            if i == 0:  # the first micro-batch's: a cost that does not grow with them; a
+                # bare loss's (the output layer's logits) weighed by the batch's
+                # attention_mask, as the Trainer's and log(batch=)'s are
+                self._logit_figures(m, raw, out.mask if out.mask is not None or self._enc_dec
+                                    else input_mask(batch))
             # the tokens read, not only those the loss weighs (a prompt's, a shifted row's);
             # an encoder-decoder's are its source's, as the adapters', never the step's mask
             # (its target's): attention_mask, else every input_ids token

@@ -81,17 +81,72 @@ def eager_copy(model):
     return ref.eval()
 
 
-class Items(torch.utils.data.Dataset):
-    items: list[dict]
+def training_forwards(model) -> list[tuple[torch.Tensor, dict]]:
+    """(the output layer's logits, the model's keyword inputs) of each training forward."""
+    seen: list[tuple[torch.Tensor, dict]] = []
+    inputs: dict = {}
 
-    def __len__(self):
-        return len(self.items)
+    def on_model(mod, args, kwargs):
+        inputs.clear()
+        inputs.update(kwargs)
 
-    def __getitem__(self, i):
-        return self.items[i]
+    def on_head(mod, args, out):
+        if mod.training and torch.is_grad_enabled():
+            seen.append((out.detach().float().clone(), dict(inputs)))
+
+    if model.get_output_embeddings() is not None:
+        model.register_forward_pre_hook(on_model, with_kwargs=True)
+        model.get_output_embeddings().register_forward_hook(on_head)
+    return seen
+
+
+def log_z(logits, real=None) -> tuple[float, float]:
+    """Mean log Σ exp and max |logit| over the rows (64 or fewer: all) of the real ones."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    if real is not None:
+        rows = rows[real.reshape(-1).bool()]
+    return float(torch.logsumexp(rows, -1).mean()), float(rows.abs().max())
+
+
+def assert_logits_by_hand(df, forwards, real_of, first: int = 1) -> None:
+    for step, (logits, inputs) in list(enumerate(forwards, 1))[first - 1:]:
+        z, top = log_z(logits, real_of(inputs))
+        assert df.loc[step, "train_logits/log_z"] == pytest.approx(z, rel=1e-5)
+        assert df.loc[step, "train_logits/max_abs"] == pytest.approx(top, rel=1e-5)
+
+
+def run_under_trainer(tmp_path, model, train, val, collator=None):
+    """6 steps, an eval at the last; the norms, loss and LR checked; nothing warned."""
+    trainer = make_trainer(tmp_path / "out", model, train, val)
+    trainer.data_collator = collator or trainer.data_collator
+    hand, forwards = norms_before_the_clip(trainer), training_forwards(model)
+    handle = nbwatch.hf.start(trainer, run_dir=tmp_path / "run", display=False)
+    handle.wait()
+    assert handle.state == "finished" and handle.step == 6
+    run = nbwatch.open_run(tmp_path / "run")
+    df = run.df
+    assert_norms(df, hand)
+    for key, ours in (("loss", "loss/train"), ("learning_rate", "lr")):
+        assert df[ours].tolist() == pytest.approx(list(trainer_log(trainer, key).values()))
+    assert set(run.events.severity) == {"info"}  # no alert, no warning
+    logged = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").open()]
+    assert logged and {line["level"] for line in logged} == {"info"}
+    return run, df, forwards
 
 
 # -- Mamba: no attention at all, in a loop of its own -------------------------------------
+
+
+def mamba():
+    torch.manual_seed(0)
+    return tf.MambaForCausalLM(tf.MambaConfig(
+        vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2,
+        conv_kernel=4, pad_token_id=0))
+
+
+def batches_of(data, n: int = 4) -> list[dict]:
+    return [probe_of(torch.utils.data.Subset(data, range(i, i + n)), n)
+            for i in range(0, len(data), n)]
 
 
 @pytest.fixture(scope="module")
@@ -100,13 +155,8 @@ def mamba_run(tmp_path_factory):
     the model gives at each of those evals by hand: its blocks' output RMS on the probe
     samples, the mean log Z and max |logit| of its logits there."""
     run_dir = tmp_path_factory.mktemp("mamba") / "run"
-    torch.manual_seed(0)
-    model = tf.MambaForCausalLM(tf.MambaConfig(
-        vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2,
-        conv_kernel=4, pad_token_id=0))
-    data = Padded(32, 0, vocab=VOCAB, T=16, shortest=6)
-    batches = [probe_of(torch.utils.data.Subset(data, range(i, i + 4)), 4)
-               for i in range(0, 32, 4)]
+    model = mamba()
+    batches = batches_of(Padded(32, 0, vocab=VOCAB, T=16, shortest=6))
     probe = probe_of(Padded(2, 1, vocab=VOCAB, T=16, shortest=6))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     layers, hand, evals = layers_of(model), [], {}
@@ -178,22 +228,39 @@ def test_mamba_tflops_count_no_attention_term(mamba_run):
     assert per_token.tolist() == pytest.approx([6.0 * n] * len(df), rel=1e-5)
 
 
+def test_mamba_under_start_weighs_its_logits_by_the_attention_mask(tmp_path):
+    """start() with the README's Hugging Face step, `{"loss": out.loss}`: log Z of the
+    logits the output layer gave (from step 2) is over the batch's real tokens, as under
+    the Trainer and log(batch=) (it was over every position, padding too); norms by hand."""
+    model = mamba()
+    batches = batches_of(Padded(24, 0, vocab=VOCAB, T=16, shortest=6))
+    assert all((b["attention_mask"] == 0).any() for b in batches)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    layers, hand = layers_of(model), []
+    opt.register_step_pre_hook(lambda o, a, k: hand.append(norms_now(layers)))
+    forwards = training_forwards(model)
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run", display=False)
+    mon.start(lambda m, b: {"loss": m(**b).loss}, batches, max_steps=6).wait()
+    assert mon.state == "finished"
+    df = nbwatch.open_run(tmp_path / "run").df
+    assert_norms(df, hand)
+    assert_logits_by_hand(df, forwards, lambda inputs: inputs["attention_mask"], first=2)
+
+
 # -- CLIP: two towers, a contrastive loss, no LM head, under the Trainer ------------------
 
 
-class ImageText(Items):
+def image_text(n: int, seed: int) -> list[dict]:
     """Captions of 4 to 10 tokens (EOS last, right-padded to 10) and 16×16 images."""
-
-    def __init__(self, n: int, seed: int):
-        g = torch.Generator().manual_seed(seed)
-        self.items = []
-        for _ in range(n):
-            length = int(torch.randint(4, 11, (1,), generator=g))
-            ids = torch.zeros(10, dtype=torch.long)
-            ids[:length] = torch.randint(3, VOCAB, (length,), generator=g)
-            ids[length - 1] = 2
-            self.items.append({"input_ids": ids, "attention_mask": (ids != 0).long(),
-                               "pixel_values": torch.randn(3, 16, 16, generator=g)})
+    g, items = torch.Generator().manual_seed(seed), []
+    for _ in range(n):
+        length = int(torch.randint(4, 11, (1,), generator=g))
+        ids = torch.zeros(10, dtype=torch.long)
+        ids[:length] = torch.randint(3, VOCAB, (length,), generator=g)
+        ids[length - 1] = 2
+        items.append({"input_ids": ids, "attention_mask": (ids != 0).long(),
+                      "pixel_values": torch.randn(3, 16, 16, generator=g)})
+    return items
 
 
 def with_loss(items):  # CLIP returns its loss only when asked
@@ -215,19 +282,9 @@ def test_clip_two_towers_under_the_trainer(tmp_path):
         vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                            num_attention_heads=2, image_size=16, patch_size=8),
         projection_dim=8, attn_implementation="sdpa"))
-    val = ImageText(4, 1)
-    trainer = make_trainer(tmp_path / "out", model, ImageText(24, 0), val)
-    trainer.data_collator = with_loss
-    hand = norms_before_the_clip(trainer)
-    run = nbwatch.hf.start(trainer, run_dir=tmp_path / "run", display=False)
-    run.wait()
-    assert run.state == "finished" and run.step == 6
-    run = nbwatch.open_run(tmp_path / "run")
-    df = run.df
-    assert_norms(df, hand)
+    val = image_text(4, 1)
+    run, df, _ = run_under_trainer(tmp_path, model, image_text(24, 0), val, with_loss)
     assert "grad_norm/(root)" in df  # logit_scale
-    for key, ours in (("loss", "loss/train"), ("grad_norm", "grad_norm/global")):
-        assert df[ours].tolist() == pytest.approx(list(trainer_log(trainer, key).values()))
 
     probe = probe_of(val)
     with torch.no_grad():
@@ -268,67 +325,14 @@ def test_clip_two_towers_under_the_trainer(tmp_path):
 # -- Whisper, Qwen2-MoE and ModernBERT under the Trainer: what users rely on, pinned -------
 
 
-def training_forwards(model) -> list[tuple[torch.Tensor, dict]]:
-    """(the output layer's logits, the model's keyword inputs) of each training forward."""
-    seen: list[tuple[torch.Tensor, dict]] = []
-    inputs: dict = {}
-
-    def on_model(mod, args, kwargs):
-        inputs.clear()
-        inputs.update(kwargs)
-
-    def on_head(mod, args, out):
-        if mod.training and torch.is_grad_enabled():
-            seen.append((out.detach().float().clone(), dict(inputs)))
-
-    model.register_forward_pre_hook(on_model, with_kwargs=True)
-    model.get_output_embeddings().register_forward_hook(on_head)
-    return seen
-
-
-def log_z(logits, real=None) -> tuple[float, float]:
-    """Mean log Σ exp and max |logit| over the rows (64 or fewer: all) of the real ones."""
-    rows = logits.reshape(-1, logits.shape[-1])
-    if real is not None:
-        rows = rows[real.reshape(-1).bool()]
-    return float(torch.logsumexp(rows, -1).mean()), float(rows.abs().max())
-
-
-def assert_logits_by_hand(df, forwards, real_of) -> None:
-    for step, (logits, inputs) in enumerate(forwards, 1):
-        z, top = log_z(logits, real_of(inputs))
-        assert df.loc[step, "train_logits/log_z"] == pytest.approx(z, rel=1e-5)
-        assert df.loc[step, "train_logits/max_abs"] == pytest.approx(top, rel=1e-5)
-
-
-def run_under_trainer(tmp_path, model, train, val):
-    trainer = make_trainer(tmp_path / "out", model, train, val)
-    hand, forwards = norms_before_the_clip(trainer), training_forwards(model)
-    handle = nbwatch.hf.start(trainer, run_dir=tmp_path / "run", display=False)
-    handle.wait()
-    assert handle.state == "finished" and handle.step == 6
-    run = nbwatch.open_run(tmp_path / "run")
-    df = run.df
-    assert_norms(df, hand)
-    for key, ours in (("loss", "loss/train"), ("learning_rate", "lr")):
-        assert df[ours].tolist() == pytest.approx(list(trainer_log(trainer, key).values()))
-    assert list(run.events.kind) == ["state"] * len(run.events)  # nothing warned, alerted
-    logged = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").open()]
-    assert logged and {line["level"] for line in logged} == {"info"}
-    return run, df, forwards
-
-
-class Speech(Items):
+def speech(n: int, seed: int) -> list[dict]:
     """8 mel bins × 20 frames of noise, and 3 to 8 target tokens (-100 after them)."""
-
-    def __init__(self, n: int, seed: int):
-        g = torch.Generator().manual_seed(seed)
-        self.items = []
-        for _ in range(n):
-            labels = torch.randint(3, VOCAB, (8,), generator=g)
-            labels[int(torch.randint(3, 9, (1,), generator=g)):] = -100
-            self.items.append({"input_features": torch.randn(8, 20, generator=g),
-                               "labels": labels})
+    g, items = torch.Generator().manual_seed(seed), []
+    for _ in range(n):
+        labels = torch.randint(3, VOCAB, (8,), generator=g)
+        labels[int(torch.randint(3, 9, (1,), generator=g)):] = -100
+        items.append({"input_features": torch.randn(8, 20, generator=g), "labels": labels})
+    return items
 
 
 def test_whisper_under_the_trainer(tmp_path):
@@ -342,8 +346,8 @@ def test_whisper_under_the_trainer(tmp_path):
         encoder_attention_heads=2, decoder_attention_heads=2, d_model=16,
         encoder_ffn_dim=32, decoder_ffn_dim=32, max_source_positions=10,
         max_target_positions=16, decoder_start_token_id=1, pad_token_id=0, eos_token_id=2))
-    val = Speech(4, 1)
-    run, df, forwards = run_under_trainer(tmp_path, model, Speech(24, 0), val)
+    val = speech(4, 1)
+    run, df, forwards = run_under_trainer(tmp_path, model, speech(24, 0), val)
     assert_logits_by_hand(df, forwards, lambda inputs: inputs["labels"] != -100)
     assert df["throughput/samples_per_s"].tolist() == pytest.approx(
         (4 / df["time/step"]).tolist(), rel=1e-5)
@@ -396,19 +400,17 @@ def test_qwen2_moe_routed_and_shared_experts_under_the_trainer(tmp_path):
                                        out.attentions[i][sample], rtol=1e-3, atol=1e-4)
 
 
-class Masked(Items):
+def masked(n: int, seed: int) -> list[dict]:
     """`Padded`'s sequences with ~30% of their real tokens (the first always) masked to 1,
     labels there only."""
-
-    def __init__(self, n: int, seed: int):
-        g = torch.Generator().manual_seed(seed + 7)
-        self.items = []
-        for it in Padded(n, seed, vocab=VOCAB, T=16, shortest=6).items:
-            ids, mask = it["input_ids"], it["attention_mask"]
-            pick = (torch.rand(16, generator=g) < 0.3) & (mask == 1)
-            pick[0] = True
-            self.items.append({"input_ids": ids.masked_fill(pick, 1), "attention_mask": mask,
-                               "labels": ids.masked_fill(~pick, -100)})
+    g, items = torch.Generator().manual_seed(seed + 7), []
+    for it in Padded(n, seed, vocab=VOCAB, T=16, shortest=6).items:
+        ids, mask = it["input_ids"], it["attention_mask"]
+        pick = (torch.rand(16, generator=g) < 0.3) & (mask == 1)
+        pick[0] = True
+        items.append({"input_ids": ids.masked_fill(pick, 1), "attention_mask": mask,
+                      "labels": ids.masked_fill(~pick, -100)})
+    return items
 
 
 def test_modernbert_local_and_global_layers_under_the_trainer(tmp_path):
@@ -421,8 +423,8 @@ def test_modernbert_local_and_global_layers_under_the_trainer(tmp_path):
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=2, max_position_embeddings=32, global_attn_every_n_layers=3,
         local_attention=4, pad_token_id=0, sparse_prediction=True, attn_implementation="sdpa"))
-    val = Masked(4, 1)
-    run, df, forwards = run_under_trainer(tmp_path, model, Masked(24, 0), val)
+    val = masked(4, 1)
+    run, df, forwards = run_under_trainer(tmp_path, model, masked(24, 0), val)
     assert all(logits.dim() == 2 for logits, _ in forwards)
     assert_logits_by_hand(df, forwards, lambda inputs: None)
 

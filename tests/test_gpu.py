@@ -20,6 +20,7 @@ import torch
 
 import nbwatch
 from nbwatch.demo import make_demo, masked_cross_entropy
+from nbwatch.probes.logit_rows import logit_parts
 from nbwatch.recorder import host_copy
 from nbwatch.recorder.host_copy import HostCopy
 from tests.recorder.test_host_copy import Audit, has_histograms
@@ -184,6 +185,39 @@ def test_start_trains_on_the_device_without_a_sync(tmp_path, audit):
     df = mon.df
     assert df.index.tolist() == list(range(1, STEPS + 1))
     assert df[["loss/train", "grad_norm/global"]].notna().all().all()
+
+
+def test_start_weighs_the_logits_by_a_host_batchs_mask_the_step_fn_moved(tmp_path):
+    """A step_fn that moves the loader's CPU batch to the device itself and returns only
+    its loss: `train_logits/*` come from the output layer's hook, over the rows the
+    batch's (host) attention_mask marks real, as `logit_parts` gives them on the device
+    (the mask and the logits on two devices failed step 1)."""
+    demo = make_demo(d=32, layers=2, heads=2, ctx=32, batch_size=4, max_steps=6)
+    model = demo.model.to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    host = []
+    for b in itertools.islice(itertools.cycle(demo.train), 6):
+        mask = torch.ones_like(b["input_ids"])
+        mask[:, 20:] = 0  # right padding
+        host.append({"input_ids": b["input_ids"], "attention_mask": mask})
+    want = []
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False)
+
+    def step_fn(m, b):
+        b = {k: v.to(DEVICE) for k, v in b.items()}
+        with autocast():
+            logits = m(b["input_ids"])
+        want.append(logit_parts(logits.detach(), b["attention_mask"]))
+        return masked_cross_entropy(logits[:, :-1], b["input_ids"][:, 1:],
+                                    b["attention_mask"][:, 1:])
+
+    mon.start(step_fn, host, max_steps=6, display=False, dry_run=False).wait()
+    assert mon.state == "finished", mon.error
+    df = mon.df.loc[2:]  # the hook is set at step 1's take: from step 2
+    assert df["train_logits/log_z"].tolist() == pytest.approx(
+        [float(lz) for lz, _ in want[1:]], rel=1e-5)
+    assert df["train_logits/max_abs"].tolist() == pytest.approx(
+        [float(top) for _, top in want[1:]], rel=1e-5)
 
 
 def test_a_grad_scalers_overflow_is_its_own_skip(tmp_path, monkeypatch):

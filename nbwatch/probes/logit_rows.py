@@ -97,7 +97,11 @@ def reduce_rows(figures: Rows, mask: torch.Tensor | None = None) -> list[torch.T
     left out by weight where `mask` has the logits' positions' shape."""
     lz, top, rows, shape = figures
     if mask is not None and tuple(mask.shape) == shape:
-        m = mask.detach().reshape(-1)[rows].to(lz.dtype)
+        m = mask.detach().reshape(-1)[rows]
+        if m.device != lz.device:  # a CPU batch's mask, the batch moved inside the step_fn:
+            # its rows go to the logits' device (no wait; a copy to the host must wait)
+            m = m.to(lz.device, non_blocking=lz.device.type != "cpu")
+        m = m.to(lz.dtype)
         n = m.sum()
         # no real token among the rows: NaN, a figure missing (not a false 0)
         return [(lz * m).sum() / n, torch.where(n > 0, (top * m).amax(), torch.nan)]

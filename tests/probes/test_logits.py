@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from nbwatch.demo import TinyGPT
-from nbwatch.probes.logit_rows import LARGE_V, NAMES, POSITIONS, logit_parts
+from nbwatch.probes.logit_rows import (
+    LARGE_V,
+    NAMES,
+    POSITIONS,
+    logit_parts,
+    reduce_rows,
+    row_figures,
+)
 from nbwatch.probes.logits import HeadWatch
 
 
@@ -87,6 +94,16 @@ def test_a_mask_leaves_padding_out_and_a_half_precision_head_is_read_in_float():
     assert math.isnan(logit_parts(logits, torch.zeros(2, 4))[1].item())  # no real token
     # a mask of another shape (the labels were shifted): every position counts
     assert logit_parts(logits, torch.ones(2, 5))[1].item() == 1000.0
+
+
+def test_a_mask_on_another_device_than_the_logits_weighs_them_there():
+    """A start() step_fn that moves a CPU batch to the GPU itself (`model(**{k: v.cuda()
+    ...}).loss`) leaves the batch's attention_mask, which weighs the output layer's rows,
+    on the CPU: its rows are brought to the logits' device (a CPU mask and meta logits
+    stand in for it here), not multiplied across devices, which failed the run's step 1."""
+    rows = row_figures(torch.zeros(2, 4, 8, device="meta"))
+    lz, top = reduce_rows(rows, torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]]))
+    assert lz.device.type == top.device.type == "meta" and lz.shape == top.shape == ()
 
 
 def test_the_head_hook_keeps_the_first_training_forward_and_is_removed():

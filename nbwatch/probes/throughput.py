@@ -109,8 +109,8 @@ def model_shape(model: object, experts: Any = None) -> tuple[int, int, int, int 
     experts). A Hugging Face config gives layers, width and context; other
     models: the attention modules (outermost), the first embedding's width and a `ctx`
     attribute. layers or d_model 0 where they cannot be told: 6·N alone; layers 0 for a
-    model with no attention (a state-space model, Mamba: its config's `num_hidden_layers`
-    count mixers that have no QKᵀ or AV to add)."""
+    model known to have no attention (a state-space model, Mamba: its config's
+    `num_hidden_layers` count mixers that have no QKᵀ or AV to add; `_without_attention`)."""
     from torch import nn
 
     from .attention import has_attention
@@ -147,9 +147,25 @@ def model_shape(model: object, experts: Any = None) -> tuple[int, int, int, int 
     own_ctx: object = getattr(model, "ctx", None)
     if ctx is None and isinstance(own_ctx, int):
         ctx = own_ctx
-    if layers and not has_attention(model):
+    if layers and not has_attention(model) and _without_attention(model, cfg):
         layers = 0
     return n, layers, d, ctx
+
+
+def _without_attention(model: Any, cfg: object) -> bool:
+    """Whether a model in which `has_attention` finds none is known to have none: a Hugging
+    Face one (its modeling code names each attention module so), or one whose blocks mix by
+    recurrence or a state space (an nn.RNN, LSTM or GRU; a module whose class says Mamba
+    or SSM: mamba_ssm's mixers). A Transformer of one's own may call
+    F.scaled_dot_product_attention from a block of any name (`Block.qkv`): the layers its
+    config gives keep their attention term."""
+    from torch import nn
+
+    if any(c.__module__.startswith("transformers.") for c in type(cfg).__mro__):
+        return True
+    return any(isinstance(m, nn.RNNBase) or any(w in type(m).__name__.lower()
+                                                for w in ("mamba", "ssm"))
+               for m in model.modules())
 
 
 def matmul_params(model: object) -> list:

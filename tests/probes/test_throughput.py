@@ -43,6 +43,60 @@ def test_model_shape_of_a_hugging_face_gpt2_comes_from_its_config():
     assert (layers, d, ctx) == (2, 32, 48)
 
 
+class _InlineBlock(torch.nn.Module):
+    """A pre-norm block that calls F.scaled_dot_product_attention itself, from a fused qkv
+    Linear: no module of its own named attn or attention."""
+
+    def __init__(self, d: int = 32, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.ln = torch.nn.LayerNorm(d)
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.proj = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2)
+                   for z in self.qkv(self.ln(x)).split(c, -1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class _Mixer(torch.nn.Module):  # mamba_ssm's name for its blocks' state-space mixer
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.in_proj = torch.nn.Linear(d, 2 * d)
+
+
+class Mamba(_Mixer):
+    pass
+
+
+def test_a_config_of_ones_own_keeps_its_attention_term_unless_it_has_no_attention():
+    """A Transformer of one's own whose config gives its layer count (nanoGPT's, litgpt's
+    `config.n_layer`) and whose blocks call F.scaled_dot_product_attention from modules
+    not named attn or attention keeps its 12·L·T·d (it lost it: ~13% of GPT-2 small's
+    FLOPs at 1,024 tokens); a model known to have none drops it: a Hugging Face Mamba,
+    mamba_ssm's (its mixers' class), an LSTM LM."""
+    from types import SimpleNamespace
+
+    class Own(torch.nn.Module):
+        def __init__(self, blocks):
+            super().__init__()
+            self.config = SimpleNamespace(n_layer=2, n_embd=32, block_size=16)
+            self.wte = torch.nn.Embedding(50, 32)
+            self.blocks = torch.nn.ModuleList(blocks)
+            self.head = torch.nn.Linear(32, 50)
+
+    assert model_shape(Own([_InlineBlock(), _InlineBlock()]))[1:] == (2, 32, None)
+    assert model_shape(Own([Mamba(), Mamba()]))[1] == 0
+    assert model_shape(Own([torch.nn.LSTM(32, 32), torch.nn.LSTM(32, 32)]))[1] == 0
+    tf = pytest.importorskip("transformers")
+    hf = tf.MambaForCausalLM(tf.MambaConfig(num_hidden_layers=2, hidden_size=32,
+                                            vocab_size=50))
+    assert model_shape(hf)[1] == 0
+
+
 def test_frozen_weights_take_no_weight_gradient_flops():
     """LoRA, a frozen backbone: a frozen weight's matmuls run forward (2·N) and pass the
     gradient on (2·N), but compute no weight gradient; 6·N counted that too (1.45× on a

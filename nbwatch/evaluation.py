@@ -41,6 +41,7 @@ class EvalResult:
     # {figures: why} the probe pass could not take on this model ("logits"), with the line
     # to add; the probe stays on, and the recorder says each once a run
     probe_notes: dict[str, str] = field(default_factory=dict)
+    probe_note_severity: dict[str, str] = field(default_factory=dict)  # "info" unless here
 
     def first_maps(self) -> dict[str, np.ndarray]:
         """{module: [heads, T, S]} of the first probe sample (what the rules look at)."""
@@ -119,23 +120,40 @@ def _sample(sample_fn: Callable[[nn.Module], Any], model: nn.Module, step: int) 
     return capped_text(got) if isinstance(got, str) else got
 
 
+# the attention implementations whose weights the probe sees: eager returns them when asked
+# (output_attentions), SDPA's are recomputed from its q and k (probes/attention.py)
+_SEEN = ("eager", "sdpa")
+
+
 @contextmanager
-def _eager_weights_returned(model: nn.Module) -> Iterator[None]:
-    """Hugging Face eager attention returns its weights only when asked: ask, for the
-    probe pass (`config.output_attentions` of every eager model in the tree: a Lightning
-    module's inner `self.model` too), then restore."""
-    configs: dict[int, tuple[Any, Any]] = {}
+def _weights_returned(model: nn.Module) -> Iterator[None]:
+    """Hugging Face attention, for the probe pass, in a form whose weights the probe sees,
+    then as it was: a kernel that gives none (flash_attention_2/3, flex_attention, one
+    registered with AttentionInterface) runs as SDPA (eager where the model has no SDPA),
+    and eager attention returns its weights (`config.output_attentions` of every eager
+    model in the tree: a Lightning module's inner `self.model` too)."""
+    configs: dict[int, Any] = {}
     for mod in model.modules():
         config = getattr(mod, "config", None)
-        if getattr(config, "_attn_implementation", None) == "eager":
-            configs.setdefault(id(config), (config, getattr(config, "output_attentions", None)))
-    for config, _ in configs.values():
-        config.output_attentions = True
+        if config is not None and isinstance(getattr(config, "_attn_implementation", None), str):
+            configs.setdefault(id(config), config)
+    kernels = {id(c): c._attn_implementation for c in configs.values()
+               if c._attn_implementation not in _SEEN}
+    sdpa = all(getattr(m, "_supports_sdpa", True) is not False for m in model.modules()
+               if isinstance(m, nn.Module) and hasattr(m, "_supports_sdpa"))
+    for key in kernels:
+        configs[key]._attn_implementation_internal = "sdpa" if sdpa else "eager"
+    eager = {key: getattr(c, "output_attentions", None) for key, c in configs.items()
+             if c._attn_implementation == "eager"}
+    for key in eager:
+        configs[key].output_attentions = True
     try:
         yield
     finally:
-        for config, was in configs.values():
-            config.output_attentions = was
+        for key, was in eager.items():
+            configs[key].output_attentions = was
+        for key, impl in kernels.items():  # each config as it was (not its sub-configs')
+            configs[key]._attn_implementation_internal = impl
 
 
 def batch_call(module: nn.Module, batch: Any) -> tuple[tuple, dict[str, Any]]:
@@ -294,7 +312,7 @@ def evaluate(model: nn.Module, spec: Any, step: int, train_loss: float | None,
             returned = None
             with capture_attention(target, spec.attention_samples,
                                    spec.attention_tokens) as maps, torch.no_grad(), \
-                    _eager_weights_returned(target), \
+                    _weights_returned(target), \
                     capture_block_rms(target, spec.attention_samples) as rms, \
                     capture_outputs(target) as outputs:
                 if guess is None:
@@ -323,10 +341,18 @@ def evaluate(model: nn.Module, spec: Any, step: int, train_loss: float | None,
                     out.probe_severity = "info"  # a CNN, an MLP, an RNN: nothing went wrong
                     out.probe_error = f"{none}; the probe is off for this run"
             elif not maps and out.probe_error is None:
-                out.probe_error = (
-                    "the attention probe saw no attention weights (no "
-                    "F.scaled_dot_product_attention, nn.MultiheadAttention or attention "
-                    "module returning its weights ran); attention maps are off for this run")
+                unseen = ("the attention probe saw no attention weights (no "
+                          "F.scaled_dot_product_attention, nn.MultiheadAttention or attention "
+                          "module returning its weights ran); attention maps are off for this "
+                          "run")
+                if rms or logits is not None:  # the pass goes on for what it does see
+                    kept = ["the residual stream (act/rms/*)"] if rms else []
+                    kept += ["the output logits (logits/*)"] if logits is not None else []
+                    out.probe_notes["attention"] = (
+                        f"{unseen}; the probe pass goes on for {' and '.join(kept)}")
+                    out.probe_note_severity["attention"] = "warning"
+                else:
+                    out.probe_error = unseen
             if logits is None and out.probe_error is None:
                 out.probe_notes["logits"] = _no_logits(spec, guess, target, outputs.model)
             out.values.update(health.figures(

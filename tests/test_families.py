@@ -94,11 +94,27 @@ def assert_step_figures_are_the_trainers(df, trainer, steps):
     assert (pre > MAX_NORM).any()  # some step was really clipped
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def opaque_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0, **kw):
+    """An attention kernel that gives no weights, as flash_attention_2's: registered with
+    transformers' AttentionInterface as "opaque" (no SDPA call, nothing returned)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q @ k.transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        m = attention_mask[..., :k.shape[-2]]
+        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
+    return (s.softmax(-1) @ v).transpose(1, 2).contiguous(), None
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa", "opaque"])
 def test_llama_grouped_query_attention_under_the_trainer(tmp_path, attn):
     """Eager: padded probe samples, the weights the layers return. SDPA: unpadded probe
     samples, so transformers passes the 2 key/value heads to SDPA unrepeated
-    (`enable_gqa=True`) and the probe recomputes the 4 query heads' weights from them."""
+    (`enable_gqa=True`) and the probe recomputes the 4 query heads' weights from them.
+    Opaque: a kernel that gives no weights (flash_attention_2's kind) runs as SDPA for
+    the probe pass, and as itself again for training."""
+    if attn == "opaque":
+        tf.AttentionInterface.register("opaque", opaque_attention)
     model = tiny_llama(attn)
     assert model.model.layers[0].self_attn.k_proj.out_features == 16  # 2 kv heads × 8
     T = 16
@@ -108,6 +124,9 @@ def test_llama_grouped_query_attention_under_the_trainer(tmp_path, attn):
     run = nbwatch.hf.start(trainer, run_dir=tmp_path / "run", display=False)
     run.wait()
     assert run.state == "finished" and run.step == 6
+    assert model.config._attn_implementation == attn  # as it was, after every probe pass
+    assert model.model.layers[1].self_attn.config._attn_implementation == attn
+    assert not run.events.query("kind == 'probe'").message.tolist()
     df = run.df
     assert_step_figures_are_the_trainers(df, trainer, 6)
     assert {"grad_norm/model.layers.0.self_attn.k_proj",

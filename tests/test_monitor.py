@@ -491,6 +491,53 @@ def test_an_attention_the_probe_cannot_see_warns(tmp_path):
     assert "F.scaled_dot_product_attention" in probes.message.iloc[0]
 
 
+def test_blocks_whose_attention_the_probe_cannot_see_keep_their_health_figures(tmp_path):
+    """A language model of one's own whose blocks compute attention by hand (no SDPA, no
+    weights returned): the probe says once, as a warning, that it sees no attention
+    weights, and goes on for the residual stream and the output logits at every eval (it
+    switched itself off at the first, leaving each of those figures one point)."""
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).chunk(3, -1)
+            return x + (q @ k.transpose(-1, -2) / 4).softmax(-1) @ v
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, 16)
+            self.blocks = torch.nn.ModuleList([Attn(), Attn()])
+            self.head = torch.nn.Linear(16, 32)
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = LM()
+    mon = nbwatch.Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          run_dir=tmp_path / "r")
+    data = [torch.randint(0, 32, (2, 8)) for _ in range(4)]
+
+    def step_fn(m, ids):
+        return torch.nn.functional.cross_entropy(m(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    mon.start(step_fn, data, max_steps=6, eval_every=2, probe_batch=data[0],
+              display=False).wait()
+    probes = mon.events.query("kind == 'probe'")
+    assert len(probes) == 1 and probes.severity.iloc[0] == "warning", probes.message.tolist()
+    assert "F.scaled_dot_product_attention" in probes.message.iloc[0]
+    assert "goes on for the residual stream" in probes.message.iloc[0]
+    df = mon.df
+    for key in ("act/rms/blocks.1", "logits/z_mean"):
+        assert df[key].dropna().index.tolist() == [2, 4, 6], key
+
+
 def test_a_monitor_let_go_frees_its_model_and_optimizer(tmp_path):
     """A notebook makes many Monitors (a cell run again): one no longer referenced, used or
     not, must not keep its model, optimizer and their memory alive."""

@@ -82,7 +82,7 @@ def run_eval(rec: Evaluating, val: Any = None, probe_only: bool = False) -> None
     if result.probe_error is not None:
         probe_failed(rec, result.probe_error, result.probe_severity)
     for missing, why in result.probe_notes.items():
-        probe_note(rec, missing, why)
+        probe_note(rec, missing, why, result.probe_note_severity.get(missing, "info"))
     for a in result.attention:
         rec.store.put(a)
     if result.sample is not None:
@@ -122,12 +122,12 @@ def probe_failed(rec: Evaluating, message: str, severity: str = "warning") -> No
     rec.spec.attention_samples = 0
     rec._emit(Event(rec.step, "probe", severity, message))
 
-def probe_note(rec: Evaluating, missing: str, message: str) -> None:
+def probe_note(rec: Evaluating, missing: str, message: str, severity: str = "info") -> None:
     """Figures the probe pass cannot take on this model (`missing`: "logits"), the probe
     staying on: said once a run, as a `probe` event the Health panel shows."""
     if missing not in rec.evals.probe_said:
         rec.evals.probe_said.add(missing)
-        rec._emit(Event(rec.step, "probe", "info", message, {"missing": missing}))
+        rec._emit(Event(rec.step, "probe", severity, message, {"missing": missing}))
 
 def note_checkpoint(rec: Evaluating, reason: str, path: str | Path, seconds: float | None = None,
                     best: bool = False, kept: bool = True) -> None:

@@ -264,8 +264,8 @@ class StepRecorder:
         """The attention probe cannot work on this model: said once, then off."""
         ec.probe_failed(self, message, severity)
 
-    def probe_note(self, missing: str, message: str) -> None:
-        ec.probe_note(self, missing, message)
+    def probe_note(self, missing: str, message: str, severity: str = "info") -> None:
+        ec.probe_note(self, missing, message, severity)
 
     def note_checkpoint(self, reason: str, path: str | Path, seconds: float | None = None,
                         best: bool = False, kept: bool = True) -> None:

@@ -273,6 +273,8 @@ class Runner:
                 m.loss_sum = detached if m.loss_sum is None else m.loss_sum + detached
             if tokens is not None:
                 m.masks.append(tokens)
+                if pos is None:  # a padded micro-batch: its rows are samples beside documents
+                    m.rows.append(tokens)
         return m
 
     def _logit_figures(self, m: _Micro, raw: Any, mask: torch.Tensor | None) -> None:
@@ -323,7 +325,7 @@ class Runner:
             names += LOGIT_NAMES
             parts += m.logits
         # packed: its documents' count, longest and lengths, for the record
-        docs = documents(m.positions, names, parts) if m.positions else None
+        docs = documents(m.positions, names, parts, m.rows) if m.positions else None
         if docs is not None and m.unmasked and not m.masks:  # packed, every token real:
             all_real(m.unmasked).into(names, parts, figures)  # known from the shapes
             rec.keep_seq_lens(docs)
@@ -362,6 +364,7 @@ class _Micro:
     masks: list[torch.Tensor] = field(default_factory=list)
     positions: list[torch.Tensor] = field(default_factory=list)  # a packed batch's
     unmasked: list[torch.Tensor] = field(default_factory=list)  # those given no mask
+    rows: list[torch.Tensor] = field(default_factory=list)  # the masks of those not packed
     keeping: bool = False  # the masks so far kept for the record (probes/late.py)
     extras: dict[str, list[Any]] = field(default_factory=dict)  # the step_fn's scalars
     logits: list[torch.Tensor] | None = None  # [log Z, max |logit|] of the first's logits

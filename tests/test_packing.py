@@ -202,14 +202,18 @@ def padded_rows() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.clone(), "attention_mask": mask}
 
 
-@pytest.mark.parametrize("loop", ["start", "trainer", "lightning"])
-def test_a_step_of_packed_and_padded_micro_batches_counts_both_tokens(tmp_path, loop, gpu_order):
+@pytest.mark.parametrize("loop", ["start", "own", "trainer", "lightning"])
+def test_a_step_of_packed_and_padded_micro_batches_counts_both(tmp_path, loop, gpu_order):
     """Gradient accumulation over a packed micro-batch (no mask) and a padded one: the
-    step's tokens are the packed row's, every one, and the padded rows' real ones. The
-    adapters counted the padded batch's alone (the packed one gave no mask)."""
+    step's tokens are the packed row's, every one, and the padded rows' real ones; its
+    samples are the packed row's documents and the padded rows, each of its own length
+    (seq_len_mean, seq_len_max, samples/s, the histogram). The adapters counted the padded
+    batch's tokens alone (the packed one gave no mask); samples and lengths were the
+    documents' alone (a loop of one's own: the packed row as one sample)."""
     torch.manual_seed(0)
-    batches = [packed([7, 3, 12, 6]), padded_rows(), packed([5, 9, 2, 10]), padded_rows()]
-    want = [(28 + 13, 28 + 16), (26 + 13, 26 + 16)]  # (real, all) tokens a step
+    batches = [packed([7, 3, 12, 6]), padded_rows(), packed([5, 2, 4]), padded_rows()]
+    lengths = [[7, 3, 12, 6, 8, 5], [5, 2, 4, 8, 5]]  # the documents, then the rows
+    every = [28 + 16, 11 + 16]  # tokens a step, padding included
 
     def loss_of(net, batch):
         ids = batch["input_ids"][:, :16]
@@ -218,9 +222,21 @@ def test_a_step_of_packed_and_padded_micro_batches_counts_both_tokens(tmp_path, 
     if loop == "start":
         model = make_demo(d=16, layers=1, heads=2, ctx=16).model
         mon = nbwatch.Monitor(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                              run_dir=tmp_path / "r", display=False)
+                              run_dir=tmp_path / "r", display=False, hist_every=1)
         mon.start(loss_of, batches, max_steps=2, accumulate=2)
         mon.wait()
+    elif loop == "own":
+        model = make_demo(d=16, layers=1, heads=2, ctx=16).model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False,
+                             hist_every=1) as mon:
+            for pair in (batches[:2], batches[2:]):
+                losses = [loss_of(model, b) / 2 for b in pair]
+                for one in losses:
+                    one.backward()
+                opt.step()
+                opt.zero_grad()
+                mon.log(loss=losses, batch=pair)
     elif loop == "trainer":
         transformers = pytest.importorskip("transformers")
         from nbwatch.hf import NbwatchCallback
@@ -235,14 +251,22 @@ def test_a_step_of_packed_and_padded_micro_batches_counts_both_tokens(tmp_path, 
         trainer = transformers.Trainer(
             model=transformers.LlamaForCausalLM(cfg), args=args,
             train_dataset=[{"input_ids": [1]}] * 4,
-            callbacks=[NbwatchCallback(run_dir=tmp_path / "r")])
+            callbacks=[NbwatchCallback(run_dir=tmp_path / "r", hist_every=1)])
         trainer.get_train_dataloader = lambda: torch.utils.data.DataLoader(
             batches, batch_size=None)
         trainer.train()
     else:
         lightning_fit(tmp_path, make_demo(d=16, layers=1, heads=2, ctx=16).model, loss_of,
-                      batches, tmp_path / "r", max_steps=2, accumulate_grad_batches=2)
+                      batches, tmp_path / "r", max_steps=2, accumulate_grad_batches=2,
+                      hist_every=1)
     df = nbwatch.open_run(tmp_path / "r").df
-    for step, (real, every) in enumerate(want, start=1):
-        assert df.loc[step, "tokens/real"] == real
-        assert df.loc[step, "data/padding_ratio"] == pytest.approx(1 - real / every)
+    for step, (docs, n) in enumerate(zip(lengths, every), start=1):
+        row = df.loc[step]
+        assert row["tokens/real"] == sum(docs)
+        assert row["data/padding_ratio"] == pytest.approx(1 - sum(docs) / n)
+        assert row["data/seq_len_mean"] == pytest.approx(sum(docs) / len(docs))
+        assert row["data/seq_len_max"] == max(docs)
+        if loop != "own" or step > 1:  # (its run opens inside its first step: no time)
+            assert row["throughput/samples_per_s"] == pytest.approx(
+                len(docs) / row["time/step"])
+    check_histograms(tmp_path / "r", lengths)

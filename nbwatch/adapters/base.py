@@ -58,6 +58,7 @@ class Adapter:
         self._counts: list[int] = []  # the step's micro-batches' sample counts (no mask)
         self._positions: list[Any] = []  # a packed batch's position_ids, per micro-batch
         self._unmasked: list[Any] = []  # … of those that came without a mask (all real)
+        self._rows: list[Any] = []  # the masks of the micro-batches not packed
         self._logit_mask: Any = None  # an encoder-decoder's first micro-batch's target mask
         self._enc_dec: tuple[Any, bool] | None = None  # (model, whether it is one)
         self._fitting = False  # a fit is taken: from start()'s launch, or the fit's begin
@@ -116,21 +117,26 @@ class Adapter:
         self.monitor = self.handle = self.loop = None
         self._commands = ctl.CommandQueue()
         self._losses, self._masks, self._counts, self._positions = [], [], [], []
-        self._unmasked = []
+        self._unmasked, self._rows = [], []
         self._logit_mask = None
 
-    def _note_packed(self, batch: Any, masked: bool = False) -> bool:
-        """A packed micro-batch's position_ids, for its documents' figures; whether it is
-        one (its tokens are all real: no mask needed). `masked`: a mask of it was kept
-        (else its tokens are counted from its shape, beside the other micro-batches')."""
+    def _note_tokens(self, batch: Any, mask: Any) -> None:
+        """A micro-batch's tokens: `mask` (None: none) kept for the step's figures; a packed
+        batch's position_ids for its documents' (without a mask its tokens are all real,
+        counted from its shape); the mask of one not packed gives its rows, each a sample
+        beside the packed micro-batches' documents."""
         from ..probes.data import packed_positions
 
+        if mask is not None:
+            self._masks.append(mask)
         pos = packed_positions(batch)
-        if pos is not None:
-            self._positions.append(pos)
-            if not masked:
-                self._unmasked.append(pos)
-        return pos is not None
+        if pos is None:
+            if mask is not None:
+                self._rows.append(mask)
+            return
+        self._positions.append(pos)
+        if mask is None:
+            self._unmasked.append(pos)
 
     def _close_unseen(self) -> None:
         """The last fit ended without telling us (an exception the framework passes to no
@@ -151,7 +157,7 @@ class Adapter:
         if self.handle is not None and self._fitting and self._owner is me:
             self._close_unseen()  # the framework began again inside start()'s fit
             self._losses, self._masks, self._counts, self._positions = [], [], [], []
-            self._unmasked = []
+            self._unmasked, self._rows = [], []
             self._logit_mask = None
             self._check_fresh(resuming, how)
             return
@@ -225,6 +231,7 @@ class Adapter:
         counts, self._counts = self._counts, []
         positions, self._positions = self._positions, []
         unmasked, self._unmasked = self._unmasked, []
+        rows, self._rows = self._rows, []
         logit_mask, self._logit_mask = self._logit_mask, None
         names: list[str] = []
         parts: list[Any] = []
@@ -246,7 +253,7 @@ class Adapter:
             if positions:  # packed: its documents' count, longest and lengths
                 if not masks and unmasked:  # every token real: known from the shapes
                     all_real(unmasked).into(names, parts, host)
-                lengths = documents(positions, names, parts)
+                lengths = documents(positions, names, parts, rows)
             # the first micro-batch's forward: its mask leaves its padding out
             lnames, lparts = rec.logit_figures(
                 logit_mask if logit_mask is not None else masks[0] if masks else None, host)

@@ -33,7 +33,7 @@ import torch
 from ..interrupts import Terminated
 from ..monitor import Monitor
 from ..probes.attention import take_samples
-from ..probes.data import input_tokens
+from ..probes.data import input_tokens, packed_positions
 from ..probes.throughput import batch_samples
 from .base import Adapter, callback_of, check_fit_arguments, drop_repeats, unwrap
 from .fit_run import FitRun
@@ -263,10 +263,9 @@ class NbwatchCallback(Adapter, TrainerCallback):
             if isinstance(loss, torch.Tensor):
                 with rec.own if rec is not None else contextlib.nullcontext():
                     self._losses.append(loss.detach())
-            if not self._note_packed(inputs):  # a packed batch's tokens are all real
-                mask = input_tokens(inputs)  # an encoder-decoder's: its source's
-                if mask is not None:
-                    self._masks.append(mask)
+            # a packed batch's tokens are all real; an encoder-decoder's: its source's
+            self._note_tokens(inputs, None if packed_positions(inputs) is not None
+                              else input_tokens(inputs))
             self._note_logit_mask(model, inputs)
             n = batch_samples(inputs)  # samples/s for any model: pixel_values, input_values
             if n:

@@ -104,20 +104,17 @@ class NbwatchCallback(Adapter, pl.Callback):
         if rec is not None:  # which batch; hashed only where it is on the CPU
             rec.note_batch(batch, trainer.current_epoch, batch_idx)
         self._note_logit_mask(pl_module, batch)  # (and looks if it is an encoder-decoder)
-        masks = len(self._masks)
+        mask = None
         if isinstance(batch, Mapping):
             key = next((k for k in _MASK_KEYS if isinstance(batch.get(k), torch.Tensor)), None)
             if key == "attention_mask":  # the batch's own: its tokens (segment ids), not a
-                tokens = input_tokens(batch)  # model's own 4-D [batch, 1, T, T] mask
-                if tokens is not None:
-                    self._masks.append(tokens)
+                mask = input_tokens(batch)  # model's own 4-D [batch, 1, T, T] mask
             elif key is not None:
-                self._masks.append(batch[key])
+                mask = batch[key]
             elif packed_positions(batch) is None:  # (a packed batch's: from its shape)
-                source = input_tokens(batch)  # every input_ids token (an encoder-decoder's
-                if source is not None:  # source's, never its target's), as the Trainer's
-                    self._masks.append(source)
-        self._note_packed(batch, masked=len(self._masks) > masks)
+                mask = input_tokens(batch)  # every input_ids token (an encoder-decoder's
+                # source's, never its target's), as the Trainer's
+        self._note_tokens(batch, mask)
         n = batch_samples(batch)  # samples/s for any model: (x, y), pixel_values
         if n:
             self._counts.append(n)

@@ -53,7 +53,7 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
         rec.note_logged_batch(batches[0], scalars)  # takes epoch=/index= given with a batch
         for b in batches[1:]:
             rec.batch_ids.note_batch(b)  # the step's other micro-batches, as start()'s
-        positions, mask, logit_mask = _masks(batches, mask, session.setup.model)
+        positions, rows, mask, logit_mask = _masks(batches, mask, session.setup.model)
         host, names, parts, lengths = log_figures(loss, mask, scalars,
                                                   first=rec.step == session.progress_start,
                                                   logits=logits, source=rec.train_logits,
@@ -61,7 +61,7 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
         if positions:  # a packed batch: its documents' figures, as start()'s
             if mask is None:  # every token real: known from the shapes
                 all_real(positions).into(names, parts, host)
-            lengths = documents(positions, names, parts)
+            lengths = documents(positions, names, parts, rows)
         val = check_val(val)
         host.update(rec.forward_time())  # under torchrun: what tells a straggler
     samples = mask_samples(mask)
@@ -99,23 +99,31 @@ def _batches(batch: Any) -> list:
 _ENC_DEC: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
-def _masks(batches: list, mask: Any, model: Any) -> tuple[list[torch.Tensor], Any, Any]:
-    """The step's packed positions, its masks and its logits' mask (`log_figures`). With
-    no `mask=`, the batches' own tokens, as the Trainer counts them (`input_tokens`: the
+def _masks(batches: list, mask: Any, model: Any
+           ) -> tuple[list[torch.Tensor], list[torch.Tensor], Any, Any]:
+    """The step's packed positions, the masks of its micro-batches not packed (each row a
+    sample beside the documents), its masks and its logits' mask (`log_figures`). With no
+    `mask=`, the batches' own tokens, as the Trainer counts them (`input_tokens`: the
     attention_mask, else every input_ids token; an encoder-decoder's source, its logits
     weighed by the target's mask, `decoder_mask`); none where a batch holds neither, or
     its mask is not the [batch, seq_len] one `log_figures` takes."""
-    positions, mask = _packed(batches, mask)
     if batches[0] is None:
-        return positions, mask, ...
+        return [], [], mask, ...
+    found = [packed_positions(b) for b in batches]
     # an encoder-decoder's logits are the target's, whatever mask the data figures count
     logit_mask = decoder_mask(batches[-1]) if _enc_dec(model) else ...
-    if mask is not None or positions:
-        return positions, mask, logit_mask
-    masks = [input_tokens(b) for b in batches]
-    if any(m is None or m.dim() > 2 for m in masks):  # (a multiple-choice batch's [B, C, T])
-        return positions, None, logit_mask
-    return positions, masks[0] if len(masks) == 1 else masks, logit_mask
+    positions = [p for p in found if p is not None]
+    if mask is None and len(positions) == len(batches):
+        return positions, [], None, logit_mask  # every token real (`all_real`)
+    if mask is None:
+        masks = [input_tokens(b) for b in batches]
+        if any(m is None or m.dim() > 2 for m in masks):  # (a multiple-choice [B, C, T])
+            return [], [], None, logit_mask
+        mask = masks[0] if len(masks) == 1 else masks
+    given = list(mask) if isinstance(mask, (list, tuple)) else [mask]
+    if len(given) != len(batches) or not positions:
+        return [], [], mask, logit_mask  # not one mask a batch: its rows are the samples
+    return positions, [m for m, p in zip(given, found) if p is None], mask, logit_mask
 
 
 def _enc_dec(model: Any) -> bool:
@@ -127,17 +135,3 @@ def _enc_dec(model: Any) -> bool:
         with contextlib.suppress(TypeError):
             _ENC_DEC[model] = enc_dec
         return enc_dec
-
-
-def _packed(batches: list, mask: Any) -> tuple[list[torch.Tensor], Any]:
-    """A packed step's `position_ids` (DataCollatorWithFlattening's: no attention_mask), one
-    per micro-batch, and its masks (none given: every token real, a packed row has no
-    padding: `all_real`); no positions where not every batch is packed or the masks given
-    are not one a batch."""
-    positions = [p for p in map(packed_positions, batches) if p is not None]
-    if len(positions) != len(batches):
-        return [], mask
-    if mask is None:
-        return positions, None
-    given = len(mask) if isinstance(mask, (list, tuple)) else 1
-    return (positions if given == len(positions) else []), mask

@@ -263,24 +263,38 @@ class LengthCounts(NamedTuple):
         return np.repeat(np.arange(c.size, dtype=np.float32), c)
 
 
-def documents(positions: list[torch.Tensor], names: list[str],
-              parts: list[torch.Tensor]) -> torch.Tensor | LengthCounts:
+def documents(positions: list[torch.Tensor], names: list[str], parts: list[torch.Tensor],
+              rows: list[torch.Tensor] | None = None) -> torch.Tensor | LengthCounts:
     """A packed step's documents, from its micro-batches' `position_ids`: how many (the
     positions 0) and the longest (the largest position + 1) added to `names`/`parts`, as
     0-dim tensors on their device copied with the step's other figures (no sync); returns
     their lengths, for the `data/seq_len` histogram: from host positions, one a document
-    (`doc_lengths`); from a device's, counts by length (`doc_length_counts`)."""
+    (`doc_lengths`); from a device's, counts by length (`doc_length_counts`). `rows`: the
+    masks of the step's micro-batches that are not packed (padded ones, beside the packed
+    under accumulation): each row one sample more, of its mask's sum long."""
     if len(positions) == 1:
         p = positions[0]
         docs, longest = (p == 0).sum(), p.max()
     else:
         docs = torch.stack([(p == 0).sum() for p in positions]).sum()
         longest = torch.stack([p.max() for p in positions]).max()
+    docs, longest = docs.float(), longest.float() + 1
+    lens = row_lengths(rows or [])
+    if lens:  # shapes tell how many rows; their longest is read with the step's copy
+        docs = docs + sum(int(n.numel()) for n in lens)
+        longest = torch.stack([longest, *(n.max().to(longest.device) for n in lens)]).max()
     names += DOCS
-    parts += [docs.float(), longest.float() + 1]
-    if EXACT_ON_CPU and all(p.device.type == "cpu" for p in positions):
-        return doc_lengths(positions)
-    return doc_length_counts(positions)
+    parts += [docs, longest]
+    if EXACT_ON_CPU and all(t.device.type == "cpu" for t in [*positions, *lens]):
+        return torch.cat([doc_lengths(positions), *lens]) if lens else doc_lengths(positions)
+    return doc_length_counts(positions, lens, max((int(m.shape[-1]) for m in rows or []),
+                                                  default=0))
+
+
+def row_lengths(masks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each row's length (its mask's sum, float32) of each [batch, T] (or [T]) mask."""
+    return [m.detach().reshape(1 if m.dim() == 1 else m.shape[0], -1)
+            .sum(dim=1, dtype=torch.float32) for m in masks]
 
 
 def doc_lengths(positions: list[torch.Tensor]) -> torch.Tensor:
@@ -294,14 +308,16 @@ def doc_lengths(positions: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(out)
 
 
-def doc_length_counts(positions: list[torch.Tensor]) -> LengthCounts:
+def doc_length_counts(positions: list[torch.Tensor], rows: list[torch.Tensor] | None = None,
+                      width: int = 0) -> LengthCounts:
     """A packed step's documents' lengths, for the `data/seq_len` histogram, as counts by
     length on the positions' device (a shape the host knows: no sync, and a copy of a
     row's size, not the batch's): a document's length is its last position + 1, its last
     token the one before a position 0 or a row's last. One carried on from a row before
     counts its positions there too; one longer than the step's longest row counts as that
-    long (the vector's last entry)."""
-    size = max(int(p.shape[-1]) for p in positions) + 1
+    long (the vector's last entry). `rows`: the lengths (`row_lengths`) of the padded rows
+    of the step's micro-batches not packed, `width` their masks' widest, counted beside."""
+    size = max(width, *(int(p.shape[-1]) for p in positions)) + 1
     counts = torch.zeros(size, device=positions[0].device)
     for p in positions:
         end = torch.ones(p.shape, dtype=torch.float32, device=p.device)
@@ -309,6 +325,9 @@ def doc_length_counts(positions: list[torch.Tensor]) -> LengthCounts:
         # int64 indices, whatever the positions' integer type (no copy for int64 ones)
         counts.scatter_add_(0, (p.long() + 1).clamp_(0, size - 1).reshape(-1),
                             end.reshape(-1))
+    for n in rows or []:  # a row's length is at most its mask's width: within the vector
+        n = n.to(counts.device)
+        counts.scatter_add_(0, n.long().clamp_(0, size - 1), torch.ones_like(n))
     return LengthCounts(counts)
 
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -180,10 +181,10 @@ def test_an_own_loop_that_clips_itself_reads_nothing_on_the_step_path(tmp_path, 
 
 def test_an_own_loop_of_packed_micro_batches_reads_nothing_on_the_step_path(tmp_path, audit,
                                                                           monkeypatch):
-    """Packed rows (position_ids, no attention_mask) handed over as `batch=[...]`, and the
-    micro-batches' losses as `loss=[...]`: their documents' figures (their lengths as a
-    device counts them, by length) and mean loss are device figures, in the step's one
-    copy."""
+    """Packed rows (position_ids, no attention_mask) and a padded micro-batch handed over
+    as `batch=[...]`, and the micro-batches' losses as `loss=[...]`: their documents' and
+    padded rows' figures (their lengths as a device counts them, by length) and mean loss
+    are device figures, in the step's one copy."""
     from nbwatch.probes import data
 
     monkeypatch.setattr(data, "EXACT_ON_CPU", False)
@@ -196,14 +197,19 @@ def test_an_own_loop_of_packed_micro_batches_reads_nothing_on_the_step_path(tmp_
         return {"input_ids": torch.randint(1, 60, (1, 32), generator=g),
                 "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
 
+    def padded() -> dict[str, torch.Tensor]:  # two rows, 32 and 20 tokens real
+        mask = torch.ones(2, 32, dtype=torch.long)
+        mask[1, 20:] = 0
+        return {"input_ids": torch.randint(1, 60, (2, 32), generator=g), "attention_mask": mask}
+
     with monitor(tmp_path, demo, hist_every=5) as mon:
         for i in range(1, STEPS + 1):
             window(audit, i - 1)
-            batches, losses = [row(), row()], []
+            batches, losses = [row(), row(), padded()], []
             for b in batches:
                 logits = m(b["input_ids"])
                 loss = torch.nn.functional.cross_entropy(logits[0, :-1], b["input_ids"][0, 1:])
-                (loss / 2).backward()
+                (loss / 3).backward()
                 losses.append(loss.detach())
             opt.step()
             demo.scheduler.step()
@@ -214,8 +220,13 @@ def test_an_own_loop_of_packed_micro_batches_reads_nothing_on_the_step_path(tmp_
     has_histograms(tmp_path / "r", 5)
     df = nbwatch.open_run(tmp_path / "r").df
     assert df.index.tolist() == list(range(1, STEPS + 1))
-    assert df["data/seq_len_mean"].tolist() == pytest.approx([32 / 3] * STEPS)  # 3 documents
-    assert (df["data/seq_len_max"] == 16).all()
+    # 6 documents (64 tokens) and 2 padded rows (52 of their 64 tokens)
+    assert (df["tokens/real"] == 116).all()
+    assert df["data/seq_len_mean"].tolist() == pytest.approx([116 / 8] * STEPS)
+    assert (df["data/seq_len_max"] == 32).all()
+    _, edges, counts = nbwatch.open_run(tmp_path / "r").histograms("data/seq_len")
+    every = [5, 11, 16, 5, 11, 16, 32, 20] * 5  # the 5 steps since the histogram before
+    assert (np.histogram(every, bins=edges[-1])[0] == counts[-1]).all()
 
 
 def test_start_reads_nothing_on_the_step_path(tmp_path, audit):

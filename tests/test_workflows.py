@@ -534,3 +534,97 @@ def test_a_models_own_4d_attention_mask_is_not_counted_as_tokens(tmp_path):
                   batches, tmp_path / "pl")
     df = nbwatch.open_run(tmp_path / "pl").df
     assert "tokens/real" not in df.columns or df["tokens/real"].isna().all()
+
+
+def _no_tokens(df) -> None:
+    for name in ("tokens/real", "throughput/tokens_per_s", "data/padding_ratio",
+                 "data/seq_len_mean"):
+        assert name not in df.columns or df[name].isna().all(), name
+
+
+def test_an_encoder_decoders_batch_as_a_tuple_counts_no_tokens_in_every_loop(tmp_path):
+    """A T5 batch as a tuple names neither its source nor its target: no token figures in
+    any loop (not the target's, whose mask start()'s step returns), its samples/s its
+    first tensor's rows; so too a model of PyTorch's own `nn.Transformer`, whose step's
+    mask (the target's) start() counted. A loop of one's own that gave `log(batch=(src, tgt))`, two
+    tokenizer outputs and one backward pass, counted them as two micro-batches: the
+    target's 14 tokens and 4 rows beside the source's 22 and 4 (36 tokens, 8 samples)."""
+    pytest.importorskip("transformers")
+    b = _t5_batch()
+    tup = (b["input_ids"], b["attention_mask"], b["labels"])
+
+    def forward(m, t):
+        return m(input_ids=t[0], attention_mask=t[1], labels=t[2])
+
+    steps = {"loss": lambda m, t: forward(m, t).loss,
+             "target mask": lambda m, t: {"loss": forward(m, t).loss, "mask": t[2] != -100}}
+    dfs = {}
+    for name, step_fn in steps.items():
+        model = _t5()
+        mon = nbwatch.Monitor(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                              run_dir=tmp_path / name, display=False)
+        mon.start(step_fn, [tup] * 3, max_steps=3)
+        mon.wait()
+        assert mon.state == "finished", mon.error
+        dfs[name] = mon.df
+    lightning_fit(tmp_path, _t5(), lambda net, t: forward(net, t).loss, [tup] * 3,
+                  tmp_path / "pl")
+    dfs["lightning"] = nbwatch.open_run(tmp_path / "pl").df
+
+    class Seq2Seq(torch.nn.Module):  # PyTorch's own nn.Transformer: no config to say so
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(64, 16)
+            self.tf = torch.nn.Transformer(16, 2, 1, 1, 32, dropout=0.0, batch_first=True)
+            self.out = torch.nn.Linear(16, 64)
+
+        def forward(self, src, tgt):
+            return self.out(self.tf(self.emb(src), self.emb(tgt)))
+
+    def seq2seq_step(m, t):  # its mask the target's: it counted 14 tokens, the target's
+        logits = m(t[0], t[2].clamp(min=0))
+        return {"loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), t[2].flatten()),
+                "mask": t[2] != -100}
+
+    torch.manual_seed(0)
+    model = Seq2Seq()
+    mon = nbwatch.Monitor(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                          run_dir=tmp_path / "nn", display=False)
+    mon.start(seq2seq_step, [tup] * 3, max_steps=3)
+    mon.wait()
+    assert mon.state == "finished", mon.error
+    dfs["nn.Transformer"] = mon.df
+    for name, df in dfs.items():
+        _no_tokens(df)
+        later = df.loc[2:]
+        assert (later["throughput/samples_per_s"] * later["time/step"]).tolist() == \
+            pytest.approx([4.0] * 2, rel=1e-3), name
+
+    # a loop of one's own: (src, tgt) is one batch; [b1, b2] with a backward each is two
+    src = {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]}
+    tgt = {"input_ids": b["labels"].clamp(min=0), "attention_mask": (b["labels"] != -100).long()}
+    for name, pairs in (("pair", False), ("micro", True)):
+        model = _t5()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with nbwatch.Monitor(model, opt, run_dir=tmp_path / name, display=False) as mon:
+            for _ in range(3):
+                if pairs:
+                    losses = [model(**b).loss for _ in range(2)]
+                    for one in losses:
+                        (one / 2).backward()
+                    given = {"loss": losses, "batch": [b, b]}
+                else:
+                    loss = model(**src, labels=b["labels"]).loss
+                    loss.backward()
+                    given = {"loss": loss, "batch": (src, tgt)}
+                opt.step()
+                opt.zero_grad()
+                mon.log(**given)
+        df = nbwatch.open_run(tmp_path / name).df
+        if pairs:  # the two micro-batches' sources
+            assert df["tokens/real"].tolist() == [44.0] * 3
+            assert df["data/seq_len_mean"].tolist() == pytest.approx([5.5] * 3)
+        else:
+            _no_tokens(df)
+            assert "throughput/samples_per_s" not in df.columns or \
+                df["throughput/samples_per_s"].isna().all()

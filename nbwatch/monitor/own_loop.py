@@ -49,7 +49,7 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
     micro = count.take() if count is not None else 0  # the step's backward passes
     with rec.own:
         said = one_of_many(loss, max(micro, len(mask) if isinstance(mask, (list, tuple)) else 1))
-        batches = _batches(batch)
+        batches = _batches(batch, micro, session.setup.model)
         rec.note_logged_batch(batches[0], scalars)  # takes epoch=/index= given with a batch
         for b in batches[1:]:
             rec.batch_ids.note_batch(b)  # the step's other micro-batches, as start()'s
@@ -89,9 +89,15 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
     return Logged(rewound.step, rewound, skip)
 
 
-def _batches(batch: Any) -> list:
-    """`log(batch=...)` as the step's micro-batches: a list of dict batches is one each."""
+def _batches(batch: Any, backwards: int, model: Any) -> list:
+    """`log(batch=...)` as the step's micro-batches: a list of dict batches is one each.
+    Not an encoder-decoder's where the step took another number of backward passes
+    (counted: `backwards` > 0): one batch in parts, its source's and its target's
+    tokenizer outputs (`(src, tgt)`), which names neither: no data figures, rather than
+    the target's tokens and rows counted as a second micro-batch's."""
     if isinstance(batch, (list, tuple)) and batch and all(isinstance(b, Mapping) for b in batch):
+        if len(batch) > 1 and backwards and backwards != len(batch) and _enc_dec(model):
+            return [batch]
         return list(batch)
     return [batch]
 

@@ -224,9 +224,11 @@ def input_tokens(batch: Any) -> torch.Tensor | None:
 
 def is_encoder_decoder(model: Any) -> bool:
     """A model whose logits are the decoder's (T5, BART, Whisper): its config says so, or
-    that of the Hugging Face model it holds (a LightningModule's, under DDP's wrapper)."""
+    that of the Hugging Face model it holds (a LightningModule's, under DDP's wrapper), or
+    it holds PyTorch's own `nn.Transformer` (an encoder and a decoder)."""
     mods = model.modules() if isinstance(model, torch.nn.Module) else [model]
-    return any(getattr(getattr(m, "config", None), "is_encoder_decoder", False) is True
+    return any(isinstance(m, torch.nn.Transformer)
+               or getattr(getattr(m, "config", None), "is_encoder_decoder", False) is True
                for m in mods)
 
 

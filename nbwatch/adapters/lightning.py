@@ -35,7 +35,7 @@ from ..evaluation import GuessedForward, batch_call, describe_call
 from ..interrupts import Terminated
 from ..monitor import Monitor
 from ..probes.attention import take_samples
-from ..probes.data import input_tokens, packed_positions
+from ..probes.data import additive_01, input_tokens, packed_positions
 from ..probes.throughput import batch_samples
 from .base import Adapter, callback_of, check_fit_arguments, drop_repeats, found_inf, unwrap
 from .fit_run import FitRun
@@ -109,8 +109,8 @@ class NbwatchCallback(Adapter, pl.Callback):
             key = next((k for k in _MASK_KEYS if isinstance(batch.get(k), torch.Tensor)), None)
             if key == "attention_mask":  # the batch's own: its tokens (segment ids), not a
                 mask = input_tokens(batch)  # model's own 4-D [batch, 1, T, T] mask
-            elif key is not None:
-                mask = batch[key]
+            elif key is not None:  # (a float additive one as 0/1, else as it is: checked)
+                mask = additive_01(batch[key])
             elif packed_positions(batch) is None:  # (a packed batch's: from its shape)
                 mask = input_tokens(batch)  # every input_ids token (an encoder-decoder's
                 # source's, never its target's), as the Trainer's

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..probes.data import (
+    additive_01,
     all_real,
     decoder_mask,
     documents,
@@ -112,7 +113,12 @@ def _masks(batches: list, mask: Any, model: Any
     `mask=`, the batches' own tokens, as the Trainer counts them (`input_tokens`: the
     attention_mask, else every input_ids token; an encoder-decoder's source, its logits
     weighed by the target's mask, `decoder_mask`); none where a batch holds neither, or
-    its mask is not the [batch, seq_len] one `log_figures` takes."""
+    its mask is not the [batch, seq_len] one `log_figures` takes. A float additive mask
+    given (0.0 real, negative padding) is taken as the 0/1 one it stands for."""
+    if isinstance(mask, (list, tuple)):
+        mask = [additive_01(m) if isinstance(m, torch.Tensor) else m for m in mask]
+    elif isinstance(mask, torch.Tensor):
+        mask = additive_01(mask)
     if batches[0] is None:
         return [], [], mask, ...
     found = [packed_positions(b) for b in batches]

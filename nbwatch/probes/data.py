@@ -21,8 +21,25 @@ _HOW = ("pass a 0/1 (or bool) attention mask, 1 for a real token and 0 for paddi
 def attention_tokens(mask: torch.Tensor) -> torch.Tensor:
     """A batch's own `attention_mask` as the tokens it marks real: `mask != 0` (one op on
     its device, no read), so a packer's segment ids (1, 2, 3 … a document, 0 padding) are
-    real tokens, not a mask the run is refused for; a bool mask as it is."""
-    return mask if mask.dtype == torch.bool else mask != 0
+    real tokens, not a mask the run is refused for; a bool mask as it is; a float one
+    first through `additive_01` (an additive mask's real tokens are its 0.0s)."""
+    if mask.dtype == torch.bool:
+        return mask
+    return (additive_01(mask) if mask.is_floating_point() else mask) != 0
+
+
+def additive_01(mask: torch.Tensor) -> torch.Tensor:
+    """A float mask as a 0/1 one: an additive attention mask (0.0 where a token is attended,
+    a negative where it is masked: -inf, torch.finfo(dtype).min, -1e4), told by having no
+    positive entry, as 1.0 where it is 0 and 0.0 where negative; any other float mask (a
+    0/1 one, one of other values that `check_mask` refuses) as it is; other dtypes as they
+    are. On its device, no read (the choice is made there). A float mask of zeros alone is
+    an additive one that masks nothing: every token real (as 0/1 it would be all padding).
+    """
+    if not mask.is_floating_point() or mask.numel() == 0:
+        return mask
+    m = mask.detach()
+    return torch.where(m.amax() > 0, m, (m == 0).to(m.dtype))
 
 
 def check_mask(mask: torch.Tensor, who: str,
@@ -47,8 +64,11 @@ def check_mask(mask: torch.Tensor, who: str,
         bad = (m != 0) & (m != 1)
         seen = torch.unique(m[bad]).tolist()
         shown = ", ".join(f"{v:g}" for v in seen[:5]) + (" …" if len(seen) > 5 else "")
+        also = ("; an additive attention mask (0.0 where a token is attended, a negative "
+                "where masked) is read as one where no entry is positive"
+                if m.is_floating_point() and bool((m < 0).any()) else "")
         raise ValueError(
-            f"{who}: the mask holds {shown} besides 0 and 1, so {why}; {how}")
+            f"{who}: the mask holds {shown} besides 0 and 1, so {why}; {how}{also}")
 
 
 def mask_stats(mask: torch.Tensor, count_bad: bool = False) -> dict[str, torch.Tensor]:
@@ -191,7 +211,7 @@ def decoder_mask(batch: Any) -> Any:
         return None
     m = batch.get("decoder_attention_mask")
     if isinstance(m, torch.Tensor):
-        return m
+        return additive_01(m)
     labels = batch.get("labels")
     if isinstance(labels, torch.Tensor) and labels.dim() == 2 and not labels.is_floating_point():
         return labels != IGNORE_INDEX

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .data import IGNORE_INDEX, attention_tokens, is_encoder_decoder
+from .data import IGNORE_INDEX, additive_01, attention_tokens, is_encoder_decoder
 
 
 def masked_cross_entropy(
@@ -17,9 +17,11 @@ def masked_cross_entropy(
     """Cross-entropy averaged over real tokens only.
 
     `logits` is [..., V], `labels` and `mask` are [...] (mask: 1 for a real token, 0 for
-    padding). Padding neither adds to the numerator nor to the denominator, so a batch
-    of short lines and a batch of long ones weigh each token equally. A label of -100
-    (Hugging Face's padded label, `cross_entropy`'s `ignore_index`) is padding too.
+    padding; a float additive one, 0.0 for a real token and a negative for padding, is
+    read as one where none of its entries is positive). Padding neither adds to the
+    numerator nor to the denominator, so a batch of short lines and a batch of long ones
+    weigh each token equally. A label of -100 (Hugging Face's padded label,
+    `cross_entropy`'s `ignore_index`) is padding too.
 
     >>> loss = masked_cross_entropy(logits, targets, attention_mask)
     """
@@ -39,7 +41,7 @@ def masked_cross_entropy(
                 f"mask {tuple(mask.shape)} does not match labels {tuple(labels.shape)}: "
                 "pass one 0/1 entry per label"
             )
-        m = m * mask.reshape(-1).to(per_token.dtype)
+        m = m * additive_01(mask).reshape(-1).to(per_token.dtype)
     return (per_token * m).sum() / m.sum().clamp_min(1.0)
 
 
@@ -118,6 +120,8 @@ def parse_step_output(out: object) -> StepOutput:
         mask = out.get("mask")
         if mask is not None and not isinstance(mask, torch.Tensor):
             raise TypeError(f"step_fn's 'mask' is a {type(mask).__name__}, not a tensor; {hint}")
+        if mask is not None:  # an additive one (0.0 real, negative padding) as 0/1
+            mask = additive_01(mask)
         if "loss" in out:
             loss = out["loss"]
         elif "logits" in out and "labels" in out:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .data import BAD, host_figures
-from .logit_rows import LOG_Z, MAX_ABS, log_z_and_top
+from .logit_rows import LOG_Z, MAX_ABS, aligned, log_z_and_top
 
 KEY = "_late"  # a step's host figures hold its `Late` under this key till its end
 # the mask dtypes kept; numpy has no bfloat16: a bfloat16 mask's copy is float32
@@ -97,15 +97,17 @@ def drop_masks(host: dict[str, Any]) -> None:
 def keep_rows(host: dict[str, Any], rows: torch.Tensor, sel: slice, shape: tuple[int, ...],
               mask: torch.Tensor | None) -> bool:
     """Keep a copy of the logits' subsampled rows (`logits.row_copy`) and of the mask
-    that weights them (`mask`, where it has the logits' positions' `shape`) for the
+    that weights them (`mask`, where it fits the logits' positions' `shape`) for the
     step's record (True), or nothing (False: a mask on a GPU; the caller computes the
     figures now)."""
-    weighted = mask is not None and tuple(mask.shape) == shape
-    if weighted and mask is not None and mask.device.type != "cpu":
+    fit = aligned(mask, shape)
+    if fit is not None and fit.device.type != "cpu":
         return False
     late = _of(host)
     late.rows, late.sel = rows, sel
-    late.weight = late.copy(mask) if weighted and mask is not None else None
+    # a mask aligned anew is a tensor of its own (its id may be another's once it is gone)
+    late.weight = (None if fit is None else late.copy(fit) if fit is mask
+                   else fit.detach().clone())
     return True
 
 

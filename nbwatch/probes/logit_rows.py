@@ -50,7 +50,8 @@ def logit_parts(logits: torch.Tensor, mask: torch.Tensor | None = None,
                 positions: int = POSITIONS) -> list[torch.Tensor]:
     """[log Z mean, max |logit|] over at most `positions` positions of `logits` [..., V], as
     0-dim float tensors on its device (no sync). `mask` ([...], 1 for a real token), when
-    its shape is the logits' positions, leaves padding out (by weight: no sync either).
+    it fits the logits' positions (`aligned`: their shape, or a position shorter or longer
+    beside labels shifted by hand), leaves padding out (by weight: no sync either).
 
     >>> names, parts = NAMES, logit_parts(out.logits, batch["attention_mask"])
     """
@@ -92,11 +93,32 @@ def row_figures(logits: torch.Tensor, positions: int = POSITIONS,
     return lz, top, rows, tuple(logits.shape[:-1])
 
 
+def aligned(mask: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """`mask` over the logits' positions `shape`, as a loss that shifts its labels by hand
+    weighs them (the logits at t predict token t + 1): as it is where it has their shape;
+    a position shorter (the shifted labels' mask, of `logits[..., :-1, :]`) with the last
+    position weighed 0; a position longer (the batch's attention_mask beside logits handed
+    over as `logits[:, :-1]`) from its second on, `mask[..., 1:]`, as the loss's labels;
+    None where it fits neither. No read: a slice, or one op on its device."""
+    if mask is None:
+        return None
+    got = tuple(mask.shape)
+    if got == shape:
+        return mask
+    if not shape or len(got) != len(shape) or got[:-1] != shape[:-1]:
+        return None
+    if got[-1] == shape[-1] - 1:
+        m = mask.detach()
+        return torch.cat([m, m.new_zeros((*got[:-1], 1))], dim=-1)
+    return mask[..., 1:] if got[-1] == shape[-1] + 1 else None
+
+
 def reduce_rows(figures: Rows, mask: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The reducing half of `logit_parts`: the rows' mean log Z and max |logit|, padding
-    left out by weight where `mask` has the logits' positions' shape."""
+    left out by weight where `mask` fits the logits' positions (`aligned`)."""
     lz, top, rows, shape = figures
-    if mask is not None and tuple(mask.shape) == shape:
+    mask = aligned(mask, shape)
+    if mask is not None:
         m = mask.detach().reshape(-1)[rows]
         if m.device != lz.device:  # a CPU batch's mask, the batch moved inside the step_fn:
             # its rows go to the logits' device (no wait; a copy to the host must wait)

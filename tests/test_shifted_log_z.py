@@ -130,3 +130,32 @@ def test_a_devices_figures_weigh_a_mask_one_position_apart_as_the_hosts():
     unweighted = [float(logits.logsumexp(-1).mean()), float(logits.abs().max())]
     assert [float(p) for p in logit_parts(logits, am[:, 2:])] == pytest.approx(unweighted,
                                                                                 rel=1e-6)
+
+
+def test_an_encoder_decoders_logits_are_never_weighed_by_its_sources_mask(tmp_path):
+    """Lightning, a T5 batch that names no target mask (`decoder_input_ids`, no labels nor
+    `decoder_attention_mask`): log Z over every target position, not weighed by the
+    source's attention_mask, which it was where the two lengths matched (or, since a
+    mask a position apart is aligned, were one apart)."""
+    tf = pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(0)
+    am = torch.ones(2, 8, dtype=torch.long)
+    am[1, 3:] = 0
+    data = [{"input_ids": torch.randint(2, 64, (2, 8), generator=g), "attention_mask": am,
+             "decoder_input_ids": torch.randint(2, 64, (2, t), generator=g)}
+            for t in (8, 7, 9)]  # as long as the source, one shorter, one longer
+    want = []
+
+    def loss_of(net, b):
+        logits = net(**b).logits
+        x = logits.detach().double()
+        want.append([float(x.logsumexp(-1).mean()), float(x.abs().max())])
+        return logits.float().logsumexp(-1).mean()
+
+    torch.manual_seed(0)
+    model = tf.T5ForConditionalGeneration(tf.T5Config(
+        d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=8, vocab_size=64,
+        decoder_start_token_id=0, pad_token_id=0))
+    lightning_fit(tmp_path, model, loss_of, data, tmp_path / "pl")
+    np.testing.assert_allclose(figures(nbwatch.open_run(tmp_path / "pl").df), np.array(want),
+                               rtol=1e-5)

@@ -254,9 +254,11 @@ class Adapter:
                 if not masks and unmasked:  # every token real: known from the shapes
                     all_real(unmasked).into(names, parts, host)
                 lengths = documents(positions, names, parts, rows)
-            # the first micro-batch's forward: its mask leaves its padding out
-            lnames, lparts = rec.logit_figures(
-                logit_mask if logit_mask is not None else masks[0] if masks else None, host)
+            # the first micro-batch's forward: its mask leaves its padding out (an
+            # encoder-decoder's: its target's alone, never its source's)
+            if logit_mask is None and masks and not (self._enc_dec and self._enc_dec[1]):
+                logit_mask = masks[0]
+            lnames, lparts = rec.logit_figures(logit_mask, host)
             names += lnames
             parts += lparts
         return rec.record_step(host, names, parts, lengths=lengths, samples=samples,

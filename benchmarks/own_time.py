@@ -91,7 +91,7 @@ def main() -> None:
     print(f"{n} steps of {r.step * 1e3:.1f} ms: time/nbwatch median {own.median() * 1e6:.0f} µs,"
           f" mean {own.mean() * 1e6:.0f} µs ({r.own:.2%} of the step)")
     for label, v in sorted(times.items(), key=lambda kv: -sum(kv[1])):
-        print(f"  {label:44s} {sum(v) / n * 1e6:6.0f} µs a step ({len(v)} calls, median "
+        print(f"  {label:44s}  {sum(v) / n * 1e6:6.0f} µs a step ({len(v)} calls, median "
               f"{statistics.median(v) * 1e6:.0f} µs)")
 
 

@@ -32,6 +32,7 @@ from .probes.data import (
     input_tokens,
     is_encoder_decoder,
     packed_positions,
+    reads_tokens,
 )
 from .probes.late import drop_masks, keep_mask
 from .probes.logits import NAMES as LOGIT_NAMES
@@ -232,10 +233,12 @@ class Runner:
                 check_not_copying(batch, raw, model)
                 self._checked = True
             out = parse_step_output(raw)
-            # an encoder-decoder's own mask (its target's) is not counted, so not checked
+            # an encoder-decoder's own mask (its target's) is not counted, nor that of a batch
+            # of speech features or pixels (`reads_tokens`: no tokens), so not checked
             # there: looked at after the backward (a bad one freed with its graph), on the
             # first step, where the CPU reads it at no cost
-            target = out.mask if self._enc_dec and first else None
+            sourced = self._enc_dec or not reads_tokens(batch)
+            target = out.mask if sourced and first else None
             if out.mask is None:  # {'logits', 'labels'}: the batch's attention_mask; an
                 # encoder-decoder's logits are the target's: its target mask (the adapters')
                 out.mask = decoder_mask(batch) if self._enc_dec else batch_mask(batch, raw)
@@ -251,9 +254,10 @@ class Runner:
                                     else input_mask(batch))
             # the tokens read, not only those the loss weighs (a prompt's, a shifted row's);
             # an encoder-decoder's are its source's, as the adapters', never the step's mask
-            # (its target's): attention_mask, else every input_ids token
-            read = input_tokens(batch) if self._enc_dec else input_mask(batch)
-            tokens = read if read is not None or self._enc_dec else out.mask
+            # (its target's): attention_mask, else every input_ids token; a batch of speech
+            # features or pixels none (its attention_mask counts frames; the step's mask)
+            read = input_tokens(batch) if sourced else input_mask(batch)
+            tokens = read if read is not None or sourced else out.mask
             if tokens is None and pos is not None:  # packed, no mask: every token real
                 m.unmasked.append(pos)
             elif tokens is None:  # no mask anywhere: every input_ids token, as the Trainer

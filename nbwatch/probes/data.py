@@ -218,17 +218,35 @@ def decoder_mask(batch: Any) -> Any:
     return None
 
 
+# A model input that is not tokens: speech features (Whisper's log-mel frames), raw audio
+# (wav2vec2's samples), images. A batch of one and no input_ids has no tokens to count:
+# its attention_mask marks frames or samples (Whisper's feature extractor's, for
+# SpecAugment), not tokens.
+NOT_TOKENS = ("input_features", "input_values", "pixel_values")
+
+
+def reads_tokens(batch: Any) -> bool:
+    """False for a dict batch whose model input is not tokens (`NOT_TOKENS`) and that
+    holds no `input_ids`; True for any other (a vision-language batch's text tokens
+    count: it has input_ids). A look at its keys, no op."""
+    if not isinstance(batch, Mapping) or isinstance(batch.get("input_ids"), torch.Tensor):
+        return True
+    return not any(isinstance(batch.get(k), torch.Tensor) for k in NOT_TOKENS)
+
+
 def input_tokens(batch: Any) -> torch.Tensor | None:
     """The tokens of a batch's input, for the data figures: its `attention_mask`
     (`attention_tokens`), else every token of a 2-D integer `input_ids` real (as the
-    Trainer's `num_input_tokens_seen` counts them); None for a batch of neither (pixels,
-    audio features: samples/s only). An encoder-decoder's are its source's, the encoder's
-    input, in every loop: never its target's (`decoder_mask`, what its loss weighs).
+    Trainer's `num_input_tokens_seen` counts them); None for a batch of neither, or one
+    whose input is not tokens (`reads_tokens`: speech features, raw audio, pixels, whose
+    attention_mask counts frames or samples): samples/s only. An encoder-decoder's are
+    its source's, the encoder's input, in every loop: never its target's (`decoder_mask`,
+    what its loss weighs).
     None too for an attention_mask that is not one of its tokens (a model's own 4-D
     [batch, 1, T, T] mask: neither 1- or 2-D nor input_ids' shape; nor is every input_ids
     token real, it masks the padding) and for an empty batch.
     One op on the batch's device at most, no read."""
-    if not isinstance(batch, Mapping):
+    if not isinstance(batch, Mapping) or not reads_tokens(batch):
         return None
     mask = batch.get("attention_mask")
     ids = batch.get("input_ids")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .data import IGNORE_INDEX, additive_01, attention_tokens, is_encoder_decoder
+from .data import IGNORE_INDEX, additive_01, attention_tokens, is_encoder_decoder, reads_tokens
 
 
 def masked_cross_entropy(
@@ -75,8 +75,11 @@ def input_mask(batch: object) -> torch.Tensor | None:
     """The batch's own `attention_mask` (2-d): the tokens the forward read, which the data
     figures count (tokens/s, padding, lengths). Not a step's loss mask, which may leave out
     real tokens (a fine-tuning prompt's, a masked LM's unmasked ones, the first of each
-    shifted row)."""
+    shifted row). None for a batch whose input is not tokens (`reads_tokens`: a speech
+    model's frames mask)."""
     am = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if not reads_tokens(batch):
+        return None
     return attention_tokens(am) if isinstance(am, torch.Tensor) and am.dim() == 2 else None
 
 

@@ -141,3 +141,66 @@ def test_whispers_frames_mask_counts_no_tokens_in_a_loop_of_ones_own(tmp_path):
     assert len(df) == 4
     assert_no_token_figures(df)
     assert_no_seq_len_histogram(tmp_path / "run")
+
+
+def vit():
+    torch.manual_seed(0)
+    return tf.ViTForImageClassification(tf.ViTConfig(
+        image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
+        num_attention_heads=2, intermediate_size=32, num_labels=3))
+
+
+def images(n: int) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    return [{"pixel_values": torch.randn(3, 8, 8, generator=g),
+             "labels": torch.randint(0, 3, (), generator=g)} for _ in range(n)]
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(6, 1)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+
+
+@pytest.mark.parametrize(("case", "micro"), [
+    ("whisper", 1), ("whisper_frames", 1), ("vit", 1), ("x_y", 1),
+    ("whisper", 2), ("whisper_frames", 2), ("vit", 2)])
+def test_a_loop_of_ones_own_counts_a_batch_without_tokens_by_its_rows(tmp_path, case, micro):
+    """`log(loss, batch=batch)` of a batch with no token mask (speech features, pixels, an
+    (x, y) pair) records samples/s as the other loops do: the rows of its first batched
+    tensor over the step's time (4 a micro-batch; `batch=[b1, b2]` of dicts under
+    accumulation, a backward each: 8); it recorded none (the rows of an attention_mask or
+    input_ids only)."""
+    if case.startswith("whisper"):
+        model, forward = whisper(), (lambda m, b: m(**b).loss)
+        batches = batched(framed(16 * micro, 0) if case == "whisper_frames"
+                          else speech(16 * micro, 0))
+    elif case == "vit":
+        model, forward = vit(), (lambda m, b: m(**b).loss)
+        batches = batched(images(16 * micro))
+    else:
+        model, forward = _Mlp(), (lambda m, b: m(*b))
+        g = torch.Generator().manual_seed(0)
+        batches = [(torch.randn(4, 6, generator=g), torch.randn(4, generator=g))
+                   for _ in range(4 * micro)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nbwatch.Monitor(model, opt, run_dir=tmp_path / "run", display=False) as mon:
+        for i in range(0, len(batches), micro):
+            step = batches[i:i + micro]
+            losses = [forward(model, b) for b in step]
+            for one in losses:
+                (one / micro).backward()
+            opt.step()
+            opt.zero_grad()
+            if micro == 1:
+                mon.log(losses[0], batch=step[0])
+            else:
+                mon.log(losses, batch=step)
+    df = nbwatch.open_run(tmp_path / "run").df
+    assert len(df) == 4
+    assert df.loc[1, "time/step"] != df.loc[1, "time/step"]  # step 1: no time, no rate
+    assert_samples_per_s(df, rows=4 * micro)
+    assert_no_token_figures(df)

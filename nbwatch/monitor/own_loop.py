@@ -21,6 +21,7 @@ from ..probes.data import (
     is_encoder_decoder,
     packed_positions,
 )
+from ..probes.throughput import batch_samples
 from ..recorder import Rewound, StopTraining
 from ..records import Event
 from .accumulation import one_of_many
@@ -65,7 +66,9 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
             lengths = documents(positions, names, parts, rows)
         val = check_val(val)
         host.update(rec.forward_time())  # under torchrun: what tells a straggler
-    samples = mask_samples(mask)
+    # no [batch, seq_len] mask (speech features, pixels, an (x, y) batch): its rows, the
+    # first batched tensor's of each micro-batch, as start()'s, the Trainer's, Lightning's
+    samples = mask_samples(mask) or (None if positions else _rows(batches))
     step = rec.record_step(host, names, parts, lengths=lengths, samples=samples, val=val,
                            reduction="as computed by the training loop (mon.log)")
     if said is not None and "accumulation" not in rec.evals.probe_said:  # once a run
@@ -101,6 +104,18 @@ def _batches(batch: Any, backwards: int, model: Any) -> list:
             return [batch]
         return list(batch)
     return [batch]
+
+
+def _rows(batches: list) -> int | None:
+    """The samples of the step's micro-batches (`batch_samples`: a shape, no read), None
+    where one holds no batched tensor."""
+    total = 0
+    for b in batches:
+        n = batch_samples(b)
+        if not n:
+            return None
+        total += n
+    return total
 
 
 _ENC_DEC: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()

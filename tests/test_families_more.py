@@ -351,6 +351,9 @@ def test_whisper_under_the_trainer(tmp_path):
     assert_logits_by_hand(df, forwards, lambda inputs: inputs["labels"] != -100)
     assert df["throughput/samples_per_s"].tolist() == pytest.approx(
         (4 / df["time/step"]).tolist(), rel=1e-5)
+    # no tokens/s, so no TFLOP/s or MFU: nothing said of them (the encoder-decoder's note)
+    assert "throughput/tflops" not in df and "throughput/tokens_per_s" not in df
+    assert not run.events.message.str.contains("estimates").any()
 
     with torch.no_grad():
         out = eager_copy(model)(**probe_of(val), output_attentions=True)

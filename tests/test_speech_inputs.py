@@ -204,3 +204,36 @@ def test_a_loop_of_ones_own_counts_a_batch_without_tokens_by_its_rows(tmp_path, 
     assert df.loc[1, "time/step"] != df.loc[1, "time/step"]  # step 1: no time, no rate
     assert_samples_per_s(df, rows=4 * micro)
     assert_no_token_figures(df)
+
+
+@pytest.mark.parametrize("loop", ["start", "log", "lightning"])
+def test_whisper_with_no_tokens_says_nothing_of_tflops_it_does_not_record(tmp_path, loop):
+    """Whisper fed `input_features` alone (no mask) records no tokens/s, TFLOP/s or MFU:
+    the run said, at its start, that its TFLOP/s and MFU were encoder-decoder estimates.
+    The note waits for a step with tokens/s (a T5's: `test_throughput.py`); this run has
+    none (the Trainer's: `test_families_more.py`)."""
+    from nbwatch.probes.throughput import ENCODER_DECODER
+
+    batches, run_dir = batched(speech(12, 0)), tmp_path / "run"
+    model = whisper()
+    if loop == "lightning":
+        lightning_fit(tmp_path, model, lambda net, b: net(**b).loss, batches, run_dir)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        mon = nbwatch.Monitor(model, opt, run_dir=run_dir, display=False)
+        if loop == "start":
+            mon.start(lambda m, b: m(**b).loss, batches, max_steps=3, display=False).wait()
+        else:
+            with mon:
+                for b in batches:
+                    loss = model(**b).loss
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    mon.log(loss, batch=b)
+    run = nbwatch.open_run(run_dir)
+    assert len(run.df) == 3
+    assert_no_token_figures(run.df)
+    assert_samples_per_s(run.df)
+    assert ENCODER_DECODER not in set(run.events.message)
+    assert not run.events.message.str.contains("estimates").any()

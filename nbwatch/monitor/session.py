@@ -271,8 +271,8 @@ class RunSession:
                 rw = rec.rewind_state
                 rw.data_at, rw.data_order = self.resumed_data, self.resumed_order
             self.watch.open_run()
-            for note in mfu.notes if self.setup.rank == 0 else []:
-                store.put(Event(start_step, "state", "info", note))
+            if self.setup.rank == 0:  # said at the first step with tokens/s (and TFLOP/s)
+                mfu.say = lambda step, note: store.put(Event(step, "state", "info", note))
             if self.setup.rank == 0:
                 self._log_handler = open_run_log(rec.log, self.setup.run_dir)
                 self._sampler = SystemSampler(self.record_system,

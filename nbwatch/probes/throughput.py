@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -220,6 +220,10 @@ class Mfu:
         self.experts: Any = None  # the model's routed experts (`experts.find_experts`)
         self.unknown_experts: list[str] = []  # routed experts counted whole: top-k unknown
         self.notes: list[str] = []  # what the run says once of how far to trust its figures
+        # where they are said (the run's events): at the first step that has tokens/s, so
+        # TFLOP/s and MFU to say them of; a run of none (speech features, pixels) says none
+        self.say: Callable[[int, str], None] | None = None
+        self._said = False
 
     @classmethod
     def of(cls, model: object, peak: float | None) -> Mfu:
@@ -268,6 +272,10 @@ class Mfu:
 
     def __call__(self, values: dict[str, float], step: int | None = None) -> None:
         if "throughput/tokens_per_s" in values:
+            if not self._said and self.say is not None:
+                self._said = True
+                for note in self.notes:
+                    self.say(step or 0, note)
             trained = next((n for since, n in reversed(self.retrained)
                             if step is None or since <= step), self.n_trained)
             add_mfu(values, flops_per_token(self.n, self.layers, self.seq_len(values),

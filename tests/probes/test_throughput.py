@@ -193,12 +193,21 @@ def test_a_hand_written_moe_says_when_its_top_k_is_unknown(tmp_path):
     assert model_shape(told)[0] == sum(p.numel() for p in told.router.parameters()) + one
     model = _Moe()
     assert model_shape(model)[0] == sum(p.numel() for p in model.parameters())
-    mon = nbwatch.Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                          run_dir=tmp_path / "r", display=False)
-    mon.start(lambda m, x: m(x).square().mean(), [torch.randn(4, 8)] * 3, max_steps=3,
-              display=False).wait()
-    said = mon.events[mon.events.message.str.contains("upper bounds")]
-    assert len(said) == 1 and "experts" in said.message.iloc[0] and "top_k" in said.message.iloc[0]
+    # said at the first step with tokens/s (a mask's 32 tokens a step), where TFLOP/s begin;
+    # a run of bare tensors (no tokens, no TFLOP/s) says nothing of them
+    batch = {"x": torch.randn(4, 8), "attention_mask": torch.ones(4, 8, dtype=torch.long)}
+    for name, batches in (("tokens", [batch] * 3), ("tensors", [torch.randn(4, 8)] * 3)):
+        mon = nbwatch.Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              run_dir=tmp_path / name, display=False)
+        mon.start(lambda m, b: m(b["x"] if isinstance(b, dict) else b).square().mean(),
+                  batches, max_steps=3, display=False).wait()
+        said = mon.events[mon.events.message.str.contains("upper bounds")]
+        if name == "tensors":
+            assert said.empty and "throughput/tflops" not in mon.df
+            continue
+        assert len(said) == 1 and "experts" in said.message.iloc[0]
+        assert "top_k" in said.message.iloc[0]
+        assert said.step.iloc[0] == mon.df["throughput/tflops"].first_valid_index()
 
 
 def test_an_encoder_decoders_figures_are_said_to_be_estimates(tmp_path):
@@ -223,3 +232,5 @@ def test_an_encoder_decoders_figures_are_said_to_be_estimates(tmp_path):
     mon.wait()
     said = mon.events[mon.events.message == ENCODER_DECODER]
     assert len(said) == 1 and "tokens/real" in mon.df
+    # at the step whose TFLOP/s it speaks of: the first with tokens/s
+    assert said.step.iloc[0] == mon.df["throughput/tflops"].first_valid_index()

@@ -130,15 +130,21 @@ def _weights_returned(model: nn.Module) -> Iterator[None]:
     """Hugging Face attention, for the probe pass, in a form whose weights the probe sees,
     then as it was: a kernel that gives none (flash_attention_2/3, flex_attention, one
     registered with AttentionInterface) runs as SDPA (eager where the model has no SDPA),
-    and eager attention returns its weights (`config.output_attentions` of every eager
-    model in the tree: a Lightning module's inner `self.model` too)."""
+    unless its class was chosen for it at init, and eager attention returns its weights
+    (`config.output_attentions` of every eager model in the tree: a Lightning module's
+    inner `self.model` too)."""
     configs: dict[int, Any] = {}
     for mod in model.modules():
         config = getattr(mod, "config", None)
         if config is not None and isinstance(getattr(config, "_attn_implementation", None), str):
             configs.setdefault(id(config), config)
+    # a kernel class chosen at the model's init (transformers before 4.48's FlashAttention2
+    # classes, GPT-Neo's and Bark's still) stays whatever the config says, and the mask
+    # the model builds for SDPA or eager would reach it (4-D where flash reads [batch, T]:
+    # indices past the keys, a device-side assert): those run as they are, unseen
+    fixed = any(hasattr(m, "_flash_attn_uses_top_left_mask") for m in model.modules())
     kernels = {id(c): c._attn_implementation for c in configs.values()
-               if c._attn_implementation not in _SEEN}
+               if c._attn_implementation not in _SEEN and not fixed}
     sdpa = all(getattr(m, "_supports_sdpa", True) is not False for m in model.modules()
                if isinstance(m, nn.Module) and hasattr(m, "_supports_sdpa"))
     for key in kernels:

@@ -148,6 +148,57 @@ def test_llama_grouped_query_attention_under_the_trainer(tmp_path, attn):
             assert not np.allclose(w[0], w[1], atol=1e-3)
 
 
+def test_a_flash_attention_class_chosen_at_init_keeps_its_kernel_for_the_probe(tmp_path,
+                                                                               monkeypatch):
+    """GPT-Neo on flash_attention_2 picks its attention class at init (as every model of
+    transformers before 4.48 did): switching its config to eager for the probe pass made
+    the model build a 4-D mask for a kernel that reads [batch, T] (transformers' own
+    unpadding, here before the kernel: indices past the keys, on a GPU a device-side
+    assert), and the run failed at its first eval. Its pass runs on its own kernel now:
+    no maps, said once as a warning, act/rms and logits at every eval."""
+    from transformers import modeling_flash_attention_utils as fa
+    from transformers.models.gpt_neo import modeling_gpt_neo as neo
+
+    def kernel(q, k, v, attention_mask, query_length, is_causal=True, dropout=0.0,
+               softmax_scale=None, **kw):  # flash-attn's, on the CPU: [batch, T, heads, d]
+        if attention_mask is not None:  # transformers' unpadding of the keys, as on a GPU
+            fa._index_first_axis(k, fa._get_unpad_data(attention_mask)[0])
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        s = q @ k.transpose(-1, -2) * (softmax_scale or q.shape[-1] ** -0.5)
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+        if attention_mask is not None:
+            keep = keep & attention_mask[:, None, None, :].bool()
+        return (s.masked_fill(~keep, float("-inf")).softmax(-1) @ v).transpose(1, 2)
+
+    # (imported there only where flash-attn is installed)
+    monkeypatch.setattr(neo, "_flash_attention_forward", kernel, raising=False)
+    torch.manual_seed(0)
+    config = tf.GPTNeoConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
+                             attention_types=[[["global", "global"], 1]],
+                             max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+    model = tf.GPTNeoForCausalLM(config)
+    for i, block in enumerate(model.transformer.h):  # what attn_implementation= builds on
+        flash = neo.GPTNeoFlashAttention2(config, block.attn.attention.attention_type, i)
+        flash.load_state_dict(block.attn.attention.state_dict())  # a GPU with flash-attn
+        block.attn.attention = flash
+    model.config._attn_implementation_internal = "flash_attention_2"
+    ids = torch.randint(1, VOCAB, (4, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    mon = nbwatch.Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          run_dir=tmp_path / "r")
+    mon.start(lambda m, b: m(**b).loss, [batch] * 4, max_steps=4, eval_every=2,
+              probe_batch=batch, display=False).wait()
+    assert mon.state == "finished" and mon.step == 4
+    assert model.config._attn_implementation == "flash_attention_2"
+    probes = mon.events.query("kind == 'probe'")
+    assert len(probes) == 1 and probes.severity.iloc[0] == "warning", probes.message.tolist()
+    assert "saw no attention weights" in probes.message.iloc[0]
+    for key in ("act/rms/transformer.h.1", "logits/z_mean"):
+        assert mon.df[key].dropna().index.tolist() == [2, 4], key
+
+
 def test_mistral_sliding_window_maps_give_no_weight_beyond_the_window(tmp_path):
     T, WINDOW = 16, 8
     torch.manual_seed(0)

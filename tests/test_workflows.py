@@ -542,6 +542,31 @@ def _no_tokens(df) -> None:
         assert name not in df.columns or df[name].isna().all(), name
 
 
+def test_an_encoder_decoders_source_mask_given_alone_does_not_weigh_its_logits(tmp_path):
+    """A loop of one's own that gives a T5's source mask as `log(mask=...)` (as the docs
+    say to) and no batch: its logits are the target's, so log Z is over every target
+    position. It was weighed by the source's mask (same length here; with labels shifted
+    by hand, a position apart too)."""
+    pytest.importorskip("transformers")
+    from nbwatch.probes.logit_rows import logit_parts
+
+    model = _t5()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    expected = []
+    with nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False) as mon:
+        for batch in [_t5_batch()] * 3:
+            out = model(**batch)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad()
+            expected.append([float(t) for t in logit_parts(out.logits.detach())])
+            mon.log(loss=out.loss, mask=batch["attention_mask"], logits=out.logits)
+    df = nbwatch.open_run(tmp_path / "r").df
+    _source_figures(df, tmp_path / "r", 22.0, 10 / 32, 5.5, 8.0, [8, 5, 3, 6])
+    got = df[["train_logits/log_z", "train_logits/max_abs"]].to_numpy()
+    np.testing.assert_allclose(got, np.array(expected), rtol=1e-5)
+
+
 def test_an_encoder_decoders_batch_as_a_tuple_counts_no_tokens_in_every_loop(tmp_path):
     """A T5 batch as a tuple names neither its source nor its target: no token figures in
     any loop (not the target's, whose mask start()'s step returns), its samples/s its

@@ -129,13 +129,16 @@ def _masks(batches: list, mask: Any, model: Any
     attention_mask, else every input_ids token; an encoder-decoder's source, its logits
     weighed by the target's mask, `decoder_mask`); none where a batch holds neither, or
     its mask is not the [batch, seq_len] one `log_figures` takes. A float additive mask
-    given (0.0 real, negative padding) is taken as the 0/1 one it stands for."""
+    given (0.0 real, negative padding) is taken as the 0/1 one it stands for; an
+    encoder-decoder's given without a batch is its source's: its logits over every
+    position."""
     if isinstance(mask, (list, tuple)):
         mask = [additive_01(m) if isinstance(m, torch.Tensor) else m for m in mask]
     elif isinstance(mask, torch.Tensor):
         mask = additive_01(mask)
-    if batches[0] is None:
-        return [], [], mask, ...
+    if batches[0] is None:  # an encoder-decoder's mask given alone is its source's (the
+        # rule): its logits, the target's, are over every position
+        return [], [], mask, None if mask is not None and _enc_dec(model) else ...
     found = [packed_positions(b) for b in batches]
     # an encoder-decoder's logits are the target's, whatever mask the data figures count
     logit_mask = decoder_mask(batches[-1]) if _enc_dec(model) else ...

@@ -213,7 +213,8 @@ def test_log_refuses_bad_values_at_the_call_and_the_step_is_kept(tmp_path):
             mon.log(loss=loss, val={"loss": 2.0, "acc": "high"})
         with pytest.raises(ValueError, match="val is an empty dict"):
             mon.log(loss=loss, val={})
-        for mask, shown in ((torch.full((4, 8), 2), "2"), (torch.tensor([[1.0, -1.0] * 4] * 4), "-1"),
+        beside_ones = torch.tensor([[1.0, -1.0] * 4] * 4)  # not additive: it has 1s
+        for mask, shown in ((torch.full((4, 8), 2), "2"), (beside_ones, "-1"),
                             (torch.full((4, 8), 0.5), "0.5")):
             with pytest.raises(ValueError, match=rf"mask holds {shown} besides 0 and 1"):
                 mon.log(loss=loss, mask=mask)

@@ -153,3 +153,21 @@ def test_a_float_mask_neither_0_1_nor_additive_is_refused_naming_both():
     assert torch.equal(decoder_mask({"decoder_attention_mask": additive}), real)
     assert torch.equal(additive_01(torch.zeros(2, 3)), torch.ones(2, 3))  # masks nothing
     assert torch.equal(additive_01(real), real)
+
+
+def test_a_float_loss_mask_of_zeros_alone_trains_on_nothing():
+    """A fine-tuning step whose float 0/1 loss mask is zeros alone (one sample, its response
+    truncated away) trains on no token, as it did before additive masks were read: taken
+    for an additive mask that masks nothing, it trained on the prompt."""
+    from nbwatch.probes.loss import masked_cross_entropy, parse_step_output
+
+    torch.manual_seed(0)
+    logits = torch.randn(1, 6, 11, requires_grad=True)
+    labels = torch.randint(0, 11, (1, 6))
+    zeros = torch.zeros(1, 6)
+    assert float(masked_cross_entropy(logits, labels, zeros)) == 0.0
+    additive = torch.tensor([[0.0, 0.0, 0.0, 0.0, float("-inf"), float("-inf")]])
+    assert float(masked_cross_entropy(logits, labels, additive)) == pytest.approx(
+        float(masked_cross_entropy(logits, labels, (additive == 0).float())))
+    out = parse_step_output({"logits": logits, "labels": labels, "mask": zeros})
+    assert float(out.mask.sum()) == 0.0

@@ -28,18 +28,22 @@ def attention_tokens(mask: torch.Tensor) -> torch.Tensor:
     return (additive_01(mask) if mask.is_floating_point() else mask) != 0
 
 
-def additive_01(mask: torch.Tensor) -> torch.Tensor:
+def additive_01(mask: torch.Tensor, zeros_real: bool = True) -> torch.Tensor:
     """A float mask as a 0/1 one: an additive attention mask (0.0 where a token is attended,
     a negative where it is masked: -inf, torch.finfo(dtype).min, -1e4), told by having no
     positive entry, as 1.0 where it is 0 and 0.0 where negative; any other float mask (a
     0/1 one, one of other values that `check_mask` refuses) as it is; other dtypes as they
-    are. On its device, no read (the choice is made there). A float mask of zeros alone is
-    an additive one that masks nothing: every token real (as 0/1 it would be all padding).
-    """
+    are. On its device, no read (the choice is made there). A float mask of zeros alone
+    (`zeros_real`) is an additive one that masks nothing, every token real: a batch's
+    attention_mask, which counts tokens. For a mask that weighs the loss (`zeros_real`
+    False) it is a 0/1 one with no token to train on (a response truncated away), and an
+    additive one must mask something: training on a prompt it was meant to leave out
+    would go unseen, an unpadded additive batch's loss of 0 would not."""
     if not mask.is_floating_point() or mask.numel() == 0:
         return mask
     m = mask.detach()
-    return torch.where(m.amax() > 0, m, (m == 0).to(m.dtype))
+    as_is = m.amax() > 0 if zeros_real else (m.amax() > 0) | (m.amin() >= 0)
+    return torch.where(as_is, m, (m == 0).to(m.dtype))
 
 
 def check_mask(mask: torch.Tensor, who: str,

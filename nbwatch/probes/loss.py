@@ -18,7 +18,8 @@ def masked_cross_entropy(
 
     `logits` is [..., V], `labels` and `mask` are [...] (mask: 1 for a real token, 0 for
     padding; a float additive one, 0.0 for a real token and a negative for padding, is
-    read as one where none of its entries is positive). Padding neither adds to the
+    read as one where some entry is negative and none positive: zeros alone are a 0/1
+    mask with nothing to train on). Padding neither adds to the
     numerator nor to the denominator, so a batch of short lines and a batch of long ones
     weigh each token equally. A label of -100 (Hugging Face's padded label,
     `cross_entropy`'s `ignore_index`) is padding too.
@@ -41,7 +42,7 @@ def masked_cross_entropy(
                 f"mask {tuple(mask.shape)} does not match labels {tuple(labels.shape)}: "
                 "pass one 0/1 entry per label"
             )
-        m = m * additive_01(mask).reshape(-1).to(per_token.dtype)
+        m = m * additive_01(mask, zeros_real=False).reshape(-1).to(per_token.dtype)
     return (per_token * m).sum() / m.sum().clamp_min(1.0)
 
 
@@ -124,7 +125,7 @@ def parse_step_output(out: object) -> StepOutput:
         if mask is not None and not isinstance(mask, torch.Tensor):
             raise TypeError(f"step_fn's 'mask' is a {type(mask).__name__}, not a tensor; {hint}")
         if mask is not None:  # an additive one (0.0 real, negative padding) as 0/1
-            mask = additive_01(mask)
+            mask = additive_01(mask, zeros_real=False)  # it weighs the loss
         if "loss" in out:
             loss = out["loss"]
         elif "logits" in out and "labels" in out:

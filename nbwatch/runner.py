@@ -24,6 +24,7 @@ from .epoch_order import open_pass
 from .evaluation import evaluate
 from .probes.attention import clone_samples
 from .probes.data import (
+    ZEROS,
     all_real,
     batch_figures,
     check_mask,
@@ -233,6 +234,10 @@ class Runner:
                 check_not_copying(batch, raw, model)
                 self._checked = True
             out = parse_step_output(raw)
+            given = raw.get("mask") if isinstance(raw, dict) else None
+            if isinstance(given, torch.Tensor) and given.is_floating_point() and given.numel():
+                with rec.own:  # zeros alone: nothing to train on (said: `zeros_mask`), no read
+                    m.zeros.append((given.detach() == 0).all())
             # an encoder-decoder's own mask (its target's) is not counted, nor that of a batch
             # of speech features or pixels (`reads_tokens`: no tokens), so not checked
             # there: looked at after the backward (a bad one freed with its graph), on the
@@ -338,6 +343,9 @@ class Runner:
             masks = m.masks + [torch.ones_like(p) for p in m.unmasked]
             lengths = batch_figures(masks).into(names, parts, figures)
             rec.keep_seq_lens(docs if docs is not None else lengths)
+        if m.zeros:  # the float masks of zeros alone, counted on the device
+            names.append(ZEROS)
+            parts.append(torch.stack(m.zeros).sum().float())
         rec.stage(names, parts)  # copied to the host with the gradient norms: one sync
         return figures
 
@@ -369,6 +377,7 @@ class _Micro:
     positions: list[torch.Tensor] = field(default_factory=list)  # a packed batch's
     unmasked: list[torch.Tensor] = field(default_factory=list)  # those given no mask
     rows: list[torch.Tensor] = field(default_factory=list)  # the masks of those not packed
+    zeros: list[torch.Tensor] = field(default_factory=list)  # float masks: zeros alone?
     keeping: bool = False  # the masks so far kept for the record (probes/late.py)
     extras: dict[str, list[Any]] = field(default_factory=dict)  # the step_fn's scalars
     logits: list[torch.Tensor] | None = None  # [log Z, max |logit|] of the first's logits

@@ -171,3 +171,32 @@ def test_a_float_loss_mask_of_zeros_alone_trains_on_nothing():
         float(masked_cross_entropy(logits, labels, (additive == 0).float())))
     out = parse_step_output({"logits": logits, "labels": labels, "mask": zeros})
     assert float(out.mask.sum()) == 0.0
+
+
+@pytest.mark.parametrize("returned", ["logits", "loss"])
+def test_a_float_step_mask_of_zeros_alone_is_said(tmp_path, returned):
+    """An additive loss mask (0.0 real, -inf padding) of a batch with no padding is zeros
+    alone, read as a 0/1 mask with nothing to train on: its loss is 0 ({'logits',
+    'labels', 'mask'}: masked_cross_entropy's), its tokens 0, its padding ratio 1. The run
+    said nothing; it says so once, naming the way out (a 0/1 or bool mask)."""
+    model, opt = model_opt()
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 60, (1, 8), generator=g)} for _ in range(3)]
+
+    def step(m, b):
+        ids = b["input_ids"]
+        logits = m(ids[:, :-1])
+        out = {"logits": logits, "labels": ids[:, 1:], "mask": torch.zeros(1, 7)}
+        if returned == "loss":
+            out = {"loss": logits.logsumexp(-1).mean(), "mask": out["mask"]}
+        return out
+
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False)
+    mon.start(step, data, max_steps=3, display=False).wait()
+    assert mon.state == "finished"
+    if returned == "logits":
+        assert mon.df["loss/train"].tolist() == [0.0] * 3
+    said = mon.events[mon.events.message.str.contains("zeros alone")]
+    assert len(said) == 1 and said.severity.iloc[0] == "warning"
+    assert "mask == 0" in said.message.iloc[0]
+    assert "_mask_zeros" not in mon.df

@@ -12,6 +12,9 @@ import torch
 # The figure that counts a GPU mask's entries other than 0 and 1, copied with the step's
 # other figures (no sync of its own); `bad_mask` reads it on the host.
 BAD = "_mask_bad"
+# The step's float masks of zeros alone (an additive one of a batch with no padding, read
+# as a 0/1 one with nothing to train on), counted on its device; `zeros_mask` says it.
+ZEROS = "_mask_zeros"
 IGNORE_INDEX = -100  # cross_entropy's default ignore_index: a padded label, no loss
 MASK_FIGURES = ("tokens/real", "data/seq_len_mean", "data/seq_len_max", "_padded")
 _HOW = ("pass a 0/1 (or bool) attention mask, 1 for a real token and 0 for padding "
@@ -204,6 +207,16 @@ def bad_mask(values: dict[str, float]) -> str | None:
         values.pop(k, None)
     return (f"the step's mask holds {n:.0f} entries other than 0 and 1: its padding ratio, "
             f"sequence lengths and tokens/s are left out of the record; {_HOW}")
+
+
+def zeros_mask(values: dict[str, float]) -> str | None:
+    """On the host: what to say where the step's float mask was zeros alone (`ZEROS`)."""
+    if not values.pop(ZEROS, 0.0):
+        return None
+    return ("step_fn's mask is a float mask of zeros alone, read as a 0/1 mask with no token "
+            "to train on: its loss (masked_cross_entropy's) is 0, its tokens none. An "
+            "additive mask (0.0 where a token is attended) of a batch with no padding is "
+            "zeros alone too: pass it as a bool or 0/1 mask (mask == 0)")
 
 
 def decoder_mask(batch: Any) -> Any:

@@ -125,6 +125,7 @@ class InFlight:
     length_counts: torch.Tensor | None = None
     reduction_saved: bool = False
     mask_said: bool = False  # a bad GPU mask was said (once a run)
+    zeros_said: bool = False  # a step's float mask of zeros alone was said (once a run)
     pending: deque[Pending] = field(default_factory=deque)  # steps not recorded yet, in order
     pending_since: float = 0.0  # monotonic time the oldest of them began
     # held by the loop's thread while it ends a step or records, and by the system

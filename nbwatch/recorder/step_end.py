@@ -24,7 +24,7 @@ import torch
 from .. import controls as ctl
 from ..distributed import SUMMED, rank_figures
 from ..probes import late as late_figures
-from ..probes.data import LengthCounts, bad_mask, packed_figures
+from ..probes.data import LengthCounts, bad_mask, packed_figures, zeros_mask
 from ..probes.grads import Layers, ratio_names
 from ..probes.throughput import add_rates, timing_figures
 from ..records import Event, Scalars
@@ -360,6 +360,10 @@ def derive(rec: Recording, step: int, values: dict[str, float]) -> None:
     if bad is not None and not rec.flight.mask_said:
         rec.flight.mask_said = True
         rec._emit(Event(step, "probe", "warning", bad))
+    zeros = zeros_mask(values)  # a float mask of zeros alone: nothing to train on
+    if zeros is not None and not rec.flight.zeros_said:
+        rec.flight.zeros_said = True
+        rec._emit(Event(step, "probe", "warning", zeros))
     tokens = values.get("tokens/real")
     padded = values.pop("_padded", None)
     if tokens is not None and padded:

@@ -375,3 +375,74 @@ def test_slow_steps_meet_more_often_so_a_command_waits_seconds_not_steps(tmp_pat
     assert len(met) >= 4, met  # every 5 steps: 2 meetings in 14 steps
     assert max(b - a for a, b in zip(met, met[1:])) <= 3, met
     assert df["rank1/loss"].notna().all() and df["loss/train"].notna().all()
+
+
+DATA = ROOT / "tests" / "scripts" / "data_ranks.py"
+
+
+def data_run(tmp_path, case):
+    """tests/scripts/data_ranks.py's `case` under torchrun: its run, and what it printed."""
+    run_dir = tmp_path / case
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(DATA), str(run_dir), case], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:]
+    return nbwatch.open_run(run_dir), out.stdout
+
+
+def test_the_jobs_tokens_and_samples_are_both_ranks_packed_and_padded_batches(tmp_path):
+    """`log(loss, batch=...)`, rank 0's rows packed (its documents the samples), rank 1's
+    padded (its rows): the job's tokens/real and samples/s are the sum of both ranks';
+    the sequence figures rank 0's batch's (docs/run-folder.md)."""
+    from tests.scripts.data_ranks import PACKED, PADDED
+
+    run, _ = data_run(tmp_path, "counts")
+    df = run.df
+    assert df["tokens/real"].tolist() == [sum(a) + sum(b) for a, b in zip(PACKED, PADDED)]
+    for step in (2, 3, 4):
+        row, docs, rows = df.loc[step], PACKED[step - 1], PADDED[step - 1]
+        assert row["rank0/throughput/samples_per_s"] == pytest.approx(
+            len(docs) / row["rank0/time/step"], rel=1e-4)
+        assert row["rank1/throughput/samples_per_s"] == pytest.approx(
+            len(rows) / row["rank1/time/step"], rel=1e-4)
+        assert row["throughput/samples_per_s"] == pytest.approx(
+            row["rank0/throughput/samples_per_s"] + row["rank1/throughput/samples_per_s"])
+        assert row["data/seq_len_mean"] == pytest.approx(sum(docs) / len(docs))
+
+
+@pytest.mark.parametrize("case, said", [("zeros", "float mask of zeros alone"),
+                                        ("bad", "1 entries other than 0 and 1")])
+def test_a_mask_warning_of_rank_1s_batch_is_said_once_by_rank_0(tmp_path, case, said):
+    """A step mask of zeros alone (start()) or of other values than 0 and 1 (log(mask=))
+    on rank 1 alone: the run says so once, naming the rank, at its step (rank 1 said it
+    to its own stderr alone, and rank 0, its batch good, nothing); rank 0's own at a
+    later step is not said again, and the counts make no column."""
+    run, printed = data_run(tmp_path, case)
+    ev = run.events
+    told = ev[ev.message.str.contains(said)]
+    assert len(told) == 1 and told.step.iloc[0] == 3, ev.message.tolist()
+    assert told.message.iloc[0].startswith("rank 1's batch: ")
+    assert told.severity.iloc[0] == "warning" and run.state == "finished"
+    assert said not in printed  # not a rank's own word besides
+    assert not [c for c in run.df.columns if "_mask" in c]
+
+
+@pytest.mark.parametrize("case", ["probe", "kernel"])
+def test_the_fsdp2_probe_pass_speaks_once_for_the_job_and_switches_kernels_together(
+        tmp_path, case):
+    """FSDP2, every rank's probe pass together: a model without attention keeps its pass
+    for act/rms and logits at each eval, said once for the job; a Llama on a kernel that
+    returns no weights (as flash attention) runs it as SDPA on both ranks, its maps
+    recorded, its kernel back after (the script asserts it), no rank held."""
+    run, _ = data_run(tmp_path, case)
+    df, ev = run.df, run.events
+    assert run.state == "finished" and run.step == 4
+    assert not (ev.severity == "critical").any()
+    probe = ev[ev.kind == "probe"].message.tolist()
+    if case == "probe":
+        assert len(probe) == 1 and "no attention layer" in probe[0], probe
+        assert df.loc[[2, 4], ["act/rms/blocks.0", "logits/z_mean"]].notna().all().all()
+    else:
+        assert not probe
+        assert df.loc[[2, 4], "attn/entropy/model.layers.0.self_attn"].notna().all()

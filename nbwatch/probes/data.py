@@ -219,6 +219,22 @@ def zeros_mask(values: dict[str, float]) -> str | None:
             "zeros alone too: pass it as a bool or 0/1 mask (mask == 0)")
 
 
+NOTED = (BAD, ZEROS)  # a step's mask counts, each said once a run (`mask_notes`)
+
+
+def mask_notes(values: dict[str, float], said: set[str], who: str = "") -> list[str]:
+    """On the host: what to say of a step's mask counts (`NOTED`, popped from `values`, a
+    bad mask's figures dropped with them), each once a run: `said` holds those said
+    already. `who` opens each (under torchrun, the rank whose batch it was: rank 0 says
+    every rank's, from the counts their rows carry to the ranks' meeting)."""
+    out = []
+    for key, note in ((BAD, bad_mask(values)), (ZEROS, zeros_mask(values))):
+        if note is not None and key not in said:
+            said.add(key)
+            out.append(who + note)
+    return out
+
+
 def decoder_mask(batch: Any) -> Any:
     """The positions an encoder-decoder model's logits are for, from its batch: its
     `decoder_attention_mask`, else its labels that are not -100 (what the loss counts);

@@ -124,8 +124,8 @@ class InFlight:
     lengths: list[torch.Tensor] = field(default_factory=list)
     length_counts: torch.Tensor | None = None
     reduction_saved: bool = False
-    mask_said: bool = False  # a bad GPU mask was said (once a run)
-    zeros_said: bool = False  # a step's float mask of zeros alone was said (once a run)
+    # the step mask counts said (probes.data's BAD, ZEROS: once a run; rank 0's, of every rank)
+    masks_said: set[str] = field(default_factory=set)
     pending: deque[Pending] = field(default_factory=deque)  # steps not recorded yet, in order
     pending_since: float = 0.0  # monotonic time the oldest of them began
     # held by the loop's thread while it ends a step or records, and by the system

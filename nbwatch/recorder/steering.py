@@ -16,12 +16,13 @@ import numpy as np
 from .. import controls as ctl
 from ..controls import make_command
 from ..distributed import meet_gap, merge_ranks
+from ..probes.data import NOTED, mask_notes
 from ..records import Command, CommandKind, Event
 from .lr_factor import LrFactor
 from .outcomes import Applied, Expired, Outcome, Refused
 from .rewind import Rewinding, do_rewind, do_skip, resolve_rewind
 from .spec import RunSpec
-from .state import Inbox, RankMeeting
+from .state import Inbox, InFlight, RankMeeting
 
 if TYPE_CHECKING:
     from ..alerts.engine import AlertEngine
@@ -43,6 +44,7 @@ class Steered(Rewinding, Protocol):
     batch_ids: BatchIds
     inbox: Inbox
     ranks: RankMeeting
+    flight: InFlight
     on_alert: Callable[[Event], Any] | None
     log: logging.Logger
 
@@ -163,10 +165,17 @@ def sync_ranks(rec: Steered, final: bool = False) -> None:
 
 
 def record_ranks(rec: Steered, rows: list) -> None:
-    """Rank 0: every rank's figures of the steps since the last exchange, and the
-    straggler rule on their recent step times."""
+    """Rank 0: every rank's figures of the steps since the last exchange, what their
+    masks' counts say (once a job), and the straggler rule on their recent step times."""
     times, d = rec.ranks.step_times, rec.dist
     assert d is not None  # ranks meet only under torchrun
+    # the ranks' mask counts (no column): said once a job, here, whichever rank's batch
+    counts = sorted(((step, r, {k: figs.pop(k) for k in NOTED if k in figs})
+                     for r, of_rank in enumerate(rows) for step, figs in of_rank),
+                    key=lambda c: c[:2])
+    for step, r, got in counts:
+        for note in mask_notes(got, rec.flight.masks_said, f"rank {r}'s batch: "):
+            rec._emit(Event(step, "probe", "warning", note))
     for sc in merge_ranks(rows):
         rec.store.put(sc)
         for r in range(d.world):

@@ -24,7 +24,7 @@ import torch
 from .. import controls as ctl
 from ..distributed import SUMMED, rank_figures
 from ..probes import late as late_figures
-from ..probes.data import LengthCounts, bad_mask, packed_figures, zeros_mask
+from ..probes.data import NOTED, LengthCounts, mask_notes, packed_figures
 from ..probes.grads import Layers, ratio_names
 from ..probes.throughput import add_rates, timing_figures
 from ..records import Event, Scalars
@@ -353,17 +353,15 @@ def resolve_late(rec: Recording, steps: list) -> None:
                 keep_seq_lens(rec, lengths, step)
 
 
-def derive(rec: Recording, step: int, values: dict[str, float]) -> None:
+def derive(rec: Recording, step: int, values: dict[str, float]) -> dict[str, float]:
     """The figures drawn from others: the padding ratio, samples/s and tokens/s, a packed
-    batch's sequence figures (and a bad mask's figures dropped, said once a run)."""
-    bad = bad_mask(values)  # a mask of other values than 0/1: its figures dropped
-    if bad is not None and not rec.flight.mask_said:
-        rec.flight.mask_said = True
-        rec._emit(Event(step, "probe", "warning", bad))
-    zeros = zeros_mask(values)  # a float mask of zeros alone: nothing to train on
-    if zeros is not None and not rec.flight.zeros_said:
-        rec.flight.zeros_said = True
-        rec._emit(Event(step, "probe", "warning", zeros))
+    batch's sequence figures (and a bad mask's figures dropped, said once a run). Returns
+    the step's mask counts (`NOTED`): under torchrun rank 0 says every rank's, once a
+    job, from its row at the ranks' meeting (steering.record_ranks), not this rank."""
+    counts = {k: values[k] for k in NOTED if values.get(k)}
+    notes = mask_notes(values, set() if rec.dist else rec.flight.masks_said)  # (popped)
+    for note in notes if rec.dist is None else []:
+        rec._emit(Event(step, "probe", "warning", note))
     tokens = values.get("tokens/real")
     padded = values.pop("_padded", None)
     if tokens is not None and padded:
@@ -372,13 +370,14 @@ def derive(rec: Recording, step: int, values: dict[str, float]) -> None:
     samples = packed_figures(values) or samples  # a packed batch's: its documents
     if not values.pop(EVAL_INSIDE, None):
         add_rates(values, int(samples) if samples else None)
+    return counts
 
 
 def record(rec: Recording, p: Pending) -> None:
     """One step's record: its derived figures, the "step" rules on its figures (which add
     the spike score and MFU to them), its row in the store, its alerts."""
     step, values, alerts = p.step, p.values, p.alerts
-    derive(rec, step, values)
+    counts = derive(rec, step, values)
     if p.late_nan:
         alerts = alerts + rec.engine.observe("grads", step, values)  # a real NaN
     if p.lr_planned:
@@ -386,7 +385,7 @@ def record(rec: Recording, p: Pending) -> None:
     alerts = alerts + rec.engine.observe("step", step, values)
     if rec.dist is not None:
         rk = rec.ranks
-        rk.rows.append((step, {**rank_figures(values), "time/sync": rk.sync_s}))
+        rk.rows.append((step, {**rank_figures(values), **counts, "time/sync": rk.sync_s}))
         rk.sync_s = 0.0
         # run-level loss, tokens and throughput come from all ranks, at the next exchange
         stored = {k: v for k, v in values.items() if k not in _FROM_ALL_RANKS}

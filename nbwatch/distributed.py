@@ -29,9 +29,12 @@ from .records import Command, Scalars
 
 RANK_KEYS = ("loss", "time/step", "time/data", "time/forward", "time/busy",
              "throughput/tokens_per_s", "throughput/samples_per_s", "lr", "gpu/mem_gb",
-             "time/sync", "tokens/real")
+             "time/sync", "tokens/real", "data/seq_len_mean", "data/seq_len_max",
+             "data/padding_ratio")
 # the job's figure is the sum of the ranks': each trains its own share of the batch
 SUMMED = ("tokens/real", "throughput/tokens_per_s", "throughput/samples_per_s")
+# the job's batch's lengths and padding, from each rank's with its tokens (`job_lengths`)
+LENGTHS = ("data/seq_len_mean", "data/seq_len_max", "data/padding_ratio")
 
 
 MEET_S = 2.0  # seconds of steps between two meetings, at most: a command waits no longer
@@ -275,7 +278,34 @@ def merge_ranks(per_rank: list[list[tuple[int, dict[str, float]]]]) -> list[Scal
                 present = [v for v in parts if v is not None]
                 if len(present) == len(parts):
                     d[key] = float(sum(present))
+            d.update(job_lengths(d, len(per_rank)))
         out.append(Scalars(step, d))
+    return out
+
+
+def job_lengths(d: dict[str, float], ranks: int) -> dict[str, float]:
+    """The job's `data/seq_len_mean`, `seq_len_max` and `padding_ratio` from each rank's
+    with its tokens (its samples: tokens / mean; its padding: tokens · p / (1 − p)): the
+    real tokens over every rank's samples, the longest, the padding over all. Where a rank
+    lacks one, rank 0's as it was."""
+    out = {key: d[f"rank0/{key}"] for key in LENGTHS if f"rank0/{key}" in d}
+
+    def each(key: str) -> list[float] | None:
+        got = [d.get(f"rank{r}/{key}") for r in range(ranks)]
+        return None if any(v is None for v in got) else [float(v or 0.0) for v in got]
+
+    tokens = each("tokens/real")
+    if tokens is None:
+        return out
+    means, longest, ratios = (each(k) for k in LENGTHS)
+    if means is not None and all(m > 0 for m in means):
+        out["data/seq_len_mean"] = sum(tokens) / sum(t / m for t, m in zip(tokens, means))
+    if longest is not None:
+        out["data/seq_len_max"] = max(longest)
+    if ratios is not None and all(0.0 <= p < 1.0 for p in ratios):
+        padded = sum(t * p / (1.0 - p) for t, p in zip(tokens, ratios))
+        if sum(tokens) + padded > 0:
+            out["data/padding_ratio"] = padded / (sum(tokens) + padded)
     return out
 
 

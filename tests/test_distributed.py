@@ -393,8 +393,8 @@ def data_run(tmp_path, case):
 
 def test_the_jobs_tokens_and_samples_are_both_ranks_packed_and_padded_batches(tmp_path):
     """`log(loss, batch=...)`, rank 0's rows packed (its documents the samples), rank 1's
-    padded (its rows): the job's tokens/real and samples/s are the sum of both ranks';
-    the sequence figures rank 0's batch's (docs/run-folder.md)."""
+    padded (its rows): the job's tokens/real and samples/s are the sum of both ranks', and
+    its lengths and padding are the job's batch's (rank 0's alone before)."""
     from tests.scripts.data_ranks import PACKED, PADDED
 
     run, _ = data_run(tmp_path, "counts")
@@ -408,7 +408,12 @@ def test_the_jobs_tokens_and_samples_are_both_ranks_packed_and_padded_batches(tm
             len(rows) / row["rank1/time/step"], rel=1e-4)
         assert row["throughput/samples_per_s"] == pytest.approx(
             row["rank0/throughput/samples_per_s"] + row["rank1/throughput/samples_per_s"])
-        assert row["data/seq_len_mean"] == pytest.approx(sum(docs) / len(docs))
+        real = sum(docs) + sum(rows)
+        assert row["data/seq_len_mean"] == pytest.approx(real / (len(docs) + len(rows)))
+        assert row["data/seq_len_max"] == max(docs + rows)
+        padding = 12 * len(rows) - sum(rows)  # rank 1's rows padded to 12, rank 0's none
+        assert row["data/padding_ratio"] == pytest.approx(padding / (real + padding))
+        assert row["rank0/data/seq_len_mean"] == pytest.approx(sum(docs) / len(docs))
 
 
 @pytest.mark.parametrize("case, said", [("zeros", "float mask of zeros alone"),

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 
 from .. import controls as ctl
-from ..distributed import SUMMED, rank_figures
+from ..distributed import LENGTHS, SUMMED, rank_figures
 from ..probes import late as late_figures
 from ..probes.data import NOTED, LengthCounts, mask_notes, packed_figures
 from ..probes.grads import Layers, ratio_names
@@ -73,7 +73,7 @@ QUIET_S = 0.5
 # (the device is the bottleneck then: the wait idles nothing). On a CPU a copy costs no
 # wait and is read at once (`host_copy.DEFER_ON_CPU` runs the accelerator's order there).
 
-_FROM_ALL_RANKS = ("loss/train", *SUMMED)
+_FROM_ALL_RANKS = ("loss/train", *SUMMED, *LENGTHS)
 EVAL_INSIDE = "_eval_inside"  # a step's host figure: its time holds the loop's own eval
 
 

@@ -39,6 +39,7 @@ from .probes.late import drop_masks, keep_mask
 from .probes.logits import NAMES as LOGIT_NAMES
 from .probes.logits import is_logits
 from .probes.loss import batch_mask, check_not_copying, input_mask, parse_step_output
+from .probes.throughput import batch_samples
 from .recorder import Progress, RunSpec, StepRecorder
 from .records import Event
 
@@ -221,7 +222,7 @@ class Runner:
             batch = self._take()
             m.data_s += time.perf_counter() - td
             rec.note_batch(batch, *self._pos)
-            m.samples += _batch_size(batch)
+            m.samples += batch_samples(batch) or 0  # its rows, as every loop's
             pos = packed_positions(batch)
             if pos is not None:  # its masks read now: the histogram takes its documents'
                 m.positions.append(pos)
@@ -403,19 +404,6 @@ def _extras(out: dict, into: dict[str, list[Any]]) -> None:
             into.setdefault(k, []).append(v.detach().float().reshape(()))
         elif isinstance(v, numbers.Real) and not isinstance(v, bool):
             into.setdefault(k, []).append(float(v))
-
-
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for b in batch:
-            n = _batch_size(b)
-            if n:
-                return n
-    return 0
 
 
 def run_in_thread(target: Callable[[], Any], name: str, done: threading.Event | None = None

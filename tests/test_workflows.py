@@ -573,7 +573,8 @@ def test_an_encoder_decoders_batch_as_a_tuple_counts_no_tokens_in_every_loop(tmp
     first tensor's rows; so too a model of PyTorch's own `nn.Transformer`, whose step's
     mask (the target's) start() counted. A loop of one's own that gave `log(batch=(src, tgt))`, two
     tokenizer outputs and one backward pass, counted them as two micro-batches: the
-    target's 14 tokens and 4 rows beside the source's 22 and 4 (36 tokens, 8 samples)."""
+    target's 14 tokens and 4 rows beside the source's 22 and 4 (36 tokens, 8 samples):
+    no tokens now, and 4 samples (a pair of dicts: the first one's rows)."""
     pytest.importorskip("transformers")
     b = _t5_batch()
     tup = (b["input_ids"], b["attention_mask"], b["labels"])
@@ -649,7 +650,8 @@ def test_an_encoder_decoders_batch_as_a_tuple_counts_no_tokens_in_every_loop(tmp
         if pairs:  # the two micro-batches' sources
             assert df["tokens/real"].tolist() == [44.0] * 3
             assert df["data/seq_len_mean"].tolist() == pytest.approx([5.5] * 3)
-        else:
+        else:  # its samples the source's rows, from their shape (`batch_samples`)
             _no_tokens(df)
-            assert "throughput/samples_per_s" not in df.columns or \
-                df["throughput/samples_per_s"].isna().all()
+            later = df.loc[2:]
+            assert (later["throughput/samples_per_s"] * later["time/step"]).tolist() == \
+                pytest.approx([4.0] * 2, rel=1e-3)

@@ -224,6 +224,7 @@ class Adapter:
 
         from ..probes.data import all_real, batch_figures, documents
         from ..probes.late import keep_masks
+        from ..probes.throughput import mask_rows
 
         rec = self._rec()
         assert rec is not None  # the adapters call it in the fit's thread, once it opened
@@ -247,7 +248,7 @@ class Adapter:
                 # ones are copied and read with the record, a batch of steps at a time
                 if rec.first_step or positions or not keep_masks(host, masks):
                     lengths = batch_figures(masks).into(names, parts, host)
-                samples = sum(int(m.shape[0]) for m in masks)
+                samples = mask_rows(masks)  # a [T] mask's one sequence, one sample
             elif samples is None and counts:  # a batch of no tokens (images, audio)
                 samples = sum(counts)
             if positions:  # packed: its documents' count, longest and lengths

@@ -28,6 +28,7 @@ from ..probes.data import batch_figures, check_mask
 from ..probes.late import keep_masks
 from ..probes.logits import NAMES as LOGIT_NAMES
 from ..probes.logits import TrainLogits, is_logits, logit_parts
+from ..probes.throughput import mask_rows
 from ..sharding import refuse_unsupported
 from ..store import check_no_writer, is_run_dir
 from .accumulation import step_mean
@@ -355,8 +356,8 @@ def _masks_of(mask: Any) -> list:
 
 def mask_samples(mask: torch.Tensor | list[torch.Tensor] | None) -> int | None:
     """The sequences a step's mask (or micro-batches' masks, checked) counts, for samples/s;
-    None where there is no [batch, seq_len] one."""
-    return sum(int(m.shape[0]) for m in _masks_of(mask) if m.dim() == 2) or None
+    None where there is none ([batch, seq_len]; a [seq_len] one is one sequence)."""
+    return mask_rows([m for m in _masks_of(mask) if m.dim() in (1, 2)]) or None
 
 
 _REAL = "pass a real number or a one-element real tensor"

@@ -269,12 +269,12 @@ def reads_tokens(batch: Any) -> bool:
 
 def input_tokens(batch: Any) -> torch.Tensor | None:
     """The tokens of a batch's input, for the data figures: its `attention_mask`
-    (`attention_tokens`), else every token of a 2-D integer `input_ids` real (as the
-    Trainer's `num_input_tokens_seen` counts them); None for a batch of neither, or one
-    whose input is not tokens (`reads_tokens`: speech features, raw audio, pixels, whose
-    attention_mask counts frames or samples): samples/s only. An encoder-decoder's are
-    its source's, the encoder's input, in every loop: never its target's (`decoder_mask`,
-    what its loss weighs).
+    (`attention_tokens`), else every token of a 2-D (or one sequence's 1-D) integer
+    `input_ids` real (as the Trainer's `num_input_tokens_seen` counts them); None for a
+    batch of neither, or one whose input is not tokens (`reads_tokens`: speech features,
+    raw audio, pixels, whose attention_mask counts frames or samples): samples/s only. An
+    encoder-decoder's are its source's, the encoder's input, in every loop: never its
+    target's (`decoder_mask`, what its loss weighs).
     None too for an attention_mask that is not one of its tokens (a model's own 4-D
     [batch, 1, T, T] mask: neither 1- or 2-D nor input_ids' shape; nor is every input_ids
     token real, it masks the padding) and for an empty batch.
@@ -287,8 +287,8 @@ def input_tokens(batch: Any) -> torch.Tensor | None:
         tokens = mask.dim() in (1, 2) or (isinstance(ids, torch.Tensor)
                                            and mask.shape == ids.shape)
         return attention_tokens(mask) if tokens and mask.numel() else None
-    if (isinstance(ids, torch.Tensor) and ids.ndim == 2 and not ids.is_floating_point()
-            and ids.numel()):
+    if (isinstance(ids, torch.Tensor) and ids.ndim in (1, 2) and not ids.is_floating_point()
+            and ids.numel()):  # ([T]: one sequence, one sample: `batch_samples`)
         return torch.ones_like(ids, dtype=torch.bool)
     return None
 

@@ -31,16 +31,27 @@ def add_rates(values: dict[str, float], samples: int | None) -> None:
 
 
 def batch_samples(batch: object) -> int | None:
-    """How many samples a batch holds: the batch dimension of its first tensor (a dict's
-    first tensor value, e.g. `input_ids` or a vision model's `pixel_values`; a list's or
-    tuple's first tensor; a tensor's own). None where it holds no tensor of 1 dim or more.
-    No host sync: a shape only."""
+    """How many samples a batch holds, the one count of every loop (start(), log(batch=),
+    the Trainer, Lightning): the rows (dim 0) of its first tensor of 1 dim or more (a
+    Mapping's first such value, a dict's, a `BatchEncoding`'s or a `UserDict`'s, e.g.
+    `input_ids` or `pixel_values`; a list's or tuple's, `(x, y)`'s x; a tensor's own).
+    0-dim tensors and Python numbers are no samples; nested containers are looked into
+    only where no tensor of its own has rows (their first count then). A Mapping whose
+    `input_ids` is 1-D and that holds no tensor of 2 dims or more is one sequence (`[T]`,
+    Hugging Face's unbatched input), one sample, as its token figures count it
+    (`mask_rows`); a bare 1-D tensor keeps its length (a loader of scalars or indices
+    batches them so). None where it holds no tensor of 1 dim or more. No host sync: a
+    shape only (a packed batch counts its documents: `packed_figures`)."""
     import torch
 
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.ndim else None
-    if isinstance(batch, Mapping):  # a dict, or a BatchEncoding
+    if isinstance(batch, Mapping):
         items = list(batch.values())
+        ids = batch.get("input_ids")
+        if (isinstance(ids, torch.Tensor) and ids.ndim == 1 and ids.numel()
+                and not any(isinstance(x, torch.Tensor) and x.ndim > 1 for x in items)):
+            return 1
     elif isinstance(batch, (list, tuple)):
         items = list(batch)
     else:
@@ -48,7 +59,17 @@ def batch_samples(batch: object) -> int | None:
     for x in items:
         if isinstance(x, torch.Tensor) and x.ndim:
             return int(x.shape[0])
+    for x in items:
+        n = batch_samples(x) if isinstance(x, (Mapping, list, tuple)) else None
+        if n:
+            return n
     return None
+
+
+def mask_rows(masks: list[Any]) -> int:
+    """The sequences a step's [batch, T] token masks count, for samples/s: a mask's rows,
+    a 1-D one's one (a single sequence's `[T]`, as `mask_stats` counts its tokens)."""
+    return sum(int(m.shape[0]) if m.dim() > 1 else 1 for m in masks)
 
 
 # -- model FLOPs utilisation ---------------------------------------------------------------

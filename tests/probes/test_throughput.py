@@ -234,3 +234,143 @@ def test_an_encoder_decoders_figures_are_said_to_be_estimates(tmp_path):
     assert len(said) == 1 and "tokens/real" in mon.df
     # at the step whose TFLOP/s it speaks of: the first with tokens/s
     assert said.step.iloc[0] == mon.df["throughput/tflops"].first_valid_index()
+
+
+# -- samples: one count (`batch_samples`) in every loop -----------------------------------
+
+
+def test_batch_samples_counts_the_rows_of_the_first_batched_tensor():
+    """Unit: a Mapping's (a dict's, a BatchEncoding's, a UserDict's), a tuple's or a
+    list's first tensor with rows; 0-dim tensors and numbers skipped; nested containers
+    only where no tensor of the batch's own has rows; a lone 1-D input_ids one sequence."""
+    from collections import UserDict
+
+    from nbwatch.probes.throughput import batch_samples, mask_rows
+
+    x, ids = torch.randn(3, 4), torch.ones(3, 5, dtype=torch.long)
+    assert batch_samples(x) == 3 and batch_samples(torch.tensor(2.0)) is None
+    assert batch_samples(torch.arange(6)) == 6  # a loader of scalars or indices: 6 of them
+    assert batch_samples(UserDict(input_ids=ids)) == 3
+    assert batch_samples({"scale": torch.tensor(0.5), "lr": 1e-3, "x": x}) == 3
+    assert batch_samples((torch.tensor(1), x, torch.randn(3))) == 3
+    assert batch_samples({"step": torch.tensor(0), "inputs": {"x": x}, "y": [x[:2]]}) == 3
+    assert batch_samples({"inputs": {"x": x}, "y": torch.zeros(5)}) == 5  # its own first
+    assert batch_samples({"labels": torch.tensor([0, 1, 1]), "input_ids": ids}) == 3
+    assert batch_samples({"input_ids": torch.ones(7, dtype=torch.long)}) == 1  # [T]
+    assert batch_samples({"input_ids": ids[0], "attention_mask": ids[0], "labels": ids[0]}) == 1
+    assert batch_samples({"scale": torch.tensor(1.0), "lr": 0.1}) is None
+    assert batch_samples(None) is None and batch_samples([]) is None
+    assert mask_rows([ids, ids[0]]) == 4  # a [T] mask: one sequence
+
+
+def _sample_cases():
+    """(micro-batches, hand count of samples, tokens/real or None) a step: a filler (a
+    loop of one's own times no first step), a BatchEncoding, a dict led by a 0-dim
+    tensor, a nested dict, an (x, y) pair, B labels beside [B, T] input_ids, one
+    sequence's [T] input_ids."""
+    tf = pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(0)
+
+    def ids(*shape):
+        return torch.randint(1, 50, shape, generator=g)
+
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0]])
+    return [
+        ((torch.randn(6, 4, generator=g), torch.randn(6, generator=g)), 6, None),
+        (tf.BatchEncoding({"input_ids": ids(3, 5), "attention_mask": mask}), 3, 10),
+        ({"scale": torch.tensor(0.5), "x": torch.randn(4, 4, generator=g)}, 4, None),
+        ({"step": torch.tensor(3), "inputs": {"x": torch.randn(2, 4, generator=g)},
+          "targets": {"y": torch.randn(2, generator=g)}}, 2, None),
+        ((torch.randn(5, 4, generator=g), torch.randn(5, generator=g)), 5, None),
+        ({"labels": torch.tensor([0, 1, 1]), "input_ids": ids(3, 4)}, 3, 12),
+        ({"input_ids": ids(7)}, 1, 7),
+    ]
+
+
+def _counted(df):
+    """Each step's samples, from samples/s and its time (None for a step with no time)."""
+    return [None if r * t != r * t else round(r * t) for r, t in
+            zip(df["throughput/samples_per_s"], df["time/step"], strict=True)]
+
+
+def _tokens(df):
+    tokens = df["tokens/real"] if "tokens/real" in df else [float("nan")] * len(df)
+    return [None if t != t else int(t) for t in tokens]
+
+
+def _loss(net, batch):
+    return net.weight.square().sum()  # a shape of any batch: its samples are what counts
+
+
+def _in_loop(tmp_path, loop: str, batches: list, micro: int = 1) -> object:
+    """`batches` (`micro` a step) through `loop`: start(), log(batch=...) (a list of the
+    step's micro-batches where it has several), the Trainer (nbwatch.hf.NbwatchCallback,
+    its batches in order), Lightning; the run's figures."""
+    torch.manual_seed(0)
+    net, run_dir = torch.nn.Linear(4, 1), tmp_path / loop
+    steps = len(batches) // micro
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    if loop == "start":
+        mon = nbwatch.Monitor(net, opt, run_dir=run_dir, display=False)
+        mon.start(_loss, batches, max_steps=steps, accumulate=micro, display=False).wait()
+        assert mon.state == "finished", mon.error
+    elif loop == "log":
+        with nbwatch.Monitor(net, opt, run_dir=run_dir, display=False) as mon:
+            for i in range(0, len(batches), micro):
+                losses = [_loss(net, b) / micro for b in batches[i:i + micro]]
+                for one in losses:
+                    one.backward()
+                opt.step()
+                opt.zero_grad()
+                mon.log(losses if micro > 1 else losses[0],
+                        batch=batches[i:i + micro] if micro > 1 else batches[i])
+    elif loop == "hf":
+        tf = pytest.importorskip("transformers")
+        from nbwatch.hf import NbwatchCallback
+
+        class Trainer(tf.Trainer):
+            def compute_loss(self, model, inputs, *a, **k):
+                return _loss(model, inputs)
+
+            def _get_train_sampler(self, *a, **k):
+                return torch.utils.data.SequentialSampler(batches)
+
+        Trainer(model=net, train_dataset=batches, data_collator=lambda items: items[0],
+                callbacks=[NbwatchCallback(run_dir=run_dir, display=False)],
+                args=tf.TrainingArguments(
+                    output_dir=str(tmp_path / "out"), max_steps=steps, report_to=[],
+                    per_device_train_batch_size=1, gradient_accumulation_steps=micro,
+                    remove_unused_columns=False, save_strategy="no", use_cpu=True,
+                    disable_tqdm=True, log_level="error")).train()
+    else:
+        from tests.conftest import lightning_fit
+
+        lightning_fit(tmp_path, net, _loss, batches, run_dir, max_steps=steps,
+                      accumulate_grad_batches=micro)
+    return nbwatch.open_run(run_dir).df
+
+
+@pytest.mark.parametrize("loop", ["start", "log", "hf", "lightning"])
+def test_every_loop_counts_a_batchs_samples_by_hand(tmp_path, loop):
+    """A step's samples (samples/s × its time) are its batch's rows in every loop: a
+    BatchEncoding's (start() counted none: not a dict), a dict's first batched tensor's
+    past a leading 0-dim one (start() counted 1), a nested dict's (the others counted
+    none), an (x, y) pair's, [B, T] input_ids' beside B labels; one sequence's [T]
+    input_ids is one sample of T tokens (T samples, and no tokens without a mask)."""
+    cases = _sample_cases()
+    df = _in_loop(tmp_path, loop, [b for b, _, _ in cases])
+    want = [n for _, n, _ in cases]
+    if loop == "log":
+        want[0] = None  # its first step has no time
+    assert _counted(df) == want
+    assert _tokens(df) == [t for _, _, t in cases]
+
+
+@pytest.mark.parametrize("loop", ["start", "log", "hf", "lightning"])
+def test_every_loop_adds_up_its_micro_batches_samples(tmp_path, loop):
+    """Two micro-batches a step, of 3 and 2 rows: 5 samples (a loop of one's own given
+    the list of the step's batches)."""
+    g = torch.Generator().manual_seed(0)
+    batches = [{"x": torch.randn(n, 4, generator=g)} for n in (3, 2, 3, 2, 3, 2)]
+    df = _in_loop(tmp_path, loop, batches, micro=2)
+    assert _counted(df) == [None if loop == "log" else 5, 5, 5]

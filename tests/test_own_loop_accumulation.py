@@ -253,3 +253,29 @@ def test_a_dropped_monitor_leaves_no_hook_on_the_models_weight(tmp_path):
         del mon, opt
         gc.collect()
     assert hooks() == 0
+
+
+def test_a_list_of_x_y_micro_batches_counts_each_ones_samples(tmp_path):
+    """`log(loss, batch=[(x1, y1), (x2, y2)])` after a backward pass each: the step's
+    samples are both micro-batches' rows (it counted the first's alone); the same list
+    after one backward pass is one batch of two parts (two views of a pair), its first
+    tensor's rows."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False) as mon:
+        for step, rows in enumerate([(3, 2), (1, 4), (2, 2)], start=1):
+            parts = [(torch.randn(n, 4), torch.randn(n, 1)) for n in rows]
+            backwards = len(parts) if step < 3 else 1
+            losses = []
+            for x, y in parts[:backwards]:
+                loss = torch.nn.functional.mse_loss(model(x), y) / backwards
+                loss.backward()
+                losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+            mon.log(loss=losses if backwards > 1 else losses[0], batch=parts)
+        df = mon.df
+    samples = (df["throughput/samples_per_s"] * df["time/step"]).round(6)
+    assert samples.loc[2] == 1 + 4
+    assert samples.loc[3] == 2  # one batch: its first tensor's rows (parts[0][0])

@@ -98,10 +98,15 @@ def _batches(batch: Any, backwards: int, model: Any) -> list:
     Not an encoder-decoder's where the step took another number of backward passes
     (counted: `backwards` > 0): one batch in parts, its source's and its target's
     tokenizer outputs (`(src, tgt)`), which names neither: no data figures, rather than
-    the target's tokens and rows counted as a second micro-batch's."""
+    the target's tokens and rows counted as a second micro-batch's. A list of `(x, y)`
+    batches is one each where the step took that many backward passes (else it is one
+    batch of nested parts: two views of a contrastive pair)."""
     if isinstance(batch, (list, tuple)) and batch and all(isinstance(b, Mapping) for b in batch):
         if len(batch) > 1 and backwards and backwards != len(batch) and _enc_dec(model):
             return [batch]
+        return list(batch)
+    if (isinstance(batch, (list, tuple)) and len(batch) > 1 and backwards == len(batch)
+            and all(isinstance(b, (list, tuple)) for b in batch)):
         return list(batch)
     return [batch]
 

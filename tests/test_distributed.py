@@ -433,14 +433,14 @@ def test_a_mask_warning_of_rank_1s_batch_is_said_once_by_rank_0(tmp_path, case, 
     assert not [c for c in run.df.columns if "_mask" in c]
 
 
-@pytest.mark.parametrize("case", ["probe", "kernel"])
+@pytest.mark.parametrize("case", ["probe", "kernel", "unseen"])
 def test_the_fsdp2_probe_pass_speaks_once_for_the_job_and_switches_kernels_together(
         tmp_path, case):
     """FSDP2, every rank's probe pass together: a model without attention keeps its pass
     for act/rms and logits at each eval, said once for the job; a Llama on a kernel that
     returns no weights (as flash attention) runs it as SDPA on both ranks, its maps
     recorded, its kernel back after (the script asserts it), no rank held."""
-    run, _ = data_run(tmp_path, case)
+    run, out = data_run(tmp_path, case)
     df, ev = run.df, run.events
     assert run.state == "finished" and run.step == 4
     assert not (ev.severity == "critical").any()
@@ -448,6 +448,11 @@ def test_the_fsdp2_probe_pass_speaks_once_for_the_job_and_switches_kernels_toget
     if case == "probe":
         assert len(probe) == 1 and "no attention layer" in probe[0], probe
         assert df.loc[[2, 4], ["act/rms/blocks.0", "logits/z_mean"]].notna().all().all()
+    elif case == "unseen":  # a warning, in the run once; no rank prints it on the console
+        assert len(probe) == 1 and "saw no attention weights" in probe[0], probe
+        assert (ev[ev.kind == "probe"].severity == "warning").all()
+        assert "saw no attention weights" not in out, out[-2000:]
+        assert df.loc[[2, 4], "logits/z_mean"].notna().all()
     else:
         assert not probe
         assert df.loc[[2, 4], "attn/entropy/model.layers.0.self_attn"].notna().all()

@@ -91,6 +91,8 @@ class StepRecorder:
         self.layer_watch = LayerWatch(model, optimizer, self.layers, distributed=dist is not None)
         self._end_recorded = False  # the store holds the run's end state (`_set_state`)
         self.log = logging.getLogger(f"nbwatch.run.{store.run_dir.name}.{next(_RUN_IDS)}")
+        if isinstance(store, NullStore):  # rank 0 records the job's events: a rank's own
+            self.log.addHandler(logging.NullHandler())  # not on its console (last resort)
         self.skip_nonfinite = any(r.name == "nonfinite" and "skip_step" in r.actions
                                   for r in self.engine.rules)
         self.flight = InFlight()  # a step between its optimizer hooks and its record

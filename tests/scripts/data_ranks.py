@@ -59,6 +59,18 @@ class MlpLM(torch.nn.Module):
         return self.lm_head(x)
 
 
+class HandAttention(torch.nn.Module):
+    """Attention computed by hand (no SDPA, no weights returned): the probe sees none."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.qkv = torch.nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return (q @ k.transpose(-1, -2) / 8).softmax(-1) @ v
+
+
 def opaque(module, q, k, v, attention_mask, scaling=None, dropout=0.0, **kw):
     """An attention kernel that returns no weights (as flash attention's)."""
     rep = q.shape[1] // k.shape[1]
@@ -139,6 +151,8 @@ def fsdp(run_dir: str, case: str, rank: int) -> None:
         blocks = list(model.model.layers)
     else:
         model = MlpLM()
+        if case == "unseen":  # blocks of attention the probe cannot see
+            model.blocks = torch.nn.ModuleList([HandAttention() for _ in range(2)])
         blocks = list(model.blocks)
     for b in blocks:
         fully_shard(b)

@@ -17,6 +17,7 @@ tf = pytest.importorskip("transformers")
 
 import nbwatch  # noqa: E402
 import nbwatch.hf  # noqa: E402
+from tests.scripts.data_ranks import opaque  # noqa: E402
 from tests.scripts.wide_run import Padded  # noqa: E402
 
 VOCAB, MAX_NORM = 64, 0.5
@@ -94,18 +95,6 @@ def assert_step_figures_are_the_trainers(df, trainer, steps):
     assert (pre > MAX_NORM).any()  # some step was really clipped
 
 
-def opaque_attention(module, q, k, v, attention_mask, scaling=None, dropout=0.0, **kw):
-    """An attention kernel that gives no weights, as flash_attention_2's: registered with
-    transformers' AttentionInterface as "opaque" (no SDPA call, nothing returned)."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = (q @ k.transpose(-1, -2)) * scaling
-    if attention_mask is not None:
-        m = attention_mask[..., :k.shape[-2]]
-        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
-    return (s.softmax(-1) @ v).transpose(1, 2).contiguous(), None
-
-
 @pytest.mark.parametrize("attn", ["eager", "sdpa", "opaque"])
 def test_llama_grouped_query_attention_under_the_trainer(tmp_path, attn):
     """Eager: padded probe samples, the weights the layers return. SDPA: unpadded probe
@@ -114,7 +103,7 @@ def test_llama_grouped_query_attention_under_the_trainer(tmp_path, attn):
     Opaque: a kernel that gives no weights (flash_attention_2's kind) runs as SDPA for
     the probe pass, and as itself again for training."""
     if attn == "opaque":
-        tf.AttentionInterface.register("opaque", opaque_attention)
+        tf.AttentionInterface.register("opaque", opaque)  # gives no weights
     model = tiny_llama(attn)
     assert model.model.layers[0].self_attn.k_proj.out_features == 16  # 2 kv heads × 8
     T = 16

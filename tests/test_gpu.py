@@ -15,6 +15,7 @@ import traceback
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -256,3 +257,50 @@ def test_a_grad_scalers_overflow_is_its_own_skip(tmp_path, monkeypatch):
     assert df.loc[good, "grad_norm/global"].tolist() == pytest.approx(
         [mine[s - 1] for s in good], rel=1e-4)
     assert all(torch.isfinite(p).all() for p in params)
+
+
+@pytest.mark.parametrize("first", ["packed", "padded"])
+def test_a_step_of_device_and_host_micro_batches_waits_for_nothing(tmp_path, audit, first):
+    """Accumulation over a micro-batch staged on the device (packed, or padded) and a
+    padded one left on the host: the step counts both (documents and rows: tokens,
+    lengths, samples) and no steady step syncs. The host rows' lengths went up to the
+    device with a pageable copy that waited for the stream; two padded ones on two
+    devices failed the step."""
+    from tests.test_packing import packed, padded_rows
+
+    torch.manual_seed(0)
+    model = make_demo(d=16, layers=1, heads=2, ctx=16).model.to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    pack = {k: v.to(DEVICE) for k, v in (packed([7, 3, 12, 6]) if first == "packed"
+                                         else padded_rows()).items()}
+    pad = padded_rows()  # 2 rows of 8, 13 real tokens
+
+    def loss_of(b):
+        ids = b["input_ids"].to(DEVICE, non_blocking=True)[:, :16]
+        return torch.nn.functional.cross_entropy(model(ids)[0, :-1], ids[0, 1:]) / 2
+
+    with Syncs() as syncs, nbwatch.Monitor(model, opt, run_dir=tmp_path / "r",
+                                           display=False, hist_every=5) as mon:
+        for i in range(1, STEPS + 1):
+            syncs.on = audit.on = i in STEADY
+            losses = [loss_of(pack), loss_of(pad)]
+            for one in losses:
+                one.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            mon.log(loss=losses, batch=[pack, pad])
+        syncs.on = audit.on = False
+    syncs.check()
+    assert not audit.reads, "\n".join(dict.fromkeys(audit.reads))
+    df = nbwatch.open_run(tmp_path / "r").df
+    # the documents (or the device's rows), then the host's rows
+    lengths = [7, 3, 12, 6, 8, 5] if first == "packed" else [8, 5, 8, 5]
+    assert (df["tokens/real"] == sum(lengths)).all()
+    assert (df["data/seq_len_max"] == max(lengths)).all()
+    assert df["data/seq_len_mean"].tolist() == pytest.approx(
+        [sum(lengths) / len(lengths)] * STEPS)
+    steps, edges, counts = nbwatch.open_run(tmp_path / "r").histograms("data/seq_len")
+    # each histogram holds the steps since the one before
+    assert [int(c.sum()) for c in counts] == [
+        len(lengths) * int(n) for n in np.diff([0, *steps])]
+    assert all(e[-1] == max(lengths) for e in edges)

@@ -136,7 +136,10 @@ def batch_figures(masks: list[torch.Tensor]) -> MaskFigures:
     for m in masks:
         if m.device.type == "cpu" or m.is_complex():
             check_mask(m, "the batch's mask")
-    figs = [mask_stats(m, count_bad=m.device.type != "cpu" and m.dtype != torch.bool)
+    dev = next((m.device for m in masks if m.device.type != "cpu"), None)
+    # one device for all (host masks go up without a wait), each counted where it came
+    figs = [mask_stats(m if dev is None else m.to(dev, non_blocking=True),
+                       count_bad=m.device.type != "cpu" and m.dtype != torch.bool)
             for m in masks]
     names = ["tokens/real", "data/seq_len_mean", "data/seq_len_max"]
     bad = [f[BAD] for f in figs if BAD in f]
@@ -345,6 +348,11 @@ def documents(positions: list[torch.Tensor], names: list[str], parts: list[torch
     (`doc_lengths`); from a device's, counts by length (`doc_length_counts`). `rows`: the
     masks of the step's micro-batches that are not packed (padded ones, beside the packed
     under accumulation): each row one sample more, of its mask's sum long."""
+    # one device for all: a host part goes up without a wait (without non_blocking, a
+    # pageable copy to CUDA waits for the stream), a device's never comes down (a sync)
+    dev = next((t.device for t in [*positions, *(rows or [])] if t.device.type != "cpu"),
+               positions[0].device)
+    positions = [p.to(dev, non_blocking=True) for p in positions]
     if len(positions) == 1:
         p = positions[0]
         docs, longest = (p == 0).sum(), p.max()
@@ -352,10 +360,10 @@ def documents(positions: list[torch.Tensor], names: list[str], parts: list[torch
         docs = torch.stack([(p == 0).sum() for p in positions]).sum()
         longest = torch.stack([p.max() for p in positions]).max()
     docs, longest = docs.float(), longest.float() + 1
-    lens = row_lengths(rows or [])
+    lens = row_lengths([m.to(dev, non_blocking=True) for m in rows or []])
     if lens:  # shapes tell how many rows; their longest is read with the step's copy
         docs = docs + sum(int(n.numel()) for n in lens)
-        longest = torch.stack([longest, *(n.max().to(longest.device) for n in lens)]).max()
+        longest = torch.stack([longest, *(n.max() for n in lens)]).max()
     names += DOCS
     parts += [docs, longest]
     if EXACT_ON_CPU and all(t.device.type == "cpu" for t in [*positions, *lens]):
@@ -399,7 +407,7 @@ def doc_length_counts(positions: list[torch.Tensor], rows: list[torch.Tensor] | 
         counts.scatter_add_(0, (p.long() + 1).clamp_(0, size - 1).reshape(-1),
                             end.reshape(-1))
     for n in rows or []:  # a row's length is at most its mask's width: within the vector
-        n = n.to(counts.device)
+        n = n.to(counts.device, non_blocking=True)  # no wait (`documents`)
         counts.scatter_add_(0, n.long().clamp_(0, size - 1), torch.ones_like(n))
     return LengthCounts(counts)
 

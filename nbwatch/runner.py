@@ -23,6 +23,7 @@ from .checkpoint import rng_state, set_rng_state
 from .epoch_order import open_pass
 from .evaluation import evaluate
 from .probes.attention import clone_samples
+from .probes.combined import loader_batches
 from .probes.data import (
     ZEROS,
     all_real,
@@ -222,10 +223,11 @@ class Runner:
             batch = self._take()
             m.data_s += time.perf_counter() - td
             rec.note_batch(batch, *self._pos)
-            m.samples += batch_samples(batch) or 0  # its rows, as every loop's
-            pos = packed_positions(batch)
-            if pos is not None:  # its masks read now: the histogram takes its documents'
-                m.positions.append(pos)
+            parts = loader_batches(batch, self._enc_dec)  # several loaders': one each
+            m.samples += sum(batch_samples(p) or 0 for p in parts)  # rows, as every loop's
+            found = [packed_positions(p) for p in parts]
+            if any(pos is not None for pos in found):  # masks read now: the histogram
+                m.positions += [pos for pos in found if pos is not None]  # takes documents'
                 m.keeping = False
             if spec.probe_batch is None and spec.eval_every and spec.attention_samples > 0:
                 spec.probe_batch = clone_samples(batch, spec.attention_samples)
@@ -258,19 +260,19 @@ class Runner:
                 # attention_mask, as the Trainer's and log(batch=)'s are
                 self._logit_figures(m, raw, out.mask if out.mask is not None or self._enc_dec
                                     else input_mask(batch))
-            # the tokens read, not only those the loss weighs (a prompt's, a shifted row's);
-            # an encoder-decoder's are its source's, as the adapters', never the step's mask
-            # (its target's): attention_mask, else every input_ids token; a batch of speech
-            # features or pixels none (its attention_mask counts frames; the step's mask)
-            read = input_tokens(batch) if sourced else input_mask(batch)
-            tokens = read if read is not None or sourced else out.mask
-            if tokens is None and pos is not None:  # packed, no mask: every token real
-                m.unmasked.append(pos)
-            elif tokens is None:  # no mask anywhere: every input_ids token, as the Trainer
-                tokens = input_tokens(batch)
-            if tokens is not None and m.keeping:
-                with rec.own:  # beside the rows' copy, still warm (its look at the mask too)
-                    m.keeping = keep_mask(m.host, tokens)
+            # each loader's batch's tokens read (`_tokens`); where none has any of its own
+            # ((x, y) batches of token ids), the step's mask, as a batch of one loader's
+            counted = [(self._tokens(p, out.mask if len(parts) == 1 else None, pos), pos)
+                       for p, pos in zip(parts, found)]
+            if len(parts) > 1 and not any(t is not None or pos is not None for t, pos in
+                                          counted) and all(reads_tokens(p) for p in parts):
+                counted = [(out.mask, None)]
+            for tokens, pos in counted:
+                if tokens is None and pos is not None:  # packed, no mask: every token real
+                    m.unmasked.append(pos)
+                elif tokens is not None and m.keeping:
+                    with rec.own:  # beside the rows' copy, still warm (its look at the mask)
+                        m.keeping = keep_mask(m.host, tokens)
             m.reduction = out.reduction
             loss = out.loss / spec.accumulate if spec.accumulate > 1 else out.loss
             (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -281,11 +283,26 @@ class Runner:
             with rec.own:  # the loss kept for the record: watching's
                 detached = out.loss.detach().float()
                 m.loss_sum = detached if m.loss_sum is None else m.loss_sum + detached
-            if tokens is not None:
-                m.masks.append(tokens)
-                if pos is None:  # a padded micro-batch: its rows are samples beside documents
-                    m.rows.append(tokens)
+            for tokens, pos in counted:
+                if tokens is not None:
+                    m.masks.append(tokens)
+                    if pos is None:  # a padded batch: its rows are samples beside documents
+                        m.rows.append(tokens)
         return m
+
+    def _tokens(self, batch: Any, step_mask: torch.Tensor | None, packed: Any
+                ) -> torch.Tensor | None:
+        """The tokens read, not only those the loss weighs (a prompt's, a shifted row's); an
+        encoder-decoder's are its source's, as the adapters', never the step's mask (its
+        target's): attention_mask, else every input_ids token; a batch of speech features
+        or pixels none (its attention_mask counts frames); else the batch's 2-D
+        attention_mask, the step's mask, every input_ids token (as the Trainer) unless
+        `packed` (its positions: every token real, from its shape)."""
+        if self._enc_dec or not reads_tokens(batch):
+            return input_tokens(batch)
+        read = input_mask(batch)
+        read = read if read is not None else step_mask
+        return read if read is not None or packed is not None else input_tokens(batch)
 
     def _logit_figures(self, m: _Micro, raw: Any, mask: torch.Tensor | None) -> None:
         """The first micro-batch's logits' log Z and max |logit|, between the forward and

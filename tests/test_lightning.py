@@ -614,3 +614,106 @@ def test_one_callback_given_twice_records_each_step_once(tmp_path):
     assert run.df.index.tolist() == list(range(1, 11))
     ev = run.events
     assert not (ev.kind == "error").any(), ev.message.tolist()
+
+
+class CombinedModule(L.LightningModule):
+    """Trains on several loaders' batches at once (Lightning's CombinedLoader: a dict or a
+    list of them), text dicts and `[x, y]` pairs; writes down the batches it was given."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 4)
+        self.lin = torch.nn.Linear(4, 1)
+        self.seen: list = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch)
+        loss = self.lin.bias.sum() * 0
+        for part in batch.values() if isinstance(batch, dict) else batch:
+            if isinstance(part, dict):
+                loss = loss + self.lin(self.emb(part["input_ids"])).square().mean()
+            elif part is not None:
+                x, y = part
+                loss = loss + torch.nn.functional.mse_loss(self.lin(x).squeeze(-1), y)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _texts(n: int, width: int, seed: int) -> list[dict]:
+    """`n` sequences of 1 to `width` real tokens, padded to `width`."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(1, 50, (width,), generator=g),
+             "attention_mask": (torch.arange(width) < n_real).long()}
+            for n_real in torch.randint(1, width + 1, (n,), generator=g).tolist()]
+
+
+def _pairs(n: int, seed: int) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return torch.utils.data.TensorDataset(torch.randn(n, 4, generator=g),
+                                          torch.randn(n, generator=g))
+
+
+def _by_hand(batch) -> tuple[int, list[int], int]:
+    """A CombinedLoader step's samples (every loader's rows), its sequences' lengths (each
+    text row's real tokens) and its text's positions, counted in plain Python."""
+    rows, lengths, width = 0, [], 0
+    for part in batch.values() if isinstance(batch, dict) else batch:
+        if isinstance(part, dict):
+            rows += len(part["attention_mask"])
+            lengths += [sum(r) for r in part["attention_mask"].tolist()]
+            width += part["attention_mask"].numel()
+        elif part is not None:
+            rows += len(part[0])
+    return rows, lengths, width
+
+
+@pytest.mark.parametrize("mode", ["dict", "min_size", "max_size"])
+def test_a_combined_loaders_figures_are_every_loaders(tmp_path, mode):
+    """A real fit on a CombinedLoader: a dict of two text loaders (Lightning's default,
+    max_size_cycle: the shorter cycles), a list of an `[x, y]` loader and a text loader
+    (min_size), a dict of a text loader that runs out (None) and an `[x, y]` one
+    (max_size). Each step's samples are all its loaders' rows, its tokens, lengths,
+    padding and data/seq_len histogram its text loaders' masks', counted by hand from
+    the batches training_step got; nbwatch counted the first loader's batch alone (the
+    dicts' tokens not at all)."""
+    from lightning.pytorch.utilities import CombinedLoader
+
+    def dl(data, batch_size):
+        return torch.utils.data.DataLoader(data, batch_size=batch_size)
+
+    loaders = {
+        "dict": {"a": dl(_texts(7, 6, 1), 3), "b": dl(_texts(5, 4, 2), 2)},
+        "min_size": CombinedLoader([dl(_pairs(5, 3), 2), dl(_texts(6, 5, 4), 4)], "min_size"),
+        "max_size": CombinedLoader({"a": dl(_texts(3, 5, 5), 2), "b": dl(_pairs(8, 6), 3)},
+                                   "max_size"),
+    }[mode]
+    torch.manual_seed(0)
+    module = CombinedModule()
+    cb = nbwatch.lightning.NbwatchCallback(run_dir=tmp_path / "run", hist_every=1)
+    make_trainer(tmp_path / "pl", max_steps=-1, max_epochs=1, val_check_interval=None,
+                 limit_val_batches=0, callbacks=[cb]).fit(module, train_dataloaders=loaders)
+    run = nbwatch.open_run(tmp_path / "run")
+    df = run.df
+    counts = [_by_hand(b) for b in module.seen]
+    assert len(counts) == {"dict": 3, "min_size": 2, "max_size": 3}[mode]
+    assert df.index.tolist() == list(range(1, len(counts) + 1))
+    samples = (df["throughput/samples_per_s"] * df["time/step"]).round().astype(int)
+    assert samples.tolist() == [rows for rows, _, _ in counts]
+    for step, (_, lengths, width) in enumerate(counts, start=1):
+        row = df.loc[step]
+        if not lengths:  # max_size's last step: its text loader ran out
+            assert np.isnan(row["tokens/real"]) and np.isnan(row["data/seq_len_mean"])
+            continue
+        assert row["tokens/real"] == sum(lengths)
+        assert row["data/seq_len_mean"] == pytest.approx(sum(lengths) / len(lengths))
+        assert row["data/seq_len_max"] == max(lengths)
+        assert row["data/padding_ratio"] == pytest.approx(1 - sum(lengths) / width)
+    at, edges, hist = run.histograms("data/seq_len")
+    texts = [(s, ls) for s, (_, ls, _) in enumerate(counts, start=1) if ls]
+    assert at.tolist() == [s for s, _ in texts]
+    for (_, ls), e, c in zip(texts, edges, hist, strict=True):
+        assert c.sum() == len(ls) and (np.histogram(ls, bins=e)[0] == c).all()
+    if mode == "max_size":
+        assert module.seen[-1]["a"] is None  # the shape it names: a loader run out

@@ -59,6 +59,7 @@ class Adapter:
         self._positions: list[Any] = []  # a packed batch's position_ids, per micro-batch
         self._unmasked: list[Any] = []  # … of those that came without a mask (all real)
         self._rows: list[Any] = []  # the masks of the micro-batches not packed
+        self._bare: list[int] = []  # the samples of those with no tokens (no mask, not packed)
         self._logit_mask: Any = None  # an encoder-decoder's first micro-batch's target mask
         self._enc_dec: tuple[Any, bool] | None = None  # (model, whether it is one)
         self._fitting = False  # a fit is taken: from start()'s launch, or the fit's begin
@@ -117,15 +118,17 @@ class Adapter:
         self.monitor = self.handle = self.loop = None
         self._commands = ctl.CommandQueue()
         self._losses, self._masks, self._counts, self._positions = [], [], [], []
-        self._unmasked, self._rows = [], []
+        self._unmasked, self._rows, self._bare = [], [], []
         self._logit_mask = None
 
     def _note_tokens(self, batch: Any, mask: Any) -> None:
         """A micro-batch's tokens: `mask` (None: none) kept for the step's figures; a packed
         batch's position_ids for its documents' (without a mask its tokens are all real,
         counted from its shape); the mask of one not packed gives its rows, each a sample
-        beside the packed micro-batches' documents."""
+        beside the packed micro-batches' documents; that of one with no tokens (pixels, an
+        `(x, y)` beside a batch of text) its samples beside the masks' rows."""
         from ..probes.data import packed_positions
+        from ..probes.throughput import batch_samples
 
         if mask is not None:
             self._masks.append(mask)
@@ -133,6 +136,8 @@ class Adapter:
         if pos is None:
             if mask is not None:
                 self._rows.append(mask)
+            else:
+                self._bare.append(batch_samples(batch) or 0)
             return
         self._positions.append(pos)
         if mask is None:
@@ -157,7 +162,7 @@ class Adapter:
         if self.handle is not None and self._fitting and self._owner is me:
             self._close_unseen()  # the framework began again inside start()'s fit
             self._losses, self._masks, self._counts, self._positions = [], [], [], []
-            self._unmasked, self._rows = [], []
+            self._unmasked, self._rows, self._bare = [], [], []
             self._logit_mask = None
             self._check_fresh(resuming, how)
             return
@@ -233,6 +238,7 @@ class Adapter:
         positions, self._positions = self._positions, []
         unmasked, self._unmasked = self._unmasked, []
         rows, self._rows = self._rows, []
+        bare, self._bare = self._bare, []
         logit_mask, self._logit_mask = self._logit_mask, None
         names: list[str] = []
         parts: list[Any] = []
@@ -248,7 +254,8 @@ class Adapter:
                 # ones are copied and read with the record, a batch of steps at a time
                 if rec.first_step or positions or not keep_masks(host, masks):
                     lengths = batch_figures(masks).into(names, parts, host)
-                samples = mask_rows(masks)  # a [T] mask's one sequence, one sample
+                # a [T] mask's one sequence, one sample; with the rows of those of no tokens
+                samples = mask_rows(masks) + sum(bare)
             elif samples is None and counts:  # a batch of no tokens (images, audio)
                 samples = sum(counts)
             if positions:  # packed: its documents' count, longest and lengths

@@ -35,6 +35,7 @@ from ..evaluation import GuessedForward, batch_call, describe_call
 from ..interrupts import Terminated
 from ..monitor import Monitor
 from ..probes.attention import take_samples
+from ..probes.combined import loader_batches
 from ..probes.data import additive_01, input_tokens, packed_positions
 from ..probes.throughput import batch_samples
 from .base import Adapter, callback_of, check_fit_arguments, drop_repeats, found_inf, unwrap
@@ -104,20 +105,16 @@ class NbwatchCallback(Adapter, pl.Callback):
         if rec is not None:  # which batch; hashed only where it is on the CPU
             rec.note_batch(batch, trainer.current_epoch, batch_idx)
         self._note_logit_mask(pl_module, batch)  # (and looks if it is an encoder-decoder)
-        mask = None
-        if isinstance(batch, Mapping):
-            key = next((k for k in _MASK_KEYS if isinstance(batch.get(k), torch.Tensor)), None)
-            if key == "attention_mask":  # the batch's own: its tokens (segment ids), not a
-                mask = input_tokens(batch)  # model's own 4-D [batch, 1, T, T] mask
-            elif key is not None:  # (a float additive one as 0/1, else as it is: checked)
-                mask = additive_01(batch[key])
-            elif packed_positions(batch) is None:  # (a packed batch's: from its shape)
-                mask = input_tokens(batch)  # every input_ids token (an encoder-decoder's
-                # source's, never its target's), as the Trainer's
-        self._note_tokens(batch, mask)
-        n = batch_samples(batch)  # samples/s for any model: (x, y), pixel_values
-        if n:
-            self._counts.append(n)
+        # a CombinedLoader's batches (the fit's loaders a collection): each one's counted
+        parts = loader_batches(batch, bool(self._enc_dec and self._enc_dec[1]),
+                               trainer.train_dataloader)
+        if len(parts) > 1:
+            self._note_logit_mask(pl_module, parts[0])
+        for part in parts:
+            self._note_tokens(part, _tokens(part))
+            n = batch_samples(part)  # samples/s for any model: (x, y), pixel_values
+            if n:
+                self._counts.append(n)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any,
                                  optimizer: Any) -> None:
@@ -281,6 +278,21 @@ def start(trainer: pl.Trainer, module: pl.LightningModule, *args: Any,
                 trainer.callbacks.remove(cb)  # type: ignore[attr-defined]
 
     return cb._launch(api, trainer, fit, display)
+
+
+def _tokens(batch: Any) -> torch.Tensor | None:
+    """A batch's tokens: its `attention_mask` (its tokens, segment ids; not a model's own
+    4-D [batch, 1, T, T] mask), else its `mask` (a float additive one as 0/1, else as it
+    is: checked), else every `input_ids` token (an encoder-decoder's source's, never its
+    target's), as the Trainer's; none for a packed batch (from its shape)."""
+    if not isinstance(batch, Mapping):
+        return None
+    key = next((k for k in _MASK_KEYS if isinstance(batch.get(k), torch.Tensor)), None)
+    if key == "attention_mask":
+        return input_tokens(batch)
+    if key is not None:
+        return additive_01(batch[key])
+    return input_tokens(batch) if packed_positions(batch) is None else None
 
 
 def val_figures(metrics: Mapping[str, Any]) -> dict[str, float]:

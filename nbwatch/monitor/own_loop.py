@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..probes.combined import loader_batches
 from ..probes.data import (
     additive_01,
     all_real,
@@ -55,7 +56,9 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
         rec.note_logged_batch(batches[0], scalars)  # takes epoch=/index= given with a batch
         for b in batches[1:]:
             rec.batch_ids.note_batch(b)  # the step's other micro-batches, as start()'s
-        positions, rows, mask, logit_mask = _masks(batches, mask, session.setup.model)
+        # several loaders' batches in one (a CombinedLoader's): each counted as a micro-batch
+        batches = [p for b in batches for p in loader_batches(b, _enc_dec(session.setup.model))]
+        positions, rows, mask, logit_mask, bare = _masks(batches, mask, session.setup.model)
         host, names, parts, lengths = log_figures(loss, mask, scalars,
                                                   first=rec.step == session.progress_start,
                                                   logits=logits, source=rec.train_logits,
@@ -69,6 +72,8 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
     # no [batch, seq_len] mask (speech features, pixels, an (x, y) batch): its rows, the
     # first batched tensor's of each micro-batch, as start()'s, the Trainer's, Lightning's
     samples = mask_samples(mask) or (None if positions else _rows(batches))
+    if bare and samples and not positions:  # batches of no tokens beside those of tokens
+        samples += _rows(bare) or 0
     step = rec.record_step(host, names, parts, lengths=lengths, samples=samples, val=val,
                            reduction="as computed by the training loop (mon.log)")
     if said is not None and "accumulation" not in rec.evals.probe_said:  # once a run
@@ -127,13 +132,15 @@ _ENC_DEC: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def _masks(batches: list, mask: Any, model: Any
-           ) -> tuple[list[torch.Tensor], list[torch.Tensor], Any, Any]:
+           ) -> tuple[list[torch.Tensor], list[torch.Tensor], Any, Any, list]:
     """The step's packed positions, the masks of its micro-batches not packed (each row a
-    sample beside the documents), its masks and its logits' mask (`log_figures`). With no
-    `mask=`, the batches' own tokens, as the Trainer counts them (`input_tokens`: the
-    attention_mask, else every input_ids token; an encoder-decoder's source, its logits
-    weighed by the target's mask, `decoder_mask`); none where a batch holds neither, or
-    its mask is not the [batch, seq_len] one `log_figures` takes. A float additive mask
+    sample beside the documents), its masks, its logits' mask (`log_figures`) and its
+    batches of no tokens beside those of tokens (a loader's `(x, y)` or pixels beside one
+    of text: their rows are samples too). With no `mask=`, the batches' own tokens, as the
+    Trainer counts them (`input_tokens`: the attention_mask, else every input_ids token; an
+    encoder-decoder's source, its logits weighed by the target's mask, `decoder_mask`);
+    none where no batch holds either, or a mask is not the [batch, seq_len] one
+    `log_figures` takes. A float additive mask
     given (0.0 real, negative padding) is taken as the 0/1 one it stands for; an
     encoder-decoder's given without a batch is its source's: its logits over every
     position."""
@@ -143,22 +150,27 @@ def _masks(batches: list, mask: Any, model: Any
         mask = additive_01(mask)
     if batches[0] is None:  # an encoder-decoder's mask given alone is its source's (the
         # rule): its logits, the target's, are over every position
-        return [], [], mask, None if mask is not None and _enc_dec(model) else ...
+        return [], [], mask, None if mask is not None and _enc_dec(model) else ..., []
     found = [packed_positions(b) for b in batches]
     # an encoder-decoder's logits are the target's, whatever mask the data figures count
     logit_mask = decoder_mask(batches[-1]) if _enc_dec(model) else ...
     positions = [p for p in found if p is not None]
     if mask is None and len(positions) == len(batches):
-        return positions, [], None, logit_mask  # every token real (`all_real`)
+        return positions, [], None, logit_mask, []  # every token real (`all_real`)
+    bare: list = []
     if mask is None:
         masks = [input_tokens(b) for b in batches]
-        if any(m is None or m.dim() > 2 for m in masks):  # (a multiple-choice [B, C, T])
-            return [], [], None, logit_mask
+        if all(m is None for m in masks) or any(m is not None and m.dim() > 2 for m in masks):
+            return [], [], None, logit_mask, []  # (a multiple-choice [B, C, T])
+        bare = [b for b, m in zip(batches, masks) if m is None]
+        found = [p for p, m in zip(found, masks) if m is not None]
+        positions = [p for p in found if p is not None]
+        masks = [m for m in masks if m is not None]
         mask = masks[0] if len(masks) == 1 else masks
     given = list(mask) if isinstance(mask, (list, tuple)) else [mask]
-    if len(given) != len(batches) or not positions:
-        return [], [], mask, logit_mask  # not one mask a batch: its rows are the samples
-    return positions, [m for m, p in zip(given, found) if p is None], mask, logit_mask
+    if len(given) != len(found) or not positions:
+        return [], [], mask, logit_mask, bare  # not one mask a batch: rows are the samples
+    return positions, [m for m, p in zip(given, found) if p is None], mask, logit_mask, bare
 
 
 def _enc_dec(model: Any) -> bool:

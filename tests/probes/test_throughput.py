@@ -1,6 +1,7 @@
 """MFU: model FLOPs per token (PaLM appendix B), the model's shape read from real models,
 the peak table by device name, and a real run that records TFLOP/s (and MFU with a peak)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -302,20 +303,20 @@ def _loss(net, batch):
     return net.weight.square().sum()  # a shape of any batch: its samples are what counts
 
 
-def _in_loop(tmp_path, loop: str, batches: list, micro: int = 1) -> object:
+def _in_loop(tmp_path, loop: str, batches: list, micro: int = 1, **kw) -> object:
     """`batches` (`micro` a step) through `loop`: start(), log(batch=...) (a list of the
     step's micro-batches where it has several), the Trainer (nbwatch.hf.NbwatchCallback,
-    its batches in order), Lightning; the run's figures."""
+    its batches in order), Lightning; the run's figures. `kw`: the run's options."""
     torch.manual_seed(0)
     net, run_dir = torch.nn.Linear(4, 1), tmp_path / loop
     steps = len(batches) // micro
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     if loop == "start":
-        mon = nbwatch.Monitor(net, opt, run_dir=run_dir, display=False)
+        mon = nbwatch.Monitor(net, opt, run_dir=run_dir, display=False, **kw)
         mon.start(_loss, batches, max_steps=steps, accumulate=micro, display=False).wait()
         assert mon.state == "finished", mon.error
     elif loop == "log":
-        with nbwatch.Monitor(net, opt, run_dir=run_dir, display=False) as mon:
+        with nbwatch.Monitor(net, opt, run_dir=run_dir, display=False, **kw) as mon:
             for i in range(0, len(batches), micro):
                 losses = [_loss(net, b) / micro for b in batches[i:i + micro]]
                 for one in losses:
@@ -336,7 +337,7 @@ def _in_loop(tmp_path, loop: str, batches: list, micro: int = 1) -> object:
                 return torch.utils.data.SequentialSampler(batches)
 
         Trainer(model=net, train_dataset=batches, data_collator=lambda items: items[0],
-                callbacks=[NbwatchCallback(run_dir=run_dir, display=False)],
+                callbacks=[NbwatchCallback(run_dir=run_dir, display=False, **kw)],
                 args=tf.TrainingArguments(
                     output_dir=str(tmp_path / "out"), max_steps=steps, report_to=[],
                     per_device_train_batch_size=1, gradient_accumulation_steps=micro,
@@ -346,7 +347,7 @@ def _in_loop(tmp_path, loop: str, batches: list, micro: int = 1) -> object:
         from tests.conftest import lightning_fit
 
         lightning_fit(tmp_path, net, _loss, batches, run_dir, max_steps=steps,
-                      accumulate_grad_batches=micro)
+                      accumulate_grad_batches=micro, **kw)
     return nbwatch.open_run(run_dir).df
 
 
@@ -374,3 +375,103 @@ def test_every_loop_adds_up_its_micro_batches_samples(tmp_path, loop):
     batches = [{"x": torch.randn(n, 4, generator=g)} for n in (3, 2, 3, 2, 3, 2)]
     df = _in_loop(tmp_path, loop, batches, micro=2)
     assert _counted(df) == [None if loop == "log" else 5, 5, 5]
+
+
+# -- a step of several loaders' batches (`loader_batches`) --------------------------------
+
+
+def _loaders_cases():
+    """(a step's batch of several loaders' batches, hand counts: samples, real tokens or
+    None, every sequence's length) in Lightning's `CombinedLoader` shapes: a dict of dict
+    batches, a list of them, a dict of `[x, y]` batches, `max_size`'s run-out loader
+    (None), a packed batch beside a padded one, one of text beside an `(x, y)` one; then
+    two batches that stay one: a dict with
+    a batched tensor of its own beside a nested dict, a list of `(x, y)` pairs (two views)."""
+    g = torch.Generator().manual_seed(0)
+
+    def ids(*shape):
+        return torch.randint(1, 50, shape, generator=g)
+
+    def mask(*rows):
+        return torch.tensor(rows)
+
+    return [
+        ({"a": {"input_ids": ids(3, 5), "attention_mask": mask([1] * 5, [1, 1, 1, 0, 0],
+                                                               [1, 1, 0, 0, 0])},
+          "b": {"input_ids": ids(2, 4), "attention_mask": mask([1] * 4, [1, 1, 0, 0])}},
+         5, [5, 3, 2, 4, 2], 15 + 8),
+        ([{"input_ids": ids(2, 6), "attention_mask": mask([1] * 6, [1, 1, 1, 1, 0, 0])},
+          {"input_ids": ids(3, 3)}],  # no mask: every token real
+         5, [6, 4, 3, 3, 3], 12 + 9),
+        ({"a": [torch.randn(4, 4, generator=g), torch.randn(4, generator=g)],
+          "b": [torch.randn(2, 4, generator=g), torch.randn(2, generator=g)]}, 6, None, None),
+        ({"a": None, "b": {"input_ids": ids(2, 3), "attention_mask": mask([1, 1, 1], [1, 0, 0])}},
+         2, [3, 1], 6),
+        ({"a": {"input_ids": ids(1, 8), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])},
+          "b": {"input_ids": ids(2, 4), "attention_mask": mask([1, 1, 1, 0], [1] * 4)}},
+         3 + 2, [3, 2, 3, 3, 4], 8 + 8),  # 3 documents and 2 rows
+        ({"a": {"input_ids": ids(2, 3), "attention_mask": mask([1, 1, 0], [1, 1, 1])},
+          "b": [torch.randn(4, 4, generator=g), torch.randn(4, generator=g)]},
+         2 + 4, [2, 3], 6),  # text beside (x, y): the rows of both, the text's tokens
+        ({"x": torch.randn(3, 4, generator=g), "extra": {"input_ids": ids(5, 2)}}, 3, None, None),
+        ([(torch.randn(2, 4, generator=g), torch.randn(2, generator=g)),
+          (torch.randn(2, 4, generator=g), torch.randn(2, generator=g))], 2, None, None),
+    ]
+
+
+@pytest.mark.parametrize("loop", ["start", "log", "lightning"])
+def test_every_loop_counts_every_loaders_batch_by_hand(tmp_path, loop):
+    """A step whose batch holds several loaders' batches (Lightning's CombinedLoader
+    shapes, or one's own) counts them all: samples the sum of their rows (a packed one's
+    documents), tokens/real each one's attention_mask (else every input_ids token),
+    data/seq_len_mean and _max over every sequence, the padding over every position and
+    the data/seq_len histogram every length; each loop counted the first loader's batch
+    alone (the dicts' tokens not at all). A dict with a batched tensor of its own and a
+    list of (x, y) pairs after one backward pass stay one batch."""
+    cases = _loaders_cases()
+    df = _in_loop(tmp_path, loop, [b for b, *_ in cases], hist_every=1)
+    want = [n for _, n, _, _ in cases]
+    if loop == "log":
+        want[0] = None  # its first step has no time
+    assert _counted(df) == want
+    lengths = [ls for _, _, ls, _ in cases]
+    assert _tokens(df) == [None if ls is None else sum(ls) for ls in lengths]
+    for step, (_, _, ls, width) in enumerate(cases, start=1):
+        row = df.loc[step]
+        if ls is None:
+            assert row.get("data/seq_len_mean") != row.get("data/seq_len_mean")  # NaN: none
+            continue
+        assert row["data/seq_len_mean"] == pytest.approx(sum(ls) / len(ls))
+        assert row["data/seq_len_max"] == max(ls)
+        assert row["data/padding_ratio"] == pytest.approx(1 - sum(ls) / width)
+    at, edges, counts = nbwatch.open_run(tmp_path / loop).histograms("data/seq_len")
+    steps = [s for s, (_, _, ls, _) in enumerate(cases, start=1) if ls is not None]
+    assert at.tolist() == steps
+    for e, c, s in zip(edges, counts, steps, strict=True):
+        ls = cases[s - 1][2]
+        assert c.sum() == len(ls) and (np.histogram(ls, bins=e)[0] == c).all()
+
+
+def test_loader_batches_is_the_one_rule():
+    """Unit: which batches are several loaders' (`loader_batches`), by their shape, by the
+    loaders a loop knows (Lightning's), and for an encoder-decoder."""
+    from nbwatch.probes.combined import loader_batches
+
+    x, y = torch.randn(3, 4), torch.randn(3)
+    a, b = {"input_ids": torch.ones(3, 2, dtype=torch.long)}, {"x": x, "y": y}
+    assert loader_batches({"a": a, "b": b}) == [a, b]
+    assert loader_batches([a, None, b]) == [a, b]  # max_size: a loader run out
+    assert loader_batches({"a": None, "b": [x, y]}) == [[x, y]]
+    one = [{"x": x, "a": a}, (x, y), [(x, y), (x, y)], [x, y], x, None, {}, [], {"a": None},
+           {"s": torch.tensor(1), "a": a, "b": b}, {"a": {"b": b}, "c": b}]
+    for batch in one:
+        assert loader_batches(batch) == [batch]
+    assert loader_batches((a, b), enc_dec=True) == [(a, b)]  # (src, tgt): one batch
+    # the loaders a loop knows decide, where the batch has their shape
+    pairs = [[x, y], [x[:2], y[:2]]]
+    assert loader_batches(pairs, loaders=["dl_a", "dl_b"]) == pairs
+    assert loader_batches((a, b), enc_dec=True, loaders=("dl_a", "dl_b")) == [a, b]
+    assert loader_batches({"a": a, "b": {"c": b, "d": None}},
+                          loaders={"a": 0, "b": {"c": 1, "d": 2}}) == [a, b]
+    assert loader_batches(pairs, loaders=["dl_a"]) == [pairs]  # not their shape
+    assert loader_batches({"a": x}, loaders="a DataLoader") == [{"a": x}]

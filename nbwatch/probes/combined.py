@@ -1,0 +1,84 @@
+"""A step's batch made of several loaders' batches (Lightning's `CombinedLoader`, a loop
+that draws from two datasets at once): the one rule every loop counts it by.
+
+    {"a": batch_a, "b": batch_b}      # CombinedLoader({"a": dl_a, "b": dl_b}), or your own
+    [batch_a, batch_b]                # CombinedLoader([dl_a, dl_b])
+    {"a": None, "b": batch_b}         # mode="max_size": loader a has run out
+
+Each loader's batch is counted as a micro-batch of the step is (`loader_batches`): its
+samples (`batch_samples`), its tokens (its `attention_mask`, else every `input_ids`
+token; a packed one's documents), and the sequence figures over all of them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+def _one_loaders(x: Any) -> bool:
+    """A batch one loader gives: a Mapping (a dict, a `BatchEncoding`) or a list or tuple
+    (`(x, y)`, a `TensorDataset`'s `[x, y]`) holding a tensor with a batch dimension at its
+    own level. A shape only, nothing read."""
+    if isinstance(x, Mapping):
+        items: Any = x.values()
+    elif isinstance(x, (list, tuple)):
+        items = x
+    else:
+        return False
+    return any(isinstance(v, torch.Tensor) and v.ndim for v in items)
+
+
+def _by_loaders(batch: Any, loaders: Any) -> list | None:
+    """The loaders' batches, where `batch` has the shape of `loaders` (the fit's collection
+    of loaders: a dict, list or tuple of them, nested or not); None where it has not (a
+    hook that reshaped the batch)."""
+    if isinstance(loaders, Mapping):
+        if not isinstance(batch, Mapping) or any(k not in batch for k in loaders):
+            return None
+        found = [_by_loaders(batch[k], v) for k, v in loaders.items()]
+    elif isinstance(loaders, (list, tuple)):
+        if not isinstance(batch, (list, tuple)) or len(batch) != len(loaders):
+            return None
+        found = [_by_loaders(b, v) for b, v in zip(batch, loaders)]
+    else:  # one loader: its batch (None: a `max_size` loader run out)
+        return [] if batch is None else [batch]
+    if any(f is None for f in found):
+        return None
+    return [b for f in found if f is not None for b in f]
+
+
+def loader_batches(batch: Any, enc_dec: bool = False, loaders: Any = None) -> list:
+    """The batches of the loaders a step's batch combines, each to be counted as a
+    micro-batch is; `[batch]` for a batch of one loader.
+
+    Where the loop knows its loaders (`loaders`: Lightning's, the collection
+    `CombinedLoader` combines), their shape says which parts are batches. Elsewhere the
+    batch's shape: a Mapping each of whose values is a batch of one loader (`_one_loaders`:
+    a dict, or a list or tuple, with a batched tensor of its own) or None, or a list or
+    tuple each of whose entries is a dict batch or None, at least one not None. So a dict
+    with a batched tensor at its top level is one batch (its parts beside it are its own),
+    and so is a list of `(x, y)` batches (two views of a pair; `log(batch=...)` counts them
+    one each where the step took as many backward passes), and an encoder-decoder's
+    batch in parts (its source's and its target's, `(src, tgt)`: its figures are the
+    source's), as Lightning's tuples and a bare tensor's."""
+    if isinstance(loaders, (Mapping, list, tuple)):
+        found = _by_loaders(batch, loaders)
+        if found:
+            return found
+    if enc_dec:
+        return [batch]
+    if isinstance(batch, Mapping):
+        items, one = list(batch.values()), _one_loaders
+    elif isinstance(batch, (list, tuple)):
+        items = list(batch)
+
+        def one(x: Any) -> bool:
+            return isinstance(x, Mapping) and _one_loaders(x)
+    else:
+        return [batch]
+    parts = [x for x in items if x is not None]
+    if parts and all(one(x) for x in parts):
+        return parts
+    return [batch]

@@ -632,6 +632,8 @@ class CombinedModule(L.LightningModule):
         for part in batch.values() if isinstance(batch, dict) else batch:
             if isinstance(part, dict):
                 loss = loss + self.lin(self.emb(part["input_ids"])).square().mean()
+            elif isinstance(part, torch.Tensor):
+                loss = loss + self.lin(part).square().mean()
             elif part is not None:
                 x, y = part
                 loss = loss + torch.nn.functional.mse_loss(self.lin(x).squeeze(-1), y)
@@ -664,20 +666,23 @@ def _by_hand(batch) -> tuple[int, list[int], int]:
             rows += len(part["attention_mask"])
             lengths += [sum(r) for r in part["attention_mask"].tolist()]
             width += part["attention_mask"].numel()
+        elif isinstance(part, torch.Tensor):
+            rows += len(part)
         elif part is not None:
             rows += len(part[0])
     return rows, lengths, width
 
 
-@pytest.mark.parametrize("mode", ["dict", "min_size", "max_size"])
+@pytest.mark.parametrize("mode", ["dict", "min_size", "max_size", "tensors"])
 def test_a_combined_loaders_figures_are_every_loaders(tmp_path, mode):
     """A real fit on a CombinedLoader: a dict of two text loaders (Lightning's default,
     max_size_cycle: the shorter cycles), a list of an `[x, y]` loader and a text loader
     (min_size), a dict of a text loader that runs out (None) and an `[x, y]` one
-    (max_size). Each step's samples are all its loaders' rows, its tokens, lengths,
-    padding and data/seq_len histogram its text loaders' masks', counted by hand from
-    the batches training_step got; nbwatch counted the first loader's batch alone (the
-    dicts' tokens not at all)."""
+    (max_size), a dict of two loaders of bare tensors (Lightning's own example: a dict of
+    tensors a batch of one loader would be). Each step's samples are all its loaders'
+    rows, its tokens, lengths, padding and data/seq_len histogram its text loaders'
+    masks', counted by hand from the batches training_step got; nbwatch counted the first
+    loader's batch alone (the dicts' tokens not at all)."""
     from lightning.pytorch.utilities import CombinedLoader
 
     def dl(data, batch_size):
@@ -688,6 +693,8 @@ def test_a_combined_loaders_figures_are_every_loaders(tmp_path, mode):
         "min_size": CombinedLoader([dl(_pairs(5, 3), 2), dl(_texts(6, 5, 4), 4)], "min_size"),
         "max_size": CombinedLoader({"a": dl(_texts(3, 5, 5), 2), "b": dl(_pairs(8, 6), 3)},
                                    "max_size"),
+        "tensors": CombinedLoader({"a": dl(torch.randn(6, 4), 4), "b": dl(torch.randn(15, 4), 5)},
+                                  "max_size_cycle"),
     }[mode]
     torch.manual_seed(0)
     module = CombinedModule()
@@ -697,21 +704,25 @@ def test_a_combined_loaders_figures_are_every_loaders(tmp_path, mode):
     run = nbwatch.open_run(tmp_path / "run")
     df = run.df
     counts = [_by_hand(b) for b in module.seen]
-    assert len(counts) == {"dict": 3, "min_size": 2, "max_size": 3}[mode]
+    assert len(counts) == {"dict": 3, "min_size": 2, "max_size": 3, "tensors": 3}[mode]
     assert df.index.tolist() == list(range(1, len(counts) + 1))
     samples = (df["throughput/samples_per_s"] * df["time/step"]).round().astype(int)
     assert samples.tolist() == [rows for rows, _, _ in counts]
     for step, (_, lengths, width) in enumerate(counts, start=1):
         row = df.loc[step]
         if not lengths:  # max_size's last step: its text loader ran out
-            assert np.isnan(row["tokens/real"]) and np.isnan(row["data/seq_len_mean"])
+            assert np.isnan(row.get("tokens/real", np.nan))
+            assert np.isnan(row.get("data/seq_len_mean", np.nan))
             continue
         assert row["tokens/real"] == sum(lengths)
         assert row["data/seq_len_mean"] == pytest.approx(sum(lengths) / len(lengths))
         assert row["data/seq_len_max"] == max(lengths)
         assert row["data/padding_ratio"] == pytest.approx(1 - sum(lengths) / width)
-    at, edges, hist = run.histograms("data/seq_len")
     texts = [(s, ls) for s, (_, ls, _) in enumerate(counts, start=1) if ls]
+    if not texts:  # no tokens: no histogram
+        assert samples.tolist() == [4 + 5, 2 + 5, 4 + 5] and "tokens/real" not in df
+        return
+    at, edges, hist = run.histograms("data/seq_len")
     assert at.tolist() == [s for s, _ in texts]
     for (_, ls), e, c in zip(texts, edges, hist, strict=True):
         assert c.sum() == len(ls) and (np.histogram(ls, bins=e)[0] == c).all()

@@ -475,3 +475,20 @@ def test_loader_batches_is_the_one_rule():
                           loaders={"a": 0, "b": {"c": 1, "d": 2}}) == [a, b]
     assert loader_batches(pairs, loaders=["dl_a"]) == [pairs]  # not their shape
     assert loader_batches({"a": x}, loaders="a DataLoader") == [{"a": x}]
+
+
+@pytest.mark.parametrize("loop", ["start", "log", "lightning"])
+def test_every_loop_adds_up_its_micro_batches_loaders_batches(tmp_path, loop):
+    """Two micro-batches a step, each two loaders' batches (3 + 2 rows, then 1 + 2): the
+    step's samples and tokens are all four's (a loop of one's own given the list of the
+    step's batches)."""
+    def two(a, b):
+        return {"a": {"input_ids": torch.ones(a, 4, dtype=torch.long),
+                      "attention_mask": torch.tensor([[1, 1, 0, 0]] * a)},
+                "b": {"input_ids": torch.ones(b, 3, dtype=torch.long)}}
+
+    df = _in_loop(tmp_path, loop, [two(3, 2), two(1, 2)] * 2, micro=2)
+    assert _counted(df) == [None if loop == "log" else 8, 8]
+    assert _tokens(df) == [(3 + 1) * 2 + (2 + 2) * 3] * 2
+    assert df["data/seq_len_max"].tolist() == [3, 3]
+    assert df["data/seq_len_mean"].tolist() == pytest.approx([20 / 8] * 2)

@@ -25,6 +25,7 @@ from .evaluation import evaluate
 from .probes.attention import clone_samples
 from .probes.combined import loader_batches
 from .probes.data import (
+    BESIDE,
     ZEROS,
     all_real,
     batch_figures,
@@ -264,6 +265,9 @@ class Runner:
             # ((x, y) batches of token ids), the step's mask, as a batch of one loader's
             counted = [(self._tokens(p, out.mask if len(parts) == 1 else None, pos), pos)
                        for p, pos in zip(parts, found)]
+            bare = [p for p, (t, pos) in zip(parts, counted) if t is None and pos is None]
+            if bare:  # their rows are samples beside a packed one's documents (`BESIDE`)
+                m.host[BESIDE] = m.host.get(BESIDE, 0) + sum(batch_samples(p) or 0 for p in bare)
             if len(parts) > 1 and not any(t is not None or pos is not None for t, pos in
                                           counted) and all(reads_tokens(p) for p in parts):
                 counted = [(out.mask, None)]

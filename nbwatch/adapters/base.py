@@ -227,7 +227,7 @@ class Adapter:
         blocks here). True once the fit should stop."""
         import torch
 
-        from ..probes.data import all_real, batch_figures, documents
+        from ..probes.data import BESIDE, all_real, batch_figures, documents
         from ..probes.late import keep_masks
         from ..probes.throughput import mask_rows
 
@@ -262,6 +262,7 @@ class Adapter:
                 if not masks and unmasked:  # every token real: known from the shapes
                     all_real(unmasked).into(names, parts, host)
                 lengths = documents(positions, names, parts, rows)
+                host[BESIDE] = float(sum(bare))  # batches of no tokens: samples beside
             # the first micro-batch's forward: its mask leaves its padding out (an
             # encoder-decoder's: its target's alone, never its source's)
             if logit_mask is None and masks and not (self._enc_dec and self._enc_dec[1]):

@@ -14,6 +14,7 @@ import torch
 
 from ..probes.combined import loader_batches
 from ..probes.data import (
+    BESIDE,
     additive_01,
     all_real,
     decoder_mask,
@@ -67,6 +68,8 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
             if mask is None:  # every token real: known from the shapes
                 all_real(positions).into(names, parts, host)
             lengths = documents(positions, names, parts, rows)
+            if bare:  # batches of no tokens beside: their rows are samples too
+                host[BESIDE] = float(sum(batch_samples(b) or 0 for b in bare))
         val = check_val(val)
         host.update(rec.forward_time())  # under torchrun: what tells a straggler
     # no [batch, seq_len] mask (speech features, pixels, an (x, y) batch): its rows, the

@@ -308,6 +308,7 @@ def is_encoder_decoder(model: Any) -> bool:
 
 # A packed step's documents, copied with its other figures; `packed_figures` reads them.
 DOCS = ("_docs", "_doc_len_max")
+BESIDE = "_beside"  # a host figure: rows of its batches of no tokens, samples beside them
 # Host positions give their documents' lengths one a document (tests turn it off to run
 # an accelerator's counts by length on the CPU).
 EXACT_ON_CPU = True
@@ -428,7 +429,9 @@ def all_real(masks: list[torch.Tensor]) -> MaskFigures:
 def packed_figures(values: dict[str, float]) -> float | None:
     """On the host: a packed step's sequence figures are its documents', not its rows'
     (`data/seq_len_mean` the real tokens over the documents, `data/seq_len_max` the
-    longest); returns the documents' count, its samples, or None for a step not packed."""
+    longest); returns its samples, the documents and the rows of its batches of no tokens
+    (`BESIDE`: a loader's `(x, y)` beside them), or None for a step not packed."""
+    beside = values.pop(BESIDE, 0.0)
     docs, longest = (values.pop(k, None) for k in DOCS)
     if not docs or longest is None:
         return None
@@ -436,4 +439,4 @@ def packed_figures(values: dict[str, float]) -> float | None:
     if tokens is not None:
         values["data/seq_len_mean"] = tokens / docs
         values["data/seq_len_max"] = longest
-    return docs
+    return docs + beside

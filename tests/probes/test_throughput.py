@@ -453,6 +453,25 @@ def test_every_loop_counts_every_loaders_batch_by_hand(tmp_path, loop):
 
 
 @pytest.mark.parametrize("loop", ["start", "log", "lightning"])
+def test_a_loaders_batch_of_no_tokens_beside_a_packed_one_adds_its_rows(tmp_path, loop):
+    """A packed loader's batch (3 documents) beside an `(x, y)` one of 5 rows: 8 samples,
+    and beside a padded one too (2 rows), 10; the packed step's samples were its documents
+    (and padded rows) alone, the `(x, y)` rows dropped. Its sequence figures stay the
+    text's: the mean over the documents and rows, not over the `(x, y)` rows."""
+    g = torch.Generator().manual_seed(0)
+    packed = {"input_ids": torch.ones(1, 9, dtype=torch.long),
+              "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])}  # 3, 2, 4
+    padded = {"input_ids": torch.ones(2, 4, dtype=torch.long),
+              "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])}
+    xy = (torch.randn(5, 4, generator=g), torch.randn(5, generator=g))
+    batches = [{"a": packed, "b": xy}, {"a": packed, "b": padded, "c": xy}] * 2
+    df = _in_loop(tmp_path, loop, batches)
+    assert _counted(df)[1:] == [3 + 5 + 2, 3 + 5, 3 + 2 + 5]
+    assert _tokens(df) == [9, 14] * 2
+    assert df["data/seq_len_mean"].tolist() == pytest.approx([9 / 3, 14 / 5] * 2)
+
+
+@pytest.mark.parametrize("loop", ["start", "log", "lightning"])
 def test_every_loop_adds_up_its_micro_batches_loaders_batches(tmp_path, loop):
     """Two micro-batches a step, each two loaders' batches (3 + 2 rows, then 1 + 2): the
     step's samples and tokens are all four's (a loop of one's own given the list of the

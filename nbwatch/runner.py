@@ -25,7 +25,6 @@ from .evaluation import evaluate
 from .probes.attention import clone_samples
 from .probes.combined import loader_batches
 from .probes.data import (
-    BESIDE,
     ZEROS,
     all_real,
     batch_figures,
@@ -41,7 +40,6 @@ from .probes.late import drop_masks, keep_mask
 from .probes.logits import NAMES as LOGIT_NAMES
 from .probes.logits import is_logits
 from .probes.loss import batch_mask, check_not_copying, input_mask, parse_step_output
-from .probes.throughput import batch_samples
 from .recorder import Progress, RunSpec, StepRecorder
 from .records import Event
 
@@ -224,8 +222,9 @@ class Runner:
             batch = self._take()
             m.data_s += time.perf_counter() - td
             rec.note_batch(batch, *self._pos)
-            parts = loader_batches(batch, self._enc_dec)  # several loaders': one each
-            m.samples += sum(batch_samples(p) or 0 for p in parts)  # rows, as every loop's
+            split = loader_batches(batch, self._enc_dec)  # in parts: each one's tokens
+            parts = split.parts
+            m.samples += split.rows(batch) or 0  # its rows, as every loop's
             found = [packed_positions(p) for p in parts]
             if any(pos is not None for pos in found):  # masks read now: the histogram
                 m.positions += [pos for pos in found if pos is not None]  # takes documents'
@@ -261,13 +260,10 @@ class Runner:
                 # attention_mask, as the Trainer's and log(batch=)'s are
                 self._logit_figures(m, raw, out.mask if out.mask is not None or self._enc_dec
                                     else input_mask(batch))
-            # each loader's batch's tokens read (`_tokens`); where none has any of its own
-            # ((x, y) batches of token ids), the step's mask, as a batch of one loader's
+            # each part's tokens read (`_tokens`); where none has any of its own ((x, y)
+            # parts of token ids), the step's mask, as a batch in one part's
             counted = [(self._tokens(p, out.mask if len(parts) == 1 else None, pos), pos)
                        for p, pos in zip(parts, found)]
-            bare = [p for p, (t, pos) in zip(parts, counted) if t is None and pos is None]
-            if bare:  # their rows are samples beside a packed one's documents (`BESIDE`)
-                m.host[BESIDE] = m.host.get(BESIDE, 0) + sum(batch_samples(p) or 0 for p in bare)
             if len(parts) > 1 and not any(t is not None or pos is not None for t, pos in
                                           counted) and all(reads_tokens(p) for p in parts):
                 counted = [(out.mask, None)]

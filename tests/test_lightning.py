@@ -651,6 +651,12 @@ def _texts(n: int, width: int, seed: int) -> list[dict]:
             for n_real in torch.randint(1, width + 1, (n,), generator=g).tolist()]
 
 
+def _packed(docs: list[int]) -> dict:
+    """One packed row of documents of these lengths (`position_ids` from 0 at each)."""
+    pos = torch.cat([torch.arange(n) for n in docs])[None]
+    return {"input_ids": torch.ones_like(pos), "position_ids": pos}
+
+
 def _pairs(n: int, seed: int) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(seed)
     return torch.utils.data.TensorDataset(torch.randn(n, 4, generator=g),
@@ -662,7 +668,12 @@ def _by_hand(batch) -> tuple[int, list[int], int]:
     text row's real tokens) and its text's positions, counted in plain Python."""
     rows, lengths, width = 0, [], 0
     for part in batch.values() if isinstance(batch, dict) else batch:
-        if isinstance(part, dict):
+        if isinstance(part, dict) and "position_ids" in part:  # packed: its documents
+            pos = part["position_ids"][0].tolist()
+            starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+            docs = [b - a for a, b in zip(starts, starts[1:])]
+            rows, lengths, width = rows + len(docs), lengths + docs, width + len(pos)
+        elif isinstance(part, dict):
             rows += len(part["attention_mask"])
             lengths += [sum(r) for r in part["attention_mask"].tolist()]
             width += part["attention_mask"].numel()
@@ -673,16 +684,18 @@ def _by_hand(batch) -> tuple[int, list[int], int]:
     return rows, lengths, width
 
 
-@pytest.mark.parametrize("mode", ["dict", "min_size", "max_size", "tensors"])
+@pytest.mark.parametrize("mode", ["dict", "min_size", "max_size", "tensors", "packed"])
 def test_a_combined_loaders_figures_are_every_loaders(tmp_path, mode):
     """A real fit on a CombinedLoader: a dict of two text loaders (Lightning's default,
     max_size_cycle: the shorter cycles), a list of an `[x, y]` loader and a text loader
     (min_size), a dict of a text loader that runs out (None) and an `[x, y]` one
     (max_size), a dict of two loaders of bare tensors (Lightning's own example: a dict of
-    tensors a batch of one loader would be). Each step's samples are all its loaders'
-    rows, its tokens, lengths, padding and data/seq_len histogram its text loaders'
-    masks', counted by hand from the batches training_step got; nbwatch counted the first
-    loader's batch alone (the dicts' tokens not at all)."""
+    tensors a batch of one loader would be), a packed loader (position_ids, no mask) and
+    an `[x, y]` one. Each step's samples are all its loaders' rows (a packed one's
+    documents: the `[x, y]` rows were dropped beside them), its tokens, lengths, padding
+    and data/seq_len histogram its text loaders', counted by hand from the batches
+    training_step got; nbwatch counted the first loader's batch alone (the dicts' tokens
+    not at all)."""
     from lightning.pytorch.utilities import CombinedLoader
 
     def dl(data, batch_size):
@@ -695,6 +708,8 @@ def test_a_combined_loaders_figures_are_every_loaders(tmp_path, mode):
                                    "max_size"),
         "tensors": CombinedLoader({"a": dl(torch.randn(6, 4), 4), "b": dl(torch.randn(15, 4), 5)},
                                   "max_size_cycle"),
+        "packed": {"a": dl([_packed([3, 2, 4]), _packed([5, 1]), _packed([2, 2, 2, 3])], None),
+                   "b": dl(_pairs(15, 7), 5)},
     }[mode]
     torch.manual_seed(0)
     module = CombinedModule()
@@ -704,7 +719,8 @@ def test_a_combined_loaders_figures_are_every_loaders(tmp_path, mode):
     run = nbwatch.open_run(tmp_path / "run")
     df = run.df
     counts = [_by_hand(b) for b in module.seen]
-    assert len(counts) == {"dict": 3, "min_size": 2, "max_size": 3, "tensors": 3}[mode]
+    assert len(counts) == {"dict": 3, "min_size": 2, "max_size": 3, "tensors": 3,
+                           "packed": 3}[mode]
     assert df.index.tolist() == list(range(1, len(counts) + 1))
     samples = (df["throughput/samples_per_s"] * df["time/step"]).round().astype(int)
     assert samples.tolist() == [rows for rows, _, _ in counts]

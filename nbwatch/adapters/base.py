@@ -60,6 +60,7 @@ class Adapter:
         self._unmasked: list[Any] = []  # … of those that came without a mask (all real)
         self._rows: list[Any] = []  # the masks of the micro-batches not packed
         self._bare: list[int] = []  # the samples of those with no tokens (no mask, not packed)
+        self._overlap = 0  # rows its batches' parts count twice (`Split.overlap`)
         self._logit_mask: Any = None  # an encoder-decoder's first micro-batch's target mask
         self._enc_dec: tuple[Any, bool] | None = None  # (model, whether it is one)
         self._fitting = False  # a fit is taken: from start()'s launch, or the fit's begin
@@ -118,7 +119,7 @@ class Adapter:
         self.monitor = self.handle = self.loop = None
         self._commands = ctl.CommandQueue()
         self._losses, self._masks, self._counts, self._positions = [], [], [], []
-        self._unmasked, self._rows, self._bare = [], [], []
+        self._unmasked, self._rows, self._bare, self._overlap = [], [], [], 0
         self._logit_mask = None
 
     def _note_tokens(self, batch: Any, mask: Any) -> None:
@@ -162,7 +163,7 @@ class Adapter:
         if self.handle is not None and self._fitting and self._owner is me:
             self._close_unseen()  # the framework began again inside start()'s fit
             self._losses, self._masks, self._counts, self._positions = [], [], [], []
-            self._unmasked, self._rows, self._bare = [], [], []
+            self._unmasked, self._rows, self._bare, self._overlap = [], [], [], 0
             self._logit_mask = None
             self._check_fresh(resuming, how)
             return
@@ -239,6 +240,7 @@ class Adapter:
         unmasked, self._unmasked = self._unmasked, []
         rows, self._rows = self._rows, []
         bare, self._bare = self._bare, []
+        overlap, self._overlap = self._overlap, 0
         logit_mask, self._logit_mask = self._logit_mask, None
         names: list[str] = []
         parts: list[Any] = []
@@ -255,14 +257,15 @@ class Adapter:
                 if rec.first_step or positions or not keep_masks(host, masks):
                     lengths = batch_figures(masks).into(names, parts, host)
                 # a [T] mask's one sequence, one sample; with the rows of those of no tokens
-                samples = mask_rows(masks) + sum(bare)
+                samples = mask_rows(masks) + sum(bare) - overlap
             elif samples is None and counts:  # a batch of no tokens (images, audio)
-                samples = sum(counts)
+                samples = sum(counts) - overlap
             if positions:  # packed: its documents' count, longest and lengths
                 if not masks and unmasked:  # every token real: known from the shapes
                     all_real(unmasked).into(names, parts, host)
                 lengths = documents(positions, names, parts, rows)
-                host[BESIDE] = float(sum(bare))  # batches of no tokens: samples beside
+                if not overlap:  # micro-batches of no tokens: samples beside
+                    host[BESIDE] = float(sum(bare))
             # the first micro-batch's forward: its mask leaves its padding out (an
             # encoder-decoder's: its target's alone, never its source's)
             if logit_mask is None and masks and not (self._enc_dec and self._enc_dec[1]):

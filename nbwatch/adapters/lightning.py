@@ -105,9 +105,12 @@ class NbwatchCallback(Adapter, pl.Callback):
         if rec is not None:  # which batch; hashed only where it is on the CPU
             rec.note_batch(batch, trainer.current_epoch, batch_idx)
         self._note_logit_mask(pl_module, batch)  # (and looks if it is an encoder-decoder)
-        # a CombinedLoader's batches (the fit's loaders a collection): each one's counted
-        parts = loader_batches(batch, bool(self._enc_dec and self._enc_dec[1]),
+        # a CombinedLoader's batches (the fit's loaders a collection): each one's counted;
+        # one batch's parts: each one's tokens, the batch's own samples
+        split = loader_batches(batch, bool(self._enc_dec and self._enc_dec[1]),
                                trainer.train_dataloader)
+        parts = split.parts
+        self._overlap += split.overlap(batch)
         if len(parts) > 1:
             self._note_logit_mask(pl_module, parts[0])
         for part in parts:

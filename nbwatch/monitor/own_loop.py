@@ -57,8 +57,10 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
         rec.note_logged_batch(batches[0], scalars)  # takes epoch=/index= given with a batch
         for b in batches[1:]:
             rec.batch_ids.note_batch(b)  # the step's other micro-batches, as start()'s
-        # several loaders' batches in one (a CombinedLoader's): each counted as a micro-batch
-        batches = [p for b in batches for p in loader_batches(b, _enc_dec(session.setup.model))]
+        # a batch in parts (`loader_batches`): each one's tokens, the batch's own samples
+        splits = [loader_batches(b, _enc_dec(session.setup.model)) for b in batches]
+        overlap = 0 if mask is not None else sum(s.overlap(b) for s, b in zip(splits, batches))
+        batches = [p for s in splits for p in s.parts]
         positions, rows, mask, logit_mask, bare = _masks(batches, mask, session.setup.model)
         host, names, parts, lengths = log_figures(loss, mask, scalars,
                                                   first=rec.step == session.progress_start,
@@ -68,7 +70,7 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
             if mask is None:  # every token real: known from the shapes
                 all_real(positions).into(names, parts, host)
             lengths = documents(positions, names, parts, rows)
-            if bare:  # batches of no tokens beside: their rows are samples too
+            if bare and not overlap:  # micro-batches of no tokens beside: samples too
                 host[BESIDE] = float(sum(batch_samples(b) or 0 for b in bare))
         val = check_val(val)
         host.update(rec.forward_time())  # under torchrun: what tells a straggler
@@ -77,6 +79,8 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
     samples = mask_samples(mask) or (None if positions else _rows(batches))
     if bare and samples and not positions:  # batches of no tokens beside those of tokens
         samples += _rows(bare) or 0
+    if samples and overlap and not positions:  # one batch's parts: its own rows
+        samples -= overlap
     step = rec.record_step(host, names, parts, lengths=lengths, samples=samples, val=val,
                            reduction="as computed by the training loop (mon.log)")
     if said is not None and "accumulation" not in rec.evals.probe_said:  # once a run

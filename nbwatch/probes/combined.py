@@ -1,20 +1,27 @@
-"""A step's batch made of several loaders' batches (Lightning's `CombinedLoader`, a loop
-that draws from two datasets at once): the one rule every loop counts it by.
+"""A step's batch made of several batches: several loaders' (Lightning's `CombinedLoader`)
+or one batch's parts (a pair's `{"chosen": ..., "rejected": ...}`, `{"image": {...},
+"text": {...}}`): the one rule every loop counts it by.
 
-    {"a": batch_a, "b": batch_b}      # CombinedLoader({"a": dl_a, "b": dl_b}), or your own
+    {"a": batch_a, "b": batch_b}      # CombinedLoader({"a": dl_a, "b": dl_b}), or parts
     [batch_a, batch_b]                # CombinedLoader([dl_a, dl_b])
     {"a": None, "b": batch_b}         # mode="max_size": loader a has run out
 
-Each loader's batch is counted as a micro-batch of the step is (`loader_batches`): its
-samples (`batch_samples`), its tokens (its `attention_mask`, else every `input_ids`
-token; a packed one's documents), and the sequence figures over all of them."""
+Each part is counted for its tokens as a micro-batch of the step is (its `attention_mask`,
+else every `input_ids` token; a packed one's documents), the sequence figures over all of
+them. Its samples: the parts' rows added up where they are known to be several loaders'
+batches (Lightning, which knows its loaders), else the batch's own rows (`Split.rows`): a
+shape cannot tell two loaders' batches from two views of the same samples, and counting
+a pair twice would double samples/s wherever a batch comes in parts.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+from .throughput import batch_samples
 
 
 def _one_loaders(x: Any) -> bool:
@@ -49,26 +56,48 @@ def _by_loaders(batch: Any, loaders: Any) -> list | None:
     return [b for f in found if f is not None for b in f]
 
 
-def loader_batches(batch: Any, enc_dec: bool = False, loaders: Any = None) -> list:
-    """The batches of the loaders a step's batch combines, each to be counted as a
-    micro-batch is; `[batch]` for a batch of one loader.
+class Split(NamedTuple):
+    """A step's batch in the parts its tokens are counted by (`loader_batches`)."""
+
+    parts: list
+    loaders: bool  # several loaders' batches (their rows add up), not one batch's parts
+
+    def rows(self, batch: Any) -> int | None:
+        """Its samples: the loaders' batches' rows added up, else the batch's own
+        (`batch_samples`: the first batched tensor's; a shape, nothing read)."""
+        if not self.loaders:
+            return batch_samples(batch)
+        return sum(batch_samples(p) or 0 for p in self.parts) or None
+
+    def overlap(self, batch: Any) -> int:
+        """The rows its parts count beyond its samples (one batch's parts: each holds the
+        same samples), to take from the sum of the parts' rows; 0 for loaders' batches."""
+        if self.loaders or len(self.parts) < 2:
+            return 0
+        return sum(batch_samples(p) or 0 for p in self.parts) - (batch_samples(batch) or 0)
+
+
+def loader_batches(batch: Any, enc_dec: bool = False, loaders: Any = None) -> Split:
+    """The batches a step's batch combines, each counted for its tokens as a micro-batch
+    is; `[batch]` for a plain batch.
 
     Where the loop knows its loaders (`loaders`: Lightning's, the collection
-    `CombinedLoader` combines), their shape says which parts are batches. Elsewhere the
-    batch's shape: a Mapping each of whose values is a batch of one loader (`_one_loaders`:
-    a dict, or a list or tuple, with a batched tensor of its own) or None, or a list or
-    tuple each of whose entries is a dict batch or None, at least one not None. So a dict
-    with a batched tensor at its top level is one batch (its parts beside it are its own),
-    and so is a list of `(x, y)` batches (two views of a pair; `log(batch=...)` counts them
-    one each where the step took as many backward passes), and an encoder-decoder's
-    batch in parts (its source's and its target's, `(src, tgt)`: its figures are the
-    source's), as Lightning's tuples and a bare tensor's."""
+    `CombinedLoader` combines), their shape says which parts are batches, and their rows
+    add up. Elsewhere the batch's shape, one batch's parts (its samples its own rows): a
+    Mapping each of whose values is a batch (`_one_loaders`: a dict, or a list or tuple,
+    with a batched tensor of its own) or None, or a list or tuple each of whose entries is
+    a dict batch or None, at least one not None. So a dict with a batched tensor at its
+    top level is one batch (its parts beside it are its own), and so is a list of
+    `(x, y)` batches (two views of a pair; `log(batch=...)` counts them one each where the
+    step took as many backward passes), and an encoder-decoder's batch in parts (its
+    source's and its target's, `(src, tgt)`: its figures are the source's), as
+    Lightning's tuples and a bare tensor's."""
     if isinstance(loaders, (Mapping, list, tuple)):
         found = _by_loaders(batch, loaders)
         if found:
-            return found
+            return Split(found, True)
     if enc_dec:
-        return [batch]
+        return Split([batch], False)
     if isinstance(batch, Mapping):
         items, one = list(batch.values()), _one_loaders
     elif isinstance(batch, (list, tuple)):
@@ -77,8 +106,8 @@ def loader_batches(batch: Any, enc_dec: bool = False, loaders: Any = None) -> li
         def one(x: Any) -> bool:
             return isinstance(x, Mapping) and _one_loaders(x)
     else:
-        return [batch]
+        return Split([batch], False)
     parts = [x for x in items if x is not None]
     if parts and all(one(x) for x in parts):
-        return parts
-    return [batch]
+        return Split(parts, False)
+    return Split([batch], False)

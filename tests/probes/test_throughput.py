@@ -377,16 +377,16 @@ def test_every_loop_adds_up_its_micro_batches_samples(tmp_path, loop):
     assert _counted(df) == [None if loop == "log" else 5, 5, 5]
 
 
-# -- a step of several loaders' batches (`loader_batches`) --------------------------------
+# -- a batch in parts (`loader_batches`) --------------------------------------------------
 
 
-def _loaders_cases():
-    """(a step's batch of several loaders' batches, hand counts: samples, real tokens or
-    None, every sequence's length) in Lightning's `CombinedLoader` shapes: a dict of dict
-    batches, a list of them, a dict of `[x, y]` batches, `max_size`'s run-out loader
-    (None), a packed batch beside a padded one, one of text beside an `(x, y)` one; then
-    two batches that stay one: a dict with
-    a batched tensor of its own beside a nested dict, a list of `(x, y)` pairs (two views)."""
+def _parts_cases():
+    """(a step's batch in parts, hand counts: samples (the batch's own rows: the first
+    part's), every sequence's length or None, positions): a dict of dict batches (a
+    pair's chosen and rejected), a list of them, a dict of `[x, y]` parts, one part None,
+    a packed part beside a padded one (its documents and rows), text beside `(x, y)`;
+    then two batches that are not in parts: a dict with a batched tensor of its own
+    beside a nested dict, a list of `(x, y)` pairs (two views)."""
     g = torch.Generator().manual_seed(0)
 
     def ids(*shape):
@@ -396,23 +396,24 @@ def _loaders_cases():
         return torch.tensor(rows)
 
     return [
-        ({"a": {"input_ids": ids(3, 5), "attention_mask": mask([1] * 5, [1, 1, 1, 0, 0],
-                                                               [1, 1, 0, 0, 0])},
-          "b": {"input_ids": ids(2, 4), "attention_mask": mask([1] * 4, [1, 1, 0, 0])}},
-         5, [5, 3, 2, 4, 2], 15 + 8),
+        ({"chosen": {"input_ids": ids(3, 5),
+                     "attention_mask": mask([1] * 5, [1, 1, 1, 0, 0], [1, 1, 0, 0, 0])},
+          "rejected": {"input_ids": ids(3, 4),
+                       "attention_mask": mask([1] * 4, [1, 1, 0, 0], [1, 0, 0, 0])}},
+         3, [5, 3, 2, 4, 2, 1], 15 + 12),
         ([{"input_ids": ids(2, 6), "attention_mask": mask([1] * 6, [1, 1, 1, 1, 0, 0])},
-          {"input_ids": ids(3, 3)}],  # no mask: every token real
-         5, [6, 4, 3, 3, 3], 12 + 9),
+          {"input_ids": ids(2, 3)}],  # no mask: every token real
+         2, [6, 4, 3, 3], 12 + 6),
         ({"a": [torch.randn(4, 4, generator=g), torch.randn(4, generator=g)],
-          "b": [torch.randn(2, 4, generator=g), torch.randn(2, generator=g)]}, 6, None, None),
+          "b": [torch.randn(4, 4, generator=g), torch.randn(4, generator=g)]}, 4, None, None),
         ({"a": None, "b": {"input_ids": ids(2, 3), "attention_mask": mask([1, 1, 1], [1, 0, 0])}},
          2, [3, 1], 6),
         ({"a": {"input_ids": ids(1, 8), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])},
           "b": {"input_ids": ids(2, 4), "attention_mask": mask([1, 1, 1, 0], [1] * 4)}},
          3 + 2, [3, 2, 3, 3, 4], 8 + 8),  # 3 documents and 2 rows
-        ({"a": {"input_ids": ids(2, 3), "attention_mask": mask([1, 1, 0], [1, 1, 1])},
-          "b": [torch.randn(4, 4, generator=g), torch.randn(4, generator=g)]},
-         2 + 4, [2, 3], 6),  # text beside (x, y): the rows of both, the text's tokens
+        ({"text": {"input_ids": ids(2, 3), "attention_mask": mask([1, 1, 0], [1, 1, 1])},
+          "target": [torch.randn(2, 4, generator=g), torch.randn(2, generator=g)]},
+         2, [2, 3], 6),  # text beside (x, y): the text's tokens, the batch's rows
         ({"x": torch.randn(3, 4, generator=g), "extra": {"input_ids": ids(5, 2)}}, 3, None, None),
         ([(torch.randn(2, 4, generator=g), torch.randn(2, generator=g)),
           (torch.randn(2, 4, generator=g), torch.randn(2, generator=g))], 2, None, None),
@@ -420,19 +421,20 @@ def _loaders_cases():
 
 
 @pytest.mark.parametrize("loop", ["start", "log", "lightning"])
-def test_every_loop_counts_every_loaders_batch_by_hand(tmp_path, loop):
-    """A step whose batch holds several loaders' batches (Lightning's CombinedLoader
-    shapes, or one's own) counts them all: samples the sum of their rows (a packed one's
-    documents), tokens/real each one's attention_mask (else every input_ids token),
-    data/seq_len_mean and _max over every sequence, the padding over every position and
-    the data/seq_len histogram every length; each loop counted the first loader's batch
-    alone (the dicts' tokens not at all). A dict with a batched tensor of its own and a
-    list of (x, y) pairs after one backward pass stay one batch."""
-    cases = _loaders_cases()
+def test_every_loop_counts_a_batch_in_parts_by_hand(tmp_path, loop):
+    """A step whose batch comes in parts with no batched tensor of its own (a pair's
+    chosen and rejected, `{"image": ..., "text": ...}`, `(inputs, labels)` dicts): each
+    part's tokens (its attention_mask, else every input_ids token), data/seq_len_mean and
+    _max over every sequence, the padding over every position and the data/seq_len
+    histogram every length; its samples its own rows, not the parts' added up (a pair
+    counted twice). The dicts' tokens were not counted at all. A dict with a batched
+    tensor of its own and a list of (x, y) pairs after one backward pass are one batch."""
+    cases = _parts_cases()
     df = _in_loop(tmp_path, loop, [b for b, *_ in cases], hist_every=1)
     want = [n for _, n, _, _ in cases]
     if loop == "log":
         want[0] = None  # its first step has no time
+        want[1] = 2 + 2  # log(batch=[b1, b2]): a list of dict batches is the micro-batches
     assert _counted(df) == want
     lengths = [ls for _, _, ls, _ in cases]
     assert _tokens(df) == [None if ls is None else sum(ls) for ls in lengths]
@@ -453,36 +455,17 @@ def test_every_loop_counts_every_loaders_batch_by_hand(tmp_path, loop):
 
 
 @pytest.mark.parametrize("loop", ["start", "log", "lightning"])
-def test_a_loaders_batch_of_no_tokens_beside_a_packed_one_adds_its_rows(tmp_path, loop):
-    """A packed loader's batch (3 documents) beside an `(x, y)` one of 5 rows: 8 samples,
-    and beside a padded one too (2 rows), 10; the packed step's samples were its documents
-    (and padded rows) alone, the `(x, y)` rows dropped. Its sequence figures stay the
-    text's: the mean over the documents and rows, not over the `(x, y)` rows."""
-    g = torch.Generator().manual_seed(0)
-    packed = {"input_ids": torch.ones(1, 9, dtype=torch.long),
-              "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])}  # 3, 2, 4
-    padded = {"input_ids": torch.ones(2, 4, dtype=torch.long),
-              "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])}
-    xy = (torch.randn(5, 4, generator=g), torch.randn(5, generator=g))
-    batches = [{"a": packed, "b": xy}, {"a": packed, "b": padded, "c": xy}] * 2
-    df = _in_loop(tmp_path, loop, batches)
-    assert _counted(df)[1:] == [3 + 5 + 2, 3 + 5, 3 + 2 + 5]
-    assert _tokens(df) == [9, 14] * 2
-    assert df["data/seq_len_mean"].tolist() == pytest.approx([9 / 3, 14 / 5] * 2)
+def test_every_loop_adds_up_its_micro_batches_in_parts(tmp_path, loop):
+    """Two micro-batches a step, each in two parts (3 rows, then 1): the step's samples
+    are the micro-batches' rows (4), its tokens all four parts' (a loop of one's own
+    given the list of the step's batches)."""
+    def two(n):
+        return {"a": {"input_ids": torch.ones(n, 4, dtype=torch.long),
+                      "attention_mask": torch.tensor([[1, 1, 0, 0]] * n)},
+                "b": {"input_ids": torch.ones(n, 3, dtype=torch.long)}}
 
-
-@pytest.mark.parametrize("loop", ["start", "log", "lightning"])
-def test_every_loop_adds_up_its_micro_batches_loaders_batches(tmp_path, loop):
-    """Two micro-batches a step, each two loaders' batches (3 + 2 rows, then 1 + 2): the
-    step's samples and tokens are all four's (a loop of one's own given the list of the
-    step's batches)."""
-    def two(a, b):
-        return {"a": {"input_ids": torch.ones(a, 4, dtype=torch.long),
-                      "attention_mask": torch.tensor([[1, 1, 0, 0]] * a)},
-                "b": {"input_ids": torch.ones(b, 3, dtype=torch.long)}}
-
-    df = _in_loop(tmp_path, loop, [two(3, 2), two(1, 2)] * 2, micro=2)
-    assert _counted(df) == [None if loop == "log" else 8, 8]
-    assert _tokens(df) == [(3 + 1) * 2 + (2 + 2) * 3] * 2
+    df = _in_loop(tmp_path, loop, [two(3), two(1)] * 2, micro=2)
+    assert _counted(df) == [None if loop == "log" else 4, 4]
+    assert _tokens(df) == [(3 + 1) * (2 + 3)] * 2
     assert df["data/seq_len_max"].tolist() == [3, 3]
     assert df["data/seq_len_mean"].tolist() == pytest.approx([20 / 8] * 2)

@@ -298,10 +298,21 @@ def refuse_early(command: Command, state: str, running: bool,
     if state == "stopping":
         raise RuntimeError(f"cannot {kind}: the run is stopping (its final checkpoint is "
                            "being written)")
-    if command.kind in (CommandKind.REWIND, CommandKind.SKIP) and framework:
+    if command.kind is CommandKind.SKIP and framework:
+        raise RuntimeError(f"cannot skip: {framework} runs this loop: skip batches in its "
+                           "data loader")
+    if command.kind is CommandKind.REWIND and framework:
+        how = _FRAMEWORK_RESUME.get(framework, "the framework's own resume from a checkpoint")
         raise RuntimeError(
-            f"cannot {kind}: {framework} runs this loop and keeps its own step count; "
-            "resume it from a checkpoint instead (nbwatch.checkpoint.load)")
+            f"cannot rewind: {framework} runs this loop and keeps its own step count; "
+            f"stop it and resume from one of its checkpoints instead: {how}")
+
+
+# nbwatch.checkpoint.load reads nbwatch's own .pt files, never a framework's checkpoint
+_FRAMEWORK_RESUME = {
+    "hf": "trainer.train(resume_from_checkpoint='<output_dir>/checkpoint-N')",
+    "lightning": "trainer.fit(module, ..., ckpt_path='<path>.ckpt')",
+}
 
 
 def check_count(name: str, v: int, least: int, most: int | None = None) -> int:

@@ -143,3 +143,16 @@ def test_one_command_table_makes_the_api_the_dispatch_and_the_buttons(tmp_path):
         assert dashboard.commands == table
     finally:
         dashboard.close()
+
+
+@pytest.mark.parametrize("framework, fix", [
+    ("hf", "resume_from_checkpoint="), ("lightning", "ckpt_path="), ("myfw", "checkpoint")])
+def test_rewind_under_a_framework_names_its_own_resume(framework, fix):
+    """A rewind under the Trainer pointed at nbwatch.checkpoint.load, which cannot read
+    the Trainer's checkpoint-N folders: the refusal names the framework's own resume."""
+    from nbwatch.controls import refuse_early
+    with pytest.raises(RuntimeError) as e:
+        refuse_early(make_command("rewind", steps=2), "running", True, framework)
+    assert fix in str(e.value) and "nbwatch.checkpoint.load" not in str(e.value)
+    with pytest.raises(RuntimeError, match="skip batches in its data loader"):
+        refuse_early(make_command("skip", batches=1), "running", True, framework)

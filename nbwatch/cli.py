@@ -425,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         say(f"nbwatch {args.cmd}: interrupted", err=True)
         return 130
+    except BrokenPipeError:  # `nbwatch ls | head`: the reader is done, nothing failed
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+        return 141
     except USER_ERRORS as e:
         if os.environ.get("NBWATCH_TRACEBACK"):
             raise

@@ -195,6 +195,20 @@ def test_ls_says_why_a_run_failed_and_marks_missing_values_one_way(runs):
         "RuntimeError: the loss went NaN")
 
 
+def test_ls_into_a_reader_that_closes_early_says_nothing(runs):
+    """`nbwatch ls | head -1` printed 'nbwatch ls: [Errno 32] Broken pipe' as if ls had
+    failed: a closed pipe ends the listing quietly, with the shell's SIGPIPE status."""
+    proc = subprocess.Popen([sys.executable, "-m", "nbwatch.cli", "ls", str(runs)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before ls writes its first line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141
+    assert "Broken pipe" not in err and "Exception ignored" not in err, err
+    assert f"skipped {runs / 'garbage'}" in err  # what it says on stderr still comes
+
+
 def test_ctrl_c_stops_the_demo_in_one_line(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "nbwatch.cli", "demo", "--steps", "100000", "--print-every",

@@ -3,6 +3,7 @@
     %nbwatch               the dashboard of the most recently started Monitor
     %nbwatch RUN_DIR       a read-only dashboard of a run folder (finished or running)
     %nbwatch ls [ROOT] [--where KEY=VALUE] [--sort best]   the runs under ROOT (default: runs)
+    %nbwatch export|pause|resume|stop|checkpoint|recover RUN_DIR ...   as `nbwatch ...`
 
 Button clicks are handled while the kernel is idle: a cell blocked in `mon.wait()`
 (or any long cell) holds them until it returns.
@@ -20,7 +21,7 @@ __all__ = ["latest", "nbwatch_magic", "register", "remember"]
 
 
 def nbwatch_magic(line: str) -> Any:
-    """`%nbwatch`, `%nbwatch RUN_DIR`, `%nbwatch ls [ROOT]`."""
+    """`%nbwatch`, `%nbwatch RUN_DIR`, `%nbwatch ls [ROOT]`, `%nbwatch export RUN_DIR`, …"""
     from .widget import Dashboard
 
     try:
@@ -40,24 +41,39 @@ def nbwatch_magic(line: str) -> Any:
     if args[0] in ("-h", "--help", "help"):
         print(__doc__)  # the three forms, not "--help holds no nbwatch run"
         return None
-    if args[0] == "ls":
-        from .cli import main
-
-        try:
-            main(["ls", *args[1:]])  # ROOT and any option: --where, --sort, --keys
-        except SystemExit as e:  # a bad flag: say so here, not as a kernel-level exit
-            if isinstance(e.code, str):
-                print(e.code)
-            elif e.code:
-                print("usage: %nbwatch ls [ROOT] [--where KEY=VALUE] [--sort best] [--keys K,...]")
-        return None
-    path = Path(args[0]).expanduser()
     from .store import is_run_dir
 
+    path = Path(args[0]).expanduser()
+    if args[0] in CLI_COMMANDS and not is_run_dir(path):
+        _cli(args)
+        return None
+    if len(args) > 1:
+        print(f"%nbwatch RUN_DIR takes one folder, got {line!r}; quote a path with spaces "
+              "whole, or see %nbwatch --help")
+        return None
     if not is_run_dir(path):
         print(f"{path} holds no nbwatch run; `%nbwatch ls` lists the runs under ./runs")
         return None
     return Dashboard.for_run(path)
+
+
+# the command line's commands that act on a folder (not `demo`, which trains for minutes)
+CLI_COMMANDS = ("ls", "export", "pause", "resume", "stop", "checkpoint", "recover")
+
+
+def _cli(args: list[str]) -> None:
+    """`nbwatch ARGS` in the cell: its lines, its errors as lines, never a SystemExit."""
+    from .cli import main
+
+    try:
+        main(args)  # ls's ROOT and options (--where, --sort, --keys), export's -o, ...
+    except SystemExit as e:  # a bad flag: say so here, not as a kernel-level exit
+        if isinstance(e.code, str):
+            print(e.code)
+        elif e.code:
+            usage = ("ls [ROOT] [--where KEY=VALUE] [--sort best] [--keys K,...]"
+                     if args[0] == "ls" else f"{args[0]} RUN_DIR")
+            print(f"usage: %nbwatch {usage}")
 
 
 def register(ipython: Any) -> None:

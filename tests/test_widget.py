@@ -247,6 +247,24 @@ def test_magic_ls_passes_every_argument(tmp_path, capsys):
         assert "%nbwatch RUN_DIR" in out and "holds no nbwatch run" not in out
 
 
+def test_magic_takes_the_command_lines_commands(tmp_path, capsys):
+    """`%nbwatch export runs/exp1` said 'export holds no nbwatch run' (the word taken for a
+    folder), as did pause, resume, stop and checkpoint: each is the command line's now."""
+    store = RunStore(tmp_path / "exp1")
+    store.set_meta("state", "finished")
+    store.close()
+    assert nbwatch_magic(f"export {tmp_path / 'exp1'} -o {tmp_path / 'page.html'}") is None
+    assert (tmp_path / "page.html").stat().st_size > 0
+    assert "holds no nbwatch run" not in capsys.readouterr().out
+    nbwatch_magic(f"stop {tmp_path / 'exp1'}")  # the command line's answer, in the cell
+    said = capsys.readouterr()
+    assert "cannot stop" in said.err and "finished" in said.err and "holds no" not in said.out
+    nbwatch_magic("export")  # a missing argument: a usage line, no SystemExit
+    assert "usage: %nbwatch export RUN_DIR" in capsys.readouterr().out
+    assert nbwatch_magic(f"{tmp_path / 'exp1'} extra") is None  # two words: not one folder
+    assert "takes one folder" in capsys.readouterr().out
+
+
 def test_the_saved_notebooks_text_gives_an_export_call_that_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     store = RunStore(tmp_path / "exp1")

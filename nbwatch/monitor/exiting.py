@@ -257,9 +257,11 @@ def _arm_sigterm(exit_: ProcessExit) -> None:
     """Let a SIGTERM end `exit_`'s run, where SIGTERM is Python's default: in a script's
     main thread (a kernel's and torchrun's are their own, IPython would catch the exit, a
     user's handler is kept)."""
-    ipython = sys.modules.get("IPython")
-    if ((ipython is not None and ipython.get_ipython() is not None)
-            or threading.current_thread() is not threading.main_thread()):
+    if threading.current_thread() is not threading.main_thread():
+        return
+    # None while another thread imports IPython: a module half imported runs no shell
+    get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    if get_ipython is not None and get_ipython() is not None:
         return
     handler = signal.getsignal(signal.SIGTERM)
     if handler is not _on_sigterm:

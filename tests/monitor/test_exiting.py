@@ -1,0 +1,41 @@
+"""How a run meets its process's end (nbwatch/monitor/exiting.py): what arming the
+SIGTERM handler at a run's open may read."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+import nbwatch
+
+
+@pytest.mark.parametrize("where", ["thread", "foreground"])
+def test_a_run_opens_while_another_thread_imports_ipython(where, tmp_path, monkeypatch):
+    """`nbwatch.hf.start(trainer)` in a script failed now and then at the fit's first step
+    ("AttributeError: partially initialized module 'IPython' has no attribute
+    'get_ipython'"), recorded nowhere: the main thread was importing IPython while the fit
+    thread opened its run. A module half imported has no shell: the run trains."""
+    monkeypatch.setitem(sys.modules, "IPython", types.ModuleType("IPython"))  # mid-import
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run", display=False)
+
+    def train() -> None:
+        for _ in range(3):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.log(loss=loss)
+
+    if where == "thread":
+        mon.run(train)
+        mon.wait()
+    else:
+        with mon:
+            train()
+    assert (mon.state, mon.step) == ("finished", 3)

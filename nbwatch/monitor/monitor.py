@@ -359,7 +359,12 @@ class Monitor(ctl.Controls, Given, Readout):
         began."""
         if commands is not None:
             self._session.commands = commands
-        rec = self._session.open_loop(start_step, framework)
+        try:
+            rec = self._session.open_loop(start_step, framework)
+        except BaseException as e:  # after the store opened: the fit failed, say so there
+            if self._session.recorder is not None:
+                self._end_loop(e)
+            raise
         rec.save_fn, rec.framework_clip, rec.hook_measures = save, clip, measure_in_hook
         return ExternalLoop(rec, self._end_loop, self._session)
 

@@ -293,8 +293,12 @@ class Monitor(ctl.Controls, Given, Readout):
         self._exit.disarm_thread()
 
     def _loop_opened(self) -> None:
-        self._exit.arm_loop()
-        self._shown(self._session.options.display)
+        try:
+            self._exit.arm_loop()
+            self._shown(self._session.options.display)
+        except BaseException as e:  # its store is open: the run failed, said there
+            self._end_loop(e)
+            raise
 
     def _distributed_opened(self, store: RunStore | NullStore) -> None:
         self._exit.record_sigterm(store)
@@ -359,12 +363,7 @@ class Monitor(ctl.Controls, Given, Readout):
         began."""
         if commands is not None:
             self._session.commands = commands
-        try:
-            rec = self._session.open_loop(start_step, framework)
-        except BaseException as e:  # after the store opened: the fit failed, say so there
-            if self._session.recorder is not None:
-                self._end_loop(e)
-            raise
+        rec = self._session.open_loop(start_step, framework)
         rec.save_fn, rec.framework_clip, rec.hook_measures = save, clip, measure_in_hook
         return ExternalLoop(rec, self._end_loop, self._session)
 

@@ -41,10 +41,12 @@ def test_a_run_opens_while_another_thread_imports_ipython(where, tmp_path, monke
     assert (mon.state, mon.step) == ("finished", 3)
 
 
-def test_a_fit_whose_run_fails_to_open_is_recorded_failed(tmp_path, monkeypatch):
-    """An error while a framework's run opened (after its store had) left the run open:
-    the Trainer's fit raised, and the process's exit then recorded the run `finished` at
-    step 0, with a final checkpoint and no error. It is `failed`, with the error."""
+@pytest.mark.parametrize("loop", ["framework", "own"])
+def test_a_run_that_fails_to_open_is_recorded_failed(loop, tmp_path, monkeypatch):
+    """An error while a run opened (after its store had) left the run open: the Trainer's
+    fit raised (a loop of one's own: its first optimizer.step()), and the process's exit
+    then recorded the run `finished` at step 0, with a final checkpoint and no error. It
+    is `failed`, with the error, and its folder is given back."""
     from nbwatch.monitor.monitor import Monitor
 
     def fails(self, display):
@@ -52,10 +54,14 @@ def test_a_fit_whose_run_fails_to_open_is_recorded_failed(tmp_path, monkeypatch)
 
     monkeypatch.setattr(Monitor, "_shown", fails)  # the last thing the run's open does
     model = torch.nn.Linear(4, 2)
-    mon = nbwatch.Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                          run_dir=tmp_path / "run", display=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run", display=False)
     with pytest.raises(RuntimeError, match="could not be shown"):
-        mon.open_external("myfw")
+        if loop == "framework":
+            mon.open_external("myfw")
+        else:
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()  # a loop of one's own opens its run at its first step
     assert mon.state == "failed" and mon.closed
     run = nbwatch.open_run(tmp_path / "run")
     assert run.state == "failed"

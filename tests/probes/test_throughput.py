@@ -469,3 +469,18 @@ def test_every_loop_adds_up_its_micro_batches_in_parts(tmp_path, loop):
     assert _tokens(df) == [(3 + 1) * (2 + 3)] * 2
     assert df["data/seq_len_max"].tolist() == [3, 3]
     assert df["data/seq_len_mean"].tolist() == pytest.approx([20 / 8] * 2)
+
+
+@pytest.mark.parametrize("loop", ["start", "log", "hf", "lightning"])
+def test_a_micro_batch_of_no_tokens_beside_a_packed_one_adds_its_rows(tmp_path, loop):
+    """Two micro-batches a step: a packed one (3 documents) and one of pixels (5 rows), in
+    either order: 8 samples in every loop; start(accumulate=2) counted the documents alone
+    (3), the pixels' rows dropped, where log(batch=[...]), the Trainer and Lightning count
+    8. The sequence figures stay the documents'."""
+    packed = {"input_ids": torch.ones(1, 9, dtype=torch.long),
+              "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])}
+    pixels = {"pixel_values": torch.randn(5, 4, generator=torch.Generator().manual_seed(0))}
+    df = _in_loop(tmp_path, loop, [packed, pixels, pixels, packed], micro=2)
+    assert _counted(df) == [None if loop == "log" else 8, 8]
+    assert _tokens(df) == [9, 9]
+    assert df["data/seq_len_mean"].tolist() == pytest.approx([3.0, 3.0])

@@ -744,3 +744,42 @@ def test_a_combined_loaders_figures_are_every_loaders(tmp_path, mode):
         assert c.sum() == len(ls) and (np.histogram(ls, bins=e)[0] == c).all()
     if mode == "max_size":
         assert module.seen[-1]["a"] is None  # the shape it names: a loader run out
+
+
+@pytest.mark.parametrize("mode", ["pairs_and_text", "list_of_one"])
+def test_a_loaders_batch_in_parts_counts_its_parts_tokens_and_its_rows(tmp_path, mode):
+    """A loader whose batches come in parts (a reward model's {"chosen", "rejected"} of 3
+    rows) in a fit's collection of loaders: beside a text loader (2 rows), or alone in a
+    list (`train_dataloaders=[dl]`). Each part's tokens count, as with one loader (27 the
+    pair's), and the pair's rows once: 3 + 2 samples, 27 + 12 tokens; the pair's tokens
+    were dropped (12 tokens; none at all for the list of one)."""
+    def tok(n, width):
+        return {"input_ids": torch.ones(n, width, dtype=torch.long),
+                "attention_mask": torch.ones(n, width, dtype=torch.long)}
+
+    def dl(batches):
+        return torch.utils.data.DataLoader(batches, batch_size=None)
+
+    pairs = dl([{"chosen": tok(3, 5), "rejected": tok(3, 4)}] * 3)
+    loaders = {"pairs_and_text": {"pref": pairs, "sft": dl([tok(2, 6)] * 3)},
+               "list_of_one": [pairs]}[mode]
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.lin.weight.square().sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    cb = nbwatch.lightning.NbwatchCallback(run_dir=tmp_path / "run")
+    make_trainer(tmp_path / "pl", max_steps=3, val_check_interval=None, limit_val_batches=0,
+                 callbacks=[cb]).fit(Module(), train_dataloaders=loaders)
+    df = nbwatch.open_run(tmp_path / "run").df
+    samples = (df["throughput/samples_per_s"] * df["time/step"]).round().astype(int)
+    want = {"pairs_and_text": (3 + 2, 15 + 12 + 12), "list_of_one": (3, 15 + 12)}[mode]
+    assert samples.tolist() == [want[0]] * 3
+    assert df["tokens/real"].tolist() == [want[1]] * 3

@@ -61,18 +61,22 @@ class Split(NamedTuple):
 
     parts: list
     loaders: bool  # several loaders' batches (their rows add up), not one batch's parts
+    inner: int = 0  # loaders' batches in parts themselves: the rows their parts count twice
 
     def rows(self, batch: Any) -> int | None:
         """Its samples: the loaders' batches' rows added up, else the batch's own
         (`batch_samples`: the first batched tensor's; a shape, nothing read)."""
         if not self.loaders:
             return batch_samples(batch)
-        return sum(batch_samples(p) or 0 for p in self.parts) or None
+        return sum(batch_samples(p) or 0 for p in self.parts) - self.inner or None
 
     def overlap(self, batch: Any) -> int:
         """The rows its parts count beyond its samples (one batch's parts: each holds the
-        same samples), to take from the sum of the parts' rows; 0 for loaders' batches."""
-        if self.loaders or len(self.parts) < 2:
+        same samples), to take from the sum of the parts' rows; for loaders' batches, those
+        of the ones that come in parts (a pair loader's `{"chosen": ..., "rejected": ...}`)."""
+        if self.loaders:
+            return self.inner
+        if len(self.parts) < 2:
             return 0
         return sum(batch_samples(p) or 0 for p in self.parts) - (batch_samples(batch) or 0)
 
@@ -83,19 +87,22 @@ def loader_batches(batch: Any, enc_dec: bool = False, loaders: Any = None) -> Sp
 
     Where the loop knows its loaders (`loaders`: Lightning's, the collection
     `CombinedLoader` combines), their shape says which parts are batches, and their rows
-    add up. Elsewhere the batch's shape, one batch's parts (its samples its own rows): a
-    Mapping each of whose values is a batch (`_one_loaders`: a dict, or a list or tuple,
-    with a batched tensor of its own) or None, or a list or tuple each of whose entries is
-    a dict batch or None, at least one not None. So a dict with a batched tensor at its
-    top level is one batch (its parts beside it are its own), and so is a list of
-    `(x, y)` batches (two views of a pair; `log(batch=...)` counts them one each where the
-    step took as many backward passes), and an encoder-decoder's batch in parts (its
-    source's and its target's, `(src, tgt)`: its figures are the source's), as
+    add up; each loader's batch is then split by its own shape (a pair loader's chosen and
+    rejected: their tokens, its rows). Elsewhere the batch's shape, one batch's parts (its
+    samples its own rows): a Mapping each of whose values is a batch (`_one_loaders`: a
+    dict, or a list or tuple, with a batched tensor of its own) or None, or a list or tuple
+    each of whose entries is a dict batch or None, at least one not None. So a dict with
+    a batched tensor at its top level is one batch (its parts beside it are its own), and
+    so is a list of `(x, y)` batches (two views of a pair; `log(batch=...)` counts them one
+    each where the step took as many backward passes), and an encoder-decoder's batch in
+    parts (its source's and its target's, `(src, tgt)`: its figures are the source's), as
     Lightning's tuples and a bare tensor's."""
     if isinstance(loaders, (Mapping, list, tuple)):
         found = _by_loaders(batch, loaders)
-        if found:
-            return Split(found, True)
+        if found:  # each loader's batch split by its shape in turn (a pair loader's)
+            splits = [(loader_batches(b, enc_dec), b) for b in found]
+            return Split([p for s, _ in splits for p in s.parts], True,
+                         sum(s.overlap(b) for s, b in splits))
     if enc_dec:
         return Split([batch], False)
     if isinstance(batch, Mapping):

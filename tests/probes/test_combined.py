@@ -39,3 +39,18 @@ def test_loader_batches_is_the_one_rule():
     split = loader_batches(both, loaders={"a": 0, "b": 1})
     assert (split.rows(both), split.overlap(both)) == (3 + 5, 0)
     assert loader_batches(a).overlap(a) == 0 and loader_batches(a).rows(a) == 3
+
+
+def test_a_loaders_batch_in_parts_is_split_by_its_shape():
+    """A loader whose batch comes in parts (a pair loader's chosen and rejected) beside
+    another in the loaders a loop knows: each part counted for its tokens, the pair's rows
+    once (`Split.inner`); the pair was one part, its tokens not counted."""
+    c, r = ({"input_ids": torch.ones(3, n, dtype=torch.long)} for n in (5, 4))
+    text = {"input_ids": torch.ones(2, 6, dtype=torch.long)}
+    batch = {"pref": {"chosen": c, "rejected": r}, "sft": text}
+    split = loader_batches(batch, loaders={"pref": 0, "sft": 1})
+    assert split == Split([c, r, text], True, 3)
+    assert (split.rows(batch), split.overlap(batch)) == (3 + 2, 3)
+    one = [{"chosen": c, "rejected": r}]  # train_dataloaders=[dl]
+    assert loader_batches(one, loaders=["dl"]) == Split([c, r], True, 3)
+    assert loader_batches(one, loaders=["dl"]).rows(one) == 3

@@ -41,7 +41,6 @@ from .probes.late import drop_masks, keep_mask
 from .probes.logits import NAMES as LOGIT_NAMES
 from .probes.logits import is_logits
 from .probes.loss import batch_mask, check_not_copying, input_mask, parse_step_output
-from .probes.throughput import batch_samples
 from .recorder import Progress, RunSpec, StepRecorder
 from .records import Event
 
@@ -266,9 +265,10 @@ class Runner:
             # parts of token ids), the step's mask, as a batch in one part's
             counted = [(self._tokens(p, out.mask if len(parts) == 1 else None, pos), pos)
                        for p, pos in zip(parts, found)]
-            bare = [p for p, (t, pos) in zip(parts, counted) if t is None and pos is None]
-            if bare and not split.overlap(batch):  # rows beside a packed one's documents
-                m.host[BESIDE] = m.host.get(BESIDE, 0) + sum(batch_samples(p) or 0 for p in bare)
+            beside = split.beside(batch, [p for p, (t, pos) in zip(parts, counted)
+                                          if t is None and pos is None])
+            if beside:  # samples beside a packed one's documents (`BESIDE`)
+                m.host[BESIDE] = m.host.get(BESIDE, 0) + beside
             if len(parts) > 1 and not any(t is not None or pos is not None for t, pos in
                                           counted) and all(reads_tokens(p) for p in parts):
                 counted = [(out.mask, None)]

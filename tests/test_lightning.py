@@ -746,13 +746,14 @@ def test_a_combined_loaders_figures_are_every_loaders(tmp_path, mode):
         assert module.seen[-1]["a"] is None  # the shape it names: a loader run out
 
 
-@pytest.mark.parametrize("mode", ["pairs_and_text", "list_of_one"])
+@pytest.mark.parametrize("mode", ["pairs_and_text", "list_of_one", "beside_packed"])
 def test_a_loaders_batch_in_parts_counts_its_parts_tokens_and_its_rows(tmp_path, mode):
     """A loader whose batches come in parts (a reward model's {"chosen", "rejected"} of 3
-    rows) in a fit's collection of loaders: beside a text loader (2 rows), or alone in a
-    list (`train_dataloaders=[dl]`). Each part's tokens count, as with one loader (27 the
-    pair's), and the pair's rows once: 3 + 2 samples, 27 + 12 tokens; the pair's tokens
-    were dropped (12 tokens; none at all for the list of one)."""
+    rows) in a fit's collection of loaders: beside a text loader (2 rows), alone in a
+    list (`train_dataloaders=[dl]`), beside a packed loader (3 documents) and an `(x, y)`
+    one (5 rows). Each part's tokens count, as with one loader (27 the pair's), and the
+    pair's rows once: 3 + 2 samples, 27 + 12 tokens; 3 + 5 + 3 beside the packed one. The
+    pair's tokens were dropped (12 tokens; none at all for the list of one)."""
     def tok(n, width):
         return {"input_ids": torch.ones(n, width, dtype=torch.long),
                 "attention_mask": torch.ones(n, width, dtype=torch.long)}
@@ -761,8 +762,12 @@ def test_a_loaders_batch_in_parts_counts_its_parts_tokens_and_its_rows(tmp_path,
         return torch.utils.data.DataLoader(batches, batch_size=None)
 
     pairs = dl([{"chosen": tok(3, 5), "rejected": tok(3, 4)}] * 3)
+    packed = {"input_ids": torch.ones(1, 9, dtype=torch.long),
+              "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])}
+    xy = (torch.randn(5, 4), torch.randn(5))
     loaders = {"pairs_and_text": {"pref": pairs, "sft": dl([tok(2, 6)] * 3)},
-               "list_of_one": [pairs]}[mode]
+               "list_of_one": [pairs],
+               "beside_packed": {"a": dl([packed] * 3), "b": dl([xy] * 3), "c": pairs}}[mode]
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -780,6 +785,7 @@ def test_a_loaders_batch_in_parts_counts_its_parts_tokens_and_its_rows(tmp_path,
                  callbacks=[cb]).fit(Module(), train_dataloaders=loaders)
     df = nbwatch.open_run(tmp_path / "run").df
     samples = (df["throughput/samples_per_s"] * df["time/step"]).round().astype(int)
-    want = {"pairs_and_text": (3 + 2, 15 + 12 + 12), "list_of_one": (3, 15 + 12)}[mode]
+    want = {"pairs_and_text": (3 + 2, 15 + 12 + 12), "list_of_one": (3, 15 + 12),
+            "beside_packed": (3 + 5 + 3, 9 + 15 + 12)}[mode]
     assert samples.tolist() == [want[0]] * 3
     assert df["tokens/real"].tolist() == [want[1]] * 3

@@ -61,6 +61,7 @@ class Adapter:
         self._rows: list[Any] = []  # the masks of the micro-batches not packed
         self._bare: list[int] = []  # the samples of those with no tokens (no mask, not packed)
         self._overlap = 0  # rows its batches' parts count twice (`Split.overlap`)
+        self._held = 0  # rows of no tokens beside a packed part of their batch (`Split.held`)
         self._logit_mask: Any = None  # an encoder-decoder's first micro-batch's target mask
         self._enc_dec: tuple[Any, bool] | None = None  # (model, whether it is one)
         self._fitting = False  # a fit is taken: from start()'s launch, or the fit's begin
@@ -120,7 +121,7 @@ class Adapter:
         self._commands = ctl.CommandQueue()
         self._losses, self._masks, self._counts, self._positions = [], [], [], []
         self._unmasked, self._rows, self._bare, self._overlap = [], [], [], 0
-        self._logit_mask = None
+        self._held, self._logit_mask = 0, None
 
     def _note_tokens(self, batch: Any, mask: Any) -> None:
         """A micro-batch's tokens: `mask` (None: none) kept for the step's figures; a packed
@@ -164,7 +165,7 @@ class Adapter:
             self._close_unseen()  # the framework began again inside start()'s fit
             self._losses, self._masks, self._counts, self._positions = [], [], [], []
             self._unmasked, self._rows, self._bare, self._overlap = [], [], [], 0
-            self._logit_mask = None
+            self._held, self._logit_mask = 0, None
             self._check_fresh(resuming, how)
             return
         with self._taking:  # refused before anything is taken; the last fit closed
@@ -241,6 +242,7 @@ class Adapter:
         rows, self._rows = self._rows, []
         bare, self._bare = self._bare, []
         overlap, self._overlap = self._overlap, 0
+        held, self._held = self._held, 0
         logit_mask, self._logit_mask = self._logit_mask, None
         names: list[str] = []
         parts: list[Any] = []
@@ -264,8 +266,9 @@ class Adapter:
                 if not masks and unmasked:  # every token real: known from the shapes
                     all_real(unmasked).into(names, parts, host)
                 lengths = documents(positions, names, parts, rows)
-                if not overlap:  # micro-batches of no tokens: samples beside
-                    host[BESIDE] = float(sum(bare))
+                # micro-batches of no tokens: samples beside, not a batch's parts' twice
+                # (a pair's) nor those beside a packed part of their batch (`Split.beside`)
+                host[BESIDE] = float(sum(bare) - held - overlap)
             # the first micro-batch's forward: its mask leaves its padding out (an
             # encoder-decoder's: its target's alone, never its source's)
             if logit_mask is None and masks and not (self._enc_dec and self._enc_dec[1]):

@@ -114,10 +114,14 @@ class NbwatchCallback(Adapter, pl.Callback):
         if len(parts) > 1:
             self._note_logit_mask(pl_module, parts[0])
         for part in parts:
-            self._note_tokens(part, _tokens(part))
+            tokens = _tokens(part)
+            self._note_tokens(part, tokens)
             n = batch_samples(part)  # samples/s for any model: (x, y), pixel_values
             if n:
                 self._counts.append(n)
+            if (tokens is None and packed_positions(part) is None
+                    and any(part is h for h in split.held)):  # beside a packed part: its
+                self._held += n or 0  # documents are the samples (`Split.beside`)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any,
                                  optimizer: Any) -> None:

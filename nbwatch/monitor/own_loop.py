@@ -60,6 +60,7 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
         # a batch in parts (`loader_batches`): each one's tokens, the batch's own samples
         splits = [loader_batches(b, _enc_dec(session.setup.model)) for b in batches]
         overlap = 0 if mask is not None else sum(s.overlap(b) for s, b in zip(splits, batches))
+        mask_given, steps = mask, batches
         batches = [p for s in splits for p in s.parts]
         positions, rows, mask, logit_mask, bare = _masks(batches, mask, session.setup.model)
         host, names, parts, lengths = log_figures(loss, mask, scalars,
@@ -70,8 +71,9 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
             if mask is None:  # every token real: known from the shapes
                 all_real(positions).into(names, parts, host)
             lengths = documents(positions, names, parts, rows)
-            if bare and not overlap:  # micro-batches of no tokens beside: samples too
-                host[BESIDE] = float(sum(batch_samples(b) or 0 for b in bare))
+            if mask_given is None:  # micro-batches of no tokens beside: samples too
+                host[BESIDE] = float(sum(s.beside(b, [p for p in bare if any(
+                    p is q for q in s.parts)]) for s, b in zip(splits, steps)))
         val = check_val(val)
         host.update(rec.forward_time())  # under torchrun: what tells a straggler
     # no [batch, seq_len] mask (speech features, pixels, an (x, y) batch): its rows, the

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .data import packed_positions
 from .throughput import batch_samples
 
 
@@ -62,6 +63,7 @@ class Split(NamedTuple):
     parts: list
     loaders: bool  # several loaders' batches (their rows add up), not one batch's parts
     inner: int = 0  # loaders' batches in parts themselves: the rows their parts count twice
+    held: tuple = ()  # the parts of a batch in parts with a packed one (its documents count)
 
     def rows(self, batch: Any) -> int | None:
         """Its samples: the loaders' batches' rows added up, else the batch's own
@@ -76,9 +78,17 @@ class Split(NamedTuple):
         of the ones that come in parts (a pair loader's `{"chosen": ..., "rejected": ...}`)."""
         if self.loaders:
             return self.inner
-        if len(self.parts) < 2:
+        if len(self.parts) < 2 or self.held:  # a packed part: its documents, not its rows
             return 0
         return sum(batch_samples(p) or 0 for p in self.parts) - (batch_samples(batch) or 0)
+
+    def beside(self, batch: Any, bare: list) -> int:
+        """The samples its parts add beside a packed batch's documents (`BESIDE`, where the
+        step has one): the rows of `bare`, its parts of no tokens, but those of a batch in
+        parts with a packed part (its documents are its samples), less the rows its parts
+        count twice (`overlap`: a pair's padded parts, counted as rows beside)."""
+        rows = sum(batch_samples(p) or 0 for p in bare if not any(p is h for h in self.held))
+        return rows - self.overlap(batch)
 
 
 def loader_batches(batch: Any, enc_dec: bool = False, loaders: Any = None) -> Split:
@@ -102,7 +112,8 @@ def loader_batches(batch: Any, enc_dec: bool = False, loaders: Any = None) -> Sp
         if found:  # each loader's batch split by its shape in turn (a pair loader's)
             splits = [(loader_batches(b, enc_dec), b) for b in found]
             return Split([p for s, _ in splits for p in s.parts], True,
-                         sum(s.overlap(b) for s, b in splits))
+                         sum(s.overlap(b) for s, b in splits),
+                         tuple(h for s, _ in splits for h in s.held))
     if enc_dec:
         return Split([batch], False)
     if isinstance(batch, Mapping):
@@ -116,5 +127,6 @@ def loader_batches(batch: Any, enc_dec: bool = False, loaders: Any = None) -> Sp
         return Split([batch], False)
     parts = [x for x in items if x is not None]
     if parts and all(one(x) for x in parts):
-        return Split(parts, False)
+        packed = len(parts) > 1 and any(packed_positions(p) is not None for p in parts)
+        return Split(parts, False, 0, tuple(parts) if packed else ())
     return Split([batch], False)

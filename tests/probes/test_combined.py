@@ -54,3 +54,19 @@ def test_a_loaders_batch_in_parts_is_split_by_its_shape():
     one = [{"chosen": c, "rejected": r}]  # train_dataloaders=[dl]
     assert loader_batches(one, loaders=["dl"]) == Split([c, r], True, 3)
     assert loader_batches(one, loaders=["dl"]).rows(one) == 3
+
+
+def test_a_batch_in_parts_with_a_packed_part_counts_its_documents():
+    """A batch in parts with a packed part (`Split.held`): its parts' rows are not samples
+    beside the documents (`Split.beside`), nor taken off (`overlap` 0); a pair beside a
+    packed batch gives back the rows its parts count twice."""
+    packed = {"input_ids": torch.ones(1, 9, dtype=torch.long),
+              "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])}
+    xy = [torch.randn(5, 4), torch.randn(5)]
+    batch = {"text": packed, "target": xy}
+    split = loader_batches(batch)
+    assert split == Split([packed, xy], False, 0, (packed, xy))
+    assert (split.overlap(batch), split.beside(batch, [xy])) == (0, 0)
+    pair = {"chosen": {"input_ids": torch.ones(2, 5)}, "rejected": {"input_ids": torch.ones(2, 4)}}
+    assert loader_batches(pair).beside(pair, []) == -2  # both parts' rows given back once
+    assert loader_batches(xy).beside(xy, [xy]) == 5  # (x, y) beside a packed micro-batch

@@ -484,3 +484,20 @@ def test_a_micro_batch_of_no_tokens_beside_a_packed_one_adds_its_rows(tmp_path, 
     assert _counted(df) == [None if loop == "log" else 8, 8]
     assert _tokens(df) == [9, 9]
     assert df["data/seq_len_mean"].tolist() == pytest.approx([3.0, 3.0])
+
+
+@pytest.mark.parametrize("loop", ["start", "log", "lightning"])
+def test_a_batch_in_parts_beside_a_packed_micro_batch_counts_its_own_rows(tmp_path, loop):
+    """Two micro-batches a step: a packed one (3 documents) and a pair's chosen and
+    rejected (2 rows): 3 + 2 samples; the documents' step counted both parts' rows (7),
+    as it counts a padded micro-batch's rows beside them."""
+    def tok(width):
+        return {"input_ids": torch.ones(2, width, dtype=torch.long),
+                "attention_mask": torch.ones(2, width, dtype=torch.long)}
+
+    packed = {"input_ids": torch.ones(1, 9, dtype=torch.long),
+              "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])}
+    pair = {"chosen": tok(5), "rejected": tok(4)}
+    df = _in_loop(tmp_path, loop, [packed, pair, pair, packed], micro=2)
+    assert _counted(df) == [None if loop == "log" else 5, 5]
+    assert _tokens(df) == [9 + 18] * 2

@@ -33,6 +33,7 @@ import torch
 from ..interrupts import Terminated
 from ..monitor import Monitor
 from ..probes.attention import take_samples
+from ..probes.combined import loader_batches
 from ..probes.data import input_tokens, packed_positions
 from ..probes.throughput import batch_samples
 from .base import Adapter, callback_of, check_fit_arguments, drop_repeats, unwrap
@@ -263,10 +264,17 @@ class NbwatchCallback(Adapter, TrainerCallback):
             if isinstance(loss, torch.Tensor):
                 with rec.own if rec is not None else contextlib.nullcontext():
                     self._losses.append(loss.detach())
-            # a packed batch's tokens are all real; an encoder-decoder's: its source's
-            self._note_tokens(inputs, None if packed_positions(inputs) is not None
-                              else input_tokens(inputs))
-            self._note_logit_mask(model, inputs)
+            self._note_logit_mask(model, inputs)  # (and looks if it is an encoder-decoder)
+            # a batch in parts (a collator's {"chosen": ..., "rejected": ...}): each part's
+            # tokens, the batch's own rows (`loader_batches`, as start()'s and Lightning's)
+            split = loader_batches(inputs, bool(self._enc_dec and self._enc_dec[1]))
+            self._overlap += split.overlap(inputs)
+            for part in split.parts:  # a packed one's tokens are all real; an
+                packed = packed_positions(part) is not None  # encoder-decoder's: its source's
+                tokens = None if packed else input_tokens(part)
+                self._note_tokens(part, tokens)
+                if tokens is None and not packed and any(part is h for h in split.held):
+                    self._held += batch_samples(part) or 0  # beside its packed part
             n = batch_samples(inputs)  # samples/s for any model: pixel_values, input_values
             if n:
                 self._samples.append(n)

@@ -420,7 +420,7 @@ def _parts_cases():
     ]
 
 
-@pytest.mark.parametrize("loop", ["start", "log", "lightning"])
+@pytest.mark.parametrize("loop", ["start", "log", "hf", "lightning"])
 def test_every_loop_counts_a_batch_in_parts_by_hand(tmp_path, loop):
     """A step whose batch comes in parts with no batched tensor of its own (a pair's
     chosen and rejected, `{"image": ..., "text": ...}`, `(inputs, labels)` dicts): each
@@ -454,7 +454,7 @@ def test_every_loop_counts_a_batch_in_parts_by_hand(tmp_path, loop):
         assert c.sum() == len(ls) and (np.histogram(ls, bins=e)[0] == c).all()
 
 
-@pytest.mark.parametrize("loop", ["start", "log", "lightning"])
+@pytest.mark.parametrize("loop", ["start", "log", "hf", "lightning"])
 def test_every_loop_adds_up_its_micro_batches_in_parts(tmp_path, loop):
     """Two micro-batches a step, each in two parts (3 rows, then 1): the step's samples
     are the micro-batches' rows (4), its tokens all four parts' (a loop of one's own
@@ -486,7 +486,7 @@ def test_a_micro_batch_of_no_tokens_beside_a_packed_one_adds_its_rows(tmp_path, 
     assert df["data/seq_len_mean"].tolist() == pytest.approx([3.0, 3.0])
 
 
-@pytest.mark.parametrize("loop", ["start", "log", "lightning"])
+@pytest.mark.parametrize("loop", ["start", "log", "hf", "lightning"])
 def test_a_batch_in_parts_beside_a_packed_micro_batch_counts_its_own_rows(tmp_path, loop):
     """Two micro-batches a step: a packed one (3 documents) and a pair's chosen and
     rejected (2 rows): 3 + 2 samples; the documents' step counted both parts' rows (7),

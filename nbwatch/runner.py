@@ -232,7 +232,7 @@ class Runner:
                 m.keeping = False
             if spec.probe_batch is None and spec.eval_every and spec.attention_samples > 0:
                 spec.probe_batch = clone_samples(batch, spec.attention_samples)
-            tf, own0 = time.perf_counter(), rec.own.closed
+            tf, own0, wait0 = time.perf_counter(), rec.own.closed, rec.forward_waits()
             raw = step_fn(model, batch)
             if not self._checked:  # a wrong objective is refused at the first step
                 check_not_copying(batch, raw, model)
@@ -251,8 +251,10 @@ class Runner:
             if out.mask is None:  # {'logits', 'labels'}: the batch's attention_mask; an
                 # encoder-decoder's logits are the target's: its target mask (the adapters')
                 out.mask = decoder_mask(batch) if self._enc_dec else batch_mask(batch, raw)
-            # less the output layer's hook (nbwatch's, inside the forward)
-            m.fwd_s += time.perf_counter() - tf - (rec.own.closed - own0)
+            # less the output layer's hook (nbwatch's, inside the forward) and, under
+            # torchrun, the wait for the other ranks as the forward began (DDP's buffers)
+            m.fwd_s += (time.perf_counter() - tf - (rec.own.closed - own0)
+                        - (rec.forward_waits() - wait0))
             if isinstance(raw, dict):
                 with rec.own:  # the step_fn's own scalars, kept for the record
                     _extras(raw, m.extras)

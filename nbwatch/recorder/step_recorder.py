@@ -184,6 +184,16 @@ class StepRecorder:
             return {}
         return self._forward_clock.take(self.flight.t_boundary)
 
+    def forward_waits(self) -> float:
+        """start() under torchrun: the seconds the model's forwards have waited so far
+        before they began (DDP's buffer broadcast, FSDP2's first all-gather: another rank's
+        slowness, not this one's work), which the runner leaves out of `time/forward`."""
+        if self.dist is None:
+            return 0.0
+        if self._forward_clock is None:
+            self._forward_clock = ForwardClock(self.model)
+        return self._forward_clock.waited
+
     def close_hooks(self) -> None:
         """The hooks the run set on the model: the output layer's, the forward clock's."""
         self.train_logits.close()

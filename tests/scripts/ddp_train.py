@@ -47,6 +47,9 @@ def main() -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)
     model = TinyGPT(vocab=64, d=32, layers=2, heads=2, ctx=32)
+    # a buffer, as every Hugging Face Llama's rotary `inv_freq`: DDP broadcasts it from
+    # rank 0 as each forward begins, where rank 0 waits for a slow rank 1
+    model.register_buffer("inv_freq", torch.ones(4), persistent=False)
     if dist.is_initialized() and not os.environ.get("NO_DDP"):
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -512,7 +512,9 @@ def test_torchrun_callback_without_run_dir_records_one_folder_for_both_ranks(tmp
     """`NbwatchCallback()` made on each rank of a torchrun job, rank 1's a second and a half
     after rank 0's, which then fails: its default folder was named by its own clock, so
     its error report went where rank 0 never looked ("lost contact with another rank").
-    Both use rank 0's folder now, and the run names rank 1's error."""
+    Both use rank 0's folder now, and the run names rank 1's error. Rank 0 writes the
+    Trainer's emergency checkpoint, which resumes: its save's FLOs sum over the ranks (an
+    all_gather) failed on the closed connection, and no event said so."""
     out = tmp_path / "out"
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "NBWATCH_RUN_DIR"}
@@ -527,6 +529,10 @@ def test_torchrun_callback_without_run_dir_records_one_folder_for_both_ranks(tmp
     assert run.state == "failed" and run.meta["run"]["world_size"] == 2
     error = run.events[run.events.kind == "error"].message.iloc[-1]
     assert "rank 1 broke at step 7" in error, error
+    saved = run.events[run.events.kind == "checkpoint"].message
+    assert saved.str.startswith(f"emergency checkpoint at step {run.step}: "
+                                f"checkpoint-{run.step}").any(), run.events.message.tolist()
+    assert (out / f"checkpoint-{run.step}" / "model.safetensors").is_file()
 
 
 def test_torchrun_trainer_stop_from_attach_ends_both_ranks_at_one_step(tmp_path):

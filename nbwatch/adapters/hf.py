@@ -30,6 +30,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 import torch
 
+from ..distributed import lost_peer
 from ..interrupts import Terminated
 from ..monitor import Monitor
 from ..probes.attention import take_samples
@@ -94,6 +95,7 @@ class NbwatchCallback(Adapter, TrainerCallback):
         self._save_t0: float | None = None  # when that save began (its time, in on_save)
         self._retry: _Retry | None = None  # the last try ran out of memory (not _forget's)
         self._interrupted = False  # the fit ends by a Ctrl-C in its own (foreground) thread
+        self._raised_by: BaseException | None = None  # what ended the fit, if it raised
 
     # -- the Trainer's events -----------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
@@ -207,10 +209,14 @@ class NbwatchCallback(Adapter, TrainerCallback):
         elif reason in ("final", "stop", "periodic"):
             return  # the Trainer's save strategy; a stop asks for one at its step
         if (reason == "emergency" or interrupted) and trainer is not None and rec is not None:
+            # a rank died (or went silent): the Trainer's own save takes collectives
+            alone = reason == "emergency" and self._raised_by is not None and (
+                lost_peer(self._raised_by))
             try:  # the fit raised: the Trainer will not reach its own save
-                rec.note_checkpoint(reason, save_checkpoint_now(trainer))
+                rec.note_checkpoint(reason, save_checkpoint_now(trainer, alone=alone))
             except Exception as e:  # noqa: BLE001 - the original failure matters more
-                rec.log.warning("%s checkpoint failed: %s", reason, e)
+                rec.note(f"{reason} checkpoint at step {trainer.state.global_step} "
+                         f"failed: {type(e).__name__}: {str(e)[:300]}")
             return
         if self._at_boundary and self.trainer is not None and rec is not None:
             self._save_now(reason)  # now: a paused fit goes no further until Resume
@@ -305,6 +311,7 @@ class NbwatchCallback(Adapter, TrainerCallback):
 
     def _raised(self, error: BaseException) -> None:
         trainer, loop, mon = self.trainer, self._rec(), self.monitor
+        self._raised_by = error
         if (trainer is not None and loop is not None and mon is not None
                 and retries_at_smaller_batch(trainer, error)):
             # the Trainer begins the fit again at a smaller batch: end this try (as failed,
@@ -332,6 +339,7 @@ class NbwatchCallback(Adapter, TrainerCallback):
         self.trainer, self._save_reason = None, None
         self._samples, self._saved_step, self._save_t0 = [], None, None
         self._at_boundary = self._interrupted = False  # a Ctrl-C is its fit's alone
+        self._raised_by = None
 
     def _close_unseen(self) -> None:
         self._unwrap()

@@ -71,20 +71,41 @@ def wrap_clip_grad_norm(trainer: Trainer, before: Callable[..., Any]) -> None:
     trainer._clip_grad_norm = clip_grad_norm  # type: ignore[method-assign]  # this instance's
 
 
-def save_checkpoint_now(trainer: Trainer, announce: bool = False) -> Path:
+def save_checkpoint_now(trainer: Trainer, announce: bool = False,
+                        alone: bool = False) -> Path:
     """Write the Trainer's own checkpoint of its current step now, outside its save
     strategy (a Checkpoint click, maybe under a pause; the fit raised, so the Trainer will
     not reach its save); returns its folder, which `train(resume_from_checkpoint=...)`
     takes. `announce`: then tell the callbacks, as the Trainer does after its own save
-    (`trainer.control = trainer.callback_handler.on_save(...)`). Takes
-    `Trainer._save_checkpoint(model, trial)`."""
+    (`trainer.control = trainer.callback_handler.on_save(...)`). `alone`: another rank
+    died, so no collective is taken: under DDP the Trainer's FLOs sum over the ranks
+    (`store_flos`, an all_gather that a closed connection fails at once and a silent rank
+    holds for the process group's timeout) becomes this rank's own, and the barrier before
+    its best checkpoint's check is skipped (the best one stays as it was); the weights are
+    every rank's. Takes `Trainer._save_checkpoint(model, trial)`, `Trainer.store_flos`,
+    `TrainerState.current_flos`/`total_flos`/`best_global_step`."""
     model, output_dir = trainer.model, trainer.args.output_dir
     assert model is not None and output_dir is not None  # a Trainer that fits has both
-    trainer._save_checkpoint(model, trial=None)
+    best = trainer.state.best_global_step
+    if alone:
+        trainer.store_flos = lambda: _own_flos(trainer)  # type: ignore[method-assign]
+        trainer.state.best_global_step = None
+    try:
+        trainer._save_checkpoint(model, trial=None)
+    finally:
+        if alone:
+            trainer.__dict__.pop("store_flos", None)
+            trainer.state.best_global_step = best
     if announce:
         trainer.control = trainer.callback_handler.on_save(trainer.args, trainer.state,
                                                            trainer.control)
     return Path(output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+
+
+def _own_flos(trainer: Trainer) -> None:
+    """`Trainer.store_flos` without its sum over the ranks: this rank's count alone."""
+    trainer.state.total_flos += trainer.current_flos
+    trainer.current_flos = 0
 
 
 def set_last_lr(scheduler: Any, lrs: list[Any]) -> None:

@@ -265,6 +265,22 @@ def test_own_loop_under_torchrun_rank0_records_controls_on_every_rank(tmp_path, 
     assert len(strag) == 1 and "rank 1" in strag.message.iloc[0], ev.message.tolist()
 
 
+def test_a_wait_at_the_ranks_meeting_is_not_the_fast_ranks_busy_time(tmp_path):
+    """Rank 1 works 0.1 s after each optimizer step (before `log()`), and the ranks meet
+    at every step (as steps of 2 s or more do): rank 0 waits for it at the meeting. That
+    wait was counted in rank 0's next `time/busy`, so the straggler rule named the fast
+    rank 0 ("straggler: rank 0 is …% slower")."""
+    run_dir = tmp_path / "own"
+    job = torchrun(run_dir, 30, LOOP="own", STEP_SLEEP="0", AFTER_SLEEP="0.1", RANK_EVERY="1")
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode == 0, out[-3000:]
+    run = nbwatch.open_run(run_dir)
+    df, ev = run.df, run.events
+    assert df["rank0/time/sync"].loc[5:].median() > 0.05  # it did wait there
+    assert df["rank0/time/busy"].median() < 0.05, df["rank0/time/busy"].describe()
+    assert not ev.message.str.startswith("straggler: rank 0").any(), ev.message.tolist()
+
+
 @pytest.mark.parametrize("loop, steps", [("start", 20), ("own", 22)])
 def test_a_stop_after_the_ranks_last_meeting_ends_the_run_stopped(tmp_path, loop, steps):
     """A stop asked within the last `rank_every` steps reaches the other ranks only at

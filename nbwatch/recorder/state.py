@@ -142,6 +142,9 @@ class RankMeeting:
 
     rows: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     sync_s: float = 0.0  # the last exchange's duration, recorded with the next step
+    # perf_counter as this rank left its last exchange: a fast rank's wait there for a
+    # slow one is no part of the next step's busy time (probes/forward_time.py)
+    met_at: float = 0.0
     step_times: dict[int, deque[float]] = field(default_factory=dict)
 
 

@@ -157,6 +157,7 @@ def sync_ranks(rec: Steered, final: bool = False) -> None:
             record_ranks(rec, rows)
         for c in cmds:
             apply(rec, c)
+        rk.met_at = time.perf_counter()
         if final or not rec.progress.paused:
             return
         rec.flush_deferred()  # paused: the page shows the step it is paused at

@@ -182,7 +182,8 @@ class StepRecorder:
         if self._forward_clock is None:
             self._forward_clock = ForwardClock(self.model)
             return {}
-        return self._forward_clock.take(self.flight.t_boundary)
+        # from the step's start, or the ranks' meeting after it (a wait for the slow rank)
+        return self._forward_clock.take(max(self.flight.t_boundary, self.ranks.met_at))
 
     def forward_waits(self) -> float:
         """start() under torchrun: the seconds the model's forwards have waited so far

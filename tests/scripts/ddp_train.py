@@ -11,7 +11,8 @@ comes to it 1.5 s after rank 0; ONLY_RANK0=1: rank 1 creates no Monitor; RAISE_R
 RAISE_AT: a rank whose step_fn raises ValueError at that call; NO_DDP=1: the model not
 wrapped; R0_STEPS: rank 0's own loop takes this many steps (uneven data); LOOP=own: the
 script's own loop with `mon.log()` in the foreground instead of `mon.start()` (RESUME=1:
-`resume=True`); AUDIT=1 (with
+`resume=True`; RANK_EVERY: its rank_every, 5; AFTER_SLEEP: seconds rank 1 sleeps after
+each optimizer step, before `log()`); AUDIT=1 (with
 LOOP=own): the GPU's order on the CPU, a histogram every 5 steps, torch's reading methods
 watched in steps 6–25,
 what nbwatch read written to RUN_DIR/audit_rank{r}.json (tests/recorder/test_host_copy.py).
@@ -61,6 +62,7 @@ def main() -> None:
     sigterm_at = int(os.environ.get("SIGTERM_AT", "0"))
     raise_rank = int(os.environ.get("RAISE_RANK", "-1"))
     raise_at = int(os.environ.get("RAISE_AT", "0"))
+    after = float(os.environ.get("AFTER_SLEEP", "0"))
 
     def step_fn(model, batch):
         calls["n"] += 1
@@ -79,7 +81,8 @@ def main() -> None:
     mon = None
     try:
         if os.environ.get("LOOP") == "own":
-            mon = nbwatch.Monitor(model, opt, sched, run_dir=run_dir, rank_every=5,
+            mon = nbwatch.Monitor(model, opt, sched, run_dir=run_dir,
+                                  rank_every=int(os.environ.get("RANK_EVERY", "5")),
                                   dist_timeout=20, config={"script": "ddp_train", "loop": "own"},
                                   resume=bool(os.environ.get("RESUME")),
                                   hist_every=5 if os.environ.get("AUDIT") else 50)
@@ -102,6 +105,8 @@ def main() -> None:
                     opt.step()
                     sched.step()
                     opt.zero_grad()
+                    if rank == 1:  # host work after the step (a log line, a metric)
+                        time.sleep(after)
                     mon.log(loss=loss, mask=out["mask"])
             if audit is not None:
                 audit.on = False

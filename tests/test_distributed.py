@@ -161,6 +161,30 @@ def test_sigterm_to_the_launcher_stops_the_run_with_a_checkpoint_that_resumes(tm
     assert p0["step"] == p1["step"] == stopped + 10 and torch.equal(p0["params"], p1["params"])
 
 
+def test_sigterm_to_the_launcher_while_paused_stops_the_run_with_its_checkpoint(tmp_path):
+    """A preemption while the run is paused from an attached process (a loop of one's own,
+    every rank waiting in `log()`): the ranks take the stop at their next pause meeting,
+    with a stop checkpoint. No next `log()` came to ask it, so the ranks waited paused
+    until torchrun's SIGKILL 30 s on: the run read `stale`, with no checkpoint."""
+    run_dir = tmp_path / "ddp"
+    proc = torchrun(run_dir, 100_000, LOOP="own", STEP_SLEEP="0.02")
+    try:
+        until(lambda: recorded_step(run_dir) >= 10, timeout=60, what="step 10")
+        with nbwatch.attach(run_dir) as job:
+            job.pause()
+            until(lambda: job.state == "paused", timeout=60, what="paused")
+        t0 = time.monotonic()
+        proc.send_signal(15)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert time.monotonic() - t0 < 20, out[-3000:]  # not torchrun's SIGKILL, 30 s on
+    run = nbwatch.open_run(run_dir)
+    assert run.state == "stopped", out[-3000:]
+    assert run.meta["stopped_by"] == f"terminated by SIGTERM at step {run.step}"
+    assert (run_dir / "checkpoints" / f"step_{run.step:08d}.pt").is_file()
+
+
 @pytest.mark.parametrize("loop", ["start", "own"])
 def test_a_killed_rank_stops_the_other_and_the_store_stays_readable(tmp_path, loop):
     """A loop of one's own (`with mon:`) too: rank 0's backward raises as the connection

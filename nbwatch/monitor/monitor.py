@@ -31,7 +31,7 @@ from ..run import Readout, Run, started_run
 from ..runner import Runner
 from ..store import RunStore
 from .background import TrainingThread
-from .exiting import ProcessExit
+from .exiting import ProcessExit, raise_if_terminated
 from .given import Given
 from .inputs import check_closure_free, check_start
 from .options import NOT_GIVEN, Options, check_every, check_peak_flops, probe_samples
@@ -302,6 +302,9 @@ class Monitor(ctl.Controls, Given, Readout):
 
     def _distributed_opened(self, store: RunStore | NullStore) -> None:
         self._exit.record_sigterm(store)
+        rec = self._session.recorder
+        if rec is not None:  # a loop of one's own paused in log(): no next log() asks it
+            rec.paused_tick = lambda: raise_if_terminated(self._session)
 
     def _end_loop(self, exc: BaseException | None) -> None:
         """End a foreground loop run: finished, stopped, or failed with `exc`."""

@@ -46,6 +46,7 @@ class Steered(Rewinding, Protocol):
     ranks: RankMeeting
     flight: InFlight
     on_alert: Callable[[Event], Any] | None
+    paused_tick: Callable[[], None] | None
     log: logging.Logger
 
     def _emit(self, ev: Event, level: int | None = None) -> None: ...
@@ -162,6 +163,8 @@ def sync_ranks(rec: Steered, final: bool = False) -> None:
             return
         rec.flush_deferred()  # paused: the page shows the step it is paused at
         if d.rank == 0:
+            if rec.paused_tick is not None:  # a SIGTERM's stop, taken at the next meeting
+                rec.paused_tick()
             time.sleep(0.1)  # the others wait in the next exchange
 
 

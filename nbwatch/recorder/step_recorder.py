@@ -107,6 +107,9 @@ class StepRecorder:
         # the training batch's logits figures: the loop's, else the output layer's hook
         self.train_logits = TrainLogits(model, self.own, say=_weak(self.probe_note))
         self._forward_clock: ForwardClock | None = None  # forward_time(): torchrun, own loop
+        # called at each of a pause's meetings on rank 0 (a loop of one's own under
+        # torchrun: asks the stop of a SIGTERM that came while the loop waits in log())
+        self.paused_tick: Callable[[], None] | None = None
         # Set by framework adapters: False when the optimizer's pre-hook comes too early to
         # see the gradients (Lightning's closure runs backward inside optimizer.step), and
         # the adapter calls `pre_step()` itself at the framework's own moment.

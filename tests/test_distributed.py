@@ -462,7 +462,8 @@ def test_a_mask_warning_of_rank_1s_batch_is_said_once_by_rank_0(tmp_path, case, 
     """A step mask of zeros alone (start()) or of other values than 0 and 1 (log(mask=))
     on rank 1 alone: the run says so once, naming the rank, at its step (rank 1 said it
     to its own stderr alone, and rank 0, its batch good, nothing); rank 0's own at a
-    later step is not said again, and the counts make no column."""
+    later step is not said again, and the counts make no column. The warning that one
+    micro-batch's loss was logged is printed once for the job (every rank printed it)."""
     run, printed = data_run(tmp_path, case)
     ev = run.events
     told = ev[ev.message.str.contains(said)]
@@ -470,6 +471,8 @@ def test_a_mask_warning_of_rank_1s_batch_is_said_once_by_rank_0(tmp_path, case, 
     assert told.message.iloc[0].startswith("rank 1's batch: ")
     assert told.severity.iloc[0] == "warning" and run.state == "finished"
     assert said not in printed  # not a rank's own word besides
+    if case == "bad":  # two backward passes a step, one loss logged: warned by rank 0 alone
+        assert printed.count("got one forward's loss") == 1, printed[-3000:]
     assert not [c for c in run.df.columns if "_mask" in c]
 
 

@@ -87,7 +87,8 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
                            reduction="as computed by the training loop (mon.log)")
     if said is not None and "accumulation" not in rec.evals.probe_said:  # once a run
         rec.evals.probe_said.add("accumulation")
-        warnings.warn(said, stacklevel=3)
+        if rec.dist is None or rec.dist.rank == 0:  # the job's console says it once
+            warnings.warn(said, stacklevel=3)
         rec.record_event(Event(step, "probe", "warning", said, {"loss": "one micro-batch's"}))
     if rec.boundary():
         rec.finish("stopped")

@@ -125,6 +125,8 @@ def ddp(run_dir: str, case: str, rank: int) -> None:
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
                                                      ids[:, 1:].flatten())
             loss.backward()
+            if case == "bad":  # and a second backward pass: one forward's loss is logged
+                model(ids).sum().mul(0.0).backward()
             opt.step()
             opt.zero_grad()
             if case == "bad":

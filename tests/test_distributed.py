@@ -391,6 +391,9 @@ def test_merge_ranks_means_the_loss_and_names_columns():
     assert sc.values["rank1/time/step"] == 0.3
     assert straggler({0: 0.10, 1: 0.11, 2: 0.10}) is None
     assert straggler({0: 0.10, 1: 0.13, 2: 0.10}) == (1, pytest.approx(0.3))
+    # 30% slower, but 3 ms of a 1 s step (5% at least: noise, it costs the job nothing)
+    assert straggler({0: 0.010, 1: 0.013}, step=1.0) is None
+    assert straggler({0: 0.010, 1: 0.013}, step=0.05) == (1, pytest.approx(0.3))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 1,

@@ -330,22 +330,22 @@ def _attention_collapse(w: Window, p: dict) -> str | None:
     return None
 
 
-def straggler(step_times: dict[int, float], slower: float = 0.2) -> tuple[int, float] | None:
-    """(rank, how much slower) when one rank's median step time exceeds the others' median
-    by more than `slower` (0.2 = 20%). The ranks' step times come in as data (the
-    recorder's exchange), so the rule needs nothing of torch.distributed."""
+def straggler(step_times: dict[int, float], slower: float = 0.2, step: float = 0.0,
+              share: float = 0.05) -> tuple[int, float] | None:
+    """(rank, how much slower) when one rank's median time exceeds the others' by more than
+    `slower` (0.2 = 20%) and by `share` of the step (`step`: its median; ms of host time
+    apart cost nothing, are noise), from the recorder's exchange (no torch.distributed)."""
     if len(step_times) < 2:
         return None
     r = max(step_times, key=lambda k: step_times[k])
-    others = [t for k, t in step_times.items() if k != r]
-    base = float(np.median(others))
-    if base > 0 and step_times[r] > (1 + slower) * base:
-        return r, step_times[r] / base - 1
-    return None
+    base = float(np.median([t for k, t in step_times.items() if k != r]))
+    ok = base > 0 and step_times[r] > (1 + slower) * base and step_times[r] - base >= share * step
+    return (r, step_times[r] / base - 1) if ok else None
 
 
 def _straggler(w: Window, p: dict) -> str | None:
-    found = straggler(w.extra.get("rank_step_times", {}), p["slower"])
+    found = straggler(w.extra.get("rank_step_times", {}), p["slower"],
+                      w.extra.get("step_time", 0.0), p["share"])
     if found:
         r, by = found
         return (f"rank {r} is {by:.0%} slower than the others (median time in data and "
@@ -440,9 +440,9 @@ def _base_rules() -> list[Rule]:
              {"min_evals": 12, "corr": 0.8}, (), 10**9,
              "val loss oscillates with a period that the val batches' lengths explain",
              schema={"min_evals": count(4), "corr": number(0, 1, open_lo=True)}),
-        Rule("straggler", "warning", "ranks", _straggler, {"slower": 0.2}, (), 3,
-             "one DDP rank's median step time > 20% above the others'",
-             schema={"slower": POSITIVE}),
+        Rule("straggler", "warning", "ranks", _straggler, {"slower": 0.2, "share": 0.05}, (),
+             3, "one DDP rank's median step time > 20% above the others'",
+             schema={"slower": POSITIVE, "share": POSITIVE}),
         Rule("lr_change", "info", "step", _lr_change, {"factor": 2.0}, (), 1,
              "the LR moved 2× in one step, and neither the scheduler nor a control moved it "
              "(a warm-up, risen at every step so far, or a decay under way, excepted)",

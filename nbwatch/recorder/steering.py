@@ -193,8 +193,12 @@ def record_ranks(rec: Steered, rows: list) -> None:
                 busy = fwd + sc.values.get(f"rank{r}/time/data", 0.0)
             if busy is not None:
                 times.setdefault(r, deque(maxlen=50)).append(busy)
+        if sc.values.get("rank0/time/step") is not None:  # a straggler's share of a step
+            times.setdefault(-1, deque(maxlen=50)).append(sc.values["rank0/time/step"])
     recent = {r: float(np.median(ts)) for r, ts in times.items() if len(ts) >= 20}
-    raise_alerts(rec, rec.engine.observe("ranks", rec.step, None, rank_step_times=recent))
+    step = recent.pop(-1, 0.0)
+    raise_alerts(rec, rec.engine.observe("ranks", rec.step, None, rank_step_times=recent,
+                                         step_time=step))
 
 
 def checked_only(rec: Steered, cmds: list[Command]) -> list[Command]:

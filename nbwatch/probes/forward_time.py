@@ -52,6 +52,10 @@ class ForwardClock:
         self._began = False
 
     def _begin(self, module: nn.Module, args: Any) -> None:
+        # the inner module compiled in place (`DDP(m)` of `m.compile()`): its hooks are
+        # traced, where the clock would break the graph (refused under fullgraph=True)
+        if torch.compiler.is_compiling():
+            return
         if self._t0 is not None and not self._began:
             self._began = True
             self.waited += time.perf_counter() - self._t0

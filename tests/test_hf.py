@@ -535,6 +535,25 @@ def test_torchrun_callback_without_run_dir_records_one_folder_for_both_ranks(tmp
     assert (out / f"checkpoint-{run.step}" / "model.safetensors").is_file()
 
 
+def test_torchrun_trainer_whose_rank_0_died_leaves_no_checkpoint_of_rank_1s_alone(tmp_path):
+    """Rank 0 killed at step 7 (the OOM killer, a lost node): rank 1, its peer lost, wrote
+    the Trainer's emergency checkpoint without collectives, which on a rank that does not
+    save is its RNG state alone: out/checkpoint-7/ held rng_state_1.pth and no weights, and
+    `train(resume_from_checkpoint=True)` took that folder (the newest) and failed. The
+    checkpoint without collectives is rank 0's alone now: no folder."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "NBWATCH_RUN_DIR"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "tests" / "scripts" / "hf_ddp_train.py"), str(out), "40"],
+        cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT), "KILL_RANK0_AT": "7"},
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "Connection" in done.stdout + done.stderr  # rank 1 lost its peer
+    assert not list(out.glob("checkpoint-*")), [str(p) for p in out.rglob("*")]
+
+
 def test_torchrun_trainer_stop_from_attach_ends_both_ranks_at_one_step(tmp_path):
     run_dir, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()

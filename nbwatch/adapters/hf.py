@@ -212,6 +212,10 @@ class NbwatchCallback(Adapter, TrainerCallback):
             # a rank died (or went silent): the Trainer's own save takes collectives
             alone = reason == "emergency" and self._raised_by is not None and (
                 lost_peer(self._raised_by))
+            if alone and not trainer.args.should_save:  # rank 0 (or its node's) died: its
+                # rank's RNG state alone would make a checkpoint-N that resumes nothing
+                rec.log.info("no emergency checkpoint: the rank that saves is lost")
+                return
             try:  # the fit raised: the Trainer will not reach its own save
                 rec.note_checkpoint(reason, save_checkpoint_now(trainer, alone=alone))
             except Exception as e:  # noqa: BLE001 - the original failure matters more

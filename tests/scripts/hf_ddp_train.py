@@ -4,11 +4,13 @@
 
 The run folder comes from NBWATCH_RUN_DIR (set by `nbwatch.launch`), else the callback's
 default (with MAX_STEPS given, rank 1 makes its callback 1.5 s after rank 0); with
-BREAK_RANK1_AT=N, rank 1 raises at step N. Each rank writes the global step it ended at to
+BREAK_RANK1_AT=N, rank 1 raises at step N; with KILL_RANK0_AT=N, rank 0 is killed (SIGKILL) at
+step N. Each rank writes the global step it ended at to
 OUT_DIR/step_rank{r}.txt.
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -31,6 +33,17 @@ class Break(TrainerCallback):
             raise RuntimeError(f"rank 1 broke at step {self.at}")
 
 
+class Kill(TrainerCallback):
+    """Rank 0's process is killed at a step (the OOM killer, a lost node)."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
     out = sys.argv[1]
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 100_000
@@ -42,6 +55,8 @@ def main() -> None:
     trainer.add_callback(nbwatch.hf.NbwatchCallback(rank_every=5))
     if os.environ.get("BREAK_RANK1_AT") and os.environ.get("RANK") == "1":
         trainer.add_callback(Break(int(os.environ["BREAK_RANK1_AT"])))
+    if os.environ.get("KILL_RANK0_AT") and os.environ.get("RANK") == "0":
+        trainer.add_callback(Kill(int(os.environ["KILL_RANK0_AT"])))
     trainer.train()
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(out, f"step_rank{rank}.txt"), "w") as f:

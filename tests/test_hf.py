@@ -535,6 +535,40 @@ def test_torchrun_callback_without_run_dir_records_one_folder_for_both_ranks(tmp
     assert (out / f"checkpoint-{run.step}" / "model.safetensors").is_file()
 
 
+def test_emergency_checkpoint_keeps_the_trainers_best_step(tmp_path):
+    """One process whose fit failed on an error that reads like a lost peer (a streamed
+    dataset's HTTP read: 'Read timed out'): its emergency checkpoint was written as if
+    another rank had died, with no best step (`best_global_step` null in its
+    trainer_state.json, 3 before). A lost peer is a torchrun job's alone, and the
+    checkpoint written without collectives keeps the Trainer's best step too."""
+    import json
+
+    from nbwatch.adapters.hf_internals import save_checkpoint_now
+
+    calls = {"n": 0}
+
+    def collate(items):
+        calls["n"] += 1
+        if calls["n"] == 10:  # (the loader reads one batch ahead; the eval's are two)
+            raise RuntimeError("Read timed out. (read timeout=10)")
+        return {k: torch.stack([it[k] for it in items]) for k in items[0]}
+
+    trainer = make_trainer(tmp_path / "out", eval_steps=3, save_strategy="steps",
+                           save_steps=3, metric_for_best_model="eval_loss")
+    trainer.data_collator = collate
+    run = nbwatch.hf.start(trainer, run_dir=tmp_path / "run", display=False)
+    with pytest.raises(RuntimeError, match="timed out"):
+        run.wait()
+    assert run.state == "failed" and run.step > 3
+    state = json.loads((tmp_path / "out" / f"checkpoint-{run.step}"
+                        / "trainer_state.json").read_text())
+    assert state["best_global_step"] == 3, state
+    trainer.state.global_step += 1  # the torchrun job's save, its peer lost
+    path = save_checkpoint_now(trainer, alone=True)
+    assert json.loads((path / "trainer_state.json").read_text())["best_global_step"] == 3
+    assert trainer.state.best_global_step == 3
+
+
 def test_torchrun_trainer_whose_rank_0_died_leaves_no_checkpoint_of_rank_1s_alone(tmp_path):
     """Rank 0 killed at step 7 (the OOM killer, a lost node): rank 1, its peer lost, wrote
     the Trainer's emergency checkpoint without collectives, which on a rank that does not

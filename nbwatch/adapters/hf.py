@@ -210,8 +210,8 @@ class NbwatchCallback(Adapter, TrainerCallback):
             return  # the Trainer's save strategy; a stop asks for one at its step
         if (reason == "emergency" or interrupted) and trainer is not None and rec is not None:
             # a rank died (or went silent): the Trainer's own save takes collectives
-            alone = reason == "emergency" and self._raised_by is not None and (
-                lost_peer(self._raised_by))
+            alone = (reason == "emergency" and trainer.args.world_size > 1  # (a peer to lose)
+                     and self._raised_by is not None and lost_peer(self._raised_by))
             if alone and not trainer.args.should_save:  # rank 0 (or its node's) died: its
                 # rank's RNG state alone would make a checkpoint-N that resumes nothing
                 rec.log.info("no emergency checkpoint: the rank that saves is lost")

@@ -11,6 +11,7 @@ from types import FrameType
 from typing import Any
 
 from transformers import Trainer
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .base import found_inf
@@ -96,10 +97,13 @@ def save_checkpoint_now(trainer: Trainer, announce: bool = False,
         if alone:
             trainer.__dict__.pop("store_flos", None)
             trainer.state.best_global_step = best
+    path = Path(output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+    if alone and best is not None and trainer.args.should_save:  # its state as it is
+        trainer.state.save_to_json(str(path / TRAINER_STATE_NAME))  # (not the None above)
     if announce:
         trainer.control = trainer.callback_handler.on_save(trainer.args, trainer.state,
                                                            trainer.control)
-    return Path(output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+    return path
 
 
 def _own_flos(trainer: Trainer) -> None:

@@ -86,6 +86,7 @@ def live(png: Path, width: int = 1492, height: int = 2000) -> None:
     from tests.browser.harness import (
         ack,
         kernel_json,
+        local_only,
         open_notebook,
         panels_rendered,
         run_all,
@@ -107,17 +108,7 @@ def live(png: Path, width: int = 1492, height: int = 2000) -> None:
                 b = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
                 ctx = b.new_context(viewport={"width": width, "height": height},
                                     device_scale_factor=1)
-                blocked: list[str] = []
-
-                def route(r):  # as the browser tests' page: nothing leaves 127.0.0.1
-                    if r.request.url.startswith(("http://127.0.0.1", "ws://127.0.0.1",
-                                                 "data:", "blob:")):
-                        r.continue_()
-                    else:
-                        blocked.append(r.request.url)
-                        r.abort()
-
-                ctx.route("**/*", route)
+                blocked = local_only(ctx)  # as the browser tests': nothing leaves 127.0.0.1
                 page = ctx.new_page()
                 errors: list[str] = []
                 page.on("pageerror", lambda e: errors.append(str(e)))

@@ -508,6 +508,18 @@ def test_adapter_errors_name_the_fix(tmp_path):
         "loss": 2.0, "accuracy": 0.5}
 
 
+def hf_torchrun(cwd: Path, out: Path, **env: str) -> subprocess.CompletedProcess:
+    """tests/scripts/hf_ddp_train.py on 2 ranks for 40 steps into `out` (made), with `env`
+    (its faults), and no NBWATCH_RUN_DIR: each rank's callback names its own folder."""
+    out.mkdir()
+    base = {k: v for k, v in os.environ.items() if k != "NBWATCH_RUN_DIR"}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "tests" / "scripts" / "hf_ddp_train.py"), str(out), "40"],
+        cwd=cwd, env={**base, "PYTHONPATH": str(ROOT), **env},
+        capture_output=True, text=True, timeout=300)
+
+
 def test_torchrun_callback_without_run_dir_records_one_folder_for_both_ranks(tmp_path):
     """`NbwatchCallback()` made on each rank of a torchrun job, rank 1's a second and a half
     after rank 0's, which then fails: its default folder was named by its own clock, so
@@ -516,13 +528,7 @@ def test_torchrun_callback_without_run_dir_records_one_folder_for_both_ranks(tmp
     Trainer's emergency checkpoint, which resumes: its save's FLOs sum over the ranks (an
     all_gather) failed on the closed connection, and no event said so."""
     out = tmp_path / "out"
-    out.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "NBWATCH_RUN_DIR"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "tests" / "scripts" / "hf_ddp_train.py"), str(out), "40"],
-        cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT), "BREAK_RANK1_AT": "7"},
-        capture_output=True, text=True, timeout=300)
+    done = hf_torchrun(tmp_path, out, BREAK_RANK1_AT="7")
     assert done.returncode != 0
     (folder,) = (tmp_path / "runs").iterdir()
     run = nbwatch.open_run(folder)
@@ -576,13 +582,7 @@ def test_torchrun_trainer_whose_rank_0_died_leaves_no_checkpoint_of_rank_1s_alon
     `train(resume_from_checkpoint=True)` took that folder (the newest) and failed. The
     checkpoint without collectives is rank 0's alone now: no folder."""
     out = tmp_path / "out"
-    out.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "NBWATCH_RUN_DIR"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "tests" / "scripts" / "hf_ddp_train.py"), str(out), "40"],
-        cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT), "KILL_RANK0_AT": "7"},
-        capture_output=True, text=True, timeout=300)
+    done = hf_torchrun(tmp_path, out, KILL_RANK0_AT="7")
     assert done.returncode != 0
     assert "Connection" in done.stdout + done.stderr  # rank 1 lost its peer
     assert not list(out.glob("checkpoint-*")), [str(p) for p in out.rglob("*")]

@@ -179,16 +179,9 @@ def write_notebook(root: Path, name: str, steps: int = 5000, sleep: float = 0.04
 @pytest.fixture
 def page(browser, request):
     ctx = browser.new_context(viewport={"width": 1400, "height": 1800})
-    blocked: list[str] = []
+    from tests.browser.harness import local_only
 
-    def route(r):
-        if r.request.url.startswith(("http://127.0.0.1", "ws://127.0.0.1", "data:", "blob:")):
-            r.continue_()
-        else:
-            blocked.append(r.request.url)
-            r.abort()
-
-    ctx.route("**/*", route)
+    blocked = local_only(ctx)
     pg = ctx.new_page()
     errors: list[str] = []
     pg.on("pageerror", lambda e: errors.append(str(e)))

@@ -8,10 +8,26 @@ from pathlib import Path
 from typing import Any
 
 import nbformat
-from playwright.sync_api import Page
+from playwright.sync_api import BrowserContext, Page
 
 PANELS = ("loss", "grads", "weights", "attention", "system", "data", "alerts", "samples")
 _KERNEL = "window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
+
+
+def local_only(ctx: BrowserContext) -> list[str]:
+    """Keep `ctx`'s pages on 127.0.0.1 (and data:/blob: URLs): any other request is
+    aborted and its URL added to the list returned."""
+    blocked: list[str] = []
+
+    def route(r: Any) -> None:
+        if r.request.url.startswith(("http://127.0.0.1", "ws://127.0.0.1", "data:", "blob:")):
+            r.continue_()
+        else:
+            blocked.append(r.request.url)
+            r.abort()
+
+    ctx.route("**/*", route)
+    return blocked
 
 
 def dashboard_notebook(workdir: Path, name: str) -> Path:

@@ -575,6 +575,21 @@ def test_emergency_checkpoint_keeps_the_trainers_best_step(tmp_path):
     assert trainer.state.best_global_step == 3
 
 
+def test_torchrun_trainer_names_its_straggler(tmp_path):
+    """Rank 1 of a Trainer's job takes 0.1 s more before each forward (its data): each
+    rank's `time/busy` is recorded and the straggler rule names rank 1. The Trainer under
+    torchrun recorded no busy time, so the rule never fired there."""
+    done = hf_torchrun(tmp_path, tmp_path / "out", SLOW_RANK1="0.1")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (folder,) = (tmp_path / "runs").iterdir()
+    run = nbwatch.open_run(folder)
+    busy = run.df[["rank0/time/busy", "rank1/time/busy"]].loc[5:].median()
+    assert busy["rank1/time/busy"] > busy["rank0/time/busy"] + 0.05, busy
+    said = run.events.message
+    assert said.str.startswith("straggler: rank 1").any(), said.tolist()
+    assert not said.str.startswith("straggler: rank 0").any(), said.tolist()
+
+
 def test_torchrun_trainer_whose_rank_0_died_leaves_no_checkpoint_of_rank_1s_alone(tmp_path):
     """Rank 0 killed at step 7 (the OOM killer, a lost node): rank 1, its peer lost, wrote
     the Trainer's emergency checkpoint without collectives, which on a rank that does not

@@ -110,7 +110,9 @@ class ExternalLoop:
                     samples: int | None = None, reduction: str | None = None) -> bool:
         """Record the optimizer step just taken (host figures, and device `parts` named
         `names`), then apply the commands (a pause blocks here). True once the fit should
-        stop."""
+        stop. Under torchrun the step's forward and busy times go with them (a
+        straggler is told by them, as in a loop of one's own)."""
+        host.update(self._rec.forward_time())
         self._rec.record_step(host, names, parts, lengths=lengths, samples=samples,
                               reduction=reduction)
         if self._session is not None:  # a SIGTERM's stop, under torchrun

@@ -177,7 +177,7 @@ class StepRecorder:
                            extra_times=extra_times)
 
     def forward_time(self) -> dict[str, float]:
-        """A loop of one's own under torchrun: the step's `time/forward` and `time/busy`
+        """A loop of one's own (or the Trainer's) under torchrun: its `time/forward` and `time/busy`
         (`ForwardClock.take`: a straggler is told by them; start()'s runner times its own).
         Empty alone, and at the first call (the hooks go on then)."""
         if self.dist is None:

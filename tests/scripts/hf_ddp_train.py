@@ -5,7 +5,8 @@
 The run folder comes from NBWATCH_RUN_DIR (set by `nbwatch.launch`), else the callback's
 default (with MAX_STEPS given, rank 1 makes its callback 1.5 s after rank 0); with
 BREAK_RANK1_AT=N, rank 1 raises at step N; with KILL_RANK0_AT=N, rank 0 is killed (SIGKILL) at
-step N. Each rank writes the global step it ended at to
+step N; with SLOW_RANK1=S, rank 1 sleeps S seconds as each step begins (a slow data
+pipeline: a straggler). Each rank writes the global step it ended at to
 OUT_DIR/step_rank{r}.txt.
 """
 
@@ -44,6 +45,16 @@ class Kill(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Slow(TrainerCallback):
+    """Rank 1's host work before each forward takes `s` seconds more: a straggler."""
+
+    def __init__(self, s: float):
+        self.s = s
+
+    def on_step_begin(self, args, state, control, **kw):
+        time.sleep(self.s)
+
+
 def main() -> None:
     out = sys.argv[1]
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 100_000
@@ -57,6 +68,8 @@ def main() -> None:
         trainer.add_callback(Break(int(os.environ["BREAK_RANK1_AT"])))
     if os.environ.get("KILL_RANK0_AT") and os.environ.get("RANK") == "0":
         trainer.add_callback(Kill(int(os.environ["KILL_RANK0_AT"])))
+    if os.environ.get("SLOW_RANK1") and os.environ.get("RANK") == "1":
+        trainer.add_callback(Slow(float(os.environ["SLOW_RANK1"])))
     trainer.train()
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(out, f"step_rank{rank}.txt"), "w") as f:

@@ -86,10 +86,14 @@ def test_lab_live_dashboard_controls_and_reload(page, lab_server, workdir):
     page.click(".nbw-clip")
     ack(page, "clipping")
     page.click(".nbw-checkpoint")
-    ack(page, "manual checkpoint")
+    said = ack(page, "manual checkpoint")
     written = kernel_json(page, f"(mon.run_dir / 'checkpoints' / 'step_{paused_at:08d}.pt')"
                                 ".stat().st_mtime")
-    assert written >= t_click
+    # a pause that lands on a periodic checkpoint's step finds these weights on disk already
+    if "written already" in said:
+        assert written < t_click
+    else:
+        assert written >= t_click
     assert kernel_json(page, "mon.step") == paused_at
 
     # Resume restarts the count.

@@ -23,7 +23,7 @@ from .checkpoint import rng_state, set_rng_state
 from .epoch_order import open_pass
 from .evaluation import evaluate
 from .probes.attention import clone_samples
-from .probes.combined import loader_batches
+from .probes.combined import Tally, loader_batches
 from .probes.data import (
     BESIDE,
     ZEROS,
@@ -205,7 +205,7 @@ class Runner:
         # from step 1 (0: the first pass), not only once the data has wrapped round
         figures["epoch"] = float(self._epoch)
         self.rec.rewind_state.data_at = (self._epoch, self._index)
-        self.rec.end_step(figures, data_s=micro.data_s, samples=micro.samples or None)
+        self.rec.end_step(figures, data_s=micro.data_s, samples=micro.tally.samples)
 
     def _forward_backward(self) -> _Micro:
         """`step_fn` and backward on `accumulate` batches; the gradients add up."""
@@ -225,7 +225,6 @@ class Runner:
             rec.note_batch(batch, *self._pos)
             split = loader_batches(batch, self._enc_dec)  # in parts: each one's tokens
             parts = split.parts
-            m.samples += split.rows(batch) or 0  # its rows, as every loop's
             found = [packed_positions(p) for p in parts]
             if any(pos is not None for pos in found):  # masks read now: the histogram
                 m.positions += [pos for pos in found if pos is not None]  # takes documents'
@@ -267,10 +266,8 @@ class Runner:
             # parts of token ids), the step's mask, as a batch in one part's
             counted = [(self._tokens(p, out.mask if len(parts) == 1 else None, pos), pos)
                        for p, pos in zip(parts, found)]
-            beside = split.beside(batch, [p for p, (t, pos) in zip(parts, counted)
-                                          if t is None and pos is None])
-            if beside:  # samples beside a packed one's documents (`BESIDE`)
-                m.host[BESIDE] = m.host.get(BESIDE, 0) + beside
+            m.tally.add(batch, split, [p for p, (t, pos) in zip(parts, counted)
+                                       if t is None and pos is None])  # as every loop's
             if len(parts) > 1 and not any(t is not None or pos is not None for t, pos in
                                           counted) and all(reads_tokens(p) for p in parts):
                 counted = [(out.mask, None)]
@@ -346,6 +343,8 @@ class Runner:
         mean = loss_sum / accumulate if accumulate > 1 else loss_sum
         names, parts = ["loss/train"], [mean]
         figures = m.host
+        if m.tally.beside:  # samples beside a packed one's documents (`BESIDE`)
+            figures[BESIDE] = m.tally.beside
         for k, vs in m.extras.items():  # the step_fn's own scalars, mean over micro-batches
             t = next((v for v in vs if isinstance(v, torch.Tensor)), None)
             if t is not None:  # on the device, copied with the step's other figures
@@ -407,7 +406,7 @@ class _Micro:
     extras: dict[str, list[Any]] = field(default_factory=dict)  # the step_fn's scalars
     logits: list[torch.Tensor] | None = None  # [log Z, max |logit|] of the first's logits
     host: dict[str, Any] = field(default_factory=dict)  # host figures (what waits: late.py)
-    samples: int = 0
+    tally: Tally = field(default_factory=Tally)  # its samples (`probes/combined.py`)
     reduction: str | None = None
     data_s: float = 0.0  # waiting for batches
     fwd_s: float = 0.0  # step_fn calls

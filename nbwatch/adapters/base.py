@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from .. import controls as ctl
 from ..distributed import rank0_run_dir
-from ..probes.data import LengthCounts, decoder_mask, is_encoder_decoder
+from ..probes.combined import Split, Tally
+from ..probes.data import LengthCounts, decoder_mask, is_encoder_decoder, packed_positions
 from ..run import started_run
 from .fit_run import FitRun
 
@@ -53,16 +54,7 @@ class Adapter:
         self.loop: ExternalLoop | None = None  # the fit's run, once its first step opened it
         self.handle: FitRun | None = None
         self._commands = ctl.CommandQueue()  # shared with the handle, then the Monitor
-        self._losses: list[Any] = []
-        self._masks: list[Any] = []
-        self._counts: list[int] = []  # the step's micro-batches' sample counts (no mask)
-        self._positions: list[Any] = []  # a packed batch's position_ids, per micro-batch
-        self._unmasked: list[Any] = []  # … of those that came without a mask (all real)
-        self._rows: list[Any] = []  # the masks of the micro-batches not packed
-        self._bare: list[int] = []  # the samples of those with no tokens (no mask, not packed)
-        self._overlap = 0  # rows its batches' parts count twice (`Split.overlap`)
-        self._held = 0  # rows of no tokens beside a packed part of their batch (`Split.held`)
-        self._logit_mask: Any = None  # an encoder-decoder's first micro-batch's target mask
+        self._clear_step()
         self._enc_dec: tuple[Any, bool] | None = None  # (model, whether it is one)
         self._fitting = False  # a fit is taken: from start()'s launch, or the fit's begin
         self._owner: threading.Thread | None = None  # … in this thread (None: not begun)
@@ -119,31 +111,39 @@ class Adapter:
         sent as it ended must not stop the next), micro-batches. Subclasses add theirs."""
         self.monitor = self.handle = self.loop = None
         self._commands = ctl.CommandQueue()
-        self._losses, self._masks, self._counts, self._positions = [], [], [], []
-        self._unmasked, self._rows, self._bare, self._overlap = [], [], [], 0
-        self._held, self._logit_mask = 0, None
+        self._clear_step()
 
-    def _note_tokens(self, batch: Any, mask: Any) -> None:
-        """A micro-batch's tokens: `mask` (None: none) kept for the step's figures; a packed
-        batch's position_ids for its documents' (without a mask its tokens are all real,
-        counted from its shape); the mask of one not packed gives its rows, each a sample
-        beside the packed micro-batches' documents; that of one with no tokens (pixels, an
-        `(x, y)` beside a batch of text) its samples beside the masks' rows."""
-        from ..probes.data import packed_positions
-        from ..probes.throughput import batch_samples
+    def _clear_step(self) -> None:
+        """The step's micro-batches noted so far, none."""
+        self._losses: list[Any] = []
+        self._masks: list[Any] = []
+        self._positions: list[Any] = []  # a packed batch's position_ids, per micro-batch
+        self._unmasked: list[Any] = []  # … of those that came without a mask (all real)
+        self._rows: list[Any] = []  # the masks of the micro-batches not packed
+        self._tally = Tally()  # their samples
+        self._logit_mask: Any = None  # an encoder-decoder's first micro-batch's target mask
 
-        if mask is not None:
-            self._masks.append(mask)
-        pos = packed_positions(batch)
-        if pos is None:
+    def _note_batch(self, batch: Any, split: Split, tokens: list) -> None:
+        """A micro-batch, in its parts (`loader_batches`), and each part's tokens (None:
+        none), kept for the step's figures: a packed part's position_ids for its documents'
+        (without a mask its tokens are all real, counted from its shape); the mask of one
+        not packed gives its rows, each a sample beside the packed ones' documents; one of
+        no tokens (pixels, an `(x, y)` beside a batch of text) its samples (`Tally`)."""
+        bare = []
+        for part, mask in zip(split.parts, tokens):
             if mask is not None:
-                self._rows.append(mask)
-            else:
-                self._bare.append(batch_samples(batch) or 0)
-            return
-        self._positions.append(pos)
-        if mask is None:
-            self._unmasked.append(pos)
+                self._masks.append(mask)
+            pos = packed_positions(part)
+            if pos is None:
+                if mask is not None:
+                    self._rows.append(mask)
+                else:
+                    bare.append(part)
+                continue
+            self._positions.append(pos)
+            if mask is None:
+                self._unmasked.append(pos)
+        self._tally.add(batch, split, bare)
 
     def _close_unseen(self) -> None:
         """The last fit ended without telling us (an exception the framework passes to no
@@ -163,9 +163,7 @@ class Adapter:
         me = threading.current_thread()
         if self.handle is not None and self._fitting and self._owner is me:
             self._close_unseen()  # the framework began again inside start()'s fit
-            self._losses, self._masks, self._counts, self._positions = [], [], [], []
-            self._unmasked, self._rows, self._bare, self._overlap = [], [], [], 0
-            self._held, self._logit_mask = 0, None
+            self._clear_step()
             self._check_fresh(resuming, how)
             return
         with self._taking:  # refused before anything is taken; the last fit closed
@@ -221,29 +219,21 @@ class Adapter:
         if self._logit_mask is None and self._enc_dec[1]:
             self._logit_mask = decoder_mask(batch)
 
-    def _record_step(self, host: dict[str, float], reduction: str,
-                     samples: int | None = None) -> bool:
+    def _record_step(self, host: dict[str, float], reduction: str) -> bool:
         """Record the optimizer step just taken from its micro-batches' losses (each
-        already divided by the accumulation count, so summed) and masks (or `samples`,
-        its sample count, for samples/s where it has no mask); apply the commands (pause
-        blocks here). True once the fit should stop."""
+        already divided by the accumulation count, so summed), masks and samples (`Tally`);
+        apply the commands (pause blocks here). True once the fit should stop."""
         import torch
 
         from ..probes.data import BESIDE, all_real, batch_figures, documents
         from ..probes.late import keep_masks
-        from ..probes.throughput import mask_rows
 
         rec = self._rec()
         assert rec is not None  # the adapters call it in the fit's thread, once it opened
-        losses, masks, self._losses, self._masks = self._losses, self._masks, [], []
-        counts, self._counts = self._counts, []
-        positions, self._positions = self._positions, []
-        unmasked, self._unmasked = self._unmasked, []
-        rows, self._rows = self._rows, []
-        bare, self._bare = self._bare, []
-        overlap, self._overlap = self._overlap, 0
-        held, self._held = self._held, 0
-        logit_mask, self._logit_mask = self._logit_mask, None
+        losses, masks, positions = self._losses, self._masks, self._positions
+        unmasked, rows, tally, logit_mask = (self._unmasked, self._rows, self._tally,
+                                             self._logit_mask)
+        self._clear_step()
         names: list[str] = []
         parts: list[Any] = []
         lengths: torch.Tensor | LengthCounts | None = None
@@ -258,17 +248,11 @@ class Adapter:
                 # ones are copied and read with the record, a batch of steps at a time
                 if rec.first_step or positions or not keep_masks(host, masks):
                     lengths = batch_figures(masks).into(names, parts, host)
-                # a [T] mask's one sequence, one sample; with the rows of those of no tokens
-                samples = mask_rows(masks) + sum(bare) - overlap
-            elif samples is None and counts:  # a batch of no tokens (images, audio)
-                samples = sum(counts) - overlap
             if positions:  # packed: its documents' count, longest and lengths
                 if not masks and unmasked:  # every token real: known from the shapes
                     all_real(unmasked).into(names, parts, host)
                 lengths = documents(positions, names, parts, rows)
-                # micro-batches of no tokens: samples beside, not a batch's parts' twice
-                # (a pair's) nor those beside a packed part of their batch (`Split.beside`)
-                host[BESIDE] = float(sum(bare) - held - overlap)
+                host[BESIDE] = float(tally.beside)  # micro-batches of no tokens
             # the first micro-batch's forward: its mask leaves its padding out (an
             # encoder-decoder's: its target's alone, never its source's)
             if logit_mask is None and masks and not (self._enc_dec and self._enc_dec[1]):
@@ -276,7 +260,7 @@ class Adapter:
             lnames, lparts = rec.logit_figures(logit_mask, host)
             names += lnames
             parts += lparts
-        return rec.record_step(host, names, parts, lengths=lengths, samples=samples,
+        return rec.record_step(host, names, parts, lengths=lengths, samples=tally.samples,
                                reduction=reduction)
 
     def _ends_here(self) -> bool:

@@ -36,7 +36,6 @@ from ..monitor import Monitor
 from ..probes.attention import take_samples
 from ..probes.combined import loader_batches
 from ..probes.data import input_tokens, packed_positions
-from ..probes.throughput import batch_samples
 from .base import Adapter, callback_of, check_fit_arguments, drop_repeats, unwrap
 from .fit_run import FitRun
 from .hf_internals import (  # noqa: F401 - wrap_clip_grad_norm: part of nbwatch.hf
@@ -89,7 +88,6 @@ class NbwatchCallback(Adapter, TrainerCallback):
         self.trainer: Trainer | None = None
         self._save_reason: str | None = None
         self._wrapped: tuple[Trainer, list[str]] | None = None
-        self._samples: list[int] = []  # the step's micro-batches' sample counts
         self._at_boundary = False  # in on_step_end, where the commands are applied
         self._saved_step: int | None = None  # the step nbwatch last saved the Trainer's way
         self._save_t0: float | None = None  # when that save began (its time, in on_save)
@@ -139,11 +137,10 @@ class NbwatchCallback(Adapter, TrainerCallback):
         if self._rec() is None:
             return
         host = {"epoch": float(state.epoch)} if state.epoch is not None else {}
-        samples, self._samples = (sum(self._samples) or None), []
         self._at_boundary = True  # the commands are applied (and pause blocks) in here
         try:
             stop = self._record_step(
-                host, "the Trainer's loss, mean over accumulation micro-batches", samples)
+                host, "the Trainer's loss, mean over accumulation micro-batches")
         finally:
             self._at_boundary = False
         if stop:
@@ -278,16 +275,9 @@ class NbwatchCallback(Adapter, TrainerCallback):
             # a batch in parts (a collator's {"chosen": ..., "rejected": ...}): each part's
             # tokens, the batch's own rows (`loader_batches`, as start()'s and Lightning's)
             split = loader_batches(inputs, bool(self._enc_dec and self._enc_dec[1]))
-            self._overlap += split.overlap(inputs)
-            for part in split.parts:  # a packed one's tokens are all real; an
-                packed = packed_positions(part) is not None  # encoder-decoder's: its source's
-                tokens = None if packed else input_tokens(part)
-                self._note_tokens(part, tokens)
-                if tokens is None and not packed and any(part is h for h in split.held):
-                    self._held += batch_samples(part) or 0  # beside its packed part
-            n = batch_samples(inputs)  # samples/s for any model: pixel_values, input_values
-            if n:
-                self._samples.append(n)
+            # a packed part's tokens are all real; an encoder-decoder's: its source's
+            self._note_batch(inputs, split, [None if packed_positions(p) is not None
+                                             else input_tokens(p) for p in split.parts])
             return loss
 
         def before_clip(found_inf: torch.Tensor | None = None) -> torch.Tensor | float | None:
@@ -341,7 +331,7 @@ class NbwatchCallback(Adapter, TrainerCallback):
     def _forget(self) -> None:
         super()._forget()
         self.trainer, self._save_reason = None, None
-        self._samples, self._saved_step, self._save_t0 = [], None, None
+        self._saved_step, self._save_t0 = None, None
         self._at_boundary = self._interrupted = False  # a Ctrl-C is its fit's alone
         self._raised_by = None
 

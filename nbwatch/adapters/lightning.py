@@ -37,7 +37,6 @@ from ..monitor import Monitor
 from ..probes.attention import take_samples
 from ..probes.combined import loader_batches
 from ..probes.data import additive_01, input_tokens, packed_positions
-from ..probes.throughput import batch_samples
 from .base import Adapter, callback_of, check_fit_arguments, drop_repeats, found_inf, unwrap
 from .fit_run import FitRun
 
@@ -109,19 +108,9 @@ class NbwatchCallback(Adapter, pl.Callback):
         # one batch's parts: each one's tokens, the batch's own samples
         split = loader_batches(batch, bool(self._enc_dec and self._enc_dec[1]),
                                trainer.train_dataloader)
-        parts = split.parts
-        self._overlap += split.overlap(batch)
-        if len(parts) > 1:
-            self._note_logit_mask(pl_module, parts[0])
-        for part in parts:
-            tokens = _tokens(part)
-            self._note_tokens(part, tokens)
-            n = batch_samples(part)  # samples/s for any model: (x, y), pixel_values
-            if n:
-                self._counts.append(n)
-            if (tokens is None and packed_positions(part) is None
-                    and any(part is h for h in split.held)):  # beside a packed part: its
-                self._held += n or 0  # documents are the samples (`Split.beside`)
+        if len(split.parts) > 1:
+            self._note_logit_mask(pl_module, split.parts[0])
+        self._note_batch(batch, split, [_tokens(p) for p in split.parts])
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any,
                                  optimizer: Any) -> None:

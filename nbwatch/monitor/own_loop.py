@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..probes.combined import loader_batches
+from ..probes.combined import Tally, loader_batches
 from ..probes.data import (
     BESIDE,
     additive_01,
@@ -23,7 +23,6 @@ from ..probes.data import (
     is_encoder_decoder,
     packed_positions,
 )
-from ..probes.throughput import batch_samples
 from ..recorder import Rewound, StopTraining
 from ..records import Event
 from .accumulation import one_of_many
@@ -59,10 +58,12 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
             rec.batch_ids.note_batch(b)  # the step's other micro-batches, as start()'s
         # a batch in parts (`loader_batches`): each one's tokens, the batch's own samples
         splits = [loader_batches(b, _enc_dec(session.setup.model)) for b in batches]
-        overlap = 0 if mask is not None else sum(s.overlap(b) for s, b in zip(splits, batches))
         mask_given, steps = mask, batches
         batches = [p for s in splits for p in s.parts]
         positions, rows, mask, logit_mask, bare = _masks(batches, mask, session.setup.model)
+        tally = Tally()
+        for s, b in zip(splits, steps):
+            tally.add(b, s, [p for p in bare if any(p is q for q in s.parts)])
         host, names, parts, lengths = log_figures(loss, mask, scalars,
                                                   first=rec.step == session.progress_start,
                                                   logits=logits, source=rec.train_logits,
@@ -72,17 +73,13 @@ def log_step(session: RunSession, run_thread: threading.Thread | None, loss: Any
                 all_real(positions).into(names, parts, host)
             lengths = documents(positions, names, parts, rows)
             if mask_given is None:  # micro-batches of no tokens beside: samples too
-                host[BESIDE] = float(sum(s.beside(b, [p for p in bare if any(
-                    p is q for q in s.parts)]) for s, b in zip(splits, steps)))
+                host[BESIDE] = float(tally.beside)
         val = check_val(val)
         host.update(rec.forward_time())  # under torchrun: what tells a straggler
-    # no [batch, seq_len] mask (speech features, pixels, an (x, y) batch): its rows, the
-    # first batched tensor's of each micro-batch, as start()'s, the Trainer's, Lightning's
-    samples = mask_samples(mask) or (None if positions else _rows(batches))
-    if bare and samples and not positions:  # batches of no tokens beside those of tokens
-        samples += _rows(bare) or 0
-    if samples and overlap and not positions:  # one batch's parts: its own rows
-        samples -= overlap
+    # the mask given's rows, else the micro-batches' (`Tally`: as start()'s, the Trainer's,
+    # Lightning's; speech features, pixels, an (x, y) batch: their first batched tensor's)
+    samples = ((mask_samples(mask) if mask_given is not None else None)
+               or (None if positions else tally.samples))
     step = rec.record_step(host, names, parts, lengths=lengths, samples=samples, val=val,
                            reduction="as computed by the training loop (mon.log)")
     if said is not None and "accumulation" not in rec.evals.probe_said:  # once a run
@@ -124,18 +121,6 @@ def _batches(batch: Any, backwards: int, model: Any) -> list:
             and all(isinstance(b, (list, tuple)) for b in batch)):
         return list(batch)
     return [batch]
-
-
-def _rows(batches: list) -> int | None:
-    """The samples of the step's micro-batches (`batch_samples`: a shape, no read), None
-    where one holds no batched tensor."""
-    total = 0
-    for b in batches:
-        n = batch_samples(b)
-        if not n:
-            return None
-        total += n
-    return total
 
 
 _ENC_DEC: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()

@@ -11,7 +11,8 @@ else every `input_ids` token; a packed one's documents), the sequence figures ov
 them. Its samples: the parts' rows added up where they are known to be several loaders'
 batches (Lightning, which knows its loaders), else the batch's own rows (`Split.rows`): a
 shape cannot tell two loaders' batches from two views of the same samples, and counting
-a pair twice would double samples/s wherever a batch comes in parts.
+a pair twice would double samples/s wherever a batch comes in parts. `Tally` adds a
+step's micro-batches up so, in every loop.
 """
 
 from __future__ import annotations
@@ -130,3 +131,26 @@ def loader_batches(batch: Any, enc_dec: bool = False, loaders: Any = None) -> Sp
         packed = len(parts) > 1 and any(packed_positions(p) is not None for p in parts)
         return Split(parts, False, 0, tuple(parts) if packed else ())
     return Split([batch], False)
+
+
+class Tally:
+    """A step's samples, its micro-batches' added up as they come (`add`): their rows
+    (`Split.rows`, shapes: nothing read), and the rows of their parts of no tokens, the
+    samples beside a packed micro-batch's documents (`Split.beside`; `BESIDE`). The one
+    count of start(), log(batch=), the Trainer and Lightning."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self.beside = 0
+
+    def add(self, batch: Any, split: Split, bare: list) -> None:
+        """One micro-batch, `split` by `loader_batches`; `bare`: its parts that hold no
+        tokens and are not packed (pixels, an `(x, y)`)."""
+        self.rows += split.rows(batch) or 0
+        self.beside += split.beside(batch, bare)
+
+    @property
+    def samples(self) -> int | None:
+        """The step's samples (None where no micro-batch holds a batched tensor); a packed
+        step's are its documents and `beside` instead (`packed_figures`)."""
+        return self.rows or None

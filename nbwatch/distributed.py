@@ -12,6 +12,7 @@ so pause, stop, clip, LR factor and checkpoint never split the replicas.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -40,6 +41,10 @@ LENGTHS = ("data/seq_len_mean", "data/seq_len_max", "data/padding_ratio")
 MEET_S = 2.0  # seconds of steps between two meetings, at most: a command waits no longer
 
 
+FAILED_S = 5.0  # a rank's failure waits this long for the others' at the same step
+_RUNS = itertools.count()  # the runs this process opened under torchrun
+
+
 def meet_gap(rows: list[tuple[int, dict[str, float]]], every: int, last: int = 0) -> int:
     """Steps to the next meeting: `every`, or fewer where rank 0's steps since the last
     one took long (`MEET_S` of them; at least 1). Without a step time among `rows` (a
@@ -63,6 +68,7 @@ class Dist:
     gap: int = 0  # the steps between meetings rank 0 planned last
     # each rank's (host, pid), as the run opened: a rank that dies is named by it
     places: list[tuple[str, int]] = field(default_factory=list)
+    key: str = ""  # this run's keys in the job's rendezvous store (`all_failed`)
 
     @classmethod
     def detect(cls, every: int = 10, timeout_s: float = 60.0) -> Dist | None:
@@ -76,8 +82,11 @@ class Dist:
         places: list[Any] = [None] * dist.get_world_size()
         with contextlib.suppress(RuntimeError):  # named less if it fails; the run goes on
             dist.all_gather_object(places, (socket.gethostname(), os.getpid()), group=group)
+        places = [tuple(p) if p else ("", 0) for p in places]
+        # every rank opens the job's runs in the same order: the same key on each
+        key = f"nbwatch/{places[0][0]}:{places[0][1]}/{next(_RUNS)}"
         return cls(dist.get_rank(), dist.get_world_size(), every, group, dist.get_backend(),
-                   places=[tuple(p) if p else ("", 0) for p in places])
+                   places=places, key=key)
 
     def dead_ranks(self, wait: float = 2.0) -> list[int]:
         """The other ranks on this host whose process is gone (ended, or a zombie its
@@ -92,6 +101,36 @@ class Dist:
             if dead or not mine or time.monotonic() >= deadline:
                 return dead
             time.sleep(0.1)
+
+    def not_failed(self, wait: float = FAILED_S) -> list[str]:
+        """The other ranks that cannot take part in a collective now that this one failed,
+        each said with why: each failing rank says so in the job's rendezvous store, out of
+        band, as the others may be blocked inside a collective of their training (one here
+        would wait for them, or mix with theirs). Waits up to `wait` s for ranks failing at
+        the same step; one that gives up says so, and a later one does not wait for it. []
+        where every rank failed, or the store cannot be reached (the collective tells)."""
+        import torch.distributed as dist
+
+        def has(name: str, r: int) -> bool:
+            return bool(store.check([f"{self.key}/{name}/{r}"]))
+
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"{self.key}/failed/{self.rank}", "1")
+            others = [r for r in range(self.world) if r != self.rank]
+            deadline = time.monotonic() + wait
+            while True:
+                gone = [r for r in others if has("gave_up", r)]
+                left = [r for r in others if not has("failed", r)]
+                if gone or (left and time.monotonic() >= deadline):
+                    store.set(f"{self.key}/gave_up/{self.rank}", "1")
+                    return ([f"rank {r} (failed before, alone: gone)" for r in gone]
+                            + [f"rank {r} (still training)" for r in left])
+                if not left:
+                    return []
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - no store (an init of one's own): the save tells
+            return []
 
     def all_agree(self, ok: bool, what: str) -> bool:
         """Whether `ok` holds on every rank (each rank calls this at the same moment)."""

@@ -355,6 +355,29 @@ def test_a_failure_on_every_rank_writes_an_emergency_checkpoint_that_resumes(tmp
     assert run.state == "finished" and run.df.index.tolist() == list(range(1, 8))
 
 
+def test_one_rank_failing_alone_ends_the_job_without_waiting_out_the_timeout(tmp_path):
+    """Rank 1 raises at a step where rank 0 trains on (blocked in the next sharded
+    forward's all-gather until rank 1's process ends): rank 1 tries no sharded emergency
+    checkpoint, a collective rank 0 cannot join (it waited out the group's 30 s timeout),
+    and the run reads failed with rank 1's error and why no checkpoint was written."""
+    run_dir = tmp_path / "one"
+    proc = torchrun(run_dir, 10_000, LOOP="start", RAISE_AT=6, RAISE_RANK=1, EVAL_EVERY=100)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    run = nbwatch.open_run(run_dir)
+    assert run.state == "failed" and run.step == 5, out[-3000:]
+    ev = run.events
+    err = ev[ev.kind == "error"].message.iloc[0]
+    assert "[rank 1/2] RuntimeError: the step function failed on purpose" in err, err
+    ck = ev[ev.kind == "checkpoint"].message.tolist()
+    assert len(ck) == 1 and "needs every rank at once" in ck[0], ck
+    failed_at = json.loads((run_dir / "rank_errors" / "rank1.json").read_text())
+    # rank 1's failure and the end of the run, by the run's own clocks: seconds, not 30
+    ended = ev[ev.kind == "state"].wall.iloc[-1]
+    rank1_wall = (run_dir / "rank_errors" / "rank1.json").stat().st_mtime
+    assert failed_at["step"] == 5 and ended - rank1_wall < 20, (ended - rank1_wall, out[-2000:])
+
+
 def test_a_killed_rank_ends_the_other_with_a_clear_error(tmp_path):
     """Rank 1 dies (SIGKILL) mid-run: rank 0, waiting in a sharded forward's all-gather or
     in nbwatch's exchange, ends too and the run reads failed, saying why; no emergency

@@ -18,6 +18,7 @@ from ..distributed import lost_peer, peer_errors
 from ..records import Event
 
 if TYPE_CHECKING:
+    from ..checkpoint import Checkpointer
     from ..distributed import Dist, NullStore
     from ..probes.logits import TrainLogits
     from ..store import RunStore
@@ -35,6 +36,7 @@ class Failing(Protocol):
     train_logits: TrainLogits
     layer_watch: LayerWatch
     dist: Dist | None
+    ckpt: Checkpointer
     store: RunStore | NullStore
     inbox: Inbox
     log: logging.Logger
@@ -150,7 +152,22 @@ def _emergency_checkpoint(rec: Failing) -> None:
     (or its resume) began: a checkpoint of untrained weights would be clutter, and a wrong
     point to resume from. Said in an event either way."""
     if rec.step > rec.start_step:
-        rec._checkpoint("emergency")
+        left = (rec.dist.not_failed() if rec.dist is not None and rec.ckpt.every_rank
+                else [])
+        if not left:
+            rec._checkpoint("emergency")
+            return
+        # a sharded checkpoint is a collective: with ranks still training (blocked in one
+        # of theirs until this one's process ends), it would wait out the group's timeout
+        newest = rec.ckpt.steps()[-1][0] if rec.ckpt.steps() else None
+        since = (f"resume=True continues from step {newest}" if newest is not None
+                 else "there is no earlier checkpoint")
+        rec._emit(Event(rec.step, "checkpoint", "critical",
+                        f"emergency checkpoint at step {rec.step} not written: a sharded "
+                        f"(FSDP2) checkpoint needs every rank at once, and "
+                        f"{', '.join(left)} cannot take part; {since}",
+                        {"reason": "emergency", "failed": True, "ranks": left}),
+                  logging.ERROR)
         return
     since = f"its resume at step {rec.step}" if rec.start_step else "it began"
     rec._emit(Event(rec.step, "state", "info",

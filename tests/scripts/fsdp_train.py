@@ -8,7 +8,8 @@ CLIP: nbwatch's clip (max_norm); LOOP_CLIP: the own loop's clip_grad_norm_ befor
 optimizer.step() (then the reference is taken before that clip); RESUME=1:
 `Monitor(..., resume=True)` (own loop); EVAL_EVERY (default 4); STEP_SLEEP (seconds per
 step); REF: the reference files' name; KILL_RANK / KILL_AT: that rank kills itself
-(SIGKILL) at that step; RAISE_AT: every rank raises there; CKPT_EVERY: a periodic
+(SIGKILL) at that step; RAISE_AT: every rank raises there (RAISE_RANK: that rank
+alone); CKPT_EVERY: a periodic
 checkpoint; REWIND_AT: (start()) rank 0 asks `mon.rewind(steps=3, skip=0)` at that step;
 DEFER=1: the GPU's order on the CPU (host_copy.DEFER_ON_CPU); NAN_AT: (own loop) the loss
 times NaN at that step on every rank, the nonfinite rule's action the skip only;
@@ -132,7 +133,7 @@ def main() -> None:
             calls["n"] += 1
             if rank == kill_rank and calls["n"] == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if calls["n"] == raise_at:
+            if calls["n"] == raise_at and int(os.environ.get("RAISE_RANK", rank)) == rank:
                 raise RuntimeError(f"the step function failed on purpose at call {raise_at}")
         time.sleep(sleep)
         return {"logits": logits_of(model, batch["input_ids"]), "labels": batch["labels"],

@@ -84,7 +84,7 @@ def fail(rec: Failing, e: BaseException) -> None:
     for record in (rec.record_stepped, rec.flush_deferred, say,
                    lambda: rec._set_state("failed"), lambda: unsay_stop(rec.store, p),
                    lambda: _said_by_peers(rec, peers_later),
-                   lambda: _emergency_checkpoint(rec),
+                   lambda: _emergency_checkpoint(rec, lost_peer(e)),
                    rec.expire_pending):
         try:
             record()
@@ -147,13 +147,15 @@ def _said_by_peers(rec: Failing, wait: bool) -> None:
                         {"rank_errors": peers}), logging.ERROR)
 
 
-def _emergency_checkpoint(rec: Failing) -> None:
+def _emergency_checkpoint(rec: Failing, lost: bool) -> None:
     """The weights the failure left, unless no optimizer step changed them since the run
     (or its resume) began: a checkpoint of untrained weights would be clutter, and a wrong
-    point to resume from. Said in an event either way."""
+    point to resume from; or a sharded one where a rank cannot take part (`lost`: this
+    rank's failure was losing a peer, which the save says at once). Said in an event
+    either way."""
     if rec.step > rec.start_step:
         left = (rec.dist.not_failed() if rec.dist is not None and rec.ckpt.every_rank
-                else [])
+                and not lost else [])
         if not left:
             rec._checkpoint("emergency")
             return

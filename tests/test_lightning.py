@@ -453,6 +453,31 @@ def test_sigterm_to_the_launcher_stops_a_ddp_fit_with_a_checkpoint_that_resumes(
     assert [int((out / f"step_rank{r}.txt").read_text()) for r in (0, 1)] == [stopped + 10] * 2
 
 
+def test_torchrun_fit_names_its_straggler(tmp_path):
+    """Rank 1 of a Lightning DDP fit takes 0.1 s more for each batch (its dataset), and
+    the module holds a buffer, which DDP broadcasts from rank 0 as each training forward
+    begins: each rank's `time/busy` is recorded, without that wait, and the straggler rule
+    names rank 1; the clock's hooks are gone once the fit returned. The clock was on the
+    module, inside DDP's wrapper: the fast rank's busy time held its wait for the slow
+    one, and neither rank was named."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = pl_torchrun(tmp_path / "run", out, SLOW_RANK="1", MAX_STEPS="30")
+    log, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, log[-3000:]
+    run = nbwatch.open_run(tmp_path / "run")
+    df = run.df[["rank0/time/busy", "rank1/time/busy"]]
+    assert df.loc[2:].notna().all().all(), df
+    busy = df.loc[5:].median()
+    assert busy["rank1/time/busy"] > busy["rank0/time/busy"] + 0.05, busy
+    said = run.events.message
+    assert said.str.startswith("straggler: rank 1").any(), said.tolist()
+    assert not said.str.startswith("straggler: rank 0").any(), said.tolist()
+    for r in (0, 1):  # as the fit began, at step 10, after it
+        began, during, after = map(int, (out / f"hooks_rank{r}.txt").read_text().split())
+        assert during > began == after
+
+
 class ImageModule(L.LightningModule):
     """A classifier on `(x, y)` batches: no mask, no tokens (a ViT's, a CNN's shape)."""
 

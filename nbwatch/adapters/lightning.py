@@ -93,9 +93,14 @@ class NbwatchCallback(Adapter, pl.Callback):
         clip = (trainer.gradient_clip_val or None
                 if trainer.gradient_clip_algorithm in (None, "norm") else None)
         # measure_in_hook=False: the closure's backward runs inside optimizer.step
-        self._open(mon, "lightning", trainer.global_step or None,
-                   save=lambda reason: self._save(trainer, reason), clip=clip,
-                   measure_in_hook=False)
+        loop = self._open(mon, "lightning", trainer.global_step or None,
+                          save=lambda reason: self._save(trainer, reason), clip=clip,
+                          measure_in_hook=False)
+        # under torchrun, the straggler's clock: Lightning calls training_step through its
+        # strategy's DDP wrapper (its forward redirected), whose buffer broadcast from rank
+        # 0 is a wait for the slow rank before the module's forward (hooks off with the run)
+        if isinstance(trainer.strategy.model, torch.nn.Module):
+            loop.clock_forwards(trainer.strategy.model)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:

@@ -104,6 +104,14 @@ class ExternalLoop:
         """The optimizer stepped since the last `record_step` (False while accumulating)."""
         return self._rec.stepped
 
+    def clock_forwards(self, module: torch.nn.Module) -> None:
+        """Under torchrun, take the step's `time/forward` and `time/busy` (`record_step`)
+        from the forwards of `module`, the one the framework calls for a training step,
+        rather than the model's own (Lightning's strategy's DDP wrapper, whose forward runs
+        `training_step`: the wait before the model's forward, DDP's broadcast of its
+        buffers from rank 0, is then left out of both). Before the first `record_step`."""
+        self._rec.clocked = module
+
     def record_step(self, host: dict[str, float], names: list[str],
                     parts: list[torch.Tensor], *,
                     lengths: torch.Tensor | LengthCounts | None = None,

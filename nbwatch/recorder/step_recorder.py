@@ -107,6 +107,7 @@ class StepRecorder:
         # the training batch's logits figures: the loop's, else the output layer's hook
         self.train_logits = TrainLogits(model, self.own, say=_weak(self.probe_note))
         self._forward_clock: ForwardClock | None = None  # forward_time(): torchrun, own loop
+        self.clocked = model  # … on this module's forwards (Lightning's: its DDP wrapper)
         # called at each of a pause's meetings on rank 0 (a loop of one's own under
         # torchrun: asks the stop of a SIGTERM that came while the loop waits in log())
         self.paused_tick: Callable[[], None] | None = None
@@ -177,13 +178,14 @@ class StepRecorder:
                            extra_times=extra_times)
 
     def forward_time(self) -> dict[str, float]:
-        """A loop of one's own (or the Trainer's) under torchrun: its `time/forward` and `time/busy`
-        (`ForwardClock.take`: a straggler is told by them; start()'s runner times its own).
+        """A loop of one's own (or a framework's) under torchrun: its `time/forward` and
+        `time/busy` from the forwards of `clocked` (`ForwardClock.take`: a straggler is told
+        by them; start()'s runner times its own).
         Empty alone, and at the first call (the hooks go on then)."""
         if self.dist is None:
             return {}
         if self._forward_clock is None:
-            self._forward_clock = ForwardClock(self.model)
+            self._forward_clock = ForwardClock(self.clocked)
             return {}
         # from the step's start, or the ranks' meeting after it (a wait for the slow rank)
         return self._forward_clock.take(max(self.flight.t_boundary, self.ranks.met_at))
@@ -195,7 +197,7 @@ class StepRecorder:
         if self.dist is None:
             return 0.0
         if self._forward_clock is None:
-            self._forward_clock = ForwardClock(self.model)
+            self._forward_clock = ForwardClock(self.clocked)
         return self._forward_clock.waited
 
     def close_hooks(self) -> None:

@@ -578,7 +578,8 @@ def test_emergency_checkpoint_keeps_the_trainers_best_step(tmp_path):
 def test_torchrun_trainer_names_its_straggler(tmp_path):
     """Rank 1 of a Trainer's job takes 0.1 s more before each forward (its data): each
     rank's `time/busy` is recorded and the straggler rule names rank 1. The Trainer under
-    torchrun recorded no busy time, so the rule never fired there."""
+    torchrun recorded no busy time, so the rule never fired there; then rank 0's wait in
+    DDP's broadcast of the model's buffer, before the model's forward, was its busy time."""
     done = hf_torchrun(tmp_path, tmp_path / "out", SLOW_RANK1="0.1")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     (folder,) = (tmp_path / "runs").iterdir()

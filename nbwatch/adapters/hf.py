@@ -119,6 +119,9 @@ class NbwatchCallback(Adapter, TrainerCallback):
         # a retry is opened at its step (0), over the last try's steps
         loop = self._open(mon, "hf", state.global_step if retry else (state.global_step or None),
                           save=self._save, clip=args.max_grad_norm or None)
+        wrapped = getattr(trainer, "model_wrapped", None)  # under torchrun, the straggler's
+        if isinstance(wrapped, torch.nn.Module) and wrapped is not model:  # clock on DDP's
+            loop.clock_forwards(wrapped)  # forward: its buffers' broadcast left out of busy
         if retry is not None:
             dropped = retry.step - state.global_step
             loop.note(f"the try at batch size {retry.batch_size} ran out of memory at step "

@@ -6,7 +6,7 @@ The run folder comes from NBWATCH_RUN_DIR (set by `nbwatch.launch`), else the ca
 default (with MAX_STEPS given, rank 1 makes its callback 1.5 s after rank 0); with
 BREAK_RANK1_AT=N, rank 1 raises at step N; with KILL_RANK0_AT=N, rank 0 is killed (SIGKILL) at
 step N; with SLOW_RANK1=S, rank 1 sleeps S seconds as each step begins (a slow data
-pipeline: a straggler). Each rank writes the global step it ended at to
+pipeline: a straggler), and the model holds a buffer. Each rank writes the global step it ended at to
 OUT_DIR/step_rank{r}.txt.
 """
 
@@ -68,8 +68,12 @@ def main() -> None:
         trainer.add_callback(Break(int(os.environ["BREAK_RANK1_AT"])))
     if os.environ.get("KILL_RANK0_AT") and os.environ.get("RANK") == "0":
         trainer.add_callback(Kill(int(os.environ["KILL_RANK0_AT"])))
-    if os.environ.get("SLOW_RANK1") and os.environ.get("RANK") == "1":
-        trainer.add_callback(Slow(float(os.environ["SLOW_RANK1"])))
+    if os.environ.get("SLOW_RANK1"):
+        # a buffer, as every Llama's rotary inv_freq: DDP broadcasts it from rank 0 as each
+        # forward begins, where the fast rank waits for the slow one
+        trainer.model.register_buffer("held", torch.zeros(4))
+        if os.environ.get("RANK") == "1":
+            trainer.add_callback(Slow(float(os.environ["SLOW_RANK1"])))
     trainer.train()
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(out, f"step_rank{rank}.txt"), "w") as f:

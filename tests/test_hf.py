@@ -54,6 +54,8 @@ def tiny_model(arch: str = "gpt2", attn: str = "sdpa"):
         cfg = tf.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                             intermediate_size=64, vocab_size=64, attn_implementation=attn)
         return tf.BertForMaskedLM(cfg)
+    if arch != "t5":
+        raise ValueError(f"tiny_model makes gpt2, bert or t5, not {arch!r}")
     cfg = tf.T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16, vocab_size=64,
                       decoder_start_token_id=0, pad_token_id=0, attn_implementation=attn)
     return tf.T5ForConditionalGeneration(cfg)

@@ -4,8 +4,8 @@ slowest rank, the straggler warning, per-rank loss and time in nbwatch's exchang
 Rank 0 stores `rank{r}/<figure>` columns (see `nbwatch.distributed.RANK_KEYS`). A run of one
 process has none, and the panel is absent.
 
-"Busy" is time/data + time/forward (a loop of one's own: time/busy, from the step's start to
-its last forward's end): the part of a step a rank spends on its own. The rest
+"Busy" is time/busy (from the step's start to its last training forward's end; under
+`start()`, time/data + time/forward): the part of a step a rank spends on its own. The rest
 of time/step is mostly waiting for the slowest rank in DDP's gradient all-reduce, so every
 rank's total looks alike and only "busy" tells who holds the others up (the same figure the
 straggler alert rule compares).
@@ -58,8 +58,8 @@ def _stat(v: np.ndarray | None, how: Callable[[np.ndarray], Any] = np.median
 
 
 def _busy(recent: Series, r: int) -> float | None:
-    """Median over the window of a loop of one's own's time/busy, else of data + forward,
-    summed step by step."""
+    """Median over the window of time/busy, else (start()) of data + forward, summed step
+    by step."""
     busy = recent.get(f"rank{r}/time/busy")
     if busy is not None:
         return _stat(busy[1])

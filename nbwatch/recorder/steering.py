@@ -185,8 +185,8 @@ def record_ranks(rec: Steered, rows: list) -> None:
         for r in range(d.world):
             # busy time outside collectives: a fast rank's step also holds its wait for
             # the slow one (inside backward), so step time alone hides a straggler
-            # (a loop of one's own: its `time/busy`, from the step's start to its last
-            # forward's end; start()'s: its data wait and forward)
+            # (`time/busy`, from the step's start to its last forward's end; start()'s:
+            # its data wait and forward)
             busy = sc.values.get(f"rank{r}/time/busy")
             fwd = sc.values.get(f"rank{r}/time/forward")
             if busy is None and fwd is not None:

@@ -6,8 +6,8 @@ The run folder comes from NBWATCH_RUN_DIR (set by `nbwatch.launch`), else the ca
 default (with MAX_STEPS given, rank 1 makes its callback 1.5 s after rank 0); with
 BREAK_RANK1_AT=N, rank 1 raises at step N; with KILL_RANK0_AT=N, rank 0 is killed (SIGKILL) at
 step N; with SLOW_RANK1=S, rank 1 sleeps S seconds as each step begins (a slow data
-pipeline: a straggler), and the model holds a buffer. Each rank writes the global step it ended at to
-OUT_DIR/step_rank{r}.txt.
+pipeline: a straggler), and the model holds a buffer. Each rank writes the global step
+it ended at to OUT_DIR/step_rank{r}.txt.
 """
 
 import os

@@ -1,7 +1,8 @@
 // Shared helpers: plotly.js loading (once per page), theme from JupyterLab's --jp-* CSS
 // variables, one colour per metric, and unpacking of the kernel's binary buffers.
 
-import { fitInto, watch } from "./yfit.js";
+import { axisLength, dataSpan, logTicks } from "./logaxis.js";
+import { fitInto, userY, watch } from "./yfit.js";
 
 const G = globalThis;
 
@@ -128,8 +129,9 @@ export function baseLayout(t, extra = {}) {
 // What the views draw with: Plotly, whose `react` tells each cartesian axis to leave tick
 // labels that reach past the plot's edge alone (plotly's default, "hide past div", measures
 // every tick label's box at every draw, which forces a page layout each time: a quarter of
-// the dashboard's main-thread time in a Chromium profile of a live run), and refits y to the
-// x window while x is zoomed (js/yfit.js).
+// the dashboard's main-thread time in a Chromium profile of a live run), refits y to the
+// x window while x is zoomed (js/yfit.js), and labels each tick of a log y axis with its
+// whole value, at 1, 2, 5 of each decade or at whole decades (js/logaxis.js).
 const LIGHT = new WeakMap();
 export function lighten(Plotly) {
   if (!Plotly || LIGHT.has(Plotly)) return Plotly && LIGHT.get(Plotly);
@@ -140,6 +142,13 @@ export function lighten(Plotly) {
       if (/^[xy]axis\d*$/.test(k) && !(out[k] && out[k].ticklabeloverflow)) out[k] = { ...out[k], ticklabeloverflow: "allow" };
     }
     fitInto(gd, data, out);
+    for (const k of Object.keys(out)) {
+      const ax = out[k];
+      if (!/^yaxis\d*$/.test(k) || !ax || ax.type !== "log") continue;
+      // the range drawn: the view's (or the x window's fit), the user's zoom, or the data's
+      const r = Array.isArray(ax.range) && ax.autorange !== true ? ax.range : userY(gd, k);
+      out[k] = { ...logTicks(r ? Math.abs(r[1] - r[0]) : dataSpan(data, k), axisLength(gd, k, out.margin)), ...ax };
+    }
     const done = Plotly.react(gd, data, out, config);
     watch(Plotly, gd);
     return done;

@@ -7,6 +7,8 @@
 // stays through the redraws, x zoomed or not; a double click gives the whole run back. An
 // axis whose view sets its range itself (end labels) is the view's: it reads the window with
 // xWindow() and the user's y with userY(), and redraws on a zoom of either (onZoom()).
+import { axisLength, dataSpan, logTicks } from "./logaxis.js";
+
 export const NOFIT = "nbw:nofit"; // a trace's `meta`: not a figure (markers at the top)
 const PAD = 0.05; // of the span, either side
 
@@ -122,12 +124,29 @@ export function watch(Plotly, gd) {
     st.userY = !whole && byUser;
     // a view that sets y itself reads userY() and xWindow(); its labels follow the new ranges
     if (st.redraw) { st.redraw(); return; }
-    if (st.userY) return;
+    const fl = gd._fullLayout, upd = {};
+    // a log axis's ticks for its new span (js/logaxis.js): the user's own range, else the fit's
+    const ticks = (k, span) => {
+      if (!fl[k] || fl[k].type !== "log") return;
+      const n = logTicks(span, axisLength(gd, k)).nticks;
+      if (n !== (fl[k].nticks || 0)) upd[`${k}.nticks`] = n;
+    };
+    if (st.userY) {
+      for (const k of Object.keys(fl).filter((k) => /^yaxis\d*$/.test(k))) ticks(k, Math.abs(fl[k].range[1] - fl[k].range[0]));
+      if (Object.keys(upd).length) Plotly.relayout(gd, upd);
+      return;
+    }
     const win = whole ? null : xWindow(gd);
-    const upd = {};
-    if (!win) for (const k of st.fitted) upd[`${k}.autorange`] = true;
-    else for (const [k, r] of Object.entries(fitOf(gd, gd.data, gd.layout, win))) upd[`${k}.range`] = r;
-    st.fitted = new Set(win ? Object.keys(upd).map((k) => k.split(".")[0]) : []);
+    const fitted = new Set();
+    if (!win) for (const k of st.fitted) { upd[`${k}.autorange`] = true; ticks(k, dataSpan(gd.data, k)); }
+    else {
+      for (const [k, r] of Object.entries(fitOf(gd, gd.data, gd.layout, win))) {
+        upd[`${k}.range`] = r;
+        fitted.add(k);
+        ticks(k, Math.abs(r[1] - r[0]));
+      }
+    }
+    st.fitted = fitted;
     if (Object.keys(upd).length) Plotly.relayout(gd, upd);
   });
 }

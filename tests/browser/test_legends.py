@@ -1,10 +1,13 @@
-"""Every legend of the dashboard stays off the data and off its figure's title, in
-JupyterLab: the Health panel's output logits (its legend sat inside the plot at the top
-left, over the run's first steps), the per-rank loss and exchange time of a job of many
-ranks, the system figures of a machine of many GPUs, the global grad norm, the loss."""
+"""What a reader sees of the dashboard in JupyterLab, on one finished run drawn once:
+every legend stays off the data and off its figure's title (the Health panel's output
+logits, whose legend sat inside the plot at the top left over the run's first steps; the
+per-rank loss and exchange time of a job of many ranks; the system figures of a machine of
+many GPUs; the global grad norm; the loss), and each tick label of a log axis reads as the
+value at its place (plotly labelled 0.05 "5" and 20 "2")."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -13,7 +16,9 @@ import pytest
 from nbwatch.records import Scalars, SystemSample
 from nbwatch.store import RunStore
 
-from .harness import dashboard_notebook, open_notebook, run_all
+from .conftest import ARTIFACTS
+from .harness import dashboard_notebook, local_only, open_notebook, run_all
+from .test_loss_reading import NORM, drag_zoom
 
 pytestmark = pytest.mark.browser
 
@@ -23,21 +28,34 @@ LEGENDS = ("[data-panel=health] .nbw-health-out", "[data-panel=ranks] .nbw-ranks
            "[data-panel=ranks] .nbw-ranks-sync", "[data-panel=system] .nbw-system-util",
            "[data-panel=system] .nbw-system-mem", "[data-panel=grads] .nbw-grads-norm",
            "[data-panel=loss] .js-plotly-plot")
+WIDE = 1400  # the page's width but where a test says otherwise
 
 
 def _run(run_dir) -> None:
     """A finished run with every figure that has a legend: output logits (probe and every
-    training batch), a job of RANKS ranks, a machine of GPUS GPUs."""
+    training batch), a job of RANKS ranks, a machine of GPUS GPUs; with the rates and the
+    spike score a header shows; and four log y axes: the global grad norm (10 down to 0.01,
+    log by itself), the update ratios, the largest attention logit and, its box ticked, the
+    loss (3 down to 0.04)."""
     store = RunStore(run_dir)
     t0 = time.time() - 100
+    store.set_meta("name", "tinygpt-2layer")
     for s in range(1, 101):
         up = 1.0 + s / 50
-        v = {"loss/train": 3.0 * np.exp(-s / 200), "lr": 1e-3, "grad_norm/global": up,
-             "grad_norm/clipped": min(up, 1.5), "train_logits/log_z": 2.0 * up,
-             "train_logits/max_abs": 10.0 * up}
+        norm = 10.0 * 1e-3 ** ((s - 1) / 99)
+        v = {"loss/train": 3.0 * np.exp(-s / 20) + 0.02, "lr": 1e-3, "grad_norm/global": norm,
+             "grad_norm/clipped": min(norm, 1.5), "train_logits/log_z": 2.0 * up,
+             "train_logits/max_abs": 10.0 * up, "throughput/tokens_per_s": 123456.0,
+             "throughput/tflops": 312.5, "throughput/mfu": 0.4123, "spike/score": 3.0,
+             "update_ratio/blocks.0.attn": 3e-3 * np.exp(-s / 30),
+             "update_ratio/blocks.1.attn": 1e-3 * np.exp(-s / 40)}
         if s % 10 == 0:
-            v.update({"loss/val": 3.1 * np.exp(-s / 200), "logits/z_mean": 2.0 * up + 0.05,
+            v.update({"loss/val": 3.1 * np.exp(-s / 20) + 0.03, "logits/z_mean": 2.0 * up + 0.05,
                       "logits/max_abs": 10.0 * up + 0.5})
+            for b in range(2):
+                v.update({f"attn/max_logit/blocks.{b}.attn": (2.0 + b) * 1.03 ** s,
+                          f"attn/entropy/blocks.{b}.attn": 2.0 - s / 200 - b / 4,
+                          f"act/rms/blocks.{b}": 1.0 + s / 100 + b / 2})
         for r in range(RANKS):
             v.update({f"rank{r}/loss": v["loss/train"] + 0.01 * r, f"rank{r}/time/sync": 1e-3,
                       f"rank{r}/time/step": 0.1, f"rank{r}/time/busy": 0.05 + 0.001 * r})
@@ -48,6 +66,53 @@ def _run(run_dir) -> None:
     store.set_meta("state", "finished")
     store.set_meta("step", 100)
     store.close()
+
+
+@pytest.fixture(scope="module")
+def drawn(browser, lab, workdir):
+    """The run's dashboard drawn once in JupyterLab (its file browser open, as `?reset`
+    leaves it), for every test here; at the end, as the `page` fixture's, a screenshot and no
+    page error of nbwatch's or plotly's."""
+    _run(workdir / "runs" / "legends")
+    dashboard_notebook(workdir, "legends")
+    ctx = browser.new_context(viewport={"width": WIDE, "height": 1800})
+    local_only(ctx)
+    page = ctx.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        open_notebook(page, f"{lab.url}/lab/tree/legends.ipynb?reset")
+        run_all(page)
+        for sel in LEGENDS:
+            page.wait_for_function("(sel) => document.querySelector(sel)?.querySelector("
+                                   "'.legend .traces')", arg=sel, timeout=30_000)
+        page.wait_for_timeout(500)  # a margin pushed by a legend: plotly's second draw
+        yield page
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "legends_and_ticks.png"))
+    finally:
+        ctx.close()
+        lab.shutdown_kernels()
+    assert not [e for e in errors if "nbwatch" in e or "plotly" in e.lower()], errors
+
+
+def _resize(page, width: int, settle: int = 300) -> None:
+    """The page `width` px wide, every figure redrawn to its new width (and `settle` ms more:
+    a margin pushed by a legend is plotly's second draw)."""
+    page.set_viewport_size({"width": width, "height": 1800})
+    # JupyterLab lays its panels out a moment after the window's resize: the dashboard's
+    # width the same at two readings 100 ms apart, and every figure drawn at its div's width
+    seen = None
+    for _ in range(50):
+        now = page.evaluate("""() => [document.querySelector('.nbw-root').clientWidth,
+            [...document.querySelectorAll('.nbw-root .js-plotly-plot')]
+              .filter((gd) => gd.offsetParent && gd._fullLayout)
+              .every((gd) => Math.abs(gd._fullLayout.width - gd.clientWidth) < 1)]""")
+        if now == seen and now[1]:
+            break
+        seen = now
+        page.wait_for_timeout(100)
+    page.wait_for_timeout(settle)
 
 
 def _boxes(page, sel: str) -> dict[str, list[float] | None]:
@@ -65,31 +130,91 @@ def _overlap(a: list[float], b: list[float]) -> bool:
     return a[0] < b[2] - 0.5 and b[0] < a[2] - 0.5 and a[1] < b[3] - 0.5 and b[1] < a[3] - 0.5
 
 
-def test_legends_stay_off_the_data_and_the_titles(page, lab, workdir):
-    _run(workdir / "runs" / "legends")
-    dashboard_notebook(workdir, "legends")
+def test_legends_stay_off_the_data_and_the_titles(drawn):
+    page = drawn
+    _resize(page, WIDE)
+    bad = []
+    for sel in LEGENDS:
+        b = _boxes(page, sel)
+        legend, plot, div = b["legend"], b["plot"], b["div"]
+        if not (legend[2] - legend[0] > 20 and legend[3] - legend[1] > 5):
+            bad.append(f"{sel}: no legend drawn {b}")
+        if not (div[0] - 0.5 <= legend[0] and legend[2] <= div[2] + 0.5
+                and div[1] - 0.5 <= legend[1] and legend[3] <= div[3] + 0.5):
+            bad.append(f"{sel}: the legend outside its figure {b}")
+        if not (plot[2] - plot[0] > 100 and plot[3] - plot[1] > 60):
+            bad.append(f"{sel}: a plot area too small {b}")
+        if _overlap(legend, plot):
+            bad.append(f"{sel}: the legend over the data {b}")
+        if b["title"] is not None and _overlap(legend, b["title"]):
+            bad.append(f"{sel}: the legend over the title {b}")
+    assert not bad, "\n".join(bad)
+
+
+NORM_SEL = "[data-panel=grads] .nbw-grads-norm .draglayer .nsewdrag"
+# Every log y axis drawn: its tick labels, their page boxes, and where the axis puts a value.
+LOG_TICKS = """() => [...document.querySelectorAll('.nbw-root .js-plotly-plot')]
+    .filter((gd) => gd.offsetParent && gd._fullLayout)
+    .flatMap((gd) => Object.keys(gd._fullLayout)
+      .filter((k) => /^yaxis\\d*$/.test(k) && gd._fullLayout[k].type === 'log')
+      .map((k) => { const ax = gd._fullLayout[k], top = gd.getBoundingClientRect().top;
+        return {figure: gd.closest('[data-panel]').dataset.panel + ' ' + gd.className, axis: k,
+                range: ax.range.slice(), top: top + ax._offset, length: ax._length,
+                ticks: [...gd.querySelectorAll(`.${ax._id}tick text`)].map((t) => {
+                  const r = t.getBoundingClientRect();
+                  return {text: t.textContent, top: r.top, bottom: r.bottom}; })}; }))"""
+
+
+def _misread(axes: list[dict]) -> list[str]:
+    """Each tick label that does not read as the value at its place (within 4 px), and each
+    that runs into the next."""
+    bad = []
+    for a in axes:
+        ticks = sorted(a["ticks"], key=lambda t: t["top"])
+        if len(ticks) < 2:
+            bad.append(f"{a['figure']} {a['axis']}: {len(ticks)} tick labels")
+        lo, hi = a["range"]
+        for t in ticks:
+            try:
+                v = float(t["text"].replace("\u2212", "-"))
+            except ValueError:
+                bad.append(f"{a['figure']} {a['axis']}: {t['text']!r} is no number")
+                continue
+            at = a["top"] + a["length"] * (hi - math.log10(v)) / (hi - lo) if v > 0 else math.nan
+            mid = (t["top"] + t["bottom"]) / 2
+            if not abs(mid - at) <= 4:
+                bad.append(f"{a['figure']} {a['axis']}: {t['text']!r} drawn at {mid:.0f} px, "
+                           f"where the axis has {v:g} at {at:.0f} px")
+        bad += [f"{a['figure']} {a['axis']}: {p['text']!r} runs into {n['text']!r}"
+                for p, n in zip(ticks, ticks[1:]) if n["top"] < p["bottom"] - 1]
+    return bad
+
+
+def test_every_log_axis_labels_its_ticks_with_their_values(drawn):
+    """Plotly labels a log axis's ticks between decades with their leading digit alone: the
+    grad norm's 0.05 read "5", the largest attention logit's 20 read "2". Every tick label of
+    every log axis drawn parses as the number at its place (the loss's tick at 0.05 reads
+    0.05), none runs into the next, also once a zoom on x has refitted y."""
+    page = drawn
+    _resize(page, WIDE)
+    page.locator("[data-panel=loss] .nbw-logy").check()
+    page.wait_for_function("() => document.querySelector('[data-panel=loss] .js-plotly-plot')"
+                           "._fullLayout.yaxis.type === 'log'", timeout=10_000)
+    page.wait_for_timeout(300)
     try:
-        open_notebook(page, f"{lab.url}/lab/tree/legends.ipynb?reset")
-        run_all(page)
-        for sel in LEGENDS:
-            page.wait_for_function("(sel) => document.querySelector(sel)?.querySelector("
-                                   "'.legend .traces')", arg=sel, timeout=30_000)
-        page.wait_for_timeout(500)  # a margin pushed by a legend: plotly's second draw
-        bad = []
-        for sel in LEGENDS:
-            b = _boxes(page, sel)
-            legend, plot, div = b["legend"], b["plot"], b["div"]
-            if not (legend[2] - legend[0] > 20 and legend[3] - legend[1] > 5):
-                bad.append(f"{sel}: no legend drawn {b}")
-            if not (div[0] - 0.5 <= legend[0] and legend[2] <= div[2] + 0.5
-                    and div[1] - 0.5 <= legend[1] and legend[3] <= div[3] + 0.5):
-                bad.append(f"{sel}: the legend outside its figure {b}")
-            if not (plot[2] - plot[0] > 100 and plot[3] - plot[1] > 60):
-                bad.append(f"{sel}: a plot area too small {b}")
-            if _overlap(legend, plot):
-                bad.append(f"{sel}: the legend over the data {b}")
-            if b["title"] is not None and _overlap(legend, b["title"]):
-                bad.append(f"{sel}: the legend over the title {b}")
-        assert not bad, "\n".join(bad)
+        axes = page.evaluate(LOG_TICKS)
+        drawn_on = {a["figure"].split()[0] + " " + a["axis"] for a in axes}
+        assert {"loss yaxis", "grads yaxis", "weights yaxis", "health yaxis"} <= drawn_on, axes
+        assert not _misread(axes), "\n".join(_misread(axes))
+        loss = next(a for a in axes if a["figure"].startswith("loss"))
+        assert "0.05" in [t["text"] for t in loss["ticks"]], loss["ticks"]
+        # steps 30 to 70 of the norm: one decade, not three; y refitted, its ticks chosen anew
+        page.locator(NORM_SEL).scroll_into_view_if_needed()
+        drag_zoom(page, 30, 70, NORM)
+        page.wait_for_function(f"() => {NORM}._fullLayout.yaxis.range[1] < 0.5", timeout=10_000)
+        page.wait_for_timeout(300)
+        norm = [a for a in page.evaluate(LOG_TICKS) if "nbw-grads-norm" in a["figure"]]
+        assert len(norm) == 1 and not _misread(norm), "\n".join(_misread(norm))
     finally:
-        lab.shutdown_kernels()
+        page.locator("[data-panel=loss] .nbw-logy").uncheck()
+        page.locator(NORM_SEL).dblclick()

@@ -33,6 +33,7 @@ export function create(root) {
     update(d) {
       last = d;
       name.textContent = d.name || "run";
+      name.title = name.textContent; // the whole of a name the header cuts short
       state.textContent = d.state;
       state.dataset.state = d.state;
       box.dataset.state = d.state;

@@ -2,8 +2,9 @@
 every legend stays off the data and off its figure's title (the Health panel's output
 logits, whose legend sat inside the plot at the top left over the run's first steps; the
 per-rank loss and exchange time of a job of many ranks; the system figures of a machine of
-many GPUs; the global grad norm; the loss), and each tick label of a log axis reads as the
-value at its place (plotly labelled 0.05 "5" and 20 "2")."""
+many GPUs; the global grad norm; the loss); each tick label of a log axis reads as the value
+at its place (plotly labelled 0.05 "5" and 20 "2"); and the header keeps its x axis switch
+beside its label, on the row of the step counter, at the widths a notebook cell has."""
 
 from __future__ import annotations
 
@@ -218,3 +219,53 @@ def test_every_log_axis_labels_its_ticks_with_their_values(drawn):
     finally:
         page.locator("[data-panel=loss] .nbw-logy").uncheck()
         page.locator(NORM_SEL).dblclick()
+
+def _dashboard_at(page, own: int, settle: int = 300) -> None:
+    """The page as wide as puts the dashboard (a cell's output) at `own` px: JupyterLab's
+    file browser and margins beside it keep their width."""
+    root = "() => document.querySelector('.nbw-root').getBoundingClientRect().width"
+    beside = page.evaluate("() => window.innerWidth") - page.evaluate(root)
+    _resize(page, round(beside + own), settle)
+    assert page.evaluate(root) == pytest.approx(own, abs=2)
+
+
+def _one_row(a: list[float], b: list[float]) -> bool:
+    """Boxes side by side: on one line, one's top above the other's bottom."""
+    return a[1] < b[3] - 1 and b[1] < a[3] - 1
+
+
+HEADER = """() => { const box = (s) => { const r = document.querySelector('.nbw-header ' + s)
+      .getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+    return Object.fromEntries(['.nbw-header-top', '.nbw-name', '.nbw-state', '.nbw-step',
+      '.nbw-stats', '.nbw-spikes', '.nbw-xaxis-label', '.nbw-xaxis'].map((s) => [s, box(s)])); }"""
+
+
+def test_the_header_keeps_its_x_axis_switch_on_its_row_at_1060_and_900_px(drawn):
+    """The header's x axis switch went onto a line of its own under the rates at a 1,060 px
+    page. At a page of 1,060 and 900 px (the file browser open: a cell of ~630 and ~470 px)
+    and at a cell of 1,060 and 900 px, the switch sits beside its "x:", inside the header,
+    on the step counter's row, over no other text; in a cell of 900 px or more the run's
+    name and state are on that row too."""
+    page = drawn
+    bad = []
+    for page_px, own in ((1060, None), (900, None), (None, 1060), (None, 900)):
+        if own:
+            _dashboard_at(page, own, settle=0)
+        else:
+            _resize(page, page_px, settle=0)
+        at = f"a {page_px} px page" if page_px else f"a {own} px dashboard"
+        h = page.evaluate(HEADER)
+        top, label, pick = h[".nbw-header-top"], h[".nbw-xaxis-label"], h[".nbw-xaxis"]
+        if not (label[3] - label[1] < (pick[3] - pick[1]) + 6 and _one_row(label, pick)
+                and label[0] < pick[0]):
+            bad.append(f"{at}: the switch not on one line with its label {label} {pick}")
+        if not (top[0] - 0.5 <= pick[0] and pick[2] <= top[2] + 0.5):
+            bad.append(f"{at}: the switch outside the header {pick} {top}")
+        if not _one_row(pick, h[".nbw-step"]):
+            bad.append(f"{at}: the switch not on the step's row {pick} {h['.nbw-step']}")
+        bad += [f"{at}: the switch over {s} {h[s]}" for s in (".nbw-name", ".nbw-state",
+                ".nbw-step", ".nbw-stats", ".nbw-spikes") if _overlap(h[s], label)]
+        if (own or 0) >= 900:
+            bad += [f"{at}: {s} not on the switch's row" for s in (".nbw-name", ".nbw-state")
+                    if not _one_row(h[s], pick)]
+    assert not bad, "\n".join(bad)

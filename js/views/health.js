@@ -117,22 +117,26 @@ export function create(root, ctx) {
       }
       if (!has.out) return;
       const out = [];
-      // every step's training batch: thin lines under the probe's points (named short: the
-      // legend's rows come out of the plot's height, and the probe's entries say so)
-      if (trainZ.x.length) out.push({ name: "log Z", ...t.axis.line(trainZ.x, trainZ.y), type: "scatter",
+      // every step's training batch: thin lines under the probe's points. The legend has one
+      // short entry a figure (a click shows or hides both its lines), the training batch's where
+      // it is drawn: four entries took two rows at half width, out of the plot's height. The
+      // title says what the dots are.
+      if (trainZ.x.length) out.push({ name: "log Z", legendgroup: "z", ...t.axis.line(trainZ.x, trainZ.y), type: "scatter",
         mode: "lines", line: { color: "#1f5fa8", width: 1 }, opacity: 0.45,
         hovertemplate: `${t.axis.hover()}<br>log Z (training batch) %{y:.4g}<extra></extra>` });
-      if (trainMax.x.length) out.push({ name: "max |logit|", ...t.axis.line(trainMax.x, trainMax.y),
+      if (trainMax.x.length) out.push({ name: "max |logit|", legendgroup: "max", ...t.axis.line(trainMax.x, trainMax.y),
         type: "scatter", mode: "lines", yaxis: "y2", line: { color: "#e8740c", width: 1, dash: "dot" }, opacity: 0.45,
         hovertemplate: `${t.axis.hover()}<br>max |logit| (training batch) %{y:.4g}<extra></extra>` });
-      if (z.x.length) out.push({ name: "log Z, probe", ...t.axis.line(z.x, z.y), type: "scatter", mode: "lines+markers",
-        marker: { size: 4 }, line: { color: "#1f5fa8" }, hovertemplate: `${t.axis.hover()}<br>log Z (probe) %{y:.4g}<extra></extra>` });
-      if (maxAbs.x.length) out.push({ name: "max |logit|, probe", ...t.axis.line(maxAbs.x, maxAbs.y), type: "scatter",
-        mode: "lines+markers", yaxis: "y2", marker: { size: 4 }, line: { color: "#e8740c", dash: "dot" },
-        hovertemplate: `${t.axis.hover()}<br>max |logit| (probe) %{y:.4g}<extra></extra>` });
+      if (z.x.length) out.push({ name: "log Z, probe", legendgroup: "z", showlegend: !trainZ.x.length, ...t.axis.line(z.x, z.y),
+        type: "scatter", mode: "lines+markers", marker: { size: 4 }, line: { color: "#1f5fa8" },
+        hovertemplate: `${t.axis.hover()}<br>log Z (probe) %{y:.4g}<extra></extra>` });
+      if (maxAbs.x.length) out.push({ name: "max |logit|, probe", legendgroup: "max", showlegend: !trainMax.x.length,
+        ...t.axis.line(maxAbs.x, maxAbs.y), type: "scatter", mode: "lines+markers", yaxis: "y2", marker: { size: 4 },
+        line: { color: "#e8740c", dash: "dot" }, hovertemplate: `${t.axis.hover()}<br>max |logit| (probe) %{y:.4g}<extra></extra>` });
+      const title = trained && probeOut ? "output logits, every step; dots: probe pass" : "output logits: log-partition, max |logit|";
       Plotly.react(plots.out, out, baseLayout(t, {
         // the legend above the lines, not over their start (the run's first steps)
-        ...legendAbove({ text: "output logits: log-partition, max |logit|" }, { ...m, r: 52 }, plots.out.clientHeight),
+        ...legendAbove({ text: title }, { ...m, r: 52 }, plots.out.clientHeight),
         yaxis: { title: { text: "log Z" }, gridcolor: t.grid },
         yaxis2: { title: { text: "max |logit|" }, overlaying: "y", side: "right", showgrid: false },
       }), CONFIG);

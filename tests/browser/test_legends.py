@@ -3,8 +3,9 @@ every legend stays off the data and off its figure's title (the Health panel's o
 logits, whose legend sat inside the plot at the top left over the run's first steps; the
 per-rank loss and exchange time of a job of many ranks; the system figures of a machine of
 many GPUs; the global grad norm; the loss); each tick label of a log axis reads as the value
-at its place (plotly labelled 0.05 "5" and 20 "2"); and the header keeps its x axis switch
-beside its label, on the row of the step counter, at the widths a notebook cell has."""
+at its place (plotly labelled 0.05 "5" and 20 "2"); the header keeps its x axis switch
+beside its label, on the row of the step counter, at the widths a notebook cell has; and the
+output logits' legend is one row at half width."""
 
 from __future__ import annotations
 
@@ -269,3 +270,31 @@ def test_the_header_keeps_its_x_axis_switch_on_its_row_at_1060_and_900_px(drawn)
             bad += [f"{at}: {s} not on the switch's row" for s in (".nbw-name", ".nbw-state")
                     if not _one_row(h[s], pick)]
     assert not bad, "\n".join(bad)
+
+
+def _width(a: list[float]) -> float:
+    return a[2] - a[0]
+
+
+def test_the_output_logits_legend_is_one_row_at_half_width(drawn):
+    """The Health panel's output-logits figure is half its panel wide: its legend of four
+    entries took two rows there (at a 1,100 px dashboard, the panel beside the System panel),
+    out of the plot's height. One entry a figure now, on one row, off the data."""
+    page = drawn
+    sel = "[data-panel=health] .nbw-health-out"
+    # the panel beside the System panel, at its narrowest; the panel alone in its row
+    for own in (1100, 800):
+        _dashboard_at(page, own)
+        g = page.evaluate("""(sel) => { const gd = document.querySelector(sel);
+            const box = (e) => { const r = e.getBoundingClientRect();
+              return [r.left, r.top, r.right, r.bottom]; };
+            return {panel: box(gd.closest('[data-panel]')), fig: box(gd),
+                    entries: [...gd.querySelectorAll('.legend .traces')].map(box)}; }""", sel)
+        b = _boxes(page, sel)
+        if own == 1100:
+            assert _width(g["panel"]) < 0.7 * own, g  # beside the System panel
+        assert _width(g["fig"]) < 0.6 * _width(g["panel"]), g  # half the panel
+        tops = sorted(e[1] for e in g["entries"])
+        assert len(tops) == 2 and tops[-1] - tops[0] < 1, (own, g)
+        assert not _overlap(b["legend"], b["plot"]), (own, b)
+        assert b["plot"][3] - b["plot"][1] > 140, (own, b)  # no row of legend taken from it

@@ -191,17 +191,45 @@ def _without_attention(model: Any, cfg: object) -> bool:
 
 def matmul_params(model: object) -> list:
     """The parameters a token's matmuls use: every parameter once (tied ones once), less the
-    embedding tables that are only looked up."""
+    embedding tables that are only looked up and the side of a PEFT `modules_to_save`
+    wrapper that its forward does not call."""
     from torch import nn
 
     from .paths import unwrapped
 
     assert isinstance(model, nn.Module)
     model = unwrapped(model)
+    idle, wrappers = _idle_in_wrappers(model)
     looked_up = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     in_matmul = {id(m.weight) for m in model.modules()
-                 if not isinstance(m, nn.Embedding) and getattr(m, "weight", None) is not None}
-    return [p for p in model.parameters() if id(p) not in looked_up - in_matmul]
+                 if not isinstance(m, nn.Embedding) and id(m) not in wrappers
+                 and getattr(m, "weight", None) is not None}
+    return [p for p in model.parameters()
+            if id(p) not in looked_up - in_matmul and id(p) not in idle]
+
+
+def _idle_in_wrappers(model: Any) -> tuple[set[int], set[int]]:
+    """PEFT's `modules_to_save`: a wrapper holding a module (`original_module`) and trained
+    copies of it (`modules_to_save`), whose forward calls one of the two, never both. The
+    ids of the parameters of the side its forward does not call (the frozen original while
+    an adapter with a copy is active), and the ids of the wrappers, whose `weight` is a
+    child's (an embedding copy's: still only looked up)."""
+    from torch import nn
+
+    idle: set[int] = set()
+    wrappers: set[int] = set()
+    for m in model.modules():
+        original, copies = getattr(m, "original_module", None), getattr(m, "modules_to_save", None)
+        if not isinstance(original, nn.Module) or not isinstance(copies, nn.ModuleDict):
+            continue
+        wrappers.add(id(m))
+        active = getattr(m, "active_adapters", None) or []
+        if not getattr(m, "disable_adapters", False) and active and all(
+                a in copies for a in active):
+            idle |= {id(p) for p in original.parameters()}
+        else:
+            idle |= {id(p) for p in copies.parameters()}
+    return idle, wrappers
 
 
 ENCODER_DECODER = (

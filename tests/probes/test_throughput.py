@@ -117,6 +117,35 @@ def test_frozen_weights_take_no_weight_gradient_flops():
         10 * (4 * n + 2 * trained + 12 * 2 * 40 * 32) / 1e12)
 
 
+def test_peft_modules_to_save_count_the_copy_that_runs_not_the_original():
+    """PEFT's `modules_to_save` trains a copy of a module beside LoRA, in a wrapper whose
+    forward calls the copy: the frozen original runs no matmul, and a trained copy of an
+    embedding is still only looked up. N counted the original lm_head beside its copy
+    (the wrapper's `weight` reads the copy's), and a trained embedding copy as a matmul
+    weight, 4·N + 2·N_trained too high by 4·V·d, 6·V·d where both are saved."""
+    peft = pytest.importorskip("peft")
+    tf = pytest.importorskip("transformers")
+
+    def lora(**kw):
+        torch.manual_seed(0)
+        base = tf.LlamaForCausalLM(tf.LlamaConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64))
+        return peft.get_peft_model(base, peft.LoraConfig(
+            r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], **kw))
+
+    plain = Mfu.of(lora(), peak=None)
+    lora_n, vd = 2 * 2 * (8 * 64 + 64 * 8), 256 * 64
+    assert plain.n_trained == lora_n
+    head = Mfu.of(lora(modules_to_save=["lm_head"]), peak=None)
+    assert (head.n, head.n_trained) == (plain.n, lora_n + vd)  # the copy in, trained
+    both = Mfu.of(lora(modules_to_save=["embed_tokens", "lm_head"]), peak=None)
+    assert (both.n, both.n_trained) == (plain.n, lora_n + vd)  # the table looked up
+    off = lora(modules_to_save=["lm_head"])
+    with off.disable_adapter():  # the original runs: it is counted, the copy is not
+        assert Mfu.of(off, peak=None).n == plain.n
+
+
 @pytest.mark.parametrize("name, peak", [
     ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
     ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200", 989e12),

@@ -248,8 +248,7 @@ def restore_into(ckpt: dict[str, Any], model: Any, optimizer: Any, scheduler: An
 
             load_sharded(where / ckpt["sharded"], model, optimizer, group)
         else:
-            inner = bare_module(model)
-            inner.load_state_dict(fit_keys(ckpt["model"], inner.state_dict().keys()))
+            _load_model(bare_module(model), ckpt["model"])
             optimizer.load_state_dict(ckpt["optimizer"])
         if (scheduler is not None and ckpt.get("scheduler") is not None
                 and hasattr(scheduler, "load_state_dict")):
@@ -280,6 +279,41 @@ def restore_into(ckpt: dict[str, Any], model: Any, optimizer: Any, scheduler: An
     control.lr_factor = float(c.get("lr_factor", 1.0))
     control.lr_raw = bool(c.get("lr_raw", False))
     return int(ckpt["step"])
+
+
+def model_state(model: torch.nn.Module) -> dict[str, Any]:
+    """What a checkpoint holds of `model` (its `bare_module`): its state_dict, less a PEFT
+    model's frozen base weights (`frozen_base`)."""
+    state = model.state_dict()
+    base = frozen_base(model)
+    return {k: v for k, v in state.items() if k not in base} if base else state
+
+
+def frozen_base(model: torch.nn.Module) -> set[str]:
+    """A PEFT model's (LoRA's) frozen weights, by every name they have (tied ones too):
+    the pretrained base the script loads again before it resumes, left out of its
+    checkpoints (a 7B bf16 base is 13 GB each; the adapters, their `modules_to_save`,
+    the buffers and the optimizer are kept). Empty for any other model, whose frozen
+    weights are saved (an EMA copy kept frozen in the model changes)."""
+    if not (type(model).__module__.startswith("peft.") and hasattr(model, "peft_config")):
+        return set()
+    return {n for n, p in model.named_parameters(remove_duplicate=False)
+            if not p.requires_grad}
+
+
+def _load_model(inner: torch.nn.Module, state: dict[str, Any]) -> None:
+    """Load a checkpoint's model state: whole, or (a PEFT model's, `model_state`) all but
+    the frozen base, which the model holds already."""
+    state = fit_keys(state, inner.state_dict().keys())
+    base = frozen_base(inner)
+    if not base or set(state) & base:
+        inner.load_state_dict(state)
+        return
+    missing, unexpected = inner.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - base:
+        raise RuntimeError("Error(s) in loading state_dict: "
+                           f"missing keys {sorted(set(missing) - base)[:5]}, "
+                           f"unexpected keys {sorted(unexpected)[:5]}")
 
 
 def bare_module(model: Any) -> Any:

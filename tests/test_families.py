@@ -270,6 +270,49 @@ def test_peft_lora_in_a_loop_of_its_own(tmp_path):
     assert sorted(nbwatch.open_run(tmp_path / "run").reader.attention_steps()) == [5, 10]
 
 
+def test_a_lora_checkpoint_holds_the_adapters_not_the_frozen_base(tmp_path):
+    """A PEFT model's checkpoint leaves its frozen base out (a 7B bf16 base would be 13 GB
+    a checkpoint, the script loads it anyway) and keeps what trains and the buffers; a
+    resume into the same base built again goes on with the trained adapters."""
+    peft = pytest.importorskip("peft")
+
+    def lora_model():
+        return peft.get_peft_model(tiny_llama("eager"), peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+
+    model = lora_model()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    data = Padded(16, 0, vocab=VOCAB, T=16, shortest=6)
+    batches = [probe_of(torch.utils.data.Subset(data, range(i, i + 4)), 4)
+               for i in range(0, 16, 4)]
+    with nbwatch.Monitor(model, opt, run_dir=tmp_path / "run", display=False) as mon:
+        for batch in batches:
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.log(loss=loss)
+    (path,) = (tmp_path / "run" / "checkpoints").glob("step_*.pt")
+    saved = nbwatch.checkpoint.load(path)["model"]
+    trained = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert set(trained) <= set(saved) and not set(saved) & frozen, sorted(saved)[:8]
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    assert set(model.state_dict()) - params <= set(saved)  # the buffers it saves
+
+    again = lora_model()  # the same pretrained base, the adapters new
+    assert any(not torch.equal(p, trained[n]) for n, p in again.named_parameters()
+               if n in trained)
+    opt2 = torch.optim.AdamW([p for p in again.parameters() if p.requires_grad], lr=1e-2)
+    with nbwatch.Monitor(again, opt2, run_dir=tmp_path / "run", display=False,
+                         resume=True) as mon2:
+        assert mon2.step == len(batches)
+        for n, p in again.named_parameters():
+            if n in trained:
+                assert torch.equal(p, trained[n]), n
+        assert opt2.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+
+
 def test_gradient_checkpointing_under_bf16_autocast(tmp_path):
     """`gradient_checkpointing_enable()` and the Trainer's bf16 on the CPU (autocast): each
     layer's forward runs again in the backward, in bf16, and the steps, norms and the

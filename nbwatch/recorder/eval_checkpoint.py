@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from torch import nn
 
-from ..checkpoint import bare_module, rng_state
+from ..checkpoint import bare_module, model_state, rng_state
 from ..evaluation import EvalResult, evaluate
 from ..records import Event, Sample, Scalars
 from ..samples import sample_content
@@ -147,7 +147,7 @@ def note_checkpoint(rec: Evaluating, reason: str, path: str | Path, seconds: flo
 def state_dict(rec: Evaluating) -> dict[str, Any]:
     sched_state = getattr(rec.sched, "state_dict", None)
     return {
-        "model": plain(rec.model).state_dict(),
+        "model": model_state(plain(rec.model)),  # (a PEFT model's: not its frozen base)
         "optimizer": rec.opt.state_dict(),
         "scheduler": sched_state() if callable(sched_state) else None,
         # taken between the optimizer's step and the scheduler's (a stop or an error there;

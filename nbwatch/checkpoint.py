@@ -283,10 +283,17 @@ def restore_into(ckpt: dict[str, Any], model: Any, optimizer: Any, scheduler: An
 
 def model_state(model: torch.nn.Module) -> dict[str, Any]:
     """What a checkpoint holds of `model` (its `bare_module`): its state_dict, less a PEFT
-    model's frozen base weights (`frozen_base`)."""
+    model's frozen base weights (`frozen_base`) and what their layers write beside them
+    (a quantized base's statistics: bitsandbytes' `weight.absmax`, `weight.quant_map`)."""
     state = model.state_dict()
     base = frozen_base(model)
-    return {k: v for k, v in state.items() if k not in base} if base else state
+    return {k: v for k, v in state.items() if not of_base(k, base)} if base else state
+
+
+def of_base(key: str, base: set[str]) -> bool:
+    """Whether state_dict `key` is a `frozen_base` weight's, or written beside one under
+    its name (`<weight>.absmax`)."""
+    return key in base or any(key[:i] in base for i, c in enumerate(key) if c == ".")
 
 
 def frozen_base(model: torch.nn.Module) -> set[str]:

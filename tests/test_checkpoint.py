@@ -132,3 +132,65 @@ def test_the_checkpoints_of_only_the_newest_rewinds_are_kept(tmp_path):
     assert kept == list(range(6 - KEEP_BRANCHES, 6))
     assert all(len(list((tmp_path / "rewind" / str(n)).glob("*.pt"))) == 2 for n in kept)
     assert [s for s, _ in ck.steps()] == [1, 2, 3, 4, 5]  # the live line's, untouched
+
+
+class _Net(torch.nn.Module):
+    """A base for a PEFT model: `fc1` (where LoRA goes) and `fc2`, or `layer` for fc1."""
+
+    def __init__(self, layer=None):
+        super().__init__()
+        self.fc1 = layer if layer is not None else torch.nn.Linear(6, 6)
+        self.fc2 = torch.nn.Linear(6, 1)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _train_logged(model, run_dir, steps=3, resume=False):
+    """A loop of one's own over the trained parameters: its checkpoint at the end."""
+    import nbwatch
+
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with nbwatch.Monitor(model, opt, run_dir=run_dir, display=False, resume=resume) as mon:
+        for _ in range(steps):
+            model(torch.randn(4, 6)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.log(loss=torch.tensor(1.0))
+        return mon.step
+
+
+def test_a_qlora_style_base_leaves_its_quantization_statistics_out_and_resumes(tmp_path):
+    """A quantized frozen base (bitsandbytes' Linear4bit, QLoRA) writes its weight's
+    quantization statistics beside the weight in its state_dict (`weight.absmax`,
+    `weight.quant_map`, `weight.quant_state.bitsandbytes__nf4`): they are the frozen base's,
+    left out with it, and the checkpoint resumes into the base built again."""
+    peft = pytest.importorskip("peft")
+
+    class Quantized(torch.nn.Linear):
+        def __init__(self):
+            super().__init__(6, 6)
+            self.weight.requires_grad_(False)
+
+        def _save_to_state_dict(self, destination, prefix, keep_vars):
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+            destination[prefix + "weight.absmax"] = self.weight.detach().abs().amax(1)
+            destination[prefix + "weight.quant_state.bitsandbytes__nf4"] = torch.zeros(4)
+
+    def build():
+        torch.manual_seed(0)
+        return peft.get_peft_model(_Net(Quantized()), peft.LoraConfig(
+            r=2, lora_alpha=4, target_modules=["fc1"], init_lora_weights=False))
+
+    model = build()
+    assert _train_logged(model, tmp_path / "run") == 3
+    (path,) = (tmp_path / "run" / "checkpoints").glob("step_*.pt")
+    saved = load(path)["model"]
+    assert not [k for k in saved if "base_layer.weight" in k], sorted(saved)
+    trained = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    again = build()
+    assert _train_logged(again, tmp_path / "run", steps=0, resume=True) == 3
+    for n, p in again.named_parameters():
+        if n in trained:
+            assert torch.equal(p, trained[n]), n
+

@@ -300,12 +300,26 @@ def frozen_base(model: torch.nn.Module) -> set[str]:
     """A PEFT model's (LoRA's) frozen weights, by every name they have (tied ones too):
     the pretrained base the script loads again before it resumes, left out of its
     checkpoints (a 7B bf16 base is 13 GB each; the adapters, their `modules_to_save`,
-    the buffers and the optimizer are kept). Empty for any other model, whose frozen
-    weights are saved (an EMA copy kept frozen in the model changes)."""
+    the buffers and the optimizer are kept). Every adapter is kept, the frozen ones too
+    (PEFT freezes all but the active one: one trained before, a reference), as PEFT's
+    `save_pretrained` keeps them. Empty for any other model, whose frozen weights are
+    saved (an EMA copy kept frozen in the model changes)."""
     if not (type(model).__module__.startswith("peft.") and hasattr(model, "peft_config")):
         return set()
+    names = set(getattr(model, "peft_config", None) or ())
+    adapters: set[int] = set()  # each adapter's own parameters, by the tuner layers' dicts
+    for m in model.modules():
+        held = [getattr(m, a, None) for a in getattr(m, "adapter_layer_names", ())]
+        if isinstance(getattr(m, "prompt_encoder", None), torch.nn.ModuleDict):
+            held.append(m.prompt_encoder)
+        for d in held:
+            if isinstance(d, (torch.nn.ModuleDict, torch.nn.ParameterDict)):
+                for name in names & set(d.keys()):
+                    v = d[name]
+                    adapters.update(map(id, v.parameters() if isinstance(v, torch.nn.Module)
+                                        else [v]))
     return {n for n, p in model.named_parameters(remove_duplicate=False)
-            if not p.requires_grad}
+            if not p.requires_grad and id(p) not in adapters}
 
 
 def _load_model(inner: torch.nn.Module, state: dict[str, Any]) -> None:

@@ -194,3 +194,37 @@ def test_a_qlora_style_base_leaves_its_quantization_statistics_out_and_resumes(t
         if n in trained:
             assert torch.equal(p, trained[n]), n
 
+
+
+def test_a_frozen_second_adapter_is_kept_in_a_peft_checkpoint(tmp_path):
+    """A PEFT model of two adapters, one trained before and now frozen (PEFT freezes every
+    adapter but the active one) while the other trains: the checkpoint holds both, as the
+    Trainer's (`save_pretrained`: every adapter) do; the frozen base alone is left out. A
+    resume into the model built again gets the first adapter's trained weights back, not
+    the new ones it was built with."""
+    peft = pytest.importorskip("peft")
+
+    def build():
+        torch.manual_seed(0)
+        model = peft.get_peft_model(_Net(), peft.LoraConfig(
+            r=2, lora_alpha=4, target_modules=["fc1"]), adapter_name="sft")
+        model.add_adapter("dpo", peft.LoraConfig(r=2, lora_alpha=4, target_modules=["fc1"]))
+        return model
+
+    model = build()
+    _train_logged(model, tmp_path / "sft")  # "sft" trains first
+    model.set_adapter("dpo")  # then "dpo", "sft" frozen
+    sft = {n: p.detach().clone() for n, p in model.named_parameters() if ".sft." in n}
+    assert sft and not any(p.requires_grad for n, p in model.named_parameters() if n in sft)
+    _train_logged(model, tmp_path / "dpo")
+    (path,) = (tmp_path / "dpo" / "checkpoints").glob("step_*.pt")
+    saved = load(path)["model"]
+    assert set(sft) <= set(saved), sorted(saved)
+    assert not [k for k in saved if "base_layer" in k or k.endswith("fc2.weight")]
+
+    again = build()
+    again.set_adapter("dpo")
+    _train_logged(again, tmp_path / "dpo", steps=0, resume=True)
+    for n, p in again.named_parameters():
+        if n in sft:
+            assert torch.equal(p, sft[n]), n

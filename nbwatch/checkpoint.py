@@ -324,17 +324,21 @@ def frozen_base(model: torch.nn.Module) -> set[str]:
 
 def _load_model(inner: torch.nn.Module, state: dict[str, Any]) -> None:
     """Load a checkpoint's model state: whole, or (a PEFT model's, `model_state`) all but
-    the frozen base, which the model holds already."""
+    the frozen base, which the model holds already. Which weights are frozen now need not
+    be those frozen when it was written (a base layer unfrozen mid-run is in it, and
+    frozen in the model built again until the loop unfreezes it): what it holds loads,
+    and it may lack the frozen base alone."""
     state = fit_keys(state, inner.state_dict().keys())
     base = frozen_base(inner)
-    if not base or set(state) & base:
+    if not base:
         inner.load_state_dict(state)
         return
     missing, unexpected = inner.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - base:
+    missing = sorted(set(missing) - base)
+    unexpected = sorted(k for k in unexpected if not of_base(k, base))  # (an older one's
+    if missing or unexpected:  # quantized base: its statistics beside its weights)
         raise RuntimeError("Error(s) in loading state_dict: "
-                           f"missing keys {sorted(set(missing) - base)[:5]}, "
-                           f"unexpected keys {sorted(unexpected)[:5]}")
+                           f"missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
 
 
 def bare_module(model: Any) -> Any:

@@ -228,3 +228,40 @@ def test_a_frozen_second_adapter_is_kept_in_a_peft_checkpoint(tmp_path):
     for n, p in again.named_parameters():
         if n in sft:
             assert torch.equal(p, sft[n]), n
+
+
+def test_a_peft_checkpoint_resumes_where_a_base_layer_was_unfrozen_mid_run(tmp_path):
+    """A base layer unfrozen mid-run (`fc2` from the second step, its optimizer holding
+    every parameter) is in the checkpoint, trained; the model built again for the resume
+    has it frozen until its loop unfreezes it again. The resume loads it, and leaves out
+    only what the checkpoint lacks of the frozen base (it refused the checkpoint: a weight
+    of it frozen now read as an older full checkpoint, every base weight then missing)."""
+    import nbwatch
+
+    peft = pytest.importorskip("peft")
+
+    def build():
+        torch.manual_seed(0)
+        return peft.get_peft_model(_Net(), peft.LoraConfig(r=2, lora_alpha=4,
+                                                           target_modules=["fc1"]))
+
+    def fc2(model):
+        return model.base_model.model.fc2.weight
+
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nbwatch.Monitor(model, opt, run_dir=tmp_path / "run", display=False) as mon:
+        for step in range(3):
+            fc2(model).requires_grad_(step >= 1)
+            model(torch.randn(4, 6)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.log(loss=torch.tensor(1.0))
+    trained = fc2(model).detach().clone()
+    again = build()
+    assert not fc2(again).requires_grad and not torch.equal(fc2(again), trained)
+    opt2 = torch.optim.SGD(again.parameters(), lr=0.1)
+    with nbwatch.Monitor(again, opt2, run_dir=tmp_path / "run", display=False,
+                         resume=True) as mon2:
+        assert mon2.step == 3
+    assert torch.equal(fc2(again), trained)

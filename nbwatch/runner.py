@@ -225,6 +225,7 @@ class Runner:
             rec.note_batch(batch, *self._pos)
             split = loader_batches(batch, self._enc_dec)  # in parts: each one's tokens
             parts = split.parts
+            rows = split.rows(batch)  # before step_fn, which may take from it (batch.pop)
             found = [packed_positions(p) for p in parts]
             if any(pos is not None for pos in found):  # masks read now: the histogram
                 m.positions += [pos for pos in found if pos is not None]  # takes documents'
@@ -267,7 +268,7 @@ class Runner:
             counted = [(self._tokens(p, out.mask if len(parts) == 1 else None, pos), pos)
                        for p, pos in zip(parts, found)]
             m.tally.add(batch, split, [p for p, (t, pos) in zip(parts, counted)
-                                       if t is None and pos is None])  # as every loop's
+                                       if t is None and pos is None], rows)  # every loop's
             if len(parts) > 1 and not any(t is not None or pos is not None for t, pos in
                                           counted) and all(reads_tokens(p) for p in parts):
                 counted = [(out.mask, None)]

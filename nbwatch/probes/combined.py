@@ -143,10 +143,12 @@ class Tally:
         self.rows = 0
         self.beside = 0
 
-    def add(self, batch: Any, split: Split, bare: list) -> None:
+    def add(self, batch: Any, split: Split, bare: list, rows: int | None = None) -> None:
         """One micro-batch, `split` by `loader_batches`; `bare`: its parts that hold no
-        tokens and are not packed (pixels, an `(x, y)`)."""
-        self.rows += split.rows(batch) or 0
+        tokens and are not packed (pixels, an `(x, y)`); `rows`: `split.rows(batch)` taken
+        as the loader gave it, where the loop's code may take from it since (start()'s
+        step_fn: `batch.pop("x")`)."""
+        self.rows += (split.rows(batch) if rows is None else rows) or 0
         self.beside += split.beside(batch, bare)
 
     @property

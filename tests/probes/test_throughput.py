@@ -530,3 +530,24 @@ def test_a_batch_in_parts_beside_a_packed_micro_batch_counts_its_own_rows(tmp_pa
     df = _in_loop(tmp_path, loop, [packed, pair, pair, packed], micro=2)
     assert _counted(df) == [None if loop == "log" else 5, 5]
     assert _tokens(df) == [9 + 18] * 2
+
+
+def test_start_counts_a_batchs_rows_as_the_loader_gave_it(tmp_path):
+    """A step_fn that takes its tensors out of its dict batch (`x, y = batch.pop("x"),
+    batch.pop("y")`, as a compute_loss pops its labels) leaves it empty by the time the
+    step's figures are taken: start() counts the rows the batch came with, 3 a step, and
+    samples/s is there (it went missing when the rows were counted after the step_fn)."""
+    g = torch.Generator().manual_seed(0)
+    batches = [{"x": torch.randn(3, 4, generator=g), "y": torch.randn(3, generator=g)}
+               for _ in range(3)]
+
+    def step_fn(net, batch):
+        x, y = batch.pop("x"), batch.pop("y")
+        return (net(x).squeeze(-1) - y).square().mean()
+
+    net = torch.nn.Linear(4, 1)
+    mon = nbwatch.Monitor(net, torch.optim.SGD(net.parameters(), lr=1e-3),
+                          run_dir=tmp_path / "run", display=False)
+    mon.start(step_fn, batches, max_steps=3, display=False).wait()
+    assert mon.state == "finished", mon.error
+    assert _counted(nbwatch.open_run(tmp_path / "run").df) == [3, 3, 3]

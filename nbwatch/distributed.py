@@ -68,7 +68,7 @@ class Dist:
     gap: int = 0  # the steps between meetings rank 0 planned last
     # each rank's (host, pid), as the run opened: a rank that dies is named by it
     places: list[tuple[str, int]] = field(default_factory=list)
-    key: str = ""  # this run's keys in the job's rendezvous store (`all_failed`)
+    key: str = ""  # this run's keys in the job's rendezvous store (`not_failed`)
 
     @classmethod
     def detect(cls, every: int = 10, timeout_s: float = 60.0) -> Dist | None:
@@ -107,28 +107,36 @@ class Dist:
         each said with why: each failing rank says so in the job's rendezvous store, out of
         band, as the others may be blocked inside a collective of their training (one here
         would wait for them, or mix with theirs). Waits up to `wait` s for ranks failing at
-        the same step; one that gives up says so, and a later one does not wait for it. []
-        where every rank failed, or the store cannot be reached (the collective tells)."""
+        the same step. The answer is the job's, one for every failing rank: the first rank
+        that knows it (every rank failed, or its wait ran out) writes it in the store at
+        once (`compare_set`) and the others take it, so no rank enters a collective another
+        gave up; a rank failing later does not wait. [] where every rank failed, or the
+        store cannot be reached (the collective tells)."""
         import torch.distributed as dist
 
-        def has(name: str, r: int) -> bool:
-            return bool(store.check([f"{self.key}/{name}/{r}"]))
+        def has(r: int) -> bool:
+            return bool(store.check([f"{self.key}/failed/{r}"]))
 
         try:
             store = dist.distributed_c10d._get_default_store()
             store.set(f"{self.key}/failed/{self.rank}", "1")
             others = [r for r in range(self.world) if r != self.rank]
-            deadline = time.monotonic() + wait
+            answer, deadline = f"{self.key}/answer", time.monotonic() + wait
             while True:
-                gone = [r for r in others if has("gave_up", r)]
-                left = [r for r in others if not has("failed", r)]
-                if gone or (left and time.monotonic() >= deadline):
-                    store.set(f"{self.key}/gave_up/{self.rank}", "1")
-                    return ([f"rank {r} (failed before, alone: gone)" for r in gone]
-                            + [f"rank {r} (still training)" for r in left])
-                if not left:
-                    return []
+                left = [r for r in others if not has(r)]
+                if not left or store.check([answer]) or time.monotonic() >= deadline:
+                    said = store.compare_set(answer, "", f"{self.rank}:" + ",".join(
+                        map(str, left))).decode()  # the first answer holds
+                    break
                 time.sleep(0.05)
+            who, late = said.split(":")
+            if not late:  # every rank failed
+                return []
+            ranks = [int(r) for r in late.split(",")]
+            out = [f"rank {r} (still training)" for r in ranks if r != self.rank and not has(r)]
+            if int(who) != self.rank:
+                out.append(f"rank {who} (failed before, alone: gone)")
+            return out or [f"rank {r} (failed after this one gave up)" for r in ranks]
         except Exception:  # noqa: BLE001 - no store (an init of one's own): the save tells
             return []
 

@@ -502,3 +502,34 @@ def test_the_fsdp2_probe_pass_speaks_once_for_the_job_and_switches_kernels_toget
     else:
         assert not probe
         assert df.loc[[2, 4], "attn/entropy/model.layers.0.self_attn"].notna().all()
+
+
+def test_ranks_failing_as_the_first_ones_wait_runs_out_agree_on_the_checkpoint(monkeypatch):
+    """FSDP2's emergency checkpoint is a collective: the failing ranks must all try it or
+    none. Rank 1 says it failed just after rank 0, whose 5 s wait is running out, looked
+    for it: rank 1 finds every rank failed, and rank 0 (its last look stale) must not give
+    up alone, or rank 1 waits in the checkpoint's collective out the group's timeout. One
+    answer holds for both: the first one written in the store."""
+    import torch.distributed as dist
+
+    from nbwatch.distributed import Dist
+
+    shared = dist.HashStore()
+    ranks = [Dist(r, 2, 10, None, "gloo", key="nbwatch/host:1/0") for r in (0, 1)]
+    said: dict[int, list[str]] = {}
+
+    class Late:  # rank 0's store: rank 1 fails in the moment after rank 0 looked
+        def __getattr__(self, name):
+            return getattr(shared, name)
+
+        def check(self, keys):
+            seen = shared.check(keys)
+            if keys == ["nbwatch/host:1/0/failed/1"] and 1 not in said:
+                stores.append(shared)
+                said[1] = ranks[1].not_failed(wait=0.0)
+            return seen
+
+    stores: list = [Late()]
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: stores.pop())
+    said[0] = ranks[0].not_failed(wait=0.0)
+    assert (said[0] == []) == (said[1] == []), said

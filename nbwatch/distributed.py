@@ -120,15 +120,16 @@ class Dist:
         try:
             store = dist.distributed_c10d._get_default_store()
             store.set(f"{self.key}/failed/{self.rank}", "1")
+            count = f"{self.key}/failed_count"  # one request a look, however many ranks
+            store.add(count, 1)
             others = [r for r in range(self.world) if r != self.rank]
             answer, deadline = f"{self.key}/answer", time.monotonic() + wait
-            while True:
-                left = [r for r in others if not has(r)]
-                if not left or store.check([answer]) or time.monotonic() >= deadline:
-                    said = store.compare_set(answer, "", f"{self.rank}:" + ",".join(
-                        map(str, left))).decode()  # the first answer holds
-                    break
+            while (store.add(count, 0) < self.world and not store.check([answer])
+                   and time.monotonic() < deadline):
                 time.sleep(0.05)
+            left = [r for r in others if not has(r)]
+            said = store.compare_set(answer, "", f"{self.rank}:" + ",".join(
+                map(str, left))).decode()  # the first answer holds
             who, late = said.split(":")
             if not late:  # every rank failed
                 return []

@@ -334,7 +334,7 @@ def _load_model(inner: torch.nn.Module, state: dict[str, Any]) -> None:
         inner.load_state_dict(state)
         return
     missing, unexpected = inner.load_state_dict(state, strict=False)
-    missing = sorted(set(missing) - base)
+    missing = sorted(k for k in missing if not of_base(k, base))
     unexpected = sorted(k for k in unexpected if not of_base(k, base))  # (an older one's
     if missing or unexpected:  # quantized base: its statistics beside its weights)
         raise RuntimeError("Error(s) in loading state_dict: "

@@ -41,3 +41,47 @@ export function axisLength(gd, key, margin = {}) {
   if (drawn > 0) return drawn;
   return ((gd && gd.clientHeight) || 240) - (margin.t ?? 8) - (margin.b ?? 32);
 }
+
+// A value as a log axis's tick reads it: whole ("0.05", "20", "1000"), or "2e−4" / "1e4" past
+// three decades from 1 (plotly's "e" format, its minus sign).
+export function valueLabel(v) {
+  if (!(v > 0) || !Number.isFinite(v)) return String(v);
+  const e = Math.floor(Math.log10(v) + 1e-9);
+  if (e >= -3 && e <= 3) return String(Number(v.toPrecision(3)));
+  const m = Number((v / 10 ** e).toPrecision(3));
+  return `${m}e${e < 0 ? `\u2212${-e}` : e}`;
+}
+
+const BAR_PX = 14; // px between two colour bar labels at least
+
+// The ticks of a colour bar whose z is log₁₀ of the values shown (a heat map on a log colour
+// scale), z from `lo` to `hi` over `length` px: {tickvals (in z), ticktext (the values they
+// stand for: 0.001, 0.01, …, not −3, −2)}. Whole decades (every k-th where they would
+// crowd), with 2 and 5 where a decade is tall enough; under one decade, round values.
+export function logColorTicks(lo, hi, length) {
+  if (!Number.isFinite(lo) || !Number.isFinite(hi) || hi < lo) return {};
+  const per = (length > 0 ? length : 100) / Math.max(hi - lo, 1e-9); // px a decade
+  const inside = (u) => u >= lo - 1e-9 && u <= hi + 1e-9;
+  let vals = [];
+  const k = Math.max(1, Math.ceil(BAR_PX / per));
+  for (let e = Math.ceil(lo - 1e-9); e <= hi + 1e-9; e++) {
+    if (e % k) continue;
+    for (const m of per >= D2_PX ? [1, 2, 5] : [1]) if (inside(e + Math.log10(m))) vals.push(e + Math.log10(m));
+  }
+  if (vals.length < 2) { // under a decade or so: round values between the ends, linearly spaced
+    const a = 10 ** lo, b = 10 ** hi;
+    const n = Math.max(2, Math.min(5, Math.floor(length / (2 * BAR_PX))));
+    const raw = (b - a) / n;
+    vals = [];
+    if (raw > 0) {
+      const p = 10 ** Math.floor(Math.log10(raw));
+      const step = [1, 2, 5, 10].map((m) => m * p).find((s) => s >= raw);
+      for (let v = Math.ceil(a / step) * step; v <= b * (1 + 1e-9); v += step) {
+        const u = Math.log10(Number(v.toPrecision(12)));
+        if (inside(u) && (!vals.length || (u - vals[vals.length - 1]) * per >= BAR_PX)) vals.push(u);
+      }
+    }
+    if (vals.length < 2) vals = hi > lo ? [lo, hi] : [lo];
+  }
+  return { tickvals: vals, ticktext: vals.map((u) => valueLabel(10 ** u)) };
+}

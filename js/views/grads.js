@@ -1,9 +1,10 @@
-// Grads: a layer × step heat map of per-layer grad norms (log colour, depth order: which
-// layer, and when), the newest step's largest norms as bars (every layer one click away),
-// and the global norm over time with the post-clip norm and the clip threshold line, on a
-// log y axis where the norms span more than LOG_SPAN (a spike of 1e3 would flatten the rest),
-// until a click on its "log y" says otherwise.
+// Grads: a layer × step heat map of per-layer grad norms (log colour, its bar labelled with
+// the norms; depth order: which layer, and when), the newest step's largest norms as bars
+// (every layer one click away), and the global norm over time with the post-clip norm and the
+// clip threshold line, on a log y axis where the norms span more than LOG_SPAN (a spike of 1e3
+// would flatten the rest), until a click on its "log y" says otherwise.
 import { Series, apply } from "../downsample.js";
+import { logColorTicks } from "../logaxis.js";
 import { baseLayout, COLORS, CONFIG, el, esc, labelMargin, layerColor, legendAbove, panel, zsmooth } from "../plot.js";
 import { blockOf } from "./weights.js";
 
@@ -56,7 +57,14 @@ export function create(root, ctx) {
     const n = heat.z.length, cols = heat.z[0].length;
     const ax = t.axis;
     const x = ax.x(Array.from({ length: cols }, (_, j) => (heat.c0 + j) * heat.w));
-    const logz = heat.z.map((r) => r.map((v) => (v > 0 && Number.isFinite(v) ? Math.log10(v) : null)));
+    let lo = Infinity, hi = -Infinity;
+    const logz = heat.z.map((r) => r.map((v) => {
+      if (!(v > 0 && Number.isFinite(v))) return null;
+      const u = Math.log10(v);
+      if (u < lo) lo = u;
+      if (u > hi) hi = u;
+      return u;
+    }));
     const height = Math.min(Math.max(160, 12 * n + 80), 720);
     heatDiv.style.height = `${height}px`;
     const names = layers.slice(0, n).map(esc);
@@ -67,8 +75,10 @@ export function create(root, ctx) {
     const bounds = [];
     for (let i = 1; i < n; i++) if (blockOf(layers[i]) !== blockOf(layers[i - 1])) bounds.push(1 - i / n); // paper units: rows fill the axis, top to bottom
     Plotly.react(heatDiv, [{
+      // the colour is log₁₀ of the norm; its bar labels each tick with the norm (0.01, not −2)
       type: "heatmap", x, y: names, z: logz, customdata: heat.z, colorscale: "Viridis",
-      colorbar: { title: { text: "log₁₀", side: "right" }, thickness: 10, len: 0.9 },
+      colorbar: { title: { text: "norm (log scale)", side: "right" }, thickness: 10, len: 0.9,
+        tickfont: { size: 10 }, ...logColorTicks(lo, hi, 0.9 * (height - 56)) },
       hovertemplate: `%{y}<br>${ax.mode === "step" ? "steps %{x}…" : ax.hover()} (${heat.w} step${heat.w > 1 ? "s" : ""} a bin)<br>max grad norm %{customdata:.4g}<extra></extra>`,
       xgap: 0, ygap: n > 60 ? 0 : 1, zsmooth: n > 60 ? zsmooth(x, names) : false,
     }], baseLayout(t, {

@@ -36,7 +36,8 @@ WIDE = 1400  # the page's width but where a test says otherwise
 def _run(run_dir) -> None:
     """A finished run with every figure that has a legend: output logits (probe and every
     training batch), a job of RANKS ranks, a machine of GPUS GPUs; with the rates and the
-    spike score a header shows; and four log y axes: the global grad norm (10 down to 0.01,
+    spike score a header shows; per-layer grad norms from 1 down to 5e-4 (the heat map's
+    log colour); and four log y axes: the global grad norm (10 down to 0.01,
     log by itself), the update ratios, the largest attention logit and, its box ticked, the
     loss (3 down to 0.04)."""
     store = RunStore(run_dir)
@@ -50,7 +51,8 @@ def _run(run_dir) -> None:
              "train_logits/max_abs": 10.0 * up, "throughput/tokens_per_s": 123456.0,
              "throughput/tflops": 312.5, "throughput/mfu": 0.4123, "spike/score": 3.0,
              "update_ratio/blocks.0.attn": 3e-3 * np.exp(-s / 30),
-             "update_ratio/blocks.1.attn": 1e-3 * np.exp(-s / 40)}
+             "update_ratio/blocks.1.attn": 1e-3 * np.exp(-s / 40),
+             "grad_norm/blocks.0.attn": norm / 10, "grad_norm/blocks.1.attn": norm / 20}
         if s % 10 == 0:
             v.update({"loss/val": 3.1 * np.exp(-s / 20) + 0.03, "logits/z_mean": 2.0 * up + 0.05,
                       "logits/max_abs": 10.0 * up + 0.5})
@@ -298,3 +300,46 @@ def test_the_output_logits_legend_is_one_row_at_half_width(drawn):
         assert len(tops) == 2 and tops[-1] - tops[0] < 1, (own, g)
         assert not _overlap(b["legend"], b["plot"]), (own, b)
         assert b["plot"][3] - b["plot"][1] > 140, (own, b)  # no row of legend taken from it
+
+
+HEAT = "[data-panel=grads] .nbw-grads-heat"
+# The grads heat map's colour bar: its tick labels and their page places, the z (log₁₀ of the
+# norm) at its fill's top and bottom, its title.
+HEAT_BAR = """(sel) => { const gd = document.querySelector(sel), tr = gd._fullData[0];
+    const fill = gd.querySelector('.colorbar .cbfill').getBoundingClientRect();
+    return {zmin: tr.zmin, zmax: tr.zmax, top: fill.top, bottom: fill.bottom,
+            title: gd.querySelector('.colorbar .cbtitle')?.textContent,
+            ticks: [...gd.querySelectorAll('.colorbar .cbaxis text')].map((t) => {
+              const r = t.getBoundingClientRect();
+              return {text: t.textContent, mid: (r.top + r.bottom) / 2}; })}; }"""
+
+
+def test_the_grad_heat_map_colour_bar_reads_in_norms(drawn):
+    """The per-layer grad norm heat map's colour (log₁₀ of the norm) had its bar labelled
+    with exponents (−3, −2, −1, 0) under "log₁₀": a reader saw −2 where the norm was 0.01.
+    Each label now parses as a norm (0.001 … 1), drawn where the colour of that norm is; the
+    scale stays log (a decade apart, labels evenly spaced); a cell's hover reads its norm."""
+    page = drawn
+    _resize(page, WIDE)
+    page.locator(HEAT).scroll_into_view_if_needed()
+    bar = page.evaluate(HEAT_BAR, HEAT)
+    texts = [t["text"] for t in bar["ticks"]]
+    assert {"0.001", "0.01", "0.1", "1"} <= set(texts), bar
+    assert "log" in (bar["title"] or "") and "₁₀" not in bar["title"], bar
+    lo, hi = bar["zmin"], bar["zmax"]
+    for t in bar["ticks"]:
+        v = float(t["text"].replace("\u2212", "-"))
+        at = bar["top"] + (bar["bottom"] - bar["top"]) * (hi - math.log10(v)) / (hi - lo)
+        assert abs(t["mid"] - at) <= 4, (t, at, bar)
+    # a cell's hover: the norm it holds (the page's own value), not its log
+    x, y, want = page.evaluate("""(sel) => { const gd = document.querySelector(sel);
+        const fl = gd._fullLayout, r = gd.getBoundingClientRect(), j = 40;
+        return [r.left + fl.xaxis._offset + fl.xaxis.d2p(gd.data[0].x[j]),
+                r.top + fl.yaxis._offset + fl.yaxis.d2p(0), gd.data[0].customdata[0][j]]; }""",
+                                HEAT)
+    page.mouse.move(x, y)
+    page.wait_for_function("() => document.querySelector('[data-panel=grads] .hoverlayer "
+                           ".hovertext')", timeout=5_000)
+    hover = page.locator("[data-panel=grads] .hoverlayer .hovertext").text_content()
+    page.mouse.move(1, 1)
+    assert f"grad norm {want:.4g}" in hover, (hover, want)

@@ -22,11 +22,16 @@ export function create(root, ctx) {
   }
   const info = el("span", "nbw-small");
   p.head.append(measure, pick, info);
-  const empty = el("div", "nbw-small nbw-empty", "no probe yet: attention maps come with the first eval");
+  // Until the first maps: one line saying when they come (the kernel's `waiting`: at the
+  // first eval, step N where the run's options tell), or why none will (the probe's `note`);
+  // no empty figures, no pickers with nothing to pick.
+  const empty = el("div", "nbw-small nbw-empty nbw-attn-empty", "no attention maps yet: they come with the first eval");
   const overview = el("div", "nbw-plot nbw-attn-overview");
   const map = el("div", "nbw-plot nbw-attn-map");
+  overview.hidden = map.hidden = measure.hidden = pick.hidden = true;
   p.body.append(empty, overview, map);
   let data = null;
+  let note = null; // the probe's reason there are no maps: it outranks `waiting`
   let open = { l: 0, h: 0 };
   // What to redraw: the overview (a new eval, another measure or sample, the open head's
   // frame) and the map (the same, or a fetched map arriving: the overview stays as it is).
@@ -156,11 +161,13 @@ export function create(root, ctx) {
   return {
     box: p.box,
     update(d) {
-      // the probe is off (a model without attention weights): say why, not "no probe yet"
-      if (d.note && !data) empty.textContent = d.note;
+      // the probe is off (a model without attention weights): say why, not when maps come
+      if (d.note) note = d.note;
+      if (!data && (note || d.waiting)) empty.textContent = note || d.waiting;
       if (!d.samples) return;
       data = d;
-      empty.style.display = "none";
+      empty.hidden = true;
+      overview.hidden = map.hidden = measure.hidden = pick.hidden = false;
       const keep = pick.value;
       pick.replaceChildren(...d.samples.map((_, i) => {
         const o = el("option", null, `sample ${i}`);

@@ -88,6 +88,7 @@ class Feed:
         self._tokens = 0.0
         self._ema: tuple[float, int] = (0.0, 0)
         self._heat: tuple[int, list[str]] | None = None  # (bin width, layers) last sent
+        self._waiting: dict[str, str] = {}  # the notes of panels with nothing yet, last sent
         self.more = False
         # a rewind, or a resume of the run (a new `started`), dropped steps this mirror
         # holds: it must be read anew
@@ -254,11 +255,23 @@ class Feed:
                             time.time() if now is None else now, self.error,
                             header.watch_share_of(self._own, self._took))
 
+    def _waits(self, full: bool) -> dict[str, dict[str, str]]:
+        """{"attention": {"waiting": what its page says until a map comes}} while the run
+        holds none: in a full state, and in a refresh where it changed (the page keeps the
+        last one)."""
+        now = {}
+        if not (self.attention and self.attention.get("samples")):
+            now["attention"] = attention.waiting(self.meta, self.step)
+        send = now if full else {k: v for k, v in now.items() if self._waiting.get(k) != v}
+        self._waiting = now
+        return {k: {"waiting": v} for k, v in send.items()}
+
     def _build(self, series, events, columns, seq_len, att, new_samples, walls, now, recent,
                full: bool, heat: dict[str, Any] | None = None,
                system_new: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
                clock_new: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
                postmortems: dict[str, Any] | None = None) -> dict[str, Any]:
+        waits = self._waits(full)
         return {
             "header": self.header(now),
             "clock": clock.build(self.clock_t0, clock_new or {}),
@@ -268,7 +281,8 @@ class Feed:
             "ranks": ranks.build(series, recent, events),
             "grads": grads.build(series, self.latest, events, heat),
             "weights": weights.build(columns, series),
-            "attention": attention.build(att, self.latest, self.maps, events),
+            "attention": attention.build(att, self.latest, self.maps, events)
+            | waits.get("attention", {}),
             "health": health.build(series, events),
             "system": system.build(self.latest, system_new, self.system_t0),
             "data": data.build(series, seq_len),

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from ..lifecycle import is_ended
+
 
 def build(att: Mapping[str, Any] | None,
           latest: Mapping[str, tuple[int, float]] | None = None,
@@ -72,6 +74,27 @@ def build(att: Mapping[str, Any] | None,
     if np.isfinite(logit).any():
         out["logit"] = logit
     return out
+
+
+def waiting(meta: Mapping[str, Any], step: int) -> str:
+    """What the panel says while it holds no map: when the first comes, where the run's
+    options tell (`meta["run"]`: start()'s eval_every, a loop's probe_every, at the first of
+    their steps from `step` on), that the probe is off, or that the run ended without one."""
+    run = meta.get("run") or {}
+    opts = run.get("options") or {}
+    if opts.get("attention_samples") == 0:
+        return "no attention maps: the probe is off (attention_samples=0)"
+    if is_ended(str(meta.get("state"))):
+        return "no attention maps: the run ended before an eval took them"
+    def at(every: Any) -> int | None:
+        if not isinstance(every, int) or isinstance(every, bool) or every <= 0:
+            return None
+        return max(1, -(-int(step) // every)) * every  # the eval under way at its step too
+    if (n := at(run.get("eval_every"))) is not None:
+        return f"no attention maps yet: they come with the first eval, at step {n}"
+    if (n := at(opts.get("probe_every"))) is not None:
+        return f"no attention maps yet: they come with the first eval, or the probe at step {n}"
+    return "no attention maps yet: they come with the first eval"
 
 
 def module_list(att: Mapping[str, Any]) -> list[str]:

@@ -1,7 +1,8 @@
-"""The attention panel in JupyterLab: an eval's message carries the per-head overview and
-no map; opening a head asks the kernel for that one map, and the page draws what the store
-holds. A later eval re-fetches the head left open. The run folder is written here, by this
-process (a writer another process follows), and shown by `Dashboard.for_run` in a kernel."""
+"""The attention panel in JupyterLab: until the first eval one line says at which step its
+maps come; an eval's message carries the per-head overview and no map; opening a head asks
+the kernel for that one map, and the page draws what the store holds. A later eval
+re-fetches the head left open. The run folder is written here, by this process (a writer
+another process follows), and shown by `Dashboard.for_run` in a kernel."""
 
 from __future__ import annotations
 
@@ -67,14 +68,21 @@ def _wait_open(page, head: str, step: int) -> dict:
     return _drawn(page)
 
 
+_HEIGHT = "() => document.querySelector('[data-panel=attention]').getBoundingClientRect().height"
+# the panel's note is shown and reads `text` (any text where "")
+_SAYS = """(text) => { const e = document.querySelector('[data-panel=attention] .nbw-empty');
+    return !!e?.offsetParent && (!text || e.textContent === text); }"""
+
+
 def test_opening_a_head_fetches_its_map_from_the_kernel(page, lab, workdir):
     run_dir = workdir / "runs" / "attn_fetch"
     store = RunStore(run_dir)
     try:
         store.set_meta("state", "running")
-        for s in range(1, 11):
+        store.set_meta("run", {"eval_every": 10, "options": {"attention_samples": 2}})
+        for s in range(1, 6):
             store.put(Scalars(s, {"loss/train": 3.0 - s / 10}, wall=time.time()))
-        _eval(store, 10, seed=0)
+        store.flush()
         nb = nbformat.v4.new_notebook(metadata={"kernelspec": {
             "name": "python3", "display_name": "Python 3", "language": "python"}})
         nb.cells = [nbformat.v4.new_code_cell(
@@ -84,8 +92,17 @@ def test_opening_a_head_fetches_its_map_from_the_kernel(page, lab, workdir):
         open_notebook(page, f"{lab.url}/lab/tree/attn_fetch.ipynb?reset")
         page.evaluate(RECORD)
         run_all(page)
+        # before the first eval: the panel is one line saying when maps come (it was a blank
+        # box ~840 px tall under "no probe yet"); they come, and it grows into them
+        page.wait_for_function(_SAYS, arg="no attention maps yet: they come with the first "
+                               "eval, at step 10", timeout=30_000)
+        assert page.evaluate(_HEIGHT) < 80
+        for s in range(6, 11):
+            store.put(Scalars(s, {"loss/train": 3.0 - s / 10}, wall=time.time()))
+        _eval(store, 10, seed=0)
         # the overview is drawn, and the head open by default (0:0) fetched
         first = _wait_open(page, "0:0", 10)
+        assert page.evaluate(_HEIGHT) > 500 and not page.evaluate(_SAYS, arg="")
         ov = page.evaluate("""() => { const t = document.querySelector(
             '[data-panel=attention] .nbw-attn-overview').data[0];
             return [t.z.length, t.z[0].length]; }""")

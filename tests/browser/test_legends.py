@@ -4,8 +4,10 @@ logits, whose legend sat inside the plot at the top left over the run's first st
 per-rank loss and exchange time of a job of many ranks; the system figures of a machine of
 many GPUs; the global grad norm; the loss); each tick label of a log axis reads as the value
 at its place (plotly labelled 0.05 "5" and 20 "2"); the header keeps its x axis switch
-beside its label, on the row of the step counter, at the widths a notebook cell has; and the
-output logits' legend is one row at half width."""
+beside its label, on the row of the step counter, at the widths a notebook cell has; the
+output logits' legend is one row at half width; the grad heat map's colour bar reads in norms
+(it read −2 for 0.01); and the Attention panel without a map is one line saying so, not a
+blank box."""
 
 from __future__ import annotations
 
@@ -343,3 +345,24 @@ def test_the_grad_heat_map_colour_bar_reads_in_norms(drawn):
     hover = page.locator("[data-panel=grads] .hoverlayer .hovertext").text_content()
     page.mouse.move(1, 1)
     assert f"grad norm {want:.4g}" in hover, (hover, want)
+
+
+# The Attention and Weights panels of a run with no map and no weight histogram: each
+# panel's box, its note, and its figures shown.
+EMPTY = """() => Object.fromEntries(['attention', 'weights'].map((p) => {
+    const box = document.querySelector(`[data-panel=${p}]`), r = box.getBoundingClientRect();
+    const note = box.querySelector('.nbw-empty');
+    return [p, {height: r.height, width: r.width,
+      note: note && note.offsetParent ? note.textContent : null,
+      figures: [...box.querySelectorAll('.nbw-plot')].filter((d) => d.offsetParent)
+        .map((d) => ({cls: d.className, width: d.getBoundingClientRect().width}))}]; }))"""
+
+
+def test_the_attention_panel_without_maps_is_a_line(drawn):
+    """Before (or without) an attention map the Attention panel was a blank box ~840 px tall
+    (its empty figures' height) under "no probe yet". It is now its head and one line saying
+    when maps come, or here why none came: this run ended without one."""
+    att = drawn.evaluate(EMPTY)["attention"]
+    assert att["note"] == "no attention maps: the run ended before an eval took them", att
+    assert att["height"] < 80 and not att["figures"], att
+

@@ -521,3 +521,21 @@ def test_the_headers_rates_are_the_newest_steps_median_not_one_steps(tmp_path):
     feed.update()
     h = feed.header()
     assert h["tokens_per_s"] == pytest.approx(40_014.5) and h["tflops"] == 1.0
+
+
+def test_attention_waiting_says_when_maps_come():
+    """Until its first map the panel's line says when one comes (start()'s eval_every, a
+    loop's probe_every, counted from the step the run stands at), that the probe is off, or
+    that the run ended without one; not "no probe yet"."""
+    run = {"eval_every": 50, "options": {"attention_samples": 2}}
+    assert attention.waiting({"state": "running", "run": run}, 0).endswith("at step 50")
+    assert attention.waiting({"state": "running", "run": run}, 50).endswith("at step 50")
+    assert attention.waiting({"state": "running", "run": run}, 120).endswith("at step 150")
+    loop = {"options": {"attention_samples": 2, "probe_every": 25}}
+    assert attention.waiting({"state": "running", "run": loop}, 3).endswith(
+        "or the probe at step 25")
+    assert attention.waiting({}, 0) == "no attention maps yet: they come with the first eval"
+    assert "probe is off" in attention.waiting(
+        {"state": "running", "run": {"eval_every": 5, "options": {"attention_samples": 0}}}, 0)
+    assert "ended" in attention.waiting({"state": "finished", "run": run}, 400)
+

@@ -83,9 +83,14 @@ export function create(root, ctx) {
   search.placeholder = "filter layers…";
   const pick = el("select", "nbw-layer-pick");
   p.head.append(search, pick);
+  // Until the run has a histogram: a line in its place saying when one comes, or that
+  // hist_every=0 turns them off (the kernel's `waiting`), not empty axes; the update ratios
+  // beside it where the run has them, across the panel.
+  const none = el("div", "nbw-small nbw-empty nbw-weights-none", "no weight histogram yet");
   const heat = el("div", "nbw-plot nbw-half nbw-weights-heat");
   const ratio = el("div", "nbw-plot nbw-half nbw-weights-ratio");
-  p.body.append(heat, ratio);
+  heat.hidden = ratio.hidden = search.hidden = pick.hidden = true;
+  p.body.append(none, heat, ratio);
   let cols = {};       // layer → [{step, edges, counts}]
   let layers = [];     // depth order
   const ratios = {};   // layer → Series
@@ -111,6 +116,7 @@ export function create(root, ctx) {
       return og;
     }));
     if (keep && [...pick.options].some((o) => o.value === keep)) pick.value = keep;
+    search.hidden = pick.hidden = !layers.length; // nothing to pick yet
   }
 
   const addLayer = (name) => {
@@ -145,6 +151,7 @@ export function create(root, ctx) {
         }
         dirty = true;
       }
+      if (d.waiting) none.textContent = d.waiting;
       if (layers.length !== before) relist();
     },
     restyle() { dirty = true; },
@@ -154,6 +161,12 @@ export function create(root, ctx) {
       const layer = pick.value || layers[0];
       const many = layers.length > MAX_LINES;
       const c = cols[layer] || [];
+      const any = Object.keys(cols).length > 0;
+      none.hidden = any;
+      heat.hidden = !any;
+      ratio.hidden = !Object.values(ratios).some((r) => r.y.length);
+      p.box.dataset.histograms = any ? "yes" : "none";
+      if (any) {
       const h = c.length ? heatmap(c) : { x: [], y: [], z: [] };
       const hx = t.axis.x(h.x);
       Plotly.react(heat, [{
@@ -162,6 +175,8 @@ export function create(root, ctx) {
       }], heatLayout(t, { margin: { l: 52, r: 8, t: 24, b: 32 },
         title: { text: `weight histogram: ${esc(layer || "–")}`, font: { size: 11 } },
         yaxis: { title: { text: "weight" }, gridcolor: t.grid, uirevision: layer } }), CONFIG); // another layer: its own weights' range
+      }
+      if (ratio.hidden) return;
       const traces = shownRatios(layers, ratios, layer).map((l) => ({
         name: esc(l), ...t.axis.line(ratios[l].x, ratios[l].y), type: "scatter", mode: many && ratios[l].x.length > 30 ? "lines" : "lines+markers", // a point or two: markers, or nothing shows
         marker: { size: 3 },

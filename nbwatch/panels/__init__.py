@@ -256,12 +256,14 @@ class Feed:
                             header.watch_share_of(self._own, self._took))
 
     def _waits(self, full: bool) -> dict[str, dict[str, str]]:
-        """{"attention": {"waiting": what its page says until a map comes}} while the run
-        holds none: in a full state, and in a refresh where it changed (the page keeps the
-        last one)."""
+        """{"attention": {"waiting": what its page says until a map comes}, "weights": the
+        same of the histograms} for the panels that hold none: all of them in a full state,
+        in a refresh those that changed (the page keeps the last one)."""
         now = {}
         if not (self.attention and self.attention.get("samples")):
             now["attention"] = attention.waiting(self.meta, self.step)
+        if not self.columns:
+            now["weights"] = weights.waiting(self.meta)
         send = now if full else {k: v for k, v in now.items() if self._waiting.get(k) != v}
         self._waiting = now
         return {k: {"waiting": v} for k, v in send.items()}
@@ -280,7 +282,7 @@ class Feed:
             | ({"postmortems": postmortems} if postmortems else {}),
             "ranks": ranks.build(series, recent, events),
             "grads": grads.build(series, self.latest, events, heat),
-            "weights": weights.build(columns, series),
+            "weights": weights.build(columns, series) | waits.get("weights", {}),
             "attention": attention.build(att, self.latest, self.maps, events)
             | waits.get("attention", {}),
             "health": health.build(series, events),

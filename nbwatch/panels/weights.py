@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ..lifecycle import is_ended
 from ._common import Series, layers_of, traces
 from .downsample import bucket_width
 
@@ -32,6 +33,25 @@ def thin(columns: list[C], max_columns: int = MAX_COLUMNS) -> list[C]:
             prev = b
     out.append(columns[-1])
     return out
+
+
+def waiting(meta: Mapping[str, Any]) -> str:
+    """What the histogram's place says while the run has none: that hist_every=0 turns them
+    off (and the update ratios with them, but where update_every takes those), that the run
+    ended without one, or when they are taken (`meta["run"]["options"]`)."""
+    run = meta.get("run") or {}
+    opts = run.get("options") or {}
+    every = opts.get("hist_every", run.get("hist_every"))
+    if every == 0:
+        if not opts.get("update_every"):
+            return "no weight histograms or update ratios: hist_every=0 turns them off"
+        return "no weight histograms: hist_every=0 turns them off"
+    if is_ended(str(meta.get("state"))):
+        return "no weight histograms in this run"
+    if isinstance(every, int) and every > 0:
+        return (f"no weight histogram yet: one is taken at the run's first step, then every "
+                f"{every} steps")
+    return "no weight histogram yet"
 
 
 def build(columns: Mapping[str, Sequence[Column]], series: Series) -> dict[str, Any]:

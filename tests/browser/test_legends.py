@@ -6,8 +6,8 @@ many GPUs; the global grad norm; the loss); each tick label of a log axis reads 
 at its place (plotly labelled 0.05 "5" and 20 "2"); the header keeps its x axis switch
 beside its label, on the row of the step counter, at the widths a notebook cell has; the
 output logits' legend is one row at half width; the grad heat map's colour bar reads in norms
-(it read −2 for 0.01); and the Attention panel without a map is one line saying so, not a
-blank box."""
+(it read −2 for 0.01); and a panel with nothing to draw yet (no attention map, no weight
+histogram) is one line saying so, not a blank box or empty axes."""
 
 from __future__ import annotations
 
@@ -366,3 +366,14 @@ def test_the_attention_panel_without_maps_is_a_line(drawn):
     assert att["note"] == "no attention maps: the run ended before an eval took them", att
     assert att["height"] < 80 and not att["figures"], att
 
+
+def test_the_weights_panel_without_histograms_says_so(drawn):
+    """A run without weight histograms drew the histogram as empty axes from −1 to 6. Its
+    place is now one line saying why (this run ended without one), and the update ratios,
+    which the run has, are drawn across the panel."""
+    _resize(drawn, WIDE)
+    w = drawn.evaluate(EMPTY)["weights"]
+    assert w["note"] == "no weight histograms in this run", w
+    assert [f["cls"].split() for f in w["figures"]] == [
+        ["nbw-plot", "nbw-half", "nbw-weights-ratio", "js-plotly-plot"]], w
+    assert w["figures"][0]["width"] > 0.9 * w["width"], w

@@ -539,3 +539,13 @@ def test_attention_waiting_says_when_maps_come():
         {"state": "running", "run": {"eval_every": 5, "options": {"attention_samples": 0}}}, 0)
     assert "ended" in attention.waiting({"state": "finished", "run": run}, 400)
 
+
+def test_weights_waiting_says_why_there_is_no_histogram():
+    off = {"state": "running", "run": {"options": {"hist_every": 0, "update_every": None}}}
+    assert weights.waiting(off) == \
+        "no weight histograms or update ratios: hist_every=0 turns them off"
+    off["run"]["options"]["update_every"] = 10
+    assert weights.waiting(off) == "no weight histograms: hist_every=0 turns them off"
+    on = {"state": "running", "run": {"options": {"hist_every": 50}}}
+    assert weights.waiting(on).endswith("then every 50 steps")
+    assert weights.waiting({"state": "finished"}) == "no weight histograms in this run"

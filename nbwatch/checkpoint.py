@@ -248,7 +248,7 @@ def restore_into(ckpt: dict[str, Any], model: Any, optimizer: Any, scheduler: An
 
             load_sharded(where / ckpt["sharded"], model, optimizer, group)
         else:
-            _load_model(bare_module(model), ckpt["model"])
+            load_model_state(bare_module(model), ckpt["model"])
             optimizer.load_state_dict(ckpt["optimizer"])
         if (scheduler is not None and ckpt.get("scheduler") is not None
                 and hasattr(scheduler, "load_state_dict")):
@@ -322,7 +322,7 @@ def frozen_base(model: torch.nn.Module) -> set[str]:
             if not p.requires_grad and id(p) not in adapters}
 
 
-def _load_model(inner: torch.nn.Module, state: dict[str, Any]) -> None:
+def load_model_state(inner: torch.nn.Module, state: dict[str, Any]) -> None:
     """Load a checkpoint's model state: whole, or (a PEFT model's, `model_state`) all but
     the frozen base, which the model holds already. Which weights are frozen now need not
     be those frozen when it was written (a base layer unfrozen mid-run is in it, and

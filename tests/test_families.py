@@ -8,6 +8,7 @@ the clip, and the attention weights the model itself gives with `output_attentio
 from __future__ import annotations
 
 import copy
+import itertools
 
 import numpy as np
 import pytest
@@ -311,6 +312,35 @@ def test_a_lora_checkpoint_holds_the_adapters_not_the_frozen_base(tmp_path):
             if n in trained:
                 assert torch.equal(p, trained[n]), n
         assert opt2.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+
+
+def test_preflight_of_a_lora_model_keeps_a_copy_of_the_adapters_alone(tmp_path, monkeypatch):
+    """`preflight()` copies what it restores after its trial: a PEFT model's adapters, not
+    its frozen base (as its checkpoints), and puts them back as they were."""
+    peft = pytest.importorskip("peft")
+    from nbwatch.monitor import preflight
+
+    model = peft.get_peft_model(tiny_llama("eager"), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    for n, p in model.named_parameters():  # lora_B is zero as made: give it weights
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.02)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    copied: list[set] = []
+    of_model = preflight.model_state
+    monkeypatch.setattr(preflight, "model_state",
+                        lambda m: copied.append(set(state := of_model(m))) or state)
+    data = Padded(16, 0, vocab=VOCAB, T=16, shortest=6)
+    batches = [probe_of(torch.utils.data.Subset(data, range(i, i + 4)), 4)
+               for i in range(0, 16, 4)]
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run", display=False)
+    result = mon.preflight(lambda m, b: m(**b).loss, itertools.cycle(batches), steps=4)
+    assert len(result.df) == 4, result  # the trial's steps, recorded apart
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert copied[0] and not copied[0] & frozen  # the adapters, not the base
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not opt.state
 
 
 def test_gradient_checkpointing_under_bf16_autocast(tmp_path):

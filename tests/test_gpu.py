@@ -188,6 +188,32 @@ def test_start_trains_on_the_device_without_a_sync(tmp_path, audit):
     assert df[["loss/train", "grad_norm/global"]].notna().all().all()
 
 
+@pytest.mark.skipif(not CUDA, reason="a GPU's memory")
+def test_preflight_keeps_its_copy_of_the_model_and_optimizer_in_host_memory(tmp_path):
+    """`preflight()` saves the model and optimizer to restore them after its trial: a copy
+    on the GPU held the weights (and a trained optimizer's moments) twice through the
+    trial, where a model that trains in the GPU's memory could fail, and its peak-memory
+    check counted them."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # 128 MiB
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(64, 2048, device="cuda")
+    model(x).pow(2).mean().backward()
+    opt.step()  # its moments: twice the weights more
+    opt.zero_grad(set_to_none=True)
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "r", display=False)
+    torch.cuda.synchronize()
+    before, seen = torch.cuda.memory_allocated(), []
+
+    def step_fn(m, b):
+        if not seen:
+            seen.append(torch.cuda.memory_allocated())
+        return m(b).pow(2).mean()
+
+    mon.preflight(step_fn, itertools.repeat(x), steps=3)
+    assert seen[0] - before < 0.1 * weights, (seen[0] - before) / weights
+
+
 def test_start_weighs_the_logits_by_a_host_batchs_mask_the_step_fn_moved(tmp_path):
     """A step_fn that moves the loader's CPU batch to the device itself and returns only
     its loss: `train_logits/*` come from the output layer's hook, over the rows the

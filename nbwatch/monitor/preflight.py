@@ -21,7 +21,14 @@ import pandas as pd
 
 from .. import controls as ctl
 from ..alerts.engine import AlertEngine
-from ..checkpoint import Checkpointer, rng_state, set_rng_state
+from ..checkpoint import (
+    Checkpointer,
+    bare_module,
+    load_model_state,
+    model_state,
+    rng_state,
+    set_rng_state,
+)
 from ..recorder import Progress, RunSpec, StepRecorder
 from ..run import Run
 from ..runner import Runner
@@ -139,13 +146,28 @@ def evaluate(df: pd.DataFrame, events: pd.DataFrame, has_scheduler: bool,
     return checks
 
 
+def _on_host(obj: Any) -> Any:
+    """A copy of a state dict with its tensors in host memory: a copy on the GPU would hold
+    the weights and the optimizer's moments twice through the trial (a model that trains
+    in the GPU's memory could fail there) and count them in its peak memory."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _on_host(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_on_host(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
 def preflight(mon: Any, step_fn: Any, data: Any, steps: int = 200, **kw: Any) -> Preflight:
     """Trial-run `steps` steps on `mon`'s model, optimizer and scheduler, then restore them."""
     import torch
 
-    saved = {
-        "model": copy.deepcopy(mon.model.state_dict()),
-        "optimizer": copy.deepcopy(mon.optimizer.state_dict()),
+    saved = {  # in host memory (`_on_host`), a PEFT model's frozen base left as it is
+        "model": _on_host(model_state(bare_module(mon.model))),
+        "optimizer": _on_host(mon.optimizer.state_dict()),
         "scheduler": copy.deepcopy(mon.scheduler.state_dict()) if mon.scheduler else None,
         "scaler": copy.deepcopy(mon.scaler.state_dict()) if mon.scaler else None,
         "rng": rng_state(),
@@ -172,7 +194,7 @@ def preflight(mon: Any, step_fn: Any, data: Any, steps: int = 200, **kw: Any) ->
         finally:
             mon._session.recorder = None
             store.close()
-            mon.model.load_state_dict(saved["model"])
+            load_model_state(bare_module(mon.model), saved["model"])
             mon.optimizer.load_state_dict(saved["optimizer"])
             if mon.scheduler is not None:
                 mon.scheduler.load_state_dict(saved["scheduler"])

@@ -317,3 +317,37 @@ def test_of_two_nets_the_figures_are_the_trained_ones(tmp_path):
     heads.hook.remove()
     got = nbwatch.open_run(tmp_path / "run").df[[LOG_Z, MAX_ABS]].iloc[1:].to_numpy()
     assert got == pytest.approx(expected([(x, None) for x in heads.logits[1:]]), rel=1e-6)
+
+
+@pytest.mark.parametrize("loop", ["start", "own"])
+def test_a_classifier_with_no_output_layer_records_its_models_logits(tmp_path, loop):
+    """A Hugging Face image classifier (ViTForImageClassification: its
+    get_output_embeddings() is None, it has no embedding onto a vocabulary) handing over
+    only its loss: log Z over its classes, from the `.logits` its forward returns. A model
+    whose output is a bare tensor stays without them
+    (`test_a_model_without_an_output_layer_records_no_logits_figures`)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.ViTForImageClassification(transformers.ViTConfig(
+        num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+        image_size=8, patch_size=4, num_labels=5))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = [{"pixel_values": torch.randn(4, 3, 8, 8), "labels": torch.randint(0, 5, (4,))}
+               for _ in range(4)]
+    kept = []
+    mine = model.register_forward_hook(
+        lambda mod, args, out: kept.append(out.logits.detach().clone()) if mod.training else None)
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
+    if loop == "start":
+        mon.start(lambda m, b: m(**b).loss, batches, max_steps=4, display=False).wait()
+    else:
+        with mon:
+            for b in batches:
+                model(**b).loss.backward()
+                opt.step()
+                opt.zero_grad()
+                mon.log(loss=1.0, batch=b)
+    mine.remove()
+    got = mon.df[[LOG_Z, MAX_ABS]].iloc[1:].to_numpy()  # the hook is set at step 1's end
+    assert got == pytest.approx(expected([(x, None) for x in kept[1:]]), rel=1e-6)
+    assert not model._forward_hooks

@@ -58,13 +58,19 @@ def _is_logits(x: Any) -> bool:
         and x.shape[-1] > 1
 
 
+def named_logits(out: Any) -> torch.Tensor | None:
+    """The logits a forward's output names (`.logits`, `out["logits"]`), else None."""
+    x = getattr(out, "logits", None)
+    if x is None and isinstance(out, Mapping):
+        x = out.get("logits")
+    return x if _is_logits(x) else None
+
+
 def output_logits(out: Any) -> torch.Tensor | None:
     """The logits a forward returned: `.logits` (Hugging Face), `out["logits"]`, the output
     itself when it is a float tensor [..., vocab] (not a scalar loss), or the first such
     tensor of a tuple (`logits, loss = model(idx, targets)`)."""
-    x = getattr(out, "logits", None)
-    if x is None and isinstance(out, Mapping):
-        x = out.get("logits")
+    x = named_logits(out)
     if x is None and isinstance(out, torch.Tensor):
         x = out
     if x is None and isinstance(out, (tuple, list)):

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from . import late
-from .activations import output_layers, output_logits
+from .activations import named_logits, output_layers, output_logits
 from .logit_rows import (
     NAMES,
     POSITIONS,
@@ -87,7 +87,15 @@ class HeadWatch:
         self.vocab: int | None = getattr(found[0][1], "out_features", None) if found else None
         if found and isinstance(inner, nn.Module):
             found = [("", model)]
-        self.path = ", ".join(path for path, _ in found) or None
+        # no output layer (a Hugging Face classifier: ViTForImageClassification,
+        # *ForSequenceClassification, Wav2Vec2ForCTC, whose get_output_embeddings() is
+        # None): watched at the model's own output, where it names its logits
+        # (`out.logits`, out["logits"]); a bare tensor there may be features, never taken
+        self.named = not found
+        if self.named:
+            found = [("", model)]
+        self.path = ", ".join(path for path, _ in found) or (
+            f"of {type(model).__name__}'s own output" if self.named else None)
         # a model that softcaps its logits after the output layer (Gemma 2 and 3): the
         # hook's rows are capped as its loss sees them
         config = getattr(inner if isinstance(inner, nn.Module) else model, "config", None)
@@ -103,7 +111,10 @@ class HeadWatch:
                 and threading.get_ident() == self._thread):
             return
         with self._own:
-            x = output_logits(out)
+            x = named_logits(out) if self.named else output_logits(out)
+            if self.named and x is None:  # its output names no logits: none, ever
+                self.remove()
+                return
             if x is not None and is_logits(x) and self.vocab in (None, x.shape[-1]):
                 self.rows = (row_copy(x, self.positions, self.cap)
                              or row_figures(x, self.positions, self.cap))
@@ -198,6 +209,9 @@ class TrainLogits:
         if self.head is None:  # the model has no output layer
             return [], []
         got = self.head.take(mask, rearm, host)
+        if not self.head.watching:  # the model's output named no logits: nothing to take
+            self.close()
+            return got
         # the first take may come before any forward could reach the hook (set just now);
         # a second in a row with nothing: no forward reaches it, say why once a run
         self._empty = 0 if self.head.seen else self._empty + 1

@@ -240,9 +240,7 @@ class RunSession:
             self.setup.control.clip, self.clip_asked = self.clip_asked, NOT_GIVEN  # once
         rules = self.setup.rules
         mfu = Mfu.of(self.setup.model, opts.peak_flops)
-        run_meta = {**run_meta, "flops": {"n_params": mfu.n, "layers": mfu.layers,
-                                          "d_model": mfu.d, "ctx": mfu.ctx,
-                                          "peak_flops": mfu.peak, "n_trained": mfu.n_trained}}
+        run_meta = {**run_meta, "flops": mfu.meta()}
         if dist is not None:  # decisions that need no exchange must see the same inputs: the
             # synchronised gradients, not a rank's own loss
             rules = [replace(r, params={**r.params, "keys": ("grad_norm/global",)})

@@ -110,10 +110,12 @@ def flops_per_token(n_params: int, layers: int, seq_len: float, d_model: int,
     return 4.0 * n_params + 2.0 * trained + 12.0 * layers * seq_len * d_model
 
 
-def add_mfu(values: dict[str, float], per_token: float, peak: float | None) -> None:
+def add_mfu(values: dict[str, float], per_token: float, peak: float | None,
+            rate: float | None = None) -> None:
     """`throughput/tflops` (model TFLOP/s achieved: tokens/s × `per_token`) and, against
-    `peak` FLOP/s, `throughput/mfu` (a fraction)."""
-    rate = values.get("throughput/tokens_per_s")
+    `peak` FLOP/s, `throughput/mfu` (a fraction). `rate`: the positions a second, where
+    they are not tokens/s (a vision Transformer's patches)."""
+    rate = values.get("throughput/tokens_per_s") if rate is None else rate
     if rate is None or per_token <= 0:
         return
     achieved = rate * per_token
@@ -247,6 +249,38 @@ VISION_TEXT = (
     "the text is the longer")
 
 
+IMAGE_TOKENS = (
+    "throughput/tflops and MFU of a vision Transformer count its weights for each of the "
+    "{t} positions its encoder sees an image (its position table's: the patches and a class "
+    "token) for each sample of samples/s, attention's over those {t}; the classifier head, "
+    "which sees one position, and the patch projection, which sees no class token, are "
+    "counted at every position too (a slight overcount)")
+
+
+ADDED = ("position_embeddings", "cls_token", "distillation_token", "mask_token")
+
+
+def image_tokens(model: Any) -> int | None:
+    """The positions a vision Transformer's encoder sees an image (ViT's 16 patches and
+    class token at 32 px in patches of 8: 17; DeiT's distillation token too): the length
+    of the position table of a Hugging Face model whose config has an `image_size` and a
+    `patch_size` and no text part (CLIP's two towers: `has_vision_tower`). None for any
+    other model, or one whose table is not found: its batches of pixels get no TFLOP/s."""
+    from torch import nn
+
+    cfg = getattr(model, "config", None)
+    if (getattr(cfg, "image_size", None) is None or getattr(cfg, "patch_size", None) is None
+            or getattr(cfg, "text_config", None) is not None or has_vision_tower(model)):
+        return None
+    for name, p in model.named_parameters():  # ViT, DeiT, BEiT: a [1, T, d] parameter
+        if name.endswith("position_embeddings") and p.dim() == 3 and p.shape[0] == 1:
+            return int(p.shape[1])
+    for name, m in model.named_modules():  # a CLIP vision tower alone: an nn.Embedding
+        if name.endswith("position_embedding") and isinstance(m, nn.Embedding):
+            return int(m.num_embeddings)
+    return None
+
+
 def has_vision_tower(model: Any) -> bool:
     """A Hugging Face model (or one a module holds) whose config has both a vision and a
     text part: CLIP's and SigLIP's two towers, a vision-language model's encoder."""
@@ -273,6 +307,7 @@ class Mfu:
         # TFLOP/s and MFU to say them of; a run of none (speech features, pixels) says none
         self.say: Callable[[int, str], None] | None = None
         self._said = False
+        self.image_tokens: int | None = None  # a vision Transformer's positions an image
 
     @classmethod
     def of(cls, model: object, peak: float | None) -> Mfu:
@@ -300,7 +335,22 @@ class Mfu:
             out.notes.append(ENCODER_DECODER)
         if has_vision_tower(model):
             out.notes.append(VISION_TEXT)
+        out.image_tokens = image_tokens(unwrapped(model))
+        if out.image_tokens:  # its position table and class token are added, as a
+            # language model's looked-up position table: in no matmul
+            added = [p for name, p in unwrapped(model).named_parameters()
+                     if name.rsplit(".", 1)[-1] in ADDED and p.dim() == 3 and p.shape[0] == 1]
+            out.n -= sum(p.numel() for p in added)
+            out.n_trained = (out.n_trained or 0) - sum(
+                p.numel() for p in added if p.requires_grad)
+            out.notes.append(IMAGE_TOKENS.format(t=out.image_tokens))
         return out
+
+    def meta(self) -> dict[str, Any]:
+        """The shape the run records (`run.meta["run"]["flops"]`)."""
+        return {"n_params": self.n, "layers": self.layers, "d_model": self.d, "ctx": self.ctx,
+                "peak_flops": self.peak, "n_trained": self.n_trained,
+                **({"image_tokens": self.image_tokens} if self.image_tokens else {})}
 
     def seq_len(self, values: dict[str, float]) -> float:
         tokens, samples = values.get("throughput/tokens_per_s"), values.get(
@@ -320,12 +370,16 @@ class Mfu:
         self.retrained.append((step, round(experts.active(trained))))
 
     def __call__(self, values: dict[str, float], step: int | None = None) -> None:
-        if "throughput/tokens_per_s" in values:
+        rate, seq = values.get("throughput/tokens_per_s"), None
+        images = values.get("throughput/samples_per_s")
+        if rate is None and self.image_tokens and images:  # pixels: no tokens, patches
+            rate, seq = images * self.image_tokens, float(self.image_tokens)
+        if rate is not None:
             if not self._said and self.say is not None:
                 self._said = True
                 for note in self.notes:
                     self.say(step or 0, note)
             trained = next((n for since, n in reversed(self.retrained)
                             if step is None or since <= step), self.n_trained)
-            add_mfu(values, flops_per_token(self.n, self.layers, self.seq_len(values),
-                                            self.d, trained), self.peak)
+            add_mfu(values, flops_per_token(self.n, self.layers, seq or self.seq_len(values),
+                                            self.d, trained), self.peak, rate)

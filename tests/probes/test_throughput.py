@@ -551,3 +551,32 @@ def test_start_counts_a_batchs_rows_as_the_loader_gave_it(tmp_path):
     mon.start(step_fn, batches, max_steps=3, display=False).wait()
     assert mon.state == "finished", mon.error
     assert _counted(nbwatch.open_run(tmp_path / "run").df) == [3, 3, 3]
+
+
+def test_a_vit_counts_its_patches_and_class_token_for_each_image(tmp_path):
+    """A ViT's batch of pixels has no tokens, but its encoder sees 17 positions an image
+    (16 patches of 8 at 32 px, and the class token): TFLOP/s is samples/s × 17 ×
+    (6·N + 12·L·17·d), N without the position table and class token (added, in no
+    matmul), said once how it is counted."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tf.ViTForImageClassification(tf.ViTConfig(
+        num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+        image_size=32, patch_size=8, num_labels=4))
+    n = sum(p.numel() for name, p in model.named_parameters()
+            if not name.endswith(("position_embeddings", "cls_token")))
+    mfu = Mfu.of(model, peak=None)
+    assert (mfu.image_tokens, mfu.n, mfu.n_trained) == (17, n, n)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = [{"pixel_values": torch.randn(4, 3, 32, 32), "labels": torch.randint(0, 4, (4,))}
+               for _ in range(3)]
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "vit", display=False, peak_flops=1e12)
+    mon.start(lambda m, b: m(**b).loss, batches, max_steps=3).wait()
+    df = mon.df
+    per_image = 17 * (6 * n + 12 * 2 * 17 * 16)
+    by_hand = df["throughput/samples_per_s"] * per_image
+    np.testing.assert_allclose(df["throughput/tflops"] * 1e12, by_hand, rtol=1e-6)
+    np.testing.assert_allclose(df["throughput/mfu"] * 1e12, by_hand, rtol=1e-6)
+    assert "tokens/real" not in df  # pixels are still no tokens
+    said = mon.events[mon.events.message.str.contains("vision Transformer")]
+    assert len(said) == 1 and "17 positions" in said.message.iloc[0]

@@ -283,8 +283,8 @@ def no_grad_event(step: int, names: list[str]) -> Event:
     return Event(step, "probe", "info",
                  f"no gradient at step {step} for {', '.join(shown)}{more}: their gradient "
                  "norms are left blank while they have none (frozen in place, not used in "
-                 "the forward, an expert no token reached); a layer used by the loss should "
-                 "have one", {"layers": shown})
+                 "the forward, an expert no token reached, a layer LayerDrop skipped this "
+                 "step); a layer used by the loss should have one", {"layers": shown})
 
 
 def lasting_clip(alerts: list, values: dict[str, float]) -> float | None:

@@ -22,7 +22,7 @@ export function create(root, ctx) {
   }
   const info = el("span", "nbw-small");
   p.head.append(measure, pick, info);
-  // Until the first maps: one line saying when they come (the kernel's `waiting`: at the
+  // Until the first maps: one line saying when they come (the kernel's `until`: at the
   // first eval, step N where the run's options tell), or why none will (the probe's `note`);
   // no empty figures, no pickers with nothing to pick.
   const empty = el("div", "nbw-small nbw-empty nbw-attn-empty", "no attention maps yet: they come with the first eval");
@@ -31,7 +31,7 @@ export function create(root, ctx) {
   overview.hidden = map.hidden = measure.hidden = pick.hidden = true;
   p.body.append(empty, overview, map);
   let data = null;
-  let note = null; // the probe's reason there are no maps: it outranks `waiting`
+  let note = null; // the probe's reason there are no maps: it outranks `until`
   let open = { l: 0, h: 0 };
   // What to redraw: the overview (a new eval, another measure or sample, the open head's
   // frame) and the map (the same, or a fetched map arriving: the overview stays as it is).
@@ -163,7 +163,7 @@ export function create(root, ctx) {
     update(d) {
       // the probe is off (a model without attention weights): say why, not when maps come
       if (d.note) note = d.note;
-      if (!data && (note || d.waiting)) empty.textContent = note || d.waiting;
+      if (!data && (note || d.until)) empty.textContent = note || d.until;
       if (!d.samples) return;
       data = d;
       empty.hidden = true;

@@ -84,7 +84,7 @@ export function create(root, ctx) {
   const pick = el("select", "nbw-layer-pick");
   p.head.append(search, pick);
   // Until the run has a histogram: a line in its place saying when one comes, or that
-  // hist_every=0 turns them off (the kernel's `waiting`), not empty axes; the update ratios
+  // hist_every=0 turns them off (the kernel's `until`), not empty axes; the update ratios
   // beside it where the run has them, across the panel.
   const none = el("div", "nbw-small nbw-empty nbw-weights-none", "no weight histogram yet");
   const heat = el("div", "nbw-plot nbw-half nbw-weights-heat");
@@ -151,7 +151,7 @@ export function create(root, ctx) {
         }
         dirty = true;
       }
-      if (d.waiting) none.textContent = d.waiting;
+      if (d.until) none.textContent = d.until;
       if (layers.length !== before) relist();
     },
     restyle() { dirty = true; },

@@ -256,7 +256,7 @@ class Feed:
                             header.watch_share_of(self._own, self._took))
 
     def _waits(self, full: bool) -> dict[str, dict[str, str]]:
-        """{"attention": {"waiting": what its page says until a map comes}, "weights": the
+        """{"attention": {"until": what its page says until a map comes}, "weights": the
         same of the histograms} for the panels that hold none: all of them in a full state,
         in a refresh those that changed (the page keeps the last one)."""
         now = {}
@@ -266,7 +266,7 @@ class Feed:
             now["weights"] = weights.waiting(self.meta)
         send = now if full else {k: v for k, v in now.items() if self._waiting.get(k) != v}
         self._waiting = now
-        return {k: {"waiting": v} for k, v in send.items()}
+        return {k: {"until": v} for k, v in send.items()}
 
     def _build(self, series, events, columns, seq_len, att, new_samples, walls, now, recent,
                full: bool, heat: dict[str, Any] | None = None,
@@ -274,6 +274,9 @@ class Feed:
                clock_new: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
                postmortems: dict[str, Any] | None = None) -> dict[str, Any]:
         waits = self._waits(full)
+        att_panel = attention.build(att, self.latest, self.maps, events)
+        if "note" in att_panel:  # the probe's word on why no map comes (no attention) stands
+            waits.pop("attention", None)
         return {
             "header": self.header(now),
             "clock": clock.build(self.clock_t0, clock_new or {}),
@@ -283,8 +286,7 @@ class Feed:
             "ranks": ranks.build(series, recent, events),
             "grads": grads.build(series, self.latest, events, heat),
             "weights": weights.build(columns, series) | waits.get("weights", {}),
-            "attention": attention.build(att, self.latest, self.maps, events)
-            | waits.get("attention", {}),
+            "attention": att_panel | waits.get("attention", {}),
             "health": health.build(series, events),
             "system": system.build(self.latest, system_new, self.system_t0),
             "data": data.build(series, seq_len),

@@ -351,3 +351,22 @@ def test_a_classifier_with_no_output_layer_records_its_models_logits(tmp_path, l
     got = mon.df[[LOG_Z, MAX_ABS]].iloc[1:].to_numpy()  # the hook is set at step 1's end
     assert got == pytest.approx(expected([(x, None) for x in kept[1:]]), rel=1e-6)
     assert not model._forward_hooks
+
+
+def test_a_regression_head_records_no_logits_figures(tmp_path):
+    """A Hugging Face regression head of several outputs (problem_type="regression", its
+    loss an MSE) names its outputs `.logits` too, but they are no scores over classes: no
+    log Z of them is recorded, and its hook is gone after its first training forward (a
+    classifier's are: `test_a_classifier_with_no_output_layer_records_its_models_logits`)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(
+        num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+        vocab_size=50, num_labels=3, problem_type="regression"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = [{"input_ids": torch.randint(0, 50, (4, 6)), "labels": torch.randn(4, 3)}
+               for _ in range(4)]
+    mon = nbwatch.Monitor(model, opt, run_dir=tmp_path / "run")
+    mon.start(lambda m, b: m(**b).loss, batches, max_steps=4, display=False).wait()
+    assert LOG_Z not in mon.df or mon.df[LOG_Z].isna().all()
+    assert not model._forward_hooks

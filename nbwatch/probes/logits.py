@@ -35,6 +35,7 @@ from .logit_rows import (
     row_copy,
     row_figures,
 )
+from .paths import unwrapped
 
 
 def reduce_copy(copied: RowCopy, mask: torch.Tensor | None = None,
@@ -90,7 +91,9 @@ class HeadWatch:
         # no output layer (a Hugging Face classifier: ViTForImageClassification,
         # *ForSequenceClassification, Wav2Vec2ForCTC, whose get_output_embeddings() is
         # None): watched at the model's own output, where it names its logits
-        # (`out.logits`, out["logits"]); a bare tensor there may be features, never taken
+        # (`out.logits`, out["logits"]); a bare tensor there may be features, never taken,
+        # nor a regression head's outputs (problem_type "regression", set by its first
+        # forward with labels), which are no scores over classes
         self.named = not found
         if self.named:
             found = [("", model)]
@@ -99,6 +102,8 @@ class HeadWatch:
         # a model that softcaps its logits after the output layer (Gemma 2 and 3): the
         # hook's rows are capped as its loss sees them
         config = getattr(inner if isinstance(inner, nn.Module) else model, "config", None)
+        self._config = getattr(unwrapped(inner if isinstance(inner, nn.Module) else model),
+                               "config", None)  # a DDP-wrapped model's too
         cap = getattr(config, "final_logit_softcapping", None)
         self.cap = float(cap) if isinstance(cap, (int, float)) and cap > 0 else None
         self._handles = [mod.register_forward_hook(self._on_head) for _, mod in found]
@@ -112,7 +117,8 @@ class HeadWatch:
             return
         with self._own:
             x = named_logits(out) if self.named else output_logits(out)
-            if self.named and x is None:  # its output names no logits: none, ever
+            if self.named and (x is None or getattr(self._config, "problem_type", None)
+                               == "regression"):  # no logits named, or no classes: never
                 self.remove()
                 return
             if x is not None and is_logits(x) and self.vocab in (None, x.shape[-1]):

@@ -257,7 +257,8 @@ IMAGE_TOKENS = (
     "counted at every position too (a slight overcount)")
 
 
-ADDED = ("position_embeddings", "cls_token", "distillation_token", "mask_token")
+ADDED = ("position_embeddings", "cls_token", "distillation_token", "mask_token",
+         "register_tokens")
 
 
 def image_tokens(model: Any) -> int | None:
@@ -265,16 +266,24 @@ def image_tokens(model: Any) -> int | None:
     class token at 32 px in patches of 8: 17; DeiT's distillation token too): the length
     of the position table of a Hugging Face model whose config has an `image_size` and a
     `patch_size` and no text part (CLIP's two towers: `has_vision_tower`). None for any
-    other model, or one whose table is not found: its batches of pixels get no TFLOP/s."""
+    other model, or one whose table is not found: its batches of pixels get no TFLOP/s.
+    None too where the table does not tell the positions each layer sees: a hierarchical
+    one (Swin's `depths`: windowed attention, stages merging patches 4 to 1, its
+    absolute table the first stage's) or one that masks most patches before its encoder
+    (ViTMAE's `mask_ratio`). Register tokens (Dinov2's) are seen beside the table's."""
     from torch import nn
 
     cfg = getattr(model, "config", None)
     if (getattr(cfg, "image_size", None) is None or getattr(cfg, "patch_size", None) is None
-            or getattr(cfg, "text_config", None) is not None or has_vision_tower(model)):
+            or getattr(cfg, "text_config", None) is not None or has_vision_tower(model)
+            or getattr(cfg, "depths", None) is not None
+            or (getattr(cfg, "mask_ratio", None) or 0) > 0):
         return None
+    registers = getattr(cfg, "num_register_tokens", 0)
+    registers = registers if isinstance(registers, int) else 0
     for name, p in model.named_parameters():  # ViT, DeiT, BEiT: a [1, T, d] parameter
         if name.endswith("position_embeddings") and p.dim() == 3 and p.shape[0] == 1:
-            return int(p.shape[1])
+            return int(p.shape[1]) + registers
     for name, m in model.named_modules():  # a CLIP vision tower alone: an nn.Embedding
         if name.endswith("position_embedding") and isinstance(m, nn.Embedding):
             return int(m.num_embeddings)

@@ -205,7 +205,7 @@ class Monitor(ctl.Controls, Given, Readout):
             dry_run=dry_run)
         rec = session.open("start", spec, resume, opts,
                          {"eval_every": eval_every, "accumulate": accumulate,
-                          "hist_every": opts.hist_every})
+                          "hist_every": opts.hist_every, "val_fn": val_fn is not None})
         self.model.train()
         self._in_thread(Runner(spec, rec).run)
         return self._shown(opts.display)

@@ -91,6 +91,13 @@ def waiting(meta: Mapping[str, Any], step: int) -> str:
             return None
         return max(1, -(-int(step) // every)) * every  # the eval under way at its step too
     if (n := at(run.get("eval_every"))) is not None:
+        last = opts.get("max_steps")  # start()'s last step: a val_fn evaluates there too
+        if isinstance(last, int) and 0 < last < n:
+            if run.get("val_fn"):
+                n = last
+            else:
+                return (f"no attention maps: eval_every={run['eval_every']} is past the "
+                        f"run's last step, {last}, and no val_fn evaluates at its end")
         return f"no attention maps yet: they come with the first eval, at step {n}"
     if (n := at(opts.get("probe_every"))) is not None:
         return f"no attention maps yet: they come with the first eval, or the probe at step {n}"

@@ -540,6 +540,19 @@ def test_attention_waiting_says_when_maps_come():
     assert "ended" in attention.waiting({"state": "finished", "run": run}, 400)
 
 
+def test_attention_waiting_past_the_runs_last_step():
+    """eval_every past start()'s max_steps: no eval at step eval_every, which never comes;
+    the maps come with the last step's eval where a val_fn gives one, else never."""
+    run = {"eval_every": 500, "val_fn": True,
+           "options": {"attention_samples": 2, "max_steps": 300}}
+    assert attention.waiting({"state": "running", "run": run}, 10).endswith("at step 300")
+    run["val_fn"] = False
+    said = attention.waiting({"state": "running", "run": run}, 10)
+    assert said.startswith("no attention maps:") and "past the run's last step, 300" in said
+    run["options"]["max_steps"] = 1000
+    assert attention.waiting({"state": "running", "run": run}, 10).endswith("at step 500")
+
+
 def test_weights_waiting_says_why_there_is_no_histogram():
     off = {"state": "running", "run": {"options": {"hist_every": 0, "update_every": None}}}
     assert weights.waiting(off) == \

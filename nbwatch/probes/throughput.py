@@ -269,21 +269,21 @@ def image_tokens(model: Any) -> int | None:
     other model, or one whose table is not found: its batches of pixels get no TFLOP/s.
     None too where the table does not tell the positions each layer sees: a hierarchical
     one (Swin's `depths`: windowed attention, stages merging patches 4 to 1, its
-    absolute table the first stage's) or one that masks most patches before its encoder
-    (ViTMAE's `mask_ratio`). Register tokens (Dinov2's) are seen beside the table's."""
+    absolute table the first stage's), one that masks most patches before its encoder
+    (ViTMAE's `mask_ratio`), or one that resizes its table to every input (Dinov2's: its
+    Hub configs' 518 px table, 1,370 positions, where a fine-tune at 224 px sees 257)."""
     from torch import nn
 
     cfg = getattr(model, "config", None)
     if (getattr(cfg, "image_size", None) is None or getattr(cfg, "patch_size", None) is None
             or getattr(cfg, "text_config", None) is not None or has_vision_tower(model)
             or getattr(cfg, "depths", None) is not None
-            or (getattr(cfg, "mask_ratio", None) or 0) > 0):
+            or (getattr(cfg, "mask_ratio", None) or 0) > 0
+            or str(getattr(cfg, "model_type", "")).startswith("dinov2")):
         return None
-    registers = getattr(cfg, "num_register_tokens", 0)
-    registers = registers if isinstance(registers, int) else 0
     for name, p in model.named_parameters():  # ViT, DeiT, BEiT: a [1, T, d] parameter
         if name.endswith("position_embeddings") and p.dim() == 3 and p.shape[0] == 1:
-            return int(p.shape[1]) + registers
+            return int(p.shape[1])
     for name, m in model.named_modules():  # a CLIP vision tower alone: an nn.Embedding
         if name.endswith("position_embedding") and isinstance(m, nn.Embedding):
             return int(m.num_embeddings)

@@ -582,13 +582,14 @@ def test_a_vit_counts_its_patches_and_class_token_for_each_image(tmp_path):
     assert len(said) == 1 and "17 positions" in said.message.iloc[0]
 
 
-def test_a_vit_whose_table_is_not_its_positions_counts_none_or_its_registers_too():
+def test_a_vit_whose_table_is_not_its_positions_counts_none():
     """Swin's absolute position table is its first stage's alone (windowed attention, its
     stages merging patches 4 to 1: L·T²·d over the table's 64 counted 4 times too many
     positions at its second stage, and attention over all of them); ViTMAE's encoder sees a
-    quarter of the table's patches: neither is given image positions (no TFLOP/s, as any
-    pixels). Dinov2's register tokens are seen beside its table's 17: 21, and are added
-    (in no matmul) as its class token is."""
+    quarter of the table's patches; Dinov2 resizes its table to every input (its Hub
+    configs' 518 px table: 1,370 positions, where a fine-tune at 224 px sees 257, and its
+    register tokens beside them): none is given image positions (no TFLOP/s, as any
+    pixels)."""
     tf = pytest.importorskip("transformers")
     vit = dict(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
                image_size=32, patch_size=8)
@@ -602,7 +603,6 @@ def test_a_vit_whose_table_is_not_its_positions_counts_none_or_its_registers_too
     assert Mfu.of(mae, None).image_tokens is None
     reg = tf.Dinov2WithRegistersForImageClassification(tf.Dinov2WithRegistersConfig(
         **vit, num_register_tokens=4))
-    mfu = Mfu.of(reg, None)
-    added = ("position_embeddings", "cls_token", "register_tokens")  # [1, T, d] each
-    n = sum(p.numel() for name, p in reg.named_parameters() if not name.endswith(added))
-    assert (mfu.image_tokens, mfu.n) == (21, n)
+    assert Mfu.of(reg, None).image_tokens is None
+    dino = tf.Dinov2ForImageClassification(tf.Dinov2Config(**vit))
+    assert Mfu.of(dino, None).image_tokens is None

@@ -219,6 +219,38 @@ def test_lightnings_own_checkpoints_are_checkpoint_events(tmp_path):
         name: "yes" if name in on_disk else "deleted" for name in by_name}
 
 
+class ManualAccumulation(TinyModule):
+    """Manual optimization that accumulates two batches a step, returning each batch's
+    own loss (Lightning divides nothing there)."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss / 2)
+        if batch_idx % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+        return loss
+
+
+def test_a_manual_optimizations_accumulated_step_records_its_mean_loss(tmp_path):
+    """Two batches a step under manual optimization: the step's loss is their mean (it was
+    their sum, as if each returned loss had been divided by the count)."""
+    torch.manual_seed(0)
+    module = ManualAccumulation()
+    trainer = make_trainer(tmp_path / "pl", max_steps=4, limit_val_batches=0)
+    run = nbwatch.lightning.start(trainer, module, train_dataloaders=loader(16),
+                                  run_dir=tmp_path / "run", display=False)
+    run.wait()
+    assert run.state == "finished" and run.step == 4, run.error
+    pairs = [sum(module.losses[i:i + 2]) / 2 for i in range(0, 8, 2)]
+    assert run.df["loss/train"].dropna().tolist() == pytest.approx(pairs, rel=1e-5)
+
+
 def test_accumulation_and_bf16(tmp_path):
     torch.manual_seed(0)
     module = TinyModule()

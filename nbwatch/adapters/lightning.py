@@ -179,7 +179,9 @@ class NbwatchCallback(Adapter, pl.Callback):
         if not stepped:
             return  # accumulating: the optimizer steps at a later batch
         every, k = trainer.accumulate_grad_batches, len(self._losses)
-        if 0 < k < every:  # an epoch's last, shorter step: each loss was divided by `every`
+        if k and not pl_module.automatic_optimization:  # each batch's own loss: their mean
+            self._losses = [x / k for x in self._losses]
+        elif 0 < k < every:  # an epoch's last, shorter step: each loss was divided by `every`
             self._losses = [x * (every / k) for x in self._losses]
         host = {"epoch": float(trainer.current_epoch)}
         if self._record_step(host, "training_step's loss, mean over accumulation micro-batches"):

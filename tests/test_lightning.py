@@ -219,6 +219,37 @@ def test_lightnings_own_checkpoints_are_checkpoint_events(tmp_path):
         name: "yes" if name in on_disk else "deleted" for name in by_name}
 
 
+class TwoValLoaders(TinyModule):
+    def __init__(self):
+        super().__init__()
+        self.val: dict[int, list[float]] = {}
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        loss = nbwatch.masked_cross_entropy(self.net(batch["input_ids"]), batch["labels"],
+                                            batch["mask"])
+        self.val.setdefault(dataloader_idx, []).append(loss.item())
+        self.log("val_loss", loss)
+
+
+def test_two_val_dataloaders_give_loss_val_and_each_loaders_loss(tmp_path):
+    """Two val dataloaders: Lightning logs `val_loss/dataloader_idx_0` and `_1`; each is
+    recorded, and the first is the run's `loss/val` too (there was no `loss/val` at all:
+    the dashboard's val curve and the val alerts had nothing)."""
+    torch.manual_seed(0)
+    module = TwoValLoaders()
+    trainer = make_trainer(tmp_path / "pl", max_steps=4, val_check_interval=4)
+    run = nbwatch.lightning.start(trainer, module, train_dataloaders=loader(16),
+                                  val_dataloaders=[loader(3, seed=1), loader(2, seed=2)],
+                                  run_dir=tmp_path / "run", display=False)
+    run.wait()
+    assert run.state == "finished", run.error
+    first, second = (sum(module.val[i]) / len(module.val[i]) for i in (0, 1))
+    df = run.df
+    assert df["val/loss/dataloader_idx_0"].dropna().tolist() == pytest.approx([first])
+    assert df["val/loss/dataloader_idx_1"].dropna().tolist() == pytest.approx([second])
+    assert df["loss/val"].dropna().tolist() == pytest.approx([first])
+
+
 class ManualAccumulation(TinyModule):
     """Manual optimization that accumulates two batches a step, returning each batch's
     own loss (Lightning divides nothing there)."""

@@ -299,7 +299,9 @@ def _tokens(batch: Any) -> torch.Tensor | None:
 
 
 def val_figures(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """Lightning's logged validation metrics: `val_loss`/`val/loss` → `loss`, `val_x` → `x`."""
+    """Lightning's logged validation metrics: `val_loss`/`val/loss` → `loss`, `val_x` → `x`;
+    several val dataloaders' `val_loss/dataloader_idx_N` each as it is, the first's also
+    as `loss` (the run's `loss/val`)."""
     out: dict[str, float] = {}
     for k, v in metrics.items():
         for prefix in ("val_", "val/", "validation_", "validation/", "eval_"):
@@ -312,6 +314,10 @@ def val_figures(metrics: Mapping[str, Any]) -> dict[str, float]:
             out[name] = float(v)
         except (TypeError, ValueError):
             continue
+    firsts = sorted((int(k.rpartition("_")[2]), k) for k in out
+                    if k.startswith("loss/dataloader_idx_") and k.rpartition("_")[2].isdigit())
+    if "loss" not in out and firsts:
+        out["loss"] = out[firsts[0][1]]
     return out
 
 

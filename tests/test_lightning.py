@@ -286,6 +286,25 @@ def test_what_the_training_step_logs_is_recorded_as_train_figures(tmp_path):
     assert df["train/rare"].tolist() == pytest.approx([1, np.nan, 5], nan_ok=True)
 
 
+def test_early_stopping_ends_the_run_finished_and_says_so(tmp_path):
+    """Lightning's EarlyStopping ends the fit before max_steps: the run is `finished`, and
+    an event says EarlyStopping ended it, with Lightning's reason (nothing said why a run
+    meant for 20 steps finished at 4)."""
+    torch.manual_seed(0)
+    stop = L.callbacks.EarlyStopping(monitor="val_loss", patience=0, min_delta=100.0)
+    trainer = make_trainer(tmp_path / "pl", max_steps=20, val_check_interval=2,
+                           callbacks=[stop])
+    run = nbwatch.lightning.start(trainer, TinyModule(), train_dataloaders=loader(16),
+                                  val_dataloaders=loader(2, seed=1),
+                                  run_dir=tmp_path / "run", display=False)
+    run.wait()
+    assert run.state == "finished" and run.step == trainer.global_step == 4, run.error
+    ev = run.events
+    said = ev[ev["message"].str.contains("EarlyStopping ended the fit at step 4")]
+    assert len(said) == 1 and said["severity"].tolist() == ["info"], ev.to_string()
+    assert "val_loss" in said["message"].iloc[0]
+
+
 class ManualAccumulation(TinyModule):
     """Manual optimization that accumulates two batches a step, returning each batch's
     own loss (Lightning divides nothing there)."""

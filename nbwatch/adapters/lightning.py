@@ -210,6 +210,12 @@ class NbwatchCallback(Adapter, pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self._note_saves(trainer)
+        rec = self._rec()
+        for cb in trainer.early_stopping_callbacks if trainer.should_stop else []:
+            why = getattr(cb, "stopping_reason_message", None)  # lightning 2.5.1 on
+            if rec is not None and (cb.stopped_epoch or why):  # `finished`, before its limit
+                rec.note(f"Lightning's EarlyStopping ended the fit at step "
+                         f"{trainer.global_step}: {why or cb.monitor}", "info")
         if self._ends_here():  # a script: the callback alone ends the run
             self._end(None)
 

@@ -196,12 +196,13 @@ class ExternalLoop:
         self._rec.save_fn = _no_checkpoint
         self._end(why if isinstance(why, BaseException) else RuntimeError(why))
 
-    def note(self, message: str) -> None:
-        """Record `message` in the run's events (a warning at the current step)."""
+    def note(self, message: str, severity: str = "warning") -> None:
+        """Record `message` in the run's events (a warning, or `severity`, at the current
+        step)."""
         from ..records import Event
 
-        self._rec.record_event(Event(self._rec.step, "state", "warning", message, {}),
-                               logging.WARNING)
+        self._rec.record_event(Event(self._rec.step, "state", severity, message, {}),
+                               logging.WARNING if severity != "info" else logging.INFO)
 
 
 def _no_checkpoint(reason: str) -> None:

@@ -141,6 +141,22 @@ def wait_panels(page: Page, timeout: float = 60) -> dict[str, bool]:
         time.sleep(0.5)
 
 
+def double_click(page: Page, x: float, y: float, done: str, tries: int = 3) -> None:
+    """Double-click at (x, y) until the JS predicate `done` holds, as a user clicks again
+    where nothing happened: on a loaded machine the page's main thread, still redrawing
+    after the last control, can take plotly's two clicks more than its 300 ms apart."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    for i in range(tries):
+        page.mouse.dblclick(x, y)
+        try:
+            page.wait_for_function(done, timeout=10_000 if i < tries - 1 else 30_000)
+            return
+        except PlaywrightTimeout:
+            if i == tries - 1:
+                raise
+
+
 def ack(page: Page, text: str, timeout: float = 15) -> str:
     loc = page.locator(".nbw-ack:not([data-pending])", has_text=text)
     loc.wait_for(timeout=timeout * 1000)

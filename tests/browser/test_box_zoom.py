@@ -14,7 +14,7 @@ import pytest
 from nbwatch.records import Histogram, Scalars
 from nbwatch.store import RunStore
 
-from .harness import dashboard_notebook, open_notebook, run_all
+from .harness import dashboard_notebook, double_click, open_notebook, run_all
 
 pytestmark = pytest.mark.browser
 
@@ -168,8 +168,8 @@ def test_live_a_box_zoom_holds_x_and_y_through_the_refreshes_and_a_double_click_
                     assert shown[k] == pytest.approx(r, rel=1e-9), (name, last, k)
                 assert _labels_off(page, gd) == [], name
         for name, gd in PLOTS.items():  # a double click: the whole run, x and y
-            page.mouse.dblclick(*_at(page, gd, 0.5, 0.5))
-            page.wait_for_function(f"() => {gd}._fullLayout.xaxis.range[1] >= 179")
+            double_click(page, *_at(page, gd, 0.5, 0.5),
+                         f"() => {gd}._fullLayout.xaxis.range[1] >= 179")
             _covers(page, gd, name)
         _steps(store, 181, 220)  # and each follows the run again, on both axes
         for name, gd in PLOTS.items():

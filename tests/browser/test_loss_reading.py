@@ -12,7 +12,7 @@ from nbwatch.store import RunStore
 from tests.export_run import write_run
 
 from .conftest import exported_page
-from .harness import dashboard_notebook, open_notebook, run_all, trace
+from .harness import dashboard_notebook, double_click, open_notebook, run_all, trace
 
 pytestmark = pytest.mark.browser
 
@@ -160,8 +160,7 @@ def test_live_a_zoom_survives_the_refreshes_and_a_double_click_follows_the_run_a
         assert x_range(page, NORM) == norm_zoom  # every plot, not the loss alone
         # a double click: the whole run again, and it follows the new steps
         x, y = x_pixel(page, 40)
-        page.mouse.dblclick(x, y)
-        page.wait_for_function(f"() => {LOSS}._fullLayout.xaxis.range[1] >= 199")
+        double_click(page, x, y, f"() => {LOSS}._fullLayout.xaxis.range[1] >= 199")
         _steps(store, 201, 240)
         page.wait_for_function(f"() => {LOSS}._fullLayout.xaxis.range[1] >= 239",
                                timeout=30_000)

@@ -12,7 +12,7 @@ from nbwatch.records import Scalars
 from nbwatch.store import RunStore
 
 from .conftest import exported_page
-from .harness import dashboard_notebook, open_notebook, run_all
+from .harness import dashboard_notebook, double_click, open_notebook, run_all
 from .test_loss_reading import NORM, drag_zoom, tb_ema, x_range
 
 pytestmark = pytest.mark.browser
@@ -204,8 +204,7 @@ def test_a_zoom_on_x_fits_y_to_the_steps_in_view_and_a_double_click_gives_the_ru
         x, y = page.evaluate(f"""() => {{ const gd = {LOSS}, r = gd.getBoundingClientRect(),
             fl = gd._fullLayout; return [r.left + fl.xaxis._offset + fl.xaxis._length / 2,
             r.top + fl.yaxis._offset + fl.yaxis._length / 2]; }}""")
-        page.mouse.dblclick(x, y)
-        page.wait_for_function(f"() => {LOSS}._fullLayout.xaxis.range[1] >= 399")
+        double_click(page, x, y, f"() => {LOSS}._fullLayout.xaxis.range[1] >= 399")
         page.wait_for_function(f"() => {LOSS}._fullLayout.yaxis.range[1] > Math.log10(2.5)")
         page.click(".nbw-logy")
         page.wait_for_function(f"() => {LOSS}._fullLayout.yaxis.type === 'linear'")
@@ -272,8 +271,7 @@ def test_live_y_stays_fitted_to_a_zoom_through_the_refreshes(page, lab, workdir)
         x, y = page.evaluate(f"""() => {{ const gd = {LOSS}, r = gd.getBoundingClientRect(),
             fl = gd._fullLayout; return [r.left + fl.xaxis._offset + fl.xaxis._length / 2,
             r.top + fl.yaxis._offset + fl.yaxis._length / 2]; }}""")
-        page.mouse.dblclick(x, y)
-        page.wait_for_function(f"() => {LOSS}._fullLayout.yaxis.range[1] >= {whole[1]} - 0.1")
+        double_click(page, x, y, f"() => {LOSS}._fullLayout.yaxis.range[1] >= {whole[1]} - 0.1")
         _norms(store, 181, 220)
         page.wait_for_function(f"() => {LOSS}._fullLayout.xaxis.range[1] >= 219", timeout=30_000)
     finally:

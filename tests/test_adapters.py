@@ -431,34 +431,6 @@ def test_lightning_trainer_state_says_a_fit_runs(tmp_path):
         "nbwatch.lightning.fit_running relies on it")
 
 
-def test_lightning_results_give_what_the_training_step_logged(tmp_path):
-    nl, tl = pl()
-    import lightning.pytorch as lp
-
-    seen: list = []
-    taken: dict = {}
-
-    class Probe(lp.Callback):
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            seen.append(nl.step_logged(trainer, taken))
-
-    class Logs(tl.TinyModule):
-        def training_step(self, batch, batch_idx):
-            self.log("acc", float(batch_idx))
-            if batch_idx == 0:
-                self.log("once", 5.0)
-            return super().training_step(batch, batch_idx)
-
-    trainer = tl.make_trainer(tmp_path / "pl", max_steps=2, limit_val_batches=0,
-                              callbacks=[Probe()])
-    trainer.fit(Logs(), train_dataloaders=tl.loader(2))
-    assert [{k: float(v) for k, v in s.items()} for s in seen] == [
-        {"train/acc": 0.0, "train/once": 5.0}, {"train/acc": 1.0}], (
-        "Trainer._results.metrics(on_step=True)['callback'] no longer holds what the "
-        f"training step logged at on_train_batch_end (it held {seen}): "
-        "nbwatch.lightning.step_logged relies on it")
-
-
 # -- the interface the adapters use: no private attribute of nbwatch's Monitor or recorder
 
 

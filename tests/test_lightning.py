@@ -250,42 +250,6 @@ def test_two_val_dataloaders_give_loss_val_and_each_loaders_loss(tmp_path):
     assert df["loss/val"].dropna().tolist() == pytest.approx([first])
 
 
-class Logging(TinyModule):
-    def __init__(self):
-        super().__init__()
-        self.accs: list[float] = []
-
-    def training_step(self, batch, batch_idx):
-        loss = super().training_step(batch, batch_idx)
-        acc = batch_idx / 10
-        self.accs.append(acc)
-        self.log("train_acc", acc, prog_bar=True)
-        self.log("both", loss, on_step=True, on_epoch=True)
-        if batch_idx % 4 == 1:
-            self.log("rare", float(batch_idx))
-        return loss
-
-
-def test_what_the_training_step_logs_is_recorded_as_train_figures(tmp_path):
-    """`self.log("train_acc", ..., prog_bar=True)` in training_step: recorded per optimizer
-    step as `train/train_acc`, the value logged at the batch that stepped (it was left
-    out: no figure of the module's own logging reached the run)."""
-    torch.manual_seed(0)
-    module = Logging()
-    trainer = make_trainer(tmp_path / "pl", max_steps=3, accumulate_grad_batches=2,
-                           limit_val_batches=0)
-    run = nbwatch.lightning.start(trainer, module, train_dataloaders=loader(16),
-                                  run_dir=tmp_path / "run", display=False)
-    run.wait()
-    assert run.state == "finished", run.error
-    df = run.df
-    assert df["train/train_acc"].tolist() == pytest.approx(module.accs[1::2])
-    assert df["train/both"].tolist() == pytest.approx(module.losses[1::2], rel=1e-5)
-    assert "train/both_step" not in df.columns
-    # logged at every other step alone: not its last value again at the steps between
-    assert df["train/rare"].tolist() == pytest.approx([1, np.nan, 5], nan_ok=True)
-
-
 def test_early_stopping_ends_the_run_finished_and_says_so(tmp_path):
     """Lightning's EarlyStopping ends the fit before max_steps: the run is `finished`, and
     an event says EarlyStopping ended it, with Lightning's reason (nothing said why a run

@@ -219,11 +219,9 @@ class Adapter:
         if self._logit_mask is None and self._enc_dec[1]:
             self._logit_mask = decoder_mask(batch)
 
-    def _record_step(self, host: dict[str, float], reduction: str,
-                     scalars: Mapping[str, Any] | None = None) -> bool:
+    def _record_step(self, host: dict[str, float], reduction: str) -> bool:
         """Record the optimizer step just taken from its micro-batches' losses (each
-        already divided by the accumulation count, so summed), masks and samples (`Tally`),
-        and the framework's own logged `scalars` (name → scalar tensor, on the device);
+        already divided by the accumulation count, so summed), masks and samples (`Tally`);
         apply the commands (pause blocks here). True once the fit should stop."""
         import torch
 
@@ -262,9 +260,6 @@ class Adapter:
             lnames, lparts = rec.logit_figures(logit_mask, host)
             names += lnames
             parts += lparts
-            for k, v in (scalars or {}).items():
-                names.append(k)
-                parts.append(v.detach().float().reshape(()))
         return rec.record_step(host, names, parts, lengths=lengths, samples=tally.samples,
                                reduction=reduction)
 

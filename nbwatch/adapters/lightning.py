@@ -67,7 +67,6 @@ class NbwatchCallback(Adapter, pl.Callback):
         self._begin("nbwatch.lightning", trainer, bool(trainer.global_step), _RESUME)
         self._steps_seen = trainer.global_step  # Lightning's count, which overflows move too
         self._unnoted, self._noted = False, set[tuple[str, int]]()  # its own saves
-        self._logged: dict[str, Any] = {}  # what step_logged took last
         if not trainer.optimizers:
             raise RuntimeError("nbwatch.lightning: the module configured no optimizer")
         if len(trainer.optimizers) > 1:
@@ -185,8 +184,7 @@ class NbwatchCallback(Adapter, pl.Callback):
         elif 0 < k < every:  # an epoch's last, shorter step: each loss was divided by `every`
             self._losses = [x * (every / k) for x in self._losses]
         host = {"epoch": float(trainer.current_epoch)}
-        if self._record_step(host, "training_step's loss, mean over accumulation micro-batches",
-                             step_logged(trainer, self._logged)):
+        if self._record_step(host, "training_step's loss, mean over accumulation micro-batches"):
             trainer.should_stop = True  # stopped between two optimizer steps
             self._save(trainer, "stop")
 
@@ -396,34 +394,13 @@ def _probe_batch(trainer: pl.Trainer, module: Any, n: int) -> Any:
 
 
 # -- what we take from Lightning beyond its callbacks -----------------------------------
-# One private, `Trainer._results` (step_logged); else the Trainer's public properties
-# (optimizers, lr_scheduler_configs, gradient_clip_val, checkpoint_callback,
-# save_checkpoint, should_stop, callback_metrics, val_dataloaders), the documented
-# `SIGTERMException` its loops raise after a SIGTERM, and `fit_running` below.
-# tests/test_adapters.py checks each against the installed Lightning, so that a release
-# that changes one fails there by name.
+# Nothing private: the Trainer's public properties (optimizers, lr_scheduler_configs,
+# gradient_clip_val, checkpoint_callback, save_checkpoint, should_stop, callback_metrics,
+# val_dataloaders), the documented `SIGTERMException` its loops raise after a SIGTERM, and
+# the one below. tests/test_adapters.py checks it against the installed Lightning, so that
+# a release that changes it fails there by name.
 
 def fit_running(trainer: pl.Trainer) -> bool:
     """A fit (or validate, test, predict) of `trainer` runs now, in some thread. Takes
     `Trainer.state.status` and `TrainerStatus.RUNNING`."""
     return trainer.state.status == TrainerStatus.RUNNING
-
-
-def step_logged(trainer: pl.Trainer, seen: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """What the training step logged on_step (`self.log(...)`) since the last call, as
-    `train/<name>` (a name's own `train/` kept once): the newest value of each. Takes
-    `Trainer._results` and its `metrics(on_step=True)["callback"]` (a metric logged on_step
-    and on_epoch is there as `name` and `name_step`: the first kept), which keeps a
-    metric's last value until it is logged again, each time into new memory: one whose
-    memory `seen` (name → the tensor taken last, held so its memory is not reused) holds
-    already is not taken again."""
-    results = getattr(trainer, "_results", None)
-    found = results.metrics(True)["callback"] if results is not None else {}
-    out = {}
-    for k, v in found.items():
-        last = seen.get(k)
-        if (isinstance(v, torch.Tensor) and v.numel() == 1
-                and (last is None or last.data_ptr() != v.data_ptr())
-                and not (k.endswith("_step") and k[:-5] in found)):
-            out[f"train/{k.removeprefix('train/')}"] = seen[k] = v
-    return out
